@@ -1,0 +1,533 @@
+//! Framing: how messages are delimited on a byte stream.
+//!
+//! Every message travels as one *frame*: a fixed 24-byte little-endian
+//! header followed by the payload (an rkyv archive), padded with zero bytes so
+//! that the whole frame is a multiple of [`FRAME_ALIGN`] bytes. Because every
+//! frame starts at a multiple of `FRAME_ALIGN` within the stream, a receiver
+//! that reads the stream into an 8-aligned buffer finds every payload 8-aligned
+//! in place — exactly what rkyv's checked access needs for archived types of
+//! alignment ≤ 8 — without copying.
+//!
+//! ```text
+//! offset size field
+//!  0      4   magic        b"CXKV"
+//!  4      2   version      protocol version of this frame (PROTOCOL_VERSION)
+//!  6      2   kind         message kind (see `proto`)
+//!  8      8   request_id   chosen by the requester, echoed by the reply
+//! 16      4   payload_len  exact payload bytes, padding excluded
+//! 20      4   reserved     must be zero
+//! 24      …   payload, then 0..7 zero bytes of padding
+//! ```
+//!
+//! [`FrameDecoder`] is a sans-IO reassembler: the transport feeds it whatever
+//! bytes arrived and takes out whole frames. It tells apart the two kinds of
+//! bad input DESIGN §6 distinguishes:
+//! - a header that is *intact* (right magic, zero reserved field) but names a
+//!   wrong version or an oversized payload: the frame is reported as
+//!   [`Decoded::Rejected`] so the caller can send an error reply for its
+//!   request id, and its payload is skipped — the connection survives;
+//! - a header that is *not* intact (wrong magic, non-zero reserved field): the
+//!   stream can no longer be trusted to be frame-aligned, so
+//!   [`FrameDecoder::decode`] returns an error and the caller closes that one
+//!   connection.
+
+use std::fmt;
+
+/// `b"CXKV"` read as a little-endian `u32`.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"CXKV");
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Size of the fixed frame header.
+pub const HEADER_BYTES: usize = 24;
+/// Frames (and therefore payloads) start at multiples of this in the stream.
+pub const FRAME_ALIGN: usize = 8;
+/// Largest payload accepted, in bytes. Large enough for a batch of
+/// `MAX_BATCH` keys of `MAX_KEY_BYTES` each with their locations.
+pub const MAX_PAYLOAD_BYTES: usize = 8 << 20;
+/// Largest frame on the wire (header, payload and padding).
+pub const MAX_FRAME_BYTES: usize = HEADER_BYTES + MAX_PAYLOAD_BYTES;
+
+const _: () = assert!(HEADER_BYTES % FRAME_ALIGN == 0, "payloads must start aligned");
+const _: () = assert!(MAX_FRAME_BYTES % FRAME_ALIGN == 0);
+const _: () = assert!(
+    std::mem::size_of::<[u8; HEADER_BYTES]>() == 4 + 2 + 2 + 8 + 4 + 4,
+    "header layout and HEADER_BYTES disagree"
+);
+
+/// Bytes of padding after a payload of `payload_len` bytes.
+pub const fn padding(payload_len: usize) -> usize {
+    (FRAME_ALIGN - payload_len % FRAME_ALIGN) % FRAME_ALIGN
+}
+
+/// Total bytes on the wire of a frame carrying `payload_len` payload bytes.
+pub const fn frame_len(payload_len: usize) -> usize {
+    HEADER_BYTES + payload_len + padding(payload_len)
+}
+
+/// The decoded fixed header of a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub version: u16,
+    pub kind: u16,
+    pub request_id: u64,
+    pub payload_len: u32,
+}
+
+impl FrameHeader {
+    /// A header of the current protocol version.
+    pub fn new(kind: u16, request_id: u64, payload_len: usize) -> Result<Self, FrameError> {
+        if payload_len > MAX_PAYLOAD_BYTES {
+            return Err(FrameError::Oversized { payload_len, max: MAX_PAYLOAD_BYTES });
+        }
+        Ok(Self {
+            version: PROTOCOL_VERSION,
+            kind,
+            request_id,
+            // Fits: bounded by MAX_PAYLOAD_BYTES above.
+            payload_len: payload_len as u32,
+        })
+    }
+
+    /// Encodes the header into its 24 wire bytes.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[6..8].copy_from_slice(&self.kind.to_le_bytes());
+        b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.payload_len.to_le_bytes());
+        // b[20..24]: reserved, zero.
+        b
+    }
+
+    /// Decodes 24 header bytes. Only the *integrity* of the header is checked
+    /// here (magic, reserved field); version and size are policy, checked by
+    /// [`FrameDecoder`].
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Result<Self, FrameError> {
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic { found: magic });
+        }
+        let reserved = u32_at(20);
+        if reserved != 0 {
+            return Err(FrameError::ReservedNonZero { found: reserved });
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&b[8..16]);
+        Ok(Self {
+            version: u16_at(4),
+            kind: u16_at(6),
+            request_id: u64::from_le_bytes(id),
+            payload_len: u32_at(16),
+        })
+    }
+}
+
+/// Appends one whole frame (header, payload, padding) to `out`.
+pub fn encode_frame(
+    out: &mut Vec<u8>,
+    kind: u16,
+    request_id: u64,
+    payload: &[u8],
+) -> Result<(), FrameError> {
+    let header = FrameHeader::new(kind, request_id, payload.len())?;
+    out.reserve(frame_len(payload.len()));
+    out.extend_from_slice(&header.encode());
+    out.extend_from_slice(payload);
+    out.resize(out.len() + padding(payload.len()), 0);
+    Ok(())
+}
+
+/// What went wrong with a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// The first four bytes are not `b"CXKV"`: not our protocol, or the stream
+    /// lost its alignment. Fatal for the connection.
+    #[error("bad frame magic {found:#010x} (expected {MAGIC:#010x})")]
+    BadMagic { found: u32 },
+    /// The reserved header field is not zero. Fatal for the connection.
+    #[error("reserved header field is {found:#x}, must be 0")]
+    ReservedNonZero { found: u32 },
+    /// The header is intact but speaks another protocol version.
+    #[error("unsupported protocol version {found} (this side speaks {PROTOCOL_VERSION})")]
+    UnsupportedVersion { found: u16 },
+    /// The header is intact but announces a payload over the limit.
+    #[error("payload of {payload_len} bytes exceeds the limit of {max} bytes")]
+    Oversized { payload_len: usize, max: usize },
+}
+
+impl FrameError {
+    /// True when the connection can no longer be trusted to be frame-aligned.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, Self::BadMagic { .. } | Self::ReservedNonZero { .. })
+    }
+}
+
+/// One complete frame, borrowed from the decoder's buffer.
+#[derive(Clone, Copy)]
+pub struct Frame<'a> {
+    pub header: FrameHeader,
+    /// Exactly `header.payload_len` bytes, starting 8-aligned in memory.
+    pub payload: &'a [u8],
+}
+
+impl fmt::Debug for Frame<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Frame")
+            .field("header", &self.header)
+            .field("payload_len", &self.payload.len())
+            .finish()
+    }
+}
+
+/// Output of [`FrameDecoder::decode`].
+#[derive(Debug)]
+pub enum Decoded<'a> {
+    /// A well-formed frame of our version within the size limit.
+    Frame(Frame<'a>),
+    /// An intact header the receiver refuses (wrong version, oversized). The
+    /// payload is skipped by the decoder; the caller should answer
+    /// `header.request_id` with an error reply carrying `error`.
+    Rejected { header: FrameHeader, error: FrameError },
+}
+
+/// Reassembles frames from a byte stream (sans-IO).
+///
+/// Usage: write received bytes into [`FrameDecoder::spare`], report how many
+/// with [`FrameDecoder::filled`] (or use [`FrameDecoder::push`] to copy them
+/// in), then call [`FrameDecoder::decode`] until it returns `Ok(None)`.
+///
+/// The buffer is 8-aligned and frames are consumed whole, so every payload
+/// handed out is 8-aligned in memory. Memory is bounded by one maximum frame
+/// plus one read's worth of spare capacity.
+pub struct FrameDecoder {
+    /// Backing storage as `u64` words so the byte view is 8-aligned.
+    buf: Vec<u64>,
+    /// Bytes `start..end` of the byte view hold received, undecoded data.
+    start: usize,
+    end: usize,
+    /// Payload bytes (with padding) of a rejected frame still to be dropped.
+    skip: usize,
+}
+
+impl fmt::Debug for FrameDecoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FrameDecoder")
+            .field("capacity", &(self.buf.len() * 8))
+            .field("buffered", &(self.end - self.start))
+            .field("skip", &self.skip)
+            .finish()
+    }
+}
+
+/// Initial receive buffer: enough for many small frames per read.
+const INITIAL_BUFFER_BYTES: usize = 64 << 10;
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FrameDecoder {
+    pub fn new() -> Self {
+        Self { buf: vec![0u64; INITIAL_BUFFER_BYTES / 8], start: 0, end: 0, skip: 0 }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        let words: &[u64] = &self.buf;
+        // SAFETY: `u64` has no padding and every bit pattern is a valid `u8`;
+        // the byte slice covers exactly the words' memory and borrows `self`.
+        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 8) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let words: &mut [u64] = &mut self.buf;
+        // SAFETY: as in `bytes`; any byte written leaves a valid `u64`, and
+        // the unique borrow of `self` rules out aliasing.
+        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) }
+    }
+
+    /// Bytes buffered and not yet decoded.
+    pub fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Free space to receive into (at least `min_bytes`, if that much can be
+    /// made available by compacting or growing within the frame limit).
+    pub fn spare(&mut self, min_bytes: usize) -> &mut [u8] {
+        let cap = self.buf.len() * 8;
+        if cap - self.end < min_bytes {
+            // Compact: move the partial frame to the front. `start` is always a
+            // multiple of FRAME_ALIGN (frames are consumed whole), so alignment
+            // of the buffered data is preserved.
+            debug_assert_eq!(self.start % FRAME_ALIGN, 0);
+            let (start, end) = (self.start, self.end);
+            self.bytes_mut().copy_within(start..end, 0);
+            self.end -= start;
+            self.start = 0;
+            let want = (self.end + min_bytes).min(MAX_FRAME_BYTES + INITIAL_BUFFER_BYTES);
+            if cap < want {
+                self.buf.resize(want.div_ceil(8), 0);
+            }
+        }
+        let end = self.end;
+        &mut self.bytes_mut()[end..]
+    }
+
+    /// Records that `n` bytes were written at the start of the last
+    /// [`FrameDecoder::spare`] slice.
+    ///
+    /// # Panics
+    /// If `n` exceeds the spare capacity (a caller bug).
+    pub fn filled(&mut self, n: usize) {
+        assert!(self.end + n <= self.buf.len() * 8, "filled past the spare capacity");
+        self.end += n;
+    }
+
+    /// Copies `data` in (convenience for tests and the fallback backend).
+    pub fn push(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let spare = self.spare(data.len().min(INITIAL_BUFFER_BYTES));
+            let n = spare.len().min(data.len());
+            spare[..n].copy_from_slice(&data[..n]);
+            self.filled(n);
+            data = &data[n..];
+        }
+    }
+
+    /// Takes out the next frame, if a whole one is buffered.
+    ///
+    /// `Err` means the stream is corrupt (see [`FrameError::is_fatal`]); the
+    /// caller must close the connection and drop the decoder.
+    pub fn decode(&mut self) -> Result<Option<Decoded<'_>>, FrameError> {
+        // Drop what is left of a rejected frame's payload first.
+        if self.skip > 0 {
+            let n = self.skip.min(self.end - self.start);
+            self.start += n;
+            self.skip -= n;
+            if self.skip > 0 {
+                return Ok(None);
+            }
+        }
+        if self.end - self.start < HEADER_BYTES {
+            self.reset_if_empty();
+            return Ok(None);
+        }
+        let mut raw = [0u8; HEADER_BYTES];
+        raw.copy_from_slice(&self.bytes()[self.start..self.start + HEADER_BYTES]);
+        let header = FrameHeader::decode(&raw)?;
+        let payload_len = header.payload_len as usize;
+        let on_wire = frame_len(payload_len);
+        let reject = if header.version != PROTOCOL_VERSION {
+            Some(FrameError::UnsupportedVersion { found: header.version })
+        } else if payload_len > MAX_PAYLOAD_BYTES {
+            Some(FrameError::Oversized { payload_len, max: MAX_PAYLOAD_BYTES })
+        } else {
+            None
+        };
+        if let Some(error) = reject {
+            self.start += HEADER_BYTES;
+            self.skip = on_wire - HEADER_BYTES;
+            let n = self.skip.min(self.end - self.start);
+            self.start += n;
+            self.skip -= n;
+            return Ok(Some(Decoded::Rejected { header, error }));
+        }
+        if self.end - self.start < on_wire {
+            return Ok(None);
+        }
+        let payload_at = self.start + HEADER_BYTES;
+        self.start += on_wire;
+        let payload = &self.bytes()[payload_at..payload_at + payload_len];
+        debug_assert_eq!(payload.as_ptr() as usize % FRAME_ALIGN, 0, "payload must be aligned");
+        Ok(Some(Decoded::Frame(Frame { header, payload })))
+    }
+
+    fn reset_if_empty(&mut self) {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(kind: u16, id: u64, payload: &[u8]) -> Vec<u8> {
+        let mut v = Vec::new();
+        encode_frame(&mut v, kind, id, payload).unwrap();
+        v
+    }
+
+    fn expect_frame(d: &mut FrameDecoder) -> (FrameHeader, Vec<u8>) {
+        match d.decode().unwrap() {
+            Some(Decoded::Frame(f)) => {
+                assert_eq!(f.payload.as_ptr() as usize % FRAME_ALIGN, 0);
+                (f.header, f.payload.to_vec())
+            }
+            other => panic!("expected a frame, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn header_round_trips_and_is_24_bytes() {
+        let h = FrameHeader::new(7, 0xdead_beef_0123, 1234).unwrap();
+        let raw = h.encode();
+        assert_eq!(raw.len(), HEADER_BYTES);
+        assert_eq!(&raw[0..4], b"CXKV");
+        assert_eq!(FrameHeader::decode(&raw).unwrap(), h);
+    }
+
+    #[test]
+    fn frames_are_padded_to_the_alignment() {
+        for len in 0..40 {
+            let f = frame(1, 1, &vec![0xAB; len]);
+            assert_eq!(f.len() % FRAME_ALIGN, 0);
+            assert_eq!(f.len(), frame_len(len));
+        }
+    }
+
+    #[test]
+    fn decodes_frames_split_at_every_byte_boundary() {
+        let mut stream = frame(1, 10, b"hello");
+        stream.extend(frame(2, 11, b""));
+        stream.extend(frame(3, 12, &[9u8; 100]));
+        for split in 0..=stream.len() {
+            let mut d = FrameDecoder::new();
+            let mut got = Vec::new();
+            for chunk in [&stream[..split], &stream[split..]] {
+                d.push(chunk);
+                while let Some(Decoded::Frame(f)) = d.decode().unwrap() {
+                    got.push((f.header.request_id, f.payload.to_vec()));
+                }
+            }
+            assert_eq!(
+                got,
+                vec![(10, b"hello".to_vec()), (11, vec![]), (12, vec![9u8; 100])],
+                "split at {split}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_magic_is_fatal() {
+        let mut f = frame(1, 1, b"x");
+        f[0] = b'X';
+        let mut d = FrameDecoder::new();
+        d.push(&f);
+        let err = d.decode().unwrap_err();
+        assert!(matches!(err, FrameError::BadMagic { .. }));
+        assert!(err.is_fatal());
+    }
+
+    #[test]
+    fn non_zero_reserved_field_is_fatal() {
+        let mut f = frame(1, 1, b"x");
+        f[22] = 1;
+        let mut d = FrameDecoder::new();
+        d.push(&f);
+        assert!(d.decode().unwrap_err().is_fatal());
+    }
+
+    #[test]
+    fn wrong_version_is_rejected_and_the_stream_continues() {
+        let mut bad = frame(1, 77, b"payload!");
+        bad[4] = 9;
+        let mut d = FrameDecoder::new();
+        d.push(&bad);
+        d.push(&frame(1, 78, b"ok"));
+        match d.decode().unwrap() {
+            Some(Decoded::Rejected { header, error }) => {
+                assert_eq!(header.request_id, 77);
+                assert_eq!(error, FrameError::UnsupportedVersion { found: 9 });
+                assert!(!error.is_fatal());
+            }
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+        let (h, p) = expect_frame(&mut d);
+        assert_eq!((h.request_id, p.as_slice()), (78, &b"ok"[..]));
+    }
+
+    #[test]
+    fn oversized_payload_is_rejected_skipped_and_the_stream_continues() {
+        let len = MAX_PAYLOAD_BYTES + 8;
+        let mut header = FrameHeader::new(1, 5, 0).unwrap();
+        header.payload_len = len as u32;
+        let mut d = FrameDecoder::new();
+        d.push(&header.encode());
+        match d.decode().unwrap() {
+            Some(Decoded::Rejected { header, error }) => {
+                assert_eq!(header.request_id, 5);
+                assert!(matches!(error, FrameError::Oversized { .. }));
+            }
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+        // The announced payload trickles in and is dropped without buffering it.
+        let chunk = vec![0u8; 1 << 20];
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            d.push(&chunk[..n]);
+            assert!(d.decode().unwrap().is_none());
+            assert!(d.buffered() <= chunk.len());
+            left -= n;
+        }
+        d.push(&frame(1, 6, b"next"));
+        let (h, p) = expect_frame(&mut d);
+        assert_eq!((h.request_id, p.as_slice()), (6, &b"next"[..]));
+    }
+
+    #[test]
+    fn a_maximum_size_frame_is_accepted() {
+        let payload = vec![0x5A; MAX_PAYLOAD_BYTES];
+        let f = frame(4, 99, &payload);
+        let mut d = FrameDecoder::new();
+        for chunk in f.chunks(1 << 16) {
+            d.push(chunk);
+        }
+        let (h, p) = expect_frame(&mut d);
+        assert_eq!(h.request_id, 99);
+        assert_eq!(p.len(), MAX_PAYLOAD_BYTES);
+    }
+
+    #[test]
+    fn encoder_refuses_oversized_payloads() {
+        let mut out = Vec::new();
+        let err = encode_frame(&mut out, 1, 1, &vec![0; MAX_PAYLOAD_BYTES + 1]).unwrap_err();
+        assert!(matches!(err, FrameError::Oversized { .. }));
+        assert!(out.is_empty());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_chunking_yields_the_same_frames(
+            payloads in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..300), 1..8),
+            cuts in proptest::collection::vec(1usize..64, 1..50),
+        ) {
+            let mut stream = Vec::new();
+            for (i, p) in payloads.iter().enumerate() {
+                encode_frame(&mut stream, 1, i as u64, p).unwrap();
+            }
+            let mut d = FrameDecoder::new();
+            let mut got = Vec::new();
+            let mut rest = stream.as_slice();
+            let mut cut = cuts.iter().cycle();
+            while !rest.is_empty() {
+                let n = (*cut.next().unwrap()).min(rest.len());
+                d.push(&rest[..n]);
+                rest = &rest[n..];
+                while let Some(Decoded::Frame(f)) = d.decode().unwrap() {
+                    proptest::prop_assert_eq!(f.payload.as_ptr() as usize % FRAME_ALIGN, 0);
+                    got.push(f.payload.to_vec());
+                }
+            }
+            proptest::prop_assert_eq!(got, payloads);
+        }
+    }
+}

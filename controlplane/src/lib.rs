@@ -1,0 +1,5 @@
+//! # cxlkv-controlplane
+//!
+//! (The crate essay is written with the control-plane issue, issue 3.)
+
+pub mod frame;

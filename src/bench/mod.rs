@@ -1,0 +1,198 @@
+//! `cxlkv bench`: the bench contract of DESIGN §7.
+//!
+//! Every scenario measures cxlkv (`ours`) and a baseline or physical ceiling
+//! (`baseline`) **in the same run**, interleaved where possible, and reports
+//! the median of several repetitions. `ratio > 1` always means cxlkv is
+//! better: for throughputs `ours / baseline`, for latencies `baseline / ours`.
+//! With `--json` a scenario prints JSON Lines (one object per case) and
+//! nothing else on standard output; without it, a human-readable table.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// Which direction of a figure is better; decides how `ratio` is formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Better {
+    /// Throughputs (GB/s, ops/s): `ratio = ours / baseline`.
+    Higher,
+    /// Latencies and durations: `ratio = baseline / ours`.
+    Lower,
+}
+
+/// One line of the bench contract.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    pub scenario: String,
+    pub case: String,
+    pub ours: f64,
+    pub baseline: f64,
+    pub unit: String,
+    pub ratio: f64,
+    /// Scenario-specific fields, flattened into the same JSON object.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Record {
+    /// Builds a record; `ratio` follows from `better`.
+    pub fn new(
+        scenario: &str,
+        case: impl Into<String>,
+        ours: f64,
+        baseline: f64,
+        unit: &str,
+        better: Better,
+    ) -> Self {
+        let ratio = match better {
+            Better::Higher if baseline > 0.0 => ours / baseline,
+            Better::Lower if ours > 0.0 => baseline / ours,
+            _ => 0.0,
+        };
+        Self {
+            scenario: scenario.to_owned(),
+            case: case.into(),
+            ours,
+            baseline,
+            unit: unit.to_owned(),
+            ratio,
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    /// Adds a scenario-specific field.
+    pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.extra.insert(key.to_owned(), value.into());
+        self
+    }
+}
+
+/// Where records go: JSON Lines on stdout, or a human table.
+#[derive(Debug)]
+pub struct Reporter {
+    json: bool,
+    header_printed: bool,
+}
+
+impl Reporter {
+    pub fn new(json: bool) -> Self {
+        Self {
+            json,
+            header_printed: false,
+        }
+    }
+
+    /// True in `--json` mode: scenarios must then keep stdout clean (progress
+    /// and notes go to stderr).
+    pub fn is_json(&self) -> bool {
+        self.json
+    }
+
+    /// Emits one record immediately (so a long scenario streams its cases).
+    pub fn emit(&mut self, record: &Record) -> std::io::Result<()> {
+        let mut out = std::io::stdout().lock();
+        if self.json {
+            let line = serde_json::to_string(record).map_err(std::io::Error::other)?;
+            writeln!(out, "{line}")?;
+        } else {
+            if !self.header_printed {
+                writeln!(
+                    out,
+                    "{:<10} {:<40} {:>14} {:>14} {:<10} {:>7}  extra",
+                    "scenario", "case", "ours", "baseline", "unit", "ratio"
+                )?;
+                self.header_printed = true;
+            }
+            let extra = if record.extra.is_empty() {
+                String::new()
+            } else {
+                serde_json::Value::Object(record.extra.clone()).to_string()
+            };
+            writeln!(
+                out,
+                "{:<10} {:<40} {:>14.3} {:>14.3} {:<10} {:>7.3}  {}",
+                record.scenario,
+                record.case,
+                record.ours,
+                record.baseline,
+                record.unit,
+                record.ratio,
+                extra
+            )?;
+        }
+        out.flush()
+    }
+
+    /// A note for the human reader; always on stderr so `--json` stays clean.
+    pub fn note(&self, msg: &str) {
+        eprintln!("note: {msg}");
+    }
+}
+
+/// Median of a non-empty sample (the mean of the middle two for even sizes).
+///
+/// # Panics
+/// On an empty sample: every scenario runs at least one repetition.
+pub fn median(samples: &mut [f64]) -> f64 {
+    assert!(!samples.is_empty(), "median of an empty sample");
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len();
+    if n % 2 == 1 {
+        samples[n / 2]
+    } else {
+        (samples[n / 2 - 1] + samples[n / 2]) / 2.0
+    }
+}
+
+/// Percentile (0..=100) of a sample by nearest rank; sorts in place.
+///
+/// # Panics
+/// On an empty sample.
+pub fn percentile(samples: &mut [f64], pct: f64) -> f64 {
+    assert!(!samples.is_empty(), "percentile of an empty sample");
+    samples.sort_by(f64::total_cmp);
+    let rank = ((pct / 100.0) * samples.len() as f64).ceil() as usize;
+    samples[rank.clamp(1, samples.len()) - 1]
+}
+
+/// Times `f` once.
+pub fn time<R>(f: impl FnOnce() -> R) -> (R, Duration) {
+    let start = Instant::now();
+    let r = f();
+    (r, start.elapsed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratio_is_above_one_when_ours_is_better() {
+        let thr = Record::new("s", "c", 2.0, 1.0, "GB/s", Better::Higher);
+        assert!((thr.ratio - 2.0).abs() < 1e-12);
+        let lat = Record::new("s", "c", 5.0, 10.0, "us", Better::Lower);
+        assert!((lat.ratio - 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn record_serializes_flat_with_extra_fields() {
+        let r = Record::new("copy", "size=1MiB", 10.0, 9.0, "GB/s", Better::Higher).with("reps", 5);
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        for k in [
+            "scenario", "case", "ours", "baseline", "unit", "ratio", "reps",
+        ] {
+            assert!(v.get(k).is_some(), "missing {k}");
+        }
+    }
+
+    #[test]
+    fn median_and_percentile() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&mut v, 50.0), 50.0);
+        assert_eq!(percentile(&mut v, 99.0), 99.0);
+        assert_eq!(percentile(&mut v, 100.0), 100.0);
+    }
+}

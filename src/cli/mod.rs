@@ -1,0 +1,117 @@
+//! The `cxlkv` command line.
+//!
+//! Subcommands are thin: each parses its flags and calls into the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::bench::Reporter;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cxlkv",
+    version,
+    about = "KV-cache storage engine on shared (CXL) memory"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run one benchmark scenario (bench contract: DESIGN §7).
+    Bench(BenchArgs),
+}
+
+/// Flags shared by every bench scenario.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The scenario to run (see `cxlkv bench --list`).
+    #[arg(required_unless_present = "list")]
+    pub scenario: Option<String>,
+    /// Print JSON Lines (one object per case) and nothing else on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// List the scenarios and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// Pool to measure on: a `/dev/daxX.Y` device or a file path. Default: a
+    /// temporary file under `/dev/shm` (the embedded default backing).
+    #[arg(long, env = "CXLKV_BENCH_POOL")]
+    pub pool: Option<PathBuf>,
+    /// Repetitions per case; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// A CI-sized run: fewer and smaller cases, seconds not minutes.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// Entry point of the `cxlkv` binary.
+pub fn main() -> ExitCode {
+    init_tracing();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(args) => run_bench(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("CXLKV_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    // Logs go to stderr so that `--json` output on stdout stays machine-readable.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// A bench scenario: its name, a one-line description, and its entry point.
+type Scenario = (
+    &'static str,
+    &'static str,
+    fn(&BenchArgs, &mut Reporter) -> anyhow::Result<()>,
+);
+
+const SCENARIOS: &[Scenario] = &[];
+
+fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.list {
+        for (name, about, _) in SCENARIOS {
+            println!("{name:<18} {about}");
+        }
+        return Ok(());
+    }
+    anyhow::ensure!(args.reps >= 1, "--reps must be at least 1");
+    let name = args.scenario.as_deref().unwrap_or_default();
+    let Some((_, _, run)) = SCENARIOS.iter().find(|(n, _, _)| *n == name) else {
+        let known: Vec<&str> = SCENARIOS.iter().map(|(n, _, _)| *n).collect();
+        anyhow::bail!(
+            "unknown bench scenario {name:?}; known: {}",
+            known.join(", ")
+        );
+    };
+    let mut reporter = Reporter::new(args.json);
+    run(args, &mut reporter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,17 @@
+//! # cxlkv
+//!
+//! A KV-cache storage engine on shared memory. LLM inference instances —
+//! processes on one host, or hosts attached to one CXL memory pool — write
+//! KV-cache chunks once into a shared pool and read each other's chunks in
+//! place; only metadata crosses the control plane ("don't move data, share the
+//! memory").
+//!
+//! This crate is the facade: the client library, the engine-facing L1 tier,
+//! the server assembly and the `cxlkv` command line. The layers below it are
+//! [`cxlkv_dataplane`] (devices, mapping, page allocation, visibility, copies).
+//! The architecture is described in `docs/architecture.md`.
+
+pub mod bench;
+pub mod cli;
+
+pub use cxlkv_dataplane as dataplane;
