@@ -25,14 +25,15 @@
 //! `MADV_POPULATE_WRITE` (Linux 5.14+), which also reports failure (tmpfs or
 //! the huge page pool exhausted) as an error now instead of a `SIGBUS` on a
 //! later write. Where the kernel or mapping type refuses it (`EINVAL`), the
-//! range is remapped in place with `MAP_POPULATE`. Measured here on a 64 MiB
-//! `/dev/shm` region (`docs/architecture.md`): `MADV_POPULATE_WRITE` ≈ 43 ms
-//! and writes afterwards are fault-free; `MAP_POPULATE` ≈ 47 ms *plus* ≈ 8 ms
-//! of write faults on first touch, because it prefaults shared mappings for
-//! read only. [`Populate::Lazy`] is for peer regions, read a few pages at a
-//! time: pages fault in on first access. On tmpfs `MADV_HUGEPAGE` is requested
-//! (effective only where shmem THP is enabled); hugetlbfs and device DAX map
-//! huge pages by themselves.
+//! range is remapped in place with `MAP_POPULATE`. It is also the fastest:
+//! mapping a fresh 64 MiB `/dev/shm` region and writing every page took a
+//! median 89 ms with it, 138 ms with `MAP_POPULATE` (which prefaults shared
+//! mappings for reading only, so every first write faults again) and 102 ms
+//! faulting lazily (`cargo bench --bench map`, busy shared machine; see
+//! `docs/architecture.md`). [`Populate::Lazy`] is for peer regions, read a
+//! few pages at a time: pages fault in on first access. On tmpfs
+//! `MADV_HUGEPAGE` is requested (effective only where shmem THP is enabled);
+//! hugetlbfs and device DAX map huge pages by themselves.
 //!
 //! **Observers.** Engines that register host memory with a GPU must hear of
 //! every mapping and of every unmapping before it happens. A [`MapObservers`]
