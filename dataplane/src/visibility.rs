@@ -134,6 +134,10 @@ pub fn line_evict() -> LineFlush {
 /// `mode`: call after writing a page and before registering its key.
 pub fn publish(mode: Visibility, bytes: &[u8]) {
     match mode {
+        // Release suffices: it keeps the page's stores before whatever
+        // publishes the key afterwards (an atomic store, or the syscall that
+        // sends the registration); later operations may move earlier, which
+        // exposes nothing unwritten.
         Visibility::Coherent => fence(Ordering::Release),
         Visibility::Flush => {
             flush_range(line_ops().write_back, bytes);
@@ -147,6 +151,9 @@ pub fn publish(mode: Visibility, bytes: &[u8]) {
 /// reading the page.
 pub fn acquire(mode: Visibility, bytes: &[u8]) {
     match mode {
+        // Acquire suffices: it keeps the page's loads after whatever told us
+        // the key (the lookup reply); earlier operations may move later, which
+        // reads nothing early.
         Visibility::Coherent => fence(Ordering::Acquire),
         Visibility::Flush => {
             flush_range(line_ops().evict, bytes);

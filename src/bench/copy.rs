@@ -50,7 +50,7 @@ const QUICK_SIZES: &[usize] = &[64 * KIB, MIB, 64 * MIB];
 
 /// Bytes each contestant copies per repetition (at least four chunks): long
 /// enough for a stable rate, short enough for a run well under a minute.
-const REP_BYTES: usize = 512 * MIB;
+const REP_BYTES: usize = 256 * MIB;
 const QUICK_REP_BYTES: usize = 64 * MIB;
 
 /// Assumed last-level cache size where sysfs does not say.
