@@ -25,9 +25,10 @@
 //! `MADV_POPULATE_WRITE` (Linux 5.14+), which also reports failure (tmpfs or
 //! the huge page pool exhausted) as an error now instead of a `SIGBUS` on a
 //! later write. Where the kernel or mapping type refuses it (`EINVAL`), the
-//! range is remapped in place with `MAP_POPULATE`. It is also the fastest:
-//! mapping a fresh 64 MiB `/dev/shm` region and writing every page took a
-//! median 89 ms with it, 138 ms with `MAP_POPULATE` (which prefaults shared
+//! range is mapped again with `MAP_POPULATE` and the first mapping dropped.
+//! `MADV_POPULATE_WRITE` is also the fastest: mapping a fresh 64 MiB
+//! `/dev/shm` region and writing every page took a median 89 ms with it,
+//! 138 ms with `MAP_POPULATE` (which prefaults shared
 //! mappings for reading only, so every first write faults again) and 102 ms
 //! faulting lazily (`cargo bench --bench map`, busy shared machine; see
 //! `docs/architecture.md`). [`Populate::Lazy`] is for peer regions, read a
@@ -250,34 +251,11 @@ impl MappedRegion {
         let len_bytes = usize::try_from(extent.len_bytes).map_err(|_| too_large())?;
         let offset = libc::off_t::try_from(extent.offset_bytes).map_err(|_| too_large())?;
         let fd = std::os::fd::AsRawFd::as_raw_fd(&backing.fd());
-        let prot = libc::PROT_READ | libc::PROT_WRITE;
-        // SAFETY: a new mapping without MAP_FIXED is placed by the kernel in
-        // free address space, so it aliases nothing; `fd` is borrowed from
-        // `backing` for the whole call; the kernel validates offset and length
-        // against the file or device and reports errors.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_bytes,
-                prot,
-                libc::MAP_SHARED,
-                fd,
-                offset,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            return Err(MapError::Mmap {
-                region,
-                extent,
-                path: backing.path().to_owned(),
-                source: io::Error::last_os_error(),
-            });
-        }
-        let base = NonNull::new(addr.cast::<u8>()).ok_or_else(|| MapError::Mmap {
+        let base = mmap_shared(len_bytes, 0, fd, offset).map_err(|source| MapError::Mmap {
             region,
             extent,
             path: backing.path().to_owned(),
-            source: io::Error::other("mmap returned address 0"),
+            source,
         })?;
         // From here on, `mapped`'s drop unmaps on every error path.
         let mut mapped = Self {
@@ -347,34 +325,27 @@ impl MappedRegion {
                 source: err,
             });
         }
-        // SAFETY: MAP_FIXED replaces exactly the range of our own mapping with
-        // a mapping of the same file range; no view or observer knows the
-        // address yet, so nothing refers to the pages being replaced.
-        let addr = unsafe {
-            libc::mmap(
-                self.base.as_ptr().cast(),
-                self.len_bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-                fd,
-                offset,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            // The old mapping is still in place (a failed MAP_FIXED mmap of
-            // this kind leaves it or unmaps it; drop's munmap is harmless in
-            // both cases).
-            return Err(MapError::Populate {
-                region: self.region,
-                extent: self.extent,
-                source: io::Error::last_os_error(),
-            });
+        // Fallback: a second, populated mapping of the same range replaces
+        // the first, which nothing refers to yet. (Not MAP_FIXED over the old
+        // range: a failed MAP_FIXED may leave a hole that another thread's
+        // mmap could fill before our drop unmapped it.)
+        let fresh =
+            mmap_shared(self.len_bytes, libc::MAP_POPULATE, fd, offset).map_err(|source| {
+                MapError::Populate {
+                    region: self.region,
+                    extent: self.extent,
+                    source,
+                }
+            })?;
+        let old = std::mem::replace(&mut self.base, fresh);
+        // SAFETY: `old` is our previous mapping of `len_bytes`; no view or
+        // observer knows its address, and `self` now owns `fresh` instead.
+        unsafe { libc::munmap(old.as_ptr().cast(), self.len_bytes) };
+        if self.kind == BackingKind::Tmpfs {
+            // Late for the pages just populated, but still governs the
+            // mapping (this path only runs on kernels before 5.14).
+            self.advise_hugepage();
         }
-        debug_assert_eq!(
-            addr.cast::<u8>(),
-            self.base.as_ptr(),
-            "MAP_FIXED keeps the address"
-        );
         Ok(())
     }
 
@@ -517,6 +488,33 @@ impl MappedRegion {
         }
         Ok(vec.iter().filter(|&&b| b & 1 != 0).count())
     }
+}
+
+/// A new read-write `MAP_SHARED` mapping of `len_bytes` of `fd` at `offset`,
+/// placed by the kernel, with `extra_flags` (e.g. `MAP_POPULATE`).
+fn mmap_shared(
+    len_bytes: usize,
+    extra_flags: libc::c_int,
+    fd: libc::c_int,
+    offset: libc::off_t,
+) -> io::Result<NonNull<u8>> {
+    // SAFETY: without MAP_FIXED the kernel places the mapping in free address
+    // space, so it aliases nothing; `fd` is open for the call (the caller
+    // borrows it); the kernel checks offset and length against the object.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len_bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | extra_flags,
+            fd,
+            offset,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    NonNull::new(addr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned address 0"))
 }
 
 impl Drop for MappedRegion {
