@@ -215,16 +215,16 @@ impl OpenOptions {
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum BackingError {
-    #[error("cannot open pool {}: {source}", path.display())]
+    #[error("cannot open pool {}", path.display())]
     Open { path: PathBuf, source: io::Error },
-    #[error("cannot stat pool {}: {source}", path.display())]
+    #[error("cannot stat pool {}", path.display())]
     Stat { path: PathBuf, source: io::Error },
     #[error("pool {} is a {file_type}; expected a device-DAX character device or a regular file", path.display())]
     UnsupportedFileType {
         path: PathBuf,
         file_type: &'static str,
     },
-    #[error("pool {} (device {dev}) is not a device-DAX device: cannot read {}: {source}", path.display(), attr.display())]
+    #[error("pool {} (device {dev}) is not a device-DAX device: cannot read {}", path.display(), attr.display())]
     NotDevDax {
         path: PathBuf,
         dev: DevNumber,
@@ -239,7 +239,7 @@ pub enum BackingError {
         size_bytes: u64,
         min_bytes: u64,
     },
-    #[error("cannot size pool file {} to {size_bytes} bytes: {source}", path.display())]
+    #[error("cannot size pool file {} to {size_bytes} bytes", path.display())]
     Resize {
         path: PathBuf,
         size_bytes: u64,
@@ -894,7 +894,7 @@ pub(crate) mod tests {
         {
             Ok(r) => r,
             Err(err) => {
-                eprintln!("skipping hugetlbfs test: no huge pages can be reserved: {err}");
+                eprintln!("skipping hugetlbfs test: no huge pages can be reserved: {err:?}");
                 return;
             }
         };

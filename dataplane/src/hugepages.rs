@@ -35,11 +35,11 @@ const LOCK_POLL: Duration = Duration::from_millis(20);
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum HugePageError {
-    #[error("cannot open the huge page lock {}: {source}", path.display())]
+    #[error("cannot open the huge page lock {}", path.display())]
     Lock { path: PathBuf, source: io::Error },
     #[error("huge page lock {} still held by another process after {waited_ms} ms", path.display())]
     LockTimeout { path: PathBuf, waited_ms: u128 },
-    #[error("cannot access {}: {source}", path.display())]
+    #[error("cannot access {}", path.display())]
     Sysfs { path: PathBuf, source: io::Error },
     #[error("{} holds {content:?}, expected a page count", path.display())]
     BadValue { path: PathBuf, content: String },

@@ -153,14 +153,14 @@ pub enum MapError {
     Layout(#[from] LayoutError),
     #[error("region {region} {extent} does not fit this address space")]
     TooLarge { region: RegionId, extent: Extent },
-    #[error("mmap of region {region} {extent} of {} failed: {source}", path.display())]
+    #[error("mmap of region {region} {extent} of {} failed", path.display())]
     Mmap {
         region: RegionId,
         extent: Extent,
         path: std::path::PathBuf,
         source: io::Error,
     },
-    #[error("populating region {region} {extent} failed (pool memory exhausted?): {source}")]
+    #[error("populating region {region} {extent} failed (pool memory exhausted?)")]
     Populate {
         region: RegionId,
         extent: Extent,

@@ -111,7 +111,8 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
     let pages = (span_bytes as u64).div_ceil(HUGE_PAGE_BYTES);
     match HugePageReservation::reserve(pages, HUGEPAGE_LOCK_TIMEOUT) {
         Err(err) => reporter.note(&format!(
-            "skipping dest=hugetlb: cannot reserve {pages} huge pages of 2 MiB: {err}"
+            "skipping dest=hugetlb: cannot reserve {pages} huge pages of 2 MiB: {:#}",
+            anyhow::Error::new(err)
         )),
         Ok(reservation) => match hugetlb_memfd(span_bytes as u64) {
             Err(err) => reporter.note(&format!("skipping dest=hugetlb: {err:#}")),
