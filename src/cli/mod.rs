@@ -83,7 +83,11 @@ type Scenario = (
     fn(&BenchArgs, &mut Reporter) -> anyhow::Result<()>,
 );
 
-const SCENARIOS: &[Scenario] = &[];
+const SCENARIOS: &[Scenario] = &[(
+    "copy",
+    "copy_in GB/s vs ptr::copy_nonoverlapping into the pool (dest=shm, hugetlb)",
+    crate::bench::copy::run,
+)];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     if args.list {

@@ -1,0 +1,446 @@
+//! `cxlkv bench copy`: the copy engine against `memcpy` into the same pool.
+//!
+//! Each case copies chunks of one size into a mapped region of the pool and
+//! reports GB/s of [`copy_in`] (`ours`) against `ptr::copy_nonoverlapping`
+//! (`<[u8]>::copy_from_slice`, libc `memcpy`) into the same mapping
+//! (`baseline`, the physical ceiling a user would otherwise get). A third
+//! contestant, the best non-temporal routine forced at every size
+//! (`nt_gbps`), shows where streaming stores win whatever the threshold.
+//!
+//! What keeps the comparison honest:
+//! - **Streaming destination and source.** Consecutive copies walk through a
+//!   span of at least twice the last-level cache (read from sysfs), for the
+//!   destination (the mapped region) and the source (a heap buffer) alike, and
+//!   the walk continues across contestants and repetitions; so every copy
+//!   finds neither side in cache, as a KV chunk written into the pool does.
+//! - **Prefaulted pages.** The region is mapped with [`Populate::Eager`] and
+//!   the source filled before anything is timed.
+//! - **Interleaving and medians.** Every repetition times all contestants
+//!   back to back, in an order that rotates; each figure is the median of
+//!   `--reps` repetitions.
+//!
+//! Destinations: `dest=shm` (a temporary file under `/dev/shm`, the embedded
+//! default backing) and `dest=hugetlb` (a `MFD_HUGETLB` memfd, after
+//! reserving the 2 MiB huge pages it needs under the shared lock file; skipped
+//! with a note when none can be had). `--pool PATH` measures on that device
+//! or file instead (overwriting its first bytes), named by its kind.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::{Better, Record, Reporter, median};
+use crate::cli::BenchArgs;
+use crate::dataplane::backing::{self, Backing, BackingKind, Extent, OpenOptions};
+use crate::dataplane::copy::{self, CopyPath, copy_in};
+use crate::dataplane::hugepages::{HUGE_PAGE_BYTES, HugePageReservation};
+use crate::dataplane::ids::{PageIndex, RegionId};
+use crate::dataplane::map::{MapObservers, MappedRegion, Populate};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+/// Chunk sizes: powers of 4 from 64 KiB (a small chunk) to 64 MiB (a large
+/// model's 256-token chunk).
+const SIZES: &[usize] = &[64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB];
+const QUICK_SIZES: &[usize] = &[64 * KIB, MIB, 64 * MIB];
+
+/// Bytes each contestant copies per repetition (at least four chunks): long
+/// enough for a stable rate, short enough for a run well under a minute.
+const REP_BYTES: usize = 256 * MIB;
+const QUICK_REP_BYTES: usize = 64 * MIB;
+
+/// Assumed last-level cache size where sysfs does not say.
+const FALLBACK_LLC_BYTES: usize = 64 * MIB;
+
+/// How long to wait for another process holding the huge page lock.
+const HUGEPAGE_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
+    let (sizes, rep_bytes) = if args.quick {
+        (QUICK_SIZES, QUICK_REP_BYTES)
+    } else {
+        (SIZES, REP_BYTES)
+    };
+    let llc_bytes = llc_bytes().unwrap_or_else(|| {
+        reporter.note(&format!(
+            "last-level cache size not found in sysfs; assuming {} MiB",
+            FALLBACK_LLC_BYTES / MIB
+        ));
+        FALLBACK_LLC_BYTES
+    });
+    let largest = sizes.iter().copied().max().unwrap_or(MIB);
+    let span_bytes = (2 * llc_bytes)
+        .max(2 * largest)
+        .next_multiple_of(HUGE_PAGE_BYTES as usize);
+    let nt = [CopyPath::NonTemporalAvx512, CopyPath::NonTemporalAvx2]
+        .into_iter()
+        .find(|p| p.is_available());
+    let mut plan = Plan {
+        sizes,
+        rep_bytes,
+        reps: args.reps,
+        llc_bytes,
+        nt,
+        source: Source::new(span_bytes),
+    };
+
+    if let Some(pool) = &args.pool {
+        let backing = backing::open(pool, &OpenOptions::new())
+            .with_context(|| format!("opening --pool {}", pool.display()))?;
+        reporter.note(&format!(
+            "measuring on {} ({}); its first bytes are overwritten",
+            pool.display(),
+            backing.kind()
+        ));
+        let dest = match backing.kind() {
+            BackingKind::Tmpfs => "shm",
+            BackingKind::Hugetlbfs => "hugetlb",
+            other => other.as_str(),
+        };
+        return plan.measure(reporter, dest, &*backing);
+    }
+
+    let shm = TempPool::create(span_bytes)?;
+    plan.measure(reporter, "shm", &*shm.backing)?;
+    drop(shm);
+
+    let pages = (span_bytes as u64).div_ceil(HUGE_PAGE_BYTES);
+    match HugePageReservation::reserve(pages, HUGEPAGE_LOCK_TIMEOUT) {
+        Err(err) => reporter.note(&format!(
+            "skipping dest=hugetlb: cannot reserve {pages} huge pages of 2 MiB: {:#}",
+            anyhow::Error::new(err)
+        )),
+        Ok(reservation) => match hugetlb_memfd(span_bytes as u64) {
+            Err(err) => reporter.note(&format!("skipping dest=hugetlb: {err:#}")),
+            Ok(backing) => {
+                plan.measure(reporter, "hugetlb", &*backing)?;
+                // The memfd's pages return to the kernel pool when the last
+                // reference goes; only then can the reservation shrink it.
+                drop(backing);
+                drop(reservation);
+            }
+        },
+    }
+    Ok(())
+}
+
+/// What every destination is measured with.
+struct Plan {
+    sizes: &'static [usize],
+    rep_bytes: usize,
+    reps: usize,
+    llc_bytes: usize,
+    nt: Option<CopyPath>,
+    source: Source,
+}
+
+/// The contestants of one repetition.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Contestant {
+    Ours,
+    Baseline,
+    ForcedNt(CopyPath),
+}
+
+impl Plan {
+    fn measure(
+        &mut self,
+        reporter: &mut Reporter,
+        dest: &str,
+        backing: &dyn Backing,
+    ) -> anyhow::Result<()> {
+        let align = backing.align_bytes() as usize;
+        let mut span_bytes = self.source.len().min(backing.size_bytes() as usize);
+        span_bytes -= span_bytes % align;
+        if span_bytes < 2 * self.llc_bytes {
+            reporter.note(&format!(
+                "dest={dest}: pool span {} MiB is less than twice the last-level cache ({} MiB); \
+                 some copies may hit cache",
+                span_bytes / MIB,
+                self.llc_bytes / MIB
+            ));
+        }
+        let observers = MapObservers::new();
+        // SAFETY: this process is the only user of the region (a private
+        // temporary pool, or a pool the operator handed to the bench), writes
+        // go through one page view at a time, and nothing reads the pages.
+        let region = unsafe {
+            MappedRegion::map(
+                backing,
+                RegionId(0),
+                Extent::new(0, span_bytes as u64),
+                Populate::Eager,
+                &observers,
+            )
+        }
+        .with_context(|| {
+            format!(
+                "mapping {} MiB of {}",
+                span_bytes / MIB,
+                backing.path().display()
+            )
+        })?;
+
+        let mut cursor = Cursor::default();
+        for &size in self.sizes {
+            let Ok(pages) = region.page_count(size) else {
+                reporter.note(&format!("dest={dest}: size {size} does not fit; skipped"));
+                continue;
+            };
+            if (pages as usize) < 2 {
+                reporter.note(&format!("dest={dest}: size {size} fills the span; skipped"));
+                continue;
+            }
+            let chunks_per_rep = (self.rep_bytes / size).max(4);
+            let mut contestants = vec![Contestant::Ours, Contestant::Baseline];
+            if let Some(nt) = self.nt {
+                contestants.push(Contestant::ForcedNt(nt));
+            }
+            let mut samples = vec![Vec::with_capacity(self.reps); contestants.len()];
+            for rep in 0..self.reps {
+                for k in 0..contestants.len() {
+                    let slot = (k + rep) % contestants.len();
+                    let gbps = self.time_one(
+                        &region,
+                        contestants[slot],
+                        size,
+                        pages,
+                        chunks_per_rep,
+                        &mut cursor,
+                    )?;
+                    samples[slot].push(gbps);
+                }
+            }
+            let mut medians = samples.iter_mut().map(|s| median(s));
+            let ours = medians.next().unwrap_or(0.0);
+            let baseline = medians.next().unwrap_or(0.0);
+            let nt_gbps = medians.next();
+            let mut record = Record::new(
+                "copy",
+                format!("size={},dest={dest}", size_label(size)),
+                ours,
+                baseline,
+                "GB/s",
+                Better::Higher,
+            )
+            .with("path", copy::choose_copy_in(size).as_str())
+            .with("size_bytes", size)
+            .with("reps", self.reps)
+            .with("span_bytes", span_bytes)
+            .with("llc_bytes", self.llc_bytes);
+            if let (Some(nt), Some(nt_gbps)) = (self.nt, nt_gbps) {
+                record = record
+                    .with("nt_path", nt.as_str())
+                    .with("nt_gbps", nt_gbps)
+                    .with("nt_wins", nt_gbps > baseline);
+            }
+            reporter.emit(&record)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `chunks` chunks of `size` bytes with one contestant, continuing
+    /// the walk through destination and source; returns GB/s.
+    fn time_one(
+        &mut self,
+        region: &MappedRegion,
+        contestant: Contestant,
+        size: usize,
+        pages: u32,
+        chunks: usize,
+        cursor: &mut Cursor,
+    ) -> anyhow::Result<f64> {
+        let start = Instant::now();
+        for _ in 0..chunks {
+            let index = PageIndex(cursor.page % pages);
+            cursor.page = cursor.page.wrapping_add(1);
+            let src = self.source.next(size, &mut cursor.source_offset);
+            // SAFETY: one view at a time, in a region no one else touches
+            // (see `measure`).
+            let mut dst = unsafe { region.page_mut(size, index, size) }?;
+            match contestant {
+                Contestant::Ours => {
+                    copy_in(&mut dst, src);
+                }
+                Contestant::Baseline => dst.copy_from_slice(src),
+                Contestant::ForcedNt(path) => copy::copy_with(path, &mut dst, src)?,
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        Ok((chunks * size) as f64 / secs.max(1e-9) / 1e9)
+    }
+}
+
+/// Where the walk through destination pages and source bytes stands.
+#[derive(Default)]
+struct Cursor {
+    page: u32,
+    source_offset: usize,
+}
+
+/// The source buffer: at least twice the LLC, filled (so prefaulted) once.
+struct Source {
+    bytes: Vec<u8>,
+}
+
+impl Source {
+    fn new(len: usize) -> Self {
+        let bytes = (0..len).map(|i| (i as u8) ^ ((i >> 12) as u8)).collect();
+        Self { bytes }
+    }
+
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The next `size` bytes of the walk, wrapping to the start.
+    fn next(&self, size: usize, offset: &mut usize) -> &[u8] {
+        if *offset + size > self.bytes.len() {
+            *offset = 0;
+        }
+        let chunk = &self.bytes[*offset..*offset + size];
+        *offset += size;
+        chunk
+    }
+}
+
+/// A pool file under `/dev/shm`, removed on drop.
+struct TempPool {
+    backing: Arc<dyn Backing>,
+    path: PathBuf,
+}
+
+impl TempPool {
+    fn create(size_bytes: usize) -> anyhow::Result<Self> {
+        let path = Path::new(backing::DEFAULT_POOL_DIR)
+            .join(format!("cxlkv-bench-copy-{}", std::process::id()));
+        let backing = backing::open(
+            &path,
+            &OpenOptions::new().create_size_bytes(size_bytes as u64),
+        )
+        .with_context(|| format!("creating the temporary pool {}", path.display()))?;
+        Ok(Self { backing, path })
+    }
+}
+
+impl Drop for TempPool {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A `MFD_HUGETLB` memfd of `size_bytes` as a hugetlbfs backing.
+fn hugetlb_memfd(size_bytes: u64) -> anyhow::Result<Arc<dyn Backing>> {
+    // SAFETY: the name is a valid NUL-terminated string; the flags are plain
+    // integers.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"cxlkv-bench-hugetlb".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("memfd_create(MFD_HUGETLB)");
+    }
+    // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let file = std::fs::File::from(fd);
+    file.set_len(size_bytes)
+        .context("sizing the hugetlb memfd")?;
+    Ok(backing::from_fd(
+        OwnedFd::from(file),
+        BackingKind::Hugetlbfs,
+        size_bytes,
+        HUGE_PAGE_BYTES,
+    )?)
+}
+
+/// The last-level cache size of CPU 0, from sysfs (`None` where sysfs does
+/// not describe the caches).
+pub fn llc_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    let mut best: Option<(u32, usize)> = None;
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let read = |name: &str| std::fs::read_to_string(path.join(name)).ok();
+        let (Some(level), Some(kind), Some(size)) = (read("level"), read("type"), read("size"))
+        else {
+            continue;
+        };
+        if kind.trim() == "Instruction" {
+            continue;
+        }
+        let (Ok(level), Some(size)) = (level.trim().parse::<u32>(), parse_cache_size(&size)) else {
+            continue;
+        };
+        if best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, size));
+        }
+    }
+    best.map(|(_, size)| size)
+}
+
+/// Parses sysfs cache sizes such as `307200K` or `2M`.
+fn parse_cache_size(raw: &str) -> Option<usize> {
+    let raw = raw.trim();
+    let (digits, unit) = match raw.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => raw.split_at(i),
+        None => (raw, ""),
+    };
+    let value: usize = digits.parse().ok()?;
+    let scale = match unit {
+        "" => 1,
+        "K" => KIB,
+        "M" => MIB,
+        "G" => 1 << 30,
+        _ => return None,
+    };
+    value.checked_mul(scale)
+}
+
+fn size_label(size: usize) -> String {
+    if size >= MIB && size.is_multiple_of(MIB) {
+        format!("{}MiB", size / MIB)
+    } else if size.is_multiple_of(KIB) {
+        format!("{}KiB", size / KIB)
+    } else {
+        size.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_sizes_parse_with_units() {
+        assert_eq!(parse_cache_size("307200K\n"), Some(307_200 * KIB));
+        assert_eq!(parse_cache_size("2M"), Some(2 * MIB));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("12Q"), None);
+        assert_eq!(parse_cache_size(""), None);
+    }
+
+    #[test]
+    fn size_labels_use_binary_units() {
+        assert_eq!(size_label(64 * KIB), "64KiB");
+        assert_eq!(size_label(16 * MIB), "16MiB");
+        assert_eq!(size_label(1000), "1000");
+    }
+
+    #[test]
+    fn the_source_walk_wraps_and_stays_in_bounds() {
+        let source = Source::new(10);
+        let mut offset = 0;
+        assert_eq!(source.next(4, &mut offset).len(), 4);
+        assert_eq!(source.next(4, &mut offset).len(), 4);
+        assert_eq!(offset, 8);
+        // 8 + 4 > 10: wraps to the start.
+        assert_eq!(source.next(4, &mut offset).as_ptr(), source.bytes.as_ptr());
+        assert_eq!(offset, 4);
+    }
+}
