@@ -24,7 +24,7 @@
 //! later commit fails, and the driver must stop (after a failed `fsync` the
 //! kernel may have dropped the dirty pages, so retrying proves nothing).
 //!
-//! Recovery ([`recover`]). The journal is read whole and scanned from the
+//! Recovery (`Journal::recover`, run by the store). The journal is read whole and scanned from the
 //! header: records whose sequence number is ≤ the checkpoint's are already in
 //! the checkpoint and skipped (the crash window between installing a
 //! checkpoint and restarting the journal); the following ones must continue
@@ -393,7 +393,10 @@ impl Journal {
     }
 
     /// Encodes `record` into the pending buffer and returns its sequence
-    /// number. Not durable until [`Journal::commit`].
+    /// number. Not durable until [`Journal::commit`]. The buffer is bounded
+    /// by the driver: it commits when `PoolStore::commit_due` says so (at most
+    /// `MAX_GROUP_RECORDS` requests), and one request pushes at most
+    /// `MAX_REAP_PER_TICK` records.
     pub fn push_record(&mut self, record: &Record) -> u64 {
         let seq = self.next_seq;
         record.encode(seq, &mut self.pending);

@@ -198,7 +198,7 @@ pub enum LedgerError {
 
 /// An invariant the ledger must hold, found broken.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("ledger invariant violated: {what}")]
+#[error("invariant violated: {what}")]
 pub struct InvariantError {
     pub what: String,
 }

@@ -46,9 +46,17 @@
 //! writes the lease into the pool header, then [`PoolManager::mark_online`].
 //! Only online pools serve allocations; frees work on any pool.
 //!
-//! Complexity: attach O(h log n) for h handles; alloc O(p + log n) for p
-//! pools; free O(log n); reaping O(log n) per region; a directory going away
-//! O(r log n) for its r regions.
+//! Retried allocations. An `Alloc` may carry an [`AllocTag`] chosen by the
+//! directory (unique among its live regions). The tag is journaled with the
+//! region, so a retry after a lost reply — even across a manager crash —
+//! returns the region already allocated instead of leaking a second one. A
+//! retried `Free` is answered [`PoolError::RegionAlreadyFreed`]: region ids
+//! are never reused, so a valid token for a missing region proves it is gone.
+//!
+//! Complexity, n live regions: alloc O(p + log n) for p pools (first fit in
+//! each pool's extent tree is O(log n)); free O(log n); attach
+//! O(h log n + r) for h handles and the directory's r regions; reaping
+//! O(log n) per region; a directory going away O(r log n).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -129,7 +137,7 @@ pub enum Request<'a> {
     },
     /// Free a region of the attached directory.
     Free { handle: Handle },
-    /// Per-pool statistics.
+    /// Statistics; answered to any caller, attached or not.
     Stats,
 }
 
