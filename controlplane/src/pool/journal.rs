@@ -1,0 +1,655 @@
+//! The write-ahead journal: every ledger mutation, appended and made durable
+//! before its reply leaves.
+//!
+//! File layout: a 32-byte file header, then records back to back (record
+//! layout in [`super::record`]).
+//!
+//! ```text
+//! offset size field
+//!  0      8   magic "CXLKVJNL"
+//!  8      4   format version (1)
+//! 12     16   reserved 0
+//! 28      4   CRC32C of [0, 28)
+//! ```
+//!
+//! Appending. [`Journal::push`] (the [`RecordSink`] the state machine
+//! writes into) encodes a record into an in-memory pending buffer with the
+//! next sequence number — no I/O, no allocation once the buffer has grown to
+//! its working size. [`Journal::commit`] writes the whole pending buffer
+//! with one positioned write at the end of the committed data and one
+//! `fdatasync`. Calling it after every request gives per-record durability;
+//! calling it once for the records of several requests is group commit (one
+//! sync, then all their replies released). Only after `commit` returns are
+//! the records *committed*. A failed write or sync poisons the journal: every
+//! later commit fails, and the driver must stop (after a failed `fsync` the
+//! kernel may have dropped the dirty pages, so retrying proves nothing).
+//!
+//! Recovery (`Journal::recover`, run by the store). The journal is read whole and scanned from the
+//! header: records whose sequence number is ≤ the checkpoint's are already in
+//! the checkpoint and skipped (the crash window between installing a
+//! checkpoint and restarting the journal); the following ones must continue
+//! the sequence exactly and are applied to the ledger. The scan stops at the
+//! first torn or corrupt record (incomplete, impossible length, CRC
+//! mismatch): the bytes from there to the end are copied to
+//! `journal.dropped.<offset>` for inspection, logged, and cut off, so that new
+//! records follow the last good one. Anything else refuses to start and
+//! changes nothing: a CRC-valid record this build does not understand, a gap
+//! in the sequence, a record that does not apply to the ledger, a bad file
+//! header.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use super::ledger::LedgerError;
+use super::manager::RecordSink;
+use super::record::{MAX_RECORD_BYTES, Record, RecordFault, le_u32};
+use super::sys::fsync_dir;
+
+/// Name of the journal inside a state directory.
+pub const JOURNAL_FILE: &str = "journal";
+const JOURNAL_TMP_FILE: &str = "journal.tmp";
+/// Prefix of the files that keep a dropped journal tail.
+pub const DROPPED_PREFIX: &str = "journal.dropped.";
+/// `b"CXLKVJNL"`.
+pub const JOURNAL_MAGIC: [u8; 8] = *b"CXLKVJNL";
+pub const JOURNAL_FORMAT_VERSION: u32 = 1;
+pub const JOURNAL_HEADER_BYTES: usize = 32;
+/// Largest journal recovery reads (checkpoints keep it far smaller).
+pub const MAX_JOURNAL_BYTES: u64 = 1 << 30;
+/// Pending-buffer capacity reserved up front: a group of this many records
+/// commits without growing it.
+const PENDING_RESERVE_RECORDS: usize = 1024;
+/// Most `journal.dropped.<offset>.<n>` names tried before giving up.
+const MAX_DROPPED_NAMES: usize = 100;
+
+/// What went wrong with the journal file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JournalError {
+    #[error("cannot {op} {}: {source}", path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error(
+        "journal {} failed an earlier write or sync; the pool manager must restart to recover",
+        path.display()
+    )]
+    Poisoned { path: PathBuf },
+    #[error("journal {} has a bad file header ({reason})", path.display())]
+    BadHeader { path: PathBuf, reason: &'static str },
+    #[error("journal {} is {len_bytes} bytes, more than the {max_bytes} recovery reads", path.display())]
+    TooLarge {
+        path: PathBuf,
+        len_bytes: u64,
+        max_bytes: u64,
+    },
+    #[error(
+        "journal {} holds a record at offset {offset_bytes} that this build cannot apply ({fault}); refusing to start rather than truncate it",
+        path.display()
+    )]
+    NotUnderstood {
+        path: PathBuf,
+        offset_bytes: u64,
+        fault: RecordFault,
+    },
+    #[error(
+        "journal {}: record at offset {offset_bytes} has seq {found}, expected {expected}: records are missing (a journal or checkpoint from another time?); refusing to start",
+        path.display()
+    )]
+    SequenceGap {
+        path: PathBuf,
+        offset_bytes: u64,
+        expected: u64,
+        found: u64,
+    },
+    #[error(
+        "journal {}: record seq {seq} at offset {offset_bytes} does not apply to the state ({source}); refusing to start",
+        path.display()
+    )]
+    Inconsistent {
+        path: PathBuf,
+        offset_bytes: u64,
+        seq: u64,
+        source: LedgerError,
+    },
+    #[error(
+        "journal {} is missing but a checkpoint exists: committed records may be lost; refusing to start (restore the journal, or create an empty one if you accept the checkpoint's state)",
+        path.display()
+    )]
+    Missing { path: PathBuf },
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> JournalError + 'a {
+    move |source| JournalError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn file_header() -> [u8; JOURNAL_HEADER_BYTES] {
+    let mut h = [0u8; JOURNAL_HEADER_BYTES];
+    h[0..8].copy_from_slice(&JOURNAL_MAGIC);
+    h[8..12].copy_from_slice(&JOURNAL_FORMAT_VERSION.to_le_bytes());
+    let crc = crc32c::crc32c(&h[..28]);
+    h[28..32].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+fn check_file_header(b: &[u8]) -> Result<(), &'static str> {
+    if b.len() < JOURNAL_HEADER_BYTES {
+        return Err("shorter than the file header");
+    }
+    if b[0..8] != JOURNAL_MAGIC {
+        return Err("wrong magic");
+    }
+    if le_u32(&b[28..32]) != crc32c::crc32c(&b[..28]) {
+        return Err("header checksum mismatch");
+    }
+    if le_u32(&b[8..12]) != JOURNAL_FORMAT_VERSION {
+        return Err("unsupported format version");
+    }
+    Ok(())
+}
+
+/// Where and why a scan stopped early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stop {
+    pub offset_bytes: u64,
+    pub dropped_bytes: u64,
+    pub fault: RecordFault,
+}
+
+/// The outcome of scanning a journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScanReport {
+    pub checkpoint_seq: u64,
+    /// Records applied to the ledger.
+    pub replayed: u64,
+    /// Records already covered by the checkpoint.
+    pub skipped: u64,
+    /// End of the last good record.
+    pub valid_end_bytes: u64,
+    /// Sequence number the next record gets.
+    pub next_seq: u64,
+    pub stop: Option<Stop>,
+}
+
+/// Why a scan refused (mapped to [`JournalError`] with the path).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScanError {
+    BadHeader(&'static str),
+    NotUnderstood {
+        offset_bytes: u64,
+        fault: RecordFault,
+    },
+    SequenceGap {
+        offset_bytes: u64,
+        expected: u64,
+        found: u64,
+    },
+    Inconsistent {
+        offset_bytes: u64,
+        seq: u64,
+        source: LedgerError,
+    },
+}
+
+/// Scans a whole journal file image (sans-IO): see the module essay.
+/// `apply` is called for every record after the checkpoint, in order.
+pub fn scan(
+    file: &[u8],
+    checkpoint_seq: u64,
+    mut apply: impl FnMut(&Record) -> Result<(), LedgerError>,
+) -> Result<ScanReport, ScanError> {
+    check_file_header(file).map_err(ScanError::BadHeader)?;
+    let mut at = JOURNAL_HEADER_BYTES;
+    let mut prev_seq: Option<u64> = None;
+    let mut report = ScanReport {
+        checkpoint_seq,
+        replayed: 0,
+        skipped: 0,
+        valid_end_bytes: at as u64,
+        next_seq: checkpoint_seq + 1,
+        stop: None,
+    };
+    while at < file.len() {
+        let d = match Record::decode(&file[at..]) {
+            Ok(d) => d,
+            Err(fault) if fault.is_torn_or_corrupt() => {
+                report.stop = Some(Stop {
+                    offset_bytes: at as u64,
+                    dropped_bytes: (file.len() - at) as u64,
+                    fault,
+                });
+                break;
+            }
+            Err(fault) => {
+                return Err(ScanError::NotUnderstood {
+                    offset_bytes: at as u64,
+                    fault,
+                });
+            }
+        };
+        // Sequence numbers are consecutive across the whole file; the first
+        // record may be older than the checkpoint (skipped) but never newer
+        // than the one right after it.
+        let expected = prev_seq.map_or(d.seq.min(checkpoint_seq + 1), |p| p + 1);
+        if d.seq != expected || (prev_seq.is_none() && d.seq == 0) {
+            return Err(ScanError::SequenceGap {
+                offset_bytes: at as u64,
+                expected: prev_seq.map_or(checkpoint_seq + 1, |p| p + 1),
+                found: d.seq,
+            });
+        }
+        if d.seq <= checkpoint_seq {
+            report.skipped += 1;
+        } else {
+            apply(&d.record).map_err(|source| ScanError::Inconsistent {
+                offset_bytes: at as u64,
+                seq: d.seq,
+                source,
+            })?;
+            report.replayed += 1;
+        }
+        prev_seq = Some(d.seq);
+        at += d.len_bytes;
+        report.valid_end_bytes = at as u64;
+        report.next_seq = d.seq.max(checkpoint_seq) + 1;
+    }
+    Ok(report)
+}
+
+/// A committed batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommitReport {
+    /// Records made durable by this commit (0: nothing was pending).
+    pub records: usize,
+    pub bytes: usize,
+    /// Sequence number of the last committed record.
+    pub committed_seq: u64,
+}
+
+/// An open journal, positioned after its last good record.
+#[derive(Debug)]
+pub struct Journal {
+    file: File,
+    path: PathBuf,
+    /// End of the committed records (where the next commit writes).
+    end_bytes: u64,
+    /// Sequence number of the next pushed record.
+    next_seq: u64,
+    pending: Vec<u8>,
+    pending_records: usize,
+    records_since_checkpoint: u64,
+    poisoned: bool,
+}
+
+impl Journal {
+    /// Recovers the journal of `dir` (see the module essay), creating an
+    /// empty one if there is none and no checkpoint either.
+    pub(crate) fn recover(
+        dir: &Path,
+        checkpoint_seq: u64,
+        checkpoint_exists: bool,
+        apply: impl FnMut(&Record) -> Result<(), LedgerError>,
+    ) -> Result<(Self, ScanReport, Option<PathBuf>), JournalError> {
+        let path = dir.join(JOURNAL_FILE);
+        if !path.try_exists().map_err(io_err("stat", &path))? {
+            if checkpoint_exists {
+                return Err(JournalError::Missing { path });
+            }
+            create_empty(dir)?;
+        }
+        let len_bytes = std::fs::metadata(&path)
+            .map_err(io_err("stat", &path))?
+            .len();
+        if len_bytes > MAX_JOURNAL_BYTES {
+            return Err(JournalError::TooLarge {
+                path,
+                len_bytes,
+                max_bytes: MAX_JOURNAL_BYTES,
+            });
+        }
+        let image = std::fs::read(&path).map_err(io_err("read", &path))?;
+        let report = scan(&image, checkpoint_seq, apply).map_err(|e| match e {
+            ScanError::BadHeader(reason) => JournalError::BadHeader {
+                path: path.clone(),
+                reason,
+            },
+            ScanError::NotUnderstood {
+                offset_bytes,
+                fault,
+            } => JournalError::NotUnderstood {
+                path: path.clone(),
+                offset_bytes,
+                fault,
+            },
+            ScanError::SequenceGap {
+                offset_bytes,
+                expected,
+                found,
+            } => JournalError::SequenceGap {
+                path: path.clone(),
+                offset_bytes,
+                expected,
+                found,
+            },
+            ScanError::Inconsistent {
+                offset_bytes,
+                seq,
+                source,
+            } => JournalError::Inconsistent {
+                path: path.clone(),
+                offset_bytes,
+                seq,
+                source,
+            },
+        })?;
+        let file = OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(io_err("open", &path))?;
+        let mut saved = None;
+        let mut end_bytes = report.valid_end_bytes;
+        if let Some(stop) = report.stop {
+            let tail = &image[stop.offset_bytes as usize..];
+            let to = save_dropped(dir, stop.offset_bytes, tail)?;
+            tracing::warn!(
+                journal = %path.display(),
+                offset_bytes = stop.offset_bytes,
+                dropped_bytes = stop.dropped_bytes,
+                fault = %stop.fault,
+                saved_to = %to.display(),
+                "journal ends with a torn or corrupt record; dropping it and everything after it"
+            );
+            saved = Some(to);
+        }
+        if report.skipped > 0 && report.replayed == 0 {
+            // A crash after installing a checkpoint and before restarting the
+            // journal: every record is in the checkpoint.
+            end_bytes = JOURNAL_HEADER_BYTES as u64;
+        }
+        if end_bytes != len_bytes {
+            file.set_len(end_bytes).map_err(io_err("truncate", &path))?;
+            file.sync_all().map_err(io_err("fsync", &path))?;
+        }
+        let journal = Self {
+            file,
+            path,
+            end_bytes,
+            next_seq: report.next_seq,
+            pending: Vec::with_capacity(PENDING_RESERVE_RECORDS * MAX_RECORD_BYTES),
+            pending_records: 0,
+            records_since_checkpoint: report.replayed,
+            poisoned: false,
+        };
+        Ok((journal, report, saved))
+    }
+
+    /// Encodes `record` into the pending buffer and returns its sequence
+    /// number. Not durable until [`Journal::commit`]. The buffer is bounded
+    /// by the driver: it commits when `PoolStore::commit_due` says so (at most
+    /// `MAX_GROUP_RECORDS` requests), and one request pushes at most
+    /// `MAX_REAP_PER_TICK` records.
+    pub fn push_record(&mut self, record: &Record) -> u64 {
+        let seq = self.next_seq;
+        record.encode(seq, &mut self.pending);
+        self.next_seq += 1;
+        self.pending_records += 1;
+        seq
+    }
+
+    /// Writes and syncs every pending record (one `pwrite`, one
+    /// `fdatasync`). See the module essay for the failure rule.
+    pub fn commit(&mut self) -> Result<CommitReport, JournalError> {
+        if self.poisoned {
+            return Err(JournalError::Poisoned {
+                path: self.path.clone(),
+            });
+        }
+        let report = CommitReport {
+            records: self.pending_records,
+            bytes: self.pending.len(),
+            committed_seq: self.next_seq - 1,
+        };
+        if self.pending_records == 0 {
+            return Ok(report);
+        }
+        let written = self
+            .file
+            .write_all_at(&self.pending, self.end_bytes)
+            .and_then(|()| self.file.sync_data());
+        if let Err(source) = written {
+            self.poisoned = true;
+            return Err(JournalError::Io {
+                op: "append to",
+                path: self.path.clone(),
+                source,
+            });
+        }
+        self.end_bytes += self.pending.len() as u64;
+        self.records_since_checkpoint += self.pending_records as u64;
+        self.pending.clear();
+        self.pending_records = 0;
+        Ok(report)
+    }
+
+    /// Records pushed and not yet committed.
+    pub fn pending_records(&self) -> usize {
+        self.pending_records
+    }
+
+    /// Sequence number of the last committed record (the checkpoint's when
+    /// none was written since).
+    pub fn committed_seq(&self) -> u64 {
+        self.next_seq - 1 - self.pending_records as u64
+    }
+
+    /// Committed records since the journal was last restarted.
+    pub fn records_since_checkpoint(&self) -> u64 {
+        self.records_since_checkpoint
+    }
+
+    /// Bytes of committed data (file header included).
+    pub fn len_bytes(&self) -> u64 {
+        self.end_bytes
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    /// Empties the journal after a checkpoint that covers every committed
+    /// record (the caller checks that). Keeps the sequence numbers going.
+    pub(crate) fn restart(&mut self) -> Result<(), JournalError> {
+        if self.poisoned {
+            return Err(JournalError::Poisoned {
+                path: self.path.clone(),
+            });
+        }
+        debug_assert_eq!(self.pending_records, 0);
+        let done = self
+            .file
+            .set_len(JOURNAL_HEADER_BYTES as u64)
+            .and_then(|()| self.file.sync_all());
+        if let Err(source) = done {
+            self.poisoned = true;
+            return Err(JournalError::Io {
+                op: "restart",
+                path: self.path.clone(),
+                source,
+            });
+        }
+        self.end_bytes = JOURNAL_HEADER_BYTES as u64;
+        self.records_since_checkpoint = 0;
+        Ok(())
+    }
+
+    pub(crate) fn poison(&mut self) {
+        self.poisoned = true;
+    }
+}
+
+impl RecordSink for Journal {
+    fn push(&mut self, record: &Record) {
+        self.push_record(record);
+    }
+}
+
+/// Creates an empty journal atomically: written and synced under a temporary
+/// name, renamed, directory synced. A crash leaves either no journal or a
+/// complete empty one.
+fn create_empty(dir: &Path) -> Result<(), JournalError> {
+    let tmp = dir.join(JOURNAL_TMP_FILE);
+    let path = dir.join(JOURNAL_FILE);
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&tmp)
+        .map_err(io_err("create", &tmp))?;
+    f.write_all(&file_header()).map_err(io_err("write", &tmp))?;
+    f.sync_all().map_err(io_err("fsync", &tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io_err("rename", &tmp))?;
+    fsync_dir(dir).map_err(io_err("fsync", dir))
+}
+
+/// Keeps a dropped tail next to the journal, under a name no other file has.
+fn save_dropped(dir: &Path, offset_bytes: u64, tail: &[u8]) -> Result<PathBuf, JournalError> {
+    for n in 0..MAX_DROPPED_NAMES {
+        let path = dir.join(format!("{DROPPED_PREFIX}{offset_bytes}.{n}"));
+        let mut f = match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io_err("create", &path)(e)),
+        };
+        f.write_all(tail).map_err(io_err("write", &path))?;
+        f.sync_all().map_err(io_err("fsync", &path))?;
+        fsync_dir(dir).map_err(io_err("fsync", dir))?;
+        return Ok(path);
+    }
+    Err(JournalError::Io {
+        op: "find a free name for the dropped tail in",
+        path: dir.to_path_buf(),
+        source: io::Error::new(io::ErrorKind::AlreadyExists, "too many dropped tails kept"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::types::RegionId;
+
+    fn image(seqs: &[u64]) -> Vec<u8> {
+        let mut v = file_header().to_vec();
+        for &s in seqs {
+            Record::Freed {
+                region: RegionId(s),
+            }
+            .encode(s, &mut v);
+        }
+        v
+    }
+
+    fn applied(img: &[u8], ckpt: u64) -> Result<(ScanReport, Vec<Record>), ScanError> {
+        let mut got = Vec::new();
+        let r = scan(img, ckpt, |rec| {
+            got.push(*rec);
+            Ok(())
+        })?;
+        Ok((r, got))
+    }
+
+    #[test]
+    fn records_covered_by_the_checkpoint_are_skipped_and_the_rest_applied() {
+        let (r, got) = applied(&image(&[5, 6, 7, 8]), 6).unwrap();
+        assert_eq!((r.skipped, r.replayed, r.next_seq), (2, 2, 9));
+        assert_eq!(
+            got,
+            vec![
+                Record::Freed {
+                    region: RegionId(7)
+                },
+                Record::Freed {
+                    region: RegionId(8)
+                }
+            ]
+        );
+        let (r, got) = applied(&image(&[5, 6]), 10).unwrap();
+        assert_eq!(
+            (r.skipped, r.replayed, r.next_seq, got.len()),
+            (2, 0, 11, 0)
+        );
+        let (r, _) = applied(&image(&[]), 3).unwrap();
+        assert_eq!(
+            (r.next_seq, r.valid_end_bytes),
+            (4, JOURNAL_HEADER_BYTES as u64)
+        );
+    }
+
+    #[test]
+    fn a_gap_in_the_sequence_refuses() {
+        assert!(matches!(
+            applied(&image(&[1, 2, 4]), 0),
+            Err(ScanError::SequenceGap {
+                expected: 3,
+                found: 4,
+                ..
+            })
+        ));
+        assert!(matches!(
+            applied(&image(&[9, 10]), 5),
+            Err(ScanError::SequenceGap {
+                expected: 6,
+                found: 9,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_torn_tail_stops_the_scan_at_the_last_good_record() {
+        let full = image(&[1, 2, 3]);
+        let good_end = image(&[1, 2]).len();
+        let (r, got) = applied(&full[..full.len() - 3], 0).unwrap();
+        assert_eq!(
+            (r.replayed, r.valid_end_bytes as usize, got.len()),
+            (2, good_end, 2)
+        );
+        let stop = r.stop.unwrap();
+        assert_eq!(stop.offset_bytes as usize, good_end);
+        assert!(matches!(stop.fault, RecordFault::Incomplete { .. }));
+    }
+
+    #[test]
+    fn a_bad_file_header_refuses() {
+        let mut img = image(&[1]);
+        img[3] ^= 1;
+        assert_eq!(
+            applied(&img, 0).unwrap_err(),
+            ScanError::BadHeader("wrong magic")
+        );
+        assert_eq!(
+            applied(&img[..10], 0).unwrap_err(),
+            ScanError::BadHeader("shorter than the file header")
+        );
+    }
+}

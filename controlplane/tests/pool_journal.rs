@@ -1,0 +1,723 @@
+//! Crash safety of the journal and checkpoints.
+//!
+//! A crash is simulated by what it leaves on disk: the journal cut at some
+//! byte (everything after the cut never reached the disk), a checkpoint
+//! written but not renamed, renamed but the journal not restarted, a bit
+//! flipped inside a record. Each time a fresh store and manager are built from
+//! the directory, and the recovered state must be exactly the state after the
+//! records fully present — every committed record survives, nothing is
+//! applied twice, nothing overlaps.
+
+mod pool_support;
+
+use std::fs;
+use std::path::Path;
+
+use cxlkv_controlplane::pool::journal::{JOURNAL_FILE, JOURNAL_HEADER_BYTES, JournalError};
+use cxlkv_controlplane::pool::ledger::Ledger;
+use cxlkv_controlplane::pool::record::RecordFault;
+use cxlkv_controlplane::pool::store::{CHECKPOINT_FILE, CHECKPOINT_TMP_FILE, SECRET_FILE};
+use cxlkv_controlplane::pool::{
+    AllocTag, Caller, DirectoryId, Handle, InstanceId, Journal, MonotonicMs, PoolStore, PoolTarget,
+    Record, RecordSink, Recovered, Reply, Request, Snapshot, StoreConfig, StoreError, SyncPolicy,
+};
+use pool_support::{MIB, fresh_header, open_store, shm_dir};
+
+const GRACE_MS: u64 = 1_000;
+
+/// Pushes into the journal and keeps a copy of every record, in order.
+struct Tee<'a> {
+    journal: &'a mut Journal,
+    log: &'a mut Vec<Record>,
+}
+
+impl RecordSink for Tee<'_> {
+    fn push(&mut self, record: &Record) {
+        self.journal.push(record);
+        self.log.push(*record);
+    }
+}
+
+fn encoded_len(r: &Record) -> u64 {
+    let mut v = Vec::new();
+    r.encode(1, &mut v);
+    v.len() as u64
+}
+
+/// The durable state after exactly these records.
+fn replay(records: &[Record]) -> Snapshot {
+    let mut l = Ledger::new();
+    for r in records {
+        l.apply(r).expect("the history replays");
+    }
+    l.snapshot()
+}
+
+/// A deterministic history of allocations, frees and reclaims.
+struct History {
+    records: Vec<Record>,
+    /// Records covered by the last installed checkpoint (the journal holds
+    /// `records[checkpoint_at..]`).
+    checkpoint_at: usize,
+}
+
+fn caller(n: u64) -> Caller {
+    Caller::Remote { connection: n }
+}
+
+fn build_history(dir: &Path, config: StoreConfig, steps: usize) -> History {
+    let mut r = open_store(dir, config, GRACE_MS, 0);
+    let mut records = Vec::new();
+    let mut checkpoint_at = 0;
+    let mut now = 0;
+    let commit = |r: &mut Recovered, records: &Vec<Record>, checkpoint_at: &mut usize| {
+        r.store.commit().expect("commit");
+        if r.store.checkpoint_due() {
+            r.store.checkpoint(&r.manager).expect("checkpoint");
+            *checkpoint_at = records.len();
+        }
+    };
+    for (uuid, size, align) in [(1u8, 64 * MIB, 2 * MIB), (2, 32 * MIB, 4 * MIB)] {
+        let opened = r
+            .manager
+            .open_pool(
+                &fresh_header(uuid, size, align),
+                &mut Tee {
+                    journal: r.store.journal(),
+                    log: &mut records,
+                },
+            )
+            .expect("open pool");
+        commit(&mut r, &records, &mut checkpoint_at);
+        r.manager.mark_online(opened.pool, opened.epoch).unwrap();
+    }
+    let dirs = [caller(1), caller(2)];
+    for (i, c) in dirs.iter().enumerate() {
+        let req = Request::Attach {
+            directory: DirectoryId(i as u64),
+            handles: &[],
+        };
+        r.manager
+            .handle(c, req, MonotonicMs(now), r.store.journal())
+            .unwrap();
+    }
+    let mut live: Vec<(usize, Handle)> = Vec::new();
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for step in 0..steps {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        now += 10;
+        let d = (x % 2) as usize;
+        let mut sink = Tee {
+            journal: r.store.journal(),
+            log: &mut records,
+        };
+        if step % 11 == 10 {
+            // Directory 1 dies; after the grace, the reaper reclaims its
+            // regions in one multi-record commit; then it comes back.
+            r.manager.caller_gone(&dirs[1], MonotonicMs(now));
+            now += GRACE_MS;
+            let reaped = r.manager.tick(MonotonicMs(now), &mut sink);
+            live.retain(|(d, _)| *d != 1);
+            let req = Request::Attach {
+                directory: DirectoryId(1),
+                handles: &[],
+            };
+            r.manager
+                .handle(&dirs[1], req, MonotonicMs(now), &mut sink)
+                .unwrap();
+            if reaped.reclaimed.is_empty() {
+                continue;
+            }
+        } else if x.is_multiple_of(3) && !live.is_empty() {
+            let (owner, h) = live.swap_remove((x as usize / 3) % live.len());
+            let req = Request::Free { handle: h };
+            r.manager
+                .handle(&dirs[owner], req, MonotonicMs(now), &mut sink)
+                .unwrap();
+        } else {
+            let req = Request::Alloc {
+                target: if x.is_multiple_of(5) {
+                    PoolTarget::Any
+                } else {
+                    PoolTarget::Pool(cxlkv_controlplane::pool::PoolId((x % 2) as u32))
+                },
+                len_bytes: (1 + x % 3) * 4 * MIB,
+                instance: InstanceId(x % 4),
+                tag: AllocTag(step as u64 + 1),
+            };
+            match r.manager.handle(&dirs[d], req, MonotonicMs(now), &mut sink) {
+                Ok(Reply::Allocated(h)) => live.push((d, h)),
+                Ok(other) => panic!("unexpected reply {other:?}"),
+                Err(_) => continue, // full: nothing was pushed
+            }
+        }
+        commit(&mut r, &records, &mut checkpoint_at);
+    }
+    History {
+        records,
+        checkpoint_at,
+    }
+}
+
+/// Copies the durable files of `from` into a fresh directory, with the
+/// journal cut to `journal_len` bytes.
+fn crashed_copy(from: &Path, journal: &[u8], journal_len: usize) -> tempfile::TempDir {
+    let to = shm_dir("crash");
+    for name in [SECRET_FILE, CHECKPOINT_FILE, CHECKPOINT_TMP_FILE] {
+        if from.join(name).exists() {
+            fs::copy(from.join(name), to.path().join(name)).unwrap();
+        }
+    }
+    fs::write(to.path().join(JOURNAL_FILE), &journal[..journal_len]).unwrap();
+    to
+}
+
+/// Cuts the journal of `dir` at every byte and checks each recovery.
+fn every_cut_recovers_the_committed_prefix(dir: &Path, h: &History) {
+    let journal = fs::read(dir.join(JOURNAL_FILE)).unwrap();
+    let segment = &h.records[h.checkpoint_at..];
+    let mut boundaries = vec![JOURNAL_HEADER_BYTES as u64];
+    for r in segment {
+        boundaries.push(boundaries.last().unwrap() + encoded_len(r));
+    }
+    assert_eq!(
+        *boundaries.last().unwrap(),
+        journal.len() as u64,
+        "journal = header + records"
+    );
+    assert!(
+        segment.len() >= 10,
+        "the history must leave records in the journal"
+    );
+    for cut in JOURNAL_HEADER_BYTES..=journal.len() {
+        let whole = boundaries.iter().filter(|&&b| b <= cut as u64).count() - 1;
+        let copy = crashed_copy(dir, &journal, cut);
+        let rec = PoolStore::open(
+            copy.path(),
+            StoreConfig::default(),
+            Default::default(),
+            MonotonicMs(0),
+        )
+        .unwrap_or_else(|e| panic!("cut at {cut}: recovery refused: {e}"));
+        let want = replay(&h.records[..h.checkpoint_at + whole]);
+        assert_eq!(
+            rec.manager.snapshot(),
+            want,
+            "cut at byte {cut} ({whole} whole records)"
+        );
+        rec.manager.check_invariants().unwrap();
+        let at_boundary = boundaries[whole] == cut as u64;
+        assert_eq!(rec.report.dropped.is_none(), at_boundary, "cut at {cut}");
+        if let Some(d) = &rec.report.dropped {
+            assert_eq!(d.stop.offset_bytes, boundaries[whole]);
+            assert_eq!(
+                fs::read(&d.saved_to).unwrap(),
+                &journal[boundaries[whole] as usize..cut]
+            );
+        }
+        let len = fs::metadata(copy.path().join(JOURNAL_FILE)).unwrap().len();
+        assert_eq!(len, boundaries[whole], "the torn tail is cut off at {cut}");
+    }
+}
+
+#[test]
+fn journal_crash_points_every_byte_of_every_record_recovers_the_committed_prefix() {
+    let dir = shm_dir("journal");
+    let config = StoreConfig {
+        sync: SyncPolicy::PerRecord,
+        checkpoint_every_records: 1 << 20,
+    };
+    let h = build_history(dir.path(), config, 40);
+    assert!(
+        h.records
+            .iter()
+            .any(|r| matches!(r, Record::Reclaimed { .. }))
+    );
+    assert!(h.records.iter().any(|r| matches!(r, Record::Freed { .. })));
+    every_cut_recovers_the_committed_prefix(dir.path(), &h);
+}
+
+#[test]
+fn journal_crash_points_after_checkpoints_recover_checkpoint_plus_prefix() {
+    let dir = shm_dir("journal-ckpt");
+    let config = StoreConfig {
+        sync: SyncPolicy::PerRecord,
+        checkpoint_every_records: 7,
+    };
+    let h = build_history(dir.path(), config, 60);
+    assert!(h.checkpoint_at > 0, "a checkpoint was taken");
+    // The history may end right after a checkpoint; extend it so the
+    // journal holds records on top of the checkpoint.
+    let mut r = open_store(
+        dir.path(),
+        StoreConfig {
+            checkpoint_every_records: 1 << 20,
+            ..config
+        },
+        GRACE_MS,
+        0,
+    );
+    let expected = replay(&h.records);
+    assert_eq!(r.manager.snapshot(), expected);
+    let mut h2 = History {
+        records: h.records.clone(),
+        checkpoint_at: h.checkpoint_at,
+    };
+    for (uuid, size, align) in [(1u8, 64 * MIB, 2 * MIB), (2, 32 * MIB, 4 * MIB)] {
+        let mut tee = Tee {
+            journal: r.store.journal(),
+            log: &mut h2.records,
+        };
+        let opened = r
+            .manager
+            .open_pool(&fresh_header(uuid, size, align), &mut tee)
+            .unwrap();
+        r.store.commit().unwrap();
+        r.manager.mark_online(opened.pool, opened.epoch).unwrap();
+    }
+    let c = caller(9);
+    let attach = Request::Attach {
+        directory: DirectoryId(7),
+        handles: &[],
+    };
+    r.manager
+        .handle(&c, attach, MonotonicMs(0), r.store.journal())
+        .unwrap();
+    for i in 0..10 {
+        let mut tee = Tee {
+            journal: r.store.journal(),
+            log: &mut h2.records,
+        };
+        let req = Request::Alloc {
+            target: PoolTarget::Any,
+            len_bytes: 2 * MIB,
+            instance: InstanceId(i),
+            tag: AllocTag::NONE,
+        };
+        r.manager.handle(&c, req, MonotonicMs(0), &mut tee).unwrap();
+        r.store.commit().unwrap();
+    }
+    drop(r);
+    every_cut_recovers_the_committed_prefix(dir.path(), &h2);
+}
+
+/// A store with `n` allocations committed, and its state.
+fn store_with_regions(dir: &Path, n: u64) -> (Recovered, Snapshot) {
+    let mut r = open_store(
+        dir,
+        StoreConfig {
+            checkpoint_every_records: 1 << 20,
+            ..Default::default()
+        },
+        GRACE_MS,
+        0,
+    );
+    pool_support::online_durable(&mut r, &fresh_header(3, 64 * MIB, 2 * MIB));
+    let c = caller(1);
+    pool_support::call(
+        &mut r,
+        &c,
+        Request::Attach {
+            directory: DirectoryId(1),
+            handles: &[],
+        },
+        0,
+    )
+    .unwrap();
+    for i in 0..n {
+        let req = Request::Alloc {
+            target: PoolTarget::Any,
+            len_bytes: 2 * MIB,
+            instance: InstanceId(i),
+            tag: AllocTag::NONE,
+        };
+        pool_support::call(&mut r, &c, req, 0).unwrap();
+    }
+    let snap = r.manager.snapshot();
+    assert_eq!(snap.regions.len() as u64, n);
+    (r, snap)
+}
+
+#[test]
+fn journal_crash_points_between_checkpoint_write_and_rename() {
+    for torn_tmp in [false, true] {
+        let dir = shm_dir("ckpt-tmp");
+        let (mut r, committed) = store_with_regions(dir.path(), 6);
+        let staged = r.store.stage_checkpoint(&r.manager).unwrap();
+        assert_eq!(staged.seq(), r.store.journal_ref().committed_seq());
+        let tmp = dir.path().join(CHECKPOINT_TMP_FILE);
+        if torn_tmp {
+            let len = fs::metadata(&tmp).unwrap().len();
+            fs::OpenOptions::new()
+                .write(true)
+                .open(&tmp)
+                .unwrap()
+                .set_len(len / 2)
+                .unwrap();
+        }
+        drop(staged);
+        drop(r); // crash: the rename never happened
+        let back = open_store(dir.path(), StoreConfig::default(), GRACE_MS, 0);
+        assert_eq!(back.manager.snapshot(), committed, "torn tmp: {torn_tmp}");
+        assert!(back.report.stale_checkpoint_tmp_removed);
+        assert!(!back.report.checkpoint_loaded);
+        assert_eq!(
+            back.report.scan.replayed, 8,
+            "pool added, its epoch, 6 allocations"
+        );
+        assert!(!tmp.exists());
+    }
+}
+
+#[test]
+fn journal_crash_points_between_rename_and_journal_restart_do_not_double_apply() {
+    let dir = shm_dir("ckpt-rename");
+    let (mut r, _) = store_with_regions(dir.path(), 6);
+    // A free after the allocations: applying the records twice would be
+    // caught (an issued id allocated again, a region freed twice).
+    let c = caller(1);
+    let handle = match pool_support::call(
+        &mut r,
+        &c,
+        Request::Alloc {
+            target: PoolTarget::Any,
+            len_bytes: 2 * MIB,
+            instance: InstanceId(99),
+            tag: AllocTag(5),
+        },
+        0,
+    )
+    .unwrap()
+    {
+        Reply::Allocated(h) => h,
+        other => panic!("{other:?}"),
+    };
+    pool_support::call(&mut r, &c, Request::Free { handle }, 0).unwrap();
+    let committed = r.manager.snapshot();
+    let journal_len = r.store.journal_ref().len_bytes();
+    let staged = r.store.stage_checkpoint(&r.manager).unwrap();
+    r.store.install_checkpoint(staged).unwrap();
+    drop(r); // crash before the journal restart
+    assert_eq!(
+        fs::metadata(dir.path().join(JOURNAL_FILE)).unwrap().len(),
+        journal_len
+    );
+    let mut back = open_store(dir.path(), StoreConfig::default(), GRACE_MS, 0);
+    assert_eq!(back.manager.snapshot(), committed);
+    assert!(back.report.checkpoint_loaded);
+    assert_eq!(
+        (back.report.scan.replayed, back.report.scan.skipped),
+        (0, 10)
+    );
+    assert_eq!(
+        back.store.journal_ref().len_bytes(),
+        JOURNAL_HEADER_BYTES as u64,
+        "the restart is finished"
+    );
+    // New records continue the sequence and survive another restart.
+    pool_support::online_durable(&mut back, &fresh_header(3, 64 * MIB, 2 * MIB));
+    let c2 = caller(2);
+    pool_support::call(
+        &mut back,
+        &c2,
+        Request::Attach {
+            directory: DirectoryId(2),
+            handles: &[],
+        },
+        0,
+    )
+    .unwrap();
+    let req = Request::Alloc {
+        target: PoolTarget::Any,
+        len_bytes: 4 * MIB,
+        instance: InstanceId(1),
+        tag: AllocTag::NONE,
+    };
+    pool_support::call(&mut back, &c2, req, 0).unwrap();
+    let later = back.manager.snapshot();
+    drop(back);
+    let again = open_store(dir.path(), StoreConfig::default(), GRACE_MS, 0);
+    assert_eq!(again.manager.snapshot(), later);
+    assert_eq!(again.report.scan.skipped, 0);
+}
+
+#[test]
+fn journal_crash_points_bit_flip_inside_a_record_stops_recovery_there() {
+    let dir = shm_dir("bitflip");
+    let (r, _) = store_with_regions(dir.path(), 8);
+    let committed_records = {
+        let mut l = Vec::new();
+        let image = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+        let mut at = JOURNAL_HEADER_BYTES;
+        while at < image.len() {
+            let d = Record::decode(&image[at..]).unwrap();
+            l.push((at, d.len_bytes, d.record));
+            at += d.len_bytes;
+        }
+        l
+    };
+    drop(r);
+    let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+    let k = 5; // a record in the middle
+    let (start, len, _) = committed_records[k];
+    for byte in start..start + len {
+        let mut flipped = journal.clone();
+        flipped[byte] ^= 1 << (byte % 8);
+        let copy = crashed_copy(dir.path(), &flipped, flipped.len());
+        let back = open_store(copy.path(), StoreConfig::default(), GRACE_MS, 0);
+        let prefix: Vec<Record> = committed_records[..k].iter().map(|e| e.2).collect();
+        assert_eq!(
+            back.manager.snapshot(),
+            replay(&prefix),
+            "flip in byte {byte}"
+        );
+        let d = back.report.dropped.as_ref().expect("the flip is reported");
+        assert_eq!(d.stop.offset_bytes, start as u64);
+        assert!(d.stop.fault.is_torn_or_corrupt());
+        assert_eq!(fs::read(&d.saved_to).unwrap(), &flipped[start..]);
+        assert_eq!(
+            fs::metadata(copy.path().join(JOURNAL_FILE)).unwrap().len(),
+            start as u64
+        );
+    }
+}
+
+#[test]
+fn a_crc_valid_record_this_build_does_not_know_refuses_to_start_and_is_kept() {
+    let dir = shm_dir("unknown-kind");
+    let (r, _) = store_with_regions(dir.path(), 2);
+    drop(r);
+    let path = dir.path().join(JOURNAL_FILE);
+    let mut image = fs::read(&path).unwrap();
+    let at = image.len();
+    Record::Freed {
+        region: cxlkv_controlplane::pool::RegionId(1),
+    }
+    .encode(999, &mut image);
+    image[at + 9] = 77; // kind
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&image[at..at + 4]), &image[at + 8..]);
+    image[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
+    fs::write(&path, &image).unwrap();
+    let e = PoolStore::open(
+        dir.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            StoreError::Journal(JournalError::NotUnderstood {
+                fault: RecordFault::UnknownKind { kind: 77 },
+                ..
+            })
+        ),
+        "{e}"
+    );
+    assert_eq!(fs::read(&path).unwrap(), image, "nothing was truncated");
+}
+
+#[test]
+fn a_deleted_checkpoint_is_detected_as_a_sequence_gap() {
+    let dir = shm_dir("gap");
+    let (mut r, _) = store_with_regions(dir.path(), 3);
+    r.store.checkpoint(&r.manager).unwrap();
+    let c = caller(1);
+    let req = Request::Alloc {
+        target: PoolTarget::Any,
+        len_bytes: 2 * MIB,
+        instance: InstanceId(0),
+        tag: AllocTag::NONE,
+    };
+    pool_support::call(&mut r, &c, req, 0).unwrap();
+    drop(r);
+    fs::remove_file(dir.path().join(CHECKPOINT_FILE)).unwrap();
+    let e = PoolStore::open(
+        dir.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            StoreError::Journal(JournalError::SequenceGap { expected: 1, .. })
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_missing_journal_next_to_a_checkpoint_refuses_to_start() {
+    let dir = shm_dir("no-journal");
+    let (mut r, _) = store_with_regions(dir.path(), 1);
+    r.store.checkpoint(&r.manager).unwrap();
+    drop(r);
+    fs::remove_file(dir.path().join(JOURNAL_FILE)).unwrap();
+    let e = PoolStore::open(
+        dir.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, StoreError::Journal(JournalError::Missing { .. })),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_corrupt_checkpoint_refuses_to_start() {
+    let dir = shm_dir("bad-ckpt");
+    let (mut r, _) = store_with_regions(dir.path(), 2);
+    r.store.checkpoint(&r.manager).unwrap();
+    drop(r);
+    let path = dir.path().join(CHECKPOINT_FILE);
+    let mut image = fs::read(&path).unwrap();
+    let last = image.len() - 1;
+    image[last] ^= 0x10;
+    fs::write(&path, &image).unwrap();
+    let e = PoolStore::open(
+        dir.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(matches!(e, StoreError::CorruptCheckpoint { .. }), "{e}");
+}
+
+#[test]
+fn a_missing_secret_while_regions_exist_refuses_to_start() {
+    let dir = shm_dir("no-secret");
+    let (r, _) = store_with_regions(dir.path(), 2);
+    drop(r);
+    fs::remove_file(dir.path().join(SECRET_FILE)).unwrap();
+    let e = PoolStore::open(
+        dir.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, StoreError::SecretMissing { regions: 2, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("Restore the secret file"), "{e}");
+    assert!(
+        !dir.path().join(SECRET_FILE).exists(),
+        "no new secret was made"
+    );
+}
+
+#[test]
+fn a_secret_is_created_0600_on_first_start_and_kept_after() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = shm_dir("secret");
+    let state = dir.path().join("state"); // created by open
+    let first = open_store(&state, StoreConfig::default(), GRACE_MS, 0);
+    assert!(first.report.secret_created);
+    let meta = fs::metadata(state.join(SECRET_FILE)).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(meta.len(), 32);
+    let id = first.manager.manager_id();
+    drop(first);
+    let second = open_store(&state, StoreConfig::default(), GRACE_MS, 0);
+    assert!(!second.report.secret_created);
+    assert_eq!(
+        second.manager.manager_id(),
+        id,
+        "same secret, same manager id"
+    );
+    drop(second);
+    fs::set_permissions(state.join(SECRET_FILE), fs::Permissions::from_mode(0o644)).unwrap();
+    let e = PoolStore::open(
+        &state,
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, StoreError::SecretPermissions { mode: 0o644, .. }),
+        "{e}"
+    );
+}
+
+#[test]
+fn group_commit_writes_several_requests_with_one_commit() {
+    let dir = shm_dir("group");
+    let config = StoreConfig {
+        sync: SyncPolicy::Group {
+            max_batch_records: 4,
+        },
+        checkpoint_every_records: 1 << 20,
+    };
+    let mut r = open_store(dir.path(), config, GRACE_MS, 0);
+    pool_support::online_durable(&mut r, &fresh_header(4, 64 * MIB, 2 * MIB));
+    let c = caller(1);
+    r.manager
+        .handle(
+            &c,
+            Request::Attach {
+                directory: DirectoryId(1),
+                handles: &[],
+            },
+            MonotonicMs(0),
+            r.store.journal(),
+        )
+        .unwrap();
+    let path = dir.path().join(JOURNAL_FILE);
+    let before = fs::metadata(&path).unwrap().len();
+    for i in 0..3 {
+        let req = Request::Alloc {
+            target: PoolTarget::Any,
+            len_bytes: 2 * MIB,
+            instance: InstanceId(i),
+            tag: AllocTag::NONE,
+        };
+        r.manager
+            .handle(&c, req, MonotonicMs(0), r.store.journal())
+            .unwrap();
+        assert!(
+            !r.store.commit_due(),
+            "{} records pending, the group holds 4",
+            i + 1
+        );
+    }
+    assert_eq!(
+        fs::metadata(&path).unwrap().len(),
+        before,
+        "nothing written before the commit"
+    );
+    let req = Request::Alloc {
+        target: PoolTarget::Any,
+        len_bytes: 2 * MIB,
+        instance: InstanceId(3),
+        tag: AllocTag::NONE,
+    };
+    r.manager
+        .handle(&c, req, MonotonicMs(0), r.store.journal())
+        .unwrap();
+    assert!(r.store.commit_due());
+    let report = r.store.commit().unwrap();
+    assert_eq!(report.records, 4);
+    assert_eq!(
+        fs::metadata(&path).unwrap().len(),
+        before + report.bytes as u64
+    );
+    let snap = r.manager.snapshot();
+    drop(r);
+    assert_eq!(
+        open_store(dir.path(), config, GRACE_MS, 0)
+            .manager
+            .snapshot(),
+        snap
+    );
+}
