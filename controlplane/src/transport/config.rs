@@ -67,7 +67,7 @@ impl BackendChoice {
 
 /// How io_uring delivers completions that need the submitting task's
 /// context (socket receives do). See the module essay for measurements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum TaskRun {
     /// `COOP_TASKRUN | TASKRUN_FLAG`: no inter-processor interrupt; the

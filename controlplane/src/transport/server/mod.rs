@@ -503,6 +503,8 @@ pub(crate) struct SendQueue {
 
 /// Most frames gathered into one `sendmsg`.
 pub(crate) const MAX_IOVECS: usize = 64;
+/// Most bytes moved into one io_uring send (unless a single frame is larger).
+pub(crate) const MAX_BATCH_BYTES: usize = 256 << 10;
 
 impl SendQueue {
     pub fn is_empty(&self) -> bool {
@@ -542,6 +544,32 @@ impl SendQueue {
                 break;
             }
             if iov.len() == MAX_IOVECS {
+                break;
+            }
+        }
+    }
+
+    /// Moves the next run of frames to write into `out` (same grouping as
+    /// `gather`, at most `MAX_BATCH_BYTES` unless one frame is larger), for
+    /// a backend whose writes outlive this call (io_uring). Only valid while
+    /// nothing was partially written through `advance`.
+    pub fn pop_batch(&mut self, out: &mut Vec<OutFrame>) {
+        debug_assert_eq!(self.front_offset, 0);
+        let mut bytes = 0;
+        while let Some(f) = self.frames.front() {
+            let carries_fds = !f.fds.is_empty();
+            if !out.is_empty()
+                && (carries_fds
+                    || bytes + f.bytes.len() > MAX_BATCH_BYTES
+                    || out.len() == MAX_IOVECS)
+            {
+                break;
+            }
+            let f = self.frames.pop_front().expect("front exists");
+            bytes += f.bytes.len();
+            self.bytes -= f.bytes.len();
+            out.push(f);
+            if carries_fds {
                 break;
             }
         }
