@@ -279,14 +279,16 @@ impl FrameDecoder {
     pub fn spare(&mut self, min_bytes: usize) -> &mut [u8] {
         let cap = self.buf.len() * 8;
         if cap - self.end < min_bytes {
-            // Compact: move the partial frame to the front. `start` is always a
-            // multiple of FRAME_ALIGN (frames are consumed whole), so alignment
-            // of the buffered data is preserved.
-            debug_assert_eq!(self.start % FRAME_ALIGN, 0);
+            // Compact: move the undecoded bytes to the front, keeping each
+            // byte at a buffer position congruent to its stream offset modulo
+            // FRAME_ALIGN. Frames start at stream offsets that are multiples of
+            // FRAME_ALIGN, so they stay aligned in memory — including after a
+            // rejected frame's payload was skipped only partly.
             let (start, end) = (self.start, self.end);
-            self.bytes_mut().copy_within(start..end, 0);
-            self.end -= start;
-            self.start = 0;
+            let phase = start % FRAME_ALIGN;
+            self.bytes_mut().copy_within(start..end, phase);
+            self.end -= start - phase;
+            self.start = phase;
             let want = (self.end + min_bytes).min(MAX_FRAME_BYTES + INITIAL_BUFFER_BYTES);
             if cap < want {
                 self.buf.resize(want.div_ceil(8), 0);
@@ -388,8 +390,11 @@ impl FrameDecoder {
 
     fn reset_if_empty(&mut self) {
         if self.start == self.end {
-            self.start = 0;
-            self.end = 0;
+            // The next byte to arrive has stream offset `received_total`;
+            // keep position ≡ offset (mod FRAME_ALIGN), see `spare`.
+            let phase = (self.received_total % FRAME_ALIGN as u64) as usize;
+            self.start = phase;
+            self.end = phase;
         }
     }
 }
@@ -520,6 +525,30 @@ mod tests {
         d.push(&frame(1, 6, b"next"));
         let (h, p) = expect_frame(&mut d);
         assert_eq!((h.request_id, p.as_slice()), (6, &b"next"[..]));
+    }
+
+    #[test]
+    fn frames_after_a_partly_skipped_rejection_stay_aligned() {
+        let mut header = FrameHeader::new(1, 5, 0).unwrap();
+        header.payload_len = (MAX_PAYLOAD_BYTES + 8) as u32;
+        let mut d = FrameDecoder::new();
+        d.push(&header.encode());
+        assert!(matches!(
+            d.decode().unwrap(),
+            Some(Decoded::Rejected { .. })
+        ));
+        // Skipped payload arrives in odd-sized pieces, then a real frame.
+        let mut left = MAX_PAYLOAD_BYTES + 8;
+        let piece = vec![0u8; 99_999];
+        while left > 0 {
+            let n = left.min(piece.len());
+            d.push(&piece[..n]);
+            assert!(d.decode().unwrap().is_none());
+            left -= n;
+        }
+        d.push(&frame(1, 6, b"aligned?"));
+        let (h, p) = expect_frame(&mut d);
+        assert_eq!((h.request_id, p.as_slice()), (6, &b"aligned?"[..]));
     }
 
     #[test]

@@ -54,6 +54,8 @@ use crate::frame::{Decoded, FrameDecoder, FrameError, FrameHeader, encode_frame,
 
 /// Bytes asked of the decoder per receive.
 const READ_CHUNK_BYTES: usize = 64 << 10;
+/// Reads that drain what a resetting peer sent before the reset.
+const MAX_DRAIN_READS: usize = 64;
 
 /// What went wrong with a call.
 #[derive(Debug, thiserror::Error)]
@@ -621,6 +623,28 @@ impl Inner {
                     io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
                 ) =>
             {
+                false
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {
+                // A Unix peer that closes with our request unread reports
+                // a reset first; what it sent before (a refusal frame) is
+                // still readable after it. Drain it (bounded), then fail.
+                for _ in 0..MAX_DRAIN_READS {
+                    let spare = reader.decoder.spare(READ_CHUNK_BYTES);
+                    match sys::recv(self.sock.fd(), spare) {
+                        Ok(n) if n > 0 => {
+                            reader.decoder.filled(n);
+                            self.dispatch(reader);
+                        }
+                        _ => break,
+                    }
+                }
+                let notice = self
+                    .last_notice
+                    .lock()
+                    .as_ref()
+                    .map(|n| Box::new(Reply::new(n.header, n.payload(), Vec::new())));
+                self.fail_all(format!("receive: {e}"), notice);
                 false
             }
             Err(e) => {
