@@ -839,6 +839,7 @@ impl<H: Handler> Core<H> {
             }
             if reset {
                 self.scratch = out;
+                ServerStats::bump(&self.shared.stats.faults_applied);
                 self.reset(slot);
                 return;
             }
