@@ -83,7 +83,11 @@ type Scenario = (
     fn(&BenchArgs, &mut Reporter) -> anyhow::Result<()>,
 );
 
-const SCENARIOS: &[Scenario] = &[];
+const SCENARIOS: &[Scenario] = &[(
+    "rtt",
+    "control-plane round trip (transport) vs a raw busy-polling socket ping-pong",
+    crate::bench::rtt::run,
+)];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     if args.list {
