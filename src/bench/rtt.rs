@@ -380,6 +380,9 @@ fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::R
     Ok(())
 }
 
+/// A change to the server configuration for one case.
+type Tweak = fn(&mut ServerConfig);
+
 fn no_tweak(_: &mut ServerConfig) {}
 
 /// Entry point (registered in `cli::SCENARIOS`).
@@ -444,7 +447,7 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     )?;
     if !args.quick {
         // The measurements behind the defaults (module essay of `transport`).
-        let variants: [(&str, fn(&mut ServerConfig)); 5] = [
+        let variants: [(&str, Tweak); 5] = [
             ("transport=unix,backend=uring,sqpoll=on", |c| {
                 c.io.sqpoll = true
             }),

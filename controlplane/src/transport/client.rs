@@ -471,7 +471,7 @@ impl PendingCall {
             // A dispatcher took the slot out of `pending` and is inside
             // `Slot::complete`, which takes no lock we hold: it finishes.
             while !slot.done.load(Ordering::Acquire) {
-                std::hint::spin_loop();
+                std::thread::yield_now(); // see the server loop: the peer may share this vCPU
             }
             if let Some(r) = slot.result.lock().take() {
                 return r;
@@ -573,7 +573,7 @@ impl Inner {
                     }
                 }
             } else {
-                std::hint::spin_loop();
+                std::thread::yield_now(); // see the server loop: the peer may share this vCPU
             }
         }
     }

@@ -36,9 +36,8 @@ impl Epoll {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `raw` was just returned by epoll_create1; nobody else owns it.
-        Ok(Self {
-            fd: unsafe { OwnedFd::from_raw_fd(raw) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(Self { fd })
     }
 
     fn ctl(&self, op: libc::c_int, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -162,6 +161,10 @@ pub(crate) fn run<H: Handler>(
         driver.teardown(core);
         if n > 0 || had_work || flushed {
             last_activity = now;
+        } else if !asleep {
+            // Spinning: yield so a peer sharing this vCPU can run (see the
+            // transport essay).
+            std::thread::yield_now();
         }
     }
     core.close_all();
