@@ -221,6 +221,8 @@ pub struct FrameDecoder {
     end: usize,
     /// Payload bytes (with padding) of a rejected frame still to be dropped.
     skip: usize,
+    /// Bytes received since the decoder was created (stream offset of `end`).
+    received_total: u64,
 }
 
 impl fmt::Debug for FrameDecoder {
@@ -229,6 +231,7 @@ impl fmt::Debug for FrameDecoder {
             .field("capacity", &(self.buf.len() * 8))
             .field("buffered", &(self.end - self.start))
             .field("skip", &self.skip)
+            .field("received_total", &self.received_total)
             .finish()
     }
 }
@@ -249,6 +252,7 @@ impl FrameDecoder {
             start: 0,
             end: 0,
             skip: 0,
+            received_total: 0,
         }
     }
 
@@ -276,14 +280,16 @@ impl FrameDecoder {
     pub fn spare(&mut self, min_bytes: usize) -> &mut [u8] {
         let cap = self.buf.len() * 8;
         if cap - self.end < min_bytes {
-            // Compact: move the partial frame to the front. `start` is always a
-            // multiple of FRAME_ALIGN (frames are consumed whole), so alignment
-            // of the buffered data is preserved.
-            debug_assert_eq!(self.start % FRAME_ALIGN, 0);
+            // Compact: move the undecoded bytes to the front, keeping each
+            // byte at a buffer position congruent to its stream offset modulo
+            // FRAME_ALIGN. Frames start at stream offsets that are multiples of
+            // FRAME_ALIGN, so they stay aligned in memory — including after a
+            // rejected frame's payload was skipped only partly.
             let (start, end) = (self.start, self.end);
-            self.bytes_mut().copy_within(start..end, 0);
-            self.end -= start;
-            self.start = 0;
+            let phase = start % FRAME_ALIGN;
+            self.bytes_mut().copy_within(start..end, phase);
+            self.end -= start - phase;
+            self.start = phase;
             let want = (self.end + min_bytes).min(MAX_FRAME_BYTES + INITIAL_BUFFER_BYTES);
             if cap < want {
                 self.buf.resize(want.div_ceil(8), 0);
@@ -304,6 +310,15 @@ impl FrameDecoder {
             "filled past the spare capacity"
         );
         self.end += n;
+        self.received_total += n as u64;
+    }
+
+    /// Stream offset (bytes since the start of the stream) at which the next
+    /// frame [`FrameDecoder::decode`] returns begins. Lets a receiver tie
+    /// out-of-band data (descriptors passed with `SCM_RIGHTS`) to the frame
+    /// whose bytes they arrived with.
+    pub fn next_frame_offset(&self) -> u64 {
+        self.received_total - (self.end - self.start) as u64 + self.skip as u64
     }
 
     /// Copies `data` in (convenience for tests and the fallback backend).
@@ -376,8 +391,11 @@ impl FrameDecoder {
 
     fn reset_if_empty(&mut self) {
         if self.start == self.end {
-            self.start = 0;
-            self.end = 0;
+            // The next byte to arrive has stream offset `received_total`;
+            // keep position ≡ offset (mod FRAME_ALIGN), see `spare`.
+            let phase = (self.received_total % FRAME_ALIGN as u64) as usize;
+            self.start = phase;
+            self.end = phase;
         }
     }
 }
@@ -511,6 +529,30 @@ mod tests {
     }
 
     #[test]
+    fn frames_after_a_partly_skipped_rejection_stay_aligned() {
+        let mut header = FrameHeader::new(1, 5, 0).unwrap();
+        header.payload_len = (MAX_PAYLOAD_BYTES + 8) as u32;
+        let mut d = FrameDecoder::new();
+        d.push(&header.encode());
+        assert!(matches!(
+            d.decode().unwrap(),
+            Some(Decoded::Rejected { .. })
+        ));
+        // Skipped payload arrives in odd-sized pieces, then a real frame.
+        let mut left = MAX_PAYLOAD_BYTES + 8;
+        let piece = vec![0u8; 99_999];
+        while left > 0 {
+            let n = left.min(piece.len());
+            d.push(&piece[..n]);
+            assert!(d.decode().unwrap().is_none());
+            left -= n;
+        }
+        d.push(&frame(1, 6, b"aligned?"));
+        let (h, p) = expect_frame(&mut d);
+        assert_eq!((h.request_id, p.as_slice()), (6, &b"aligned?"[..]));
+    }
+
+    #[test]
     fn a_maximum_size_frame_is_accepted() {
         let payload = vec![0x5A; MAX_PAYLOAD_BYTES];
         let f = frame(4, 99, &payload);
@@ -521,6 +563,30 @@ mod tests {
         let (h, p) = expect_frame(&mut d);
         assert_eq!(h.request_id, 99);
         assert_eq!(p.len(), MAX_PAYLOAD_BYTES);
+    }
+
+    #[test]
+    fn next_frame_offset_tracks_frame_starts_across_rejections() {
+        let mut stream = frame(1, 1, b"abc");
+        let second_at = stream.len() as u64;
+        let mut bad = frame(1, 2, &[7u8; 20]);
+        bad[4] = 9;
+        stream.extend_from_slice(&bad);
+        let third_at = stream.len() as u64;
+        stream.extend(frame(1, 3, b""));
+        let mut d = FrameDecoder::new();
+        let mut starts = Vec::new();
+        for b in &stream {
+            d.push(std::slice::from_ref(b));
+            loop {
+                let at = d.next_frame_offset();
+                match d.decode().unwrap() {
+                    Some(_) => starts.push(at),
+                    None => break,
+                }
+            }
+        }
+        assert_eq!(starts, vec![0, second_at, third_at]);
     }
 
     #[test]

@@ -4,3 +4,4 @@
 
 pub mod frame;
 pub mod pool;
+pub mod transport;

@@ -83,11 +83,18 @@ type Scenario = (
     fn(&BenchArgs, &mut Reporter) -> anyhow::Result<()>,
 );
 
-const SCENARIOS: &[Scenario] = &[(
-    "copy",
-    "copy_in GB/s vs ptr::copy_nonoverlapping into the pool (dest=shm, hugetlb)",
-    crate::bench::copy::run,
-)];
+const SCENARIOS: &[Scenario] = &[
+    (
+        "copy",
+        "copy_in GB/s vs ptr::copy_nonoverlapping into the pool (dest=shm, hugetlb)",
+        crate::bench::copy::run,
+    ),
+    (
+        "rtt",
+        "control-plane round trip (transport) vs a raw busy-polling socket ping-pong",
+        crate::bench::rtt::run,
+    ),
+];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     if args.list {

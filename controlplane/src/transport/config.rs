@@ -1,0 +1,193 @@
+//! Configuration of the transport: which backend, how it waits, and its
+//! limits. Defaults come from measurements recorded in the module essay
+//! (`transport/mod.rs`).
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use super::TransportError;
+
+/// Environment variable that forces a backend when the config says `Auto`.
+pub const IO_ENV: &str = "CXLKV_IO";
+
+/// Which I/O backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum BackendChoice {
+    /// `CXLKV_IO` if set, else io_uring, falling back (with one log line)
+    /// when io_uring cannot be set up.
+    #[default]
+    Auto,
+    /// io_uring or an error.
+    Uring,
+    /// The epoll / busy-poll backend.
+    Fallback,
+}
+
+/// The backend actually running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Backend {
+    Uring,
+    Fallback,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Uring => "uring",
+            Backend::Fallback => "fallback",
+        })
+    }
+}
+
+impl BackendChoice {
+    /// The choice after applying `CXLKV_IO` (only when `self` is `Auto`).
+    pub fn resolve_env(self) -> Result<BackendChoice, TransportError> {
+        if self != BackendChoice::Auto {
+            return Ok(self);
+        }
+        match std::env::var(IO_ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(BackendChoice::Auto),
+            Ok(v) if v == "uring" => Ok(BackendChoice::Uring),
+            Ok(v) if v == "fallback" => Ok(BackendChoice::Fallback),
+            Ok(v) if v.is_empty() || v == "auto" => Ok(BackendChoice::Auto),
+            Ok(v) => Err(TransportError::BadEnv {
+                var: IO_ENV,
+                value: v,
+            }),
+            Err(std::env::VarError::NotUnicode(v)) => Err(TransportError::BadEnv {
+                var: IO_ENV,
+                value: v.to_string_lossy().into_owned(),
+            }),
+        }
+    }
+}
+
+/// How io_uring delivers completions that need the submitting task's
+/// context (socket receives do). See the module essay for measurements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum TaskRun {
+    /// `COOP_TASKRUN | TASKRUN_FLAG`: no inter-processor interrupt; the
+    /// kernel raises a flag in the shared ring that the spinning loop checks
+    /// and enters the kernel only then.
+    #[default]
+    Coop,
+    /// `SINGLE_ISSUER | DEFER_TASKRUN | TASKRUN_FLAG`: work runs only when
+    /// the loop asks for completions.
+    Defer,
+    /// Kernel default: task work interrupts the loop thread.
+    Interrupt,
+}
+
+/// Knobs shared by the server loop and the client's reader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IoConfig {
+    pub backend: BackendChoice,
+    /// How long a waiter polls (without sleeping) after its last event before
+    /// it blocks in the kernel. Waking a sleeping vCPU costs ~50 µs here, so
+    /// spinning through short gaps is what keeps round trips near the raw
+    /// socket's.
+    pub spin_us: u32,
+    /// io_uring: a kernel thread polls the submission queue (costs a core
+    /// while busy; see the module essay for why it is off by default).
+    pub sqpoll: bool,
+    /// io_uring: the SQPOLL thread sleeps after this much idle time.
+    pub sqpoll_idle_ms: u32,
+    pub taskrun: TaskRun,
+    /// io_uring submission-queue entries (the completion queue is twice this).
+    pub ring_entries: u32,
+    /// io_uring provided receive buffers: bytes each (a receive completes
+    /// with at most this many bytes) ...
+    pub recv_buffer_bytes: u32,
+    /// ... and how many (a power of two, ≤ 32768).
+    pub recv_buffer_count: u16,
+}
+
+impl Default for IoConfig {
+    fn default() -> Self {
+        Self {
+            backend: BackendChoice::Auto,
+            spin_us: 200,
+            sqpoll: false,
+            sqpoll_idle_ms: 10,
+            taskrun: TaskRun::Coop,
+            ring_entries: 256,
+            recv_buffer_bytes: 16 << 10,
+            recv_buffer_count: 256,
+        }
+    }
+}
+
+/// Limits and knobs of a [`Server`](super::Server).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub io: IoConfig,
+    /// Connections served at once; more are refused (the handler may
+    /// explain why in a frame) and closed.
+    pub max_connections: usize,
+    /// Requests of one connection delivered to the handler and not answered
+    /// yet; more are rejected (`Rejection::TooManyInFlight`).
+    pub max_inflight_per_conn: usize,
+    /// Bytes queued for one connection and not yet taken by its socket. A
+    /// peer that stops reading is disconnected when this overflows. At least
+    /// one maximum frame.
+    pub max_send_queue_bytes: usize,
+    /// A connection that holds an incomplete frame this long is closed.
+    pub partial_frame_timeout_ms: u64,
+    /// Completions posted from other threads and not yet picked up by the
+    /// loop; `Completer` calls fail with `Full` beyond this.
+    pub max_pending_completions: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            io: IoConfig::default(),
+            max_connections: 1024,
+            max_inflight_per_conn: 1024,
+            max_send_queue_bytes: 2 * crate::frame::MAX_FRAME_BYTES,
+            partial_frame_timeout_ms: 30_000,
+            max_pending_completions: 65_536,
+        }
+    }
+}
+
+/// Knobs of an [`RpcClient`](super::RpcClient).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientConfig {
+    pub io: IoConfig,
+    /// Requests in flight on the connection; `call` fails with
+    /// `TooManyInFlight` beyond this (it never waits for room).
+    pub max_inflight: usize,
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            io: IoConfig::default(),
+            max_inflight: 1024,
+            connect_timeout_ms: 5_000,
+        }
+    }
+}
+
+/// Where a server listens or a client connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Endpoint {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+            Endpoint::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}

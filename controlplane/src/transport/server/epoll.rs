@@ -1,0 +1,360 @@
+//! The fallback server backend: level-triggered epoll over non-blocking
+//! sockets. It waits the same way the io_uring backend does — polls with a
+//! zero timeout for `spin_us` after the last event, then blocks — so the two
+//! differ only in the system calls they make.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+
+use super::{ConnState, Core, DisconnectReason, Handler, Listener, stop_requested};
+use crate::transport::TransportError;
+use crate::transport::sys;
+
+/// epoll tokens: connection slots are small numbers; these sit at the top.
+const WAKE_TOKEN: u64 = u64::MAX;
+const LISTENER_TOKEN_BASE: u64 = u64::MAX - 1024;
+/// Events taken per `epoll_wait`.
+const MAX_EVENTS: usize = 256;
+/// Bytes read from one connection per readiness event (fairness: one fast
+/// sender cannot starve the others).
+const READ_BUDGET_BYTES: usize = 256 << 10;
+/// Bytes asked of the decoder per `recv`.
+const READ_CHUNK_BYTES: usize = 64 << 10;
+/// Connections accepted per listener readiness event.
+const ACCEPT_BATCH: usize = 64;
+
+struct Epoll {
+    fd: OwnedFd,
+}
+
+impl Epoll {
+    fn new() -> io::Result<Self> {
+        // SAFETY: plain syscall; a non-negative result is a new descriptor.
+        let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` was just returned by epoll_create1; nobody else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(Self { fd })
+    }
+
+    fn ctl(&self, op: libc::c_int, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: `ev` is a valid epoll_event for the call's duration.
+        if unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &mut ev) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn wait(
+        &self,
+        events: &mut [libc::epoll_event],
+        timeout: Option<Duration>,
+    ) -> io::Result<usize> {
+        let ms = match timeout {
+            None => -1,
+            Some(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int,
+        };
+        // SAFETY: `events` is writable for `len` entries.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.fd.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as libc::c_int,
+                ms,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::Interrupted {
+                Ok(0)
+            } else {
+                Err(e)
+            };
+        }
+        Ok(n as usize)
+    }
+}
+
+fn accept(listener: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    // SAFETY: null address pointers are allowed; a non-negative result is a
+    // new descriptor owned by us.
+    let raw = unsafe {
+        libc::accept4(
+            listener.as_raw_fd(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    Ok(unsafe { sys::own_fd(raw) })
+}
+
+pub(crate) fn run<H: Handler>(
+    core: &mut Core<H>,
+    listeners: &[Listener],
+) -> Result<(), TransportError> {
+    let ep = Epoll::new().map_err(TransportError::Setup)?;
+    for (i, l) in listeners.iter().enumerate() {
+        ep.ctl(
+            libc::EPOLL_CTL_ADD,
+            l.fd().as_raw_fd(),
+            libc::EPOLLIN as u32,
+            LISTENER_TOKEN_BASE + i as u64,
+        )
+        .map_err(TransportError::Setup)?;
+    }
+    ep.ctl(
+        libc::EPOLL_CTL_ADD,
+        core.shared.eventfd.as_raw_fd(),
+        libc::EPOLLIN as u32,
+        WAKE_TOKEN,
+    )
+    .map_err(TransportError::Setup)?;
+    let mut driver = Driver {
+        ep,
+        writable_wanted: Vec::new(),
+    };
+    let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
+    let spin = Duration::from_micros(u64::from(core.cfg.io.spin_us));
+    let mut last_activity = Instant::now();
+    loop {
+        if stop_requested(&core.shared) {
+            break;
+        }
+        let now = Instant::now();
+        let asleep = now.duration_since(last_activity) >= spin && core.prepare_sleep();
+        let timeout = if asleep {
+            core.next_timer().map(|t| t.saturating_duration_since(now))
+        } else {
+            Some(Duration::ZERO)
+        };
+        let n = ep_wait(&driver.ep, &mut events, timeout)?;
+        if asleep {
+            core.woke_up();
+        }
+        let now = Instant::now();
+        for ev in &events[..n] {
+            let (token, flags) = (ev.u64, ev.events);
+            if token == WAKE_TOKEN {
+                sys::eventfd_drain(core.shared.eventfd.as_fd()).map_err(TransportError::Io)?;
+            } else if token >= LISTENER_TOKEN_BASE {
+                let l = &listeners[(token - LISTENER_TOKEN_BASE) as usize];
+                driver.accept_from(core, l)?;
+            } else {
+                driver.on_conn_event(core, token as u32, flags, now);
+            }
+        }
+        let had_work = core.has_work();
+        core.run_completions(now);
+        if core.timers_due(now) {
+            core.run_timers(now);
+        }
+        let flushed = driver.flush_dirty(core);
+        driver.teardown(core);
+        if n > 0 || had_work || flushed {
+            last_activity = now;
+        } else if !asleep {
+            // Spinning: yield so a peer sharing this vCPU can run (see the
+            // transport essay).
+            std::thread::yield_now();
+        }
+    }
+    core.close_all();
+    driver.teardown(core);
+    Ok(())
+}
+
+fn ep_wait(
+    ep: &Epoll,
+    events: &mut [libc::epoll_event],
+    timeout: Option<Duration>,
+) -> Result<usize, TransportError> {
+    ep.wait(events, timeout).map_err(TransportError::Io)
+}
+
+struct Driver {
+    ep: Epoll,
+    /// Per slot: EPOLLOUT is registered (a write hit EAGAIN).
+    writable_wanted: Vec<bool>,
+}
+
+impl Driver {
+    fn accept_from<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        l: &Listener,
+    ) -> Result<(), TransportError> {
+        for _ in 0..ACCEPT_BATCH {
+            let fd = match accept(l.fd()) {
+                Ok(fd) => fd,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                // The peer gave up before we accepted, or a descriptor
+                // limit: that one connection is lost, the server goes on.
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    return Ok(());
+                }
+            };
+            let peer = match l.peer_of(&fd) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::debug!(error = %e, "peer vanished during accept");
+                    continue;
+                }
+            };
+            let raw = fd.as_raw_fd();
+            if let Some(slot) = core.admit(fd, peer) {
+                if let Err(e) = self.ep.ctl(
+                    libc::EPOLL_CTL_ADD,
+                    raw,
+                    libc::EPOLLIN as u32,
+                    u64::from(slot),
+                ) {
+                    core.close(slot, DisconnectReason::Io(e.kind()));
+                }
+                if self.writable_wanted.len() <= slot as usize {
+                    self.writable_wanted.resize(slot as usize + 1, false);
+                }
+                self.writable_wanted[slot as usize] = false;
+            }
+        }
+        Ok(())
+    }
+
+    fn on_conn_event<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        slot: u32,
+        flags: u32,
+        now: Instant,
+    ) {
+        if flags & libc::EPOLLOUT as u32 != 0 {
+            self.flush(core, slot);
+        }
+        if flags & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR) as u32 == 0 {
+            return;
+        }
+        let mut read = 0;
+        while read < READ_BUDGET_BYTES {
+            let Some(conn) = core.conn_mut(slot) else {
+                return;
+            };
+            if conn.state != ConnState::Open {
+                return;
+            }
+            let spare = conn.decoder.spare(READ_CHUNK_BYTES);
+            match sys::recv(conn.fd.as_fd(), spare) {
+                Ok(0) => {
+                    core.close(slot, DisconnectReason::PeerClosed);
+                    return;
+                }
+                Ok(n) => {
+                    conn.decoder.filled(n);
+                    read += n;
+                    core.process_input(slot, now);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    core.close(slot, DisconnectReason::Io(e.kind()));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Writes what each dirty connection has queued. True if anything was
+    /// written.
+    fn flush_dirty<H: Handler>(&mut self, core: &mut Core<H>) -> bool {
+        let mut dirty = std::mem::take(&mut core.dirty);
+        let any = !dirty.is_empty();
+        dirty.sort_unstable();
+        dirty.dedup();
+        for &slot in &dirty {
+            self.flush(core, slot);
+        }
+        dirty.clear();
+        if core.dirty.is_empty() {
+            core.dirty = dirty;
+        }
+        any
+    }
+
+    fn flush<H: Handler>(&mut self, core: &mut Core<H>, slot: u32) {
+        let mut fds = Vec::new();
+        loop {
+            let Some(conn) = core.conn_mut(slot) else {
+                return;
+            };
+            if conn.state == ConnState::Dead {
+                return;
+            }
+            let res = {
+                let mut iov = Vec::with_capacity(8);
+                conn.sendq.gather(&mut iov, &mut fds);
+                if iov.is_empty() {
+                    break;
+                }
+                sys::send_with_fds(conn.fd.as_fd(), &iov, &fds)
+            };
+            match res {
+                Ok(n) => conn.sendq.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.want_writable(core, slot, true);
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    core.close(slot, DisconnectReason::Io(e.kind()));
+                    return;
+                }
+            }
+        }
+        self.want_writable(core, slot, false);
+        core.on_flushed(slot);
+    }
+
+    fn want_writable<H: Handler>(&mut self, core: &mut Core<H>, slot: u32, on: bool) {
+        let Some(conn) = core.conn_mut(slot) else {
+            return;
+        };
+        let wanted = &mut self.writable_wanted[slot as usize];
+        // A draining connection no longer reads: level-triggered EPOLLIN
+        // would report its unread input forever.
+        let base = if conn.state == ConnState::Open {
+            libc::EPOLLIN as u32
+        } else {
+            0
+        };
+        if *wanted == on && base != 0 {
+            return;
+        }
+        *wanted = on;
+        let events = base | if on { libc::EPOLLOUT as u32 } else { 0 };
+        if let Err(e) = self.ep.ctl(
+            libc::EPOLL_CTL_MOD,
+            conn.fd.as_raw_fd(),
+            events,
+            u64::from(slot),
+        ) {
+            core.close(slot, DisconnectReason::Io(e.kind()));
+        }
+    }
+
+    fn teardown<H: Handler>(&mut self, core: &mut Core<H>) {
+        for slot in std::mem::take(&mut core.dead) {
+            if let Some(fd) = core.release(slot) {
+                // Closing the descriptor removes it from the epoll set.
+                drop(fd);
+            }
+        }
+    }
+}

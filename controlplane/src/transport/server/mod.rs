@@ -1,0 +1,1407 @@
+//! The server side: one event-loop thread owns every socket and calls a
+//! [`Handler`] for each connection event and each complete frame.
+//!
+//! Backend-independent logic lives here in [`Core`]: the connection table,
+//! frame delivery with its in-flight bound, routing of replies (including
+//! those posted by other threads through a [`Completer`]), the bounded send
+//! queue, close bookkeeping and the fault-injection hook. The two backends
+//! (`uring`, `epoll`) only move bytes between sockets and `Core` and decide
+//! how the loop waits.
+//!
+//! Invariants:
+//! - A [`ConnId`] names one connection for its whole life: slots are reused,
+//!   but each reuse bumps a generation, so a late reply to a closed
+//!   connection is dropped instead of reaching its successor.
+//! - `Handler::on_disconnect` runs exactly once per admitted connection, and
+//!   no callback names that connection afterwards.
+//! - Every queue is bounded: frames in flight per connection
+//!   (`max_inflight_per_conn`), bytes queued per connection
+//!   (`max_send_queue_bytes`, overflow drops that connection), completions
+//!   posted from other threads (`max_pending_completions`).
+
+pub(crate) mod epoll;
+pub(crate) mod uring;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::net::TcpListener;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::TransportError;
+use super::config::{Backend, Endpoint, ServerConfig};
+use super::sys::{self, MAX_FDS_PER_FRAME, PeerCred};
+use crate::frame::{Decoded, Frame, FrameDecoder, FrameError, FrameHeader, encode_frame};
+
+#[cfg(feature = "fault-injection")]
+use super::fault::{FaultPlan, ReplyFault, ReplyInfo, RequestFault, RequestInfo};
+
+/// Names one connection for its whole life (slot + generation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(u64);
+
+impl ConnId {
+    fn new(slot: u32, generation: u32) -> Self {
+        Self(u64::from(generation) << 32 | u64::from(slot))
+    }
+    fn slot(self) -> u32 {
+        self.0 as u32
+    }
+    fn generation(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+    #[cfg(all(test, feature = "fault-injection"))]
+    pub(crate) fn for_tests(raw: u64) -> Self {
+        Self(raw)
+    }
+
+    /// A stable number for logs.
+    pub fn as_u64(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for ConnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "conn#{}.{}", self.slot(), self.generation())
+    }
+}
+
+/// Who is on the other end, as the kernel reports it (never from payloads).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PeerInfo {
+    /// A Unix-socket peer and its `SO_PEERCRED` credentials.
+    Unix(PeerCred),
+    /// A TCP peer address.
+    Tcp(SocketAddr),
+}
+
+impl PeerInfo {
+    /// Descriptors can only be passed to Unix-socket peers.
+    pub fn can_receive_fds(&self) -> bool {
+        matches!(self, PeerInfo::Unix(_))
+    }
+}
+
+/// A frame the transport sends (request id 0) before closing a connection it
+/// refuses; the handler builds the payload, the transport knows no messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub kind: u16,
+    pub payload: Vec<u8>,
+}
+
+/// Answer of [`Handler::on_connect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admit {
+    Accept,
+    /// Close the connection, after sending the refusal frame if there is one.
+    Refuse(Option<Refusal>),
+}
+
+/// Why the transport refused a connection before the handler saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RefuseReason {
+    TooManyConnections { limit: usize },
+}
+
+/// Why a frame with an intact header was not delivered to `on_frame`. The
+/// handler answers `header.request_id` with an error reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// Wrong protocol version or oversized payload (payload skipped).
+    Frame(FrameError),
+    /// The connection already has `limit` requests in flight.
+    TooManyInFlight { limit: usize },
+    /// A request with this id is already in flight on this connection.
+    DuplicateRequestId,
+}
+
+/// Why a connection ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DisconnectReason {
+    /// The peer closed its end (possibly in the middle of a frame).
+    PeerClosed,
+    /// Bytes that are not our framing (bad magic, reserved bits).
+    Protocol(FrameError),
+    /// The peer stopped reading and its queue overflowed.
+    SendQueueFull { limit_bytes: usize },
+    /// A frame stayed incomplete longer than `partial_frame_timeout_ms`.
+    PartialFrameTimeout,
+    /// The handler (or an admission refusal) closed it.
+    ClosedByServer,
+    /// A socket error.
+    Io(io::ErrorKind),
+    /// The fault-injection plan reset it.
+    FaultReset,
+    /// The server is shutting down.
+    Shutdown,
+}
+
+/// Callbacks of the event loop; all run on the loop thread, one at a time.
+/// They must not block: slow work goes to another thread, which answers
+/// through a [`Completer`].
+pub trait Handler: Send + 'static {
+    /// A connection arrived (within `max_connections`).
+    fn on_connect(&mut self, conn: ConnId, peer: &PeerInfo) -> Admit {
+        let _ = (conn, peer);
+        Admit::Accept
+    }
+    /// The transport refused a connection on its own (connection limit). The
+    /// returned frame, if any, is sent best-effort before closing.
+    fn on_refused(&mut self, peer: &PeerInfo, why: RefuseReason) -> Option<Refusal> {
+        let _ = (peer, why);
+        None
+    }
+    /// One complete request. Answer now through `out`, or later through a
+    /// [`Completer`]; the request counts as in flight until a frame with its
+    /// request id is queued for this connection.
+    fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies);
+    /// A request the transport refused (see [`Rejection`]); the connection
+    /// stays open. Build an error reply for `header.request_id`.
+    fn on_rejected(&mut self, conn: ConnId, header: FrameHeader, why: Rejection, out: &mut Replies);
+    /// The connection is gone; replies to it are dropped from now on.
+    fn on_disconnect(&mut self, conn: ConnId, why: &DisconnectReason) {
+        let _ = (conn, why);
+    }
+    /// Another thread called [`Completer::wake`].
+    fn on_wake(&mut self, out: &mut Replies) {
+        let _ = out;
+    }
+}
+
+/// A reply the loop will send (encoded frame + descriptors).
+pub(crate) struct OutFrame {
+    pub conn: ConnId,
+    pub request_id: u64,
+    pub bytes: Vec<u8>,
+    pub fds: Vec<OwnedFd>,
+    /// Already passed through the fault plan (delayed or held frames).
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    pub faulted: bool,
+}
+
+impl OutFrame {
+    #[cfg(feature = "fault-injection")]
+    fn kind(&self) -> u16 {
+        u16::from_le_bytes([self.bytes[6], self.bytes[7]])
+    }
+}
+
+pub(crate) enum Action {
+    Send(OutFrame),
+    Close(ConnId),
+}
+
+/// What went wrong queueing a reply.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplyError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("{count} descriptors on one frame (at most {MAX_FDS_PER_FRAME})")]
+    TooManyFds { count: usize },
+    #[error("the server is shutting down")]
+    Stopped,
+    #[error("{limit} completions already pending")]
+    Full { limit: usize },
+    #[error("cannot queue a completion: {0}")]
+    Wake(io::Error),
+}
+
+/// Replies and closes produced by one handler call, applied in order after it
+/// returns.
+#[derive(Default)]
+pub struct Replies {
+    actions: Vec<Action>,
+}
+
+impl fmt::Debug for Replies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Replies")
+            .field("queued", &self.actions.len())
+            .finish()
+    }
+}
+
+fn encode(kind: u16, request_id: u64, payload: &[u8]) -> Result<Vec<u8>, FrameError> {
+    let mut bytes = Vec::new();
+    encode_frame(&mut bytes, kind, request_id, payload)?;
+    Ok(bytes)
+}
+
+impl Replies {
+    /// Queues a reply frame for `conn`. Replies to closed connections are
+    /// dropped silently (counted in the server stats).
+    pub fn send(
+        &mut self,
+        conn: ConnId,
+        kind: u16,
+        request_id: u64,
+        payload: &[u8],
+    ) -> Result<(), ReplyError> {
+        let bytes = encode(kind, request_id, payload)?;
+        self.actions.push(Action::Send(OutFrame {
+            conn,
+            request_id,
+            bytes,
+            fds: Vec::new(),
+            faulted: false,
+        }));
+        Ok(())
+    }
+
+    /// Queues a reply that carries descriptors (`SCM_RIGHTS`; Unix peers
+    /// only — see [`PeerInfo::can_receive_fds`]). The transport closes its
+    /// copies once they are sent.
+    pub fn send_with_fds(
+        &mut self,
+        conn: ConnId,
+        kind: u16,
+        request_id: u64,
+        payload: &[u8],
+        fds: Vec<OwnedFd>,
+    ) -> Result<(), ReplyError> {
+        if fds.len() > MAX_FDS_PER_FRAME {
+            return Err(ReplyError::TooManyFds { count: fds.len() });
+        }
+        let bytes = encode(kind, request_id, payload)?;
+        self.actions.push(Action::Send(OutFrame {
+            conn,
+            request_id,
+            bytes,
+            fds,
+            faulted: false,
+        }));
+        Ok(())
+    }
+
+    /// Closes `conn` once the replies queued before this call are sent; no
+    /// further request of it is delivered.
+    pub fn close(&mut self, conn: ConnId) {
+        self.actions.push(Action::Close(conn));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.actions.is_empty()
+    }
+}
+
+/// State shared between the loop and [`Completer`]s.
+pub(crate) struct Shared {
+    queue: Mutex<Vec<Action>>,
+    /// Set when `queue` is non-empty or a wake was asked for; lets a spinning
+    /// loop poll one atomic instead of a lock.
+    has_work: AtomicBool,
+    wake_handler: AtomicBool,
+    /// The loop is (about to be) blocked in the kernel and needs the eventfd.
+    sleeping: AtomicBool,
+    pub(crate) stop: AtomicBool,
+    pub(crate) eventfd: OwnedFd,
+    max_pending: usize,
+    pub(crate) stats: ServerStats,
+}
+
+impl Shared {
+    fn new(max_pending: usize) -> io::Result<Self> {
+        Ok(Self {
+            queue: Mutex::new(Vec::new()),
+            has_work: AtomicBool::new(false),
+            wake_handler: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            eventfd: sys::eventfd()?,
+            max_pending,
+            stats: ServerStats::default(),
+        })
+    }
+
+    /// Wakes the loop if it sleeps. SeqCst pairs with `Core::prepare_sleep`:
+    /// either the loop sees `has_work`, or this sees `sleeping` (Dekker).
+    fn notify(&self) -> io::Result<()> {
+        self.has_work.store(true, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            sys::eventfd_signal(self.eventfd.as_fd())?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn request_stop(&self) -> io::Result<()> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.notify()
+    }
+}
+
+/// A thread-safe, cloneable handle that posts replies to the loop from other
+/// threads (after a journal sync, a pool-manager round trip, ...) or wakes it
+/// so that [`Handler::on_wake`] runs. Posting never blocks on the loop.
+#[derive(Clone)]
+pub struct Completer {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for Completer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Completer").finish_non_exhaustive()
+    }
+}
+
+impl Completer {
+    fn post(&self, action: Action) -> Result<(), ReplyError> {
+        if self.shared.stop.load(Ordering::Acquire) {
+            return Err(ReplyError::Stopped);
+        }
+        {
+            let mut q = self.shared.queue.lock();
+            if q.len() >= self.shared.max_pending {
+                return Err(ReplyError::Full {
+                    limit: self.shared.max_pending,
+                });
+            }
+            q.push(action);
+        }
+        self.shared.notify().map_err(ReplyError::Wake)
+    }
+
+    /// Posts a reply for `conn` (same rules as [`Replies::send`]).
+    pub fn complete(
+        &self,
+        conn: ConnId,
+        kind: u16,
+        request_id: u64,
+        payload: &[u8],
+    ) -> Result<(), ReplyError> {
+        let bytes = encode(kind, request_id, payload)?;
+        self.post(Action::Send(OutFrame {
+            conn,
+            request_id,
+            bytes,
+            fds: Vec::new(),
+            faulted: false,
+        }))
+    }
+
+    /// Posts a reply with descriptors (same rules as [`Replies::send_with_fds`]).
+    pub fn complete_with_fds(
+        &self,
+        conn: ConnId,
+        kind: u16,
+        request_id: u64,
+        payload: &[u8],
+        fds: Vec<OwnedFd>,
+    ) -> Result<(), ReplyError> {
+        if fds.len() > MAX_FDS_PER_FRAME {
+            return Err(ReplyError::TooManyFds { count: fds.len() });
+        }
+        let bytes = encode(kind, request_id, payload)?;
+        self.post(Action::Send(OutFrame {
+            conn,
+            request_id,
+            bytes,
+            fds,
+            faulted: false,
+        }))
+    }
+
+    /// Closes `conn` after the replies posted before this call.
+    pub fn close(&self, conn: ConnId) -> Result<(), ReplyError> {
+        self.post(Action::Close(conn))
+    }
+
+    /// Makes the loop call [`Handler::on_wake`] (coalesced: several wakes
+    /// before the loop notices give one call).
+    pub fn wake(&self) -> Result<(), ReplyError> {
+        if self.shared.stop.load(Ordering::Acquire) {
+            return Err(ReplyError::Stopped);
+        }
+        self.shared.wake_handler.store(true, Ordering::SeqCst);
+        self.shared.notify().map_err(ReplyError::Wake)
+    }
+}
+
+/// Counters of a running server (monotonic; read with [`ServerHandle::stats`]).
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub accepted: AtomicU64,
+    pub refused: AtomicU64,
+    pub disconnected: AtomicU64,
+    pub frames_in: AtomicU64,
+    pub frames_rejected: AtomicU64,
+    pub replies_queued: AtomicU64,
+    /// Replies addressed to connections that were already closed.
+    pub replies_to_closed: AtomicU64,
+    /// Connections dropped because they stopped reading.
+    pub slow_reader_drops: AtomicU64,
+    /// Connections closed for corrupt framing.
+    pub protocol_drops: AtomicU64,
+    /// Replies the fault plan dropped, delayed, duplicated or held back, and
+    /// connections it reset.
+    pub faults_applied: AtomicU64,
+}
+
+/// A plain copy of [`ServerStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerStatsSnapshot {
+    pub accepted: u64,
+    pub refused: u64,
+    pub disconnected: u64,
+    pub frames_in: u64,
+    pub frames_rejected: u64,
+    pub replies_queued: u64,
+    pub replies_to_closed: u64,
+    pub slow_reader_drops: u64,
+    pub protocol_drops: u64,
+    pub faults_applied: u64,
+}
+
+impl ServerStats {
+    // Relaxed throughout: counters are independent monotonic tallies read
+    // for reporting; no other memory is published through them.
+    fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn snapshot(&self) -> ServerStatsSnapshot {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ServerStatsSnapshot {
+            accepted: l(&self.accepted),
+            refused: l(&self.refused),
+            disconnected: l(&self.disconnected),
+            frames_in: l(&self.frames_in),
+            frames_rejected: l(&self.frames_rejected),
+            replies_queued: l(&self.replies_queued),
+            replies_to_closed: l(&self.replies_to_closed),
+            slow_reader_drops: l(&self.slow_reader_drops),
+            protocol_drops: l(&self.protocol_drops),
+            faults_applied: l(&self.faults_applied),
+        }
+    }
+}
+
+/// Bytes queued for one socket, in order. Descriptors travel with the first
+/// `sendmsg` that carries their frame's first byte, and such a frame is sent
+/// alone in its `sendmsg`, so the receiver can tie them to it (see
+/// `client.rs`).
+#[derive(Default)]
+pub(crate) struct SendQueue {
+    frames: VecDeque<OutFrame>,
+    /// Bytes of the front frame already written.
+    front_offset: usize,
+    bytes: usize,
+}
+
+/// Most frames gathered into one `sendmsg`.
+pub(crate) const MAX_IOVECS: usize = 64;
+/// Most bytes moved into one io_uring send (unless a single frame is larger).
+pub(crate) const MAX_BATCH_BYTES: usize = 256 << 10;
+
+impl SendQueue {
+    pub fn is_empty(&self) -> bool {
+        self.frames.is_empty()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn push(&mut self, f: OutFrame) {
+        self.bytes += f.bytes.len();
+        self.frames.push_back(f);
+    }
+
+    fn clear(&mut self) {
+        self.frames.clear();
+        self.front_offset = 0;
+        self.bytes = 0;
+    }
+
+    /// Fills `iov` with the next run of bytes to write and returns the
+    /// descriptors to attach (only ever for a frame sent alone, from its
+    /// first byte).
+    pub fn gather<'a>(&'a self, iov: &mut Vec<IoSlice<'a>>, fds: &mut Vec<RawFd>) {
+        iov.clear();
+        fds.clear();
+        for (i, f) in self.frames.iter().enumerate() {
+            let off = if i == 0 { self.front_offset } else { 0 };
+            let carries_fds = off == 0 && !f.fds.is_empty();
+            if carries_fds && i > 0 {
+                break;
+            }
+            iov.push(IoSlice::new(&f.bytes[off..]));
+            if carries_fds {
+                fds.extend(f.fds.iter().map(AsRawFd::as_raw_fd));
+                break;
+            }
+            if iov.len() == MAX_IOVECS {
+                break;
+            }
+        }
+    }
+
+    /// Moves the next run of frames to write into `out` (same grouping as
+    /// `gather`, at most `MAX_BATCH_BYTES` unless one frame is larger), for
+    /// a backend whose writes outlive this call (io_uring). Only valid while
+    /// nothing was partially written through `advance`.
+    pub fn pop_batch(&mut self, out: &mut Vec<OutFrame>) {
+        debug_assert_eq!(self.front_offset, 0);
+        let mut bytes = 0;
+        while let Some(f) = self.frames.front() {
+            let carries_fds = !f.fds.is_empty();
+            if !out.is_empty()
+                && (carries_fds
+                    || bytes + f.bytes.len() > MAX_BATCH_BYTES
+                    || out.len() == MAX_IOVECS)
+            {
+                break;
+            }
+            let f = self.frames.pop_front().expect("front exists");
+            bytes += f.bytes.len();
+            self.bytes -= f.bytes.len();
+            out.push(f);
+            if carries_fds {
+                break;
+            }
+        }
+    }
+
+    /// Records that `n` bytes were written; closes sent descriptors.
+    pub fn advance(&mut self, mut n: usize) {
+        self.bytes -= n;
+        while n > 0 {
+            let front = self
+                .frames
+                .front_mut()
+                .expect("advance past the queued bytes");
+            if self.front_offset == 0 {
+                // The kernel took its own references with the first byte.
+                front.fds.clear();
+            }
+            let left = front.bytes.len() - self.front_offset;
+            if n < left {
+                self.front_offset += n;
+                return;
+            }
+            n -= left;
+            self.front_offset = 0;
+            self.frames.pop_front();
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConnState {
+    Open,
+    /// Closing once the send queue is empty; input is ignored.
+    Draining,
+    /// Closed from the handler's point of view; the backend tears it down.
+    Dead,
+}
+
+/// What `Core` knows about an in-flight request.
+#[derive(Clone, Copy)]
+struct InFlight {
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    kind: u16,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    nth_of_kind: u64,
+}
+
+pub(crate) struct Conn {
+    pub fd: OwnedFd,
+    pub id: ConnId,
+    pub decoder: FrameDecoder,
+    pub sendq: SendQueue,
+    pub state: ConnState,
+    inflight: HashMap<u64, InFlight>,
+    partial_since: Option<Instant>,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    frames_in: u64,
+    /// A reply held back to be sent after the next one (fault: reorder).
+    #[cfg(feature = "fault-injection")]
+    held: Option<(Instant, OutFrame)>,
+}
+
+/// How long a reply held back for reordering waits for a successor.
+#[cfg(feature = "fault-injection")]
+const REORDER_MAX_HOLD: Duration = Duration::from_millis(200);
+
+/// The backend-independent server state.
+pub(crate) struct Core<H> {
+    pub handler: H,
+    pub cfg: ServerConfig,
+    pub conns: Vec<Option<Conn>>,
+    generations: Vec<u32>,
+    free: Vec<u32>,
+    live: usize,
+    pub shared: Arc<Shared>,
+    scratch: Replies,
+    /// Slots with newly queued output (may repeat; the backend dedups).
+    pub dirty: Vec<u32>,
+    /// Slots that became `Dead` and await teardown by the backend.
+    pub dead: Vec<u32>,
+    /// When `run_timers` has something to do next (None: nothing pending).
+    next_timer_at: Option<Instant>,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<Box<dyn FaultPlan>>,
+    #[cfg(feature = "fault-injection")]
+    delayed: Vec<(Instant, OutFrame)>,
+    #[cfg(feature = "fault-injection")]
+    kind_counts: HashMap<u16, u64>,
+    #[cfg(feature = "fault-injection")]
+    replies_total: u64,
+}
+
+impl<H: Handler> Core<H> {
+    fn new(handler: H, cfg: ServerConfig, shared: Arc<Shared>) -> Self {
+        Self {
+            handler,
+            cfg,
+            conns: Vec::new(),
+            generations: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            shared,
+            scratch: Replies::default(),
+            dirty: Vec::new(),
+            dead: Vec::new(),
+            next_timer_at: None,
+            #[cfg(feature = "fault-injection")]
+            fault: None,
+            #[cfg(feature = "fault-injection")]
+            delayed: Vec::new(),
+            #[cfg(feature = "fault-injection")]
+            kind_counts: HashMap::new(),
+            #[cfg(feature = "fault-injection")]
+            replies_total: 0,
+        }
+    }
+
+    pub fn conn_mut(&mut self, slot: u32) -> Option<&mut Conn> {
+        self.conns.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    /// Admits a freshly accepted socket, or refuses it. Returns its slot.
+    pub fn admit(&mut self, fd: OwnedFd, peer: PeerInfo) -> Option<u32> {
+        if self.live >= self.cfg.max_connections {
+            ServerStats::bump(&self.shared.stats.refused);
+            let why = RefuseReason::TooManyConnections {
+                limit: self.cfg.max_connections,
+            };
+            if let Some(r) = self.handler.on_refused(&peer, why) {
+                send_refusal(&fd, &r);
+            }
+            return None;
+        }
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.conns.push(None);
+                self.generations.push(0);
+                (self.conns.len() - 1) as u32
+            }
+        };
+        let id = ConnId::new(slot, self.generations[slot as usize]);
+        match self.handler.on_connect(id, &peer) {
+            Admit::Accept => {}
+            Admit::Refuse(r) => {
+                ServerStats::bump(&self.shared.stats.refused);
+                if let Some(r) = r {
+                    send_refusal(&fd, &r);
+                }
+                self.free.push(slot);
+                return None;
+            }
+        }
+        ServerStats::bump(&self.shared.stats.accepted);
+        self.live += 1;
+        self.conns[slot as usize] = Some(Conn {
+            fd,
+            id,
+            decoder: FrameDecoder::new(),
+            sendq: SendQueue::default(),
+            state: ConnState::Open,
+            inflight: HashMap::new(),
+            partial_since: None,
+            frames_in: 0,
+            #[cfg(feature = "fault-injection")]
+            held: None,
+        });
+        Some(slot)
+    }
+
+    /// Decodes and delivers every complete frame buffered for `slot`.
+    pub fn process_input(&mut self, slot: u32, now: Instant) {
+        loop {
+            let Some(conn) = self.conns.get_mut(slot as usize).and_then(Option::as_mut) else {
+                return;
+            };
+            if conn.state != ConnState::Open {
+                return;
+            }
+            let id = conn.id;
+            let limit = self.cfg.max_inflight_per_conn;
+            let mut out = std::mem::take(&mut self.scratch);
+            let handler = &mut self.handler;
+            let stats = &self.shared.stats;
+            let mut fatal = None;
+            #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
+            let mut reset = false;
+            match conn.decoder.decode() {
+                Ok(None) => {
+                    conn.partial_since = match (conn.decoder.buffered(), conn.partial_since) {
+                        (0, _) => None,
+                        (_, Some(t)) => Some(t),
+                        (_, None) => Some(now),
+                    };
+                    if let Some(t) = conn.partial_since {
+                        let due = t + Duration::from_millis(self.cfg.partial_frame_timeout_ms);
+                        self.schedule(due);
+                    }
+                    self.scratch = out;
+                    return;
+                }
+                Err(e) => fatal = Some(e),
+                Ok(Some(Decoded::Rejected { header, error })) => {
+                    ServerStats::bump(&stats.frames_rejected);
+                    conn.partial_since = None;
+                    handler.on_rejected(id, header, Rejection::Frame(error), &mut out);
+                }
+                Ok(Some(Decoded::Frame(frame))) => {
+                    ServerStats::bump(&stats.frames_in);
+                    conn.frames_in += 1;
+                    conn.partial_since = None;
+                    let rid = frame.header.request_id;
+                    #[cfg(feature = "fault-injection")]
+                    let nth_of_kind = {
+                        let c = self.kind_counts.entry(frame.header.kind).or_insert(0);
+                        *c += 1;
+                        *c
+                    };
+                    #[cfg(not(feature = "fault-injection"))]
+                    let nth_of_kind = 0;
+                    #[cfg(feature = "fault-injection")]
+                    if let Some(plan) = self.fault.as_mut() {
+                        let info = RequestInfo {
+                            conn: id,
+                            header: frame.header,
+                            nth_on_conn: conn.frames_in,
+                        };
+                        if plan.on_request(&info) == RequestFault::Reset {
+                            reset = true;
+                        }
+                    }
+                    if reset {
+                        // Not delivered: the connection dies with it.
+                    } else if conn.inflight.contains_key(&rid) {
+                        ServerStats::bump(&stats.frames_rejected);
+                        handler.on_rejected(
+                            id,
+                            frame.header,
+                            Rejection::DuplicateRequestId,
+                            &mut out,
+                        );
+                    } else if conn.inflight.len() >= limit {
+                        ServerStats::bump(&stats.frames_rejected);
+                        handler.on_rejected(
+                            id,
+                            frame.header,
+                            Rejection::TooManyInFlight { limit },
+                            &mut out,
+                        );
+                    } else {
+                        conn.inflight.insert(
+                            rid,
+                            InFlight {
+                                kind: frame.header.kind,
+                                nth_of_kind,
+                            },
+                        );
+                        handler.on_frame(id, frame, &mut out);
+                    }
+                }
+            }
+            if let Some(e) = fatal {
+                self.scratch = out;
+                ServerStats::bump(&self.shared.stats.protocol_drops);
+                self.close(slot, DisconnectReason::Protocol(e));
+                return;
+            }
+            if reset {
+                self.scratch = out;
+                ServerStats::bump(&self.shared.stats.faults_applied);
+                self.reset(slot);
+                return;
+            }
+            self.apply(&mut out, now);
+            self.scratch = out;
+        }
+    }
+
+    /// Applies the actions of one handler call (or a batch of completions).
+    fn apply(&mut self, out: &mut Replies, now: Instant) {
+        for action in out.actions.drain(..) {
+            match action {
+                Action::Send(f) => self.route(f, now),
+                Action::Close(id) => {
+                    if let Some(slot) = self.live_slot(id) {
+                        self.drain_then_close(slot);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The slot of `id` if it still accepts output (not draining or dead).
+    fn live_slot(&self, id: ConnId) -> Option<u32> {
+        let slot = id.slot();
+        match self.conns.get(slot as usize) {
+            Some(Some(c)) if c.id == id && c.state == ConnState::Open => Some(slot),
+            _ => None,
+        }
+    }
+
+    /// Makes sure `run_timers` runs by `at`.
+    fn schedule(&mut self, at: Instant) {
+        self.next_timer_at = Some(self.next_timer_at.map_or(at, |t| t.min(at)));
+    }
+
+    /// When the loop must wake up for timers at the latest.
+    pub fn next_timer(&self) -> Option<Instant> {
+        self.next_timer_at
+    }
+
+    pub fn timers_due(&self, now: Instant) -> bool {
+        self.next_timer_at.is_some_and(|t| now >= t)
+    }
+
+    /// Sends one reply frame toward its connection (through the fault plan).
+    fn route(&mut self, f: OutFrame, now: Instant) {
+        let Some(slot) = self.live_slot(f.conn) else {
+            ServerStats::bump(&self.shared.stats.replies_to_closed);
+            return;
+        };
+        let conn = self.conns[slot as usize].as_mut().expect("live slot");
+        #[cfg_attr(not(feature = "fault-injection"), allow(unused_variables))]
+        let answered = conn.inflight.remove(&f.request_id);
+        ServerStats::bump(&self.shared.stats.replies_queued);
+        #[cfg(feature = "fault-injection")]
+        if !f.faulted && self.fault.is_some() {
+            self.route_faulted(slot, f, answered, now);
+            return;
+        }
+        let _ = now;
+        self.enqueue(slot, f);
+    }
+
+    /// Appends to the send queue, dropping the connection on overflow.
+    fn enqueue(&mut self, slot: u32, f: OutFrame) {
+        let limit = self.cfg.max_send_queue_bytes;
+        let conn = self.conns[slot as usize].as_mut().expect("live slot");
+        if conn.sendq.bytes() + f.bytes.len() > limit {
+            ServerStats::bump(&self.shared.stats.slow_reader_drops);
+            self.close(slot, DisconnectReason::SendQueueFull { limit_bytes: limit });
+            return;
+        }
+        conn.sendq.push(f);
+        self.dirty.push(slot);
+        #[cfg(feature = "fault-injection")]
+        if let Some((_, held)) = self.conns[slot as usize]
+            .as_mut()
+            .and_then(|c| c.held.take())
+        {
+            // Reorder: the held reply goes out right after its successor.
+            self.enqueue(slot, held);
+        }
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn route_faulted(
+        &mut self,
+        slot: u32,
+        mut f: OutFrame,
+        answered: Option<InFlight>,
+        now: Instant,
+    ) {
+        self.replies_total += 1;
+        let info = ReplyInfo {
+            conn: f.conn,
+            kind: f.kind(),
+            request_id: f.request_id,
+            request_kind: answered.map(|a| a.kind),
+            nth_of_request_kind: answered.map(|a| a.nth_of_kind),
+            nth_reply: self.replies_total,
+        };
+        let plan = self.fault.as_mut().expect("checked by caller");
+        let fault = plan.on_reply(&info);
+        if fault != ReplyFault::Deliver {
+            ServerStats::bump(&self.shared.stats.faults_applied);
+        }
+        f.faulted = true;
+        match fault {
+            ReplyFault::Deliver => self.enqueue(slot, f),
+            ReplyFault::Drop => {}
+            ReplyFault::Delay(d) => {
+                self.schedule(now + d);
+                self.delayed.push((now + d, f));
+            }
+            ReplyFault::Duplicate => {
+                let fds = f.fds.iter().filter_map(|fd| fd.try_clone().ok()).collect();
+                let copy = OutFrame {
+                    conn: f.conn,
+                    request_id: f.request_id,
+                    bytes: f.bytes.clone(),
+                    fds,
+                    faulted: true,
+                };
+                self.enqueue(slot, f);
+                if self.live_slot(copy.conn).is_some() {
+                    self.enqueue(slot, copy);
+                }
+            }
+            ReplyFault::Reorder => {
+                let conn = self.conns[slot as usize].as_mut().expect("live slot");
+                if let Some((_, earlier)) = conn.held.replace((now + REORDER_MAX_HOLD, f)) {
+                    // Only one reply is held at a time; an earlier one goes now.
+                    self.enqueue(slot, earlier);
+                }
+                self.schedule(now + REORDER_MAX_HOLD);
+            }
+            ReplyFault::Reset => self.reset(slot),
+        }
+    }
+
+    /// Releases delayed and held replies that are due; closes connections
+    /// stuck on a partial frame. Returns the next deadline, if any.
+    pub fn run_timers(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut earliest = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
+        #[cfg(feature = "fault-injection")]
+        {
+            let mut i = 0;
+            while i < self.delayed.len() {
+                if self.delayed[i].0 <= now {
+                    let (_, f) = self.delayed.swap_remove(i);
+                    match self.live_slot(f.conn) {
+                        Some(slot) => self.enqueue(slot, f),
+                        None => ServerStats::bump(&self.shared.stats.replies_to_closed),
+                    }
+                } else {
+                    earliest(self.delayed[i].0);
+                    i += 1;
+                }
+            }
+        }
+        let timeout = Duration::from_millis(self.cfg.partial_frame_timeout_ms);
+        let mut stuck = Vec::new();
+        #[cfg(feature = "fault-injection")]
+        let mut due = Vec::new();
+        for (slot, c) in self.conns.iter().enumerate() {
+            let Some(c) = c else { continue };
+            if c.state == ConnState::Dead {
+                continue;
+            }
+            if let Some(since) = c.partial_since {
+                if now >= since + timeout {
+                    stuck.push(slot as u32);
+                } else {
+                    earliest(since + timeout);
+                }
+            }
+            #[cfg(feature = "fault-injection")]
+            if let Some((t, _)) = &c.held {
+                if *t <= now {
+                    due.push(slot as u32);
+                } else {
+                    earliest(*t);
+                }
+            }
+        }
+        #[cfg(feature = "fault-injection")]
+        for slot in due {
+            if let Some((_, f)) = self.conns[slot as usize]
+                .as_mut()
+                .and_then(|c| c.held.take())
+            {
+                self.enqueue(slot, f);
+            }
+        }
+        for slot in stuck {
+            self.close(slot, DisconnectReason::PartialFrameTimeout);
+        }
+        self.next_timer_at = next;
+        next
+    }
+
+    /// Picks up completions and wake requests posted by other threads.
+    pub fn run_completions(&mut self, now: Instant) {
+        // Acquire pairs with the SeqCst store in `notify`: seeing the flag
+        // means the queue push before it is visible under the lock anyway.
+        if !self.shared.has_work.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let mut out = std::mem::take(&mut self.scratch);
+        std::mem::swap(&mut out.actions, &mut *self.shared.queue.lock());
+        self.apply(&mut out, now);
+        if self.shared.wake_handler.swap(false, Ordering::AcqRel) {
+            self.handler.on_wake(&mut out);
+            self.apply(&mut out, now);
+        }
+        debug_assert!(out.is_empty());
+        self.scratch = out;
+    }
+
+    /// True if other threads posted work since the last `run_completions`.
+    pub fn has_work(&self) -> bool {
+        self.shared.has_work.load(Ordering::Acquire) || self.shared.stop.load(Ordering::Acquire)
+    }
+
+    /// Announces that the loop is about to block. Returns false (and stays
+    /// awake) if work arrived meanwhile. SeqCst: see `Shared::notify`.
+    pub fn prepare_sleep(&self) -> bool {
+        self.shared.sleeping.store(true, Ordering::SeqCst);
+        if self.shared.has_work.load(Ordering::SeqCst) || self.shared.stop.load(Ordering::SeqCst) {
+            self.shared.sleeping.store(false, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    pub fn woke_up(&self) {
+        // Relaxed: a stale `true` only costs a poster one spare eventfd write.
+        self.shared.sleeping.store(false, Ordering::Relaxed);
+    }
+
+    /// Called by the backend when a connection's send queue became empty.
+    pub fn on_flushed(&mut self, slot: u32) {
+        if let Some(c) = self.conn_mut(slot)
+            && c.state == ConnState::Draining
+            && c.sendq.is_empty()
+        {
+            self.close(slot, DisconnectReason::ClosedByServer);
+        }
+    }
+
+    fn drain_then_close(&mut self, slot: u32) {
+        let Some(c) = self.conn_mut(slot) else { return };
+        if c.sendq.is_empty() {
+            self.close(slot, DisconnectReason::ClosedByServer);
+        } else {
+            c.state = ConnState::Draining;
+        }
+    }
+
+    /// Abortive close (fault injection): RST on TCP, queued replies dropped.
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    fn reset(&mut self, slot: u32) {
+        if let Some(c) = self.conn_mut(slot) {
+            // Best effort: on Unix sockets SO_LINGER has no RST to send.
+            let _ = sys::set_linger_zero(c.fd.as_fd());
+        }
+        self.close(slot, DisconnectReason::FaultReset);
+    }
+
+    /// Ends a connection now: the handler hears of it once, queued output is
+    /// dropped, and the backend is asked to tear the socket down.
+    pub fn close(&mut self, slot: u32, why: DisconnectReason) {
+        let Some(c) = self.conns.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        if c.state == ConnState::Dead {
+            return;
+        }
+        c.state = ConnState::Dead;
+        c.sendq.clear();
+        c.inflight.clear();
+        #[cfg(feature = "fault-injection")]
+        {
+            c.held = None;
+        }
+        let id = c.id;
+        tracing::debug!(conn = %id, reason = ?why, "connection closed");
+        ServerStats::bump(&self.shared.stats.disconnected);
+        self.handler.on_disconnect(id, &why);
+        self.dead.push(slot);
+    }
+
+    /// Frees a dead slot once the backend has retired its I/O; returns the
+    /// socket to close.
+    pub fn release(&mut self, slot: u32) -> Option<OwnedFd> {
+        let c = self.conns.get_mut(slot as usize)?.take()?;
+        debug_assert_eq!(c.state, ConnState::Dead);
+        self.generations[slot as usize] = self.generations[slot as usize].wrapping_add(1);
+        self.free.push(slot);
+        self.live -= 1;
+        Some(c.fd)
+    }
+
+    /// Closes every connection (server shutdown).
+    pub fn close_all(&mut self) {
+        for slot in 0..self.conns.len() as u32 {
+            self.close(slot, DisconnectReason::Shutdown);
+        }
+    }
+}
+
+/// Best-effort, non-blocking send of a refusal frame on a fresh socket (its
+/// buffer is empty, so one small frame fits).
+fn send_refusal(fd: &OwnedFd, r: &Refusal) {
+    match encode(r.kind, 0, &r.payload) {
+        Ok(bytes) => {
+            if let Err(e) = sys::send(fd.as_fd(), &bytes) {
+                tracing::debug!(error = %e, "could not send a refusal frame");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "refusal payload cannot be framed"),
+    }
+}
+
+/// A bound listening socket.
+#[derive(Debug)]
+pub(crate) enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            Listener::Unix(l) => l.as_fd(),
+            Listener::Tcp(l) => l.as_fd(),
+        }
+    }
+
+    /// Peer information of a socket accepted from this listener.
+    pub fn peer_of(&self, fd: &OwnedFd) -> io::Result<PeerInfo> {
+        match self {
+            Listener::Unix(_) => sys::peer_cred(fd.as_fd()).map(PeerInfo::Unix),
+            Listener::Tcp(_) => {
+                let s = std::net::TcpStream::from(fd.try_clone()?);
+                // Latency over throughput: replies are small and must not wait.
+                s.set_nodelay(true)?;
+                s.peer_addr().map(PeerInfo::Tcp)
+            }
+        }
+    }
+}
+
+/// A server: bound listeners and a configuration, not yet running.
+pub struct Server {
+    cfg: ServerConfig,
+    listeners: Vec<Listener>,
+    endpoints: Vec<Endpoint>,
+    shared: Arc<Shared>,
+    backend: Backend,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<Box<dyn FaultPlan>>,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for Server {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Server")
+            .field("endpoints", &self.endpoints)
+            .field("backend", &self.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Binds every endpoint (a Unix path must not exist yet; TCP port 0
+    /// picks a free port) and picks the backend.
+    pub fn bind(cfg: ServerConfig, endpoints: &[Endpoint]) -> Result<Server, TransportError> {
+        if cfg.max_send_queue_bytes < crate::frame::MAX_FRAME_BYTES {
+            return Err(TransportError::Config(
+                "max_send_queue_bytes must hold one maximum frame",
+            ));
+        }
+        if cfg.max_connections == 0 || cfg.max_inflight_per_conn == 0 {
+            return Err(TransportError::Config(
+                "connection and in-flight limits must be positive",
+            ));
+        }
+        let backend = super::pick_backend(&cfg.io)?;
+        let mut listeners = Vec::new();
+        let mut bound = Vec::new();
+        for ep in endpoints {
+            let bind_err = |source| TransportError::Bind {
+                endpoint: ep.clone(),
+                source,
+            };
+            match ep {
+                Endpoint::Unix(path) => {
+                    let l = UnixListener::bind(path).map_err(bind_err)?;
+                    l.set_nonblocking(true).map_err(bind_err)?;
+                    bound.push(ep.clone());
+                    listeners.push(Listener::Unix(l));
+                }
+                Endpoint::Tcp(addr) => {
+                    let l = TcpListener::bind(addr).map_err(bind_err)?;
+                    l.set_nonblocking(true).map_err(bind_err)?;
+                    bound.push(Endpoint::Tcp(l.local_addr().map_err(bind_err)?));
+                    listeners.push(Listener::Tcp(l));
+                }
+            }
+        }
+        let shared =
+            Arc::new(Shared::new(cfg.max_pending_completions).map_err(TransportError::Setup)?);
+        Ok(Server {
+            cfg,
+            listeners,
+            endpoints: bound,
+            shared,
+            backend,
+            #[cfg(feature = "fault-injection")]
+            fault: None,
+        })
+    }
+
+    /// The endpoints actually bound (TCP with its real port).
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// A handle for other threads to post replies or wake the loop.
+    pub fn completer(&self) -> Completer {
+        Completer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Installs a fault plan consulted on every request and reply.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_fault_plan(&mut self, plan: Box<dyn FaultPlan>) {
+        self.fault = Some(plan);
+    }
+
+    /// Runs the event loop on a new thread.
+    pub fn spawn<H: Handler>(self, handler: H) -> Result<ServerHandle<H>, TransportError> {
+        let shared = Arc::clone(&self.shared);
+        let endpoints = self.endpoints.clone();
+        let backend = self.backend;
+        let join = std::thread::Builder::new()
+            .name("cxlkv-transport".into())
+            .spawn(move || self.run(handler))
+            .map_err(TransportError::Setup)?;
+        Ok(ServerHandle {
+            join: Some(join),
+            shared,
+            endpoints,
+            backend,
+        })
+    }
+
+    /// Runs the event loop on the calling thread until a
+    /// [`ServerHandle`]-less stop: used by `spawn`, and by callers that own a
+    /// thread already. Returns the handler.
+    pub fn run<H: Handler>(self, handler: H) -> Result<H, TransportError> {
+        let Server {
+            cfg,
+            listeners,
+            shared,
+            backend,
+            endpoints: _,
+            ..
+        } = self;
+        #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
+        let mut core = Core::new(handler, cfg, shared);
+        #[cfg(feature = "fault-injection")]
+        {
+            core.fault = self.fault;
+        }
+        let result = match backend {
+            Backend::Uring => uring::run(&mut core, &listeners),
+            Backend::Fallback => epoll::run(&mut core, &listeners),
+        };
+        // Unix socket paths are ours to remove (we created them in `bind`).
+        for l in &listeners {
+            if let Listener::Unix(u) = l
+                && let Some(p) = u
+                    .local_addr()
+                    .ok()
+                    .and_then(|a| a.as_pathname().map(ToOwned::to_owned))
+            {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        result.map(|()| core.handler)
+    }
+}
+
+/// A running server: stop it, read its stats, post completions.
+#[derive(Debug)]
+pub struct ServerHandle<H> {
+    join: Option<JoinHandle<Result<H, TransportError>>>,
+    shared: Arc<Shared>,
+    endpoints: Vec<Endpoint>,
+    backend: Backend,
+}
+
+impl<H> ServerHandle<H> {
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn completer(&self) -> Completer {
+        Completer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    pub fn stats(&self) -> ServerStatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// Stops the loop (every connection is closed, the handler hears
+    /// `Shutdown` for each) and returns the handler.
+    pub fn shutdown(mut self) -> Result<H, TransportError> {
+        self.stop_and_join()
+            .unwrap_or(Err(TransportError::LoopPanicked))
+    }
+
+    fn stop_and_join(&mut self) -> Option<Result<H, TransportError>> {
+        let join = self.join.take()?;
+        if let Err(e) = self.shared.request_stop() {
+            tracing::warn!(error = %e, "could not wake the transport loop to stop it");
+        }
+        Some(join.join().unwrap_or(Err(TransportError::LoopPanicked)))
+    }
+}
+
+impl<H> Drop for ServerHandle<H> {
+    fn drop(&mut self) {
+        if let Some(Err(e)) = self.stop_and_join() {
+            tracing::warn!(error = %e, "transport loop ended with an error");
+        }
+    }
+}
+
+/// Shared by both backends: the loop stops when asked.
+pub(crate) fn stop_requested(shared: &Shared) -> bool {
+    shared.stop.load(Ordering::Acquire)
+}

@@ -1,0 +1,749 @@
+//! The io_uring server backend.
+//!
+//! One ring on the loop thread. Listeners use multishot accept; every
+//! connection has one multishot receive that takes buffers from a provided
+//! buffer ring (`buf_ring`) shared by all connections, so memory for
+//! receives does not grow with the number of idle connections; received
+//! bytes are copied into the connection's `FrameDecoder` (which needs them
+//! contiguous and 8-aligned) and the buffer goes straight back to the ring.
+//! Sends are `SENDMSG` operations, at most one in flight per connection (that
+//! keeps bytes in order), each owning the frames it writes until its
+//! completion arrives. A read on the wake eventfd is always armed, so a
+//! `Completer` can wake a sleeping loop.
+//!
+//! Waiting: the loop reaps the completion queue without a system call;
+//! with `COOP_TASKRUN | TASKRUN_FLAG` the kernel raises a flag in the
+//! shared ring when receive work is pending and the loop enters the kernel
+//! only then. After `spin_us` without events it blocks in `io_uring_enter`
+//! with a timeout for the next timer.
+//!
+//! Teardown of a connection: `shutdown(2)` (which ends its multishot
+//! receive) plus a cancel; the slot and descriptor are released only when
+//! no operation of the connection remains in the kernel, since the kernel
+//! may still write into or read from memory those operations point at.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Mutex as StdMutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+
+use super::{ConnState, Core, DisconnectReason, Handler, Listener, OutFrame, stop_requested};
+use crate::transport::TransportError;
+use crate::transport::config::{IoConfig, TaskRun};
+use crate::transport::sys::{self, CmsgBuf};
+
+/// `IORING_ENTER_GETEVENTS` from the kernel ABI (not exported by `libc`).
+const IORING_ENTER_GETEVENTS: u32 = 1;
+
+/// Buffer group id of the receive buffer ring.
+const BGID: u16 = 1;
+
+// user_data layout: op (8 bits) | generation (24 bits) | slot (32 bits).
+const OP_ACCEPT: u64 = 1;
+const OP_RECV: u64 = 2;
+const OP_SEND: u64 = 3;
+const OP_WAKE: u64 = 4;
+const OP_CANCEL: u64 = 5;
+
+fn user_data(op: u64, generation: u32, slot: u32) -> u64 {
+    op << 56 | (u64::from(generation) & 0xFF_FFFF) << 32 | u64::from(slot)
+}
+
+fn split_user_data(ud: u64) -> (u64, u32, u32) {
+    (ud >> 56, ((ud >> 32) & 0xFF_FFFF) as u32, ud as u32)
+}
+
+/// Builds a ring with the configured waiting flags.
+pub(crate) fn build_ring(cfg: &IoConfig, entries: u32) -> io::Result<IoUring> {
+    let mut b = IoUring::builder();
+    b.setup_cqsize(entries * 2);
+    match cfg.taskrun {
+        TaskRun::Coop => {
+            b.setup_coop_taskrun().setup_taskrun_flag();
+        }
+        TaskRun::Defer => {
+            b.setup_single_issuer()
+                .setup_defer_taskrun()
+                .setup_taskrun_flag();
+        }
+        TaskRun::Interrupt => {}
+    }
+    if cfg.sqpoll {
+        b.setup_sqpoll(cfg.sqpoll_idle_ms);
+    }
+    b.build(entries)
+}
+
+/// Probe results per (sqpoll, taskrun) flag set.
+type ProbeCache = HashMap<(bool, TaskRun), Result<(), String>>;
+
+/// Checks that this kernel (and any seccomp policy) gives us a ring with
+/// the configured flags, a provided-buffer ring and multishot receive, by
+/// doing one real multishot receive on a socket pair. Cached per flag set.
+pub(crate) fn probe(cfg: &IoConfig) -> io::Result<()> {
+    static CACHE: OnceLock<StdMutex<ProbeCache>> = OnceLock::new();
+    let key = (cfg.sqpoll, cfg.taskrun);
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(r) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return r.clone().map_err(io::Error::other);
+    }
+    let r = probe_uncached(cfg).map_err(|e| e.to_string());
+    cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key, r.clone());
+    r.map_err(io::Error::other)
+}
+
+fn probe_uncached(cfg: &IoConfig) -> io::Result<()> {
+    let mut ring = build_ring(cfg, 8)?;
+    if !ring.params().is_feature_ext_arg() {
+        return Err(io::Error::other("kernel lacks IORING_FEAT_EXT_ARG"));
+    }
+    let bufs = BufRing::new(&ring, 2, 64)?;
+    let (a, b) = std::os::unix::net::UnixStream::pair()?;
+    let recv = opcode::RecvMulti::new(types::Fd(a.as_raw_fd()), BGID)
+        .build()
+        .user_data(1);
+    // SAFETY: the receive writes only into buffers of `bufs`, which outlives
+    // the ring's use of them (the ring is dropped first, below).
+    unsafe { ring.submission().push(&recv) }.map_err(|_| io::Error::other("probe ring full"))?;
+    ring.submit()?;
+    sys::send(b.as_fd(), b"x")?;
+    let ts = types::Timespec::from(Duration::from_secs(1));
+    let args = types::SubmitArgs::new().timespec(&ts);
+    match ring.submitter().submit_with_args(1, &args) {
+        Ok(_) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ETIME) => {}
+        Err(e) => return Err(e),
+    }
+    let cqe = ring
+        .completion()
+        .next()
+        .ok_or_else(|| io::Error::other("multishot receive did not complete"))?;
+    if cqe.result() != 1 {
+        return Err(io::Error::other(format!(
+            "multishot receive failed: {}",
+            io::Error::from_raw_os_error(-cqe.result())
+        )));
+    }
+    drop(ring);
+    drop(bufs);
+    Ok(())
+}
+
+/// A provided-buffer ring: `count` buffers of `size` bytes the kernel picks
+/// from for multishot receives.
+struct BufRing {
+    /// Page-aligned ring of `count` `BufRingEntry`s (mmap'd).
+    entries: *mut types::BufRingEntry,
+    ring_bytes: usize,
+    bufs: Vec<u8>,
+    size: usize,
+    count: u16,
+    tail: u16,
+}
+
+impl BufRing {
+    fn new(ring: &IoUring, count: u16, size: u32) -> io::Result<Self> {
+        if !count.is_power_of_two() || count > 32768 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "recv_buffer_count must be a power of two ≤ 32768",
+            ));
+        }
+        let ring_bytes = usize::from(count) * std::mem::size_of::<types::BufRingEntry>();
+        // SAFETY: anonymous private mapping; checked for MAP_FAILED below.
+        let mem = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                ring_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if mem == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let mut this = Self {
+            entries: mem.cast(),
+            ring_bytes,
+            bufs: vec![0u8; usize::from(count) * size as usize],
+            size: size as usize,
+            count,
+            tail: 0,
+        };
+        for bid in 0..count {
+            this.recycle(bid);
+        }
+        // SAFETY: the ring memory is page-aligned (mmap), holds `count`
+        // entries and stays mapped until after the ring is dropped (owners
+        // drop the IoUring first).
+        unsafe {
+            ring.submitter()
+                .register_buf_ring_with_flags(mem as u64, count, BGID, 0)?
+        };
+        Ok(this)
+    }
+
+    /// The first `len` bytes of buffer `bid`.
+    fn get(&self, bid: u16, len: usize) -> &[u8] {
+        let start = usize::from(bid) * self.size;
+        &self.bufs[start..start + len.min(self.size)]
+    }
+
+    /// Gives buffer `bid` back to the kernel.
+    fn recycle(&mut self, bid: u16) {
+        let idx = usize::from(self.tail & (self.count - 1));
+        let addr = self.bufs[usize::from(bid) * self.size..].as_mut_ptr() as u64;
+        // SAFETY: `idx < count`, within the mapping; the kernel only reads
+        // entries between its head and our published tail, and this one is
+        // past the tail until the store below.
+        unsafe {
+            let e = &mut *self.entries.add(idx);
+            e.set_addr(addr);
+            e.set_len(self.size as u32);
+            e.set_bid(bid);
+        }
+        self.tail = self.tail.wrapping_add(1);
+        // SAFETY: the tail field overlays entry 0's reserved field and is
+        // 2-aligned inside the mapping; the kernel reads it with an acquire
+        // load, so Release publishes the entry written above.
+        unsafe {
+            let tail = types::BufRingEntry::tail(self.entries) as *mut u16;
+            AtomicU16::from_ptr(tail).store(self.tail, Ordering::Release);
+        }
+    }
+}
+
+impl Drop for BufRing {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `new`; the ring that
+        // knew about it is gone (see field order of `Driver`).
+        unsafe { libc::munmap(self.entries.cast(), self.ring_bytes) };
+    }
+}
+
+/// A send in the kernel: the frames it writes (their heap bytes are what
+/// the iovecs point at) and the message header.
+struct SendOp {
+    frames: Vec<OutFrame>,
+    iov: Vec<libc::iovec>,
+    msg: libc::msghdr,
+    cmsg: CmsgBuf,
+    /// Bytes of `frames` already written by earlier completions.
+    done: usize,
+    total: usize,
+}
+
+#[derive(Default)]
+struct ConnIo {
+    recv_armed: bool,
+    send: Option<Box<SendOp>>,
+    /// `shutdown` issued; waiting for operations to drain.
+    closing: bool,
+}
+
+struct Driver {
+    // Field order matters: the ring is dropped before the buffers its
+    // operations point into.
+    ring: IoUring,
+    bufs: BufRing,
+    io: Vec<ConnIo>,
+    closing: Vec<u32>,
+    wake_buf: Box<u64>,
+    listener_fds: Vec<i32>,
+}
+
+pub(crate) fn run<H: Handler>(
+    core: &mut Core<H>,
+    listeners: &[Listener],
+) -> Result<(), TransportError> {
+    let io_cfg = core.cfg.io.clone();
+    let ring = build_ring(&io_cfg, io_cfg.ring_entries).map_err(TransportError::Setup)?;
+    let bufs = BufRing::new(&ring, io_cfg.recv_buffer_count, io_cfg.recv_buffer_bytes)
+        .map_err(TransportError::Setup)?;
+    let mut d = Driver {
+        ring,
+        bufs,
+        io: Vec::new(),
+        closing: Vec::new(),
+        wake_buf: Box::new(0),
+        listener_fds: listeners.iter().map(|l| l.fd().as_raw_fd()).collect(),
+    };
+    for i in 0..listeners.len() {
+        d.arm_accept(i as u32)?;
+    }
+    d.arm_wake(core)?;
+    let spin = Duration::from_micros(u64::from(io_cfg.spin_us));
+    let mut last_activity = Instant::now();
+    let mut cqes: Vec<cqueue::Entry> = Vec::with_capacity(io_cfg.ring_entries as usize * 2);
+    loop {
+        if stop_requested(&core.shared) {
+            break;
+        }
+        cqes.clear();
+        cqes.extend(d.ring.completion());
+        let now = Instant::now();
+        for cqe in &cqes {
+            d.on_cqe(core, listeners, cqe, now)?;
+        }
+        let had_work = core.has_work();
+        core.run_completions(now);
+        if core.timers_due(now) {
+            core.run_timers(now);
+        }
+        let sent = d.flush_dirty(core)?;
+        d.teardown(core)?;
+        if !d.ring.submission().is_empty() {
+            d.submit()?;
+        }
+        if !cqes.is_empty() || had_work || sent {
+            last_activity = now;
+            continue;
+        }
+        if now.duration_since(last_activity) < spin {
+            d.poll_kernel(io_cfg.taskrun)?;
+            // Yield, not just pause: on a loaded machine the peer we wait for
+            // may share this vCPU, and a spin shorter than the scheduler slice
+            // would only delay it (measured: ~400 µs round trips, see essay).
+            std::thread::yield_now();
+            continue;
+        }
+        if core.prepare_sleep() {
+            let timeout = core
+                .next_timer()
+                .map(|t| t.saturating_duration_since(Instant::now()));
+            d.wait(timeout)?;
+            core.woke_up();
+        }
+    }
+    core.close_all();
+    d.teardown(core)?;
+    // Operations still in the kernel die with the ring (dropped before the
+    // buffers): no completion is awaited on shutdown.
+    Ok(())
+}
+
+impl Driver {
+    fn push(&mut self, sqe: &squeue::Entry) -> Result<(), TransportError> {
+        loop {
+            // SAFETY: every entry built by this driver points only at memory
+            // the driver keeps alive until the operation's completion (send
+            // ops own their frames, receives use `bufs`, the wake read uses
+            // `wake_buf`) or until the ring is dropped.
+            if unsafe { self.ring.submission().push(sqe) }.is_ok() {
+                return Ok(());
+            }
+            // Full: hand what is queued to the kernel, then retry.
+            self.submit()?;
+        }
+    }
+
+    fn submit(&mut self) -> Result<(), TransportError> {
+        match self.ring.submit() {
+            Ok(_) => Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
+                ) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(TransportError::Io(e)),
+        }
+    }
+
+    /// While spinning: let the kernel run pending receive work when it says
+    /// there is some (TASKRUN flag), without waiting.
+    fn poll_kernel(&mut self, mode: TaskRun) -> Result<(), TransportError> {
+        let needs = match mode {
+            TaskRun::Interrupt => false,
+            TaskRun::Coop | TaskRun::Defer => self.ring.submission().taskrun(),
+        };
+        if needs {
+            // SAFETY: io_uring_enter with GETEVENTS and no submissions or
+            // wait; no argument pointer.
+            let r = unsafe {
+                self.ring
+                    .submitter()
+                    .enter::<libc::sigset_t>(0, 0, IORING_ENTER_GETEVENTS, None)
+            };
+            if let Err(e) = r
+                && !matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
+                )
+            {
+                return Err(TransportError::Io(e));
+            }
+        }
+        Ok(())
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<(), TransportError> {
+        let r = match timeout {
+            Some(t) => {
+                let ts = types::Timespec::from(t);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                self.ring.submitter().submit_with_args(1, &args)
+            }
+            None => self.ring.submit_and_wait(1),
+        };
+        match r {
+            Ok(_) => Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
+                ) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(TransportError::Io(e)),
+        }
+    }
+
+    fn arm_accept(&mut self, listener: u32) -> Result<(), TransportError> {
+        let fd = self.listener_fds[listener as usize];
+        let sqe = opcode::AcceptMulti::new(types::Fd(fd))
+            .flags(libc::SOCK_CLOEXEC)
+            .build()
+            .user_data(user_data(OP_ACCEPT, 0, listener));
+        self.push(&sqe)
+    }
+
+    fn arm_wake<H: Handler>(&mut self, core: &Core<H>) -> Result<(), TransportError> {
+        let buf: *mut u64 = &mut *self.wake_buf;
+        let sqe = opcode::Read::new(types::Fd(core.shared.eventfd.as_raw_fd()), buf.cast(), 8)
+            .build()
+            .user_data(user_data(OP_WAKE, 0, 0));
+        self.push(&sqe)
+    }
+
+    fn arm_recv(&mut self, fd: i32, slot: u32, generation: u32) -> Result<(), TransportError> {
+        let sqe = opcode::RecvMulti::new(types::Fd(fd), BGID)
+            .build()
+            .user_data(user_data(OP_RECV, generation, slot));
+        self.io[slot as usize].recv_armed = true;
+        self.push(&sqe)
+    }
+
+    fn io_mut(&mut self, slot: u32) -> &mut ConnIo {
+        if self.io.len() <= slot as usize {
+            self.io.resize_with(slot as usize + 1, ConnIo::default);
+        }
+        &mut self.io[slot as usize]
+    }
+
+    fn on_cqe<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        listeners: &[Listener],
+        cqe: &cqueue::Entry,
+        now: Instant,
+    ) -> Result<(), TransportError> {
+        let (op, generation, slot) = split_user_data(cqe.user_data());
+        let res = cqe.result();
+        let more = cqueue::more(cqe.flags());
+        match op {
+            OP_WAKE => {
+                // The eventfd counter was reset by the read; completions are
+                // picked up by the loop right after.
+                self.arm_wake(core)?;
+            }
+            OP_ACCEPT => {
+                if res >= 0 {
+                    // SAFETY: a successful accept completion's result is a new
+                    // descriptor owned by us.
+                    let fd = unsafe { sys::own_fd(res) };
+                    self.admit(core, &listeners[slot as usize], fd)?;
+                } else if res != -libc::ECANCELED {
+                    tracing::warn!(error = %io::Error::from_raw_os_error(-res), "accept failed");
+                }
+                if !more {
+                    self.arm_accept(slot)?;
+                }
+            }
+            OP_RECV => {
+                if !more {
+                    self.io_mut(slot).recv_armed = false;
+                }
+                self.on_recv(core, slot, generation, cqe, now)?;
+            }
+            OP_SEND => self.on_send(core, slot, res)?,
+            _ => {} // OP_CANCEL: nothing to do either way.
+        }
+        Ok(())
+    }
+
+    fn admit<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        l: &Listener,
+        fd: std::os::fd::OwnedFd,
+    ) -> Result<(), TransportError> {
+        let peer = match l.peer_of(&fd) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::debug!(error = %e, "peer vanished during accept");
+                return Ok(());
+            }
+        };
+        let raw = fd.as_raw_fd();
+        if let Some(slot) = core.admit(fd, peer) {
+            let generation = core.conns[slot as usize]
+                .as_ref()
+                .map_or(0, |c| c.id.generation());
+            let io = self.io_mut(slot);
+            debug_assert!(!io.recv_armed && io.send.is_none());
+            io.closing = false;
+            self.arm_recv(raw, slot, generation)?;
+        }
+        Ok(())
+    }
+
+    fn on_recv<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        slot: u32,
+        generation: u32,
+        cqe: &cqueue::Entry,
+        now: Instant,
+    ) -> Result<(), TransportError> {
+        let res = cqe.result();
+        let bid = cqueue::buffer_select(cqe.flags());
+        let current = core.conns.get(slot as usize).and_then(Option::as_ref);
+        let ours = current.is_some_and(|c| c.id.generation() & 0xFF_FFFF == generation);
+        if res > 0 {
+            let bid = bid.expect("a successful provided-buffer receive names its buffer");
+            if ours
+                && let Some(conn) = core.conn_mut(slot)
+                && conn.state == ConnState::Open
+            {
+                let data = self.bufs.get(bid, res as usize);
+                conn.decoder.spare(data.len())[..data.len()].copy_from_slice(data);
+                conn.decoder.filled(data.len());
+                self.bufs.recycle(bid);
+                core.process_input(slot, now);
+            } else {
+                self.bufs.recycle(bid);
+            }
+        } else if let Some(bid) = bid {
+            self.bufs.recycle(bid);
+        }
+        if !ours {
+            return Ok(());
+        }
+        let armed = self.io[slot as usize].recv_armed;
+        match res {
+            0 => core.close(slot, DisconnectReason::PeerClosed),
+            r if r == -libc::ENOBUFS => {
+                // Every buffer was in use; they are recycled by now.
+                if !armed && !self.io[slot as usize].closing {
+                    let fd = core.conns[slot as usize].as_ref().map(|c| c.fd.as_raw_fd());
+                    if let Some(fd) = fd {
+                        self.arm_recv(fd, slot, generation)?;
+                    }
+                }
+            }
+            r if r < 0 && r != -libc::ECANCELED => core.close(
+                slot,
+                DisconnectReason::Io(io::Error::from_raw_os_error(-r).kind()),
+            ),
+            _ => {
+                let open = core.conns[slot as usize]
+                    .as_ref()
+                    .is_some_and(|c| c.state == ConnState::Open);
+                if !armed && open && !self.io[slot as usize].closing {
+                    let fd = core.conns[slot as usize].as_ref().map(|c| c.fd.as_raw_fd());
+                    if let Some(fd) = fd {
+                        self.arm_recv(fd, slot, generation)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn on_send<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        slot: u32,
+        res: i32,
+    ) -> Result<(), TransportError> {
+        let Some(mut op) = self.io_mut(slot).send.take() else {
+            return Ok(());
+        };
+        let closing = self.io[slot as usize].closing;
+        if closing {
+            return Ok(()); // teardown drops `op` (its frames) now that the kernel is done
+        }
+        if res < 0 {
+            core.close(
+                slot,
+                DisconnectReason::Io(io::Error::from_raw_os_error(-res).kind()),
+            );
+            return Ok(());
+        }
+        op.done += res as usize;
+        if op.done < op.total {
+            // Partial write: descriptors went with the first byte; send the rest.
+            op.cmsg = CmsgBuf::default();
+            self.start_send(core, slot, op)?;
+            return Ok(());
+        }
+        // Sent: descriptors and bytes are the kernel's now; recycle the Vec.
+        drop(op);
+        self.flush(core, slot)?;
+        if self.io[slot as usize].send.is_none() {
+            core.on_flushed(slot);
+        }
+        Ok(())
+    }
+
+    fn flush_dirty<H: Handler>(&mut self, core: &mut Core<H>) -> Result<bool, TransportError> {
+        let mut dirty = std::mem::take(&mut core.dirty);
+        let any = !dirty.is_empty();
+        dirty.sort_unstable();
+        dirty.dedup();
+        for &slot in &dirty {
+            self.flush(core, slot)?;
+        }
+        dirty.clear();
+        if core.dirty.is_empty() {
+            core.dirty = dirty;
+        }
+        Ok(any)
+    }
+
+    /// Starts a send of the queued frames unless one is in flight.
+    fn flush<H: Handler>(&mut self, core: &mut Core<H>, slot: u32) -> Result<(), TransportError> {
+        if self.io_mut(slot).send.is_some() || self.io[slot as usize].closing {
+            return Ok(());
+        }
+        let Some(conn) = core.conn_mut(slot) else {
+            return Ok(());
+        };
+        if conn.state == ConnState::Dead || conn.sendq.is_empty() {
+            return Ok(());
+        }
+        let mut frames = Vec::new();
+        conn.sendq.pop_batch(&mut frames);
+        let total = frames.iter().map(|f| f.bytes.len()).sum();
+        let op = Box::new(SendOp {
+            frames,
+            iov: Vec::new(),
+            // SAFETY: an all-zero msghdr is a valid empty message.
+            msg: unsafe { std::mem::zeroed() },
+            cmsg: CmsgBuf::default(),
+            done: 0,
+            total,
+        });
+        self.start_send(core, slot, op)
+    }
+
+    /// Points `op`'s header at its unsent bytes and submits it.
+    fn start_send<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        slot: u32,
+        mut op: Box<SendOp>,
+    ) -> Result<(), TransportError> {
+        let Some(conn) = core.conns.get(slot as usize).and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        let (fd, generation) = (conn.fd.as_raw_fd(), conn.id.generation());
+        let mut skip = op.done;
+        let mut iov = std::mem::take(&mut op.iov);
+        iov.clear();
+        for f in &op.frames {
+            if skip >= f.bytes.len() {
+                skip -= f.bytes.len();
+                continue;
+            }
+            let rest = &f.bytes[skip..];
+            skip = 0;
+            iov.push(libc::iovec {
+                iov_base: rest.as_ptr() as *mut _,
+                iov_len: rest.len(),
+            });
+        }
+        op.iov = iov;
+        let fds: Vec<i32> = if op.done == 0 {
+            op.frames
+                .iter()
+                .flat_map(|f| f.fds.iter().map(AsRawFd::as_raw_fd))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let slices: &[std::io::IoSlice<'_>] =
+            // SAFETY: IoSlice is guaranteed ABI-compatible with iovec on Unix.
+            unsafe { std::slice::from_raw_parts(op.iov.as_ptr().cast(), op.iov.len()) };
+        op.msg = sys::msghdr_with_fds(slices, &fds, &mut op.cmsg).map_err(TransportError::Io)?;
+        let sqe = opcode::SendMsg::new(types::Fd(fd), &op.msg)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+            .user_data(user_data(OP_SEND, generation, slot));
+        // The box keeps msg/iov/cmsg/frames at stable addresses until the
+        // completion hands it back to `on_send`.
+        self.io[slot as usize].send = Some(op);
+        self.push(&sqe)
+    }
+
+    /// Tears down dead connections whose operations have all completed.
+    fn teardown<H: Handler>(&mut self, core: &mut Core<H>) -> Result<(), TransportError> {
+        for slot in std::mem::take(&mut core.dead) {
+            let Some(fd) = core
+                .conns
+                .get(slot as usize)
+                .and_then(Option::as_ref)
+                .map(|c| c.fd.as_raw_fd())
+            else {
+                continue;
+            };
+            let generation = core.conns[slot as usize]
+                .as_ref()
+                .map_or(0, |c| c.id.generation());
+            let io = self.io_mut(slot);
+            io.closing = true;
+            if io.recv_armed {
+                if let Some(c) = core.conns[slot as usize].as_ref() {
+                    // Ends the multishot receive (it completes with 0).
+                    let _ = sys::shutdown(c.fd.as_fd());
+                }
+                let cancel = opcode::AsyncCancel::new(user_data(OP_RECV, generation, slot))
+                    .build()
+                    .user_data(user_data(OP_CANCEL, 0, slot));
+                self.push(&cancel)?;
+            } else if io.send.is_some()
+                && let Some(c) = core.conns[slot as usize].as_ref()
+            {
+                let _ = sys::shutdown(c.fd.as_fd());
+            }
+            let _ = fd;
+            self.closing.push(slot);
+        }
+        let mut i = 0;
+        while i < self.closing.len() {
+            let slot = self.closing[i];
+            let io = &self.io[slot as usize];
+            if io.recv_armed || io.send.is_some() {
+                i += 1;
+                continue;
+            }
+            self.closing.swap_remove(i);
+            self.io[slot as usize].closing = false;
+            drop(core.release(slot));
+        }
+        Ok(())
+    }
+}

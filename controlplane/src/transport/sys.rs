@@ -1,0 +1,373 @@
+//! Thin, checked wrappers over the socket system calls the transport needs
+//! and `std` does not offer: peer credentials, descriptor passing, eventfd,
+//! `poll` with a timeout, abortive close.
+//!
+//! Every function here takes borrowed descriptors and returns `io::Result`;
+//! all `unsafe` of the transport's socket handling lives in this file.
+
+use std::io::{self, IoSlice};
+use std::mem::{MaybeUninit, size_of};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+/// Most descriptors one frame may carry (`SCM_RIGHTS`). The pool device is
+/// one descriptor; a handful leaves room without sizing control buffers for
+/// the kernel's limit of 253.
+pub const MAX_FDS_PER_FRAME: usize = 8;
+
+/// Control-buffer size for `MAX_FDS_PER_FRAME` descriptors, as `u64` words so
+/// the buffer is aligned for `cmsghdr`.
+const CMSG_WORDS: usize = cmsg_space_bytes(MAX_FDS_PER_FRAME).div_ceil(8);
+
+const fn cmsg_align(n: usize) -> usize {
+    (n + size_of::<usize>() - 1) & !(size_of::<usize>() - 1)
+}
+
+/// Mirrors CMSG_SPACE (which is `unsafe` only because it is an FFI shim).
+const fn cmsg_space_bytes(fds: usize) -> usize {
+    cmsg_align(size_of::<libc::cmsghdr>()) + cmsg_align(fds * size_of::<RawFd>())
+}
+
+/// The credentials of a Unix-socket peer, read by the kernel at `connect`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn cvt_size(ret: libc::ssize_t) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// `SO_PEERCRED` of a connected Unix socket.
+pub fn peer_cred(fd: BorrowedFd<'_>) -> io::Result<PeerCred> {
+    let mut cred = MaybeUninit::<libc::ucred>::zeroed();
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a writable `ucred`-sized buffer and `len` says so; the
+    // kernel writes at most `len` bytes. `fd` is a live descriptor (borrowed).
+    cvt(unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            cred.as_mut_ptr().cast(),
+            &mut len,
+        )
+    })?;
+    if len as usize != size_of::<libc::ucred>() {
+        return Err(io::Error::other("SO_PEERCRED returned a short ucred"));
+    }
+    // SAFETY: zero-initialised and fully written by the kernel (length checked).
+    let cred = unsafe { cred.assume_init() };
+    Ok(PeerCred {
+        pid: cred.pid,
+        uid: cred.uid,
+        gid: cred.gid,
+    })
+}
+
+/// Builds a `msghdr` for `bufs` with `fds` as one `SCM_RIGHTS` message in
+/// `control`. The returned header borrows `bufs` and `control` through raw
+/// pointers: both must outlive every use of it.
+pub(crate) fn msghdr_with_fds(
+    bufs: &[IoSlice<'_>],
+    fds: &[RawFd],
+    control: &mut CmsgBuf,
+) -> io::Result<libc::msghdr> {
+    if fds.len() > MAX_FDS_PER_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "too many descriptors for one frame",
+        ));
+    }
+    // SAFETY: an all-zero msghdr is a valid empty message.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec; // IoSlice is ABI-compatible with iovec.
+    msg.msg_iovlen = bufs.len() as _;
+    if !fds.is_empty() {
+        let data_len = size_of_val(fds) as libc::c_uint;
+        msg.msg_control = control.words.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE is a pure computation.
+        msg.msg_controllen = unsafe { libc::CMSG_SPACE(data_len) } as _;
+        debug_assert!(msg.msg_controllen as usize <= CMSG_WORDS * 8);
+        // SAFETY: msg_control points at `control`, which holds at least
+        // CMSG_SPACE(data_len) bytes (MAX_FDS_PER_FRAME checked above) and is
+        // aligned for cmsghdr (u64 words); FIRSTHDR is non-null since
+        // msg_controllen >= sizeof(cmsghdr). CMSG_DATA stays within it.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(data_len) as _;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr().cast::<u8>(),
+                libc::CMSG_DATA(cmsg),
+                data_len as usize,
+            );
+        }
+    }
+    Ok(msg)
+}
+
+/// An aligned control-message buffer for up to `MAX_FDS_PER_FRAME` fds.
+#[derive(Debug, Clone)]
+pub(crate) struct CmsgBuf {
+    words: [u64; CMSG_WORDS],
+}
+
+impl Default for CmsgBuf {
+    fn default() -> Self {
+        Self {
+            words: [0; CMSG_WORDS],
+        }
+    }
+}
+
+/// `sendmsg` of `bufs` with `fds` attached (`SCM_RIGHTS`), non-blocking,
+/// without `SIGPIPE`. Returns the bytes written.
+pub fn send_with_fds(fd: BorrowedFd<'_>, bufs: &[IoSlice<'_>], fds: &[RawFd]) -> io::Result<usize> {
+    let mut control = CmsgBuf::default();
+    let msg = msghdr_with_fds(bufs, fds, &mut control)?;
+    // SAFETY: `msg` points at `bufs` and `control`, both alive for the call.
+    cvt_size(unsafe {
+        libc::sendmsg(
+            fd.as_raw_fd(),
+            &msg,
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    })
+}
+
+/// Outcome of one `recvmsg`.
+#[derive(Debug)]
+pub struct Received {
+    pub bytes: usize,
+    /// True when the kernel had to drop descriptors (more than
+    /// `MAX_FDS_PER_FRAME`): it closed them, and the frame is incomplete.
+    pub fds_truncated: bool,
+}
+
+/// Non-blocking `recvmsg` into `buf`; descriptors that arrive are appended
+/// to `fds` (close-on-exec). `Ok(bytes == 0)` is end of stream.
+pub fn recv_with_fds(
+    fd: BorrowedFd<'_>,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<Received> {
+    let mut control = CmsgBuf::default();
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is a valid empty message.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.words.as_mut_ptr().cast();
+    msg.msg_controllen = CMSG_WORDS * 8;
+    // SAFETY: `iov` covers `buf` (writable, borrowed mutably for the call) and
+    // `msg_control` covers `control`; both outlive the call.
+    let bytes = cvt_size(unsafe {
+        libc::recvmsg(
+            fd.as_raw_fd(),
+            &mut msg,
+            libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+        )
+    })?;
+    // SAFETY: the kernel filled `control` up to msg_controllen with
+    // well-formed cmsghdrs; FIRSTHDR/NXTHDR stay within that length, and each
+    // SCM_RIGHTS payload holds (cmsg_len - CMSG_LEN(0)) / sizeof(int) fds
+    // which this process now owns (so wrapping them in OwnedFd is sound).
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data_len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(cmsg);
+                for i in 0..data_len / size_of::<RawFd>() {
+                    let raw = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(raw));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok(Received {
+        bytes,
+        fds_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0,
+    })
+}
+
+/// Non-blocking `recv` without ancillary data (descriptors sent to us are
+/// discarded by the kernel).
+pub fn recv(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is writable for its length for the duration of the call.
+    cvt_size(unsafe {
+        libc::recv(
+            fd.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    })
+}
+
+/// Non-blocking `send` without `SIGPIPE`.
+pub fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is readable for its length for the duration of the call.
+    cvt_size(unsafe {
+        libc::send(
+            fd.as_raw_fd(),
+            buf.as_ptr().cast(),
+            buf.len(),
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    })
+}
+
+/// Waits until `fd` is ready for `events` (`libc::POLLIN`/`POLLOUT`) or the
+/// timeout passes. Returns the revents (0 on timeout). `EINTR` counts as a
+/// spurious wake-up (0), so callers re-check their deadline.
+pub fn poll_one(
+    fd: BorrowedFd<'_>,
+    events: libc::c_short,
+    timeout: Duration,
+) -> io::Result<libc::c_short> {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events,
+        revents: 0,
+    };
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: one valid pollfd, count 1.
+    match cvt(unsafe { libc::poll(&mut pfd, 1, ms) }) {
+        Ok(_) => Ok(pfd.revents),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// A non-blocking, close-on-exec eventfd (counter semantics).
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; a non-negative result is a fresh descriptor we own.
+    let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
+    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Adds one to an eventfd's counter (wakes its waiter). A full counter
+/// (`EAGAIN`) already means "wake up", so it is not an error.
+pub fn eventfd_signal(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let one: u64 = 1;
+    // SAFETY: writes 8 readable bytes from `one`.
+    match cvt_size(unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) }) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Resets an eventfd's counter; `EAGAIN` (already zero) is fine.
+pub fn eventfd_drain(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let mut value: u64 = 0;
+    // SAFETY: reads 8 bytes into `value`.
+    match cvt_size(unsafe { libc::read(fd.as_raw_fd(), (&raw mut value).cast(), 8) }) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// `SO_LINGER {on, 0}`: the next close of a TCP socket sends RST instead of
+/// FIN (an abortive close, used to inject connection resets). A no-op in
+/// effect on Unix sockets.
+pub fn set_linger_zero(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: passes a valid `linger` of the stated size.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            size_of::<libc::linger>() as libc::socklen_t,
+        )
+    })
+    .map(drop)
+}
+
+/// `shutdown(SHUT_RDWR)`: makes pending receives on the socket complete (with
+/// end of stream) so an io_uring backend can retire its operations before
+/// closing the descriptor. `ENOTCONN` (peer already gone) is fine.
+pub fn shutdown(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: plain syscall on a live descriptor.
+    match cvt(unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) }) {
+        Ok(_) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Wraps a descriptor returned by the kernel (e.g. by an accept completion).
+///
+/// # Safety
+/// `raw` must be an open descriptor that nothing else owns.
+pub unsafe fn own_fd(raw: RawFd) -> OwnedFd {
+    // SAFETY: upheld by the caller.
+    unsafe { OwnedFd::from_raw_fd(raw) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn descriptors_cross_a_socketpair_with_their_bytes() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (r, w) = UnixStream::pair().unwrap();
+        let sent = send_with_fds(a.as_fd(), &[IoSlice::new(b"hi")], &[w.as_raw_fd()]).unwrap();
+        assert_eq!(sent, 2);
+        let mut buf = [0u8; 8];
+        let mut fds = Vec::new();
+        let got = recv_with_fds(b.as_fd(), &mut buf, &mut fds).unwrap();
+        assert_eq!((got.bytes, got.fds_truncated, fds.len()), (2, false, 1));
+        // The received descriptor is the same socket: writing through it reaches `r`.
+        send(fds[0].as_fd(), b"x").unwrap();
+        assert_eq!(recv(r.as_fd(), &mut buf).unwrap(), 1);
+    }
+
+    #[test]
+    fn peer_credentials_name_this_process() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let cred = peer_cred(a.as_fd()).unwrap();
+        assert_eq!(cred.pid, std::process::id() as i32);
+        // SAFETY: getuid has no preconditions.
+        assert_eq!(cred.uid, unsafe { libc::getuid() });
+    }
+
+    #[test]
+    fn too_many_descriptors_are_refused_before_the_syscall() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let fds = vec![a.as_raw_fd(); MAX_FDS_PER_FRAME + 1];
+        let err = send_with_fds(a.as_fd(), &[IoSlice::new(b"x")], &fds).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    }
+}

@@ -1,0 +1,235 @@
+//! Shared fixtures of the transport tests: a scripted handler, server
+//! start-up on a unique Unix path and a loopback TCP port, and the list of
+//! backends every test runs on.
+#![allow(dead_code)] // each test file uses a subset
+
+use std::io::Write;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use cxlkv_controlplane::frame::{Frame, FrameHeader};
+use cxlkv_controlplane::transport::{
+    Admit, BackendChoice, ClientConfig, ConnId, DisconnectReason, Endpoint, Handler, PeerInfo,
+    Refusal, RefuseReason, Rejection, Replies, RpcClient, Server, ServerConfig, ServerHandle,
+};
+use parking_lot::Mutex;
+
+pub const ECHO: u16 = 1;
+pub const DEFER: u16 = 2;
+pub const SEND_FD: u16 = 3;
+pub const CLOSE_ME: u16 = 4;
+pub const SIZED: u16 = 5;
+pub const WHO_AM_I: u16 = 6;
+pub const REPLY_OFFSET: u16 = 100;
+pub const ERROR_REPLY: u16 = 999;
+pub const REFUSED: u16 = 998;
+
+/// Generous bound on every wait in the tests (never a timing assertion).
+pub const LONG: Duration = Duration::from_secs(20);
+
+/// What the handler saw, for the test to inspect.
+#[derive(Default)]
+pub struct Seen {
+    pub deferred: Mutex<Vec<(ConnId, u64, Vec<u8>)>>,
+    pub to_complete_on_wake: Mutex<Vec<(ConnId, u64, Vec<u8>)>>,
+    pub rejections: Mutex<Vec<(ConnId, u64, Rejection)>>,
+    pub disconnects: Mutex<Vec<(ConnId, DisconnectReason)>>,
+    pub peers: Mutex<Vec<(ConnId, PeerInfo)>>,
+}
+
+pub struct TestHandler {
+    pub seen: Arc<Seen>,
+}
+
+impl Handler for TestHandler {
+    fn on_connect(&mut self, conn: ConnId, peer: &PeerInfo) -> Admit {
+        self.seen.peers.lock().push((conn, peer.clone()));
+        Admit::Accept
+    }
+
+    fn on_refused(&mut self, _peer: &PeerInfo, why: RefuseReason) -> Option<Refusal> {
+        Some(Refusal {
+            kind: REFUSED,
+            payload: format!("{why:?}").into_bytes(),
+        })
+    }
+
+    fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies) {
+        let h = frame.header;
+        let reply = h.kind + REPLY_OFFSET;
+        match h.kind {
+            ECHO => out.send(conn, reply, h.request_id, frame.payload).unwrap(),
+            DEFER => self
+                .seen
+                .deferred
+                .lock()
+                .push((conn, h.request_id, frame.payload.to_vec())),
+            SEND_FD => {
+                let fd = memfd_with(frame.payload);
+                out.send_with_fds(conn, reply, h.request_id, b"fd attached", vec![fd])
+                    .unwrap();
+            }
+            CLOSE_ME => {
+                out.send(conn, reply, h.request_id, b"bye").unwrap();
+                out.close(conn);
+            }
+            SIZED => {
+                let len = u32::from_le_bytes(frame.payload[..4].try_into().unwrap()) as usize;
+                let body: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                out.send(conn, reply, h.request_id, &body).unwrap();
+            }
+            WHO_AM_I => {
+                let text = match self.seen.peers.lock().iter().find(|(c, _)| *c == conn) {
+                    Some((_, PeerInfo::Unix(c))) => format!("unix {} {} {}", c.pid, c.uid, c.gid),
+                    Some((_, PeerInfo::Tcp(a))) => format!("tcp {a}"),
+                    other => format!("{other:?}"),
+                };
+                out.send(conn, reply, h.request_id, text.as_bytes())
+                    .unwrap();
+            }
+            _ => out
+                .send(conn, ERROR_REPLY, h.request_id, b"unknown kind")
+                .unwrap(),
+        }
+    }
+
+    fn on_rejected(
+        &mut self,
+        conn: ConnId,
+        header: FrameHeader,
+        why: Rejection,
+        out: &mut Replies,
+    ) {
+        let text = format!("{why:?}");
+        self.seen
+            .rejections
+            .lock()
+            .push((conn, header.request_id, why));
+        out.send(conn, ERROR_REPLY, header.request_id, text.as_bytes())
+            .unwrap();
+    }
+
+    fn on_disconnect(&mut self, conn: ConnId, why: &DisconnectReason) {
+        self.seen.disconnects.lock().push((conn, why.clone()));
+    }
+
+    fn on_wake(&mut self, out: &mut Replies) {
+        for (conn, rid, payload) in self.seen.to_complete_on_wake.lock().drain(..) {
+            out.send(conn, DEFER + REPLY_OFFSET, rid, &payload).unwrap();
+        }
+    }
+}
+
+/// A memfd holding `bytes`.
+pub fn memfd_with(bytes: &[u8]) -> OwnedFd {
+    // SAFETY: a NUL-terminated name; a non-negative result is a new fd.
+    let raw = unsafe { libc::memfd_create(c"cxlkv-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(raw >= 0, "memfd_create failed");
+    // SAFETY: `raw` is a fresh descriptor owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut f = std::fs::File::from(fd);
+    f.write_all(bytes).unwrap();
+    f.into()
+}
+
+/// Backends every test runs on: io_uring when this kernel allows it (the
+/// test says so when it does not), and the fallback always.
+pub fn backends() -> Vec<BackendChoice> {
+    let mut v = vec![BackendChoice::Fallback];
+    let probe = ServerConfig {
+        io: cxlkv_controlplane::transport::IoConfig {
+            backend: BackendChoice::Uring,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match Server::bind(probe, &[]) {
+        Ok(_) => v.insert(0, BackendChoice::Uring),
+        Err(e) => eprintln!("io_uring unavailable, testing the fallback only: {e}"),
+    }
+    v
+}
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+pub fn unique_socket_path() -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("cxlkv-t-{}-{n}.sock", std::process::id()))
+}
+
+pub struct Fixture {
+    pub server: ServerHandle<TestHandler>,
+    pub seen: Arc<Seen>,
+    pub unix: Endpoint,
+    pub tcp: Endpoint,
+    pub backend: BackendChoice,
+}
+
+pub fn server_config(backend: BackendChoice) -> ServerConfig {
+    let mut cfg = ServerConfig::default();
+    cfg.io.backend = backend;
+    cfg
+}
+
+pub fn client_config(backend: BackendChoice) -> ClientConfig {
+    let mut cfg = ClientConfig::default();
+    cfg.io.backend = backend;
+    cfg
+}
+
+pub fn start(cfg: ServerConfig) -> Fixture {
+    start_with(cfg, |_| {})
+}
+
+pub fn start_with(cfg: ServerConfig, prepare: impl FnOnce(&mut Server)) -> Fixture {
+    let backend = cfg.io.backend;
+    let path = unique_socket_path();
+    let mut server = Server::bind(
+        cfg,
+        &[
+            Endpoint::Unix(path),
+            Endpoint::Tcp("127.0.0.1:0".parse().unwrap()),
+        ],
+    )
+    .expect("bind test server");
+    prepare(&mut server);
+    let eps = server.endpoints().to_vec();
+    let seen = Arc::new(Seen::default());
+    let server = server
+        .spawn(TestHandler {
+            seen: Arc::clone(&seen),
+        })
+        .expect("spawn test server");
+    Fixture {
+        server,
+        seen,
+        unix: eps[0].clone(),
+        tcp: eps[1].clone(),
+        backend,
+    }
+}
+
+impl Fixture {
+    pub fn endpoints(&self) -> [&Endpoint; 2] {
+        [&self.unix, &self.tcp]
+    }
+
+    pub fn client(&self, ep: &Endpoint) -> RpcClient {
+        RpcClient::connect(ep, client_config(self.backend)).expect("connect")
+    }
+
+    /// Waits (bounded) until `pred` holds on what the handler saw.
+    pub fn wait_until(&self, what: &str, pred: impl Fn(&Seen) -> bool) {
+        let until = std::time::Instant::now() + LONG;
+        while !pred(&self.seen) {
+            assert!(
+                std::time::Instant::now() < until,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
