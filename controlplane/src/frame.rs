@@ -47,8 +47,11 @@ pub const MAX_PAYLOAD_BYTES: usize = 8 << 20;
 /// Largest frame on the wire (header, payload and padding).
 pub const MAX_FRAME_BYTES: usize = HEADER_BYTES + MAX_PAYLOAD_BYTES;
 
-const _: () = assert!(HEADER_BYTES % FRAME_ALIGN == 0, "payloads must start aligned");
-const _: () = assert!(MAX_FRAME_BYTES % FRAME_ALIGN == 0);
+const _: () = assert!(
+    HEADER_BYTES.is_multiple_of(FRAME_ALIGN),
+    "payloads must start aligned"
+);
+const _: () = assert!(MAX_FRAME_BYTES.is_multiple_of(FRAME_ALIGN));
 const _: () = assert!(
     std::mem::size_of::<[u8; HEADER_BYTES]>() == 4 + 2 + 2 + 8 + 4 + 4,
     "header layout and HEADER_BYTES disagree"
@@ -77,7 +80,10 @@ impl FrameHeader {
     /// A header of the current protocol version.
     pub fn new(kind: u16, request_id: u64, payload_len: usize) -> Result<Self, FrameError> {
         if payload_len > MAX_PAYLOAD_BYTES {
-            return Err(FrameError::Oversized { payload_len, max: MAX_PAYLOAD_BYTES });
+            return Err(FrameError::Oversized {
+                payload_len,
+                max: MAX_PAYLOAD_BYTES,
+            });
         }
         Ok(Self {
             version: PROTOCOL_VERSION,
@@ -191,7 +197,10 @@ pub enum Decoded<'a> {
     /// An intact header the receiver refuses (wrong version, oversized). The
     /// payload is skipped by the decoder; the caller should answer
     /// `header.request_id` with an error reply carrying `error`.
-    Rejected { header: FrameHeader, error: FrameError },
+    Rejected {
+        header: FrameHeader,
+        error: FrameError,
+    },
 }
 
 /// Reassembles frames from a byte stream (sans-IO).
@@ -234,7 +243,12 @@ impl Default for FrameDecoder {
 
 impl FrameDecoder {
     pub fn new() -> Self {
-        Self { buf: vec![0u64; INITIAL_BUFFER_BYTES / 8], start: 0, end: 0, skip: 0 }
+        Self {
+            buf: vec![0u64; INITIAL_BUFFER_BYTES / 8],
+            start: 0,
+            end: 0,
+            skip: 0,
+        }
     }
 
     fn bytes(&self) -> &[u8] {
@@ -284,7 +298,10 @@ impl FrameDecoder {
     /// # Panics
     /// If `n` exceeds the spare capacity (a caller bug).
     pub fn filled(&mut self, n: usize) {
-        assert!(self.end + n <= self.buf.len() * 8, "filled past the spare capacity");
+        assert!(
+            self.end + n <= self.buf.len() * 8,
+            "filled past the spare capacity"
+        );
         self.end += n;
     }
 
@@ -323,9 +340,14 @@ impl FrameDecoder {
         let payload_len = header.payload_len as usize;
         let on_wire = frame_len(payload_len);
         let reject = if header.version != PROTOCOL_VERSION {
-            Some(FrameError::UnsupportedVersion { found: header.version })
+            Some(FrameError::UnsupportedVersion {
+                found: header.version,
+            })
         } else if payload_len > MAX_PAYLOAD_BYTES {
-            Some(FrameError::Oversized { payload_len, max: MAX_PAYLOAD_BYTES })
+            Some(FrameError::Oversized {
+                payload_len,
+                max: MAX_PAYLOAD_BYTES,
+            })
         } else {
             None
         };
@@ -343,7 +365,11 @@ impl FrameDecoder {
         let payload_at = self.start + HEADER_BYTES;
         self.start += on_wire;
         let payload = &self.bytes()[payload_at..payload_at + payload_len];
-        debug_assert_eq!(payload.as_ptr() as usize % FRAME_ALIGN, 0, "payload must be aligned");
+        debug_assert_eq!(
+            payload.as_ptr() as usize % FRAME_ALIGN,
+            0,
+            "payload must be aligned"
+        );
         Ok(Some(Decoded::Frame(Frame { header, payload })))
     }
 

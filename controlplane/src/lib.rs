@@ -3,3 +3,4 @@
 //! (The crate essay is written with the control-plane issue, issue 3.)
 
 pub mod frame;
+pub mod proto;
