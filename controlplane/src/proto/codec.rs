@@ -29,13 +29,18 @@ use crate::frame::{FRAME_ALIGN, Frame, FrameHeader, HEADER_BYTES, MAX_PAYLOAD_BY
 pub type Encoder<'a, 'b> =
     Strategy<Serializer<&'b mut Vec<u8>, ArenaHandle<'a>, ()>, rancor::Error>;
 
+/// The deserializer [`deserialize`] drives (no shared pointers to pool).
+pub type Decoder = LowDeserializer<rancor::Error>;
+
 /// A message type: its header kind, how it is serialized, and the checks its
 /// archived form passes on receipt.
 pub trait Message:
-    Archive<
+    Sized
+    + Archive<
         Archived: Portable
                       + for<'a> CheckBytes<LowValidator<'a, rancor::Error>>
                       + Validate
+                      + Deserialize<Self, Decoder>
                       + std::fmt::Debug,
     > + for<'a, 'b> Serialize<Encoder<'a, 'b>>
 {
@@ -147,10 +152,7 @@ pub fn access_reply<M: Message>(
 /// Converts a validated archived message into its owned form (allocates:
 /// for clients keeping a reply, and for tests; never on the server's hot
 /// path).
-pub fn deserialize<M: Message>(archived: &Archived<M>) -> Result<M, ProtoError>
-where
-    Archived<M>: Deserialize<M, LowDeserializer<rancor::Error>>,
-{
+pub fn deserialize<M: Message>(archived: &Archived<M>) -> Result<M, ProtoError> {
     rkyv::api::low::deserialize::<M, rancor::Error>(archived).map_err(|e| ProtoError::Malformed {
         kind: M::KIND,
         len_bytes: 0,

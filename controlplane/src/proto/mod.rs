@@ -81,8 +81,8 @@ pub mod samples;
 mod tests;
 
 pub use codec::{
-    AnyReply, AnyRequest, Archived, ArchivedDirectoryReply, ArchivedRequest, Encoder, Message,
-    access, access_reply, decode_reply, decode_request, deserialize, encode, negotiate,
+    AnyReply, AnyRequest, Archived, ArchivedDirectoryReply, ArchivedRequest, Decoder, Encoder,
+    Message, access, access_reply, decode_reply, decode_request, deserialize, encode, negotiate,
 };
 pub use common::*;
 pub use directory::*;
