@@ -30,7 +30,7 @@ pub type Encoder<'a, 'b> =
     Strategy<Serializer<&'b mut Vec<u8>, ArenaHandle<'a>, ()>, rancor::Error>;
 
 /// The deserializer [`deserialize`] drives (no shared pointers to pool).
-pub type Decoder = LowDeserializer<rancor::Error>;
+pub type Deserializer = LowDeserializer<rancor::Error>;
 
 /// A message type: its header kind, how it is serialized, and the checks its
 /// archived form passes on receipt.
@@ -40,7 +40,7 @@ pub trait Message:
         Archived: Portable
                       + for<'a> CheckBytes<LowValidator<'a, rancor::Error>>
                       + Validate
-                      + Deserialize<Self, Decoder>
+                      + Deserialize<Self, Deserializer>
                       + std::fmt::Debug,
     > + for<'a, 'b> Serialize<Encoder<'a, 'b>>
 {

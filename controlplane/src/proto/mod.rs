@@ -81,7 +81,7 @@ pub mod samples;
 mod tests;
 
 pub use codec::{
-    AnyReply, AnyRequest, Archived, ArchivedDirectoryReply, ArchivedRequest, Decoder, Encoder,
+    AnyReply, AnyRequest, Archived, ArchivedDirectoryReply, ArchivedRequest, Deserializer, Encoder,
     Message, access, access_reply, decode_reply, decode_request, deserialize, encode, negotiate,
 };
 pub use common::*;

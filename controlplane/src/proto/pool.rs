@@ -38,6 +38,10 @@ pub struct PoolWelcome {
     /// Regions this directory id already holds (after a directory restart):
     /// list them with `ListRegions`.
     pub regions_held: u64,
+    /// Highest `seq` this manager has applied for this directory id (0: none).
+    /// A restarted directory numbers its mutating requests from
+    /// `last_seq + 1`, so that they never collide with cached replies.
+    pub last_seq: u64,
 }
 
 /// Carves a region out of a pool (mutating).

@@ -438,6 +438,7 @@ pub fn pool_welcome() -> PoolWelcome {
         pools: vec![pool_info()],
         fds_passed: 1,
         regions_held: 4,
+        last_seq: 9,
     }
 }
 
