@@ -4,4 +4,5 @@
 
 pub mod frame;
 pub mod pool;
+pub mod proto;
 pub mod transport;

@@ -1,0 +1,193 @@
+//! Cost of the protocol codec per request: encode a request into a frame,
+//! then read it back the way a server does (header, rkyv checked access,
+//! protocol limits) and touch every key.
+//!
+//! Baseline, in the same group: MessagePack via `rmp-serde` (what the
+//! reference system, Maru, speaks) encoding the same fields and decoding them
+//! zero-copy (keys borrowed as byte slices), then touching every key.
+//!
+//! ```text
+//! cargo bench -p cxlkv-controlplane --bench proto
+//! ```
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use cxlkv_controlplane::frame::{Decoded, Frame, FrameHeader};
+use cxlkv_controlplane::frame::{FrameDecoder, HEADER_BYTES};
+use cxlkv_controlplane::proto::{self, Exists, Layout, Lookup, Message, RequestMeta};
+use serde::{Deserialize, Serialize};
+
+const KEY_BYTES: usize = 64;
+
+fn keys(n: usize) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|i| {
+            let mut key = format!("llama-8b@tp1@rank0@chunk-{i:08}@").into_bytes();
+            key.resize(KEY_BYTES, b'#');
+            key
+        })
+        .collect()
+}
+
+const LAYOUT: Layout = Layout {
+    page_size_bytes: 2 << 20,
+    fingerprint: 0x5eed,
+};
+
+/// The same request in MessagePack, as the baseline encodes it.
+#[derive(Serialize)]
+struct MsgpackRequest<'a> {
+    seq: u64,
+    notice_ack: u64,
+    page_size_bytes: u64,
+    fingerprint: u64,
+    keys: Vec<&'a serde_bytes::Bytes>,
+    pins: u32,
+}
+
+/// The baseline's decoded form: keys borrowed from the buffer.
+#[derive(Deserialize)]
+struct MsgpackRequestRef<'a> {
+    seq: u64,
+    notice_ack: u64,
+    page_size_bytes: u64,
+    fingerprint: u64,
+    #[serde(borrow)]
+    keys: Vec<&'a serde_bytes::Bytes>,
+    pins: u32,
+}
+
+/// Encodes `msg` into `out` (reused), then decodes and validates it in place
+/// and returns the total key bytes seen.
+fn rkyv_round<M: Message>(
+    msg: &M,
+    out: &mut Vec<u8>,
+    keys_of: fn(&proto::Archived<M>) -> usize,
+) -> usize {
+    out.clear();
+    proto::encode(1, msg, out).expect("bench messages encode");
+    let header = FrameHeader::decode(out[..HEADER_BYTES].try_into().expect("a whole header"))
+        .expect("a valid header");
+    let payload = &out[HEADER_BYTES..HEADER_BYTES + header.payload_len as usize];
+    let archived = proto::access::<M>(Frame { header, payload }).expect("valid");
+    keys_of(archived)
+}
+
+fn msgpack_round(request: &MsgpackRequest<'_>, out: &mut Vec<u8>) -> usize {
+    out.clear();
+    rmp_serde::encode::write_named(out, request).expect("msgpack encodes");
+    let decoded: MsgpackRequestRef<'_> = rmp_serde::from_slice(out).expect("msgpack decodes");
+    black_box((
+        decoded.seq,
+        decoded.notice_ack,
+        decoded.page_size_bytes,
+        decoded.fingerprint,
+        decoded.pins,
+    ));
+    decoded.keys.iter().map(|k| k.len()).sum()
+}
+
+/// A buffer whose heap allocation is 8-aligned, as the frame decoder's is:
+/// checked access requires an aligned payload. Vec<u8> from the system
+/// allocator is in practice 16-aligned; the bench checks instead of assuming.
+fn aligned_buffer() -> Vec<u8> {
+    let buf = Vec::with_capacity(1 << 20);
+    assert_eq!(
+        buf.as_ptr() as usize % 8,
+        0,
+        "bench buffer must be 8-aligned"
+    );
+    buf
+}
+
+fn codec(c: &mut Criterion) {
+    let mut group = c.benchmark_group("proto_encode_checked_access");
+    group
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+
+    let lookup_keys = keys(1);
+    let lookup = Lookup {
+        meta: RequestMeta {
+            seq: 17,
+            notice_ack: 3,
+        },
+        layout: LAYOUT,
+        keys: lookup_keys.clone(),
+        pins: 1,
+    };
+    let exists_keys = keys(512);
+    let exists = Exists {
+        meta: RequestMeta {
+            seq: 0,
+            notice_ack: 3,
+        },
+        layout: LAYOUT,
+        keys: exists_keys.clone(),
+    };
+
+    for (case, n, keys) in [
+        ("lookup_1key", 1usize, &lookup_keys),
+        ("exists_512keys", 512, &exists_keys),
+    ] {
+        group.throughput(Throughput::Elements(n as u64));
+        let mut out = aligned_buffer();
+        if n == 1 {
+            group.bench_function(BenchmarkId::new("ours_rkyv", case), |b| {
+                b.iter(|| {
+                    rkyv_round(black_box(&lookup), &mut out, |a| {
+                        a.keys().map(<[u8]>::len).sum()
+                    })
+                })
+            });
+        } else {
+            group.bench_function(BenchmarkId::new("ours_rkyv", case), |b| {
+                b.iter(|| {
+                    rkyv_round(black_box(&exists), &mut out, |a| {
+                        a.keys().map(<[u8]>::len).sum()
+                    })
+                })
+            });
+        }
+        let request = MsgpackRequest {
+            seq: 17,
+            notice_ack: 3,
+            page_size_bytes: LAYOUT.page_size_bytes,
+            fingerprint: LAYOUT.fingerprint,
+            keys: keys.iter().map(|k| serde_bytes::Bytes::new(k)).collect(),
+            pins: 1,
+        };
+        group.bench_function(BenchmarkId::new("baseline_msgpack", case), |b| {
+            b.iter(|| msgpack_round(black_box(&request), &mut out))
+        });
+    }
+    group.finish();
+
+    // The receive side alone, through the frame decoder: what a server pays
+    // per request before its handler runs.
+    let mut group = c.benchmark_group("proto_receive");
+    group
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    let mut wire = Vec::new();
+    proto::encode(1, &exists, &mut wire).expect("bench messages encode");
+    group.throughput(Throughput::Elements(512));
+    group.bench_function("decode_request_exists_512keys", |b| {
+        let mut decoder = FrameDecoder::new();
+        b.iter(|| {
+            decoder.push(&wire);
+            match decoder.decode() {
+                Ok(Some(Decoded::Frame(frame))) => {
+                    black_box(proto::decode_request(frame).expect("valid").kind())
+                }
+                other => panic!("expected a frame, got {other:?}"),
+            }
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, codec);
+criterion_main!(benches);
