@@ -1,0 +1,807 @@
+//! Lock-free page allocator: one per owned region, index-based, with page
+//! generations.
+//!
+//! # What it is
+//!
+//! A [`PageAllocator`] hands out the pages `0..page_count` of one region. It
+//! knows nothing about memory: the client composes it with a mapped region,
+//! and a page index becomes an address there. [`PageAllocator::alloc`] returns
+//! a page together with its new [`Generation`]; [`PageAllocator::free`] takes
+//! both back and rejects, with a [`FreeError`] and never with a panic or UB, a
+//! free that names a stale generation, a page that is already free (double
+//! free), or a page outside the region (foreign). Stale and double frees are
+//! expected in normal operation — freed-page notices are re-sent until
+//! acknowledged, so a notice can arrive twice — and are counted.
+//!
+//! # The guarantee a mutable page view rests on
+//!
+//! **Exclusive hand-out.** Once `alloc` (or `alloc_many`) has returned
+//! `(p, g)`, no call on this allocator returns page `p` again until a call
+//! `free(p, g)` has returned `Ok`. `free(p, g)` returns `Ok` at most once per
+//! allocation, and only while `g` is `p`'s current generation and `p` is
+//! allocated. The allocator cannot tell *who* calls `free`: the exclusivity a
+//! `PageViewMut` relies on therefore holds as long as only the holder of a
+//! grant (or code it handed the grant to) frees it — a caller that forges or
+//! misroutes a `(page, generation)` pair that happens to be current breaks it.
+//! Generations make that unlikely by accident: every allocation bumps the
+//! page's generation, so a free naming any earlier allocation is rejected, and
+//! each allocator starts its generations at its own pseudo-random offset, so a
+//! free routed to the wrong region's allocator is rejected as stale unless two
+//! 32-bit generations happen to coincide.
+//!
+//! Memory ordering: whatever the previous holder of a page did to the page's
+//! bytes before its `free` happens-before whatever the next holder does after
+//! the `alloc` that returns it, whichever threads the two run on.
+//!
+//! # Generations
+//!
+//! A page's generation is a `u32` bumped by every allocation. Generation 0 is
+//! never issued (it is free for callers to use as "no generation"): after
+//! `u32::MAX` the next generation is 1. Wrapping is therefore the one case in
+//! which a stale free is not recognised: the page must have been allocated
+//! exactly a multiple of `u32::MAX` times between the allocation the free
+//! names and the free itself — 4.3 billion allocations of one page while the
+//! stale notice is in flight.
+//!
+//! # Structure, and why
+//!
+//! Three layers, each with one job:
+//!
+//! - **Page states**, one `AtomicU64` per page: `generation | allocated`. This
+//!   is the ground truth for free validation. `free` is a single
+//!   compare-and-swap from `(g, allocated)` to `(g, free)`, so two racing frees
+//!   of one allocation cannot both win. `alloc` needs no read-modify-write on
+//!   it: a free page's state changes only through the thread that has just
+//!   taken the page exclusively out of a free list, so a plain store suffices.
+//! - **A shared free list**: an index-linked Treiber stack (`next[page]`
+//!   links) with a 64-bit head of 24 bits of top index and a 40-bit ABA tag
+//!   bumped by every push and pop. Pops and pushes move whole chains, so a
+//!   magazine refill or spill costs one CAS. The tag makes ABA need 2^40 head
+//!   changes during one preempted CAS window (hours of continuous
+//!   allocation), hence the 24-bit index limit, [`MAX_PAGES`].
+//! - **Per-thread magazines**: a thread that allocates or frees gets a slot
+//!   (one of [`MAX_THREAD_SLOTS`], process-wide); each allocator holds one
+//!   magazine (a small array of free pages) per slot, touched only by the slot's
+//!   owner with plain relaxed loads and stores. In steady state an alloc+free
+//!   pair is a thread-local read (the slot), two magazine accesses and the one
+//!   CAS of `free`: one locked instruction per pair, against two for the
+//!   Treiber stack alone plus the state CAS, and four for a
+//!   `Mutex<Vec<u32>>` free list (lock and unlock around each of alloc and
+//!   free). An empty magazine refills half its capacity from the shared stack
+//!   in one CAS; a full one spills its older half in one CAS.
+//!
+//! Measured with `cxlkv bench alloc` (see `docs/architecture.md` for the
+//! numbers on a quiet machine): single-thread pairs cost a few nanoseconds,
+//! several times faster than the mutex free list; with two threads on one
+//! region the mutex collapses under contention while magazines share nothing.
+//! A bitmap allocator was not chosen: finding a free bit needs a scan and a
+//! RMW per alloc, and it cannot hand out pages in LIFO order (the most
+//! recently freed, cache-warm page first).
+//!
+//! # Magazines: where pages can sit, and the cost
+//!
+//! A page is always in exactly one of: allocated (its holder has it), the
+//! shared stack, or one magazine. A page in a magazine is free in every sense
+//! that matters for validation — its state says `free`, so a stale or double
+//! free naming it is rejected exactly as for a page on the shared stack — and
+//! [`PageAllocator::free_pages`] counts it. What a magazine costs is
+//! visibility: another thread's `alloc` cannot take pages cached in this
+//! thread's magazine, so `alloc` may return `None` while up to
+//! `magazine_pages` free pages per other active thread sit in magazines. The
+//! default magazine size is therefore at most 1/128 of the region (and
+//! magazines are off below 512 pages, where pages are large and allocation
+//! speed does not matter). A thread that goes idle can hand its pages back
+//! with [`PageAllocator::flush_local`]; a thread that exits hands them back
+//! automatically (a thread-local destructor spills its magazine of every live
+//! allocator onto that allocator's shared stack and only then releases its
+//! slot, so no page is lost and no two threads ever share a magazine).
+//! Dropping an allocator drops its magazines with it: the region's pages are
+//! gone with the allocator, so there is nothing to hand back to. Threads
+//! beyond [`MAX_THREAD_SLOTS`], and code running after the thread's
+//! destructors, use the shared stack directly (correct, slower).
+//!
+//! # Not here
+//!
+//! alloc and free never block, never make a system call and never allocate
+//! memory (magazines and page arrays are allocated once, in
+//! [`PageAllocator::with_options`]; a thread's first use takes a process-wide
+//! mutex once to claim its slot).
+
+use std::fmt;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::Arc;
+
+use crossbeam_utils::CachePadded;
+
+use crate::ids::{Generation, PageIndex};
+use crate::sync::{AtomicI64, AtomicU32, AtomicU64};
+
+/// Bits of the stack head that hold the top page index; the rest is the tag.
+const INDEX_BITS: u32 = 24;
+const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
+/// "No page": the empty stack's head index and the last page's link.
+const NIL: u32 = INDEX_MASK as u32;
+
+/// Most pages one allocator manages (16 Mi pages: 64 GiB of 4 KiB pages).
+pub const MAX_PAGES: u32 = NIL;
+/// Largest magazine, in pages.
+pub const MAX_MAGAZINE_PAGES: u32 = 32;
+/// Threads that get a magazine; later threads use the shared stack directly.
+pub const MAX_THREAD_SLOTS: usize = 64;
+
+/// Page state word: the generation in the low 32 bits, "allocated" above.
+const ALLOCATED: u64 = 1 << 32;
+
+const fn state(generation: u32, allocated: bool) -> u64 {
+    generation as u64 | if allocated { ALLOCATED } else { 0 }
+}
+
+const fn state_generation(word: u64) -> u32 {
+    word as u32
+}
+
+/// The generation after `g`; 0 is never issued.
+const fn next_generation(g: u32) -> u32 {
+    match g.checked_add(1) {
+        Some(next) => next,
+        None => 1,
+    }
+}
+
+const fn head_index(head: u64) -> u32 {
+    (head & INDEX_MASK) as u32
+}
+
+/// `head` with a bumped tag and `index` on top. The tag occupies the bits
+/// above the index and wraps at 2^40.
+const fn bumped_head(head: u64, index: u32) -> u64 {
+    ((head & !INDEX_MASK).wrapping_add(1 << INDEX_BITS)) | index as u64
+}
+
+/// Why an allocator could not be created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AllocatorError {
+    #[error("a page allocator needs at least one page")]
+    NoPages,
+    #[error("{page_count} pages exceed the allocator's limit of {max} pages")]
+    TooManyPages { page_count: u32, max: u32 },
+    #[error("a magazine of {magazine_pages} pages exceeds the limit of {max} pages")]
+    MagazineTooLarge { magazine_pages: u32, max: u32 },
+}
+
+/// Why a free was rejected. The allocator's state is unchanged by a rejected
+/// free (apart from its counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FreeError {
+    /// The page index lies outside this region: the free was meant for
+    /// another allocator, or the index is corrupt.
+    #[error("{page} is not a page of this region ({page_count} pages)")]
+    ForeignPage { page: PageIndex, page_count: u32 },
+    /// `given` is not the page's current generation: the allocation it names
+    /// ended already (the page has been reallocated since), or was never made.
+    #[error("stale free of {page} at {given}: the page is at {current}")]
+    StaleGeneration {
+        page: PageIndex,
+        given: Generation,
+        current: Generation,
+    },
+    /// The page is free at this generation: this allocation was freed already
+    /// (or, for the generation a page holds before its first allocation, was
+    /// never made).
+    #[error("double free of {page} at {generation}: the page is already free")]
+    DoubleFree {
+        page: PageIndex,
+        generation: Generation,
+    },
+}
+
+/// Why [`PageAllocator::alloc_many`] allocated nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AllocManyError {
+    /// Fewer than `requested` pages could be taken; the `obtained` pages that
+    /// were taken have been freed again.
+    #[error("batch of {requested} pages failed after {obtained}: region exhausted")]
+    Exhausted { requested: usize, obtained: usize },
+    /// The batch is larger than the whole region.
+    #[error("batch of {requested} pages exceeds the region's {page_count} pages")]
+    LargerThanRegion { requested: usize, page_count: u32 },
+}
+
+/// How to build an allocator; `Default` is what [`PageAllocator::new`] uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AllocatorOptions {
+    magazine_pages: Option<u32>,
+    initial_generation: Option<Generation>,
+}
+
+impl AllocatorOptions {
+    /// Magazine capacity per thread, `0..=MAX_MAGAZINE_PAGES`; 0 turns
+    /// magazines off. Default: `page_count / 128` capped at 32, off below 4.
+    pub fn magazine_pages(mut self, magazine_pages: u32) -> Self {
+        self.magazine_pages = Some(magazine_pages);
+        self
+    }
+
+    /// The generation every page holds before its first allocation (which
+    /// issues the next one). Default: a per-allocator pseudo-random value.
+    pub fn initial_generation(mut self, generation: Generation) -> Self {
+        self.initial_generation = Some(generation);
+        self
+    }
+}
+
+/// Counters of one allocator; see [`PageAllocator::stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AllocatorStats {
+    pub page_count: u32,
+    /// Pages not allocated, including those cached in magazines. Exact when
+    /// no alloc or free is in flight; a snapshot otherwise.
+    pub free_pages: u32,
+    /// Frees rejected with [`FreeError::StaleGeneration`].
+    pub stale_frees: u64,
+    /// Frees rejected with [`FreeError::DoubleFree`].
+    pub double_frees: u64,
+    /// Frees rejected with [`FreeError::ForeignPage`].
+    pub foreign_frees: u64,
+}
+
+/// The lock-free page allocator of one region. See the module docs for the
+/// exclusivity guarantee and the structure.
+pub struct PageAllocator {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for PageAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PageAllocator")
+            .field("page_count", &self.shared.page_count)
+            .field("magazine_pages", &self.shared.magazine_pages)
+            .field("free_pages", &self.free_pages())
+            .finish()
+    }
+}
+
+/// The shared free stack: head word and the number of pages on it.
+struct Stack {
+    /// `tag << INDEX_BITS | top page`, `NIL` when empty.
+    head: AtomicU64,
+    /// Pages on the stack, updated after each successful push or pop (so it
+    /// can be transiently off by one batch, even below zero).
+    len: AtomicI64,
+}
+
+/// A thread's cache of free pages. Only the owning slot's thread writes it.
+struct Magazine {
+    len: AtomicU32,
+    pages: [AtomicU32; MAX_MAGAZINE_PAGES as usize],
+}
+
+impl Magazine {
+    fn new() -> Self {
+        Self {
+            len: AtomicU32::new(0),
+            pages: std::array::from_fn(|_| AtomicU32::new(NIL)),
+        }
+    }
+}
+
+struct Counters {
+    stale_frees: AtomicU64,
+    double_frees: AtomicU64,
+    foreign_frees: AtomicU64,
+}
+
+struct Shared {
+    page_count: u32,
+    /// Magazine capacity; 0 means magazines are off and `magazines` is empty.
+    magazine_pages: u32,
+    stack: CachePadded<Stack>,
+    /// Per page: `state(generation, allocated)`.
+    states: Box<[AtomicU64]>,
+    /// Per page: the next page on the shared stack (meaningful only while the
+    /// page is on it). Always a page index or `NIL`.
+    next: Box<[AtomicU32]>,
+    /// One per thread slot, or none.
+    magazines: Box<[CachePadded<Magazine>]>,
+    counters: CachePadded<Counters>,
+}
+
+impl PageAllocator {
+    /// An allocator for `page_count` pages, all free, with default options.
+    pub fn new(page_count: u32) -> Result<Self, AllocatorError> {
+        Self::with_options(page_count, AllocatorOptions::default())
+    }
+
+    /// An allocator for `page_count` pages, all free.
+    pub fn with_options(page_count: u32, options: AllocatorOptions) -> Result<Self, AllocatorError> {
+        if page_count == 0 {
+            return Err(AllocatorError::NoPages);
+        }
+        if page_count > MAX_PAGES {
+            return Err(AllocatorError::TooManyPages {
+                page_count,
+                max: MAX_PAGES,
+            });
+        }
+        let magazine_pages = options
+            .magazine_pages
+            .unwrap_or_else(|| default_magazine_pages(page_count));
+        if magazine_pages > MAX_MAGAZINE_PAGES {
+            return Err(AllocatorError::MagazineTooLarge {
+                magazine_pages,
+                max: MAX_MAGAZINE_PAGES,
+            });
+        }
+        let initial = options
+            .initial_generation
+            .unwrap_or_else(seeded_initial_generation);
+        let states = (0..page_count)
+            .map(|_| AtomicU64::new(state(initial.0, false)))
+            .collect();
+        // Initially the stack holds 0, 1, 2, ... in order, so fresh pages are
+        // handed out from the start of the region.
+        let next = (0..page_count)
+            .map(|page| AtomicU32::new(if page + 1 < page_count { page + 1 } else { NIL }))
+            .collect();
+        let magazines = if magazine_pages == 0 {
+            Box::default()
+        } else {
+            (0..MAX_THREAD_SLOTS)
+                .map(|_| CachePadded::new(Magazine::new()))
+                .collect()
+        };
+        let shared = Arc::new(Shared {
+            page_count,
+            magazine_pages,
+            stack: CachePadded::new(Stack {
+                // Tag 0, page 0 on top.
+                head: AtomicU64::new(0),
+                len: AtomicI64::new(i64::from(page_count)),
+            }),
+            states,
+            next,
+            magazines,
+            counters: CachePadded::new(Counters {
+                stale_frees: AtomicU64::new(0),
+                double_frees: AtomicU64::new(0),
+                foreign_frees: AtomicU64::new(0),
+            }),
+        });
+        if magazine_pages > 0 {
+            slots::register(&shared);
+        }
+        Ok(Self { shared })
+    }
+
+    /// Pages in the region.
+    pub fn page_count(&self) -> u32 {
+        self.shared.page_count
+    }
+
+    /// Magazine capacity per thread (0: magazines off).
+    pub fn magazine_pages(&self) -> u32 {
+        self.shared.magazine_pages
+    }
+
+    /// Takes a free page and bumps its generation; `None` when no free page is
+    /// reachable from this thread (see the module docs on magazines).
+    pub fn alloc(&self) -> Option<(PageIndex, Generation)> {
+        let shared = &*self.shared;
+        let page = match shared.my_magazine() {
+            Some(magazine) => shared.magazine_pop(magazine)?,
+            None => shared.stack_pop_one()?,
+        };
+        Some(shared.hand_out(page))
+    }
+
+    /// Fills `out` with freshly allocated pages, all or none: on failure every
+    /// page taken so far is freed again before the error returns, and the
+    /// contents of `out` are meaningless. While a failing batch holds its
+    /// pages, other threads may see the region as fuller than it is.
+    pub fn alloc_many(&self, out: &mut [(PageIndex, Generation)]) -> Result<(), AllocManyError> {
+        let requested = out.len();
+        if requested > self.shared.page_count as usize {
+            return Err(AllocManyError::LargerThanRegion {
+                requested,
+                page_count: self.shared.page_count,
+            });
+        }
+        for obtained in 0..requested {
+            match self.alloc() {
+                Some(grant) => out[obtained] = grant,
+                None => {
+                    for &(page, generation) in &out[..obtained] {
+                        // Cannot fail: these grants were just issued to us and
+                        // not handed to anyone (a free that forged one of them
+                        // would already have put the page back).
+                        let _ = self.free(page, generation);
+                    }
+                    return Err(AllocManyError::Exhausted {
+                        requested,
+                        obtained,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns `page` if `generation` is its current, allocated generation;
+    /// otherwise rejects the free (and counts it) without changing anything.
+    pub fn free(&self, page: PageIndex, generation: Generation) -> Result<(), FreeError> {
+        let shared = &*self.shared;
+        let Some(word) = shared.states.get(page.0 as usize) else {
+            // Relaxed: a statistic; nothing is ordered by it.
+            shared.counters.foreign_frees.fetch_add(1, Relaxed);
+            return Err(FreeError::ForeignPage {
+                page,
+                page_count: shared.page_count,
+            });
+        };
+        // Relaxed: the CAS only arbitrates between frees (its atomicity alone
+        // decides which one wins). Ordering the page's bytes before its next
+        // holder is the free lists' job: the page goes to this thread's
+        // magazine (program order) or onto the shared stack with a Release
+        // CAS, and leaves it only through an Acquire load of the head.
+        match word.compare_exchange(
+            state(generation.0, true),
+            state(generation.0, false),
+            Relaxed,
+            Relaxed,
+        ) {
+            Ok(_) => {
+                shared.release(page.0);
+                Ok(())
+            }
+            Err(actual) if state_generation(actual) == generation.0 => {
+                // Same generation and not allocated (else the CAS had won).
+                shared.counters.double_frees.fetch_add(1, Relaxed);
+                Err(FreeError::DoubleFree { page, generation })
+            }
+            Err(actual) => {
+                shared.counters.stale_frees.fetch_add(1, Relaxed);
+                Err(FreeError::StaleGeneration {
+                    page,
+                    given: generation,
+                    current: Generation(state_generation(actual)),
+                })
+            }
+        }
+    }
+
+    /// True if `(page, generation)` names a live allocation right now. A
+    /// snapshot: another thread may free it the next moment.
+    pub fn is_allocated(&self, page: PageIndex, generation: Generation) -> bool {
+        self.shared
+            .states
+            .get(page.0 as usize)
+            // Relaxed: advisory; callers that need an ordering get it from
+            // however they learned of the grant.
+            .is_some_and(|word| word.load(Relaxed) == state(generation.0, true))
+    }
+
+    /// Moves the calling thread's magazine of this allocator onto the shared
+    /// stack, so other threads can allocate those pages.
+    pub fn flush_local(&self) {
+        if let Some(magazine) = self.shared.my_magazine() {
+            self.shared.magazine_flush(magazine);
+        }
+    }
+
+    /// Free pages, counting those cached in magazines. Exact when no alloc or
+    /// free is in flight (e.g. after the threads that used the allocator were
+    /// joined); a snapshot otherwise.
+    pub fn free_pages(&self) -> u32 {
+        let shared = &*self.shared;
+        // Relaxed throughout: a statistic assembled from independent counters.
+        let cached: i64 = shared
+            .magazines
+            .iter()
+            .map(|magazine| i64::from(magazine.len.load(Relaxed)))
+            .sum();
+        let total = shared.stack.len.load(Relaxed) + cached;
+        total.clamp(0, i64::from(shared.page_count)) as u32
+    }
+
+    /// Counters and free pages (see [`AllocatorStats`]).
+    pub fn stats(&self) -> AllocatorStats {
+        let counters = &self.shared.counters;
+        // Relaxed: statistics.
+        AllocatorStats {
+            page_count: self.shared.page_count,
+            free_pages: self.free_pages(),
+            stale_frees: counters.stale_frees.load(Relaxed),
+            double_frees: counters.double_frees.load(Relaxed),
+            foreign_frees: counters.foreign_frees.load(Relaxed),
+        }
+    }
+}
+
+/// Default magazine size: at most 1/128 of the region per thread, so cached
+/// pages stay a small share of it; off when that would be under 4 pages.
+fn default_magazine_pages(page_count: u32) -> u32 {
+    let pages = (page_count / 128).min(MAX_MAGAZINE_PAGES);
+    if pages < 4 { 0 } else { pages }
+}
+
+/// A pseudo-random starting generation per allocator (splitmix64 of a
+/// process-wide counter), so that generations of different regions rarely
+/// coincide and a misrouted free fails the generation check.
+fn seeded_initial_generation() -> Generation {
+    // Outside the loom models on purpose: a plain counter with no ordering
+    // role (loom models pass an explicit initial generation).
+    static NEXT_SEED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut z = NEXT_SEED
+        .fetch_add(1, Relaxed)
+        .wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    Generation((z ^ (z >> 31)) as u32)
+}
+
+impl Shared {
+    /// This thread's magazine, if magazines are on and the thread has a slot.
+    fn my_magazine(&self) -> Option<&Magazine> {
+        if self.magazines.is_empty() {
+            return None;
+        }
+        slots::current().map(|slot| &*self.magazines[slot])
+    }
+
+    /// Marks `page`, just taken exclusively from a free list, allocated at its
+    /// next generation.
+    fn hand_out(&self, page: u32) -> (PageIndex, Generation) {
+        let word = &self.states[page as usize];
+        // Relaxed load and store, no RMW: while a page is free its state is
+        // only ever changed by the thread that took it off a free list — us
+        // (`free`'s CAS expects `allocated` and fails on a free page). The last
+        // write, the freeing CAS, happens-before this through the free list
+        // (same thread via a magazine, or the stack's Release/Acquire). Others
+        // learn the new generation only from our return value, through their
+        // own synchronisation, so they see this store.
+        let current = word.load(Relaxed);
+        debug_assert_eq!(current & ALLOCATED, 0, "free list held allocated page {page}");
+        let generation = next_generation(state_generation(current));
+        word.store(state(generation, true), Relaxed);
+        (PageIndex(page), Generation(generation))
+    }
+
+    /// Puts a page whose state was just set to free onto a free list.
+    fn release(&self, page: u32) {
+        match self.my_magazine() {
+            Some(magazine) => self.magazine_push(magazine, page),
+            None => self.stack_push_chain(page, page, 1),
+        }
+    }
+
+    /// Pops one page from this thread's magazine, refilling it from the
+    /// shared stack when empty.
+    fn magazine_pop(&self, magazine: &Magazine) -> Option<u32> {
+        // Relaxed on the magazine: only this thread writes it; other threads
+        // read `len` for statistics only.
+        let mut len = magazine.len.load(Relaxed);
+        if len == 0 {
+            let refill = (self.magazine_pages / 2).max(1);
+            len = self.stack_pop_chain(refill, |i, page| magazine.pages[i].store(page, Relaxed));
+            if len == 0 {
+                return None;
+            }
+        }
+        len -= 1;
+        let page = magazine.pages[len as usize].load(Relaxed);
+        magazine.len.store(len, Relaxed);
+        Some(page)
+    }
+
+    /// Pushes a freed page onto this thread's magazine, spilling the older
+    /// half onto the shared stack when it is full.
+    fn magazine_push(&self, magazine: &Magazine, page: u32) {
+        // Relaxed on the magazine: see `magazine_pop`.
+        let mut len = magazine.len.load(Relaxed);
+        if len == self.magazine_pages {
+            let spill = (self.magazine_pages / 2).max(1);
+            self.push_magazine_prefix(magazine, spill);
+            for i in spill..len {
+                let kept = magazine.pages[i as usize].load(Relaxed);
+                magazine.pages[(i - spill) as usize].store(kept, Relaxed);
+            }
+            len -= spill;
+        }
+        magazine.pages[len as usize].store(page, Relaxed);
+        magazine.len.store(len + 1, Relaxed);
+    }
+
+    /// Moves the whole magazine onto the shared stack. Called by the owning
+    /// thread, or by its exit destructor (then the slot is not yet released,
+    /// so no other thread can own it).
+    fn magazine_flush(&self, magazine: &Magazine) {
+        // Relaxed: owner-only data, as in `magazine_pop`.
+        let len = magazine.len.load(Relaxed);
+        if len > 0 {
+            self.push_magazine_prefix(magazine, len);
+            magazine.len.store(0, Relaxed);
+        }
+    }
+
+    /// Links `magazine.pages[..count]` into a chain and pushes it.
+    fn push_magazine_prefix(&self, magazine: &Magazine, count: u32) {
+        debug_assert!(count >= 1);
+        // Relaxed loads of our own magazine; Relaxed stores of the links: the
+        // pages are ours until the push, whose Release CAS publishes them.
+        let first = magazine.pages[0].load(Relaxed);
+        let mut last = first;
+        for i in 1..count {
+            let page = magazine.pages[i as usize].load(Relaxed);
+            self.next[last as usize].store(page, Relaxed);
+            last = page;
+        }
+        self.stack_push_chain(first, last, count);
+    }
+
+    fn stack_pop_one(&self) -> Option<u32> {
+        let mut taken = NIL;
+        (self.stack_pop_chain(1, |_, page| taken = page) == 1).then_some(taken)
+    }
+
+    /// Pops up to `max` pages in one CAS, reporting each as `(i, page)` to
+    /// `record`; returns how many were popped. `record` may also see pages of
+    /// failed attempts: only the first `returned` reports of the last attempt
+    /// (which overwrite earlier ones at the same `i`) count.
+    fn stack_pop_chain(&self, max: u32, mut record: impl FnMut(usize, u32)) -> u32 {
+        debug_assert!(max >= 1);
+        // Acquire: pairs with the Release CAS of every push (all head updates
+        // are RMWs, so they continue each push's release sequence), making the
+        // links and page states written before those pushes visible.
+        let mut head = self.stack.head.load(Acquire);
+        loop {
+            let first = head_index(head);
+            if first == NIL {
+                return 0;
+            }
+            // The walk may read links that a concurrent pop-and-push is
+            // rewriting; every value ever stored in `next` is a page index or
+            // NIL, so the walk stays in bounds, and it is bounded by `max`.
+            // If anything moved, the head's tag changed and the CAS fails.
+            // Relaxed link loads: visible through the Acquire on `head`.
+            record(0, first);
+            let mut count = 1;
+            let mut rest = self.next[first as usize].load(Relaxed);
+            while count < max && rest != NIL {
+                record(count as usize, rest);
+                count += 1;
+                rest = self.next[rest as usize].load(Relaxed);
+            }
+            // Acquire on success, for the same reason as the load above; on
+            // failure the retry uses the returned head, which must be Acquire
+            // too because the loop reads links through it.
+            match self.stack.head.compare_exchange_weak(
+                head,
+                bumped_head(head, rest),
+                Acquire,
+                Acquire,
+            ) {
+                Ok(_) => {
+                    // Relaxed: a statistic (see `Stack::len`).
+                    self.stack.len.fetch_sub(i64::from(count), Relaxed);
+                    return count;
+                }
+                Err(actual) => head = actual,
+            }
+        }
+    }
+
+    /// Pushes the chain `first ..= last` (already linked through `next`, `count`
+    /// pages) in one CAS.
+    fn stack_push_chain(&self, first: u32, last: u32, count: u32) {
+        // Relaxed: we only need a guess of the top to link to; a stale guess
+        // fails the CAS.
+        let mut head = self.stack.head.load(Relaxed);
+        loop {
+            // Relaxed: published by the Release CAS below.
+            self.next[last as usize].store(head_index(head), Relaxed);
+            // Release: the links, the pages' free states and the previous
+            // holders' writes to the pages happen-before any pop that sees
+            // this head. Relaxed on failure: nothing is read through it.
+            match self.stack.head.compare_exchange_weak(
+                head,
+                bumped_head(head, first),
+                Release,
+                Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(actual) => head = actual,
+            }
+        }
+        // Relaxed: a statistic (see `Stack::len`).
+        self.stack.len.fetch_add(i64::from(count), Relaxed);
+    }
+}
+
+/// Process-wide magazine bookkeeping: which thread owns which slot, and which
+/// allocators have magazines to flush when a thread exits.
+///
+/// Deliberately outside the loom models (plain `std`): loom models run with
+/// magazines off. Slot exclusivity rests on this mutex alone: a slot index is
+/// handed to one thread at a time and released only after that thread has
+/// spilled its magazine of every live allocator.
+mod slots {
+    use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+    use super::{MAX_THREAD_SLOTS, Shared};
+
+    struct Registry {
+        /// Allocators with magazines; dead entries are pruned on registration.
+        allocators: Vec<Weak<Shared>>,
+        /// Slots released by exited threads.
+        released: Vec<usize>,
+        /// Slots `next_unused..MAX_THREAD_SLOTS` were never handed out.
+        next_unused: usize,
+    }
+
+    static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+        allocators: Vec::new(),
+        released: Vec::new(),
+        next_unused: 0,
+    });
+
+    fn registry() -> std::sync::MutexGuard<'static, Registry> {
+        // Nothing panics while holding the lock except allocation failure,
+        // which aborts; the data stays consistent either way.
+        REGISTRY.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A thread's claim on a slot; released (after spilling) when the thread
+    /// exits.
+    struct ThreadSlot {
+        index: Option<usize>,
+    }
+
+    impl ThreadSlot {
+        fn claim() -> Self {
+            let mut registry = registry();
+            let index = registry.released.pop().or_else(|| {
+                (registry.next_unused < MAX_THREAD_SLOTS).then(|| {
+                    registry.next_unused += 1;
+                    registry.next_unused - 1
+                })
+            });
+            Self { index }
+        }
+    }
+
+    impl Drop for ThreadSlot {
+        fn drop(&mut self) {
+            let Some(index) = self.index else { return };
+            let mut registry = registry();
+            for allocator in &registry.allocators {
+                if let Some(shared) = allocator.upgrade() {
+                    shared.magazine_flush(&shared.magazines[index]);
+                }
+            }
+            registry.released.push(index);
+        }
+    }
+
+    thread_local! {
+        static THREAD_SLOT: ThreadSlot = ThreadSlot::claim();
+    }
+
+    /// The calling thread's slot; `None` beyond `MAX_THREAD_SLOTS` threads
+    /// or while the thread's destructors run.
+    pub(super) fn current() -> Option<usize> {
+        THREAD_SLOT.try_with(|slot| slot.index).ok().flatten()
+    }
+
+    /// Makes exiting threads flush their magazines of `shared`.
+    pub(super) fn register(shared: &Arc<Shared>) {
+        let mut registry = registry();
+        registry
+            .allocators
+            .retain(|allocator| allocator.strong_count() > 0);
+        registry.allocators.push(Arc::downgrade(shared));
+    }
+}
