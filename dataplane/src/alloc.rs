@@ -94,8 +94,10 @@
 //! with [`PageAllocator::flush_local`]; a thread that exits hands them back
 //! automatically (a thread-local destructor spills its magazine of every live
 //! allocator onto that allocator's shared stack and only then releases its
-//! slot, so no page is lost and no two threads ever share a magazine).
-//! Dropping an allocator drops its magazines with it: the region's pages are
+//! slot, so no page is lost and no two threads ever share a magazine). The
+//! destructor runs as the thread exits, after its main function returned: a
+//! `JoinHandle::join` waits for it, the implicit join at the end of
+//! `std::thread::scope` does not. Dropping an allocator drops its magazines with it: the region's pages are
 //! gone with the allocator, so there is nothing to hand back to. Threads
 //! beyond [`MAX_THREAD_SLOTS`], and code running after the thread's
 //! destructors, use the shared stack directly (correct, slower).
@@ -108,8 +110,8 @@
 //! mutex once to claim its slot).
 
 use std::fmt;
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 use crossbeam_utils::CachePadded;
 
@@ -202,7 +204,7 @@ pub enum FreeError {
 #[non_exhaustive]
 pub enum AllocManyError {
     /// Fewer than `requested` pages could be taken; the `obtained` pages that
-    /// were taken have been freed again.
+    /// were taken have been freed again (see [`PageAllocator::alloc_many`]).
     #[error("batch of {requested} pages failed after {obtained}: region exhausted")]
     Exhausted { requested: usize, obtained: usize },
     /// The batch is larger than the whole region.
@@ -317,7 +319,10 @@ impl PageAllocator {
     }
 
     /// An allocator for `page_count` pages, all free.
-    pub fn with_options(page_count: u32, options: AllocatorOptions) -> Result<Self, AllocatorError> {
+    pub fn with_options(
+        page_count: u32,
+        options: AllocatorOptions,
+    ) -> Result<Self, AllocatorError> {
         if page_count == 0 {
             return Err(AllocatorError::NoPages);
         }
@@ -398,10 +403,12 @@ impl PageAllocator {
         Some(shared.hand_out(page))
     }
 
-    /// Fills `out` with freshly allocated pages, all or none: on failure every
-    /// page taken so far is freed again before the error returns, and the
-    /// contents of `out` are meaningless. While a failing batch holds its
-    /// pages, other threads may see the region as fuller than it is.
+    /// Fills `out` with freshly allocated pages, all or none. On
+    /// [`AllocManyError::Exhausted`] every page taken was freed again before
+    /// the error returns; `out[..obtained]` still names those grants (now
+    /// stale: each page's generation was bumped by the attempt) and the rest
+    /// of `out` is untouched. While a failing batch holds its pages, other
+    /// threads may see the region as fuller than it is.
     pub fn alloc_many(&self, out: &mut [(PageIndex, Generation)]) -> Result<(), AllocManyError> {
         let requested = out.len();
         if requested > self.shared.page_count as usize {
@@ -564,7 +571,11 @@ impl Shared {
         // learn the new generation only from our return value, through their
         // own synchronisation, so they see this store.
         let current = word.load(Relaxed);
-        debug_assert_eq!(current & ALLOCATED, 0, "free list held allocated page {page}");
+        debug_assert_eq!(
+            current & ALLOCATED,
+            0,
+            "free list held allocated page {page}"
+        );
         let generation = next_generation(state_generation(current));
         word.store(state(generation, true), Relaxed);
         (PageIndex(page), Generation(generation))
@@ -803,5 +814,430 @@ mod slots {
             .allocators
             .retain(|allocator| allocator.strong_count() > 0);
         registry.allocators.push(Arc::downgrade(shared));
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::collections::HashSet;
+    use std::sync::Barrier;
+
+    use super::*;
+
+    fn options(magazine_pages: u32) -> AllocatorOptions {
+        AllocatorOptions::default()
+            .magazine_pages(magazine_pages)
+            .initial_generation(Generation(0))
+    }
+
+    #[test]
+    fn every_page_is_handed_out_once_then_alloc_reports_exhaustion() {
+        for magazine_pages in [0, 1, 4, MAX_MAGAZINE_PAGES] {
+            let allocator = PageAllocator::with_options(10, options(magazine_pages)).unwrap();
+            let pages: HashSet<u32> = (0..10)
+                .map(|_| allocator.alloc().expect("a free page").0.0)
+                .collect();
+            assert_eq!(pages, (0..10).collect(), "magazine {magazine_pages}");
+            assert_eq!(allocator.alloc(), None);
+            assert_eq!(allocator.free_pages(), 0);
+        }
+    }
+
+    #[test]
+    fn every_allocation_bumps_the_page_generation() {
+        let allocator = PageAllocator::with_options(1, options(0)).unwrap();
+        for expected in 1..=5 {
+            let (page, generation) = allocator.alloc().unwrap();
+            assert_eq!((page, generation), (PageIndex(0), Generation(expected)));
+            allocator.free(page, generation).unwrap();
+        }
+    }
+
+    #[test]
+    fn generation_wraps_from_u32_max_to_one_and_old_frees_stay_stale() {
+        let options = options(0).initial_generation(Generation(u32::MAX - 1));
+        let allocator = PageAllocator::with_options(1, options).unwrap();
+        let (page, last) = allocator.alloc().unwrap();
+        assert_eq!(last, Generation(u32::MAX));
+        allocator.free(page, last).unwrap();
+        let (_, wrapped) = allocator.alloc().unwrap();
+        assert_eq!(wrapped, Generation(1), "0 is never issued");
+        assert_eq!(
+            allocator.free(page, last),
+            Err(FreeError::StaleGeneration {
+                page,
+                given: last,
+                current: wrapped
+            })
+        );
+        allocator.free(page, wrapped).unwrap();
+    }
+
+    #[test]
+    fn generation_zero_is_skipped_when_the_initial_generation_is_u32_max() {
+        let options = options(0).initial_generation(Generation(u32::MAX));
+        let allocator = PageAllocator::with_options(1, options).unwrap();
+        assert_eq!(allocator.alloc().unwrap().1, Generation(1));
+    }
+
+    #[test]
+    fn rejected_frees_are_classified_counted_and_change_nothing() {
+        for magazine_pages in [0, 4] {
+            let allocator = PageAllocator::with_options(4, options(magazine_pages)).unwrap();
+            let (page, first) = allocator.alloc().unwrap();
+            allocator.free(page, first).unwrap();
+            // The page is free at `first`: freeing it again is a double free.
+            assert_eq!(
+                allocator.free(page, first),
+                Err(FreeError::DoubleFree {
+                    page,
+                    generation: first
+                })
+            );
+            let (again, second) = allocator.alloc().unwrap();
+            assert_eq!(again, page, "LIFO: the page just freed comes back first");
+            // Now `first` is stale: the page was reallocated at `second`.
+            assert_eq!(
+                allocator.free(page, first),
+                Err(FreeError::StaleGeneration {
+                    page,
+                    given: first,
+                    current: second
+                })
+            );
+            assert_eq!(
+                allocator.free(PageIndex(4), second),
+                Err(FreeError::ForeignPage {
+                    page: PageIndex(4),
+                    page_count: 4
+                })
+            );
+            assert_eq!(
+                allocator.free(PageIndex(u32::MAX), second),
+                Err(FreeError::ForeignPage {
+                    page: PageIndex(u32::MAX),
+                    page_count: 4
+                })
+            );
+            assert!(
+                allocator.is_allocated(page, second),
+                "rejections left it allocated"
+            );
+            let stats = allocator.stats();
+            assert_eq!(
+                (stats.double_frees, stats.stale_frees, stats.foreign_frees),
+                (1, 1, 2)
+            );
+            assert_eq!(stats.free_pages, 3);
+            allocator.free(page, second).unwrap();
+            assert!(!allocator.is_allocated(page, second));
+            assert_eq!(allocator.free_pages(), 4);
+        }
+    }
+
+    #[test]
+    fn alloc_many_is_all_or_nothing_and_names_what_it_gave_back() {
+        let allocator = PageAllocator::with_options(8, options(4)).unwrap();
+        let held: Vec<_> = (0..3).map(|_| allocator.alloc().unwrap()).collect();
+        let mut batch = [(PageIndex(0), Generation(0)); 6];
+        assert_eq!(
+            allocator.alloc_many(&mut batch),
+            Err(AllocManyError::Exhausted {
+                requested: 6,
+                obtained: 5
+            })
+        );
+        assert_eq!(
+            allocator.free_pages(),
+            5,
+            "the failed batch gave its pages back"
+        );
+        for &(page, generation) in &batch[..5] {
+            assert!(matches!(
+                allocator.free(page, generation),
+                Err(FreeError::DoubleFree { .. })
+            ));
+        }
+        let mut batch = [(PageIndex(0), Generation(0)); 5];
+        allocator.alloc_many(&mut batch).unwrap();
+        let pages: HashSet<_> = batch.iter().chain(&held).map(|(page, _)| page.0).collect();
+        assert_eq!(pages.len(), 8, "no page handed out twice");
+        assert_eq!(allocator.alloc(), None);
+        assert_eq!(
+            allocator.alloc_many(&mut [(PageIndex(0), Generation(0)); 9]),
+            Err(AllocManyError::LargerThanRegion {
+                requested: 9,
+                page_count: 8
+            })
+        );
+        assert_eq!(allocator.alloc_many(&mut []), Ok(()));
+    }
+
+    #[test]
+    fn construction_rejects_empty_oversized_and_bad_magazines() {
+        assert_eq!(PageAllocator::new(0).unwrap_err(), AllocatorError::NoPages);
+        assert_eq!(
+            PageAllocator::new(MAX_PAGES + 1).unwrap_err(),
+            AllocatorError::TooManyPages {
+                page_count: MAX_PAGES + 1,
+                max: MAX_PAGES
+            }
+        );
+        assert_eq!(
+            PageAllocator::with_options(8, options(MAX_MAGAZINE_PAGES + 1)).unwrap_err(),
+            AllocatorError::MagazineTooLarge {
+                magazine_pages: MAX_MAGAZINE_PAGES + 1,
+                max: MAX_MAGAZINE_PAGES
+            }
+        );
+    }
+
+    #[test]
+    fn default_magazine_is_at_most_a_128th_of_the_region() {
+        assert_eq!(PageAllocator::new(511).unwrap().magazine_pages(), 0);
+        assert_eq!(PageAllocator::new(512).unwrap().magazine_pages(), 4);
+        assert_eq!(PageAllocator::new(4096).unwrap().magazine_pages(), 32);
+        assert_eq!(PageAllocator::new(1 << 20).unwrap().magazine_pages(), 32);
+    }
+
+    #[test]
+    fn allocators_start_at_different_generations() {
+        let first: HashSet<u32> = (0..16)
+            .map(|_| PageAllocator::new(1).unwrap().alloc().unwrap().1.0)
+            .collect();
+        assert!(first.len() > 1, "seeded starts coincide: {first:?}");
+    }
+
+    /// A worker that allocated and freed leaves pages in its magazine; they
+    /// are invisible to other threads until the worker exits.
+    #[test]
+    fn an_exiting_thread_hands_its_magazine_back() {
+        let allocator = PageAllocator::with_options(64, options(8)).unwrap();
+        let cached = Barrier::new(2);
+        let checked = Barrier::new(2);
+        std::thread::scope(|scope| {
+            let worker = scope.spawn(|| {
+                let (page, generation) = allocator.alloc().unwrap();
+                allocator.free(page, generation).unwrap();
+                cached.wait();
+                checked.wait();
+            });
+            cached.wait();
+            let reachable = drain(&allocator);
+            assert!(reachable < 64, "the worker's magazine holds pages");
+            assert_eq!(allocator.free_pages(), 64, "cached pages count as free");
+            checked.wait();
+            // An explicit join waits for the thread's exit, destructors
+            // included (the scope's implicit join only waits for the closure).
+            worker.join().unwrap();
+        });
+        assert_eq!(
+            drain(&allocator),
+            64,
+            "every page is reachable after the exit"
+        );
+    }
+
+    #[test]
+    fn flush_local_makes_cached_pages_available_to_other_threads() {
+        let allocator = PageAllocator::with_options(64, options(8)).unwrap();
+        let (page, generation) = allocator.alloc().unwrap();
+        allocator.free(page, generation).unwrap();
+        let elsewhere = |allocator: &PageAllocator| {
+            std::thread::scope(|scope| scope.spawn(|| drain(allocator)).join().unwrap())
+        };
+        assert!(elsewhere(&allocator) < 64);
+        allocator.flush_local();
+        assert_eq!(elsewhere(&allocator), 64);
+    }
+
+    /// More live threads than slots: the late ones use the shared stack.
+    #[test]
+    fn threads_beyond_the_slot_limit_allocate_correctly() {
+        let threads = MAX_THREAD_SLOTS + 4;
+        let allocator = PageAllocator::with_options(4096, options(8)).unwrap();
+        let all_holding = Barrier::new(threads);
+        let grants: Vec<_> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let grant = allocator.alloc().unwrap();
+                        all_holding.wait();
+                        grant
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        let pages: HashSet<_> = grants.iter().map(|(page, _)| page.0).collect();
+        assert_eq!(pages.len(), threads, "no page handed out twice");
+        for (page, generation) in grants {
+            allocator.free(page, generation).unwrap();
+        }
+        assert_eq!(drain(&allocator), 4096);
+    }
+
+    /// Allocates until exhaustion, frees everything, returns the count.
+    fn drain(allocator: &PageAllocator) -> u32 {
+        let mut held = Vec::new();
+        while let Some(grant) = allocator.alloc() {
+            held.push(grant);
+        }
+        for &(page, generation) in &held {
+            allocator.free(page, generation).unwrap();
+        }
+        held.len() as u32
+    }
+}
+
+/// Loom models of the shared free stack and the page-state CAS (magazines
+/// off: loom threads are coroutines on one OS thread, so the std thread-local
+/// slot would be shared between them; the magazine path is owner-only code
+/// plus the same stack operations checked here).
+///
+/// Each page carries a loom-tracked cell that its holder writes: loom reports
+/// a causality violation if two threads ever hold one page at once, or if a
+/// holder's writes are not ordered before the next holder's (the allocator's
+/// memory-ordering promise).
+#[cfg(all(test, loom))]
+mod loom_models {
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    use super::*;
+
+    struct Pool {
+        allocator: PageAllocator,
+        bytes: Vec<UnsafeCell<usize>>,
+    }
+
+    impl Pool {
+        fn new(page_count: u32) -> Arc<Self> {
+            let options = AllocatorOptions::default()
+                .magazine_pages(0)
+                .initial_generation(Generation(0));
+            Arc::new(Self {
+                allocator: PageAllocator::with_options(page_count, options).unwrap(),
+                bytes: (0..page_count).map(|_| UnsafeCell::new(0)).collect(),
+            })
+        }
+
+        /// Allocates, writes `me` into the page and checks it reads back.
+        fn take(&self, me: usize) -> Option<(PageIndex, Generation)> {
+            let grant = self.allocator.alloc()?;
+            let cell = &self.bytes[grant.0.0 as usize];
+            // SAFETY: loom's tracked cell; loom itself reports overlapping
+            // access, which is what this model checks for.
+            cell.with_mut(|bytes| unsafe { *bytes = me });
+            // SAFETY: as above.
+            assert_eq!(cell.with(|bytes| unsafe { *bytes }), me);
+            Some(grant)
+        }
+
+        /// Every page can be allocated once more and nothing is held.
+        fn assert_all_free(&self) {
+            let page_count = self.allocator.page_count();
+            assert_eq!(self.allocator.free_pages(), page_count);
+            let mut seen = vec![false; page_count as usize];
+            while let Some((page, _)) = self.allocator.alloc() {
+                assert!(!std::mem::replace(&mut seen[page.0 as usize], true));
+            }
+            assert!(seen.iter().all(|&s| s), "a page was lost");
+        }
+    }
+
+    #[test]
+    fn loom_concurrent_alloc_and_free_never_share_a_page() {
+        loom::model(|| {
+            let pool = Pool::new(2);
+            let threads: Vec<_> = (1..=2)
+                .map(|me| {
+                    let pool = Arc::clone(&pool);
+                    thread::spawn(move || {
+                        for _ in 0..2 {
+                            if let Some((page, generation)) = pool.take(me) {
+                                pool.allocator.free(page, generation).unwrap();
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for thread in threads {
+                thread.join().unwrap();
+            }
+            pool.assert_all_free();
+        });
+    }
+
+    /// The ABA case of an untagged Treiber stack: A reads top 0 and its link
+    /// 1, is preempted; B pops 0, pops 1, pushes 0 back. The top is 0 again,
+    /// but its link is now 2; without the tag A's CAS would succeed and set
+    /// the top to page 1, which B holds. With the tag it fails and retries.
+    #[test]
+    fn loom_aba_on_the_stack_head_is_defeated_by_the_tag() {
+        loom::model(|| {
+            let pool = Pool::new(3);
+            let a = {
+                let pool = Arc::clone(&pool);
+                thread::spawn(move || pool.take(1))
+            };
+            let b = {
+                let pool = Arc::clone(&pool);
+                thread::spawn(move || {
+                    let x = pool.take(2);
+                    let y = pool.take(2);
+                    if let Some((page, generation)) = x {
+                        pool.allocator.free(page, generation).unwrap();
+                    }
+                    y
+                })
+            };
+            let held = [a.join().unwrap(), b.join().unwrap()];
+            for (page, generation) in held.into_iter().flatten() {
+                pool.allocator.free(page, generation).unwrap();
+            }
+            pool.assert_all_free();
+        });
+    }
+
+    /// Two frees of one grant race (a re-sent freed-page notice), while the
+    /// winner may already reallocate the page: exactly one free succeeds, the
+    /// other is refused as a double or stale free, and counted.
+    #[test]
+    fn loom_racing_frees_of_one_grant_succeed_exactly_once() {
+        loom::model(|| {
+            let pool = Pool::new(1);
+            let (page, first) = pool.take(0).unwrap();
+            let racers: Vec<_> = (1..=2)
+                .map(|me| {
+                    let pool = Arc::clone(&pool);
+                    thread::spawn(move || {
+                        let freed = pool.allocator.free(page, first);
+                        if freed.is_ok()
+                            && let Some((again, second)) = pool.take(me)
+                        {
+                            assert_eq!((again, second), (page, Generation(2)));
+                            pool.allocator.free(again, second).unwrap();
+                        }
+                        freed
+                    })
+                })
+                .collect();
+            let results: Vec<_> = racers.into_iter().map(|r| r.join().unwrap()).collect();
+            assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+            for result in results.into_iter().filter_map(Result::err) {
+                assert!(
+                    matches!(
+                        result,
+                        FreeError::DoubleFree { .. } | FreeError::StaleGeneration { .. }
+                    ),
+                    "{result:?}"
+                );
+            }
+            let stats = pool.allocator.stats();
+            assert_eq!(stats.double_frees + stats.stale_frees, 1);
+            pool.assert_all_free();
+        });
     }
 }

@@ -18,14 +18,14 @@
 //! the contract; crossbeam checks that with its own loom suite.
 
 #[cfg(not(loom))]
-pub(crate) use std::sync::{Mutex, MutexGuard};
-#[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, AtomicU64};
+#[cfg(not(loom))]
+pub(crate) use std::sync::{Mutex, MutexGuard};
 
 #[cfg(loom)]
-pub(crate) use loom::sync::{Mutex, MutexGuard};
-#[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, AtomicU64};
+#[cfg(loom)]
+pub(crate) use loom::sync::{Mutex, MutexGuard};
 
 /// Epoch-based reclamation: crossbeam-epoch's global collector, or the loom
 /// stand-in (see the module docs).

@@ -107,11 +107,38 @@ impl<V> std::error::Error for Rejected<V> {
 /// An immutable set of regions, sorted by id.
 struct Version<V> {
     entries: Vec<(RegionId, Arc<V>)>,
+    /// Under loom, a tracked cell that readers read and freeing writes, so the
+    /// model checks that a version outlives every reader that found it (loom
+    /// cannot see a use-after-free of plain memory).
+    #[cfg(loom)]
+    liveness: loom::cell::UnsafeCell<()>,
 }
 
 impl<V> Version<V> {
+    fn new(entries: Vec<(RegionId, Arc<V>)>) -> Self {
+        Self {
+            entries,
+            #[cfg(loom)]
+            liveness: loom::cell::UnsafeCell::new(()),
+        }
+    }
+
     fn find(&self, id: RegionId) -> Result<usize, usize> {
-        self.entries.binary_search_by_key(&id, |(entry_id, _)| *entry_id)
+        self.entries
+            .binary_search_by_key(&id, |(entry_id, _)| *entry_id)
+    }
+
+    /// Frees a version made by `Box::into_raw`.
+    ///
+    /// # Safety
+    /// `version` came from `Box::into_raw(Box<Version<V>>)`, is freed only
+    /// once, and no reader can reach it any more.
+    unsafe fn free(version: *mut Self) {
+        // SAFETY: the caller's contract.
+        let version = unsafe { Box::from_raw(version) };
+        #[cfg(loom)]
+        version.liveness.with_mut(|_| ());
+        drop(version);
     }
 }
 
@@ -135,7 +162,7 @@ impl<V> RetiredVersion<V> {
     unsafe fn free(self) {
         // SAFETY: `version` came from `Box::into_raw` in `publish` and is
         // freed only here, once; the caller guarantees no reader holds it.
-        drop(unsafe { Box::from_raw(self.version) });
+        unsafe { Version::free(self.version) };
     }
 }
 
@@ -182,9 +209,7 @@ impl<V> Default for RegionTable<V> {
 impl<V> RegionTable<V> {
     /// An empty table.
     pub fn new() -> Self {
-        let empty = Box::new(Version {
-            entries: Vec::new(),
-        });
+        let empty = Box::new(Version::new(Vec::new()));
         Self {
             current: AtomicPtr::new(Box::into_raw(empty)),
             writer: Mutex::new(Writer {
@@ -320,7 +345,7 @@ impl<V> RegionTable<V> {
 
     /// Publishes `entries` as the new version and retires the old one.
     fn publish(&self, writer: &mut Writer<V>, entries: Vec<(RegionId, Arc<V>)>) {
-        let new = Box::into_raw(Box::new(Version { entries }));
+        let new = Box::into_raw(Box::new(Version::new(entries)));
         let guard = epoch::pin();
         // Release: the new version's contents are written before any reader
         // can load the pointer. The old pointer needs no Acquire: it was
@@ -360,7 +385,10 @@ impl<V> Drop for RegionTable<V> {
     fn drop(&mut self) {
         // `&mut self`: no snapshot exists (snapshots borrow the table), so no
         // reader can reach any version, retired or current.
-        let writer = self.writer.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let writer = self
+            .writer
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
         for retired in writer.retired.drain(..) {
             // SAFETY: no reader exists (above).
             unsafe { retired.free() };
@@ -370,7 +398,7 @@ impl<V> Drop for RegionTable<V> {
         let current = self.current.load(Relaxed);
         // SAFETY: `current` came from `Box::into_raw`, is freed only here, and
         // no reader exists (above).
-        drop(unsafe { Box::from_raw(current) });
+        unsafe { Version::free(current) };
     }
 }
 
@@ -397,7 +425,10 @@ impl<V> Snapshot<'_, V> {
         // pinned; a version is freed only after every guard pinned before it
         // was unlinked is dropped (and the table outlives `'t`), so it lives
         // at least as long as this snapshot's guard, i.e. this borrow.
-        unsafe { &*self.version }
+        let version = unsafe { &*self.version };
+        #[cfg(loom)]
+        version.liveness.with(|_| ());
+        version
     }
 
     /// Region `id`'s value, if present.
@@ -442,5 +473,272 @@ impl<V> Snapshot<'_, V> {
             .iter()
             .chain(before)
             .find_map(|(id, value)| f(*id, value))
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+
+    use super::*;
+
+    /// Counts its drops.
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, SeqCst);
+        }
+    }
+
+    /// `take_unreachable` until `want` values came back; no reader is pinned,
+    /// so only the epoch's advance is awaited (bounded, not timed).
+    fn take_eventually<V>(table: &RegionTable<V>, want: usize) -> Vec<(RegionId, V)> {
+        let mut taken = Vec::new();
+        for _ in 0..100_000 {
+            taken.extend(table.take_unreachable());
+            if taken.len() >= want {
+                return taken;
+            }
+            std::thread::yield_now();
+        }
+        panic!(
+            "only {} of {want} removed values became unreachable",
+            taken.len()
+        );
+    }
+
+    #[test]
+    fn inserted_regions_are_found_by_id_and_iterated_in_id_order() {
+        let table = RegionTable::new();
+        for id in [5, 1, 3] {
+            assert!(table.insert(RegionId(id), id * 10).is_ok());
+        }
+        let snapshot = table.read();
+        assert_eq!(snapshot.get(RegionId(3)), Some(&30));
+        assert_eq!(snapshot.get(RegionId(4)), None);
+        let ids: Vec<u64> = snapshot.iter().map(|(id, _)| id.0).collect();
+        assert_eq!(ids, [1, 3, 5]);
+        assert_eq!(table.with(RegionId(5), |v| v + 1), Some(51));
+        assert_eq!(table.len(), 3);
+    }
+
+    #[test]
+    fn a_duplicate_insert_is_refused_and_returns_the_value() {
+        let table = RegionTable::new();
+        assert!(table.insert(RegionId(1), "first").is_ok());
+        let rejected = table.insert(RegionId(1), "second").unwrap_err();
+        assert_eq!(
+            rejected.error,
+            TableError::AlreadyPresent { id: RegionId(1) }
+        );
+        assert_eq!(rejected.value, "second");
+        assert_eq!(table.with(RegionId(1), |v| *v), Some("first"));
+        assert_eq!(
+            table.remove(RegionId(2)),
+            Err(TableError::NotFound { id: RegionId(2) })
+        );
+    }
+
+    #[test]
+    fn find_map_from_starts_at_the_given_position_and_wraps() {
+        let table = RegionTable::new();
+        for id in 0..4 {
+            assert!(table.insert(RegionId(id), id).is_ok());
+        }
+        let order = |start| {
+            let mut seen = Vec::new();
+            let found = table.find_map_from(start, |id, _| {
+                seen.push(id.0);
+                None::<()>
+            });
+            assert_eq!(found, None);
+            seen
+        };
+        assert_eq!(order(0), [0, 1, 2, 3]);
+        assert_eq!(order(6), [2, 3, 0, 1]);
+        assert_eq!(
+            table.find_map_from(1, |id, v| (*v >= 3).then_some(id)),
+            Some(RegionId(3))
+        );
+        assert_eq!(
+            RegionTable::<u8>::new().find_map_from(7, |_, _| Some(())),
+            None
+        );
+    }
+
+    #[test]
+    fn a_removed_value_stays_readable_until_the_last_snapshot_that_saw_it_ends() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let table = RegionTable::new();
+        assert!(
+            table
+                .insert(RegionId(1), Counted(Arc::clone(&drops)))
+                .is_ok()
+        );
+        let snapshot = table.read();
+        table.remove(RegionId(1)).unwrap();
+        assert!(
+            table.read().get(RegionId(1)).is_none(),
+            "new readers miss it"
+        );
+        // This thread is pinned by `snapshot`: the epoch cannot advance past
+        // it, so no number of attempts may hand the value back.
+        for _ in 0..1_000 {
+            assert!(table.take_unreachable().is_empty());
+        }
+        assert!(
+            snapshot.get(RegionId(1)).is_some(),
+            "the old view still has it"
+        );
+        assert_eq!(drops.load(SeqCst), 0);
+        drop(snapshot);
+        let taken = take_eventually(&table, 1);
+        assert_eq!(taken.len(), 1);
+        assert_eq!(taken[0].0, RegionId(1));
+        assert_eq!(
+            drops.load(SeqCst),
+            0,
+            "handed back, not dropped by the table"
+        );
+        drop(taken);
+        assert_eq!(drops.load(SeqCst), 1);
+        assert_eq!(table.removed_pending(), 0);
+    }
+
+    #[test]
+    fn a_removed_value_can_be_reinserted_after_it_comes_back() {
+        let table = RegionTable::new();
+        assert!(table.insert(RegionId(9), String::from("region")).is_ok());
+        table.remove(RegionId(9)).unwrap();
+        let (id, value) = take_eventually(&table, 1).pop().unwrap();
+        assert!(table.insert(id, value).is_ok());
+        assert_eq!(table.with(RegionId(9), String::len), Some(6));
+    }
+
+    #[test]
+    fn dropping_the_table_drops_every_value_exactly_once() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let table = RegionTable::new();
+        for id in 0..5 {
+            assert!(
+                table
+                    .insert(RegionId(id), Counted(Arc::clone(&drops)))
+                    .is_ok()
+            );
+        }
+        table.remove(RegionId(0)).unwrap();
+        table.remove(RegionId(1)).unwrap();
+        drop(table);
+        assert_eq!(drops.load(SeqCst), 5);
+    }
+}
+
+/// Loom model of the publish/retire protocol, with the epoch stand-in of
+/// [`sync::epoch`](crate::sync) (see there for what that does and does not
+/// prove). Each value carries a loom-tracked cell that readers read and
+/// `Drop` writes: loom reports a causality violation if a value is dropped
+/// while a reader that found it can still read it, or if a reader can see a
+/// newly inserted value before its construction.
+#[cfg(all(test, loom))]
+mod loom_models {
+    use loom::cell::UnsafeCell;
+    use loom::thread;
+
+    use super::*;
+
+    struct Probe {
+        id: u64,
+        cell: UnsafeCell<u64>,
+    }
+
+    // SAFETY: the cell is loom's: every access is checked by the model, which
+    // is the point of the probe (a real race fails the model instead of
+    // being UB).
+    unsafe impl Sync for Probe {}
+
+    impl Probe {
+        fn new(id: u64) -> Self {
+            Self {
+                id,
+                cell: UnsafeCell::new(id),
+            }
+        }
+
+        fn read(&self) -> u64 {
+            // SAFETY: loom's tracked cell; loom reports a racing write.
+            self.cell.with(|value| unsafe { *value })
+        }
+    }
+
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            // SAFETY: as in `read`.
+            self.cell.with_mut(|value| unsafe { *value = u64::MAX });
+        }
+    }
+
+    #[test]
+    fn loom_a_reader_racing_replace_and_retire_never_sees_a_dropped_value() {
+        loom::model(|| {
+            let table = Arc::new(RegionTable::new());
+            assert!(table.insert(RegionId(1), Probe::new(1)).is_ok());
+            let reader = {
+                let table = Arc::clone(&table);
+                thread::spawn(move || {
+                    let snapshot = table.read();
+                    for id in [1, 2] {
+                        if let Some(probe) = snapshot.get(RegionId(id)) {
+                            assert_eq!((probe.id, probe.read()), (id, id));
+                        }
+                    }
+                })
+            };
+            let writer = {
+                let table = Arc::clone(&table);
+                thread::spawn(move || {
+                    assert!(table.insert(RegionId(2), Probe::new(2)).is_ok());
+                    table.remove(RegionId(1)).unwrap();
+                    table.take_unreachable().len()
+                })
+            };
+            reader.join().unwrap();
+            let early = writer.join().unwrap();
+            // Every guard is gone now, so the stand-in has run every deferred
+            // flag: the removed value must come back, exactly once.
+            let late = table.take_unreachable().len();
+            assert_eq!(early + late, 1);
+            assert_eq!(table.removed_pending(), 0);
+            assert_eq!(table.with(RegionId(2), Probe::read), Some(2));
+        });
+    }
+
+    #[test]
+    fn loom_two_writers_and_a_reader_agree_on_the_final_table() {
+        loom::model(|| {
+            let table = Arc::new(RegionTable::new());
+            assert!(table.insert(RegionId(1), Probe::new(1)).is_ok());
+            let spawn = |f: fn(&RegionTable<Probe>)| {
+                let table = Arc::clone(&table);
+                thread::spawn(move || f(&table))
+            };
+            let threads = [
+                spawn(|table| assert!(table.insert(RegionId(3), Probe::new(3)).is_ok())),
+                spawn(|table| table.remove(RegionId(1)).unwrap()),
+                spawn(|table| {
+                    let seen = table.find_map_from(0, |id, probe| {
+                        assert_eq!(probe.read(), id.0);
+                        None::<()>
+                    });
+                    assert!(seen.is_none());
+                }),
+            ];
+            for thread in threads {
+                thread.join().unwrap();
+            }
+            let ids: Vec<u64> = table.read().iter().map(|(id, _)| id.0).collect();
+            assert_eq!(ids, [3]);
+            assert_eq!(table.take_unreachable().len(), 1);
+        });
     }
 }
