@@ -394,13 +394,20 @@ impl PageAllocator {
 
     /// Takes a free page and bumps its generation; `None` when no free page is
     /// reachable from this thread (see the module docs on magazines).
+    #[inline]
     pub fn alloc(&self) -> Option<(PageIndex, Generation)> {
         let shared = &*self.shared;
-        let page = match shared.my_magazine() {
-            Some(magazine) => shared.magazine_pop(magazine)?,
-            None => shared.stack_pop_one()?,
-        };
-        Some(shared.hand_out(page))
+        // Fast path, inlined into the caller: a non-empty magazine.
+        if let Some(magazine) = shared.my_magazine() {
+            // Relaxed: only this thread writes its magazine (see `Magazine`).
+            let len = magazine.len.load(Relaxed);
+            if len > 0 {
+                let page = magazine.pages[len as usize - 1].load(Relaxed);
+                magazine.len.store(len - 1, Relaxed);
+                return Some(shared.hand_out(page));
+            }
+        }
+        shared.alloc_slow()
     }
 
     /// Fills `out` with freshly allocated pages, all or none. On
@@ -439,45 +446,37 @@ impl PageAllocator {
 
     /// Returns `page` if `generation` is its current, allocated generation;
     /// otherwise rejects the free (and counts it) without changing anything.
+    #[inline]
     pub fn free(&self, page: PageIndex, generation: Generation) -> Result<(), FreeError> {
         let shared = &*self.shared;
         let Some(word) = shared.states.get(page.0 as usize) else {
-            // Relaxed: a statistic; nothing is ordered by it.
-            shared.counters.foreign_frees.fetch_add(1, Relaxed);
-            return Err(FreeError::ForeignPage {
-                page,
-                page_count: shared.page_count,
-            });
+            return Err(shared.reject_foreign(page));
         };
         // Relaxed: the CAS only arbitrates between frees (its atomicity alone
         // decides which one wins). Ordering the page's bytes before its next
         // holder is the free lists' job: the page goes to this thread's
         // magazine (program order) or onto the shared stack with a Release
         // CAS, and leaves it only through an Acquire load of the head.
-        match word.compare_exchange(
+        if let Err(actual) = word.compare_exchange(
             state(generation.0, true),
             state(generation.0, false),
             Relaxed,
             Relaxed,
         ) {
-            Ok(_) => {
-                shared.release(page.0);
-                Ok(())
-            }
-            Err(actual) if state_generation(actual) == generation.0 => {
-                // Same generation and not allocated (else the CAS had won).
-                shared.counters.double_frees.fetch_add(1, Relaxed);
-                Err(FreeError::DoubleFree { page, generation })
-            }
-            Err(actual) => {
-                shared.counters.stale_frees.fetch_add(1, Relaxed);
-                Err(FreeError::StaleGeneration {
-                    page,
-                    given: generation,
-                    current: Generation(state_generation(actual)),
-                })
+            return Err(shared.reject(page, generation, actual));
+        }
+        // Fast path, inlined into the caller: room in the magazine.
+        if let Some(magazine) = shared.my_magazine() {
+            // Relaxed: only this thread writes its magazine (see `Magazine`).
+            let len = magazine.len.load(Relaxed);
+            if len < shared.magazine_pages {
+                magazine.pages[len as usize].store(page.0, Relaxed);
+                magazine.len.store(len + 1, Relaxed);
+                return Ok(());
             }
         }
+        shared.release_slow(page.0);
+        Ok(())
     }
 
     /// True if `(page, generation)` names a live allocation right now. A
@@ -552,6 +551,7 @@ fn seeded_initial_generation() -> Generation {
 
 impl Shared {
     /// This thread's magazine, if magazines are on and the thread has a slot.
+    #[inline]
     fn my_magazine(&self) -> Option<&Magazine> {
         if self.magazines.is_empty() {
             return None;
@@ -559,8 +559,61 @@ impl Shared {
         slots::current().map(|slot| &*self.magazines[slot])
     }
 
+    /// `alloc` when the magazine is empty or absent.
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow(&self) -> Option<(PageIndex, Generation)> {
+        let page = match self.my_magazine() {
+            Some(magazine) => self.magazine_pop(magazine)?,
+            None => self.stack_pop_one()?,
+        };
+        Some(self.hand_out(page))
+    }
+
+    /// `free`'s last step when the magazine is full or absent.
+    #[cold]
+    #[inline(never)]
+    fn release_slow(&self, page: u32) {
+        match self.my_magazine() {
+            Some(magazine) => self.magazine_push(magazine, page),
+            None => self.stack_push_chain(page, page, 1),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn reject_foreign(&self, page: PageIndex) -> FreeError {
+        // Relaxed: a statistic; nothing is ordered by it.
+        self.counters.foreign_frees.fetch_add(1, Relaxed);
+        FreeError::ForeignPage {
+            page,
+            page_count: self.page_count,
+        }
+    }
+
+    /// Classifies a free whose CAS found `actual` instead of `(generation,
+    /// allocated)`, and counts it.
+    #[cold]
+    #[inline(never)]
+    fn reject(&self, page: PageIndex, generation: Generation, actual: u64) -> FreeError {
+        // Relaxed: statistics; nothing is ordered by them.
+        if state_generation(actual) == generation.0 {
+            // Same generation and not allocated (else the CAS had won).
+            self.counters.double_frees.fetch_add(1, Relaxed);
+            FreeError::DoubleFree { page, generation }
+        } else {
+            self.counters.stale_frees.fetch_add(1, Relaxed);
+            FreeError::StaleGeneration {
+                page,
+                given: generation,
+                current: Generation(state_generation(actual)),
+            }
+        }
+    }
+
     /// Marks `page`, just taken exclusively from a free list, allocated at its
     /// next generation.
+    #[inline]
     fn hand_out(&self, page: u32) -> (PageIndex, Generation) {
         let word = &self.states[page as usize];
         // Relaxed load and store, no RMW: while a page is free its state is
@@ -579,14 +632,6 @@ impl Shared {
         let generation = next_generation(state_generation(current));
         word.store(state(generation, true), Relaxed);
         (PageIndex(page), Generation(generation))
-    }
-
-    /// Puts a page whose state was just set to free onto a free list.
-    fn release(&self, page: u32) {
-        match self.my_magazine() {
-            Some(magazine) => self.magazine_push(magazine, page),
-            None => self.stack_push_chain(page, page, 1),
-        }
     }
 
     /// Pops one page from this thread's magazine, refilling it from the
@@ -740,9 +785,16 @@ impl Shared {
 /// handed to one thread at a time and released only after that thread has
 /// spilled its magazine of every live allocator.
 mod slots {
+    use std::cell::Cell;
     use std::sync::{Arc, Mutex, PoisonError, Weak};
 
     use super::{MAX_THREAD_SLOTS, Shared};
+
+    /// `SLOT` before the thread's first use.
+    const UNCLAIMED: usize = usize::MAX;
+    /// `SLOT` of a thread without a magazine: all slots were taken, or its
+    /// destructors are running.
+    const NO_SLOT: usize = usize::MAX - 1;
 
     struct Registry {
         /// Allocators with magazines; dead entries are pruned on registration.
@@ -767,25 +819,15 @@ mod slots {
 
     /// A thread's claim on a slot; released (after spilling) when the thread
     /// exits.
-    struct ThreadSlot {
+    struct Claim {
         index: Option<usize>,
     }
 
-    impl ThreadSlot {
-        fn claim() -> Self {
-            let mut registry = registry();
-            let index = registry.released.pop().or_else(|| {
-                (registry.next_unused < MAX_THREAD_SLOTS).then(|| {
-                    registry.next_unused += 1;
-                    registry.next_unused - 1
-                })
-            });
-            Self { index }
-        }
-    }
-
-    impl Drop for ThreadSlot {
+    impl Drop for Claim {
         fn drop(&mut self) {
+            // From here on this thread allocates from the shared stacks only
+            // (other destructors may still call alloc or free).
+            SLOT.set(NO_SLOT);
             let Some(index) = self.index else { return };
             let mut registry = registry();
             for allocator in &registry.allocators {
@@ -798,13 +840,45 @@ mod slots {
     }
 
     thread_local! {
-        static THREAD_SLOT: ThreadSlot = ThreadSlot::claim();
+        /// The slot index, cached without a destructor so that reading it is
+        /// a plain thread-local load on the hot path.
+        static SLOT: Cell<usize> = const { Cell::new(UNCLAIMED) };
+        /// Owns the claim; its destructor flushes and releases the slot.
+        static CLAIM: Claim = Claim::new();
+    }
+
+    impl Claim {
+        fn new() -> Self {
+            let mut registry = registry();
+            let index = registry.released.pop().or_else(|| {
+                (registry.next_unused < MAX_THREAD_SLOTS).then(|| {
+                    registry.next_unused += 1;
+                    registry.next_unused - 1
+                })
+            });
+            Self { index }
+        }
     }
 
     /// The calling thread's slot; `None` beyond `MAX_THREAD_SLOTS` threads
-    /// or while the thread's destructors run.
+    /// or once the thread's destructors run.
+    #[inline]
     pub(super) fn current() -> Option<usize> {
-        THREAD_SLOT.try_with(|slot| slot.index).ok().flatten()
+        match SLOT.get() {
+            index if index < MAX_THREAD_SLOTS => Some(index),
+            UNCLAIMED => claim(),
+            _ => None,
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn claim() -> Option<usize> {
+        // `try_with` fails once the thread's destructors have started; the
+        // thread then never gets a slot.
+        let index = CLAIM.try_with(|claim| claim.index).ok().flatten();
+        SLOT.set(index.unwrap_or(NO_SLOT));
+        index
     }
 
     /// Makes exiting threads flush their magazines of `shared`.

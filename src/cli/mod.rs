@@ -83,7 +83,11 @@ type Scenario = (
     fn(&BenchArgs, &mut Reporter) -> anyhow::Result<()>,
 );
 
-const SCENARIOS: &[Scenario] = &[];
+const SCENARIOS: &[Scenario] = &[(
+    "alloc",
+    "page allocator alloc+free pairs/s vs a Mutex<Vec> free list (threads=1, threads=2)",
+    crate::bench::alloc::run,
+)];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     if args.list {
