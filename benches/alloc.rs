@@ -15,7 +15,10 @@ fn pairs(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     for threads in [1, 2] {
         let subjects = [
-            ("ours", Subject::ours(PAGE_COUNT).expect("a valid page count")),
+            (
+                "ours",
+                Subject::ours(PAGE_COUNT).expect("a valid page count"),
+            ),
             ("mutex_vec", Subject::mutex(PAGE_COUNT)),
         ];
         for (name, subject) in &subjects {
@@ -24,7 +27,9 @@ fn pairs(c: &mut Criterion) {
                     b.iter(|| subject.pairs(black_box(1)).expect("pairs run"));
                 } else {
                     b.iter_custom(|iters| {
-                        timed_pairs(subject, threads, iters).expect("pairs run")
+                        timed_pairs(subject, threads, iters)
+                            .expect("pairs run")
+                            .wall
                     });
                 }
             });

@@ -9,6 +9,18 @@
 //! `ns_per_pair` is the mean time one thread spends on one pair
 //! (`threads × 1000 / ours`), `baseline_ns_per_pair` the same for the mutex.
 //!
+//! `cpu_ns_per_pair` and `baseline_cpu_ns_per_pair` divide the threads'
+//! CPU time (`CLOCK_THREAD_CPUTIME_ID`) instead of wall time: on a busy
+//! machine they leave out the time a thread sat descheduled, so they are the
+//! steadier single-thread figure. They also leave out time a thread spent
+//! parked on the mutex, so for `threads=2` only the wall-time figures compare
+//! the two fairly; `ratio` is always from wall time.
+//!
+//! `no_magazines_mpairs_per_s` (and `no_magazines_cpu_ns_per_pair`) measure
+//! our allocator with magazines off — the tagged Treiber stack plus the page
+//! states, three locked instructions per pair — in the same run: the
+//! difference to `ours` is what the per-thread magazines buy.
+//!
 //! The baseline does less work than ours: it tracks no generations and
 //! detects no double free. Targets (issue 2): `threads=1` at most 10 ns per
 //! pair and ratio ≥ 0.9; `threads=2` ratio ≥ 1.5.
@@ -18,7 +30,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cxlkv_dataplane::alloc::PageAllocator;
+use cxlkv_dataplane::alloc::{AllocatorOptions, PageAllocator};
 use cxlkv_dataplane::ids::PageIndex;
 use parking_lot::Mutex;
 
@@ -45,6 +57,15 @@ impl Subject {
     /// Our allocator over `page_count` pages, default options.
     pub fn ours(page_count: u32) -> anyhow::Result<Self> {
         let allocator = PageAllocator::new(page_count)
+            .with_context(|| format!("allocator of {page_count} pages"))?;
+        Ok(Self::Ours(allocator))
+    }
+
+    /// Our allocator with magazines off: the Treiber stack and the page
+    /// states alone (what magazines buy is the difference to `ours`).
+    pub fn ours_without_magazines(page_count: u32) -> anyhow::Result<Self> {
+        let options = AllocatorOptions::default().magazine_pages(0);
+        let allocator = PageAllocator::with_options(page_count, options)
             .with_context(|| format!("allocator of {page_count} pages"))?;
         Ok(Self::Ours(allocator))
     }
@@ -81,10 +102,38 @@ impl Subject {
     }
 }
 
+/// How long a run took.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// From the common start to the last thread's finish.
+    pub wall: Duration,
+    /// The threads' CPU time for the measured pairs, summed.
+    pub cpu: Duration,
+}
+
+/// CPU time consumed by the calling thread so far.
+fn thread_cpu_time() -> anyhow::Result<Duration> {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec for the duration of the
+    // call; CLOCK_THREAD_CPUTIME_ID needs nothing else.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    anyhow::ensure!(
+        rc == 0,
+        "clock_gettime(CLOCK_THREAD_CPUTIME_ID): {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(Duration::new(
+        u64::try_from(now.tv_sec).context("negative thread CPU time")?,
+        u32::try_from(now.tv_nsec).context("thread CPU time nanoseconds out of range")?,
+    ))
+}
+
 /// Runs `pairs` pairs on each of `threads` threads sharing `subject`, all
-/// started together after a warm-up; returns the wall time from the start to
-/// the last thread's finish.
-pub fn timed_pairs(subject: &Subject, threads: usize, pairs: u64) -> anyhow::Result<Duration> {
+/// started together after a warm-up.
+pub fn timed_pairs(subject: &Subject, threads: usize, pairs: u64) -> anyhow::Result<Timing> {
     let start = Barrier::new(threads + 1);
     let finish = Barrier::new(threads + 1);
     std::thread::scope(|scope| {
@@ -92,8 +141,14 @@ pub fn timed_pairs(subject: &Subject, threads: usize, pairs: u64) -> anyhow::Res
             .map(|_| {
                 scope.spawn(|| {
                     let warmed = subject.pairs(WARMUP_PAIRS);
+                    // Every thread reaches both barriers, error or not, so
+                    // that nobody waits forever.
                     start.wait();
-                    let measured = warmed.and_then(|()| subject.pairs(pairs));
+                    let measured = warmed.and_then(|()| {
+                        let cpu_start = thread_cpu_time()?;
+                        subject.pairs(pairs)?;
+                        Ok(thread_cpu_time()?.saturating_sub(cpu_start))
+                    });
                     finish.wait();
                     measured
                 })
@@ -102,15 +157,31 @@ pub fn timed_pairs(subject: &Subject, threads: usize, pairs: u64) -> anyhow::Res
         start.wait();
         let started = Instant::now();
         finish.wait();
-        let elapsed = started.elapsed();
+        let wall = started.elapsed();
+        let mut cpu = Duration::ZERO;
         for worker in workers {
             match worker.join() {
-                Ok(result) => result?,
+                Ok(result) => cpu += result?,
                 Err(panic) => std::panic::resume_unwind(panic),
             }
         }
-        Ok(elapsed)
+        Ok(Timing { wall, cpu })
     })
+}
+
+/// Per-repetition figures of one subject.
+struct Samples {
+    mpairs_per_s: Vec<f64>,
+    cpu_ns_per_pair: Vec<f64>,
+}
+
+impl Samples {
+    fn with_capacity(reps: usize) -> Self {
+        Self {
+            mpairs_per_s: Vec::with_capacity(reps),
+            cpu_ns_per_pair: Vec::with_capacity(reps),
+        }
+    }
 }
 
 /// Millions of pairs per second.
@@ -127,39 +198,51 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
     };
     for threads in CASES_THREADS {
         let ours = Subject::ours(PAGE_COUNT)?;
-        let baseline = Subject::mutex(PAGE_COUNT);
         let magazine_pages = match &ours {
             Subject::Ours(allocator) => allocator.magazine_pages(),
             Subject::Mutex(_) => 0,
         };
-        let mut ours_samples = Vec::with_capacity(args.reps);
-        let mut baseline_samples = Vec::with_capacity(args.reps);
+        let mut subjects = [
+            (ours, Samples::with_capacity(args.reps)),
+            (
+                Subject::mutex(PAGE_COUNT),
+                Samples::with_capacity(args.reps),
+            ),
+            (
+                Subject::ours_without_magazines(PAGE_COUNT)?,
+                Samples::with_capacity(args.reps),
+            ),
+        ];
         for rep in 0..args.reps {
-            // Alternate the order so that neither side always runs on the
-            // warmer (or more disturbed) half of the repetition.
-            let order: [(&Subject, &mut Vec<f64>); 2] = if rep % 2 == 0 {
-                [(&ours, &mut ours_samples), (&baseline, &mut baseline_samples)]
-            } else {
-                [(&baseline, &mut baseline_samples), (&ours, &mut ours_samples)]
-            };
-            for (subject, samples) in order {
-                let elapsed = timed_pairs(subject, threads, pairs)?;
-                samples.push(mpairs_per_s(threads, pairs, elapsed));
+            // Rotate the order so that no subject always runs on the warmer
+            // (or more disturbed) part of the repetition.
+            for turn in 0..subjects.len() {
+                let (subject, samples) = &mut subjects[(rep + turn) % 3];
+                let timing = timed_pairs(subject, threads, pairs)?;
+                samples
+                    .mpairs_per_s
+                    .push(mpairs_per_s(threads, pairs, timing.wall));
+                let total_pairs = threads as f64 * pairs as f64;
+                samples
+                    .cpu_ns_per_pair
+                    .push(timing.cpu.as_secs_f64() * 1e9 / total_pairs);
             }
         }
+        let [(_, ours), (_, baseline), (_, no_magazines)] = &mut subjects;
         let spread = |samples: &[f64]| {
             let min = samples.iter().copied().fold(f64::INFINITY, f64::min);
             let max = samples.iter().copied().fold(0.0, f64::max);
             format!("{min:.1}..{max:.1}")
         };
         reporter.note(&format!(
-            "alloc threads={threads}: Mpairs/s over {} reps: ours {}, mutex {}",
+            "alloc threads={threads}: Mpairs/s over {} reps: ours {}, mutex {}, no magazines {}",
             args.reps,
-            spread(&ours_samples),
-            spread(&baseline_samples)
+            spread(&ours.mpairs_per_s),
+            spread(&baseline.mpairs_per_s),
+            spread(&no_magazines.mpairs_per_s),
         ));
-        let ours_median = median(&mut ours_samples);
-        let baseline_median = median(&mut baseline_samples);
+        let ours_median = median(&mut ours.mpairs_per_s);
+        let baseline_median = median(&mut baseline.mpairs_per_s);
         let ns_per_pair = |mpairs: f64| threads as f64 * 1e3 / mpairs;
         let record = Record::new(
             "alloc",
@@ -171,6 +254,19 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
         )
         .with("ns_per_pair", ns_per_pair(ours_median))
         .with("baseline_ns_per_pair", ns_per_pair(baseline_median))
+        .with("cpu_ns_per_pair", median(&mut ours.cpu_ns_per_pair))
+        .with(
+            "baseline_cpu_ns_per_pair",
+            median(&mut baseline.cpu_ns_per_pair),
+        )
+        .with(
+            "no_magazines_mpairs_per_s",
+            median(&mut no_magazines.mpairs_per_s),
+        )
+        .with(
+            "no_magazines_cpu_ns_per_pair",
+            median(&mut no_magazines.cpu_ns_per_pair),
+        )
         .with("page_count", PAGE_COUNT)
         .with("magazine_pages", magazine_pages)
         .with("pairs_per_thread", pairs)
@@ -186,7 +282,11 @@ mod tests {
 
     #[test]
     fn both_subjects_complete_pairs_on_two_threads_and_keep_every_page() {
-        for subject in [Subject::ours(64).unwrap(), Subject::mutex(64)] {
+        for subject in [
+            Subject::ours(64).unwrap(),
+            Subject::ours_without_magazines(64).unwrap(),
+            Subject::mutex(64),
+        ] {
             timed_pairs(&subject, 2, 1_000).unwrap();
             match &subject {
                 Subject::Ours(allocator) => assert_eq!(allocator.free_pages(), 64),
