@@ -17,7 +17,11 @@
 //! [`RegionTable::find_map_from`] wrap one read around a closure. A read
 //! writes no shared cache line: no reference count is touched (values are
 //! lent as `&V` for the snapshot's lifetime, never cloned out), and pinning
-//! writes only the thread's own epoch record. [`Snapshot::find_map_from`] is
+//! writes only the thread's own epoch record (one locked instruction on
+//! x86-64; every 128th pin also tries to advance the global epoch and may run
+//! deferred functions — from this table only "unreachable" flag stores, never
+//! a value's `Drop`). A batch should look up all its regions under one
+//! snapshot. [`Snapshot::find_map_from`] is
 //! the allocation path's loop: try the regions in order from a rotating start
 //! until one yields a page.
 //!
@@ -51,8 +55,9 @@
 //!   i.e. after every guard pinned before the unlink was dropped — or when the
 //!   table itself is dropped (no reader can exist then: snapshots borrow it).
 //!
-//! The publish/retire protocol is model-checked with loom (see
-//! [`sync`](crate::sync) for what the model's reclamation stand-in proves).
+//! The publish/retire protocol is model-checked with loom; the crate-private
+//! `sync` module says what the model's reclamation stand-in proves and what
+//! it does not.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -179,8 +184,8 @@ pub struct RegionTable<V> {
     /// Never null: the live version, from `Box::into_raw`.
     current: AtomicPtr<Version<V>>,
     writer: Mutex<Writer<V>>,
-    /// The table owns versions (hence `Arc<V>`s): `Send`/`Sync` exactly when
-    /// `Arc<V>` is, i.e. when `V: Send + Sync`.
+    /// For drop check: the table owns its versions and, through them, `V`s
+    /// (the raw pointers above do not say so).
     _owns: PhantomData<Box<Version<V>>>,
 }
 
