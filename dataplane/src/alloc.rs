@@ -72,13 +72,14 @@
 //!   of `alloc` and `free` inline into the caller (about 50 plain instructions
 //!   and the CAS); everything else is out of line and marked cold.
 //!
-//! Measured with `cxlkv bench alloc` (4096 pages, all figures from one run,
-//! medians of 5) on a busy 2-vCPU VM where an uncontended `lock cmpxchg`
-//! alone costs ~10 ns: one thread's CPU time per pair is ~22 ns for this
-//! design, ~43 ns with magazines off (the Treiber stack alone) and ~44 ns for
-//! the mutex free list; wall-time throughput ratios against the mutex were
-//! 1.9–2.4 with one thread and 2.0–3.1 with two threads on one region (the
-//! mutex's contended lock costs it far more than its CPU time shows). The
+//! Measured with `cxlkv bench alloc` (4096 pages; each run measures all
+//! three in turn, medians of 5; three runs) on a busy 2-vCPU VM (load ~7)
+//! where an uncontended `lock cmpxchg` alone costs ~10 ns: one thread's CPU
+//! time per pair was 18–22 ns for this design, 40–43 ns with magazines off
+//! (the Treiber stack alone) and 43–44 ns for the mutex free list; wall-time
+//! throughput ratios against the mutex were 1.9–2.8 with one thread and
+//! 2.0–2.6 with two threads on one region (the mutex's contended lock costs
+//! it far more than its CPU time shows). The
 //! one CAS of `free` is the floor — it is what makes concurrent double frees
 //! safe. Here the rest of the pair (with the CAS replaced by a load and a
 //! store, as an experiment) cost about as much as the CAS again, so the
