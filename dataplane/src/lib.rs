@@ -62,9 +62,12 @@
 //! - Bytes are published (written back and fenced, or copied with
 //!   non-temporal stores) before their key is registered.
 
+pub mod alloc;
 pub mod backing;
 pub mod copy;
 pub mod hugepages;
 pub mod ids;
 pub mod map;
+mod sync;
+pub mod table;
 pub mod visibility;

@@ -7,6 +7,7 @@
 //! With `--json` a scenario prints JSON Lines (one object per case) and
 //! nothing else on standard output; without it, a human-readable table.
 
+pub mod alloc;
 pub mod copy;
 pub mod rtt;
 

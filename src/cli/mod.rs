@@ -94,6 +94,11 @@ const SCENARIOS: &[Scenario] = &[
         "control-plane round trip (transport) vs a raw busy-polling socket ping-pong",
         crate::bench::rtt::run,
     ),
+    (
+        "alloc",
+        "page allocator alloc+free pairs/s vs a Mutex<Vec> free list (threads=1, threads=2)",
+        crate::bench::alloc::run,
+    ),
 ];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
