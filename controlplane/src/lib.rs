@@ -2,4 +2,5 @@
 //!
 //! (The crate essay is written with the control-plane issue, issue 3.)
 
+pub mod directory;
 pub mod frame;
