@@ -391,6 +391,7 @@ pub enum SessionEndReason {
 /// [`Directory::drain_effects`](super::Directory::drain_effects) after every
 /// call.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Effect {
     /// Ask the pool manager for a region of at least `len_bytes` for `owner`
     /// (the owner label is this directory plus `owner`); answer with
