@@ -9,9 +9,33 @@ use foldhash::fast::FixedState;
 
 use super::Directory;
 use super::keys::NIL;
-use super::regions::{Owner, mix};
+use super::keys::mix;
+use super::regions::Owner;
 use super::stats::{DirectoryStats, InstanceStats, LongHeldPin, LongHeldPins, OpStats, PoolStats};
-use super::types::{OpKind, Time};
+use super::types::{InstanceId, Layout, Location, OpKind, RegionDescriptor, Time};
+use cxlkv_dataplane::ids::RegionId;
+
+/// What the directory holds for one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyInfo {
+    pub location: Location,
+    /// Pins summed over all live sessions.
+    pub pins: u32,
+}
+
+/// What the directory holds for one region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionInfo {
+    pub descriptor: RegionDescriptor,
+    pub layout: Layout,
+    /// The owning instance, or `None` once it is gone (the region is then
+    /// freed with its last key).
+    pub owner: Option<InstanceId>,
+    /// The owner label the region was allocated for.
+    pub owner_label: InstanceId,
+    /// Keys registered in it.
+    pub keys: u32,
+}
 
 /// A broken invariant, with what was found.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -155,6 +179,32 @@ impl Directory {
                 oldest: long,
             },
         }
+    }
+
+    /// One key, read without a session and without touching anything (admin
+    /// tools, tests, the simulation).
+    pub fn inspect_key(&self, layout: &Layout, key: &[u8]) -> Option<KeyInfo> {
+        let lix = *self.layout_ix.get(layout)?;
+        let es = self.keys.find(lix, key, self.keys.hash(lix, key))?;
+        Some(KeyInfo {
+            location: self.location_of(es),
+            pins: self.keys.get(es).pins,
+        })
+    }
+
+    /// One region, read without touching anything.
+    pub fn inspect_region(&self, region: RegionId) -> Option<RegionInfo> {
+        let r = self.regions.get(self.regions.slot_of(region)?);
+        Some(RegionInfo {
+            descriptor: r.handle.descriptor(r.page_size_bytes),
+            layout: self.layouts[r.layout as usize],
+            owner: match r.owner {
+                Owner::Present(o) => Some(self.instance(o).id.clone()),
+                Owner::Gone { .. } => None,
+            },
+            owner_label: r.owner_id.clone(),
+            keys: r.keys,
+        })
     }
 
     /// Verifies every structural invariant (see the module docs).

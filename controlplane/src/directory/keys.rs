@@ -23,6 +23,14 @@ use foldhash::SharedSeed;
 use foldhash::fast::FoldHasher;
 use hashbrown::HashTable;
 
+/// A cheap bijective integer mixer (splitmix64's finaliser).
+#[inline]
+pub(crate) fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
 /// "No slot": ends an intrusive list.
 pub(crate) const NIL: u32 = u32::MAX;
 
@@ -79,14 +87,27 @@ impl KeyIndex {
         }
     }
 
-    /// The keyed hash of `(layout, key)`.
+    /// The keyed hash of a key's bytes. It does not depend on the layout, so
+    /// request fingerprints (which must not change when a layout is first
+    /// used) are built from it too.
+    #[inline]
+    pub fn key_hash(&self, key: &[u8]) -> u64 {
+        let mut h = FoldHasher::with_seed(self.per_hasher_seed, &self.shared_seed);
+        h.write(key);
+        h.finish()
+    }
+
+    /// The entry hash of `(layout, key)`, from the key's hash.
+    #[inline]
+    pub fn entry_hash(key_hash: u64, layout: u32) -> u32 {
+        let h = mix(key_hash ^ (u64::from(layout) + 1).wrapping_mul(0xA076_1D64_78BD_642F));
+        (h ^ (h >> 32)) as u32
+    }
+
+    /// The entry hash of `(layout, key)`.
     #[inline]
     pub fn hash(&self, layout: u32, key: &[u8]) -> u32 {
-        let seed = self.per_hasher_seed ^ u64::from(layout).wrapping_mul(0xA076_1D64_78BD_642F);
-        let mut h = FoldHasher::with_seed(seed, &self.shared_seed);
-        h.write(key);
-        let h = h.finish();
-        (h ^ (h >> 32)) as u32
+        Self::entry_hash(self.key_hash(key), layout)
     }
 
     /// The slot of `(layout, key)`, whose hash is `hash`.

@@ -114,7 +114,7 @@ pub use config::{
     MAX_KEY_BYTES, MAX_KEYS_CEILING, MAX_PAGE_SIZE_BYTES, MAX_PINS_PER_KEY, PAGE_SIZE_ALIGN_BYTES,
 };
 pub use error::{DirectoryError, RejectReason};
-pub use inspect::InvariantViolation;
+pub use inspect::{InvariantViolation, KeyInfo, RegionInfo};
 pub use stats::{
     DirectoryStats, EvictionCounters, InstanceStats, LatencySummary, LongHeldPin, LongHeldPins,
     OpCounters, OpStats, OutcomeCounters, PoolStats,
@@ -475,6 +475,6 @@ impl Fingerprint {
     }
 
     fn add(&mut self, x: u64) {
-        self.0 = regions::mix(self.0.rotate_left(7) ^ x);
+        self.0 = keys::mix(self.0.rotate_left(7) ^ x);
     }
 }

@@ -15,7 +15,7 @@ use cxlkv_dataplane::ids::{Generation, PageIndex, RegionId};
 use foldhash::fast::FixedState;
 
 use super::error::RejectReason;
-use super::keys::NIL;
+use super::keys::{NIL, mix};
 use super::types::{InstanceId, RegionHandle, Time};
 
 /// Whether a region's owner is still around.
@@ -117,13 +117,6 @@ impl PageStates {
         }
         acc
     }
-}
-
-/// A cheap integer mixer (splitmix64's finaliser) for digests.
-pub(crate) fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 #[derive(Debug)]

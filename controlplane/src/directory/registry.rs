@@ -10,7 +10,7 @@
 use cxlkv_dataplane::ids::{Generation, PageIndex};
 
 use super::error::DirectoryError;
-use super::keys::{Entry, NIL};
+use super::keys::{Entry, KeyIndex, NIL};
 use super::regions::Owner;
 use super::sequence::{CachedBody, CachedReply, SeqCheck};
 use super::sessions::HeldPin;
@@ -19,10 +19,6 @@ use super::types::{
     Reply, Sequence, Time, UnpinEntry, UnpinOutcome,
 };
 use super::{Directory, Fingerprint, MAX_KEY_BYTES, MAX_PINS_PER_KEY};
-
-/// Layout index used to hash keys of a layout that was never interned (only
-/// for fingerprints: such keys cannot be in the table).
-const NO_LAYOUT: u32 = u32::MAX;
 
 impl Directory {
     /// Registers keys at locations in the caller's regions. Per entry:
@@ -63,23 +59,15 @@ impl Directory {
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
         Self::check_keys(entries.clone().map(|e| e.key))?;
-        self.scratch_slots.clear();
-        for e in entries.clone() {
-            let Some(rs) = self.regions.slot_of(e.location.region) else {
-                return Err(DirectoryError::UnknownRegion {
-                    region: e.location.region,
-                });
-            };
-            self.scratch_slots.push(rs);
-        }
         let lix = self.layout_ix.get(&layout).copied();
         let mut fp = Fingerprint::new(OpKind::Register, Some(&layout));
         self.scratch_hashes.clear();
         for e in entries.clone() {
-            let h = self.keys.hash(lix.unwrap_or(NO_LAYOUT), e.key);
-            self.scratch_hashes.push(h);
+            let kh = self.keys.key_hash(e.key);
+            self.scratch_hashes
+                .push(lix.map_or(0, |l| KeyIndex::entry_hash(kh, l)));
             let l = e.location;
-            fp.add(u64::from(h));
+            fp.add(kh);
             fp.add(l.region.0);
             fp.add(u64::from(l.page.0) << 32 | u64::from(l.generation.0));
             fp.add(u64::from(l.len_bytes));
@@ -90,6 +78,17 @@ impl Directory {
         })?;
         if let Some(reply) = retried {
             return Ok(reply);
+        }
+        // State-dependent checks come after the reply cache: a retry is
+        // answered even if, say, the region has been freed since.
+        self.scratch_slots.clear();
+        for e in entries.clone() {
+            let Some(rs) = self.regions.slot_of(e.location.region) else {
+                return Err(DirectoryError::UnknownRegion {
+                    region: e.location.region,
+                });
+            };
+            self.scratch_slots.push(rs);
         }
         if self.keys.len() + n > self.config.max_keys {
             return Err(DirectoryError::KeyLimit {
@@ -242,14 +241,10 @@ impl Directory {
 
         let mut fp = Fingerprint::new(OpKind::Lookup, Some(&layout));
         fp.add(u64::from(pins));
-        self.scratch_hashes.clear();
         self.scratch_slots.clear();
         for key in keys {
-            let h = self.keys.hash(lix.unwrap_or(NO_LAYOUT), key);
-            fp.add(u64::from(h));
-            self.scratch_hashes.push(h);
-            let found = lix.and_then(|l| self.keys.find(l, key, h));
-            self.scratch_slots.push(found.unwrap_or(NIL));
+            let found = self.probe(lix, key, &mut fp);
+            self.scratch_slots.push(found);
         }
         let session_id = caller.session;
         let retried = self.replay(slot, caller, seq, fp, |body| match body {
@@ -485,11 +480,9 @@ impl Directory {
         let mut fp = Fingerprint::new(OpKind::Unpin, Some(&layout));
         self.scratch_slots.clear();
         for e in entries.clone() {
-            let h = self.keys.hash(lix.unwrap_or(NO_LAYOUT), e.key);
-            fp.add(u64::from(h));
+            let found = self.probe(lix, e.key, &mut fp);
             fp.add(u64::from(e.count));
-            let found = lix.and_then(|l| self.keys.find(l, e.key, h));
-            self.scratch_slots.push(found.unwrap_or(NIL));
+            self.scratch_slots.push(found);
         }
         let retried = self.replay(slot, caller, seq, fp, |body| match body {
             CachedBody::Unpin(v) => Some(v.clone()),
@@ -570,10 +563,8 @@ impl Directory {
         let mut fp = Fingerprint::new(OpKind::Delete, Some(&layout));
         self.scratch_slots.clear();
         for key in keys {
-            let h = self.keys.hash(lix.unwrap_or(NO_LAYOUT), key);
-            fp.add(u64::from(h));
-            let found = lix.and_then(|l| self.keys.find(l, key, h));
-            self.scratch_slots.push(found.unwrap_or(NIL));
+            let found = self.probe(lix, key, &mut fp);
+            self.scratch_slots.push(found);
         }
         let retried = self.replay(slot, caller, seq, fp, |body| match body {
             CachedBody::Delete(v) => Some(v.clone()),
@@ -640,6 +631,17 @@ impl Directory {
     }
 
     // --- shared internals -------------------------------------------------
+
+    /// Probes for `key` under the interned layout `lix` (a layout never
+    /// interned has no keys) and folds the key into the request fingerprint.
+    /// Returns the slot, or `NIL`.
+    #[inline]
+    fn probe(&self, lix: Option<u32>, key: &[u8], fp: &mut Fingerprint) -> u32 {
+        let kh = self.keys.key_hash(key);
+        fp.add(kh);
+        lix.and_then(|l| self.keys.find(l, key, KeyIndex::entry_hash(kh, l)))
+            .unwrap_or(NIL)
+    }
 
     /// Removes an unpinned entry: its page is released, its owner (if
     /// present) gets a freed-page notice, and an orphaned region losing its
