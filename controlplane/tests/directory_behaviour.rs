@@ -48,7 +48,6 @@ impl FakePool {
     fn service(
         &mut self,
         dir: &mut Directory,
-        now: Time,
     ) -> (
         Vec<cxlkv_controlplane::directory::Completion>,
         Vec<SessionId>,
@@ -80,7 +79,7 @@ impl FakePool {
                             self.live.insert(id, handle);
                             Ok(handle)
                         };
-                        completions.extend(dir.region_allocated(request, result, now));
+                        completions.extend(dir.region_allocated(request, result));
                     }
                     Effect::FreeRegion { handle, .. } => {
                         let known = self.live.remove(&handle.region);
@@ -177,7 +176,7 @@ impl World {
         let RegionReply::Deferred(d) = reply.body else {
             panic!("a fresh request is deferred")
         };
-        let (done, _) = self.pool.service(&mut self.dir, self.now);
+        let (done, _) = self.pool.service(&mut self.dir);
         let grant = done
             .into_iter()
             .find(|c| c.deferred == d)
@@ -288,7 +287,7 @@ impl World {
                 self.dir.heartbeat(&caller, self.now).unwrap();
             }
             self.dir.tick(self.now);
-            self.pool.service(&mut self.dir, self.now);
+            self.pool.service(&mut self.dir);
             self.dir.check_invariants().unwrap();
         }
     }
@@ -544,10 +543,10 @@ fn session_death_releases_its_pins_and_defers_or_frees_its_regions() {
     assert_eq!((stats.orphaned_regions, stats.instances), (1, 1));
     // The deferred region goes with its last key.
     assert_eq!(w.delete(&mut b, &[b"k1"]), vec![DeleteOutcome::Deleted]);
-    w.pool.service(&mut w.dir, w.now);
+    w.pool.service(&mut w.dir);
     assert_eq!(w.pool.freed, vec![empty]);
     assert_eq!(w.delete(&mut b, &[b"k2"]), vec![DeleteOutcome::Deleted]);
-    w.pool.service(&mut w.dir, w.now);
+    w.pool.service(&mut w.dir);
     assert_eq!(w.pool.freed, vec![empty, with_keys]);
     assert!(w.pool.live.keys().all(|r| !w.pool.freed.contains(r)));
     w.dir.check_invariants().unwrap();
@@ -566,7 +565,7 @@ fn an_idle_session_expires_with_its_lease_and_is_told_so() {
         w.dir.heartbeat(&a.caller(), w.now).unwrap();
         w.dir.tick(w.now);
     }
-    let (_, ended) = w.pool.service(&mut w.dir, w.now);
+    let (_, ended) = w.pool.service(&mut w.dir);
     assert_eq!(ended, vec![b.session], "b sent nothing for 12 s");
     assert_eq!(
         w.dir.heartbeat(&b.caller(), w.now),
@@ -587,7 +586,7 @@ fn admin_end_session_releases_pins_and_fails_the_next_call_clearly() {
     let ended = w.dir.end_session(reader.session, w.now).unwrap();
     assert_eq!(ended.pins_released, 4);
     assert!(ended.instance_left_without_sessions);
-    let (_, notified) = w.pool.service(&mut w.dir, w.now);
+    let (_, notified) = w.pool.service(&mut w.dir);
     assert_eq!(notified, vec![reader.session]);
     assert_eq!(
         w.dir.exists(&reader.caller(), L, [&b"k"[..]], w.now),
@@ -660,7 +659,7 @@ fn hello_takes_over_an_instance_without_sessions_only_for_the_same_user() {
     ));
     let a2 = w.hello("a");
     assert_ne!(a2.secret, a.secret);
-    w.pool.service(&mut w.dir, w.now);
+    w.pool.service(&mut w.dir);
     // The old incarnation is gone: its region is orphaned, its key readable.
     assert_eq!(w.exists(&a2, &[b"k"]), vec![true]);
     assert_eq!(w.dir.stats(w.now).orphaned_regions, 1);
@@ -830,7 +829,7 @@ fn a_region_request_retried_while_pending_or_after_the_grant_gets_the_same_regio
         panic!("both deferred")
     };
     assert_ne!(d1, d2);
-    let (done, _) = w.pool.service(&mut w.dir, w.now);
+    let (done, _) = w.pool.service(&mut w.dir);
     assert_eq!(
         done.len(),
         2,
@@ -856,7 +855,7 @@ fn a_failed_region_request_does_not_consume_its_sequence_number() {
     w.dir
         .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
         .unwrap();
-    let (done, _) = w.pool.service(&mut w.dir, w.now);
+    let (done, _) = w.pool.service(&mut w.dir);
     assert!(matches!(
         done[0].result,
         Err(DirectoryError::RegionAllocationFailed { .. })
@@ -866,7 +865,7 @@ fn a_failed_region_request_does_not_consume_its_sequence_number() {
         .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
         .unwrap();
     assert!(matches!(retry.body, RegionReply::Deferred(_)));
-    let (done, _) = w.pool.service(&mut w.dir, w.now);
+    let (done, _) = w.pool.service(&mut w.dir);
     assert!(done[0].result.is_ok());
 }
 
@@ -1079,7 +1078,7 @@ fn a_gone_owner_gets_no_notices_and_its_pages_die_with_the_region() {
     w.advance(Duration::from_secs(31));
     assert_eq!(w.delete(&mut b, &[b"k"]), vec![DeleteOutcome::Deleted]);
     assert_eq!(w.dir.stats(w.now).outcomes.notices_issued, 0);
-    w.pool.service(&mut w.dir, w.now);
+    w.pool.service(&mut w.dir);
     assert_eq!(w.pool.freed, vec![ra]);
 }
 
@@ -1125,11 +1124,11 @@ fn the_quota_counts_region_bytes_owned_and_pending() {
             requested_bytes: REGION_BYTES
         }
     );
-    w.pool.service(&mut w.dir, w.now);
+    w.pool.service(&mut w.dir);
     let r = q.regions[0].handle.region;
     let seq = q.seq();
     w.dir.return_region(&q.caller(), seq, r, w.now).unwrap();
-    w.pool.service(&mut w.dir, w.now);
+    w.pool.service(&mut w.dir);
     assert_eq!(w.pool.freed, vec![r]);
     w.region(&mut q, L);
     w.dir.check_invariants().unwrap();
@@ -1369,7 +1368,7 @@ fn after_a_restart_owners_reattach_with_tokens_and_reregister_and_strays_are_fre
     assert_eq!(back.oldest_accepted_seq, a.next_seq);
     a.session = back.session;
     w.keep_alive(&a);
-    let (_, _) = w.pool.service(&mut w.dir, w.now);
+    let (_, _) = w.pool.service(&mut w.dir);
     assert_eq!(
         w.pool.freed,
         vec![ra2],

@@ -104,7 +104,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => c.clone().prop_map(Op::CloseSession),
         1 => c.clone().prop_map(Op::EndSession),
         4 => (c.clone(), any::<u8>()).prop_map(|(c, l)| Op::RequestRegion(c, l)),
-        4 => any::<bool>().prop_map(|f| Op::PoolRespond(f && false)),
+        4 => Just(Op::PoolRespond(false)),
         1 => Just(Op::PoolRespond(true)),
         16 => (c.clone(), any::<u8>(), prop::collection::vec((any::<u8>(), any::<u8>()), 1..5), prop::bool::weighted(0.2))
             .prop_map(|(c, l, e, d)| Op::Register(c, l, e, d)),
@@ -1330,7 +1330,7 @@ impl World {
                         }
                     }
                 }
-                let done = self.dir.region_allocated(req, result, self.now);
+                let done = self.dir.region_allocated(req, result);
                 self.service();
                 self.deliver(done);
             }

@@ -7,6 +7,8 @@
 //! With `--json` a scenario prints JSON Lines (one object per case) and
 //! nothing else on standard output; without it, a human-readable table.
 
+pub mod directory_memory;
+
 use std::io::Write;
 use std::time::{Duration, Instant};
 

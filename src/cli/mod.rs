@@ -83,7 +83,11 @@ type Scenario = (
     fn(&BenchArgs, &mut Reporter) -> anyhow::Result<()>,
 );
 
-const SCENARIOS: &[Scenario] = &[];
+const SCENARIOS: &[Scenario] = &[(
+    "directory-memory",
+    "directory state machine: resident bytes per key (1 M keys) and ns per key",
+    crate::bench::directory_memory::run,
+)];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     if args.list {

@@ -161,7 +161,6 @@ impl Directory {
         &mut self,
         request: PoolRequestId,
         result: Result<RegionHandle, String>,
-        _now: Time,
     ) -> Vec<Completion> {
         let Some(p) = self.pending.remove(&request) else {
             tracing::warn!(

@@ -12,8 +12,8 @@ use super::regions::{Owner, Region};
 use super::sequence::ReplyWindow;
 use super::sessions::{Instance, Session};
 use super::types::{
-    Caller, Effect, InstanceId, InstanceSecret, OpKind, Peer, ReattachKind, Reattached,
-    RegionHandle, RegionStatus, Reply, SessionEndReason, SessionEnded, SessionId, Time, Welcome,
+    Caller, Effect, EndedSession, InstanceId, InstanceSecret, OpKind, Peer, ReattachKind,
+    Reattached, RegionHandle, RegionStatus, Reply, SessionEndReason, SessionId, Time, Welcome,
 };
 use super::{Directory, Hello, Reattach};
 
@@ -315,7 +315,7 @@ impl Directory {
         &mut self,
         session: SessionId,
         now: Time,
-    ) -> Result<SessionEnded, DirectoryError> {
+    ) -> Result<EndedSession, DirectoryError> {
         let r = if self.sessions.contains_key(&session) {
             Ok(self.kill_session(session, SessionEndReason::EndedByAdmin, now))
         } else {
@@ -433,7 +433,7 @@ impl Directory {
         id: SessionId,
         reason: SessionEndReason,
         now: Time,
-    ) -> SessionEnded {
+    ) -> EndedSession {
         let session = self
             .sessions
             .remove(&id)
@@ -460,7 +460,7 @@ impl Directory {
                 reason,
             });
         }
-        SessionEnded {
+        EndedSession {
             instance_left_without_sessions: empty,
             pins_released: session.pin_total,
         }

@@ -34,8 +34,8 @@
 //!   `tcp_requires_secret` is off. A `hello` naming an instance that has no
 //!   session, from the same principal (Unix uid, or TCP), takes it over: the
 //!   old incarnation is declared gone on the spot.
-//! - **Exactly-once.** See [`sequence`](self#exactly-once-window): per-instance
-//!   sequence numbers, a window of `reply_window` numbers, cached replies.
+//! - **Exactly-once.** Per-instance sequence numbers, a window of
+//!   `reply_window` numbers, cached replies (see *Exactly-once window* below).
 //! - **Registry.** `register` → per entry `Inserted | Duplicate(winner) |
 //!   Rejected(reason)`; `lookup(keys, pins)` takes pins atomically with the
 //!   lookup and lists the regions it names; `exists`; `unpin` (never
@@ -120,11 +120,11 @@ pub use stats::{
     OpCounters, OpStats, OutcomeCounters, PoolStats,
 };
 pub use types::{
-    Caller, Completion, DeferredId, DeleteOutcome, Effect, FreedPageNotice, InstanceId,
-    InstanceSecret, Layout, Limits, Location, LookupReply, OpKind, Peer, PoolRequestId, Principal,
-    ReattachKind, Reattached, RecoveredRegion, RegionDescriptor, RegionGrant, RegionHandle,
-    RegionReply, RegionStatus, RegionToken, RegisterEntry, RegisterOutcome, Reply, Sequence,
-    SessionEndReason, SessionEnded, SessionId, Time, UnpinEntry, UnpinOutcome, Usage, Welcome,
+    Caller, Completion, DeferredId, DeleteOutcome, Effect, EndedSession, FreedPageNotice,
+    InstanceId, InstanceSecret, Layout, Limits, Location, LookupReply, OpKind, Peer, PoolRequestId,
+    Principal, ReattachKind, Reattached, RecoveredRegion, RegionDescriptor, RegionGrant,
+    RegionHandle, RegionReply, RegionStatus, RegionToken, RegisterEntry, RegisterOutcome, Reply,
+    Sequence, SessionEndReason, SessionId, Time, UnpinEntry, UnpinOutcome, Usage, Welcome,
 };
 
 use keys::KeyIndex;
@@ -476,5 +476,45 @@ impl Fingerprint {
 
     fn add(&mut self, x: u64) {
         self.0 = keys::mix(self.0.rotate_left(7) ^ x);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The server moves the directory into its event-loop thread.
+    const _: () = {
+        const fn assert_send<T: Send>() {}
+        assert_send::<Directory>();
+    };
+
+    #[test]
+    fn the_default_configuration_is_valid_and_a_bad_value_is_named() {
+        DirectoryConfig::default().validate().unwrap();
+        let bad = DirectoryConfig {
+            reply_window: 100,
+            ..DirectoryConfig::default()
+        };
+        let err = Directory::new(bad, [0; 32]).unwrap_err();
+        assert!(err.to_string().contains("reply_window"), "{err}");
+        let bad = DirectoryConfig {
+            eviction: EvictionConfig {
+                pool_low_watermark: 0.95,
+                ..EvictionConfig::default()
+            },
+            ..DirectoryConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_directory_and_another_seed_another_epoch() {
+        let a = Directory::new(DirectoryConfig::default(), [3; 32]).unwrap();
+        let b = Directory::new(DirectoryConfig::default(), [3; 32]).unwrap();
+        let c = Directory::new(DirectoryConfig::default(), [4; 32]).unwrap();
+        assert_eq!(a.epoch(), b.epoch());
+        assert_eq!(a.state_digest(), b.state_digest());
+        assert_ne!(a.epoch(), c.epoch());
     }
 }

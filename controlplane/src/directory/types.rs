@@ -484,7 +484,7 @@ pub struct Reattached {
 
 /// The answer to an admin `end_session`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SessionEnded {
+pub struct EndedSession {
     pub instance_left_without_sessions: bool,
     /// Pins the session held, summed over keys.
     pub pins_released: u64,
