@@ -2,7 +2,7 @@
 //! session (connection closed, lease expired, admin), and the end of an
 //! instance (grace expired, or taken over).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use foldhash::fast::FixedState;
 
@@ -213,11 +213,15 @@ impl Directory {
         now: Time,
     ) -> Result<Reattached, DirectoryError> {
         let inst = self.instance(slot);
+        let unclaimed: HashMap<_, _, FixedState> =
+            inst.unclaimed.iter().map(|h| (h.region, h)).collect();
         let verdicts: Vec<RegionStatus> = req
             .regions
             .iter()
             .map(|p| {
-                let claimed = inst.unclaimed.iter().any(|h| h.matches(&p.handle))
+                let claimed = unclaimed
+                    .get(&p.handle.region)
+                    .is_some_and(|h| h.matches(&p.handle))
                     && p.handle.len_bytes >= p.layout.page_size_bytes;
                 if claimed {
                     RegionStatus::Confirmed
@@ -262,8 +266,9 @@ impl Directory {
             let layout_ix = self.intern_layout(p.layout);
             self.add_region(p.handle, layout_ix, p.layout.page_size_bytes, slot);
         }
+        let kept: HashSet<_, FixedState> = claimed.iter().map(|p| p.handle.region).collect();
         for handle in unclaimed {
-            if !claimed.iter().any(|p| p.handle.region == handle.region) {
+            if !kept.contains(&handle.region) {
                 self.free_handle(handle, owner_id.clone());
             }
         }

@@ -52,7 +52,9 @@
 //!   `{seq, region, page, generation}` for the region's owner, if present;
 //!   every response to the owner carries the oldest unacknowledged ones until
 //!   it acknowledges them. An owner that is gone gets none: its pages die with
-//!   the region.
+//!   the region. A notice can name a page whose `register` reply the owner has
+//!   not received yet (the reply was lost and the key deleted before the
+//!   retry): the owner then frees the page when that reply arrives.
 //! - **Capacity.** Quotas count *region bytes* owned or pending per instance
 //!   (pages are allocated client-side, so region bytes are what an instance
 //!   actually takes from the pool). Orphaned keys are evicted, region by
@@ -65,7 +67,10 @@
 //!   [`Directory::recover`] from the pool manager's list of this directory's
 //!   regions and their owner labels; their owners reattach with their tokens
 //!   within `instance_grace` and re-register their keys; regions whose owner
-//!   does not come back are freed.
+//!   does not come back are freed. Orphaned keys (owner gone) do not survive a
+//!   restart, and a key deleted just before it whose notice had not reached
+//!   its owner comes back when the owner re-registers it (its bytes are
+//!   intact: keys are write-once).
 //!
 //! ## Exactly-once window
 //!

@@ -7,7 +7,10 @@
 //! that number in its next request (`Caller::notice_ack`), which removes them
 //! here. A reply lost on the way is therefore harmless: the same notices ride
 //! on the next response. The owner's allocator additionally ignores a notice
-//! whose generation is stale, so a page is never freed twice.
+//! whose generation is stale, so a page is never freed twice. Because a
+//! `register` reply can be lost and retried, a notice may reach the owner
+//! before the reply that registered its page; the owner must then remember
+//! the page as already freed when the reply arrives.
 
 use std::collections::VecDeque;
 
