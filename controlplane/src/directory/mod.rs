@@ -257,6 +257,7 @@ pub struct Directory {
     /// Per-request scratch, reused so hot paths do not allocate per key.
     scratch_slots: Vec<u32>,
     scratch_hashes: Vec<u32>,
+    scratch_key_hashes: Vec<u64>,
     scratch_counts: Vec<u32>,
     lookup_stamp: u64,
     next_session: u64,
@@ -297,6 +298,7 @@ impl Directory {
             totals: Totals::default(),
             scratch_slots: Vec::new(),
             scratch_hashes: Vec::new(),
+            scratch_key_hashes: Vec::new(),
             scratch_counts: Vec::new(),
             lookup_stamp: 0,
             next_session: 1,
