@@ -9,6 +9,7 @@
 
 pub mod alloc;
 pub mod copy;
+pub mod directory_memory;
 pub mod rtt;
 
 use std::io::Write;

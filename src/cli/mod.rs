@@ -99,6 +99,11 @@ const SCENARIOS: &[Scenario] = &[
         "page allocator alloc+free pairs/s vs a Mutex<Vec> free list (threads=1, threads=2)",
         crate::bench::alloc::run,
     ),
+    (
+        "directory-memory",
+        "directory state machine: resident bytes per key (1 M keys) and ns per key",
+        crate::bench::directory_memory::run,
+    ),
 ];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {

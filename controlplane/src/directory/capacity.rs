@@ -1,0 +1,401 @@
+//! Regions and capacity: region requests (deferred on the pool manager),
+//! returns, the pool manager's answers and fill reports, and eviction.
+//!
+//! Quotas count the bytes of regions an instance owns plus those it has
+//! requested and not yet received. Eviction runs from `tick` with a bounded
+//! budget per call: orphaned regions first (oldest orphan first, all unpinned
+//! keys of a region together, so that the region can be freed), then — if
+//! enabled — the least recently used unpinned keys anywhere.
+
+use cxlkv_dataplane::ids::{PoolId, RegionId};
+
+use super::error::DirectoryError;
+use super::keys::NIL;
+use super::regions::Owner;
+use super::sequence::CachedBody;
+use super::types::{
+    Caller, Completion, DeferredId, Effect, Layout, OpKind, PoolRequestId, RegionGrant,
+    RegionHandle, RegionReply, Reply, Sequence, Time,
+};
+use super::{Directory, Fingerprint, MAX_REGION_WAITERS, PendingRegion};
+
+/// What the reply cache held for a region request.
+enum PriorRegion {
+    Granted(RegionGrant),
+    Pending(PoolRequestId),
+}
+
+impl Directory {
+    /// Asks for a region of at least `len_bytes` for `layout`, owned by the
+    /// caller's instance. Always answered `Deferred` (the pool manager is
+    /// asked through [`Effect::AllocateRegion`]) unless it is a retry of a
+    /// request already granted; `region_allocated` completes it.
+    pub fn request_region(
+        &mut self,
+        caller: &Caller,
+        seq: Sequence,
+        layout: Layout,
+        len_bytes: u64,
+        now: Time,
+    ) -> Result<Reply<RegionReply>, DirectoryError> {
+        let r = self.request_region_inner(caller, seq, layout, len_bytes, now);
+        self.count_call(OpKind::RequestRegion, 0, r.is_err());
+        r
+    }
+
+    fn request_region_inner(
+        &mut self,
+        caller: &Caller,
+        seq: Sequence,
+        layout: Layout,
+        len_bytes: u64,
+        now: Time,
+    ) -> Result<Reply<RegionReply>, DirectoryError> {
+        let slot = self.enter(caller, now)?;
+        Self::check_layout(&layout)?;
+        if len_bytes < layout.page_size_bytes || len_bytes > self.config.max_region_bytes {
+            return Err(DirectoryError::InvalidRegionLength {
+                len_bytes,
+                page_size_bytes: layout.page_size_bytes,
+                max_bytes: self.config.max_region_bytes,
+            });
+        }
+        let mut fp = Fingerprint::new(OpKind::RequestRegion, Some(&layout));
+        fp.add(len_bytes);
+        let prior = self.replay(slot, caller, seq, fp, |body| match body {
+            CachedBody::RegionGranted(g) => Some(PriorRegion::Granted(*g)),
+            CachedBody::RegionPending(p) => Some(PriorRegion::Pending(*p)),
+            _ => None,
+        })?;
+        if let Some(Reply {
+            body,
+            notices,
+            usage,
+        }) = prior
+        {
+            let body = match body {
+                PriorRegion::Granted(grant) => RegionReply::Granted(grant),
+                PriorRegion::Pending(request) => {
+                    let deferred = DeferredId(self.next_deferred);
+                    let pending = self
+                        .pending
+                        .get_mut(&request)
+                        .expect("invariant: a cached pending reply names a pending request");
+                    if pending.waiters.len() >= MAX_REGION_WAITERS {
+                        return Err(DirectoryError::TooManyPendingRegionRequests {
+                            max: MAX_REGION_WAITERS,
+                        });
+                    }
+                    pending.waiters.push((deferred, caller.session));
+                    self.next_deferred += 1;
+                    RegionReply::Deferred(deferred)
+                }
+            };
+            return Ok(Reply {
+                body,
+                notices,
+                usage,
+            });
+        }
+
+        let inst = self.instance(slot);
+        let max_pending = self.config.max_pending_region_requests_per_instance;
+        if inst.pending_requests >= max_pending {
+            return Err(DirectoryError::TooManyPendingRegionRequests { max: max_pending });
+        }
+        if inst.regions.len() + inst.pending_requests >= self.config.max_regions_per_instance {
+            return Err(DirectoryError::TooManyRegions {
+                max: self.config.max_regions_per_instance,
+            });
+        }
+        if let Some(quota_bytes) = inst.quota_bytes {
+            let owned_bytes = inst.owned_bytes + inst.pending_bytes;
+            if owned_bytes.saturating_add(len_bytes) > quota_bytes {
+                return Err(DirectoryError::QuotaExceeded {
+                    quota_bytes,
+                    owned_bytes,
+                    requested_bytes: len_bytes,
+                });
+            }
+        }
+        if !self.layout_ix.contains_key(&layout) {
+            self.check_layout_room(1)?;
+        }
+
+        let layout_ix = self.intern_layout(layout);
+        let request = PoolRequestId(self.next_pool_request);
+        self.next_pool_request += 1;
+        let deferred = DeferredId(self.next_deferred);
+        self.next_deferred += 1;
+        self.pending.insert(
+            request,
+            PendingRegion {
+                instance: Some(slot),
+                owner: self.instance(slot).id.clone(),
+                layout,
+                layout_ix,
+                len_bytes,
+                seq: seq.seq,
+                waiters: vec![(deferred, caller.session)],
+            },
+        );
+        let inst = self.instance_mut(slot);
+        inst.pending_bytes += len_bytes;
+        inst.pending_requests += 1;
+        let owner = inst.id.clone();
+        self.effects.push(Effect::AllocateRegion {
+            request,
+            owner,
+            layout,
+            len_bytes,
+        });
+        self.record(slot, caller, seq, fp, CachedBody::RegionPending(request));
+        Ok(self.reply(slot, RegionReply::Deferred(deferred)))
+    }
+
+    /// The pool manager answered allocation `request`: `Ok(handle)` or the
+    /// reason it failed. Returns the completed replies (the original request
+    /// and any retries that joined it). An answer for an unknown request is
+    /// ignored. If the instance went away meanwhile, the region is freed.
+    pub fn region_allocated(
+        &mut self,
+        request: PoolRequestId,
+        result: Result<RegionHandle, String>,
+    ) -> Vec<Completion> {
+        let Some(p) = self.pending.remove(&request) else {
+            tracing::warn!(
+                request = request.0,
+                "answer for an unknown region request ignored"
+            );
+            return Vec::new();
+        };
+        if let Ok(handle) = &result {
+            self.pools.entry(handle.pool).or_default().allocated_since += handle.len_bytes;
+        }
+        let outcome = match (p.instance, result) {
+            (_, Err(reason)) => Err(DirectoryError::RegionAllocationFailed { reason }),
+            (None, Ok(handle)) => {
+                if self.regions.slot_of(handle.region).is_none() {
+                    self.free_handle(handle, p.owner.clone());
+                }
+                Err(DirectoryError::InstanceGone)
+            }
+            (Some(slot), Ok(handle)) => {
+                if self.regions.slot_of(handle.region).is_some() {
+                    tracing::error!(region = %handle.region, "pool manager granted a region already assigned");
+                    Err(DirectoryError::RegionAllocationFailed {
+                        reason: format!("region {} is already assigned", handle.region),
+                    })
+                } else if handle.len_bytes < p.len_bytes {
+                    self.free_handle(handle, p.owner.clone());
+                    Err(DirectoryError::RegionAllocationFailed {
+                        reason: format!(
+                            "granted {} bytes, fewer than the {} requested",
+                            handle.len_bytes, p.len_bytes
+                        ),
+                    })
+                } else {
+                    self.add_region(handle, p.layout_ix, p.layout.page_size_bytes, slot);
+                    self.counters.outcomes.regions_granted += 1;
+                    Ok(RegionGrant {
+                        handle,
+                        layout: p.layout,
+                    })
+                }
+            }
+        };
+        let Some(slot) = p.instance else {
+            return p
+                .waiters
+                .into_iter()
+                .map(|(deferred, session)| Completion {
+                    deferred,
+                    session,
+                    result: Err(DirectoryError::InstanceGone),
+                })
+                .collect();
+        };
+        let inst = self.instance_mut(slot);
+        inst.pending_bytes -= p.len_bytes;
+        inst.pending_requests -= 1;
+        match &outcome {
+            Ok(grant) => inst
+                .replies
+                .replace_body(p.seq, CachedBody::RegionGranted(*grant)),
+            Err(_) => inst.replies.forget(p.seq),
+        }
+        let result = outcome.map(|grant| self.reply(slot, grant));
+        p.waiters
+            .into_iter()
+            .map(|(deferred, session)| Completion {
+                deferred,
+                session,
+                result: result.clone(),
+            })
+            .collect()
+    }
+
+    /// Gives back a region with no keys that the caller's instance owns.
+    pub fn return_region(
+        &mut self,
+        caller: &Caller,
+        seq: Sequence,
+        region: RegionId,
+        now: Time,
+    ) -> Result<Reply<()>, DirectoryError> {
+        let r = self.return_region_inner(caller, seq, region, now);
+        self.count_call(OpKind::ReturnRegion, 0, r.is_err());
+        r
+    }
+
+    fn return_region_inner(
+        &mut self,
+        caller: &Caller,
+        seq: Sequence,
+        region: RegionId,
+        now: Time,
+    ) -> Result<Reply<()>, DirectoryError> {
+        let slot = self.enter(caller, now)?;
+        let mut fp = Fingerprint::new(OpKind::ReturnRegion, None);
+        fp.add(region.0);
+        let retried = self.replay(slot, caller, seq, fp, |body| {
+            matches!(body, CachedBody::RegionReturned).then_some(())
+        })?;
+        if let Some(reply) = retried {
+            return Ok(reply);
+        }
+        let rs = self
+            .regions
+            .slot_of(region)
+            .ok_or(DirectoryError::UnknownRegion { region })?;
+        let r = self.regions.get(rs);
+        if r.owner != Owner::Present(slot) {
+            return Err(DirectoryError::NotRegionOwner { region });
+        }
+        if r.keys > 0 {
+            return Err(DirectoryError::RegionNotEmpty {
+                region,
+                keys: r.keys,
+            });
+        }
+        let len_bytes = r.handle.len_bytes;
+        let inst = self.instance_mut(slot);
+        inst.regions.retain(|&s| s != rs);
+        inst.owned_bytes -= len_bytes;
+        self.free_region(rs);
+        self.counters.outcomes.regions_returned += 1;
+        self.record(slot, caller, seq, fp, CachedBody::RegionReturned);
+        Ok(self.reply(slot, ()))
+    }
+
+    /// The pool manager's fill level of `pool` (after each of its operations,
+    /// or periodically). Drives eviction and the usage piggyback.
+    pub fn pool_usage(&mut self, pool: PoolId, total_bytes: u64, free_bytes: u64) {
+        let p = self.pools.entry(pool).or_default();
+        p.reported_total_bytes = total_bytes;
+        p.reported_free_bytes = free_bytes.min(total_bytes);
+        p.allocated_since = 0;
+        p.freed_since = 0;
+    }
+
+    /// Fraction of all reported pool bytes allocated (0 before any report).
+    pub(super) fn pool_fill(&self) -> f64 {
+        let (mut total, mut free) = (0u64, 0u64);
+        for p in self.pools.values() {
+            total += p.reported_total_bytes;
+            free += p.estimated_free();
+        }
+        if total == 0 {
+            0.0
+        } else {
+            (total - free) as f64 / total as f64
+        }
+    }
+
+    /// Fraction of the held regions' bytes filled with registered pages.
+    fn region_fill(&self) -> f64 {
+        if self.totals.region_bytes == 0 {
+            0.0
+        } else {
+            self.totals.page_bytes as f64 / self.totals.region_bytes as f64
+        }
+    }
+
+    /// One bounded round of eviction (see the module docs).
+    pub(super) fn evict(&mut self) {
+        let cfg = self.config.eviction.clone();
+        let mut budget = cfg.max_evictions_per_tick;
+        if cfg.orphans {
+            if self.pool_fill() > cfg.pool_high_watermark {
+                self.orphan_evicting = true;
+            }
+            if self.orphan_evicting {
+                let mut visits = self.orphans.len();
+                while budget > 0 && visits > 0 && self.pool_fill() > cfg.pool_low_watermark {
+                    visits -= 1;
+                    let Some((rs, id)) = self.orphans.pop_front() else {
+                        break;
+                    };
+                    debug_assert!(
+                        self.regions.get_if(rs, id).is_some(),
+                        "orphan queue is current"
+                    );
+                    let mut freed = false;
+                    let mut cur = self.regions.get(rs).key_head;
+                    while cur != NIL && budget > 0 {
+                        let next = self.keys.get(cur).region_next;
+                        if self.keys.get(cur).pins == 0 {
+                            let last = self.regions.get(rs).keys == 1;
+                            self.remove_entry(cur);
+                            budget -= 1;
+                            self.counters.evictions.orphan_keys += 1;
+                            if last {
+                                freed = true;
+                                break;
+                            }
+                        }
+                        cur = next;
+                    }
+                    if !freed {
+                        self.orphans.push_back((rs, id));
+                    }
+                }
+                if self.pool_fill() <= cfg.pool_low_watermark || self.orphans.is_empty() {
+                    self.orphan_evicting = false;
+                }
+            }
+        }
+        if cfg.lru && self.lru.is_some() {
+            if self.pool_fill() > cfg.pool_high_watermark && self.region_fill() >= cfg.lru_high_fill
+            {
+                self.lru_evicting = true;
+            }
+            if self.lru_evicting {
+                let limit = self.config.notice_queue_limit;
+                while budget > 0 && self.region_fill() > cfg.lru_low_fill {
+                    let Some(es) = self.lru.as_ref().and_then(|l| l.least_recent()) else {
+                        break;
+                    };
+                    budget -= 1;
+                    let owner = self.regions.get(self.keys.get(es).region).owner;
+                    if let Owner::Present(o) = owner
+                        && self.instance(o).notices.pending() >= limit
+                    {
+                        if let Some(lru) = &mut self.lru {
+                            lru.touch(es);
+                        }
+                        self.counters.evictions.lru_skipped += 1;
+                        continue;
+                    }
+                    self.remove_entry(es);
+                    self.counters.evictions.lru_keys += 1;
+                }
+                if self.region_fill() <= cfg.lru_low_fill
+                    || self.lru.as_ref().is_none_or(|l| l.len() == 0)
+                {
+                    self.lru_evicting = false;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Limits and tunables. Every queue, batch and table of the directory has a
+//! bound here; each bound is checked where input enters and reported in the
+//! error that refuses it.
+
+use std::time::Duration;
+
+/// Longest key, in bytes (DESIGN §3).
+pub const MAX_KEY_BYTES: usize = 512;
+/// Longest instance id, in bytes.
+pub const MAX_INSTANCE_ID_BYTES: usize = 128;
+/// Largest page size of a layout (a page length must fit a `u32`).
+pub const MAX_PAGE_SIZE_BYTES: u64 = 1 << 30;
+/// Page sizes are multiples of this.
+pub const PAGE_SIZE_ALIGN_BYTES: u64 = 4096;
+/// Most pins one key can hold, summed over sessions.
+pub const MAX_PINS_PER_KEY: u32 = 1 << 30;
+/// Hard ceilings the configuration cannot exceed (they keep internal indices
+/// in `u32` and cached reply sizes sane).
+pub const MAX_BATCH_CEILING: usize = 1 << 16;
+pub const MAX_KEYS_CEILING: usize = (u32::MAX - 1) as usize;
+
+/// Eviction policy (DESIGN §4 "Capacity").
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvictionConfig {
+    /// Evict keys of orphaned regions (owner gone; no engine's LRU will ever
+    /// see them) while the pools are fuller than `pool_high_watermark`.
+    pub orphans: bool,
+    /// Fraction of pool bytes allocated above which eviction starts.
+    pub pool_high_watermark: f64,
+    /// Eviction stops once the pools are at most this full.
+    pub pool_low_watermark: f64,
+    /// Full LRU over all unpinned keys (for engines without a policy of their
+    /// own). Runs while the pools are above the high watermark *and* the held
+    /// regions are at least `lru_high_fill` full of registered pages, down to
+    /// `lru_low_fill`; evicting a live owner's key hands the page back to the
+    /// owner through a freed-page notice.
+    pub lru: bool,
+    pub lru_high_fill: f64,
+    pub lru_low_fill: f64,
+    /// Most keys evicted per `tick` (bounds the pause).
+    pub max_evictions_per_tick: usize,
+}
+
+impl Default for EvictionConfig {
+    fn default() -> Self {
+        Self {
+            orphans: true,
+            pool_high_watermark: 0.90,
+            pool_low_watermark: 0.80,
+            lru: false,
+            lru_high_fill: 0.95,
+            lru_low_fill: 0.90,
+            max_evictions_per_tick: 4096,
+        }
+    }
+}
+
+/// The directory's configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DirectoryConfig {
+    /// Most entries in one batch request.
+    pub max_batch: usize,
+    /// Most pins one lookup takes per key.
+    pub max_pins_per_call: u32,
+    /// Most keys the directory holds (registration beyond it is refused).
+    pub max_keys: usize,
+    pub max_sessions: usize,
+    pub max_sessions_per_instance: usize,
+    pub max_instances: usize,
+    pub max_layouts: usize,
+    pub max_regions_per_instance: usize,
+    pub max_pending_region_requests_per_instance: usize,
+    /// Largest region one request may ask for.
+    pub max_region_bytes: u64,
+    /// Most distinct keys one session may hold pins on.
+    pub max_pinned_keys_per_session: usize,
+    /// A session without requests for this long is dead.
+    pub session_lease: Duration,
+    /// An instance without sessions for this long is gone (its regions are
+    /// freed or deferred, its keys orphaned). After a restart, also how long
+    /// the recovered regions wait for their owner's reattach.
+    pub instance_grace: Duration,
+    /// Width of the exactly-once window, in sequence numbers.
+    pub reply_window: u64,
+    /// Bytes of cached reply bodies kept per instance; beyond it the oldest
+    /// are dropped (their retries get `ReplyEvicted`, never a re-execution).
+    pub reply_cache_bytes_per_instance: usize,
+    /// Most unacknowledged freed-page notices queued per instance.
+    pub notice_queue_limit: usize,
+    /// Most notices carried by one response.
+    pub notices_per_response: usize,
+    /// Refuse TCP peers that did not present the pre-shared client secret.
+    pub tcp_requires_secret: bool,
+    /// The largest quota an instance may ask for; also the quota of instances
+    /// that ask for none. `None`: unlimited.
+    pub max_instance_quota_bytes: Option<u64>,
+    /// Pins held longer than this are reported as long-held.
+    pub long_held_pin: Duration,
+    /// Most long-held pins listed individually in stats (all are counted).
+    pub long_held_pins_listed: usize,
+    /// Ended-session ids remembered, so their next call gets `SessionEnded`
+    /// rather than `UnknownSession`.
+    pub ended_sessions_remembered: usize,
+    pub eviction: EvictionConfig,
+}
+
+impl Default for DirectoryConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 4096,
+            max_pins_per_call: 1024,
+            max_keys: 64 << 20,
+            max_sessions: 4096,
+            max_sessions_per_instance: 256,
+            max_instances: 1024,
+            max_layouts: 256,
+            max_regions_per_instance: 16384,
+            max_pending_region_requests_per_instance: 16,
+            max_region_bytes: 1 << 40,
+            max_pinned_keys_per_session: 1 << 20,
+            session_lease: Duration::from_secs(10),
+            instance_grace: Duration::from_secs(30),
+            reply_window: 1024,
+            reply_cache_bytes_per_instance: 8 << 20,
+            notice_queue_limit: 1 << 16,
+            notices_per_response: 256,
+            tcp_requires_secret: true,
+            max_instance_quota_bytes: None,
+            long_held_pin: Duration::from_secs(60),
+            long_held_pins_listed: 16,
+            ended_sessions_remembered: 4096,
+            eviction: EvictionConfig::default(),
+        }
+    }
+}
+
+/// A configuration value out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("{field} = {value} is out of range ({expected})")]
+    OutOfRange {
+        field: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+}
+
+impl DirectoryConfig {
+    /// Checks every field; the directory refuses to start on a bad one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn check(
+            ok: bool,
+            field: &'static str,
+            value: impl ToString,
+            expected: &'static str,
+        ) -> Result<(), ConfigError> {
+            if ok {
+                Ok(())
+            } else {
+                Err(ConfigError::OutOfRange {
+                    field,
+                    value: value.to_string(),
+                    expected,
+                })
+            }
+        }
+        let fraction = |x: f64| (0.0..=1.0).contains(&x);
+        check(
+            (1..=MAX_BATCH_CEILING).contains(&self.max_batch),
+            "max_batch",
+            self.max_batch,
+            "1..=65536",
+        )?;
+        check(
+            (1..=MAX_PINS_PER_KEY / MAX_BATCH_CEILING as u32).contains(&self.max_pins_per_call),
+            "max_pins_per_call",
+            self.max_pins_per_call,
+            "1..=16384",
+        )?;
+        check(
+            (1..=MAX_KEYS_CEILING).contains(&self.max_keys),
+            "max_keys",
+            self.max_keys,
+            "1..=2^32-2",
+        )?;
+        check(
+            self.max_sessions >= 1,
+            "max_sessions",
+            self.max_sessions,
+            ">= 1",
+        )?;
+        check(
+            self.max_sessions_per_instance >= 1,
+            "max_sessions_per_instance",
+            self.max_sessions_per_instance,
+            ">= 1",
+        )?;
+        check(
+            (1..=u32::MAX as usize / 2).contains(&self.max_instances),
+            "max_instances",
+            self.max_instances,
+            "1..=2^31",
+        )?;
+        check(
+            (1..=u32::MAX as usize / 2).contains(&self.max_layouts),
+            "max_layouts",
+            self.max_layouts,
+            "1..=2^31",
+        )?;
+        check(
+            self.max_regions_per_instance >= 1,
+            "max_regions_per_instance",
+            self.max_regions_per_instance,
+            ">= 1",
+        )?;
+        check(
+            self.max_pending_region_requests_per_instance >= 1,
+            "max_pending_region_requests_per_instance",
+            self.max_pending_region_requests_per_instance,
+            ">= 1",
+        )?;
+        check(
+            self.max_region_bytes >= PAGE_SIZE_ALIGN_BYTES,
+            "max_region_bytes",
+            self.max_region_bytes,
+            ">= 4096",
+        )?;
+        check(
+            self.max_pinned_keys_per_session >= 1,
+            "max_pinned_keys_per_session",
+            self.max_pinned_keys_per_session,
+            ">= 1",
+        )?;
+        check(
+            !self.session_lease.is_zero(),
+            "session_lease",
+            format!("{:?}", self.session_lease),
+            "> 0",
+        )?;
+        check(
+            (64..=1 << 20).contains(&self.reply_window) && self.reply_window.is_multiple_of(64),
+            "reply_window",
+            self.reply_window,
+            "a multiple of 64 in 64..=2^20",
+        )?;
+        check(
+            self.notice_queue_limit >= self.max_batch,
+            "notice_queue_limit",
+            self.notice_queue_limit,
+            ">= max_batch",
+        )?;
+        check(
+            self.notices_per_response >= 1,
+            "notices_per_response",
+            self.notices_per_response,
+            ">= 1",
+        )?;
+        let e = &self.eviction;
+        check(
+            fraction(e.pool_high_watermark),
+            "eviction.pool_high_watermark",
+            e.pool_high_watermark,
+            "0..=1",
+        )?;
+        check(
+            fraction(e.pool_low_watermark) && e.pool_low_watermark <= e.pool_high_watermark,
+            "eviction.pool_low_watermark",
+            e.pool_low_watermark,
+            "0..=pool_high_watermark",
+        )?;
+        check(
+            fraction(e.lru_high_fill),
+            "eviction.lru_high_fill",
+            e.lru_high_fill,
+            "0..=1",
+        )?;
+        check(
+            fraction(e.lru_low_fill) && e.lru_low_fill <= e.lru_high_fill,
+            "eviction.lru_low_fill",
+            e.lru_low_fill,
+            "0..=lru_high_fill",
+        )?;
+        check(
+            e.max_evictions_per_tick >= 1,
+            "eviction.max_evictions_per_tick",
+            e.max_evictions_per_tick,
+            ">= 1",
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,562 @@
+//! Instances and sessions: `hello`, `reattach`, `heartbeat`, the end of a
+//! session (connection closed, lease expired, admin), and the end of an
+//! instance (grace expired, or taken over).
+
+use std::collections::{HashMap, HashSet};
+
+use foldhash::fast::FixedState;
+
+use super::error::DirectoryError;
+use super::notices::NoticeQueue;
+use super::regions::{Owner, Region};
+use super::sequence::ReplyWindow;
+use super::sessions::{Instance, Session};
+use super::types::{
+    Caller, Effect, EndedSession, InstanceId, InstanceSecret, OpKind, Peer, ReattachKind,
+    Reattached, RegionHandle, RegionStatus, Reply, SessionEndReason, SessionId, Time, Welcome,
+};
+use super::{Directory, Hello, Reattach};
+
+impl Directory {
+    /// First contact of an instance: creates it (or takes over an instance of
+    /// the same name that has no session, from the same principal) with a
+    /// fresh secret, and opens its first session.
+    pub fn hello(
+        &mut self,
+        req: Hello<'_>,
+        peer: Peer,
+        now: Time,
+    ) -> Result<Welcome, DirectoryError> {
+        let r = self.hello_inner(req, peer, now);
+        self.count_call(OpKind::Hello, 0, r.is_err());
+        r
+    }
+
+    fn hello_inner(
+        &mut self,
+        req: Hello<'_>,
+        peer: Peer,
+        now: Time,
+    ) -> Result<Welcome, DirectoryError> {
+        self.check_peer(&peer)?;
+        let id = InstanceId::new(req.instance)?;
+        self.check_session_room()?;
+        let takeover = match self.instance_ix.get(&id) {
+            Some(&slot) => {
+                let inst = self.instance(slot);
+                if inst.is_present()
+                    || inst.secret.is_none()
+                    || inst.principal != Some(peer.principal())
+                {
+                    return Err(DirectoryError::InstanceIdInUse { instance: id });
+                }
+                Some(slot)
+            }
+            None => {
+                self.check_instance_room()?;
+                None
+            }
+        };
+        if let Some(slot) = takeover {
+            tracing::info!(instance = %id, "hello takes over an instance without sessions");
+            self.instance_gone(slot, now);
+        }
+        let secret = InstanceSecret(self.rng.bytes32());
+        let quota_bytes = self.effective_quota(req.quota_bytes);
+        let window = self.config.reply_window;
+        let slot = self.add_instance(Instance::new(
+            id,
+            Some(secret),
+            Some(peer.principal()),
+            quota_bytes,
+            1,
+            1,
+            window,
+            now,
+        ));
+        let session = self.open_session(slot, now);
+        Ok(Welcome {
+            session,
+            secret,
+            directory_epoch: self.epoch,
+            quota_bytes,
+            limits: self.limits(),
+            usage: self.usage(slot),
+        })
+    }
+
+    /// A new session of an existing instance. `Resumed` when the directory
+    /// still has the instance (secret must match); `Recovered` when it does
+    /// not (restart, or the instance was declared gone) — then regions
+    /// recovered from the pool manager are claimed by presenting their tokens.
+    pub fn reattach(
+        &mut self,
+        req: Reattach<'_>,
+        peer: Peer,
+        now: Time,
+    ) -> Result<Reattached, DirectoryError> {
+        let r = self.reattach_inner(req, peer, now);
+        self.count_call(OpKind::Reattach, req.regions.len(), r.is_err());
+        r
+    }
+
+    fn reattach_inner(
+        &mut self,
+        req: Reattach<'_>,
+        peer: Peer,
+        now: Time,
+    ) -> Result<Reattached, DirectoryError> {
+        self.check_peer(&peer)?;
+        let id = InstanceId::new(req.instance)?;
+        let max = self.config.max_regions_per_instance;
+        if req.regions.len() > max {
+            return Err(DirectoryError::TooManyReattachRegions {
+                count: req.regions.len(),
+                max,
+            });
+        }
+        let mut ids = HashSet::with_capacity_and_hasher(req.regions.len(), FixedState::default());
+        for p in req.regions {
+            Self::check_layout(&p.layout)?;
+            if !ids.insert(p.handle.region) {
+                return Err(DirectoryError::DuplicateReattachRegion {
+                    region: p.handle.region,
+                });
+            }
+        }
+        if req.next_seq == 0 {
+            return Err(DirectoryError::InvalidNextSeq);
+        }
+        self.check_session_room()?;
+        match self.instance_ix.get(&id).copied() {
+            Some(slot) if self.instance(slot).secret.is_some() => self.resume(slot, req, peer, now),
+            Some(slot) => self.claim_recovered(slot, req, peer, now),
+            None => {
+                self.check_instance_room()?;
+                let quota = self.effective_quota(req.quota_bytes);
+                let window = self.config.reply_window;
+                let slot = self.add_instance(Instance::new(
+                    id,
+                    Some(req.secret),
+                    Some(peer.principal()),
+                    quota,
+                    req.next_seq,
+                    req.notice_ack.saturating_add(1),
+                    window,
+                    now,
+                ));
+                let verdicts = vec![RegionStatus::NotOwned; req.regions.len()];
+                Ok(self.reattached(slot, ReattachKind::Recovered, verdicts, now))
+            }
+        }
+    }
+
+    fn resume(
+        &mut self,
+        slot: u32,
+        req: Reattach<'_>,
+        peer: Peer,
+        now: Time,
+    ) -> Result<Reattached, DirectoryError> {
+        let inst = self.instance(slot);
+        let secret_ok = inst
+            .secret
+            .as_ref()
+            .is_some_and(|s| s.constant_time_eq(&req.secret));
+        if !secret_ok {
+            return Err(DirectoryError::SecretMismatch {
+                instance: inst.id.clone(),
+            });
+        }
+        if inst.sessions.len() >= self.config.max_sessions_per_instance {
+            return Err(DirectoryError::TooManyInstanceSessions {
+                instance: inst.id.clone(),
+                max: self.config.max_sessions_per_instance,
+            });
+        }
+        if req.notice_ack > inst.notices.highest_issued() {
+            return Err(DirectoryError::NoticeAckAhead {
+                ack: req.notice_ack,
+                highest_issued: inst.notices.highest_issued(),
+            });
+        }
+        let verdicts = req
+            .regions
+            .iter()
+            .map(|p| {
+                let owned = self.regions.slot_of(p.handle.region).is_some_and(|rs| {
+                    let r = self.regions.get(rs);
+                    r.owner == Owner::Present(slot)
+                        && r.handle.matches(&p.handle)
+                        && self.layouts[r.layout as usize] == p.layout
+                });
+                if owned {
+                    RegionStatus::Confirmed
+                } else {
+                    RegionStatus::NotOwned
+                }
+            })
+            .collect();
+        let inst = self.instance_mut(slot);
+        inst.notices
+            .ack(req.notice_ack)
+            .expect("invariant: the acknowledgement was checked above");
+        inst.principal = Some(peer.principal());
+        Ok(self.reattached(slot, ReattachKind::Resumed, verdicts, now))
+    }
+
+    fn claim_recovered(
+        &mut self,
+        slot: u32,
+        req: Reattach<'_>,
+        peer: Peer,
+        now: Time,
+    ) -> Result<Reattached, DirectoryError> {
+        let inst = self.instance(slot);
+        let unclaimed: HashMap<_, _, FixedState> =
+            inst.unclaimed.iter().map(|h| (h.region, h)).collect();
+        let verdicts: Vec<RegionStatus> = req
+            .regions
+            .iter()
+            .map(|p| {
+                let claimed = unclaimed
+                    .get(&p.handle.region)
+                    .is_some_and(|h| h.matches(&p.handle))
+                    && p.handle.len_bytes >= p.layout.page_size_bytes;
+                if claimed {
+                    RegionStatus::Confirmed
+                } else {
+                    RegionStatus::NotOwned
+                }
+            })
+            .collect();
+        let confirmed = || {
+            req.regions
+                .iter()
+                .zip(&verdicts)
+                .filter(|(_, v)| **v == RegionStatus::Confirmed)
+                .map(|(p, _)| p)
+        };
+        if !inst.unclaimed.is_empty() && confirmed().next().is_none() {
+            return Err(DirectoryError::OwnershipNotProven {
+                instance: inst.id.clone(),
+            });
+        }
+        let mut new_layouts: Vec<_> = confirmed()
+            .map(|p| p.layout)
+            .filter(|l| !self.layout_ix.contains_key(l))
+            .collect();
+        new_layouts.sort_by_key(|l| (l.page_size_bytes, l.fingerprint));
+        new_layouts.dedup();
+        self.check_layout_room(new_layouts.len())?;
+
+        // Checks done: from here on, the reattach succeeds.
+        let quota = self.effective_quota(req.quota_bytes);
+        let window = self.config.reply_window;
+        let inst = self.instance_mut(slot);
+        let unclaimed = std::mem::take(&mut inst.unclaimed);
+        inst.secret = Some(req.secret);
+        inst.principal = Some(peer.principal());
+        inst.quota_bytes = quota;
+        inst.replies = ReplyWindow::new(req.next_seq, window);
+        inst.notices = NoticeQueue::new(req.notice_ack.saturating_add(1));
+        let owner_id = inst.id.clone();
+        let claimed: Vec<_> = confirmed().copied().collect();
+        for p in &claimed {
+            let layout_ix = self.intern_layout(p.layout);
+            self.add_region(p.handle, layout_ix, p.layout.page_size_bytes, slot);
+        }
+        let kept: HashSet<_, FixedState> = claimed.iter().map(|p| p.handle.region).collect();
+        for handle in unclaimed {
+            if !kept.contains(&handle.region) {
+                self.free_handle(handle, owner_id.clone());
+            }
+        }
+        tracing::info!(instance = %owner_id, regions = claimed.len(), "instance recovered");
+        Ok(self.reattached(slot, ReattachKind::Recovered, verdicts, now))
+    }
+
+    fn reattached(
+        &mut self,
+        slot: u32,
+        kind: ReattachKind,
+        regions: Vec<RegionStatus>,
+        now: Time,
+    ) -> Reattached {
+        let session = self.open_session(slot, now);
+        let Reply { notices, usage, .. } = self.reply(slot, ());
+        let inst = self.instance(slot);
+        Reattached {
+            session,
+            kind,
+            directory_epoch: self.epoch,
+            regions,
+            oldest_accepted_seq: inst.replies.oldest_accepted(),
+            quota_bytes: inst.quota_bytes,
+            limits: self.limits(),
+            notices,
+            usage,
+        }
+    }
+
+    /// Renews the session's lease; the reply carries notices and usage.
+    pub fn heartbeat(&mut self, caller: &Caller, now: Time) -> Result<Reply<()>, DirectoryError> {
+        let r = self.enter(caller, now).map(|slot| self.reply(slot, ()));
+        self.count_call(OpKind::Heartbeat, 0, r.is_err());
+        r
+    }
+
+    /// The transport saw the session's connection close: its pins are
+    /// released at once. Unknown sessions are ignored.
+    pub fn session_closed(&mut self, session: SessionId, now: Time) {
+        if self.sessions.contains_key(&session) {
+            self.kill_session(session, SessionEndReason::ConnectionClosed, now);
+        }
+    }
+
+    /// Admin: ends a session, releasing its pins; its next call fails with
+    /// `SessionEnded`.
+    pub fn end_session(
+        &mut self,
+        session: SessionId,
+        now: Time,
+    ) -> Result<EndedSession, DirectoryError> {
+        let r = if self.sessions.contains_key(&session) {
+            Ok(self.kill_session(session, SessionEndReason::EndedByAdmin, now))
+        } else {
+            Err(self.missing_session(session))
+        };
+        self.count_call(OpKind::EndSession, 0, r.is_err());
+        r
+    }
+
+    /// Expires sessions past their lease and instances past their grace
+    /// period, then runs eviction. Call it periodically (every 100 ms is
+    /// plenty: leases and grace periods are seconds).
+    pub fn tick(&mut self, now: Time) {
+        let lease = self.config.session_lease;
+        let mut expired: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| now.saturating_since(s.last_seen) >= lease)
+            .map(|(&id, _)| id)
+            .collect();
+        expired.sort_unstable();
+        for id in expired {
+            tracing::info!(session = %id, "session lease expired");
+            self.kill_session(id, SessionEndReason::LeaseExpired, now);
+        }
+        let grace = self.config.instance_grace;
+        let gone: Vec<u32> = self
+            .instances
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, inst)| {
+                let since = inst.as_ref()?.absent_since?;
+                (now.saturating_since(since) >= grace).then_some(slot as u32)
+            })
+            .collect();
+        for slot in gone {
+            tracing::info!(instance = %self.instance(slot).id, "instance gone (grace expired)");
+            self.instance_gone(slot, now);
+        }
+        self.evict();
+    }
+
+    // --- internals --------------------------------------------------------
+
+    /// Validates the caller's session, renews its lease and applies its notice
+    /// acknowledgement. Returns the instance slot.
+    pub(super) fn enter(&mut self, caller: &Caller, now: Time) -> Result<u32, DirectoryError> {
+        let Some(session) = self.sessions.get_mut(&caller.session) else {
+            return Err(self.missing_session(caller.session));
+        };
+        session.last_seen = now;
+        let slot = session.instance;
+        self.instance_mut(slot).notices.ack(caller.notice_ack)?;
+        Ok(slot)
+    }
+
+    fn missing_session(&self, session: SessionId) -> DirectoryError {
+        if self.ended.contains(&session) {
+            DirectoryError::SessionEnded { session }
+        } else {
+            DirectoryError::UnknownSession { session }
+        }
+    }
+
+    fn check_peer(&self, peer: &Peer) -> Result<(), DirectoryError> {
+        match peer {
+            Peer::Tcp {
+                secret_matched: false,
+            } if self.config.tcp_requires_secret => Err(DirectoryError::TcpSecretRequired),
+            _ => Ok(()),
+        }
+    }
+
+    fn check_session_room(&self) -> Result<(), DirectoryError> {
+        if self.sessions.len() >= self.config.max_sessions {
+            return Err(DirectoryError::TooManySessions {
+                max: self.config.max_sessions,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_instance_room(&self) -> Result<(), DirectoryError> {
+        if self.instance_ix.len() >= self.config.max_instances {
+            return Err(DirectoryError::TooManyInstances {
+                max: self.config.max_instances,
+            });
+        }
+        Ok(())
+    }
+
+    fn effective_quota(&self, requested: Option<u64>) -> Option<u64> {
+        match (requested, self.config.max_instance_quota_bytes) {
+            (Some(r), Some(m)) => Some(r.min(m)),
+            (Some(r), None) => Some(r),
+            (None, m) => m,
+        }
+    }
+
+    fn open_session(&mut self, slot: u32, now: Time) -> SessionId {
+        let id = SessionId(self.next_session);
+        self.next_session += 1;
+        self.sessions
+            .insert(id, Session::new(slot, now, self.map_seed));
+        let inst = self.instance_mut(slot);
+        inst.sessions.push(id);
+        inst.absent_since = None;
+        id
+    }
+
+    /// Ends a live session: releases its pins; if it was its instance's last,
+    /// the instance's grace period starts.
+    pub(super) fn kill_session(
+        &mut self,
+        id: SessionId,
+        reason: SessionEndReason,
+        now: Time,
+    ) -> EndedSession {
+        let session = self
+            .sessions
+            .remove(&id)
+            .expect("invariant: kill_session is called for live sessions");
+        for (slot, held) in &session.pins {
+            self.release_pins(*slot, held.count);
+        }
+        let inst = self.instance_mut(session.instance);
+        inst.sessions.retain(|s| *s != id);
+        let empty = inst.sessions.is_empty();
+        if empty {
+            inst.absent_since = Some(now);
+        }
+        let o = &mut self.counters.outcomes;
+        match reason {
+            SessionEndReason::ConnectionClosed => o.sessions_closed += 1,
+            SessionEndReason::LeaseExpired => o.sessions_expired += 1,
+            SessionEndReason::EndedByAdmin => o.sessions_ended_by_admin += 1,
+        }
+        if reason != SessionEndReason::ConnectionClosed {
+            self.remember_ended(id);
+            self.effects.push(Effect::SessionEnded {
+                session: id,
+                reason,
+            });
+        }
+        EndedSession {
+            instance_left_without_sessions: empty,
+            pins_released: session.pin_total,
+        }
+    }
+
+    fn remember_ended(&mut self, id: SessionId) {
+        if self.ended.insert(id) {
+            self.ended_order.push_back(id);
+        }
+        while self.ended_order.len() > self.config.ended_sessions_remembered {
+            if let Some(old) = self.ended_order.pop_front() {
+                self.ended.remove(&old);
+            }
+        }
+    }
+
+    /// The instance in `slot` (no sessions) is gone: each of its regions is
+    /// freed if it has no keys, or orphaned until its last key is deleted.
+    pub(super) fn instance_gone(&mut self, slot: u32, now: Time) {
+        let inst = self.instances[slot as usize]
+            .take()
+            .expect("invariant: instance_gone is called for live instances");
+        debug_assert!(inst.sessions.is_empty(), "a gone instance has no sessions");
+        self.free_instance_slots.push(slot);
+        self.instance_ix.remove(&inst.id);
+        for rs in inst.regions {
+            let region = self.regions.get_mut(rs);
+            if region.keys == 0 {
+                self.free_region(rs);
+            } else {
+                region.owner = Owner::Gone { since: now };
+                let id = region.handle.region;
+                self.orphans.push_back((rs, id));
+                self.counters.outcomes.regions_deferred += 1;
+            }
+        }
+        for handle in inst.unclaimed {
+            self.free_handle(handle, inst.id.clone());
+        }
+        for p in self.pending.values_mut() {
+            if p.instance == Some(slot) {
+                p.instance = None;
+            }
+        }
+        self.counters.outcomes.instances_gone += 1;
+    }
+
+    /// Registers a region record owned by the instance in `owner`.
+    pub(super) fn add_region(
+        &mut self,
+        handle: RegionHandle,
+        layout_ix: u32,
+        page_size_bytes: u64,
+        owner: u32,
+    ) -> u32 {
+        let owner_id = self.instance(owner).id.clone();
+        let rs = self.regions.insert(Region::new(
+            handle,
+            layout_ix,
+            page_size_bytes,
+            owner,
+            owner_id,
+        ));
+        let inst = self.instance_mut(owner);
+        inst.regions.push(rs);
+        inst.owned_bytes += handle.len_bytes;
+        self.totals.region_bytes += handle.len_bytes;
+        rs
+    }
+
+    /// Removes a region with no keys and gives it back to the pool manager.
+    pub(super) fn free_region(&mut self, rs: u32) {
+        let region = self.regions.remove(rs);
+        debug_assert_eq!(region.keys, 0, "a region is only freed without keys");
+        self.totals.region_bytes -= region.handle.len_bytes;
+        self.pools
+            .entry(region.handle.pool)
+            .or_default()
+            .freed_since += region.handle.len_bytes;
+        self.effects.push(Effect::FreeRegion {
+            handle: region.handle,
+            owner: region.owner_id,
+        });
+        self.counters.outcomes.regions_freed += 1;
+    }
+
+    /// Gives back a region that has no record (unclaimed after a restart, or
+    /// granted after its requester left).
+    pub(super) fn free_handle(&mut self, handle: RegionHandle, owner: InstanceId) {
+        self.pools.entry(handle.pool).or_default().freed_since += handle.len_bytes;
+        self.effects.push(Effect::FreeRegion { handle, owner });
+        self.counters.outcomes.regions_freed += 1;
+    }
+}

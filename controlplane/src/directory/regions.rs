@@ -1,0 +1,269 @@
+//! Region records: who owns each region, which layout it serves, how many keys
+//! point into it, and what the directory knows about each of its pages.
+//!
+//! Invariants (checked by `Directory::check_invariants`):
+//! - `keys` equals the number of entries whose location names the region, and
+//!   equals the length of its intrusive key list;
+//! - a page is marked registered iff exactly one entry names it;
+//! - a region whose owner is gone has `keys > 0` — the moment its last key
+//!   goes, it is returned to the pool manager and its record removed. So no
+//!   region is ever freed while a key points into it.
+
+use std::collections::HashMap;
+
+use cxlkv_dataplane::ids::{Generation, PageIndex, RegionId};
+use foldhash::fast::FixedState;
+
+use super::error::RejectReason;
+use super::keys::{NIL, mix};
+use super::types::{InstanceId, RegionHandle, Time};
+
+/// Whether a region's owner is still around.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// Owned by the instance in this slot.
+    Present(u32),
+    /// The owner is gone; the region waits for its last key to be deleted.
+    Gone { since: Time },
+}
+
+/// Per-page knowledge: the newest generation registered there, and whether a
+/// key is registered there now. Zero-initialised allocations, so the pages of
+/// a large region that were never registered cost no resident memory.
+#[derive(Debug)]
+pub(crate) struct PageStates {
+    newest_generation: Vec<u32>,
+    seen: Vec<u64>,
+    registered: Vec<u64>,
+}
+
+fn bit(page: u32) -> (usize, u64) {
+    ((page / 64) as usize, 1u64 << (page % 64))
+}
+
+impl PageStates {
+    fn new(pages: u32) -> Self {
+        let words = (pages as usize).div_ceil(64);
+        Self {
+            newest_generation: vec![0; pages as usize],
+            seen: vec![0; words],
+            registered: vec![0; words],
+        }
+    }
+
+    pub fn is_registered(&self, page: u32) -> bool {
+        let (w, m) = bit(page);
+        self.registered[w] & m != 0
+    }
+
+    /// Whether `(page, generation)` may be registered now.
+    pub fn check(&self, page: u32, generation: u32) -> Result<(), RejectReason> {
+        let (w, m) = bit(page);
+        if self.registered[w] & m != 0 {
+            return Err(RejectReason::PageInUse {
+                page: PageIndex(page),
+            });
+        }
+        let newest = self.newest_generation[page as usize];
+        if self.seen[w] & m != 0 && generation <= newest {
+            return Err(RejectReason::StaleGeneration {
+                generation: Generation(generation),
+                newest_seen: Generation(newest),
+            });
+        }
+        Ok(())
+    }
+
+    /// The newest generation registered on `page`, if any ever was.
+    pub fn newest(&self, page: u32) -> Option<u32> {
+        let (w, m) = bit(page);
+        (self.seen[w] & m != 0).then(|| self.newest_generation[page as usize])
+    }
+
+    pub fn register(&mut self, page: u32, generation: u32) {
+        let (w, m) = bit(page);
+        debug_assert!(self.registered[w] & m == 0);
+        self.registered[w] |= m;
+        self.seen[w] |= m;
+        self.newest_generation[page as usize] = generation;
+    }
+
+    pub fn release(&mut self, page: u32) {
+        let (w, m) = bit(page);
+        debug_assert!(self.registered[w] & m != 0);
+        self.registered[w] &= !m;
+    }
+
+    pub fn registered_count(&self) -> u64 {
+        self.registered
+            .iter()
+            .map(|w| u64::from(w.count_ones()))
+            .sum()
+    }
+
+    /// A digest of the page knowledge (for `Directory::state_digest`).
+    pub fn digest(&self) -> u64 {
+        let mut acc = 0u64;
+        for (i, (&s, &r)) in self.seen.iter().zip(&self.registered).enumerate() {
+            let mut bits = s;
+            while bits != 0 {
+                let b = bits.trailing_zeros();
+                bits &= bits - 1;
+                let page = i as u64 * 64 + u64::from(b);
+                let g = u64::from(self.newest_generation[page as usize]);
+                let reg = (r >> b) & 1;
+                acc = acc.wrapping_add(mix(page ^ (g << 24) ^ (reg << 63)));
+            }
+        }
+        acc
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Region {
+    pub handle: RegionHandle,
+    pub layout: u32,
+    pub page_size_bytes: u64,
+    pub pages: u32,
+    pub owner: Owner,
+    /// The owner label (kept after the owner is gone, for the free).
+    pub owner_id: InstanceId,
+    pub keys: u32,
+    /// Head of the intrusive list of its keys.
+    pub key_head: u32,
+    /// Last lookup that listed this region (dedupes descriptors per reply).
+    pub stamp: u64,
+    pub page_states: PageStates,
+}
+
+impl Region {
+    pub fn new(
+        handle: RegionHandle,
+        layout: u32,
+        page_size_bytes: u64,
+        owner: u32,
+        owner_id: InstanceId,
+    ) -> Self {
+        let pages = u32::try_from(handle.len_bytes / page_size_bytes).unwrap_or(u32::MAX);
+        Self {
+            handle,
+            layout,
+            page_size_bytes,
+            pages,
+            owner: Owner::Present(owner),
+            owner_id,
+            keys: 0,
+            key_head: NIL,
+            stamp: 0,
+            page_states: PageStates::new(pages),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct RegionTable {
+    slots: Vec<Option<Region>>,
+    free: Vec<u32>,
+    by_id: HashMap<RegionId, u32, FixedState>,
+}
+
+impl RegionTable {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            slots: Vec::new(),
+            free: Vec::new(),
+            by_id: HashMap::with_hasher(FixedState::with_seed(seed)),
+        }
+    }
+
+    pub fn insert(&mut self, region: Region) -> u32 {
+        let id = region.handle.region;
+        debug_assert!(!self.by_id.contains_key(&id));
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(region);
+                slot
+            }
+            None => {
+                self.slots.push(Some(region));
+                u32::try_from(self.slots.len() - 1)
+                    .expect("invariant: region count is bounded far below u32::MAX")
+            }
+        };
+        self.by_id.insert(id, slot);
+        slot
+    }
+
+    pub fn remove(&mut self, slot: u32) -> Region {
+        let region = self.slots[slot as usize]
+            .take()
+            .expect("invariant: removing a live region slot");
+        self.by_id.remove(&region.handle.region);
+        self.free.push(slot);
+        region
+    }
+
+    pub fn slot_of(&self, id: RegionId) -> Option<u32> {
+        self.by_id.get(&id).copied()
+    }
+
+    #[inline]
+    pub fn get(&self, slot: u32) -> &Region {
+        self.slots[slot as usize]
+            .as_ref()
+            .expect("invariant: slot names a live region")
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, slot: u32) -> &mut Region {
+        self.slots[slot as usize]
+            .as_mut()
+            .expect("invariant: slot names a live region")
+    }
+
+    /// The region in `slot`, if that slot still holds region `id`.
+    pub fn get_if(&self, slot: u32, id: RegionId) -> Option<&Region> {
+        self.slots
+            .get(slot as usize)
+            .and_then(|r| r.as_ref())
+            .filter(|r| r.handle.region == id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &Region)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().map(|r| (i as u32, r)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_takes_only_newer_generations_and_one_key_at_a_time() {
+        let mut p = PageStates::new(100);
+        assert_eq!(p.check(70, 0), Ok(()));
+        p.register(70, 5);
+        assert!(matches!(
+            p.check(70, 6),
+            Err(RejectReason::PageInUse { .. })
+        ));
+        p.release(70);
+        assert!(matches!(
+            p.check(70, 5),
+            Err(RejectReason::StaleGeneration { .. })
+        ));
+        assert!(matches!(
+            p.check(70, 4),
+            Err(RejectReason::StaleGeneration { .. })
+        ));
+        assert_eq!(p.check(70, 6), Ok(()));
+        assert_eq!(p.check(71, 0), Ok(()), "other pages are unaffected");
+    }
+}

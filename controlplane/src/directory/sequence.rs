@@ -1,0 +1,323 @@
+//! Exactly-once: the per-instance sequence window and reply cache.
+//!
+//! ## The window rule
+//!
+//! Every mutating request (`register`, `lookup` with pins, `unpin`, `delete`,
+//! `request_region`, `return_region`) carries a sequence number `seq` that is
+//! unique per *instance* (not per session, so a retry after a reconnect, on a
+//! new session of the same instance, is still recognised). Requests may arrive
+//! in any order (many client threads pipeline them). With `high` the highest
+//! sequence number executed so far and `W` the window width:
+//!
+//! - `seq > high`: new; executed, and `high` becomes `seq`;
+//! - `high - W < seq ≤ high` (and `seq ≥ floor`): inside the window. If it was
+//!   executed, the cached reply is returned and nothing runs again; if not (it
+//!   was overtaken by higher numbers), it is executed now;
+//! - `seq ≤ high - W`, or `seq < floor`: refused with `SequenceTooOld` — the
+//!   directory can no longer tell whether it ran.
+//!
+//! The client's side of the contract: never let its newest sequence number
+//! run `W` or more ahead of its oldest request still awaiting a reply. Then
+//! every retry lands inside the window. `floor` is 1 for a new instance and
+//! the client's `next_seq` after a `Recovered` reattach (requests sent to a
+//! previous directory incarnation are void, not replayed).
+//!
+//! Only successful replies are cached; a request answered with an error
+//! changed nothing and does not consume its number, so its retry is evaluated
+//! afresh. A retry is matched against a fingerprint of the original (kind,
+//! layout, per-key hashes and arguments); a different request under a used
+//! number gets `SequenceReused`.
+//!
+//! Cached bodies are dropped when they leave the window, when the client says
+//! it received them (`replies_received_below`), or, oldest first, when the
+//! instance's cache exceeds its byte limit. Whether a number *ran* is kept in
+//! a bitmap for the whole window regardless, so a retry of a number whose body
+//! was dropped gets `ReplyEvicted` — never a second execution.
+
+use std::collections::BTreeMap;
+
+use super::error::DirectoryError;
+use super::types::{
+    DeleteOutcome, LookupReply, PoolRequestId, RegionGrant, RegisterOutcome, SessionId,
+    UnpinOutcome,
+};
+
+/// A reply kept for retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CachedReply {
+    pub fingerprint: u64,
+    /// The session that ran the request (pins taken by a lookup belong to it).
+    pub session: SessionId,
+    pub body: CachedBody,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum CachedBody {
+    Register(Vec<RegisterOutcome>),
+    /// Only lookups that took pins are sequenced and cached.
+    PinnedLookup(LookupReply),
+    Unpin(Vec<UnpinOutcome>),
+    Delete(Vec<DeleteOutcome>),
+    /// The pool manager has not answered yet.
+    RegionPending(PoolRequestId),
+    RegionGranted(RegionGrant),
+    RegionReturned,
+}
+
+impl CachedReply {
+    fn approx_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let heap = match &self.body {
+            CachedBody::Register(v) => v.len() * size_of::<RegisterOutcome>(),
+            CachedBody::PinnedLookup(r) => {
+                r.locations.len() * size_of::<Option<super::types::Location>>()
+                    + r.regions.len() * size_of::<super::types::RegionDescriptor>()
+            }
+            CachedBody::Unpin(v) => v.len() * size_of::<UnpinOutcome>(),
+            CachedBody::Delete(v) => v.len() * size_of::<DeleteOutcome>(),
+            CachedBody::RegionPending(_)
+            | CachedBody::RegionGranted(_)
+            | CachedBody::RegionReturned => 0,
+        };
+        size_of::<Self>() + heap
+    }
+}
+
+/// What the window says about an incoming sequence number.
+#[derive(Debug)]
+pub(crate) enum SeqCheck<'a> {
+    /// Not executed yet: run it.
+    Fresh,
+    /// Executed; here is its reply.
+    Executed(&'a CachedReply),
+    /// Executed, but the reply body was dropped.
+    Evicted,
+}
+
+#[derive(Debug)]
+pub(crate) struct ReplyWindow {
+    floor: u64,
+    /// Highest executed sequence number (`floor - 1` before the first).
+    high: u64,
+    width: u64,
+    /// Ring bitmap over `seq % width`: set iff `seq` (within the window) ran.
+    executed: Box<[u64]>,
+    cache: BTreeMap<u64, CachedReply>,
+    cache_bytes: usize,
+}
+
+impl ReplyWindow {
+    /// A window accepting sequence numbers from `floor` (≥ 1) on.
+    pub fn new(floor: u64, width: u64) -> Self {
+        debug_assert!(floor >= 1 && width >= 64 && width.is_multiple_of(64));
+        Self {
+            floor,
+            high: floor - 1,
+            width,
+            executed: vec![0u64; (width / 64) as usize].into_boxed_slice(),
+            cache: BTreeMap::new(),
+            cache_bytes: 0,
+        }
+    }
+
+    /// The lowest sequence number still accepted.
+    pub fn oldest_accepted(&self) -> u64 {
+        self.floor.max((self.high + 1).saturating_sub(self.width))
+    }
+
+    fn bit(&self, seq: u64) -> (usize, u64) {
+        let pos = seq % self.width;
+        ((pos / 64) as usize, 1u64 << (pos % 64))
+    }
+
+    fn ran(&self, seq: u64) -> bool {
+        let (word, mask) = self.bit(seq);
+        self.executed[word] & mask != 0
+    }
+
+    pub fn check(&self, seq: u64) -> Result<SeqCheck<'_>, DirectoryError> {
+        let oldest = self.oldest_accepted();
+        if seq < oldest {
+            return Err(DirectoryError::SequenceTooOld {
+                seq,
+                oldest_accepted: oldest,
+            });
+        }
+        if seq > self.high || !self.ran(seq) {
+            return Ok(SeqCheck::Fresh);
+        }
+        Ok(match self.cache.get(&seq) {
+            Some(reply) => SeqCheck::Executed(reply),
+            None => SeqCheck::Evicted,
+        })
+    }
+
+    /// Records that `seq` (checked `Fresh`) ran and answered `reply`.
+    pub fn record(&mut self, seq: u64, reply: CachedReply, byte_limit: usize) {
+        debug_assert!(seq >= self.oldest_accepted());
+        if seq > self.high {
+            if seq - self.high >= self.width {
+                self.executed.iter_mut().for_each(|w| *w = 0);
+            } else {
+                for s in self.high + 1..=seq {
+                    let (word, mask) = self.bit(s);
+                    self.executed[word] &= !mask;
+                }
+            }
+            self.high = seq;
+            let oldest = self.oldest_accepted();
+            while let Some(entry) = self.cache.first_entry() {
+                if *entry.key() >= oldest {
+                    break;
+                }
+                self.cache_bytes -= entry.remove().approx_bytes();
+            }
+        }
+        let (word, mask) = self.bit(seq);
+        self.executed[word] |= mask;
+        self.cache_bytes += reply.approx_bytes();
+        if let Some(old) = self.cache.insert(seq, reply) {
+            self.cache_bytes -= old.approx_bytes();
+        }
+        while self.cache_bytes > byte_limit && self.cache.len() > 1 {
+            if let Some((_, old)) = self.cache.pop_first() {
+                self.cache_bytes -= old.approx_bytes();
+            }
+        }
+    }
+
+    /// Undoes `record` for a request that finally failed (a deferred region
+    /// request the pool manager refused): its number may be retried.
+    pub fn forget(&mut self, seq: u64) {
+        if seq < self.oldest_accepted() || seq > self.high {
+            return;
+        }
+        let (word, mask) = self.bit(seq);
+        self.executed[word] &= !mask;
+        if let Some(old) = self.cache.remove(&seq) {
+            self.cache_bytes -= old.approx_bytes();
+        }
+    }
+
+    /// Replaces the cached body of `seq`, if still cached.
+    pub fn replace_body(&mut self, seq: u64, body: CachedBody) {
+        if let Some(reply) = self.cache.get_mut(&seq) {
+            let before = reply.approx_bytes();
+            reply.body = body;
+            self.cache_bytes = self.cache_bytes - before + reply.approx_bytes();
+        }
+    }
+
+    /// The client received every reply below `below`: drop those bodies
+    /// (pending ones stay: they have not been sent).
+    pub fn replies_received_below(&mut self, below: u64) {
+        while let Some(entry) = self.cache.first_entry() {
+            if *entry.key() >= below || matches!(entry.get().body, CachedBody::RegionPending(_)) {
+                break;
+            }
+            self.cache_bytes -= entry.remove().approx_bytes();
+        }
+    }
+
+    /// Cached reply count and bytes (stats).
+    pub fn cached(&self) -> (usize, usize) {
+        (self.cache.len(), self.cache_bytes)
+    }
+
+    /// Executed sequence numbers in the window, ascending (digest, checks).
+    pub fn executed_seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        (self.oldest_accepted()..=self.high).filter(|&s| self.ran(s))
+    }
+
+    pub fn cached_seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.cache.keys().copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(n: usize) -> CachedReply {
+        CachedReply {
+            fingerprint: n as u64,
+            session: SessionId(1),
+            body: CachedBody::Delete(vec![DeleteOutcome::Deleted; n]),
+        }
+    }
+
+    #[test]
+    fn out_of_order_numbers_inside_the_window_run_once() {
+        let mut w = ReplyWindow::new(1, 64);
+        for seq in [5, 3, 4, 1] {
+            assert!(matches!(w.check(seq), Ok(SeqCheck::Fresh)));
+            w.record(seq, reply(seq as usize), usize::MAX);
+        }
+        for seq in [1, 3, 4, 5] {
+            match w.check(seq) {
+                Ok(SeqCheck::Executed(r)) => assert_eq!(r.fingerprint, seq),
+                other => panic!("seq {seq}: {other:?}"),
+            }
+        }
+        assert!(matches!(w.check(2), Ok(SeqCheck::Fresh)));
+        assert!(matches!(
+            w.check(0),
+            Err(DirectoryError::SequenceTooOld { .. })
+        ));
+    }
+
+    #[test]
+    fn numbers_that_left_the_window_are_too_old() {
+        let mut w = ReplyWindow::new(1, 64);
+        w.record(1, reply(1), usize::MAX);
+        w.record(100, reply(1), usize::MAX);
+        assert_eq!(w.oldest_accepted(), 37);
+        assert!(matches!(
+            w.check(36),
+            Err(DirectoryError::SequenceTooOld {
+                seq: 36,
+                oldest_accepted: 37
+            })
+        ));
+        assert!(matches!(w.check(37), Ok(SeqCheck::Fresh)));
+        // The bit of seq 1 shared its ring position with 65 and must not make
+        // 65 look executed.
+        assert!(matches!(w.check(65), Ok(SeqCheck::Fresh)));
+        assert_eq!(w.executed_seqs().collect::<Vec<_>>(), vec![100]);
+    }
+
+    #[test]
+    fn a_dropped_body_is_reported_never_rerun() {
+        let mut w = ReplyWindow::new(1, 64);
+        let limit = reply(10).approx_bytes() + 1;
+        w.record(1, reply(10), limit);
+        w.record(2, reply(10), limit);
+        assert!(matches!(w.check(1), Ok(SeqCheck::Evicted)));
+        assert!(matches!(w.check(2), Ok(SeqCheck::Executed(_))));
+        w.replies_received_below(3);
+        assert!(matches!(w.check(2), Ok(SeqCheck::Evicted)));
+        assert_eq!(w.cached(), (0, 0));
+    }
+
+    #[test]
+    fn a_floor_refuses_numbers_of_a_previous_incarnation() {
+        let w = ReplyWindow::new(500, 64);
+        assert!(matches!(
+            w.check(499),
+            Err(DirectoryError::SequenceTooOld {
+                oldest_accepted: 500,
+                ..
+            })
+        ));
+        assert!(matches!(w.check(500), Ok(SeqCheck::Fresh)));
+    }
+
+    #[test]
+    fn forget_makes_a_number_fresh_again() {
+        let mut w = ReplyWindow::new(1, 64);
+        w.record(7, reply(1), usize::MAX);
+        w.forget(7);
+        assert!(matches!(w.check(7), Ok(SeqCheck::Fresh)));
+        assert_eq!(w.cached(), (0, 0));
+    }
+}

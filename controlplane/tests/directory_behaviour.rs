@@ -1,0 +1,1629 @@
+//! Behaviour of the directory state machine, one property per test, driven
+//! directly (no server): a small fake pool manager carries out the effects.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use cxlkv_controlplane::directory::{
+    Caller, DeleteOutcome, Directory, DirectoryConfig, DirectoryError, Effect, EvictionConfig,
+    Hello, InstanceId, Layout, Location, OpKind, Peer, PresentedRegion, Reattach, ReattachKind,
+    RecoveredRegion, RegionHandle, RegionReply, RegionStatus, RegionToken, RegisterEntry,
+    RegisterOutcome, RejectReason, Reply, Sequence, SessionEndReason, SessionId, Time, UnpinEntry,
+    UnpinOutcome,
+};
+use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
+
+const L: Layout = Layout {
+    page_size_bytes: 4096,
+    fingerprint: 7,
+};
+const OTHER: Layout = Layout {
+    page_size_bytes: 8192,
+    fingerprint: 9,
+};
+const REGION_BYTES: u64 = 64 * 4096;
+const UNIX: Peer = Peer::Unix {
+    pid: 100,
+    uid: 1000,
+    gid: 1000,
+};
+const POOL: PoolId = PoolId(0);
+
+fn secs(s: u64) -> Time {
+    Time::from_nanos(s * 1_000_000_000)
+}
+
+/// The pool manager, reduced to what the directory needs from it.
+#[derive(Default)]
+struct FakePool {
+    next_region: u64,
+    live: HashMap<RegionId, RegionHandle>,
+    freed: Vec<RegionId>,
+    fail_next: bool,
+}
+
+impl FakePool {
+    /// Carries out every queued effect; returns the completed deferred
+    /// replies and the session-ended notices.
+    fn service(
+        &mut self,
+        dir: &mut Directory,
+    ) -> (
+        Vec<cxlkv_controlplane::directory::Completion>,
+        Vec<SessionId>,
+    ) {
+        let mut completions = Vec::new();
+        let mut ended = Vec::new();
+        loop {
+            let effects: Vec<Effect> = dir.drain_effects().collect();
+            if effects.is_empty() {
+                return (completions, ended);
+            }
+            for effect in effects {
+                match effect {
+                    Effect::AllocateRegion {
+                        request, len_bytes, ..
+                    } => {
+                        let result = if std::mem::take(&mut self.fail_next) {
+                            Err("pool full".to_owned())
+                        } else {
+                            self.next_region += 1;
+                            let id = RegionId(self.next_region);
+                            let handle = RegionHandle {
+                                region: id,
+                                pool: POOL,
+                                offset_bytes: self.next_region * (1 << 30),
+                                len_bytes,
+                                token: RegionToken([self.next_region as u8; 32]),
+                            };
+                            self.live.insert(id, handle);
+                            Ok(handle)
+                        };
+                        completions.extend(dir.region_allocated(request, result));
+                    }
+                    Effect::FreeRegion { handle, .. } => {
+                        let known = self.live.remove(&handle.region);
+                        assert_eq!(known, Some(handle), "free of a region not allocated");
+                        self.freed.push(handle.region);
+                    }
+                    Effect::SessionEnded { session, .. } => ended.push(session),
+                    other => panic!("unexpected effect {other:?}"),
+                }
+            }
+        }
+    }
+}
+
+/// One client instance's bookkeeping.
+#[derive(Clone)]
+struct Client {
+    name: String,
+    session: SessionId,
+    secret: cxlkv_controlplane::directory::InstanceSecret,
+    next_seq: u64,
+    notice_ack: u64,
+    regions: Vec<PresentedRegion>,
+}
+
+impl Client {
+    fn caller(&self) -> Caller {
+        Caller {
+            session: self.session,
+            notice_ack: self.notice_ack,
+        }
+    }
+
+    fn seq(&mut self) -> Sequence {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        Sequence {
+            seq,
+            replies_received_below: 0,
+        }
+    }
+}
+
+struct World {
+    dir: Directory,
+    pool: FakePool,
+    now: Time,
+    /// Sessions that keep heart-beating while time advances.
+    kept_alive: Vec<SessionId>,
+}
+
+impl World {
+    fn new() -> Self {
+        Self::with(DirectoryConfig::default())
+    }
+
+    fn with(config: DirectoryConfig) -> Self {
+        Self {
+            dir: Directory::new(config, [7; 32]).unwrap(),
+            pool: FakePool::default(),
+            now: secs(1),
+            kept_alive: Vec::new(),
+        }
+    }
+
+    fn hello(&mut self, name: &str) -> Client {
+        let w = self
+            .dir
+            .hello(
+                Hello {
+                    instance: name,
+                    quota_bytes: None,
+                },
+                UNIX,
+                self.now,
+            )
+            .unwrap();
+        Client {
+            name: name.to_owned(),
+            session: w.session,
+            secret: w.secret,
+            next_seq: 1,
+            notice_ack: 0,
+            regions: Vec::new(),
+        }
+    }
+
+    fn region(&mut self, c: &mut Client, layout: Layout) -> RegionId {
+        let seq = c.seq();
+        let reply = self
+            .dir
+            .request_region(&c.caller(), seq, layout, REGION_BYTES, self.now)
+            .unwrap();
+        let RegionReply::Deferred(d) = reply.body else {
+            panic!("a fresh request is deferred")
+        };
+        let (done, _) = self.pool.service(&mut self.dir);
+        let grant = done
+            .into_iter()
+            .find(|c| c.deferred == d)
+            .expect("completed")
+            .result
+            .unwrap()
+            .body;
+        c.regions.push(PresentedRegion {
+            handle: grant.handle,
+            layout,
+        });
+        grant.handle.region
+    }
+
+    fn register(
+        &mut self,
+        c: &mut Client,
+        entries: &[(&[u8], Location)],
+    ) -> Result<Reply<Vec<RegisterOutcome>>, DirectoryError> {
+        let seq = c.seq();
+        self.register_seq(c, seq, L, entries)
+    }
+
+    fn register_seq(
+        &mut self,
+        c: &Client,
+        seq: Sequence,
+        layout: Layout,
+        entries: &[(&[u8], Location)],
+    ) -> Result<Reply<Vec<RegisterOutcome>>, DirectoryError> {
+        self.dir.register(
+            &c.caller(),
+            seq,
+            layout,
+            entries
+                .iter()
+                .map(|&(key, location)| RegisterEntry { key, location }),
+            self.now,
+        )
+    }
+
+    fn put(&mut self, c: &mut Client, key: &[u8], loc: Location) {
+        let r = self.register(c, &[(key, loc)]).unwrap();
+        assert_eq!(r.body, vec![RegisterOutcome::Inserted], "{key:?}");
+    }
+
+    fn lookup_pin(&mut self, c: &mut Client, keys: &[&[u8]], pins: u32) -> Vec<Option<Location>> {
+        let seq = c.seq();
+        self.dir
+            .lookup(
+                &c.caller(),
+                Some(seq),
+                L,
+                keys.iter().copied(),
+                pins,
+                self.now,
+            )
+            .unwrap()
+            .body
+            .locations
+    }
+
+    fn delete(&mut self, c: &mut Client, keys: &[&[u8]]) -> Vec<DeleteOutcome> {
+        let seq = c.seq();
+        self.dir
+            .delete(&c.caller(), seq, L, keys.iter().copied(), self.now)
+            .unwrap()
+            .body
+    }
+
+    fn unpin(&mut self, c: &mut Client, keys: &[(&[u8], u32)]) -> Vec<UnpinOutcome> {
+        let seq = c.seq();
+        self.dir
+            .unpin(
+                &c.caller(),
+                seq,
+                L,
+                keys.iter().map(|&(key, count)| UnpinEntry { key, count }),
+                self.now,
+            )
+            .unwrap()
+            .body
+    }
+
+    fn exists(&mut self, c: &Client, keys: &[&[u8]]) -> Vec<bool> {
+        self.dir
+            .exists(&c.caller(), L, keys.iter().copied(), self.now)
+            .unwrap()
+            .body
+    }
+
+    fn keep_alive(&mut self, c: &Client) {
+        self.kept_alive.push(c.session);
+    }
+
+    /// Advances the clock in steps of at most a second, heart-beating the
+    /// kept-alive sessions and ticking at each step.
+    fn advance(&mut self, d: Duration) {
+        let end = self.now.saturating_add(d);
+        while self.now < end {
+            let step = end.saturating_since(self.now).min(Duration::from_secs(1));
+            self.now = self.now.saturating_add(step);
+            for &session in &self.kept_alive {
+                let caller = Caller {
+                    session,
+                    notice_ack: 0,
+                };
+                self.dir.heartbeat(&caller, self.now).unwrap();
+            }
+            self.dir.tick(self.now);
+            self.pool.service(&mut self.dir);
+            self.dir.check_invariants().unwrap();
+        }
+    }
+}
+
+fn loc(region: RegionId, page: u32, generation: u32) -> Location {
+    Location {
+        region,
+        page: PageIndex(page),
+        generation: Generation(generation),
+        len_bytes: 100,
+    }
+}
+
+// --- registry ---------------------------------------------------------------
+
+#[test]
+fn duplicate_registration_answers_the_winners_location() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    let rb = w.region(&mut b, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let r = w.register(&mut b, &[(b"k", loc(rb, 3, 1))]).unwrap();
+    assert_eq!(r.body, vec![RegisterOutcome::Duplicate(loc(ra, 0, 1))]);
+    // The loser's page is still free for another key.
+    w.put(&mut b, b"other", loc(rb, 3, 1));
+    // A repeat of the same key inside one batch: the second answers the first.
+    let r = w
+        .register(&mut a, &[(b"x", loc(ra, 1, 1)), (b"x", loc(ra, 2, 1))])
+        .unwrap();
+    assert_eq!(
+        r.body,
+        vec![
+            RegisterOutcome::Inserted,
+            RegisterOutcome::Duplicate(loc(ra, 1, 1))
+        ]
+    );
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn delete_answers_deleted_pinned_and_missing_without_conflating_them() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"free", loc(ra, 0, 1));
+    w.put(&mut a, b"held", loc(ra, 1, 1));
+    assert_eq!(w.lookup_pin(&mut b, &[b"held"], 1)[0], Some(loc(ra, 1, 1)));
+    assert_eq!(
+        w.delete(&mut b, &[b"free", b"held", b"never", b"free"]),
+        vec![
+            DeleteOutcome::Deleted,
+            DeleteOutcome::Pinned,
+            DeleteOutcome::Missing,
+            DeleteOutcome::Missing
+        ]
+    );
+    assert_eq!(w.exists(&b, &[b"free", b"held"]), vec![false, true]);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn registration_is_rejected_outside_the_callers_regions_other_layouts_and_bad_pages() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    let rb = w.region(&mut b, L);
+    let r_other = w.region(&mut a, OTHER);
+    let mut short = loc(ra, 5, 1);
+    short.len_bytes = 0;
+    let mut long = loc(ra, 6, 1);
+    long.len_bytes = 4097;
+    let r = w
+        .register(
+            &mut a,
+            &[
+                (b"1", loc(rb, 0, 1)),
+                (b"2", loc(r_other, 0, 1)),
+                (b"3", loc(ra, 64, 1)),
+                (b"4", short),
+                (b"5", long),
+            ],
+        )
+        .unwrap();
+    assert_eq!(
+        r.body,
+        vec![
+            RegisterOutcome::Rejected(RejectReason::NotOwner { region: rb }),
+            RegisterOutcome::Rejected(RejectReason::WrongLayout { region: r_other }),
+            RegisterOutcome::Rejected(RejectReason::PageOutOfRange {
+                page: PageIndex(64),
+                pages: 64
+            }),
+            RegisterOutcome::Rejected(RejectReason::BadLength {
+                len_bytes: 0,
+                page_size_bytes: 4096
+            }),
+            RegisterOutcome::Rejected(RejectReason::BadLength {
+                len_bytes: 4097,
+                page_size_bytes: 4096
+            }),
+        ]
+    );
+    assert_eq!(w.dir.stats(w.now).keys, 0);
+}
+
+#[test]
+fn stale_generations_and_pages_in_use_are_rejected() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k1", loc(ra, 0, 5));
+    let r = w.register(&mut a, &[(b"k2", loc(ra, 0, 6))]).unwrap();
+    assert_eq!(
+        r.body,
+        vec![RegisterOutcome::Rejected(RejectReason::PageInUse {
+            page: PageIndex(0)
+        })]
+    );
+    assert_eq!(w.delete(&mut a, &[b"k1"]), vec![DeleteOutcome::Deleted]);
+    for generation in [4, 5] {
+        let r = w
+            .register(&mut a, &[(b"k2", loc(ra, 0, generation))])
+            .unwrap();
+        assert_eq!(
+            r.body,
+            vec![RegisterOutcome::Rejected(RejectReason::StaleGeneration {
+                generation: Generation(generation),
+                newest_seen: Generation(5)
+            })]
+        );
+    }
+    w.put(&mut a, b"k2", loc(ra, 0, 6));
+    assert_eq!(w.dir.stats(w.now).outcomes.stale_generation, 2);
+}
+
+#[test]
+fn a_reader_of_one_layout_never_sees_a_key_of_another() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let r_other = w.region(&mut a, OTHER);
+    let seq = a.seq();
+    let r = w
+        .register_seq(&a, seq, OTHER, &[(b"k", loc(r_other, 0, 1))])
+        .unwrap();
+    assert_eq!(r.body, vec![RegisterOutcome::Inserted]);
+    assert_eq!(w.exists(&a, &[b"k"]), vec![false]);
+    let found = w
+        .dir
+        .exists(&a.caller(), OTHER, [&b"k"[..]], w.now)
+        .unwrap()
+        .body;
+    assert_eq!(found, vec![true]);
+}
+
+#[test]
+fn lookup_pins_atomically_and_lists_each_region_once() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let r1 = w.region(&mut a, L);
+    let r2 = w.region(&mut a, L);
+    w.put(&mut a, b"x", loc(r1, 0, 1));
+    w.put(&mut a, b"y", loc(r1, 1, 1));
+    w.put(&mut a, b"z", loc(r2, 0, 1));
+    let seq = b.seq();
+    let reply = w
+        .dir
+        .lookup(
+            &b.caller(),
+            Some(seq),
+            L,
+            [&b"x"[..], b"nope", b"y", b"z"],
+            2,
+            w.now,
+        )
+        .unwrap()
+        .body;
+    assert_eq!(
+        reply.locations,
+        vec![
+            Some(loc(r1, 0, 1)),
+            None,
+            Some(loc(r1, 1, 1)),
+            Some(loc(r2, 0, 1))
+        ]
+    );
+    let regions: Vec<RegionId> = reply.regions.iter().map(|d| d.region).collect();
+    assert_eq!(regions, vec![r1, r2]);
+    assert!(reply.regions.iter().all(|d| d.page_size_bytes == 4096));
+    let stats = w.dir.stats(w.now);
+    assert_eq!((stats.pins, stats.pinned_keys), (6, 3));
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn unpin_never_underflows_and_reports_double_unpins() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    w.lookup_pin(&mut b, &[b"k"], 2);
+    w.lookup_pin(&mut a, &[b"k"], 1);
+    assert_eq!(w.unpin(&mut b, &[(b"k", 3)]), vec![UnpinOutcome::NotPinned]);
+    assert_eq!(
+        w.unpin(&mut b, &[(b"k", 1), (b"k", 1), (b"k", 1), (b"missing", 1)]),
+        vec![
+            UnpinOutcome::Unpinned,
+            UnpinOutcome::Unpinned,
+            UnpinOutcome::NotPinned,
+            UnpinOutcome::NotPinned
+        ]
+    );
+    // a's pin is untouched by b's unpins.
+    assert_eq!(w.delete(&mut b, &[b"k"]), vec![DeleteOutcome::Pinned]);
+    assert_eq!(w.unpin(&mut a, &[(b"k", 1)]), vec![UnpinOutcome::Unpinned]);
+    assert_eq!(w.delete(&mut b, &[b"k"]), vec![DeleteOutcome::Deleted]);
+    assert_eq!(w.dir.stats(w.now).outcomes.not_pinned, 3);
+    w.dir.check_invariants().unwrap();
+}
+
+// --- sessions, pins and regions across deaths -------------------------------
+
+#[test]
+fn session_death_releases_its_pins_and_defers_or_frees_its_regions() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let with_keys = w.region(&mut a, L);
+    let empty = w.region(&mut a, L);
+    w.put(&mut a, b"k1", loc(with_keys, 0, 1));
+    w.put(&mut a, b"k2", loc(with_keys, 1, 1));
+    w.lookup_pin(&mut a, &[b"k1"], 3);
+    assert_eq!(w.delete(&mut b, &[b"k1"]), vec![DeleteOutcome::Pinned]);
+
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.dir.check_invariants().unwrap();
+    assert_eq!(w.dir.stats(w.now).pins, 0, "pins die with the session");
+    // Within the grace period nothing is freed.
+    w.advance(Duration::from_secs(29));
+    assert!(w.pool.freed.is_empty());
+    // After it, the empty region is freed, the other deferred; keys readable.
+    w.advance(Duration::from_secs(2));
+    assert_eq!(w.pool.freed, vec![empty]);
+    assert_eq!(w.exists(&b, &[b"k1", b"k2"]), vec![true, true]);
+    let stats = w.dir.stats(w.now);
+    assert_eq!((stats.orphaned_regions, stats.instances), (1, 1));
+    // The deferred region goes with its last key.
+    assert_eq!(w.delete(&mut b, &[b"k1"]), vec![DeleteOutcome::Deleted]);
+    w.pool.service(&mut w.dir);
+    assert_eq!(w.pool.freed, vec![empty]);
+    assert_eq!(w.delete(&mut b, &[b"k2"]), vec![DeleteOutcome::Deleted]);
+    w.pool.service(&mut w.dir);
+    assert_eq!(w.pool.freed, vec![empty, with_keys]);
+    assert!(w.pool.live.keys().all(|r| !w.pool.freed.contains(r)));
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn an_idle_session_expires_with_its_lease_and_is_told_so() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    w.lookup_pin(&mut b, &[b"k"], 1);
+    for _ in 0..3 {
+        w.now = w.now.saturating_add(Duration::from_secs(4));
+        w.dir.heartbeat(&a.caller(), w.now).unwrap();
+        w.dir.tick(w.now);
+    }
+    let (_, ended) = w.pool.service(&mut w.dir);
+    assert_eq!(ended, vec![b.session], "b sent nothing for 12 s");
+    assert_eq!(
+        w.dir.heartbeat(&b.caller(), w.now),
+        Err(DirectoryError::SessionEnded { session: b.session })
+    );
+    assert_eq!(w.delete(&mut a, &[b"k"]), vec![DeleteOutcome::Deleted]);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn admin_end_session_releases_pins_and_fails_the_next_call_clearly() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let mut reader = w.hello("reader");
+    w.lookup_pin(&mut reader, &[b"k"], 4);
+    let ended = w.dir.end_session(reader.session, w.now).unwrap();
+    assert_eq!(ended.pins_released, 4);
+    assert!(ended.instance_left_without_sessions);
+    let (_, notified) = w.pool.service(&mut w.dir);
+    assert_eq!(notified, vec![reader.session]);
+    assert_eq!(
+        w.dir.exists(&reader.caller(), L, [&b"k"[..]], w.now),
+        Err(DirectoryError::SessionEnded {
+            session: reader.session
+        })
+    );
+    assert_eq!(
+        w.dir.end_session(SessionId(999), w.now),
+        Err(DirectoryError::UnknownSession {
+            session: SessionId(999)
+        })
+    );
+    assert_eq!(w.delete(&mut a, &[b"k"]), vec![DeleteOutcome::Deleted]);
+}
+
+#[test]
+fn long_held_pins_are_reported_in_stats() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"old", loc(ra, 0, 1));
+    w.put(&mut a, b"new", loc(ra, 1, 1));
+    w.lookup_pin(&mut a, &[b"old"], 2);
+    w.now = w.now.saturating_add(Duration::from_secs(50));
+    w.lookup_pin(&mut a, &[b"new"], 1);
+    w.now = w.now.saturating_add(Duration::from_secs(20));
+    let stats = w.dir.stats(w.now);
+    assert_eq!(stats.long_held_pins.count, 1);
+    assert_eq!(stats.long_held_pins.oldest[0].pins, 2);
+    assert_eq!(
+        stats.long_held_pins.oldest[0].held_for,
+        Duration::from_secs(70)
+    );
+}
+
+#[test]
+fn hello_takes_over_an_instance_without_sessions_only_for_the_same_user() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    assert!(matches!(
+        w.dir.hello(
+            Hello {
+                instance: "a",
+                quota_bytes: None
+            },
+            UNIX,
+            w.now
+        ),
+        Err(DirectoryError::InstanceIdInUse { .. })
+    ));
+    w.dir.session_closed(a.session, w.now);
+    let stranger = Peer::Unix {
+        pid: 5,
+        uid: 2000,
+        gid: 2000,
+    };
+    assert!(matches!(
+        w.dir.hello(
+            Hello {
+                instance: "a",
+                quota_bytes: None
+            },
+            stranger,
+            w.now
+        ),
+        Err(DirectoryError::InstanceIdInUse { .. })
+    ));
+    let a2 = w.hello("a");
+    assert_ne!(a2.secret, a.secret);
+    w.pool.service(&mut w.dir);
+    // The old incarnation is gone: its region is orphaned, its key readable.
+    assert_eq!(w.exists(&a2, &[b"k"]), vec![true]);
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 1);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn tcp_peers_need_the_client_secret_unless_disabled() {
+    let mut w = World::new();
+    let before = w.dir.state_digest();
+    assert_eq!(
+        w.dir
+            .hello(
+                Hello {
+                    instance: "t",
+                    quota_bytes: None
+                },
+                Peer::Tcp {
+                    secret_matched: false
+                },
+                w.now
+            )
+            .unwrap_err(),
+        DirectoryError::TcpSecretRequired
+    );
+    assert_eq!(w.dir.state_digest(), before);
+    w.dir
+        .hello(
+            Hello {
+                instance: "t",
+                quota_bytes: None,
+            },
+            Peer::Tcp {
+                secret_matched: true,
+            },
+            w.now,
+        )
+        .unwrap();
+    let mut open = World::with(DirectoryConfig {
+        tcp_requires_secret: false,
+        ..DirectoryConfig::default()
+    });
+    open.dir
+        .hello(
+            Hello {
+                instance: "t",
+                quota_bytes: None,
+            },
+            Peer::Tcp {
+                secret_matched: false,
+            },
+            open.now,
+        )
+        .unwrap();
+}
+
+// --- exactly-once -------------------------------------------------------------
+
+#[test]
+fn a_retried_request_gets_its_original_reply_without_running_again() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+
+    // Register, reply dropped, retried: same reply, one key.
+    let seq = a.seq();
+    let first = w
+        .register_seq(&a, seq, L, &[(b"k", loc(ra, 0, 1))])
+        .unwrap();
+    let again = w
+        .register_seq(&a, seq, L, &[(b"k", loc(ra, 0, 1))])
+        .unwrap();
+    assert_eq!(first.body, again.body);
+    assert_eq!(again.body, vec![RegisterOutcome::Inserted]);
+
+    // A pinning lookup retried on its session: pins taken once.
+    let seq = b.seq();
+    let l1 = w
+        .dir
+        .lookup(&b.caller(), Some(seq), L, [&b"k"[..]], 1, w.now)
+        .unwrap();
+    let l2 = w
+        .dir
+        .lookup(&b.caller(), Some(seq), L, [&b"k"[..]], 1, w.now)
+        .unwrap();
+    assert_eq!(l1.body, l2.body);
+    assert_eq!(w.dir.stats(w.now).pins, 1);
+
+    // Unpin retried: released once (a second real unpin would say NotPinned).
+    let seq = b.seq();
+    let entries = [UnpinEntry {
+        key: b"k",
+        count: 1,
+    }];
+    let u1 = w.dir.unpin(&b.caller(), seq, L, entries, w.now).unwrap();
+    let u2 = w.dir.unpin(&b.caller(), seq, L, entries, w.now).unwrap();
+    assert_eq!(u1.body, vec![UnpinOutcome::Unpinned]);
+    assert_eq!(u2.body, u1.body);
+
+    // Delete retried after the key is gone: still "Deleted", not "Missing".
+    let seq = b.seq();
+    let d1 = w
+        .dir
+        .delete(&b.caller(), seq, L, [&b"k"[..]], w.now)
+        .unwrap();
+    let d2 = w
+        .dir
+        .delete(&b.caller(), seq, L, [&b"k"[..]], w.now)
+        .unwrap();
+    assert_eq!(d1.body, vec![DeleteOutcome::Deleted]);
+    assert_eq!(d2.body, d1.body);
+    assert_eq!(w.dir.stats(w.now).outcomes.retries_answered, 4);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn a_retry_after_reconnect_is_answered_on_the_new_session() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    let seq = a.seq();
+    let first = w
+        .register_seq(&a, seq, L, &[(b"k", loc(ra, 0, 1))])
+        .unwrap();
+    // The connection breaks before the reply arrives.
+    w.dir.session_closed(a.session, w.now);
+    let back = w
+        .dir
+        .reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &a.regions,
+                next_seq: a.next_seq,
+                notice_ack: 0,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    assert_eq!(back.kind, ReattachKind::Resumed);
+    assert_eq!(back.regions, vec![RegionStatus::Confirmed]);
+    a.session = back.session;
+    let again = w
+        .register_seq(&a, seq, L, &[(b"k", loc(ra, 0, 1))])
+        .unwrap();
+    assert_eq!(again.body, first.body);
+    assert_eq!(w.dir.stats(w.now).keys, 1);
+}
+
+#[test]
+fn a_region_request_retried_while_pending_or_after_the_grant_gets_the_same_region() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let seq = a.seq();
+    let r1 = w
+        .dir
+        .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    let r2 = w
+        .dir
+        .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    let (RegionReply::Deferred(d1), RegionReply::Deferred(d2)) = (r1.body, r2.body) else {
+        panic!("both deferred")
+    };
+    assert_ne!(d1, d2);
+    let (done, _) = w.pool.service(&mut w.dir);
+    assert_eq!(
+        done.len(),
+        2,
+        "the original and its retry complete together"
+    );
+    let g = done[0].result.clone().unwrap().body;
+    assert_eq!(done[1].result.clone().unwrap().body, g);
+    let r3 = w
+        .dir
+        .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert_eq!(r3.body, RegionReply::Granted(g));
+    assert_eq!(w.pool.live.len(), 1, "one region allocated");
+    assert_eq!(w.dir.stats(w.now).per_instance[0].owned_bytes, REGION_BYTES);
+}
+
+#[test]
+fn a_failed_region_request_does_not_consume_its_sequence_number() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let seq = a.seq();
+    w.pool.fail_next = true;
+    w.dir
+        .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    let (done, _) = w.pool.service(&mut w.dir);
+    assert!(matches!(
+        done[0].result,
+        Err(DirectoryError::RegionAllocationFailed { .. })
+    ));
+    let retry = w
+        .dir
+        .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert!(matches!(retry.body, RegionReply::Deferred(_)));
+    let (done, _) = w.pool.service(&mut w.dir);
+    assert!(done[0].result.is_ok());
+}
+
+#[test]
+fn a_pinning_lookup_retried_on_another_session_is_refused() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let seq = a.seq();
+    w.dir
+        .lookup(&a.caller(), Some(seq), L, [&b"k"[..]], 1, w.now)
+        .unwrap();
+    let old = a.session;
+    w.dir.session_closed(old, w.now);
+    let back = w
+        .dir
+        .reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &a.regions,
+                next_seq: a.next_seq,
+                notice_ack: 0,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    a.session = back.session;
+    assert_eq!(
+        w.dir
+            .lookup(&a.caller(), Some(seq), L, [&b"k"[..]], 1, w.now)
+            .unwrap_err(),
+        DirectoryError::PinsHeldByOtherSession {
+            seq: seq.seq,
+            original: old
+        }
+    );
+    assert_eq!(w.dir.stats(w.now).pins, 0);
+}
+
+#[test]
+fn sequence_numbers_out_of_the_window_or_reused_are_refused() {
+    let mut w = World::with(DirectoryConfig {
+        reply_window: 64,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    let seq = Sequence {
+        seq: 200,
+        replies_received_below: 0,
+    };
+    w.register_seq(&a, seq, L, &[(b"k", loc(ra, 0, 1))])
+        .unwrap();
+    let before = w.dir.state_digest();
+    let old = Sequence {
+        seq: 100,
+        replies_received_below: 0,
+    };
+    assert_eq!(
+        w.register_seq(&a, old, L, &[(b"j", loc(ra, 1, 1))])
+            .unwrap_err(),
+        DirectoryError::SequenceTooOld {
+            seq: 100,
+            oldest_accepted: 137
+        }
+    );
+    assert_eq!(
+        w.register_seq(&a, seq, L, &[(b"j", loc(ra, 1, 1))])
+            .unwrap_err(),
+        DirectoryError::SequenceReused { seq: 200 }
+    );
+    // Out of order inside the window: runs.
+    let late = Sequence {
+        seq: 150,
+        replies_received_below: 0,
+    };
+    assert_eq!(
+        w.register_seq(&a, late, L, &[(b"j", loc(ra, 1, 1))])
+            .unwrap()
+            .body,
+        vec![RegisterOutcome::Inserted]
+    );
+    assert_ne!(w.dir.state_digest(), before);
+    let stats = w.dir.stats(w.now);
+    assert_eq!(stats.outcomes.sequence_too_old, 1);
+}
+
+#[test]
+fn mutations_without_a_sequence_number_are_refused() {
+    let mut w = World::new();
+    let a = w.hello("a");
+    assert_eq!(
+        w.dir
+            .lookup(&a.caller(), None, L, [&b"k"[..]], 1, w.now)
+            .unwrap_err(),
+        DirectoryError::MissingSequence { op: OpKind::Lookup }
+    );
+    // Without pins a lookup is a plain read.
+    w.dir
+        .lookup(&a.caller(), None, L, [&b"k"[..]], 0, w.now)
+        .unwrap();
+}
+
+// --- freed-page notices -------------------------------------------------------
+
+#[test]
+fn freed_page_notices_are_resent_until_acknowledged() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k1", loc(ra, 0, 1));
+    w.put(&mut a, b"k2", loc(ra, 1, 3));
+    // b deletes; its reply carries no notice for b (not the owner).
+    let seq = b.seq();
+    let r = w
+        .dir
+        .delete(&b.caller(), seq, L, [&b"k1"[..], b"k2"], w.now)
+        .unwrap();
+    assert!(r.notices.is_empty());
+    // a's next reply carries both; the reply is "dropped"; the next one too.
+    let first = w.dir.heartbeat(&a.caller(), w.now).unwrap().notices;
+    let second = w.dir.heartbeat(&a.caller(), w.now).unwrap().notices;
+    assert_eq!(first, second);
+    let pages: Vec<(u64, u32, u32)> = first
+        .iter()
+        .map(|n| (n.seq, n.page.0, n.generation.0))
+        .collect();
+    assert_eq!(pages, vec![(1, 0, 1), (2, 1, 3)]);
+    // a applies the first only and acknowledges it: the second stays.
+    a.notice_ack = 1;
+    let third = w.dir.heartbeat(&a.caller(), w.now).unwrap().notices;
+    assert_eq!(third.iter().map(|n| n.seq).collect::<Vec<_>>(), vec![2]);
+    a.notice_ack = 2;
+    assert!(
+        w.dir
+            .heartbeat(&a.caller(), w.now)
+            .unwrap()
+            .notices
+            .is_empty()
+    );
+    // An acknowledgement ahead of what was issued is refused.
+    a.notice_ack = 3;
+    assert_eq!(
+        w.dir.heartbeat(&a.caller(), w.now).unwrap_err(),
+        DirectoryError::NoticeAckAhead {
+            ack: 3,
+            highest_issued: 2
+        }
+    );
+}
+
+#[test]
+fn notices_per_response_are_bounded_and_a_full_queue_refuses_deletes() {
+    let mut w = World::with(DirectoryConfig {
+        notices_per_response: 2,
+        notice_queue_limit: 4,
+        max_batch: 4,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    let keys: Vec<Vec<u8>> = (0..6u8).map(|i| vec![b'k', i]).collect();
+    for (i, k) in keys.iter().enumerate() {
+        w.put(&mut a, k, loc(ra, i as u32, 1));
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    assert_eq!(
+        w.delete(&mut b, &refs[..3]),
+        vec![DeleteOutcome::Deleted; 3]
+    );
+    assert_eq!(
+        w.dir.heartbeat(&a.caller(), w.now).unwrap().notices.len(),
+        2
+    );
+    let before = w.dir.state_digest();
+    let seq = b.seq();
+    assert!(matches!(
+        w.dir
+            .delete(&b.caller(), seq, L, refs[3..5].iter().copied(), w.now),
+        Err(DirectoryError::NoticeBacklog {
+            pending: 3,
+            max: 4,
+            ..
+        })
+    ));
+    assert_eq!(w.dir.state_digest(), before);
+    a.notice_ack = 3;
+    w.dir.heartbeat(&a.caller(), w.now).unwrap();
+    assert_eq!(
+        w.delete(&mut b, &refs[3..5]),
+        vec![DeleteOutcome::Deleted; 2]
+    );
+}
+
+#[test]
+fn a_gone_owner_gets_no_notices_and_its_pages_die_with_the_region() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.delete(&mut b, &[b"k"]), vec![DeleteOutcome::Deleted]);
+    assert_eq!(w.dir.stats(w.now).outcomes.notices_issued, 0);
+    w.pool.service(&mut w.dir);
+    assert_eq!(w.pool.freed, vec![ra]);
+}
+
+// --- capacity -------------------------------------------------------------------
+
+#[test]
+fn the_quota_counts_region_bytes_owned_and_pending() {
+    let mut w = World::new();
+    let h = w
+        .dir
+        .hello(
+            Hello {
+                instance: "q",
+                quota_bytes: Some(REGION_BYTES * 2),
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    assert_eq!(h.quota_bytes, Some(REGION_BYTES * 2));
+    let mut q = Client {
+        name: "q".into(),
+        session: h.session,
+        secret: h.secret,
+        next_seq: 1,
+        notice_ack: 0,
+        regions: Vec::new(),
+    };
+    w.region(&mut q, L);
+    let seq = q.seq();
+    // Pending (not yet granted) bytes count too.
+    w.dir
+        .request_region(&q.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    let seq = q.seq();
+    assert_eq!(
+        w.dir
+            .request_region(&q.caller(), seq, L, REGION_BYTES, w.now)
+            .unwrap_err(),
+        DirectoryError::QuotaExceeded {
+            quota_bytes: REGION_BYTES * 2,
+            owned_bytes: REGION_BYTES * 2,
+            requested_bytes: REGION_BYTES
+        }
+    );
+    w.pool.service(&mut w.dir);
+    let r = q.regions[0].handle.region;
+    let seq = q.seq();
+    w.dir.return_region(&q.caller(), seq, r, w.now).unwrap();
+    w.pool.service(&mut w.dir);
+    assert_eq!(w.pool.freed, vec![r]);
+    w.region(&mut q, L);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn a_server_maximum_caps_every_quota() {
+    let mut w = World::with(DirectoryConfig {
+        max_instance_quota_bytes: Some(REGION_BYTES),
+        ..DirectoryConfig::default()
+    });
+    let greedy = w
+        .dir
+        .hello(
+            Hello {
+                instance: "g",
+                quota_bytes: Some(u64::MAX),
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    assert_eq!(greedy.quota_bytes, Some(REGION_BYTES));
+    let silent = w
+        .dir
+        .hello(
+            Hello {
+                instance: "s",
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    assert_eq!(silent.quota_bytes, Some(REGION_BYTES));
+}
+
+#[test]
+fn return_region_refuses_regions_with_keys_or_of_others() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let seq = a.seq();
+    assert_eq!(
+        w.dir
+            .return_region(&a.caller(), seq, ra, w.now)
+            .unwrap_err(),
+        DirectoryError::RegionNotEmpty {
+            region: ra,
+            keys: 1
+        }
+    );
+    let seq = b.seq();
+    assert_eq!(
+        w.dir
+            .return_region(&b.caller(), seq, ra, w.now)
+            .unwrap_err(),
+        DirectoryError::NotRegionOwner { region: ra }
+    );
+    let seq = b.seq();
+    assert_eq!(
+        w.dir
+            .return_region(&b.caller(), seq, RegionId(999), w.now)
+            .unwrap_err(),
+        DirectoryError::UnknownRegion {
+            region: RegionId(999)
+        }
+    );
+}
+
+fn eviction_world(lru: bool) -> World {
+    World::with(DirectoryConfig {
+        eviction: EvictionConfig {
+            lru,
+            max_evictions_per_tick: 3,
+            ..EvictionConfig::default()
+        },
+        ..DirectoryConfig::default()
+    })
+}
+
+#[test]
+fn orphaned_keys_are_evicted_above_the_watermark_but_never_a_pinned_one() {
+    let mut w = eviction_world(false);
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let old = w.region(&mut a, L);
+    let young = w.region(&mut a, L);
+    for p in 0..4 {
+        w.put(&mut a, &[b'o', p as u8], loc(old, p, 1));
+        w.put(&mut a, &[b'y', p as u8], loc(young, p, 1));
+    }
+    w.lookup_pin(&mut b, &[b"o\x02"], 1);
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 2);
+    // Below the watermark nothing is evicted.
+    w.dir
+        .pool_usage(POOL, 100 * REGION_BYTES, 50 * REGION_BYTES);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.dir.stats(w.now).keys, 8);
+    // Above it, keys go, 3 per tick, oldest orphan first, the pinned one stays.
+    w.dir.pool_usage(POOL, 10 * REGION_BYTES, 0);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.dir.stats(w.now).evictions.orphan_keys, 3);
+    assert_eq!(w.exists(&b, &[b"o\x02"]), vec![true]);
+    w.advance(Duration::from_millis(100));
+    w.advance(Duration::from_millis(100));
+    let stats = w.dir.stats(w.now);
+    assert_eq!(stats.keys, 1, "all but the pinned key evicted");
+    assert_eq!(
+        w.pool.freed,
+        vec![young],
+        "the region with a pinned key stays"
+    );
+    assert_eq!(w.exists(&b, &[b"o\x02"]), vec![true]);
+    assert_eq!(
+        w.unpin(&mut b, &[(b"o\x02", 1)]),
+        vec![UnpinOutcome::Unpinned]
+    );
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.pool.freed, vec![young, old]);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn lru_eviction_takes_the_least_recent_unpinned_keys_and_notifies_owners() {
+    let mut w = eviction_world(true);
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    // 64 pages; fill 62 (> 95 %).
+    let keys: Vec<Vec<u8>> = (0..62u32).map(|i| i.to_le_bytes().to_vec()).collect();
+    for (i, k) in keys.iter().enumerate() {
+        w.put(&mut a, k, loc(ra, i as u32, 1));
+    }
+    // Key 0 is pinned, key 1 recently used: neither may go first.
+    w.lookup_pin(&mut a, &[&keys[0]], 1);
+    w.dir
+        .lookup(&a.caller(), None, L, [&keys[1][..]], 0, w.now)
+        .unwrap();
+    w.dir.pool_usage(POOL, REGION_BYTES, 0);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.dir.stats(w.now).evictions.lru_keys, 3);
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    let present = w.exists(&a, &refs);
+    assert_eq!(&present[..5], &[true, true, false, false, false]);
+    // Fill falls to 59/64 < 95 % but stays above 90 %: eviction continues.
+    w.advance(Duration::from_millis(100));
+    w.advance(Duration::from_millis(100));
+    let stats = w.dir.stats(w.now);
+    assert_eq!(stats.keys, 57, "down to 90 % (57.6 pages)");
+    assert_eq!(w.exists(&a, &[&keys[0], &keys[1]]), vec![true, true]);
+    let notices = w.dir.heartbeat(&a.caller(), w.now).unwrap().notices;
+    assert_eq!(notices.len(), 5, "the owner gets its pages back");
+    w.dir.check_invariants().unwrap();
+}
+
+// --- restart --------------------------------------------------------------------
+
+#[test]
+fn after_a_restart_owners_reattach_with_tokens_and_reregister_and_strays_are_freed() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let mut gone = w.hello("gone");
+    let ra1 = w.region(&mut a, L);
+    let ra2 = w.region(&mut a, L);
+    let rg = w.region(&mut gone, L);
+    w.put(&mut a, b"k", loc(ra1, 0, 1));
+    w.put(&mut gone, b"g", loc(rg, 0, 1));
+
+    // The directory restarts; the pool manager still holds the regions.
+    let recovered: Vec<RecoveredRegion> = [(&a, ra1), (&a, ra2), (&gone, rg)]
+        .iter()
+        .map(|(c, r)| RecoveredRegion {
+            handle: w.pool.live[r],
+            owner: InstanceId::new(&c.name).unwrap(),
+        })
+        .collect();
+    w.dir = Directory::recover(DirectoryConfig::default(), [8; 32], w.now, recovered).unwrap();
+    w.dir.check_invariants().unwrap();
+
+    // Someone else cannot claim "a" with a name alone...
+    assert!(matches!(
+        w.dir.hello(
+            Hello {
+                instance: "a",
+                quota_bytes: None
+            },
+            UNIX,
+            w.now
+        ),
+        Err(DirectoryError::InstanceIdInUse { .. })
+    ));
+    let forged = PresentedRegion {
+        handle: RegionHandle {
+            token: RegionToken([0xEE; 32]),
+            ..w.pool.live[&ra1]
+        },
+        layout: L,
+    };
+    assert!(matches!(
+        w.dir.reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &[forged],
+                next_seq: 1,
+                notice_ack: 0,
+                quota_bytes: None
+            },
+            UNIX,
+            w.now
+        ),
+        Err(DirectoryError::OwnershipNotProven { .. })
+    ));
+    // ...but a presents its tokens (it kept only ra1 in mind).
+    let back = w
+        .dir
+        .reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &a.regions[..1],
+                next_seq: a.next_seq,
+                notice_ack: a.notice_ack,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    assert_eq!(back.kind, ReattachKind::Recovered);
+    assert_eq!(back.regions, vec![RegionStatus::Confirmed]);
+    assert_eq!(back.oldest_accepted_seq, a.next_seq);
+    a.session = back.session;
+    w.keep_alive(&a);
+    let (_, _) = w.pool.service(&mut w.dir);
+    assert_eq!(
+        w.pool.freed,
+        vec![ra2],
+        "the region a did not present is freed"
+    );
+    // Requests sent to the previous incarnation are void.
+    let stale = Sequence {
+        seq: a.next_seq - 1,
+        replies_received_below: 0,
+    };
+    assert!(matches!(
+        w.register_seq(&a, stale, L, &[(b"k", loc(ra1, 0, 1))]),
+        Err(DirectoryError::SequenceTooOld { .. })
+    ));
+    w.put(&mut a, b"k", loc(ra1, 0, 1));
+    assert_eq!(w.exists(&a, &[b"k", b"g"]), vec![true, false]);
+
+    // "gone" never comes back: its region is freed after the grace period.
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.pool.freed, vec![ra2, rg]);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn reattach_with_a_wrong_secret_is_refused_and_changes_nothing() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    w.region(&mut a, L);
+    let before = w.dir.state_digest();
+    let mut wrong = a.secret;
+    wrong.0[0] ^= 1;
+    assert!(matches!(
+        w.dir.reattach(
+            Reattach {
+                instance: "a",
+                secret: wrong,
+                regions: &a.regions,
+                next_seq: 1,
+                notice_ack: 0,
+                quota_bytes: None
+            },
+            UNIX,
+            w.now
+        ),
+        Err(DirectoryError::SecretMismatch { .. })
+    ));
+    assert_eq!(w.dir.state_digest(), before);
+}
+
+// --- bad input --------------------------------------------------------------------
+
+#[test]
+fn bad_input_is_refused_with_its_error_and_changes_no_state() {
+    let mut w = World::with(DirectoryConfig {
+        max_batch: 8,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let before = w.dir.state_digest();
+    let c = a.caller();
+    let s = Sequence {
+        seq: a.next_seq,
+        replies_received_below: 0,
+    };
+    let long = vec![0u8; 513];
+    let nine: Vec<&[u8]> = vec![b"k"; 9];
+    let bad_layout = Layout {
+        page_size_bytes: 1000,
+        fingerprint: 0,
+    };
+    let cases: Vec<(&str, DirectoryError, Result<(), DirectoryError>)> = vec![
+        (
+            "unknown region",
+            DirectoryError::UnknownRegion {
+                region: RegionId(77),
+            },
+            w.register_seq(
+                &a,
+                s,
+                L,
+                &[(b"n", loc(ra, 1, 1)), (b"m", loc(RegionId(77), 0, 1))],
+            )
+            .map(drop),
+        ),
+        (
+            "oversized key",
+            DirectoryError::KeyLength {
+                index: 1,
+                len_bytes: 513,
+                max_bytes: 512,
+            },
+            w.dir
+                .lookup(&c, Some(s), L, [&b"k"[..], &long], 1, w.now)
+                .map(drop),
+        ),
+        (
+            "empty key",
+            DirectoryError::KeyLength {
+                index: 0,
+                len_bytes: 0,
+                max_bytes: 512,
+            },
+            w.dir.delete(&c, s, L, [&b""[..]], w.now).map(drop),
+        ),
+        (
+            "batch over limit",
+            DirectoryError::BatchTooLarge { len: 9, max: 8 },
+            w.dir.exists(&c, L, nine.iter().copied(), w.now).map(drop),
+        ),
+        (
+            "invalid layout",
+            DirectoryError::InvalidLayout {
+                page_size_bytes: 1000,
+                max_bytes: 1 << 30,
+            },
+            w.dir
+                .delete(&c, s, bad_layout, [&b"k"[..]], w.now)
+                .map(drop),
+        ),
+        (
+            "too many pins",
+            DirectoryError::InvalidPinCount {
+                pins: 5000,
+                max: 1024,
+            },
+            w.dir
+                .lookup(&c, Some(s), L, [&b"k"[..]], 5000, w.now)
+                .map(drop),
+        ),
+        (
+            "unpin of zero",
+            DirectoryError::InvalidUnpinCount { index: 0 },
+            w.dir
+                .unpin(
+                    &c,
+                    s,
+                    L,
+                    [UnpinEntry {
+                        key: b"k",
+                        count: 0,
+                    }],
+                    w.now,
+                )
+                .map(drop),
+        ),
+        (
+            "unknown session",
+            DirectoryError::UnknownSession {
+                session: SessionId(4242),
+            },
+            w.dir
+                .delete(
+                    &Caller {
+                        session: SessionId(4242),
+                        notice_ack: 0,
+                    },
+                    s,
+                    L,
+                    [&b"k"[..]],
+                    w.now,
+                )
+                .map(drop),
+        ),
+        (
+            "region too small",
+            DirectoryError::InvalidRegionLength {
+                len_bytes: 100,
+                page_size_bytes: 4096,
+                max_bytes: 1 << 40,
+            },
+            w.dir.request_region(&c, s, L, 100, w.now).map(drop),
+        ),
+        (
+            "bad instance id",
+            DirectoryError::InvalidInstanceId {
+                len_bytes: 0,
+                max_bytes: 128,
+            },
+            w.dir
+                .hello(
+                    Hello {
+                        instance: "",
+                        quota_bytes: None,
+                    },
+                    UNIX,
+                    w.now,
+                )
+                .map(drop),
+        ),
+    ];
+    for (what, expected, got) in cases {
+        assert_eq!(got, Err(expected), "{what}");
+    }
+    assert!(w.dir.drain_effects().next().is_none());
+    assert_eq!(
+        w.dir.state_digest(),
+        before,
+        "refused requests changed state"
+    );
+    // The sequence number was not consumed: it still works.
+    assert_eq!(
+        w.register_seq(&a, s, L, &[(b"n", loc(ra, 1, 1))])
+            .unwrap()
+            .body,
+        vec![RegisterOutcome::Inserted]
+    );
+    let stats = w.dir.stats(w.now);
+    let errors: u64 = stats.ops.iter().map(|o| o.counters.errors).sum();
+    assert_eq!(errors, 10);
+}
+
+#[test]
+fn every_reply_carries_the_callers_usage() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.dir.pool_usage(POOL, 1 << 30, 1 << 29);
+    let r = w.register(&mut a, &[(b"k", loc(ra, 0, 1))]).unwrap();
+    assert_eq!(r.usage.owned_bytes, REGION_BYTES);
+    assert_eq!(r.usage.used_bytes, 4096);
+    assert_eq!(r.usage.pool_free_bytes, 1 << 29);
+    // A region granted after the report is subtracted from the estimate.
+    w.region(&mut a, L);
+    let r = w.dir.heartbeat(&a.caller(), w.now).unwrap();
+    assert_eq!(r.usage.pool_free_bytes, (1 << 29) - REGION_BYTES);
+    assert_eq!(r.usage.owned_bytes, 2 * REGION_BYTES);
+}
+
+#[test]
+fn latency_recorded_by_the_driver_appears_in_stats() {
+    let mut w = World::new();
+    for us in 1..=100 {
+        w.dir
+            .record_latency(OpKind::Lookup, Duration::from_micros(us));
+    }
+    let stats = w.dir.stats(w.now);
+    let lookup = stats.ops.iter().find(|o| o.op == OpKind::Lookup).unwrap();
+    assert_eq!(lookup.latency.count, 100);
+    assert!((45_000..=57_000).contains(&lookup.latency.p50_ns));
+    assert_eq!(lookup.latency.max_ns, 100_000);
+}
+
+#[test]
+fn session_ended_effects_name_the_reason() {
+    let mut w = World::new();
+    let a = w.hello("a");
+    w.dir.end_session(a.session, w.now).unwrap();
+    let effects: Vec<Effect> = w.dir.drain_effects().collect();
+    assert_eq!(
+        effects,
+        vec![Effect::SessionEnded {
+            session: a.session,
+            reason: SessionEndReason::EndedByAdmin
+        }]
+    );
+}

@@ -1,0 +1,1961 @@
+//! Model-based test of the directory: random multi-instance, multi-session
+//! operation sequences — register, lookup with pins, unpin, delete, exists,
+//! region grants (answered late, or failing) and returns, session deaths,
+//! lease and grace expiry, admin session ends, reconnects with reattach,
+//! client restarts (takeover), directory restarts with recovery, eviction
+//! pressure, dropped replies and duplicated requests — run against the real
+//! state machine and a simple reference model (ordered maps, linear scans).
+//!
+//! After every step:
+//! - the directory's own invariant checker passes;
+//! - every key the model holds is in the directory at the same location with
+//!   a pin count equal to the sum over the model's live sessions, and the
+//!   directory holds no other key;
+//! - every region's owner flag and key count match the model; no region is
+//!   freed while a key points into it, and every region the model expects to
+//!   be freed (owner gone and no keys, returned, unclaimed) was freed;
+//! - every reply equals the model's prediction, and a retried request (after
+//!   a dropped reply, on the same or a new session) gets the original reply.
+//!
+//! Each simulated client keeps its own page allocator (free, allocated,
+//! registered, with generations) and applies freed-page notices from the
+//! replies it receives — replies may be dropped, and notices are re-sent. At
+//! the end of each case the clients drain their notices and every page a
+//! client believes registered must be exactly a key the directory holds in
+//! that client's regions: a notice lost or applied twice would show up as a
+//! leaked or double-freed page.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use cxlkv_controlplane::directory::{
+    Caller, Completion, DeferredId, DeleteOutcome, Directory, DirectoryConfig, DirectoryError,
+    Effect, EvictionConfig, FreedPageNotice, Hello, InstanceId, InstanceSecret, Layout, Location,
+    LookupReply, Peer, PoolRequestId, PresentedRegion, Reattach, ReattachKind, RecoveredRegion,
+    RegionDescriptor, RegionHandle, RegionReply, RegionStatus, RegionToken, RegisterEntry,
+    RegisterOutcome, RejectReason, Sequence, SessionId, Time, UnpinEntry, UnpinOutcome,
+};
+use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
+use proptest::prelude::*;
+
+const NAMES: [&str; 3] = ["alpha", "beta", "gamma"];
+const LAYOUTS: [Layout; 2] = [
+    Layout {
+        page_size_bytes: 4096,
+        fingerprint: 1,
+    },
+    Layout {
+        page_size_bytes: 8192,
+        fingerprint: 2,
+    },
+];
+const PAGES: u32 = 6;
+const NKEYS: u8 = 6;
+const POOL: PoolId = PoolId(0);
+const PEER: Peer = Peer::Unix {
+    pid: 1,
+    uid: 1000,
+    gid: 1000,
+};
+
+fn key(k: u8) -> Vec<u8> {
+    vec![b'k', k % NKEYS]
+}
+
+fn layout_ix(b: u8) -> u8 {
+    b % LAYOUTS.len() as u8
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// The client process restarts: a fresh `hello` (a takeover if allowed).
+    Hello(u8),
+    /// The connection breaks and the client reattaches.
+    Reconnect(u8),
+    /// The connection breaks; the client reattaches on its next operation.
+    CloseSession(u8),
+    EndSession(u8),
+    RequestRegion(u8, u8),
+    /// The pool manager answers the oldest allocation (or fails it).
+    PoolRespond(bool),
+    /// (client, layout, entries (key, kind), drop the reply)
+    Register(u8, u8, Vec<(u8, u8)>, bool),
+    /// (client, layout, keys, pins, drop the reply)
+    Lookup(u8, u8, Vec<u8>, u8, bool),
+    Exists(u8, u8, Vec<u8>),
+    Unpin(u8, u8, Vec<(u8, u8)>, bool),
+    Delete(u8, u8, Vec<u8>, bool),
+    ReturnRegion(u8, u8, bool),
+    /// The network delivers the client's last mutating request again.
+    Retry(u8),
+    Heartbeat(u8, bool),
+    /// Time passes (in 100 ms units), then `tick`.
+    Advance(u8),
+    Restart,
+    Pressure(bool),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let c = 0u8..3;
+    let keys = prop::collection::vec(any::<u8>(), 1..5);
+    prop_oneof![
+        1 => c.clone().prop_map(Op::Hello),
+        2 => c.clone().prop_map(Op::Reconnect),
+        1 => c.clone().prop_map(Op::CloseSession),
+        1 => c.clone().prop_map(Op::EndSession),
+        4 => (c.clone(), any::<u8>()).prop_map(|(c, l)| Op::RequestRegion(c, l)),
+        4 => Just(Op::PoolRespond(false)),
+        1 => Just(Op::PoolRespond(true)),
+        16 => (c.clone(), any::<u8>(), prop::collection::vec((any::<u8>(), any::<u8>()), 1..5), prop::bool::weighted(0.2))
+            .prop_map(|(c, l, e, d)| Op::Register(c, l, e, d)),
+        10 => (c.clone(), any::<u8>(), keys.clone(), 0u8..3, prop::bool::weighted(0.2))
+            .prop_map(|(c, l, k, p, d)| Op::Lookup(c, l, k, p, d)),
+        2 => (c.clone(), any::<u8>(), keys.clone()).prop_map(|(c, l, k)| Op::Exists(c, l, k)),
+        5 => (c.clone(), any::<u8>(), prop::collection::vec((any::<u8>(), 1u8..3), 1..4), prop::bool::weighted(0.2))
+            .prop_map(|(c, l, e, d)| Op::Unpin(c, l, e, d)),
+        5 => (c.clone(), any::<u8>(), keys, prop::bool::weighted(0.2))
+            .prop_map(|(c, l, k, d)| Op::Delete(c, l, k, d)),
+        2 => (c.clone(), any::<u8>(), prop::bool::weighted(0.2)).prop_map(|(c, r, d)| Op::ReturnRegion(c, r, d)),
+        3 => c.clone().prop_map(Op::Retry),
+        3 => (c, prop::bool::weighted(0.3)).prop_map(|(c, d)| Op::Heartbeat(c, d)),
+        6 => (0u8..30).prop_map(Op::Advance),
+        1 => (0u8..250).prop_map(Op::Advance),
+        1 => Just(Op::Restart),
+        1 => any::<bool>().prop_map(Op::Pressure),
+    ]
+}
+
+// --- the reference model ----------------------------------------------------
+
+#[derive(Debug, Clone)]
+struct MRegion {
+    owner: Option<&'static str>,
+    layout: u8,
+    handle: RegionHandle,
+}
+
+#[derive(Debug, Clone, Default)]
+struct MInst {
+    sessions: BTreeSet<SessionId>,
+    absent_since: Option<Time>,
+    /// Recovered after a restart, not reattached yet.
+    awaiting: bool,
+    secret: Option<InstanceSecret>,
+    unclaimed: Vec<RegionHandle>,
+}
+
+#[derive(Debug, Clone)]
+enum MRegionRequest {
+    Pending(PoolRequestId),
+    Granted(RegionHandle, u8),
+    Failed,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    keys: BTreeMap<(u8, Vec<u8>), Location>,
+    pins: BTreeMap<(SessionId, u8, Vec<u8>), u32>,
+    regions: BTreeMap<RegionId, MRegion>,
+    newest: BTreeMap<(RegionId, u32), u32>,
+    instances: BTreeMap<&'static str, MInst>,
+    sessions: BTreeMap<SessionId, (&'static str, Time)>,
+    /// Allocation requests in flight: owner, or `None` once the requesting
+    /// incarnation is gone.
+    pending: BTreeMap<PoolRequestId, (Option<&'static str>, u8)>,
+    requests: BTreeMap<(&'static str, u64), MRegionRequest>,
+    expect_free: BTreeSet<RegionId>,
+}
+
+impl Model {
+    fn pins_on(&self, layout: u8, key: &[u8]) -> u32 {
+        self.pins
+            .iter()
+            .filter(|((_, l, k), _)| *l == layout && k == key)
+            .map(|(_, &p)| p)
+            .sum()
+    }
+
+    fn keys_in(&self, region: RegionId) -> usize {
+        self.keys.values().filter(|l| l.region == region).count()
+    }
+
+    fn touch(&mut self, session: SessionId, now: Time) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.1 = now;
+        }
+    }
+
+    fn kill_session(&mut self, session: SessionId, now: Time) {
+        let (name, _) = self.sessions.remove(&session).expect("model: live session");
+        self.pins.retain(|(s, _, _), _| *s != session);
+        let inst = self.instances.get_mut(name).expect("model: live instance");
+        inst.sessions.remove(&session);
+        if inst.sessions.is_empty() {
+            inst.absent_since = Some(now);
+        }
+    }
+
+    fn instance_gone(&mut self, name: &'static str) {
+        let inst = self.instances.remove(name).expect("model: live instance");
+        assert!(inst.sessions.is_empty());
+        for (&id, r) in self.regions.iter_mut() {
+            if r.owner == Some(name) {
+                r.owner = None;
+                if !self.keys.values().any(|l| l.region == id) {
+                    self.expect_free.insert(id);
+                }
+            }
+        }
+        for h in inst.unclaimed {
+            self.expect_free.insert(h.region);
+        }
+        for p in self.pending.values_mut() {
+            if p.0 == Some(name) {
+                p.0 = None;
+            }
+        }
+        self.requests.retain(|(n, _), _| *n != name);
+    }
+
+    fn register(
+        &mut self,
+        me: &'static str,
+        layout: u8,
+        entries: &[(Vec<u8>, Location)],
+    ) -> Vec<RegisterOutcome> {
+        let mut out = Vec::new();
+        for (key, loc) in entries {
+            let r = &self.regions[&loc.region];
+            let page_size = LAYOUTS[r.layout as usize].page_size_bytes;
+            let pages = (r.handle.len_bytes / page_size) as u32;
+            let outcome = if r.owner != Some(me) {
+                RegisterOutcome::Rejected(RejectReason::NotOwner { region: loc.region })
+            } else if r.layout != layout {
+                RegisterOutcome::Rejected(RejectReason::WrongLayout { region: loc.region })
+            } else if loc.page.0 >= pages {
+                RegisterOutcome::Rejected(RejectReason::PageOutOfRange {
+                    page: loc.page,
+                    pages,
+                })
+            } else if let Some(winner) = self.keys.get(&(layout, key.clone())) {
+                RegisterOutcome::Duplicate(*winner)
+            } else if self
+                .keys
+                .values()
+                .any(|l| l.region == loc.region && l.page == loc.page)
+            {
+                RegisterOutcome::Rejected(RejectReason::PageInUse { page: loc.page })
+            } else if let Some(&n) = self
+                .newest
+                .get(&(loc.region, loc.page.0))
+                .filter(|&&n| loc.generation.0 <= n)
+            {
+                RegisterOutcome::Rejected(RejectReason::StaleGeneration {
+                    generation: loc.generation,
+                    newest_seen: Generation(n),
+                })
+            } else {
+                self.keys.insert((layout, key.clone()), *loc);
+                self.newest
+                    .insert((loc.region, loc.page.0), loc.generation.0);
+                RegisterOutcome::Inserted
+            };
+            out.push(outcome);
+        }
+        out
+    }
+
+    fn lookup(
+        &mut self,
+        session: SessionId,
+        layout: u8,
+        keys: &[Vec<u8>],
+        pins: u32,
+    ) -> LookupReply {
+        let mut reply = LookupReply::default();
+        for k in keys {
+            let loc = self.keys.get(&(layout, k.clone())).copied();
+            if let Some(l) = loc {
+                if pins > 0 {
+                    *self.pins.entry((session, layout, k.clone())).or_default() += pins;
+                }
+                if !reply.regions.iter().any(|d| d.region == l.region) {
+                    let r = &self.regions[&l.region];
+                    reply.regions.push(descriptor(r));
+                }
+            }
+            reply.locations.push(loc);
+        }
+        reply
+    }
+
+    fn unpin(
+        &mut self,
+        session: SessionId,
+        layout: u8,
+        entries: &[(Vec<u8>, u32)],
+    ) -> Vec<UnpinOutcome> {
+        entries
+            .iter()
+            .map(|(k, count)| {
+                let id = (session, layout, k.clone());
+                match self.pins.get_mut(&id) {
+                    Some(held) if *held >= *count => {
+                        *held -= count;
+                        if *held == 0 {
+                            self.pins.remove(&id);
+                        }
+                        UnpinOutcome::Unpinned
+                    }
+                    _ => UnpinOutcome::NotPinned,
+                }
+            })
+            .collect()
+    }
+
+    fn remove_key(&mut self, layout: u8, k: &[u8]) {
+        let loc = self
+            .keys
+            .remove(&(layout, k.to_vec()))
+            .expect("model: key present");
+        let r = &self.regions[&loc.region];
+        if r.owner.is_none() && self.keys_in(loc.region) == 0 {
+            self.expect_free.insert(loc.region);
+        }
+    }
+
+    fn delete(&mut self, layout: u8, keys: &[Vec<u8>]) -> Vec<DeleteOutcome> {
+        keys.iter()
+            .map(|k| {
+                if !self.keys.contains_key(&(layout, k.clone())) {
+                    DeleteOutcome::Missing
+                } else if self.pins_on(layout, k) > 0 {
+                    DeleteOutcome::Pinned
+                } else {
+                    self.remove_key(layout, k);
+                    DeleteOutcome::Deleted
+                }
+            })
+            .collect()
+    }
+}
+
+fn descriptor(r: &MRegion) -> RegionDescriptor {
+    r.handle
+        .descriptor(LAYOUTS[r.layout as usize].page_size_bytes)
+}
+
+// --- simulated clients --------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Page {
+    Free(u32),
+    Allocated(u32),
+    /// Allocated, register reply not received yet, and already freed by a
+    /// notice (the registration succeeded and the key was deleted since).
+    FreedInFlight(u32),
+    Registered(u32),
+}
+
+#[derive(Debug, Clone)]
+struct CRegion {
+    handle: RegionHandle,
+    layout: u8,
+    pages: Vec<Page>,
+}
+
+#[derive(Debug, Clone)]
+enum Req {
+    Register {
+        layout: u8,
+        /// (key, location, taken from this client's allocator)
+        entries: Vec<(Vec<u8>, Location, bool)>,
+    },
+    Lookup {
+        layout: u8,
+        keys: Vec<Vec<u8>>,
+        pins: u32,
+    },
+    Unpin {
+        layout: u8,
+        entries: Vec<(Vec<u8>, u32)>,
+    },
+    Delete {
+        layout: u8,
+        keys: Vec<Vec<u8>>,
+    },
+    Return {
+        region: RegionId,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Body {
+    Register(Vec<RegisterOutcome>),
+    Lookup(LookupReply),
+    Unpin(Vec<UnpinOutcome>),
+    Delete(Vec<DeleteOutcome>),
+    Return,
+}
+
+#[derive(Debug, Clone)]
+struct Last {
+    req: Req,
+    seq: u64,
+    session: SessionId,
+    body: Body,
+    /// The client has not received the reply yet.
+    unanswered: bool,
+    /// The instance was recovered since (restart, or declared gone): the
+    /// request's number belongs to a previous incarnation.
+    void: bool,
+}
+
+#[derive(Debug, Clone)]
+struct PendingRegion {
+    seq: u64,
+    layout: u8,
+    deferred: Vec<DeferredId>,
+}
+
+#[derive(Debug, Clone)]
+struct Client {
+    name: &'static str,
+    session: Option<SessionId>,
+    secret: Option<InstanceSecret>,
+    next_seq: u64,
+    applied: u64,
+    regions: BTreeMap<RegionId, CRegion>,
+    index: BTreeMap<(u8, Vec<u8>), Location>,
+    pins: BTreeMap<(u8, Vec<u8>), u32>,
+    last: Option<Last>,
+    pending: Vec<PendingRegion>,
+}
+
+impl Client {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            session: None,
+            secret: None,
+            next_seq: 1,
+            applied: 0,
+            regions: BTreeMap::new(),
+            index: BTreeMap::new(),
+            pins: BTreeMap::new(),
+            last: None,
+            pending: Vec::new(),
+        }
+    }
+
+    fn caller(&self) -> Caller {
+        Caller {
+            session: self.session.expect("client has a session"),
+            notice_ack: self.applied,
+        }
+    }
+
+    /// The lowest number whose reply this client has not received: replies
+    /// below it can be dropped from the directory's cache. The last request
+    /// is never claimed, so the network can still duplicate it.
+    fn received_below(&self) -> u64 {
+        let mut below = self.next_seq;
+        if let Some(l) = &self.last {
+            below = below.min(l.seq);
+        }
+        for p in &self.pending {
+            below = below.min(p.seq);
+        }
+        below
+    }
+
+    fn sequence(&self, seq: u64) -> Sequence {
+        Sequence {
+            seq,
+            replies_received_below: self.received_below(),
+        }
+    }
+
+    fn take_seq(&mut self) -> u64 {
+        let s = self.next_seq;
+        self.next_seq += 1;
+        s
+    }
+
+    fn allocate(&mut self, layout: u8) -> Option<Location> {
+        for (id, r) in self.regions.iter_mut().filter(|(_, r)| r.layout == layout) {
+            for (p, page) in r.pages.iter_mut().enumerate() {
+                if let Page::Free(g) = *page {
+                    *page = Page::Allocated(g + 1);
+                    return Some(Location {
+                        region: *id,
+                        page: PageIndex(p as u32),
+                        generation: Generation(g + 1),
+                        len_bytes: 100,
+                    });
+                }
+            }
+        }
+        None
+    }
+
+    fn page(&mut self, loc: &Location) -> Option<&mut Page> {
+        self.regions
+            .get_mut(&loc.region)?
+            .pages
+            .get_mut(loc.page.0 as usize)
+    }
+
+    /// Applies the notices of a received reply, each exactly once, in order.
+    fn apply_notices(&mut self, notices: &[FreedPageNotice]) {
+        for n in notices {
+            if n.seq <= self.applied {
+                continue;
+            }
+            assert_eq!(
+                n.seq,
+                self.applied + 1,
+                "{}: notices arrive in order, gap-free",
+                self.name
+            );
+            self.applied = n.seq;
+            let Some(r) = self.regions.get_mut(&n.region) else {
+                continue;
+            };
+            let page = &mut r.pages[n.page.0 as usize];
+            if *page == Page::Allocated(n.generation.0) {
+                *page = Page::FreedInFlight(n.generation.0);
+            } else if *page == Page::Registered(n.generation.0) {
+                *page = Page::Free(n.generation.0);
+                let (region, p) = (n.region, n.page);
+                self.index
+                    .retain(|_, l| !(l.region == region && l.page == p));
+            }
+        }
+    }
+
+    /// Learns the reply to a request sent on this client's current session
+    /// (`same_session`) or on one that has ended since.
+    fn learn(&mut self, req: &Req, body: &Body, same_session: bool) {
+        match (req, body) {
+            (Req::Register { layout, entries }, Body::Register(outcomes)) => {
+                for ((k, loc, own), o) in entries.iter().zip(outcomes) {
+                    if !own {
+                        assert!(
+                            !matches!(o, RegisterOutcome::Inserted),
+                            "a probe entry was inserted"
+                        );
+                        continue;
+                    }
+                    let inserted = matches!(o, RegisterOutcome::Inserted);
+                    let Some(page) = self.page(loc) else {
+                        continue;
+                    };
+                    let g = loc.generation.0;
+                    match *page {
+                        Page::Allocated(_) => {
+                            *page = if inserted {
+                                Page::Registered(g)
+                            } else {
+                                Page::Free(g)
+                            };
+                            if inserted {
+                                self.index.insert((*layout, k.clone()), *loc);
+                            }
+                        }
+                        Page::FreedInFlight(_) => {
+                            assert!(inserted, "a page freed by a notice was registered");
+                            *page = Page::Free(g);
+                        }
+                        other => panic!("register reply for a page in state {other:?}"),
+                    }
+                }
+            }
+            (Req::Lookup { layout, keys, pins }, Body::Lookup(reply)) => {
+                for (k, l) in keys.iter().zip(&reply.locations) {
+                    if l.is_some() && *pins > 0 {
+                        *self.pins.entry((*layout, k.clone())).or_default() += pins;
+                    }
+                }
+            }
+            // Pins released by a session that has ended since died with it.
+            (Req::Unpin { .. }, Body::Unpin(_)) if !same_session => {}
+            (Req::Unpin { layout, entries }, Body::Unpin(outcomes)) => {
+                for ((k, count), o) in entries.iter().zip(outcomes) {
+                    if *o == UnpinOutcome::Unpinned {
+                        let id = (*layout, k.clone());
+                        let held = self.pins.get_mut(&id).expect("client knows its pins");
+                        *held -= count;
+                        if *held == 0 {
+                            self.pins.remove(&id);
+                        }
+                    }
+                }
+            }
+            (Req::Delete { .. }, Body::Delete(_)) => {}
+            (Req::Return { region }, Body::Return) => {
+                self.regions.remove(region);
+            }
+            other => panic!("reply does not match request: {other:?}"),
+        }
+    }
+
+    /// A request whose number was voided by a recovery: its own pages return.
+    fn forget(&mut self, req: &Req) {
+        if let Req::Register { entries, .. } = req {
+            for (_, loc, own) in entries {
+                if *own
+                    && let Some(page) = self.page(loc)
+                    && let Page::Allocated(g) | Page::FreedInFlight(g) = *page
+                {
+                    *page = Page::Free(g);
+                }
+            }
+        }
+    }
+}
+
+// --- the fake pool manager ----------------------------------------------------
+
+#[derive(Debug, Default)]
+struct Pool {
+    next: u64,
+    live: BTreeMap<RegionId, (RegionHandle, &'static str)>,
+    queue: VecDeque<(PoolRequestId, &'static str, u64)>,
+}
+
+impl Pool {
+    fn allocate(&mut self, owner: &'static str, len_bytes: u64) -> RegionHandle {
+        self.next += 1;
+        let h = RegionHandle {
+            region: RegionId(self.next),
+            pool: POOL,
+            offset_bytes: self.next << 30,
+            len_bytes,
+            token: RegionToken([self.next as u8 ^ 0x5A; 32]),
+        };
+        self.live.insert(h.region, (h, owner));
+        h
+    }
+}
+
+// --- the world ------------------------------------------------------------------
+
+struct World {
+    config: DirectoryConfig,
+    dir: Directory,
+    model: Model,
+    pool: Pool,
+    clients: Vec<Client>,
+    now: Time,
+    restarts: u8,
+    lru: bool,
+}
+
+fn name_of(owner: &InstanceId) -> &'static str {
+    NAMES
+        .iter()
+        .find(|n| **n == owner.as_str())
+        .copied()
+        .expect("a known name")
+}
+
+impl World {
+    fn new(lru: bool) -> Self {
+        let config = DirectoryConfig {
+            eviction: EvictionConfig {
+                lru,
+                max_evictions_per_tick: 2,
+                lru_high_fill: 0.2,
+                lru_low_fill: 0.1,
+                ..EvictionConfig::default()
+            },
+            ..DirectoryConfig::default()
+        };
+        Self {
+            dir: Directory::new(config.clone(), [1; 32]).unwrap(),
+            config,
+            model: Model::default(),
+            pool: Pool::default(),
+            clients: NAMES.iter().map(|n| Client::new(n)).collect(),
+            now: Time::from_nanos(1_000_000_000),
+            restarts: 0,
+            lru,
+        }
+    }
+
+    fn lease(&self) -> Duration {
+        self.config.session_lease
+    }
+
+    /// Carries out queued effects.
+    fn service(&mut self) {
+        let effects: Vec<Effect> = self.dir.drain_effects().collect();
+        for e in effects {
+            match e {
+                Effect::AllocateRegion {
+                    request,
+                    owner,
+                    layout,
+                    len_bytes,
+                } => {
+                    let name = name_of(&owner);
+                    let l = LAYOUTS.iter().position(|x| *x == layout).unwrap() as u8;
+                    self.pool.queue.push_back((request, name, len_bytes));
+                    assert!(
+                        self.model
+                            .pending
+                            .insert(request, (Some(name), l))
+                            .is_none()
+                    );
+                }
+                Effect::FreeRegion { handle, owner } => {
+                    let (known, label) = self
+                        .pool
+                        .live
+                        .remove(&handle.region)
+                        .expect("free of a live region");
+                    assert_eq!(known, handle, "freed with its own handle and token");
+                    assert_eq!(label, name_of(&owner));
+                    assert_eq!(
+                        self.model.keys_in(handle.region),
+                        0,
+                        "region {} freed while keys point into it",
+                        handle.region
+                    );
+                    assert!(
+                        self.model.expect_free.remove(&handle.region),
+                        "region {} freed unexpectedly",
+                        handle.region
+                    );
+                    self.model.regions.remove(&handle.region);
+                    self.model.newest.retain(|(r, _), _| *r != handle.region);
+                }
+                Effect::SessionEnded { session, .. } => {
+                    for c in &mut self.clients {
+                        if c.session == Some(session) {
+                            c.session = None;
+                            c.pins.clear();
+                        }
+                    }
+                }
+                other => panic!("unexpected effect {other:?}"),
+            }
+        }
+    }
+
+    fn deliver(&mut self, completions: Vec<Completion>) {
+        for done in completions {
+            let Some(c) = self
+                .clients
+                .iter_mut()
+                .find(|c| c.session == Some(done.session))
+            else {
+                continue;
+            };
+            let Some(ix) = c
+                .pending
+                .iter()
+                .position(|p| p.deferred.contains(&done.deferred))
+            else {
+                continue;
+            };
+            match done.result {
+                Ok(reply) => {
+                    let p = c.pending.remove(ix);
+                    let g = reply.body;
+                    assert_eq!(LAYOUTS[p.layout as usize], g.layout);
+                    c.regions.entry(g.handle.region).or_insert(CRegion {
+                        handle: g.handle,
+                        layout: p.layout,
+                        pages: vec![Page::Free(0); PAGES as usize],
+                    });
+                    c.apply_notices(&reply.notices);
+                }
+                Err(DirectoryError::RegionAllocationFailed { .. }) => {
+                    c.pending.remove(ix);
+                }
+                Err(e) => panic!("unexpected completion error {e:?}"),
+            }
+        }
+    }
+
+    // --- sessions ---------------------------------------------------------------
+
+    fn close(&mut self, ci: usize) {
+        if let Some(s) = self.clients[ci].session.take() {
+            self.clients[ci].pins.clear();
+            self.dir.session_closed(s, self.now);
+            self.model.kill_session(s, self.now);
+        }
+    }
+
+    fn hello(&mut self, ci: usize) {
+        self.close(ci);
+        let name = self.clients[ci].name;
+        self.clients[ci] = Client::new(name);
+        let r = self.dir.hello(
+            Hello {
+                instance: name,
+                quota_bytes: None,
+            },
+            PEER,
+            self.now,
+        );
+        let expect_in_use = self
+            .model
+            .instances
+            .get(name)
+            .is_some_and(|i| !i.sessions.is_empty() || i.awaiting);
+        if expect_in_use {
+            assert!(
+                matches!(r, Err(DirectoryError::InstanceIdInUse { .. })),
+                "{r:?}"
+            );
+            return;
+        }
+        let w = r.expect("hello");
+        if self.model.instances.contains_key(name) {
+            self.model.instance_gone(name);
+        }
+        self.model.instances.insert(
+            name,
+            MInst {
+                sessions: BTreeSet::from([w.session]),
+                absent_since: None,
+                awaiting: false,
+                secret: Some(w.secret),
+                unclaimed: Vec::new(),
+            },
+        );
+        self.model.sessions.insert(w.session, (name, self.now));
+        let c = &mut self.clients[ci];
+        c.session = Some(w.session);
+        c.secret = Some(w.secret);
+        self.service();
+    }
+
+    /// Attaches a session-less client; returns whether it has a session.
+    fn reattach(&mut self, ci: usize) -> bool {
+        let c = &self.clients[ci];
+        if c.session.is_some() {
+            return true;
+        }
+        let Some(secret) = c.secret else {
+            return false;
+        };
+        let name = c.name;
+        let presented: Vec<PresentedRegion> = c
+            .regions
+            .values()
+            .map(|r| PresentedRegion {
+                handle: r.handle,
+                layout: LAYOUTS[r.layout as usize],
+            })
+            .collect();
+        let r = self.dir.reattach(
+            Reattach {
+                instance: name,
+                secret,
+                regions: &presented,
+                next_seq: c.next_seq,
+                notice_ack: c.applied,
+                quota_bytes: None,
+            },
+            PEER,
+            self.now,
+        );
+        // The model's prediction.
+        let minst = self.model.instances.get(name).cloned();
+        let (kind, verdicts): (ReattachKind, Vec<RegionStatus>) = match &minst {
+            Some(i) if !i.awaiting => {
+                assert_eq!(i.secret, Some(secret));
+                let v = presented
+                    .iter()
+                    .map(|p| {
+                        let ok = self.model.regions.get(&p.handle.region).is_some_and(|r| {
+                            r.owner == Some(name)
+                                && r.handle == p.handle
+                                && LAYOUTS[r.layout as usize] == p.layout
+                        });
+                        if ok {
+                            RegionStatus::Confirmed
+                        } else {
+                            RegionStatus::NotOwned
+                        }
+                    })
+                    .collect();
+                (ReattachKind::Resumed, v)
+            }
+            Some(i) => {
+                let v: Vec<RegionStatus> = presented
+                    .iter()
+                    .map(|p| {
+                        if i.unclaimed.contains(&p.handle) {
+                            RegionStatus::Confirmed
+                        } else {
+                            RegionStatus::NotOwned
+                        }
+                    })
+                    .collect();
+                if !i.unclaimed.is_empty() && !v.contains(&RegionStatus::Confirmed) {
+                    assert!(
+                        matches!(r, Err(DirectoryError::OwnershipNotProven { .. })),
+                        "{r:?}"
+                    );
+                    return false;
+                }
+                (ReattachKind::Recovered, v)
+            }
+            None => (
+                ReattachKind::Recovered,
+                vec![RegionStatus::NotOwned; presented.len()],
+            ),
+        };
+        let back = r.expect("reattach");
+        assert_eq!(back.kind, kind);
+        assert_eq!(back.regions, verdicts);
+
+        // Update the model.
+        match (&minst, kind) {
+            (Some(_), ReattachKind::Resumed) => {}
+            (Some(i), ReattachKind::Recovered) => {
+                for (p, v) in presented.iter().zip(&verdicts) {
+                    if *v == RegionStatus::Confirmed {
+                        let l = LAYOUTS.iter().position(|x| *x == p.layout).unwrap() as u8;
+                        self.model.regions.insert(
+                            p.handle.region,
+                            MRegion {
+                                owner: Some(name),
+                                layout: l,
+                                handle: p.handle,
+                            },
+                        );
+                    }
+                }
+                for h in &i.unclaimed {
+                    if !presented
+                        .iter()
+                        .zip(&verdicts)
+                        .any(|(p, v)| *v == RegionStatus::Confirmed && p.handle == *h)
+                    {
+                        self.model.expect_free.insert(h.region);
+                    }
+                }
+            }
+            (None, _) => {}
+        }
+        let inst = self.model.instances.entry(name).or_default();
+        inst.awaiting = false;
+        inst.unclaimed.clear();
+        inst.secret = Some(secret);
+        inst.sessions.insert(back.session);
+        inst.absent_since = None;
+        self.model.sessions.insert(back.session, (name, self.now));
+        if kind == ReattachKind::Recovered {
+            self.model.requests.retain(|(n, _), _| *n != name);
+        }
+        self.service();
+
+        // Update the client.
+        let c = &mut self.clients[ci];
+        c.session = Some(back.session);
+        c.pins.clear();
+        c.apply_notices(&back.notices);
+        for (p, v) in presented.iter().zip(&verdicts) {
+            if *v == RegionStatus::NotOwned {
+                c.regions.remove(&p.handle.region);
+                c.index.retain(|_, l| l.region != p.handle.region);
+            }
+        }
+        match kind {
+            ReattachKind::Resumed => {
+                let pending: Vec<(u64, u8)> = c.pending.iter().map(|p| (p.seq, p.layout)).collect();
+                for (seq, layout) in pending {
+                    self.retry_region(ci, seq, layout);
+                }
+            }
+            ReattachKind::Recovered => {
+                assert_eq!(back.oldest_accepted_seq, c.next_seq);
+                c.pending.clear();
+                if let Some(l) = &mut c.last {
+                    l.void = true;
+                }
+                // Learn the fate of an unanswered request (void) before the
+                // re-registration replaces it as the last request.
+                if c.last.as_ref().is_some_and(|l| l.unanswered) {
+                    self.retry(ci);
+                }
+                self.reregister(ci);
+            }
+        }
+        true
+    }
+
+    /// After a `Recovered` reattach: register again every key this client
+    /// believes it registered.
+    fn reregister(&mut self, ci: usize) {
+        for layout in 0..LAYOUTS.len() as u8 {
+            let entries: Vec<(Vec<u8>, Location)> = self.clients[ci]
+                .index
+                .iter()
+                .filter(|((l, _), _)| *l == layout)
+                .map(|((_, k), loc)| (k.clone(), *loc))
+                .collect();
+            if entries.is_empty() {
+                continue;
+            }
+            let c = &mut self.clients[ci];
+            let seq = c.take_seq();
+            let me = c.name;
+            let r = self
+                .dir
+                .register(
+                    &c.caller(),
+                    c.sequence(seq),
+                    LAYOUTS[layout as usize],
+                    entries.iter().map(|(key, location)| RegisterEntry {
+                        key,
+                        location: *location,
+                    }),
+                    self.now,
+                )
+                .expect("re-register");
+            let session = c.session.unwrap();
+            self.model.touch(session, self.now);
+            let expected = self.model.register(me, layout, &entries);
+            assert_eq!(r.body, expected, "re-registration");
+            let c = &mut self.clients[ci];
+            c.apply_notices(&r.notices);
+            for ((k, loc), o) in entries.iter().zip(&r.body) {
+                if !matches!(o, RegisterOutcome::Inserted) {
+                    c.index.remove(&(layout, k.clone()));
+                    if let Some(page) = c.page(loc) {
+                        *page = Page::Free(loc.generation.0);
+                    }
+                }
+            }
+            c.last = Some(Last {
+                req: Req::Register {
+                    layout,
+                    entries: entries.into_iter().map(|(k, l)| (k, l, false)).collect(),
+                },
+                seq,
+                session,
+                body: Body::Register(r.body),
+                unanswered: false,
+                void: false,
+            });
+        }
+    }
+
+    fn retry_region(&mut self, ci: usize, seq: u64, layout: u8) {
+        let c = &self.clients[ci];
+        let name = c.name;
+        let r = self
+            .dir
+            .request_region(
+                &c.caller(),
+                c.sequence(seq),
+                LAYOUTS[layout as usize],
+                u64::from(PAGES) * LAYOUTS[layout as usize].page_size_bytes,
+                self.now,
+            )
+            .expect("region retry");
+        self.model.touch(c.session.unwrap(), self.now);
+        let prior = self.model.requests.get(&(name, seq)).cloned();
+        self.service();
+        let c = &mut self.clients[ci];
+        c.apply_notices(&r.notices);
+        let ix = c.pending.iter().position(|p| p.seq == seq).unwrap();
+        match (prior, r.body) {
+            (Some(MRegionRequest::Granted(h, l)), RegionReply::Granted(g)) => {
+                assert_eq!(g.handle, h);
+                c.pending.remove(ix);
+                c.regions.entry(h.region).or_insert(CRegion {
+                    handle: h,
+                    layout: l,
+                    pages: vec![Page::Free(0); PAGES as usize],
+                });
+            }
+            (Some(MRegionRequest::Pending(_)), RegionReply::Deferred(d)) => {
+                c.pending[ix].deferred.push(d);
+            }
+            (Some(MRegionRequest::Failed) | None, RegionReply::Deferred(d)) => {
+                // The failed attempt did not consume the number: it ran again.
+                c.pending[ix].deferred.push(d);
+                let (req, _, _) = *self.pool.queue.back().expect("a new allocation");
+                self.model
+                    .requests
+                    .insert((name, seq), MRegionRequest::Pending(req));
+            }
+            other => panic!("region retry: {other:?}"),
+        }
+    }
+
+    /// Makes the client ready for an operation: attached, and its last
+    /// request answered. Returns false if it cannot act now.
+    fn prepare(&mut self, ci: usize) -> bool {
+        if !self.reattach(ci) {
+            return false;
+        }
+        if self.clients[ci].last.as_ref().is_some_and(|l| l.unanswered) {
+            self.retry(ci);
+        }
+        self.clients[ci].session.is_some()
+    }
+
+    /// Sends the client's last mutating request again.
+    fn retry(&mut self, ci: usize) {
+        let Some(last) = self.clients[ci].last.clone() else {
+            return;
+        };
+        let c = &self.clients[ci];
+        let caller = c.caller();
+        let seq = c.sequence(last.seq);
+        let got: Result<(Body, Vec<FreedPageNotice>), DirectoryError> = match &last.req {
+            Req::Register { layout, entries } => self
+                .dir
+                .register(
+                    &caller,
+                    seq,
+                    LAYOUTS[*layout as usize],
+                    entries.iter().map(|(key, location, _)| RegisterEntry {
+                        key,
+                        location: *location,
+                    }),
+                    self.now,
+                )
+                .map(|r| (Body::Register(r.body), r.notices)),
+            Req::Lookup { layout, keys, pins } => self
+                .dir
+                .lookup(
+                    &caller,
+                    Some(seq),
+                    LAYOUTS[*layout as usize],
+                    keys.iter().map(|k| &k[..]),
+                    *pins,
+                    self.now,
+                )
+                .map(|r| (Body::Lookup(r.body), r.notices)),
+            Req::Unpin { layout, entries } => self
+                .dir
+                .unpin(
+                    &caller,
+                    seq,
+                    LAYOUTS[*layout as usize],
+                    entries
+                        .iter()
+                        .map(|(key, count)| UnpinEntry { key, count: *count }),
+                    self.now,
+                )
+                .map(|r| (Body::Unpin(r.body), r.notices)),
+            Req::Delete { layout, keys } => self
+                .dir
+                .delete(
+                    &caller,
+                    seq,
+                    LAYOUTS[*layout as usize],
+                    keys.iter().map(|k| &k[..]),
+                    self.now,
+                )
+                .map(|r| (Body::Delete(r.body), r.notices)),
+            Req::Return { region } => self
+                .dir
+                .return_region(&caller, seq, *region, self.now)
+                .map(|r| (Body::Return, r.notices)),
+        };
+        self.model.touch(caller.session, self.now);
+        let c = &mut self.clients[ci];
+        if last.void {
+            assert!(
+                matches!(got, Err(DirectoryError::SequenceTooOld { .. })),
+                "{got:?}"
+            );
+            if last.unanswered {
+                c.forget(&last.req);
+            }
+        } else if matches!(last.req, Req::Lookup { .. }) && last.session != caller.session {
+            assert_eq!(
+                got,
+                Err(DirectoryError::PinsHeldByOtherSession {
+                    seq: last.seq,
+                    original: last.session
+                })
+            );
+        } else {
+            let (body, notices) = got.expect("a retry is answered");
+            assert_eq!(body, last.body, "a retry got a different reply");
+            c.apply_notices(&notices);
+            if last.unanswered {
+                c.learn(&last.req, &body, last.session == caller.session);
+            }
+        }
+        if let Some(l) = &mut c.last {
+            l.unanswered = false;
+        }
+    }
+
+    /// Records a fresh mutating request and, unless its reply is dropped,
+    /// lets the client learn it.
+    fn finish(
+        &mut self,
+        ci: usize,
+        req: Req,
+        seq: u64,
+        body: Body,
+        notices: &[FreedPageNotice],
+        dropped: bool,
+    ) {
+        let c = &mut self.clients[ci];
+        let session = c.session.unwrap();
+        if !dropped {
+            c.apply_notices(notices);
+            c.learn(&req, &body, true);
+        }
+        c.last = Some(Last {
+            req,
+            seq,
+            session,
+            body,
+            unanswered: dropped,
+            void: false,
+        });
+    }
+
+    // --- the operations ---------------------------------------------------------
+
+    fn step(&mut self, op: &Op) {
+        match op.clone() {
+            Op::Hello(c) => self.hello(c as usize),
+            Op::Reconnect(c) => {
+                self.close(c as usize);
+                self.prepare(c as usize);
+            }
+            Op::CloseSession(c) => self.close(c as usize),
+            Op::EndSession(c) => {
+                let ci = c as usize;
+                if let Some(s) = self.clients[ci].session {
+                    let ended = self.dir.end_session(s, self.now).unwrap();
+                    let pins: u32 = self
+                        .model
+                        .pins
+                        .iter()
+                        .filter(|((x, _, _), _)| *x == s)
+                        .map(|(_, p)| p)
+                        .sum();
+                    assert_eq!(ended.pins_released, u64::from(pins));
+                    self.model.kill_session(s, self.now);
+                    self.service();
+                    assert!(self.clients[ci].session.is_none(), "the end was announced");
+                }
+            }
+            Op::RequestRegion(c, l) => {
+                let ci = c as usize;
+                if !self.prepare(ci) || self.clients[ci].pending.len() >= 2 {
+                    return;
+                }
+                let layout = layout_ix(l);
+                let c = &mut self.clients[ci];
+                let seq = c.take_seq();
+                let name = c.name;
+                let r = self
+                    .dir
+                    .request_region(
+                        &c.caller(),
+                        c.sequence(seq),
+                        LAYOUTS[layout as usize],
+                        u64::from(PAGES) * LAYOUTS[layout as usize].page_size_bytes,
+                        self.now,
+                    )
+                    .expect("request region");
+                self.model.touch(c.session.unwrap(), self.now);
+                let RegionReply::Deferred(d) = r.body else {
+                    panic!("a fresh request is deferred")
+                };
+                c.apply_notices(&r.notices);
+                c.pending.push(PendingRegion {
+                    seq,
+                    layout,
+                    deferred: vec![d],
+                });
+                self.service();
+                let (req, _, _) = *self.pool.queue.back().expect("allocation asked");
+                self.model
+                    .requests
+                    .insert((name, seq), MRegionRequest::Pending(req));
+            }
+            Op::PoolRespond(fail) => {
+                let Some((req, owner, len)) = self.pool.queue.pop_front() else {
+                    return;
+                };
+                let (who, layout) = self
+                    .model
+                    .pending
+                    .remove(&req)
+                    .expect("model knows the request");
+                let result = if fail {
+                    Err("pool exhausted".to_owned())
+                } else {
+                    Ok(self.pool.allocate(owner, len))
+                };
+                let seq = self
+                    .model
+                    .requests
+                    .iter()
+                    .find(|(_, v)| matches!(v, MRegionRequest::Pending(r) if *r == req))
+                    .map(|(k, _)| *k);
+                match (&result, who) {
+                    (Ok(h), Some(name)) => {
+                        self.model.regions.insert(
+                            h.region,
+                            MRegion {
+                                owner: Some(name),
+                                layout,
+                                handle: *h,
+                            },
+                        );
+                        if let Some(k) = seq {
+                            self.model
+                                .requests
+                                .insert(k, MRegionRequest::Granted(*h, layout));
+                        }
+                    }
+                    (Ok(h), None) => {
+                        self.model.expect_free.insert(h.region);
+                    }
+                    (Err(_), _) => {
+                        if let Some(k) = seq {
+                            self.model.requests.insert(k, MRegionRequest::Failed);
+                        }
+                    }
+                }
+                let done = self.dir.region_allocated(req, result);
+                self.service();
+                self.deliver(done);
+            }
+            Op::Register(c, l, entries, dropped) => {
+                let ci = c as usize;
+                if !self.prepare(ci) {
+                    return;
+                }
+                let layout = layout_ix(l);
+                let me = self.clients[ci].name;
+                let mut batch: Vec<(Vec<u8>, Location, bool)> = Vec::new();
+                for (k, kind) in entries {
+                    let k = key(k);
+                    let entry = match kind % 10 {
+                        0..=6 => self.clients[ci].allocate(layout).map(|loc| (k, loc, true)),
+                        7 => self
+                            .model
+                            .regions
+                            .iter()
+                            .find(|(_, r)| r.owner.is_some_and(|o| o != me) && r.layout == layout)
+                            .map(|(&id, _)| {
+                                (
+                                    k,
+                                    Location {
+                                        region: id,
+                                        page: PageIndex(0),
+                                        generation: Generation(1_000),
+                                        len_bytes: 1,
+                                    },
+                                    false,
+                                )
+                            }),
+                        8 if kind >= 100 => {
+                            // A free page at the generation it was last
+                            // registered with: stale.
+                            let model = &self.model;
+                            self.clients[ci]
+                                .regions
+                                .iter()
+                                .filter(|(_, r)| r.layout == layout)
+                                .flat_map(|(&id, r)| {
+                                    r.pages
+                                        .iter()
+                                        .enumerate()
+                                        .map(move |(p, s)| (id, p as u32, *s))
+                                })
+                                .find_map(|(id, p, s)| match s {
+                                    Page::Free(g)
+                                        if model.newest.get(&(id, p)).is_some_and(|&n| g <= n) =>
+                                    {
+                                        Some((
+                                            k.clone(),
+                                            Location {
+                                                region: id,
+                                                page: PageIndex(p),
+                                                generation: Generation(g),
+                                                len_bytes: 9,
+                                            },
+                                            false,
+                                        ))
+                                    }
+                                    _ => None,
+                                })
+                        }
+                        8 => self.clients[ci]
+                            .regions
+                            .iter()
+                            .filter(|(_, r)| r.layout == layout)
+                            .flat_map(|(&id, r)| {
+                                r.pages.iter().enumerate().map(move |(p, s)| (id, p, *s))
+                            })
+                            .find_map(|(id, p, s)| match s {
+                                Page::Registered(g) => Some((
+                                    k.clone(),
+                                    Location {
+                                        region: id,
+                                        page: PageIndex(p as u32),
+                                        generation: Generation(g),
+                                        len_bytes: 7,
+                                    },
+                                    false,
+                                )),
+                                _ => None,
+                            }),
+                        _ => self.clients[ci]
+                            .regions
+                            .iter()
+                            .find(|(_, r)| r.layout != layout)
+                            .map(|(&id, _)| {
+                                (
+                                    k,
+                                    Location {
+                                        region: id,
+                                        page: PageIndex(0),
+                                        generation: Generation(1_000),
+                                        len_bytes: 1,
+                                    },
+                                    false,
+                                )
+                            }),
+                    };
+                    batch.extend(entry);
+                }
+                if batch.is_empty() {
+                    return;
+                }
+                let c = &mut self.clients[ci];
+                let seq = c.take_seq();
+                let r = self
+                    .dir
+                    .register(
+                        &c.caller(),
+                        c.sequence(seq),
+                        LAYOUTS[layout as usize],
+                        batch.iter().map(|(key, location, _)| RegisterEntry {
+                            key,
+                            location: *location,
+                        }),
+                        self.now,
+                    )
+                    .expect("register");
+                self.model.touch(c.session.unwrap(), self.now);
+                let plain: Vec<(Vec<u8>, Location)> =
+                    batch.iter().map(|(k, l, _)| (k.clone(), *l)).collect();
+                let expected = self.model.register(me, layout, &plain);
+                assert_eq!(r.body, expected, "register");
+                self.finish(
+                    ci,
+                    Req::Register {
+                        layout,
+                        entries: batch,
+                    },
+                    seq,
+                    Body::Register(r.body),
+                    &r.notices,
+                    dropped,
+                );
+            }
+            Op::Lookup(c, l, keys, pins, dropped) => {
+                let ci = c as usize;
+                if !self.prepare(ci) {
+                    return;
+                }
+                let layout = layout_ix(l);
+                let keys: Vec<Vec<u8>> = keys.into_iter().map(key).collect();
+                let pins = u32::from(pins);
+                let c = &mut self.clients[ci];
+                let session = c.session.unwrap();
+                let seq = (pins > 0).then(|| c.take_seq());
+                let r = self
+                    .dir
+                    .lookup(
+                        &c.caller(),
+                        seq.map(|s| c.sequence(s)),
+                        LAYOUTS[layout as usize],
+                        keys.iter().map(|k| &k[..]),
+                        pins,
+                        self.now,
+                    )
+                    .expect("lookup");
+                self.model.touch(session, self.now);
+                let expected = self.model.lookup(session, layout, &keys, pins);
+                assert_eq!(r.body, expected, "lookup");
+                match seq {
+                    Some(seq) => self.finish(
+                        ci,
+                        Req::Lookup { layout, keys, pins },
+                        seq,
+                        Body::Lookup(r.body),
+                        &r.notices,
+                        dropped,
+                    ),
+                    None => self.clients[ci].apply_notices(&r.notices),
+                }
+            }
+            Op::Exists(c, l, keys) => {
+                let ci = c as usize;
+                if !self.prepare(ci) {
+                    return;
+                }
+                let layout = layout_ix(l);
+                let keys: Vec<Vec<u8>> = keys.into_iter().map(key).collect();
+                let c = &mut self.clients[ci];
+                let r = self
+                    .dir
+                    .exists(
+                        &c.caller(),
+                        LAYOUTS[layout as usize],
+                        keys.iter().map(|k| &k[..]),
+                        self.now,
+                    )
+                    .expect("exists");
+                self.model.touch(c.session.unwrap(), self.now);
+                let expected: Vec<bool> = keys
+                    .iter()
+                    .map(|k| self.model.keys.contains_key(&(layout, k.clone())))
+                    .collect();
+                assert_eq!(r.body, expected, "exists");
+                c.apply_notices(&r.notices);
+            }
+            Op::Unpin(c, l, entries, dropped) => {
+                let ci = c as usize;
+                if !self.prepare(ci) {
+                    return;
+                }
+                let layout = layout_ix(l);
+                let held: Vec<Vec<u8>> = self.clients[ci]
+                    .pins
+                    .keys()
+                    .filter(|(x, _)| *x == layout)
+                    .map(|(_, k)| k.clone())
+                    .collect();
+                let entries: Vec<(Vec<u8>, u32)> = entries
+                    .into_iter()
+                    .map(|(k, n)| {
+                        let k = if k < 160 && !held.is_empty() {
+                            held[k as usize % held.len()].clone()
+                        } else {
+                            key(k)
+                        };
+                        (k, u32::from(n))
+                    })
+                    .collect();
+                let c = &mut self.clients[ci];
+                let session = c.session.unwrap();
+                let seq = c.take_seq();
+                let r = self
+                    .dir
+                    .unpin(
+                        &c.caller(),
+                        c.sequence(seq),
+                        LAYOUTS[layout as usize],
+                        entries
+                            .iter()
+                            .map(|(key, count)| UnpinEntry { key, count: *count }),
+                        self.now,
+                    )
+                    .expect("unpin");
+                self.model.touch(session, self.now);
+                let expected = self.model.unpin(session, layout, &entries);
+                assert_eq!(r.body, expected, "unpin");
+                self.finish(
+                    ci,
+                    Req::Unpin { layout, entries },
+                    seq,
+                    Body::Unpin(r.body),
+                    &r.notices,
+                    dropped,
+                );
+            }
+            Op::Delete(c, l, keys, dropped) => {
+                let ci = c as usize;
+                if !self.prepare(ci) {
+                    return;
+                }
+                let layout = layout_ix(l);
+                let keys: Vec<Vec<u8>> = keys.into_iter().map(key).collect();
+                let c = &mut self.clients[ci];
+                let seq = c.take_seq();
+                let r = self
+                    .dir
+                    .delete(
+                        &c.caller(),
+                        c.sequence(seq),
+                        LAYOUTS[layout as usize],
+                        keys.iter().map(|k| &k[..]),
+                        self.now,
+                    )
+                    .expect("delete");
+                self.model.touch(c.session.unwrap(), self.now);
+                let expected = self.model.delete(layout, &keys);
+                assert_eq!(r.body, expected, "delete");
+                self.service();
+                self.finish(
+                    ci,
+                    Req::Delete { layout, keys },
+                    seq,
+                    Body::Delete(r.body),
+                    &r.notices,
+                    dropped,
+                );
+            }
+            Op::ReturnRegion(c, which, dropped) => {
+                let ci = c as usize;
+                if !self.prepare(ci) || self.clients[ci].regions.is_empty() {
+                    return;
+                }
+                let cl = &self.clients[ci];
+                let region = *cl
+                    .regions
+                    .keys()
+                    .nth(which as usize % cl.regions.len())
+                    .unwrap();
+                let empty_locally = cl.regions[&region]
+                    .pages
+                    .iter()
+                    .all(|p| matches!(p, Page::Free(_)));
+                if !empty_locally {
+                    return;
+                }
+                let c = &mut self.clients[ci];
+                let seq = c.take_seq();
+                let r = self
+                    .dir
+                    .return_region(&c.caller(), c.sequence(seq), region, self.now);
+                self.model.touch(c.session.unwrap(), self.now);
+                let keys = self.model.keys_in(region);
+                if keys > 0 {
+                    assert_eq!(
+                        r.unwrap_err(),
+                        DirectoryError::RegionNotEmpty {
+                            region,
+                            keys: keys as u32
+                        }
+                    );
+                    return;
+                }
+                let r = r.expect("return region");
+                self.model.regions.get_mut(&region).unwrap().owner = None;
+                self.model.expect_free.insert(region);
+                self.service();
+                self.finish(
+                    ci,
+                    Req::Return { region },
+                    seq,
+                    Body::Return,
+                    &r.notices,
+                    dropped,
+                );
+            }
+            Op::Retry(c) => {
+                let ci = c as usize;
+                if self.clients[ci].last.is_some() && self.prepare(ci) {
+                    self.retry(ci);
+                }
+            }
+            Op::Heartbeat(c, dropped) => {
+                let ci = c as usize;
+                if !self.prepare(ci) {
+                    return;
+                }
+                let c = &mut self.clients[ci];
+                let r = self
+                    .dir
+                    .heartbeat(&c.caller(), self.now)
+                    .expect("heartbeat");
+                self.model.touch(c.session.unwrap(), self.now);
+                if !dropped {
+                    c.apply_notices(&r.notices);
+                }
+            }
+            Op::Advance(units) => self.advance(Duration::from_millis(u64::from(units) * 100)),
+            Op::Restart => self.restart(),
+            Op::Pressure(on) => {
+                if on {
+                    self.dir.pool_usage(POOL, 1 << 20, 0);
+                } else {
+                    self.dir.pool_usage(POOL, 1 << 40, 1 << 40);
+                }
+            }
+        }
+    }
+
+    fn advance(&mut self, d: Duration) {
+        self.now = self.now.saturating_add(d);
+        let now = self.now;
+        let lease = self.lease();
+        let expired: Vec<SessionId> = self
+            .model
+            .sessions
+            .iter()
+            .filter(|(_, (_, seen))| now.saturating_since(*seen) >= lease)
+            .map(|(&s, _)| s)
+            .collect();
+        for s in expired {
+            self.model.kill_session(s, now);
+        }
+        let grace = self.config.instance_grace;
+        let gone: Vec<&'static str> = self
+            .model
+            .instances
+            .iter()
+            .filter(|(_, i)| {
+                i.absent_since
+                    .is_some_and(|t| now.saturating_since(t) >= grace)
+            })
+            .map(|(&n, _)| n)
+            .collect();
+        for n in gone {
+            self.model.instance_gone(n);
+        }
+        self.dir.tick(now);
+        // Eviction: every key the directory dropped must have been evictable.
+        let dropped: Vec<(u8, Vec<u8>)> = self
+            .model
+            .keys
+            .keys()
+            .filter(|(l, k)| self.dir.inspect_key(&LAYOUTS[*l as usize], k).is_none())
+            .cloned()
+            .collect();
+        for (l, k) in dropped {
+            let loc = self.model.keys[&(l, k.clone())];
+            assert_eq!(self.model.pins_on(l, &k), 0, "a pinned key was evicted");
+            let orphan = self.model.regions[&loc.region].owner.is_none();
+            assert!(orphan || self.lru, "a live owner's key evicted without LRU");
+            self.model.remove_key(l, &k);
+        }
+        self.service();
+        for c in &mut self.clients {
+            if c.session
+                .is_some_and(|s| !self.model.sessions.contains_key(&s))
+            {
+                panic!(
+                    "session {:?} of {} expired in the model but not in the directory",
+                    c.session, c.name
+                );
+            }
+        }
+    }
+
+    fn restart(&mut self) {
+        // Allocations in flight complete at the pool manager; the answers are
+        // lost with the old directory.
+        while let Some((_, owner, len)) = self.pool.queue.pop_front() {
+            self.pool.allocate(owner, len);
+        }
+        let recovered: Vec<RecoveredRegion> = self
+            .pool
+            .live
+            .values()
+            .map(|(h, o)| RecoveredRegion {
+                handle: *h,
+                owner: InstanceId::new(o).unwrap(),
+            })
+            .collect();
+        self.restarts = self.restarts.wrapping_add(1);
+        self.dir = Directory::recover(
+            self.config.clone(),
+            [self.restarts; 32],
+            self.now,
+            recovered,
+        )
+        .unwrap();
+        let mut instances: BTreeMap<&'static str, MInst> = BTreeMap::new();
+        for (h, o) in self.pool.live.values() {
+            let i = instances.entry(*o).or_default();
+            i.awaiting = true;
+            i.absent_since = Some(self.now);
+            i.unclaimed.push(*h);
+        }
+        assert!(self.model.expect_free.is_empty());
+        self.model = Model {
+            instances,
+            ..Model::default()
+        };
+        for c in &mut self.clients {
+            c.session = None;
+            c.pins.clear();
+            c.pending.clear();
+            if let Some(l) = &mut c.last {
+                l.void = true;
+            }
+        }
+    }
+
+    // --- checks -----------------------------------------------------------------
+
+    fn check(&mut self) {
+        self.dir.check_invariants().unwrap();
+        let stats = self.dir.stats(self.now);
+        assert_eq!(stats.keys as usize, self.model.keys.len(), "key count");
+        for ((l, k), loc) in &self.model.keys {
+            let info = self
+                .dir
+                .inspect_key(&LAYOUTS[*l as usize], k)
+                .expect("model key in directory");
+            assert_eq!(info.location, *loc);
+            assert_eq!(
+                info.pins,
+                self.model.pins_on(*l, k),
+                "pins of {k:?}: sum over live sessions"
+            );
+        }
+        assert_eq!(
+            stats.pins,
+            self.model.pins.values().map(|&p| u64::from(p)).sum::<u64>()
+        );
+        assert!(
+            self.model.expect_free.is_empty(),
+            "expected frees not done: {:?}",
+            self.model.expect_free
+        );
+        assert_eq!(
+            stats.regions as usize,
+            self.model.regions.len(),
+            "region count"
+        );
+        for (id, r) in &self.model.regions {
+            let info = self
+                .dir
+                .inspect_region(*id)
+                .expect("model region in directory");
+            assert_eq!(
+                info.owner.as_ref().map(|o| o.as_str()),
+                r.owner,
+                "owner of {id}"
+            );
+            assert_eq!(
+                info.keys as usize,
+                self.model.keys_in(*id),
+                "refcount of {id}"
+            );
+            assert_eq!(info.layout, LAYOUTS[r.layout as usize]);
+        }
+        assert_eq!(stats.sessions as usize, self.model.sessions.len());
+        assert_eq!(stats.instances as usize, self.model.instances.len());
+    }
+
+    /// Every client drains its notices; then its registered pages are
+    /// exactly the directory's keys in its regions.
+    fn reconcile(&mut self) {
+        for ci in 0..self.clients.len() {
+            if !self.prepare(ci) {
+                continue;
+            }
+            for _ in 0..64 {
+                let c = &mut self.clients[ci];
+                let r = self
+                    .dir
+                    .heartbeat(&c.caller(), self.now)
+                    .expect("heartbeat");
+                self.model.touch(c.session.unwrap(), self.now);
+                if r.notices.is_empty() {
+                    break;
+                }
+                c.apply_notices(&r.notices);
+            }
+            let c = &self.clients[ci];
+            for (id, region) in &c.regions {
+                for (p, page) in region.pages.iter().enumerate() {
+                    let key_here = self
+                        .model
+                        .keys
+                        .values()
+                        .find(|l| l.region == *id && l.page.0 == p as u32);
+                    match page {
+                        Page::Registered(g) => {
+                            let l = key_here.unwrap_or_else(|| {
+                                panic!(
+                                    "{}: page {id}/{p} leaked (registered locally, no key)",
+                                    c.name
+                                )
+                            });
+                            assert_eq!(l.generation.0, *g);
+                        }
+                        Page::Free(_) => assert!(
+                            key_here.is_none(),
+                            "{}: page {id}/{p} free locally but a key uses it",
+                            c.name
+                        ),
+                        Page::Allocated(_) | Page::FreedInFlight(_) => {
+                            panic!("{}: page {id}/{p} left allocated", c.name)
+                        }
+                    }
+                }
+            }
+        }
+        self.check();
+    }
+}
+
+fn run(ops: &[Op], lru: bool) {
+    let mut w = World::new(lru);
+    for ci in 0..NAMES.len() {
+        w.hello(ci);
+    }
+    w.check();
+    for op in ops {
+        w.step(op);
+        w.check();
+    }
+    w.reconcile();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 128,
+        max_shrink_iters: 4096,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn the_directory_agrees_with_the_model(ops in prop::collection::vec(op_strategy(), 1..150), lru in any::<bool>()) {
+        run(&ops, lru);
+    }
+}
+
+#[test]
+fn a_scripted_run_through_every_kind_of_step_agrees_with_the_model() {
+    use Op::*;
+    let ops = [
+        RequestRegion(0, 0),
+        RequestRegion(1, 0),
+        PoolRespond(false),
+        PoolRespond(false),
+        Register(0, 0, vec![(1, 0), (2, 0), (3, 7)], false),
+        Register(1, 0, vec![(1, 0), (4, 0)], true),
+        Lookup(2, 0, vec![1, 2, 4], 2, true),
+        Retry(2),
+        Delete(1, 0, vec![1, 2], false),
+        Unpin(2, 0, vec![(0, 2), (1, 1)], false),
+        Delete(1, 0, vec![1, 2], false),
+        Heartbeat(0, true),
+        Reconnect(1),
+        Retry(1),
+        CloseSession(0),
+        Advance(150),
+        Advance(150),
+        Pressure(true),
+        Advance(1),
+        Restart,
+        Register(1, 0, vec![(5, 0)], false),
+        Advance(200),
+        Hello(0),
+        ReturnRegion(1, 0, false),
+    ];
+    run(&ops, false);
+}
