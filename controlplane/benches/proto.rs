@@ -113,6 +113,7 @@ fn codec(c: &mut Criterion) {
         meta: RequestMeta {
             seq: 17,
             notice_ack: 3,
+            replies_received_below: 16,
         },
         layout: LAYOUT,
         keys: lookup_keys.clone(),
@@ -121,8 +122,8 @@ fn codec(c: &mut Criterion) {
     let exists_keys = keys(512);
     let exists = Exists {
         meta: RequestMeta {
-            seq: 0,
             notice_ack: 3,
+            ..RequestMeta::default()
         },
         layout: LAYOUT,
         keys: exists_keys.clone(),

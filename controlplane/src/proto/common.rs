@@ -191,6 +191,12 @@ pub struct RequestMeta {
     /// Highest freed-page notice sequence number this region owner has
     /// applied (0: none yet). Always 0 on pool-manager requests.
     pub notice_ack: u64,
+    /// On a mutating request: the client has received the reply of every
+    /// request of its instance with a `seq` below this one (0 or 1: no
+    /// claim), so the directory may drop those cached replies early. At most
+    /// `seq`; 0 on read-only and pool-manager requests. Never needed for
+    /// correctness: the reply window bounds the cache anyway.
+    pub replies_received_below: u64,
 }
 
 impl From<&ArchivedRequestMeta> for RequestMeta {
@@ -198,6 +204,7 @@ impl From<&ArchivedRequestMeta> for RequestMeta {
         Self {
             seq: a.seq.to_native(),
             notice_ack: a.notice_ack.to_native(),
+            replies_received_below: a.replies_received_below.to_native(),
         }
     }
 }
@@ -300,8 +307,8 @@ pub struct Limits {
     pub max_inflight: u32,
     /// Most pins taken (or released) per key by one request.
     pub max_pins_per_key: u32,
-    /// Replies kept per instance for exactly-once retries; at least
-    /// `max_inflight`.
+    /// Width of the exactly-once window, in sequence numbers: a client keeps
+    /// its newest `seq` less than this ahead of its oldest unanswered one.
     pub reply_cache_len: u32,
 }
 

@@ -87,7 +87,9 @@ pub struct OwnedRegion {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct Reattach {
-    /// `seq` 0; `notice_ack` is the highest notice the instance applied.
+    /// `seq` 0; `notice_ack` is the highest notice the instance applied (on
+    /// a reconnect it acknowledges notices; after a directory restart the
+    /// numbering of new notices continues after it).
     pub meta: RequestMeta,
     pub protocol_min: u16,
     pub protocol_max: u16,
@@ -96,8 +98,13 @@ pub struct Reattach {
     pub client_name: String,
     pub client_secret: Option<Vec<u8>>,
     /// Every region the instance owns, at most
-    /// [`MAX_REATTACH_REGIONS`](super::MAX_REATTACH_REGIONS).
+    /// [`MAX_REATTACH_REGIONS`](super::MAX_REATTACH_REGIONS), each with the
+    /// layout it was granted for.
     pub regions: Vec<OwnedRegion>,
+    /// The instance's next sequence number (≥ 1). After a directory restart
+    /// numbers below it are refused with `SequenceTooOld`: they went to the
+    /// previous incarnation, whose state is gone.
+    pub next_seq: u64,
 }
 
 /// Answer to `Reattach`.
@@ -116,6 +123,8 @@ pub struct Reattached {
     /// Regions not confirmed (bad token, unknown, owned by another
     /// instance): the client must stop allocating from them.
     pub refused: Vec<RefusedRegion>,
+    /// Sequence numbers below this are refused with `SequenceTooOld`.
+    pub oldest_accepted_seq: u64,
 }
 
 /// Keeps the session's lease alive; its reply carries pending notices.
@@ -153,24 +162,23 @@ pub struct RegionGranted {
     pub token: RegionToken,
 }
 
-/// Gives an owned region back (mutating). Keys still registered in it keep
-/// it alive until they are deleted (`deferred`).
+/// Gives an owned region back to the pool (mutating). Only a region with no
+/// registered keys can be returned (`RegionNotEmpty` otherwise); ownership
+/// is the calling instance's, checked by the directory.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct ReturnRegion {
     pub meta: RequestMeta,
     pub region: u64,
-    pub token: RegionToken,
 }
 
+/// The region is no longer the instance's; the directory frees it in the
+/// pool.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct RegionReturned {
     pub meta: ReplyMeta,
     pub region: u64,
-    /// True when keys still reference the region: it goes back to the pool
-    /// when the last of them is deleted. False: already freed.
-    pub deferred: bool,
 }
 
 /// Describes peer regions so they can be mapped lazily (read-only).
@@ -224,6 +232,11 @@ pub enum RejectReason {
     BadLength = 5,
     /// The instance's quota is used up.
     QuotaExceeded = 6,
+    /// The page is registered under another key.
+    PageInUse = 7,
+    /// The generation is not newer than one already registered on this page
+    /// (a stale location: the page has been reused since).
+    StaleGeneration = 8,
 }
 
 impl RejectReason {
@@ -234,7 +247,9 @@ impl RejectReason {
             Self::UnknownRegion => C::UnknownRegion,
             Self::NotOwner => C::NotOwner,
             Self::WrongLayout => C::WrongLayout,
-            Self::PageOutOfRange | Self::BadLength => C::InvalidArgument,
+            Self::PageOutOfRange | Self::BadLength | Self::PageInUse | Self::StaleGeneration => {
+                C::InvalidArgument
+            }
             Self::QuotaExceeded => C::QuotaExceeded,
         }
     }
@@ -249,6 +264,8 @@ impl From<&ArchivedRejectReason> for RejectReason {
             ArchivedRejectReason::PageOutOfRange => Self::PageOutOfRange,
             ArchivedRejectReason::BadLength => Self::BadLength,
             ArchivedRejectReason::QuotaExceeded => Self::QuotaExceeded,
+            ArchivedRejectReason::PageInUse => Self::PageInUse,
+            ArchivedRejectReason::StaleGeneration => Self::StaleGeneration,
         }
     }
 }
@@ -343,23 +360,19 @@ pub struct Unpin {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub enum UnpinOutcome {
-    /// Released; the session still holds `remaining` pins on the key.
-    Unpinned { remaining: u32 },
-    /// The session holds only `held` pins on the key (0 for a missing key),
-    /// fewer than asked: nothing was released. A double unpin lands here; a
-    /// pin count never underflows.
-    NotPinned { held: u32 },
+    /// Released.
+    Unpinned,
+    /// The session holds fewer pins on the key than asked (none for a
+    /// missing key): nothing was released. A double unpin lands here; a pin
+    /// count never underflows.
+    NotPinned,
 }
 
 impl From<&ArchivedUnpinOutcome> for UnpinOutcome {
     fn from(a: &ArchivedUnpinOutcome) -> Self {
         match a {
-            ArchivedUnpinOutcome::Unpinned { remaining } => Self::Unpinned {
-                remaining: remaining.to_native(),
-            },
-            ArchivedUnpinOutcome::NotPinned { held } => Self::NotPinned {
-                held: held.to_native(),
-            },
+            ArchivedUnpinOutcome::Unpinned => Self::Unpinned,
+            ArchivedUnpinOutcome::NotPinned => Self::NotPinned,
         }
     }
 }

@@ -76,11 +76,21 @@ pub enum ErrorCode {
     /// `Reattach` named an instance whose grace period expired (its regions
     /// were freed): start over with `Hello`.
     InstanceGone = 23,
+    /// The retried `seq` was executed, but its cached reply was dropped (the
+    /// instance's reply cache overflowed its byte limit, or the client said
+    /// it had received it): it will not run again, and its answer is lost.
+    ReplyEvicted = 24,
+    /// A retried pinning `Lookup` ran on another session, which holds its
+    /// pins: look up again with a new `seq`.
+    PinsHeldByOtherSession = 25,
+    /// `ReturnRegion` of a region that still has registered keys. `limit`:
+    /// the number of keys.
+    RegionNotEmpty = 26,
 }
 
 impl ErrorCode {
     /// Every code, in number order.
-    pub const ALL: [ErrorCode; 23] = [
+    pub const ALL: [ErrorCode; 26] = [
         Self::Malformed,
         Self::UnsupportedVersion,
         Self::FrameTooLarge,
@@ -104,6 +114,9 @@ impl ErrorCode {
         Self::HelloRequired,
         Self::InstanceInUse,
         Self::InstanceGone,
+        Self::ReplyEvicted,
+        Self::PinsHeldByOtherSession,
+        Self::RegionNotEmpty,
     ];
 
     pub const fn as_u16(self) -> u16 {
@@ -142,6 +155,9 @@ impl ErrorCode {
             Self::HelloRequired => "hello_required",
             Self::InstanceInUse => "instance_in_use",
             Self::InstanceGone => "instance_gone",
+            Self::ReplyEvicted => "reply_evicted",
+            Self::PinsHeldByOtherSession => "pins_held_by_other_session",
+            Self::RegionNotEmpty => "region_not_empty",
         }
     }
 
@@ -171,6 +187,11 @@ impl ErrorCode {
             Self::HelloRequired => "no session: send Hello or Reattach first",
             Self::InstanceInUse => "instance id in use: reattach with its secret",
             Self::InstanceGone => "instance expired: start a new one with Hello",
+            Self::ReplyEvicted => "request already executed; its cached reply was dropped",
+            Self::PinsHeldByOtherSession => {
+                "the retried lookup's pins belong to another session: look up again"
+            }
+            Self::RegionNotEmpty => "region still has registered keys",
         }
     }
 

@@ -39,16 +39,15 @@
 //! `Delete`, `RequestRegion`, `ReturnRegion`, `EndSession`; towards the pool
 //! manager `AllocRegion`, `FreeRegion`) carry a non-zero `seq` from a
 //! per-instance counter (per directory for the pool manager) that never
-//! repeats; read-only ones carry `seq` 0. The server keeps a bounded cache of
-//! the last replies per instance ([`Limits::reply_cache_len`], at least
-//! `max_inflight`). A request whose `seq` is cached is not executed again:
-//! the cached reply is sent (with the new request id). A `seq` not cached
-//! and above every `seq` evicted from the cache is executed; one at or below
-//! the highest evicted `seq` gets [`ErrorCode::SequenceTooOld`]. Errors raised
-//! before the request reaches the state machine (validation, `Busy`,
-//! authentication) are not cached and do not consume the `seq`. A client
-//! whose reply was lost resends the same request with the same `seq` — after
-//! a reconnect, on the reattached instance — and never guesses from a lookup.
+//! repeats; read-only ones carry `seq` 0. The directory keeps a window of
+//! [`Limits::reply_cache_len`] sequence numbers per instance: a `seq` it
+//! executed is not executed again — its cached reply is sent (with the new
+//! request id) — and one below the window gets
+//! [`ErrorCode::SequenceTooOld`]. Only successful replies are cached; errors
+//! do not consume the `seq`. `RequestMeta::replies_received_below` lets a
+//! client release cached replies early. A client whose reply was lost
+//! resends the same request with the same `seq` — after a reconnect, on the
+//! reattached instance — and never guesses from a lookup.
 //!
 //! # Freed-page notices
 //!
@@ -250,7 +249,7 @@ assert_archived_align!(
 
 // Hot wire structs: their archived size is part of the per-key cost.
 const _: () = assert!(std::mem::size_of::<Archived<Location>>() == 24);
-const _: () = assert!(std::mem::size_of::<Archived<RequestMeta>>() == 16);
+const _: () = assert!(std::mem::size_of::<Archived<RequestMeta>>() == 24);
 const _: () = assert!(std::mem::size_of::<Archived<FreedPage>>() == 24);
 const _: () = assert!(std::mem::size_of::<Archived<RegionDesc>>() == 40);
 const _: () = assert!(

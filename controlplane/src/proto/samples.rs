@@ -26,7 +26,11 @@ const DESC: RegionDesc = RegionDesc {
 };
 
 fn request(seq: u64) -> RequestMeta {
-    RequestMeta { seq, notice_ack: 4 }
+    RequestMeta {
+        seq,
+        notice_ack: 4,
+        replies_received_below: seq.saturating_sub(1),
+    }
 }
 
 fn reply() -> ReplyMeta {
@@ -125,6 +129,7 @@ pub fn reattach() -> Reattach {
             layout: LAYOUT,
             token: RegionToken([0x5a; 32]),
         }],
+        next_seq: 17,
     }
 }
 
@@ -137,6 +142,7 @@ pub fn reattached() -> Reattached {
             region: 8,
             code: ErrorCode::BadToken.as_u16(),
         }],
+        oldest_accepted_seq: 17,
     }
 }
 
@@ -172,7 +178,6 @@ pub fn return_region() -> ReturnRegion {
     ReturnRegion {
         meta: request(2),
         region: 7,
-        token: RegionToken([0x5a; 32]),
     }
 }
 
@@ -180,7 +185,6 @@ pub fn region_returned() -> RegionReturned {
     RegionReturned {
         meta: reply(),
         region: 7,
-        deferred: true,
     }
 }
 
@@ -279,9 +283,9 @@ pub fn unpin_reply() -> UnpinReply {
     UnpinReply {
         meta: reply(),
         outcomes: vec![
-            UnpinOutcome::Unpinned { remaining: 0 },
-            UnpinOutcome::NotPinned { held: 1 },
-            UnpinOutcome::Unpinned { remaining: 2 },
+            UnpinOutcome::Unpinned,
+            UnpinOutcome::NotPinned,
+            UnpinOutcome::Unpinned,
         ],
     }
 }
@@ -446,7 +450,7 @@ pub fn alloc_region() -> AllocRegion {
     AllocRegion {
         meta: RequestMeta {
             seq: 8,
-            notice_ack: 0,
+            ..RequestMeta::default()
         },
         pool: Some(0),
         len_bytes: 64 << 20,
@@ -462,7 +466,7 @@ pub fn free_region() -> FreeRegion {
     FreeRegion {
         meta: RequestMeta {
             seq: 9,
-            notice_ack: 0,
+            ..RequestMeta::default()
         },
         region: 7,
         token: RegionToken([0x5a; 32]),

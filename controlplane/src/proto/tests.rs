@@ -312,10 +312,7 @@ fn lookup_is_mutating_only_when_it_takes_pins() {
         assert!(decode_request(frame).unwrap().is_mutating())
     });
     let plain = Lookup {
-        meta: RequestMeta {
-            seq: 0,
-            notice_ack: 0,
-        },
+        meta: RequestMeta::default(),
         pins: 0,
         ..samples::lookup()
     };
@@ -392,7 +389,7 @@ fn error_codes_are_stable_numbered_and_named() {
     let numbers: Vec<u16> = ErrorCode::ALL.iter().map(|c| c.as_u16()).collect();
     assert_eq!(
         numbers,
-        (1..=23).collect::<Vec<u16>>(),
+        (1..=26).collect::<Vec<u16>>(),
         "codes are 1.. in order, never renumbered"
     );
     let pinned = [
@@ -419,6 +416,9 @@ fn error_codes_are_stable_numbered_and_named() {
         (ErrorCode::HelloRequired, 21),
         (ErrorCode::InstanceInUse, 22),
         (ErrorCode::InstanceGone, 23),
+        (ErrorCode::ReplyEvicted, 24),
+        (ErrorCode::PinsHeldByOtherSession, 25),
+        (ErrorCode::RegionNotEmpty, 26),
     ];
     for (code, number) in pinned {
         assert_eq!(code.as_u16(), number);
@@ -692,13 +692,10 @@ fn pins_and_unpin_counts_are_bounded_and_consistent() {
 
 #[test]
 fn mutating_requests_need_a_seq_and_read_only_ones_refuse_one() {
-    let none = RequestMeta {
-        seq: 0,
-        notice_ack: 0,
-    };
+    let none = RequestMeta::default();
     let some = RequestMeta {
         seq: 5,
-        notice_ack: 0,
+        ..RequestMeta::default()
     };
     let seq_required = |e: ProtoError| {
         assert!(matches!(e, ProtoError::SeqRequired { .. }), "{e}");
@@ -788,6 +785,7 @@ fn mutating_requests_need_a_seq_and_read_only_ones_refuse_one() {
     let acked = RequestMeta {
         seq: 8,
         notice_ack: 3,
+        replies_received_below: 0,
     };
     let e = rejection(&AllocRegion {
         meta: acked,
@@ -803,6 +801,85 @@ fn mutating_requests_need_a_seq_and_read_only_ones_refuse_one() {
         ),
         "{e}"
     );
+}
+
+#[test]
+fn a_receipt_claim_past_its_own_seq_or_on_a_read_only_request_is_refused() {
+    let claim = |seq, below| RequestMeta {
+        seq,
+        notice_ack: 0,
+        replies_received_below: below,
+    };
+    accepts(&Delete {
+        meta: claim(9, 9),
+        ..samples::delete()
+    });
+    let e = rejection(&Delete {
+        meta: claim(9, 10),
+        ..samples::delete()
+    });
+    assert!(
+        matches!(
+            e,
+            ProtoError::InvalidValue {
+                field: "meta.replies_received_below",
+                value: 10,
+                limit: 9,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(e.code(), ErrorCode::InvalidArgument);
+    let e = rejection(&Exists {
+        meta: claim(0, 3),
+        ..samples::exists()
+    });
+    assert!(
+        matches!(
+            e,
+            ProtoError::InvalidValue {
+                field: "meta.replies_received_below",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The pool manager keeps its own cache: no claims there.
+    let e = rejection(&FreeRegion {
+        meta: claim(9, 2),
+        ..samples::free_region()
+    });
+    assert!(
+        matches!(
+            e,
+            ProtoError::InvalidValue {
+                field: "meta.replies_received_below",
+                limit: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_reattach_without_a_next_seq_is_refused() {
+    let e = rejection(&Reattach {
+        next_seq: 0,
+        ..samples::reattach()
+    });
+    assert!(
+        matches!(
+            e,
+            ProtoError::InvalidValue {
+                field: "next_seq",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(e.code(), ErrorCode::InvalidArgument);
 }
 
 #[test]
@@ -1235,7 +1312,7 @@ fn the_largest_legal_batch_of_every_kind_fits_in_one_frame() {
     });
     fits(&UnpinReply {
         meta: max_reply_meta(),
-        outcomes: vec![UnpinOutcome::NotPinned { held: 1 }; MAX_BATCH],
+        outcomes: vec![UnpinOutcome::NotPinned; MAX_BATCH],
     });
     fits(&DeleteReply {
         meta: max_reply_meta(),
@@ -1266,6 +1343,7 @@ fn the_largest_legal_batch_of_every_kind_fits_in_one_frame() {
             MAX_REATTACH_REGIONS
         ],
         resumed: false,
+        oldest_accepted_seq: u64::MAX,
     });
     fits(&Reattach {
         instance_id: max_name(),
@@ -1406,19 +1484,19 @@ fn every_single_bit_flip_is_decoded_or_refused_without_panicking() {
 
 #[test]
 fn a_flipped_enum_tag_or_bool_is_refused() {
-    let reply = RegionReturned {
-        deferred: true,
-        ..samples::region_returned()
+    let reply = Reattached {
+        resumed: true,
+        ..samples::reattached()
     };
     let bytes = encoded(&reply);
     let mut payload = payload_of(&bytes).to_vec();
-    // The root is at the end; `deferred` is its last non-padding byte.
-    let root_at = payload.len() - std::mem::size_of::<Archived<RegionReturned>>();
-    let offset = std::mem::offset_of!(Archived<RegionReturned>, deferred);
+    // The root is at the end of the payload.
+    let root_at = payload.len() - std::mem::size_of::<Archived<Reattached>>();
+    let offset = std::mem::offset_of!(Archived<Reattached>, resumed);
     assert_eq!(payload[root_at + offset], 1);
     payload[root_at + offset] = 2;
     let aligned = Aligned::new(&payload);
-    let e = access::<RegionReturned>(aligned.frame(Kind::RegionReturned.as_u16())).unwrap_err();
+    let e = access::<Reattached>(aligned.frame(Kind::Reattached.as_u16())).unwrap_err();
     assert_eq!(e.code(), ErrorCode::Malformed, "{e}");
 }
 

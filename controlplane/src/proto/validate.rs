@@ -148,7 +148,9 @@ fn check_versions(kind: Kind, min: u16, max: u16) -> Result<(), ProtoError> {
     Ok(())
 }
 
-/// The sequence-number rule, and `notice_ack` 0 on pool-manager requests.
+/// The sequence-number rule (with `replies_received_below ≤ seq`, and 0 on
+/// read-only requests), and `notice_ack` and `replies_received_below` 0 on
+/// pool-manager requests.
 fn check_request<R: ArchivedRequest>(kind: Kind, request: &R) -> Result<(), ProtoError> {
     let meta = request.meta();
     match (request.is_mutating(), meta.seq) {
@@ -156,7 +158,17 @@ fn check_request<R: ArchivedRequest>(kind: Kind, request: &R) -> Result<(), Prot
         (false, seq) if seq != 0 => return Err(ProtoError::SeqNotAllowed { kind, seq }),
         _ => {}
     }
-    if kind.service() == Some(Service::PoolManager) && meta.notice_ack != 0 {
+    let pool = kind.service() == Some(Service::PoolManager);
+    if meta.replies_received_below > meta.seq || (pool && meta.replies_received_below != 0) {
+        return Err(invalid(
+            kind,
+            "meta.replies_received_below",
+            meta.replies_received_below,
+            "at most seq (0 on read-only and pool-manager requests)",
+            if pool { 0 } else { meta.seq },
+        ));
+    }
+    if pool && meta.notice_ack != 0 {
         return Err(invalid(
             kind,
             "meta.notice_ack",
@@ -254,6 +266,10 @@ impl Validate for ArchivedReattach {
         check_name(kind, "instance_id", &self.instance_id)?;
         check_name(kind, "client_name", &self.client_name)?;
         check_secret(kind, "client_secret", &self.client_secret)?;
+        let next_seq = self.next_seq.to_native();
+        if next_seq == 0 {
+            return Err(invalid(kind, "next_seq", 0, "must be at least 1", 1));
+        }
         check_len(
             kind,
             "regions",
