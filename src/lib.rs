@@ -13,5 +13,8 @@
 
 pub mod bench;
 pub mod cli;
+pub mod client;
+
+pub use client::Client;
 
 pub use cxlkv_dataplane as dataplane;

@@ -1,0 +1,155 @@
+//! The client's errors: one enum, each variant naming what went wrong and
+//! with which input; server refusals keep the server's [`ErrorCode`].
+
+use cxlkv_controlplane::proto::{ErrorCode, Kind, ProtoError};
+use cxlkv_controlplane::transport;
+use cxlkv_dataplane::alloc::AllocatorError;
+use cxlkv_dataplane::backing::BackingError;
+use cxlkv_dataplane::ids::RegionId;
+use cxlkv_dataplane::map::MapError;
+
+/// What went wrong with a client call.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    #[error("invalid client configuration: {field}: {reason}")]
+    Config { field: &'static str, reason: String },
+
+    // --- input checked before sending ------------------------------------
+    #[error("key {index} is {len_bytes} bytes; keys are 1..={max_bytes} bytes")]
+    KeyLength {
+        index: usize,
+        len_bytes: usize,
+        max_bytes: usize,
+    },
+    #[error("batch of {len} exceeds the limit of {max}")]
+    BatchTooLarge { len: usize, max: usize },
+    #[error(
+        "invalid page size {page_size_bytes}: a non-zero multiple of 4096, at most {max_bytes}"
+    )]
+    InvalidPageSize {
+        page_size_bytes: u64,
+        max_bytes: u64,
+    },
+    #[error("chunk {index} is {len_bytes} bytes; chunks are 1..={page_size_bytes} bytes")]
+    ChunkLength {
+        index: usize,
+        len_bytes: usize,
+        page_size_bytes: u64,
+    },
+    #[error("lease {index} belongs to another layout than the one registering it")]
+    ForeignLease { index: usize },
+    #[error("the client already uses the maximum of {max} layouts")]
+    TooManyLayouts { max: usize },
+
+    // --- memory ------------------------------------------------------------
+    #[error(
+        "out of memory in layout (page size {page_size_bytes}): {requested} pages requested, auto_expand is off or the region could not be had"
+    )]
+    OutOfMemory {
+        page_size_bytes: u64,
+        requested: usize,
+    },
+    #[error(
+        "quota exceeded: {owned_bytes} bytes owned + {requested_bytes} requested > quota {quota_bytes}"
+    )]
+    QuotaExceeded {
+        quota_bytes: u64,
+        owned_bytes: u64,
+        requested_bytes: u64,
+    },
+
+    // --- pools and mappings -------------------------------------------------
+    #[error("server announced {announced} pools but passed {passed} descriptors")]
+    PoolDescriptors { announced: usize, passed: usize },
+    #[error("pool {pool}: {reason}")]
+    Pool { pool: u32, reason: String },
+    #[error("region {region} names pool {pool}, which the server did not announce")]
+    UnknownPool { region: RegionId, pool: u32 },
+    #[error("region {region} has page size {region_page_bytes}, the layout {layout_page_bytes}")]
+    PageSizeMismatch {
+        region: RegionId,
+        region_page_bytes: u64,
+        layout_page_bytes: u64,
+    },
+    #[error(transparent)]
+    Backing(#[from] BackingError),
+    #[error(transparent)]
+    Map(#[from] MapError),
+    #[error(transparent)]
+    Allocator(#[from] AllocatorError),
+    #[error("region {region}: the client holds the maximum number of regions")]
+    RegionTableFull { region: RegionId },
+
+    // --- the server ----------------------------------------------------------
+    #[error("{op}: server refused with {code_name} ({code}): {message}{}", limit_suffix(*limit))]
+    Server {
+        op: &'static str,
+        /// The wire error number (kept even when this build does not know it).
+        code: u16,
+        code_name: &'static str,
+        message: String,
+        limit: u64,
+    },
+    #[error("{op}: malformed reply: {source}")]
+    BadReply {
+        op: &'static str,
+        source: ProtoError,
+    },
+    #[error("{op}: reply of kind {kind:#06x}, expected {expected:?}")]
+    UnexpectedReply {
+        op: &'static str,
+        kind: u16,
+        expected: Kind,
+    },
+    #[error("{op}: no answer after {attempts} attempts: {last}")]
+    Unanswered {
+        op: &'static str,
+        attempts: u32,
+        last: String,
+    },
+    #[error(
+        "{op}: the request may or may not have taken effect ({reason}); its pages stay reserved until it is resolved"
+    )]
+    Indeterminate { op: &'static str, reason: String },
+    #[error("cannot connect to the server: {0}")]
+    Connect(#[source] transport::ClientError),
+    #[error("the server could not be reached for {elapsed_ms} ms: {last}")]
+    ReconnectFailed { elapsed_ms: u64, last: String },
+    #[error("{window} sequence numbers are in flight (the server's reply window); retry later")]
+    TooManyInFlight { window: u64 },
+    #[error("the client is closed")]
+    Closed,
+}
+
+fn limit_suffix(limit: u64) -> String {
+    if limit == 0 {
+        String::new()
+    } else {
+        format!(" (limit {limit})")
+    }
+}
+
+impl ClientError {
+    /// The server's error code, when the server refused the request.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server { code, .. } => ErrorCode::from_u16(*code),
+            ClientError::QuotaExceeded { .. } => Some(ErrorCode::QuotaExceeded),
+            ClientError::KeyLength { .. } => Some(ErrorCode::KeyTooLong),
+            ClientError::BatchTooLarge { .. } => Some(ErrorCode::BatchTooLarge),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn server(op: &'static str, code: u16, message: &str, limit: u64) -> Self {
+        let code_name = ErrorCode::from_u16(code).map_or("unknown", ErrorCode::name);
+        ClientError::Server {
+            op,
+            code,
+            code_name,
+            message: message.to_owned(),
+            limit,
+        }
+    }
+}

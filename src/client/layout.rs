@@ -1,0 +1,346 @@
+//! Layouts: a page size plus a fingerprint, each with its own regions and
+//! its own key space (DESIGN §3).
+//!
+//! A [`LayoutHandle`] is what an engine holds per model: it allocates pages
+//! from the layout's regions, registers, looks up, tests and deletes keys
+//! of that layout only — a key of another layout is another key, so a
+//! reader of model B is never handed model A's page. A client may use
+//! several layouts; asking again for a layout it already has returns a
+//! handle to the same one.
+//!
+//! **Memory.** Creating a layout takes its `initial_reservation_bytes` in
+//! regions of `region_size_bytes` (default max(64 MiB, one page), rounded up
+//! to the pool alignment), mapped eagerly. Allocation is lock-free: the
+//! regions are read from an epoch-published table and each has a lock-free
+//! page allocator; regions are tried lowest id first, which keeps later
+//! regions empty so that idle ones can be returned. When every region is
+//! full, `auto_expand` takes one more region (one thread at a time; the
+//! others retry their allocation once it is in); without it the allocation
+//! fails with `OutOfMemory`. The client-side `quota_bytes` bounds the
+//! regions taken, across layouts.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use cxlkv_controlplane::proto::{self, Layout, RegionGranted, RequestRegion, ReturnRegion};
+use cxlkv_dataplane::backing::check_page_size;
+use cxlkv_dataplane::table::RegionTable;
+use parking_lot::Mutex;
+
+use super::Client;
+use super::config::{DEFAULT_REGION_SIZE_BYTES, LayoutOptions, MAX_LAYOUTS, round_up};
+use super::error::ClientError;
+use super::lease::PageLease;
+use super::regions::{self, OwnedRegion};
+use super::rpc::{Fail, Mode};
+use super::shared::Shared;
+
+/// Most regions one allocation call may add to its layout.
+const MAX_EXPANSIONS_PER_CALL: usize = 64;
+
+/// One layout's state, shared by its handles.
+#[derive(Debug)]
+pub(crate) struct LayoutState {
+    pub ix: u32,
+    pub layout: Layout,
+    pub page_size_bytes: usize,
+    pub region_size_bytes: u64,
+    pub auto_expand: bool,
+    pub regions: RegionTable<Arc<OwnedRegion>>,
+    /// One expansion at a time (held across the region request: expansion
+    /// is the slow path by design).
+    pub expand_lock: Mutex<()>,
+}
+
+/// A layout of a [`Client`]: allocate, write, register, look up, delete.
+/// Cheap to clone; keeps the client alive.
+#[derive(Debug, Clone)]
+pub struct LayoutHandle {
+    pub(crate) client: Client,
+    pub(crate) state: Arc<LayoutState>,
+}
+
+impl LayoutHandle {
+    pub fn page_size_bytes(&self) -> u64 {
+        self.state.layout.page_size_bytes
+    }
+
+    pub fn fingerprint(&self) -> u64 {
+        self.state.layout.fingerprint
+    }
+
+    /// Bytes of the regions this layout holds now.
+    pub fn region_bytes(&self) -> u64 {
+        self.state
+            .regions
+            .read()
+            .iter()
+            .map(|(_, r)| r.desc.len_bytes)
+            .sum()
+    }
+
+    /// Free pages in this layout's regions (a snapshot).
+    pub fn free_pages(&self) -> u64 {
+        self.state
+            .regions
+            .read()
+            .iter()
+            .map(|(_, r)| u64::from(r.alloc.free_pages()))
+            .sum()
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.client.inner.shared
+    }
+
+    /// One writable page (see [`PageLease`]).
+    pub fn alloc(&self) -> Result<PageLease, ClientError> {
+        let mut leases = self.batch_alloc(1)?;
+        Ok(leases
+            .pop()
+            .expect("invariant: batch_alloc(1) returns one lease"))
+    }
+
+    /// `n` writable pages, all or none: on failure every page taken is
+    /// back in the allocator.
+    pub fn batch_alloc(&self, n: usize) -> Result<Vec<PageLease>, ClientError> {
+        let shared = self.shared();
+        shared.check_open()?;
+        if n > proto::MAX_BATCH {
+            return Err(ClientError::BatchTooLarge {
+                len: n,
+                max: proto::MAX_BATCH,
+            });
+        }
+        let mut leases = Vec::with_capacity(n);
+        let mut expansions = 0;
+        loop {
+            self.state.take_pages(n, &mut leases);
+            if leases.len() == n {
+                return Ok(leases);
+            }
+            if !self.state.auto_expand || expansions >= MAX_EXPANSIONS_PER_CALL {
+                return Err(ClientError::OutOfMemory {
+                    page_size_bytes: self.state.layout.page_size_bytes,
+                    requested: n,
+                });
+            }
+            shared.expand(&self.state, (n - leases.len()) as u64)?;
+            expansions += 1;
+        }
+    }
+}
+
+impl LayoutState {
+    /// Takes free pages, lowest region first, until `out` holds `n`.
+    fn take_pages(&self, n: usize, out: &mut Vec<PageLease>) {
+        let snapshot = self.regions.read();
+        for (_, region) in snapshot.iter() {
+            while out.len() < n {
+                match region.alloc.alloc() {
+                    Some((page, generation)) => {
+                        out.push(PageLease::new(
+                            Arc::clone(region),
+                            self.ix,
+                            page,
+                            generation,
+                        ));
+                    }
+                    None => break,
+                }
+            }
+            if out.len() == n {
+                return;
+            }
+        }
+    }
+
+    fn free_pages(&self) -> u64 {
+        self.regions
+            .read()
+            .iter()
+            .map(|(_, r)| u64::from(r.alloc.free_pages()))
+            .sum()
+    }
+}
+
+impl Shared {
+    /// The layout `(page_size_bytes, fingerprint)`, created (with its initial
+    /// reservation) if this client does not have it yet.
+    pub fn layout(
+        &self,
+        page_size_bytes: u64,
+        fingerprint: u64,
+        opts: LayoutOptions,
+    ) -> Result<Arc<LayoutState>, ClientError> {
+        self.check_open()?;
+        if check_page_size(page_size_bytes).is_err() || page_size_bytes > proto::MAX_PAGE_BYTES {
+            return Err(ClientError::InvalidPageSize {
+                page_size_bytes,
+                max_bytes: proto::MAX_PAGE_BYTES,
+            });
+        }
+        let layout = Layout {
+            page_size_bytes,
+            fingerprint,
+        };
+        let align = self
+            .pools
+            .iter()
+            .map(|p| p.info.align_bytes)
+            .max()
+            .unwrap_or(cxlkv_dataplane::backing::DEFAULT_ALIGN_BYTES);
+        let wanted = if opts.region_size_bytes == 0 {
+            DEFAULT_REGION_SIZE_BYTES
+        } else {
+            opts.region_size_bytes
+        };
+        let region_size_bytes =
+            round_up(wanted.max(page_size_bytes), align).ok_or(ClientError::Config {
+                field: "region_size_bytes",
+                reason: format!("{wanted} cannot be rounded up to the alignment {align}"),
+            })?;
+        let state = {
+            let mut layouts = self.layouts.write();
+            if let Some(existing) = layouts.iter().find(|l| l.layout == layout) {
+                return Ok(Arc::clone(existing));
+            }
+            if layouts.len() >= MAX_LAYOUTS {
+                return Err(ClientError::TooManyLayouts { max: MAX_LAYOUTS });
+            }
+            let state = Arc::new(LayoutState {
+                ix: layouts.len() as u32,
+                layout,
+                page_size_bytes: page_size_bytes as usize,
+                region_size_bytes,
+                auto_expand: opts.auto_expand,
+                regions: RegionTable::new(),
+                expand_lock: Mutex::new(()),
+            });
+            layouts.push(Arc::clone(&state));
+            state
+        };
+        let initial = opts.initial_reservation_bytes.div_ceil(region_size_bytes);
+        for _ in 0..initial {
+            self.acquire_region(&state, true)?;
+        }
+        Ok(state)
+    }
+
+    /// Adds a region to `layout` unless another thread already made room for
+    /// `needed_pages`.
+    pub fn expand(&self, layout: &LayoutState, needed_pages: u64) -> Result<(), ClientError> {
+        let _one_at_a_time = layout.expand_lock.lock();
+        if layout.free_pages() >= needed_pages {
+            return Ok(());
+        }
+        self.acquire_region(layout, false)
+    }
+
+    /// Requests one region for `layout`, maps it and makes it allocatable.
+    pub fn acquire_region(&self, layout: &LayoutState, initial: bool) -> Result<(), ClientError> {
+        let len = layout.region_size_bytes;
+        if let Some(quota) = self.cfg.quota_bytes {
+            // Relaxed: a gauge; racing expansions of two layouts may both
+            // pass (the directory's own quota is the hard limit).
+            let owned = self.owned_bytes.load(Ordering::Relaxed);
+            if owned.saturating_add(len) > quota {
+                return Err(ClientError::QuotaExceeded {
+                    quota_bytes: quota,
+                    owned_bytes: owned,
+                    requested_bytes: len,
+                });
+            }
+        }
+        let mut req = RequestRegion {
+            meta: Default::default(),
+            layout: layout.layout,
+            len_bytes: len,
+        };
+        let (desc, granted_layout, token) = self
+            .mutating_call::<_, RegionGranted, _>("request_region", Mode::NORMAL, &mut req, |g| {
+                Ok((
+                    proto::RegionDesc::from(&g.desc),
+                    Layout::from(&g.layout),
+                    g.token.to_native(),
+                ))
+            })
+            .map_err(Fail::into_error)?;
+        let mapped = if granted_layout == layout.layout {
+            self.pool(desc.pool, desc.region_id()).and_then(|pool| {
+                regions::map_owned(pool, desc, layout.layout, token, &self.observers, initial)
+            })
+        } else {
+            Err(ClientError::PageSizeMismatch {
+                region: desc.region_id(),
+                region_page_bytes: granted_layout.page_size_bytes,
+                layout_page_bytes: layout.layout.page_size_bytes,
+            })
+        };
+        let region = match mapped {
+            Ok(region) => Arc::new(region),
+            Err(e) => {
+                // We own a region we cannot use: give it back (best effort;
+                // otherwise it is freed when the instance goes).
+                let _ = self.return_region(desc.region);
+                return Err(e);
+            }
+        };
+        // Relaxed: a gauge.
+        self.owned_bytes
+            .fetch_add(desc.len_bytes, Ordering::Relaxed);
+        self.stats.bump(&self.stats.regions_acquired);
+        layout
+            .regions
+            .insert(desc.region_id(), region)
+            .map_err(|_| ClientError::RegionTableFull {
+                region: desc.region_id(),
+            })
+    }
+
+    /// Gives region `region` back (it must hold no key).
+    pub fn return_region(&self, region: u64) -> Result<(), ClientError> {
+        let mut req = ReturnRegion {
+            meta: Default::default(),
+            region,
+        };
+        self.mutating_call::<_, proto::RegionReturned, _>(
+            "return_region",
+            Mode::NORMAL,
+            &mut req,
+            |_| Ok(()),
+        )
+        .map_err(Fail::into_error)
+    }
+}
+
+impl Client {
+    /// The layout `(page_size_bytes, fingerprint)` with the configured
+    /// defaults ([`ClientConfig::layout`](super::ClientConfig::layout)).
+    pub fn layout(
+        &self,
+        page_size_bytes: u64,
+        fingerprint: u64,
+    ) -> Result<LayoutHandle, ClientError> {
+        let opts = self.inner.shared.cfg.layout;
+        self.layout_with(page_size_bytes, fingerprint, opts)
+    }
+
+    /// The layout with explicit options (used when the layout is created;
+    /// a layout the client already has keeps its options).
+    pub fn layout_with(
+        &self,
+        page_size_bytes: u64,
+        fingerprint: u64,
+        opts: LayoutOptions,
+    ) -> Result<LayoutHandle, ClientError> {
+        let state = self
+            .inner
+            .shared
+            .layout(page_size_bytes, fingerprint, opts)?;
+        Ok(LayoutHandle {
+            client: self.clone(),
+            state,
+        })
+    }
+}

@@ -1,0 +1,187 @@
+//! Writable page leases: the write half of the page protocol.
+//!
+//! A [`PageLease`] is one page the layout's allocator handed to this client
+//! and that no key names yet. Its bytes are writable (`&mut [u8]`) because
+//! the allocator's hand-out is exclusive — no other `alloc` returns the page
+//! until this grant is freed — and the lease is neither `Clone` nor shared,
+//! so at most one mutable view of the page exists at a time. No reader can
+//! know the page before its key is registered, and registering consumes the
+//! lease: after that the bytes can no longer be written through it.
+//!
+//! Dropping a lease without registering it aborts the write: the page goes
+//! back to the allocator (exactly once — the allocator refuses a second free
+//! of the same grant).
+//!
+//! **Publication.** Before registration the bytes must be visible to every
+//! reader (DESIGN §3): `register` publishes them under the pool's visibility
+//! mode unless they were written by a non-temporal [`PageLease::write`]
+//! (which publishes by itself) and not touched since.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cxlkv_controlplane::proto::Location;
+use cxlkv_dataplane::copy::{self, CopyPath};
+use cxlkv_dataplane::ids::{Generation, PageIndex};
+use cxlkv_dataplane::map::PageViewMut;
+use cxlkv_dataplane::visibility;
+
+use super::error::ClientError;
+use super::regions::OwnedRegion;
+
+/// One allocated, not yet registered page (see the module docs).
+pub struct PageLease {
+    region: Arc<OwnedRegion>,
+    layout_ix: u32,
+    page: PageIndex,
+    generation: Generation,
+    len_bytes: usize,
+    /// Bytes were written since the last publication.
+    needs_publish: bool,
+    /// Registration took the page (it must not be freed on drop).
+    consumed: bool,
+}
+
+impl PageLease {
+    pub(crate) fn new(
+        region: Arc<OwnedRegion>,
+        layout_ix: u32,
+        page: PageIndex,
+        generation: Generation,
+    ) -> Self {
+        Self {
+            region,
+            layout_ix,
+            page,
+            generation,
+            len_bytes: 0,
+            needs_publish: false,
+            consumed: false,
+        }
+    }
+
+    /// The layout's page size: the most a chunk can hold.
+    pub fn page_size_bytes(&self) -> usize {
+        self.region.page_size_bytes
+    }
+
+    /// Bytes of the chunk (what registration will record).
+    pub fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+
+    /// Sets the chunk length after writing through [`PageLease::bytes_mut`].
+    pub fn set_len(&mut self, len_bytes: usize) -> Result<(), ClientError> {
+        if len_bytes > self.page_size_bytes() {
+            return Err(ClientError::ChunkLength {
+                index: 0,
+                len_bytes,
+                page_size_bytes: self.page_size_bytes() as u64,
+            });
+        }
+        self.len_bytes = len_bytes;
+        Ok(())
+    }
+
+    /// The whole page, writable. Marks the lease as needing publication.
+    pub fn bytes_mut(&mut self) -> PageViewMut<'_> {
+        self.needs_publish = true;
+        let page_size = self.page_size_bytes();
+        // SAFETY: this lease holds the allocator's exclusive grant of
+        // `(page, generation)` (see the module docs): no other lease, read
+        // guard or process touches the page until it is registered, which
+        // consumes the lease; `&mut self` keeps this the only view from it.
+        let view = unsafe {
+            self.region
+                .mapping
+                .page_mut(page_size, self.page, page_size)
+        };
+        view.expect("invariant: the allocator only hands out pages inside its region")
+    }
+
+    /// Copies `src` to the start of the page with the fastest routine and
+    /// sets the length to `src.len()`. Returns the routine used (a
+    /// non-temporal one also publishes the bytes).
+    pub fn write(&mut self, src: &[u8]) -> Result<CopyPath, ClientError> {
+        if src.is_empty() || src.len() > self.page_size_bytes() {
+            return Err(ClientError::ChunkLength {
+                index: 0,
+                len_bytes: src.len(),
+                page_size_bytes: self.page_size_bytes() as u64,
+            });
+        }
+        let touched_before = self.needs_publish;
+        let path = {
+            let mut view = self.bytes_mut();
+            copy::copy_in(&mut view[..src.len()], src)
+        };
+        self.len_bytes = src.len();
+        self.needs_publish = touched_before || !path.satisfies_publish();
+        Ok(path)
+    }
+
+    /// Makes the chunk's bytes visible to readers under the pool's mode (a
+    /// fence on a coherent pool). `register` does this when needed.
+    pub fn publish(&mut self) {
+        if self.needs_publish {
+            visibility::publish(self.region.visibility, self.chunk());
+            self.needs_publish = false;
+        }
+    }
+
+    /// Where the chunk will live once registered.
+    pub fn location(&self) -> Location {
+        Location {
+            region: self.region.desc.region,
+            page: self.page.0,
+            generation: self.generation.0,
+            len_bytes: self.len_bytes as u32,
+        }
+    }
+
+    /// Gives the page back unused (same as dropping the lease).
+    pub fn abort(self) {}
+
+    pub(crate) fn layout_ix(&self) -> u32 {
+        self.layout_ix
+    }
+
+    /// The page is still this lease's grant: no freed-page notice (for a
+    /// registration whose reply was overtaken) has freed it.
+    pub(crate) fn still_allocated(&self) -> bool {
+        self.region.alloc.is_allocated(self.page, self.generation)
+    }
+
+    /// Registration succeeded: the page now belongs to its key; dropping the
+    /// lease must not free it (a freed-page notice will, after a delete).
+    pub(crate) fn consume(mut self) {
+        self.consumed = true;
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.region
+            .mapping
+            .page(self.page_size_bytes(), self.page, self.len_bytes)
+            .expect("invariant: the allocator only hands out pages inside its region")
+            .as_bytes()
+    }
+}
+
+impl fmt::Debug for PageLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PageLease")
+            .field("location", &self.location())
+            .field("needs_publish", &self.needs_publish)
+            .finish()
+    }
+}
+
+impl Drop for PageLease {
+    fn drop(&mut self) {
+        if !self.consumed {
+            // A refused free (stale or double: the page was already freed by
+            // a notice) is counted by the allocator; nothing else to do.
+            let _ = self.region.alloc.free(self.page, self.generation);
+        }
+    }
+}

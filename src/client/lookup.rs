@@ -1,0 +1,224 @@
+//! The read path and the other key operations: `get` (lookup with pins,
+//! views in place), `exists`, `delete`.
+//!
+//! `batch_get` is one `Lookup` round trip taking one pin per found key. The
+//! reply names every region its locations point into, so a peer region
+//! this client has not mapped yet is mapped right there (lazily, then
+//! cached) without a second round trip. Each found key becomes a
+//! [`ReadGuard`] after `acquire` (a fence, or a cache invalidation of the
+//! chunk on a `Flush` pool) — its bytes are the pool's bytes.
+
+use std::sync::Arc;
+
+use cxlkv_controlplane::proto::{
+    self, Delete, DeleteOutcome, DeleteReply, Exists, ExistsReply, Location, Lookup, LookupReply,
+    RegionDesc,
+};
+use cxlkv_dataplane::visibility;
+
+use super::error::ClientError;
+use super::layout::LayoutHandle;
+use super::read::ReadGuard;
+use super::rpc::{Fail, Mode};
+
+impl LayoutHandle {
+    /// Checks a key batch against the session's limits.
+    fn check_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<(), ClientError> {
+        let limits = self.shared().limits();
+        let max_batch = (limits.max_batch as usize).min(proto::MAX_BATCH);
+        if keys.len() > max_batch {
+            return Err(ClientError::BatchTooLarge {
+                len: keys.len(),
+                max: max_batch,
+            });
+        }
+        let max_key = (limits.max_key_bytes as usize).min(proto::MAX_KEY_BYTES);
+        for (index, key) in keys.iter().enumerate() {
+            let len = key.as_ref().len();
+            if len == 0 || len > max_key {
+                return Err(ClientError::KeyLength {
+                    index,
+                    len_bytes: len,
+                    max_bytes: max_key,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn key_vec<K: AsRef<[u8]>>(keys: &[K]) -> Vec<Vec<u8>> {
+        keys.iter().map(|k| k.as_ref().to_vec()).collect()
+    }
+
+    /// The chunk under `key`, pinned and in place; `None` if absent.
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<ReadGuard>, ClientError> {
+        let mut out = self.batch_get(&[key])?;
+        Ok(out.pop().expect("invariant: one result per key"))
+    }
+
+    /// The chunks under `keys` (one round trip), each pinned until its
+    /// guard drops; `None` for absent keys.
+    pub fn batch_get<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+    ) -> Result<Vec<Option<ReadGuard>>, ClientError> {
+        let shared = self.shared();
+        shared.check_open()?;
+        self.check_keys(keys)?;
+        let mut msg = Lookup {
+            meta: Default::default(),
+            layout: self.state.layout,
+            keys: Self::key_vec(keys),
+            pins: 1,
+        };
+        let n = keys.len();
+        let (locations, regions) = shared
+            .mutating_call::<_, LookupReply, _>("lookup", Mode::NORMAL, &mut msg, |reply| {
+                let locations: Vec<Option<Location>> = reply.locations().collect();
+                if locations.len() != n {
+                    return Err(ClientError::BadReply {
+                        op: "lookup",
+                        source: proto::ProtoError::Malformed {
+                            kind: proto::Kind::LookupReply,
+                            len_bytes: 0,
+                            detail: format!("{} locations for {n} keys", locations.len()),
+                        },
+                    });
+                }
+                Ok((locations, reply.regions().collect::<Vec<RegionDesc>>()))
+            })
+            .map_err(Fail::into_error)?;
+        // Every pin taken is now owned by a guard-to-be: count them first, so
+        // that any guard dropped below (or a failure) releases exactly them.
+        shared.live_pins.add(
+            self.state.ix,
+            keys.iter()
+                .zip(&locations)
+                .filter(|(_, l)| l.is_some())
+                .map(|(k, _)| k.as_ref()),
+        );
+        let mut out = Vec::with_capacity(n);
+        let mut failure = None;
+        for (key, location) in keys.iter().zip(locations) {
+            let Some(location) = location else {
+                out.push(None);
+                continue;
+            };
+            let key = key.as_ref();
+            if failure.is_some() {
+                shared.release_pin(self.state.ix, key.into());
+                continue;
+            }
+            match self.guard(key, location, &regions) {
+                Ok(guard) => out.push(Some(guard)),
+                Err(e) => {
+                    shared.release_pin(self.state.ix, key.into());
+                    failure = Some(e);
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    fn guard(
+        &self,
+        key: &[u8],
+        location: Location,
+        regions: &[RegionDesc],
+    ) -> Result<ReadGuard, ClientError> {
+        let shared = self.shared();
+        let desc = regions.iter().find(|d| d.region == location.region);
+        let (mapping, mode) = shared.resolve_region(&self.state, location.region, desc)?;
+        let page_size = self.state.page_size_bytes;
+        let view = mapping.page(
+            page_size,
+            location.page_index(),
+            location.len_bytes as usize,
+        )?;
+        visibility::acquire(mode, view.as_bytes());
+        drop(view);
+        Ok(ReadGuard::new(
+            Arc::clone(shared),
+            mapping,
+            self.state.ix,
+            key.into(),
+            location,
+            page_size,
+        ))
+    }
+
+    /// Whether `key` exists (no pin taken).
+    pub fn exists(&self, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
+        let mut out = self.batch_exists(&[key])?;
+        Ok(out.pop().expect("invariant: one result per key"))
+    }
+
+    /// Whether each key exists, in one read-only round trip.
+    pub fn batch_exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>, ClientError> {
+        let shared = self.shared();
+        shared.check_open()?;
+        self.check_keys(keys)?;
+        let mut msg = Exists {
+            meta: Default::default(),
+            layout: self.state.layout,
+            keys: Self::key_vec(keys),
+        };
+        let n = keys.len();
+        shared.read_call::<_, ExistsReply, _>("exists", &mut msg, |reply| {
+            if reply.present.len() as usize != n {
+                return Err(ClientError::BadReply {
+                    op: "exists",
+                    source: proto::ProtoError::Malformed {
+                        kind: proto::Kind::ExistsReply,
+                        len_bytes: 0,
+                        detail: format!("{} bits for {n} keys", reply.present.len()),
+                    },
+                });
+            }
+            Ok(reply.present.iter().collect())
+        })
+    }
+
+    /// Deletes `key`: `Deleted`, `Pinned` (someone holds a pin; nothing
+    /// changed) or `Missing`.
+    pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<DeleteOutcome, ClientError> {
+        let mut out = self.batch_delete(&[key])?;
+        Ok(out.pop().expect("invariant: one result per key"))
+    }
+
+    /// Deletes keys in one round trip; one outcome per key, never conflated.
+    /// The pages' owners (this client or others) get them back through
+    /// freed-page notices.
+    pub fn batch_delete<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+    ) -> Result<Vec<DeleteOutcome>, ClientError> {
+        let shared = self.shared();
+        shared.check_open()?;
+        self.check_keys(keys)?;
+        let mut msg = Delete {
+            meta: Default::default(),
+            layout: self.state.layout,
+            keys: Self::key_vec(keys),
+        };
+        let n = keys.len();
+        shared
+            .mutating_call::<_, DeleteReply, _>("delete", Mode::NORMAL, &mut msg, |reply| {
+                if reply.outcomes.len() != n {
+                    return Err(ClientError::BadReply {
+                        op: "delete",
+                        source: proto::ProtoError::Malformed {
+                            kind: proto::Kind::DeleteReply,
+                            len_bytes: 0,
+                            detail: format!("{} outcomes for {n} keys", reply.outcomes.len()),
+                        },
+                    });
+                }
+                Ok(reply.outcomes.iter().map(DeleteOutcome::from).collect())
+            })
+            .map_err(Fail::into_error)
+    }
+}

@@ -1,0 +1,179 @@
+//! The client's one background thread: heartbeats, deferred unpins, idle
+//! regions, unmapping, parked registrations.
+//!
+//! It sleeps on a condition variable and wakes (a) when a guard queues the
+//! first unpin — it then waits `unpin_delay_us` (≤ 1 ms) for more and sends
+//! them as one batch per layout; (b) when no request has been sent for a
+//! third of the session's lease — it sends a heartbeat, whose reply also
+//! carries pending notices (and a broken connection is noticed and
+//! reattached here even when the engine is idle); (c) every
+//! [`TICK`] for housekeeping: retired mappings whose last view is gone are
+//! unmapped (so `munmap` and the engines' unmap callbacks run here), idle
+//! regions beyond a layout's initial reservation are returned, and parked
+//! registrations are sent again. Close wakes it and joins it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cxlkv_controlplane::proto::{Heartbeat, HeartbeatReply};
+use cxlkv_dataplane::ids::RegionId;
+
+use super::layout::LayoutState;
+use super::regions::OwnedRegion;
+use super::shared::Shared;
+
+/// Housekeeping period.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Runs until the client closes.
+pub(crate) fn run(shared: Arc<Shared>) {
+    let mut returning: HashSet<u64> = HashSet::new();
+    let mut last_tick_ms = 0u64;
+    loop {
+        let wait = next_wait(&shared);
+        {
+            let (flag, cv) = &shared.wake;
+            let mut woken = flag.lock();
+            if !*woken {
+                cv.wait_for(&mut woken, wait);
+            }
+            *woken = false;
+        }
+        if shared.closing.load(Ordering::Acquire) {
+            return;
+        }
+        if shared.unpins.has_pending() {
+            std::thread::sleep(Duration::from_micros(u64::from(shared.cfg.unpin_delay_us)));
+            if let Err(e) = shared.flush_unpins() {
+                tracing::debug!(error = %e, "deferred unpin flush failed");
+            }
+        }
+        if heartbeat_due(&shared) {
+            heartbeat(&shared);
+        }
+        let now = shared.now_ms();
+        if now.saturating_sub(last_tick_ms) >= TICK.as_millis() as u64 {
+            last_tick_ms = now;
+            housekeeping(&shared, &mut returning, now);
+        }
+    }
+}
+
+fn lease_ms(shared: &Shared) -> u64 {
+    shared
+        .conn
+        .lock()
+        .as_ref()
+        .map_or(10_000, |c| u64::from(c.lease_ms).max(30))
+}
+
+fn heartbeat_due(shared: &Shared) -> bool {
+    // Relaxed: a scheduling hint.
+    let idle = shared
+        .now_ms()
+        .saturating_sub(shared.last_sent_ms.load(Ordering::Relaxed));
+    idle >= lease_ms(shared) / 3
+}
+
+fn next_wait(shared: &Shared) -> Duration {
+    // Relaxed: a scheduling hint.
+    let idle = shared
+        .now_ms()
+        .saturating_sub(shared.last_sent_ms.load(Ordering::Relaxed));
+    let to_heartbeat = (lease_ms(shared) / 3).saturating_sub(idle);
+    TICK.min(Duration::from_millis(to_heartbeat.max(1)))
+}
+
+fn heartbeat(shared: &Shared) {
+    shared.stats.bump(&shared.stats.heartbeats);
+    let mut msg = Heartbeat {
+        meta: Default::default(),
+    };
+    if let Err(e) = shared.read_call::<_, HeartbeatReply, _>("heartbeat", &mut msg, |_| Ok(())) {
+        tracing::warn!(error = %e, "heartbeat failed");
+    }
+}
+
+fn housekeeping(shared: &Shared, returning: &mut HashSet<u64>, now_ms: u64) {
+    let layouts: Vec<Arc<LayoutState>> = shared.layouts.read().clone();
+    for layout in &layouts {
+        pick_idle_regions(shared, layout, returning, now_ms);
+    }
+    for (_, peer) in shared.peers.take_unreachable() {
+        shared.retired.push(Arc::clone(&peer.mapping));
+    }
+    for layout in &layouts {
+        for (id, region) in layout.regions.take_unreachable() {
+            if returning.remove(&id.0) {
+                finish_return(shared, layout, id, region);
+            } else {
+                shared.retired.push(Arc::clone(&region.mapping));
+            }
+        }
+    }
+    shared.retired.sweep();
+    if shared.unresolved_batches() > 0 {
+        shared.resolve_unresolved();
+    }
+}
+
+/// Marks regions beyond the initial reservation whose pages are all free;
+/// takes those idle long enough out of the allocation table.
+fn pick_idle_regions(
+    shared: &Shared,
+    layout: &LayoutState,
+    returning: &mut HashSet<u64>,
+    now_ms: u64,
+) {
+    let idle_ms = shared.cfg.idle_region_return_ms;
+    let mut due = Vec::new();
+    for (id, r) in layout.regions.read().iter() {
+        if r.initial {
+            continue;
+        }
+        // Relaxed: maintenance-thread-only bookkeeping.
+        if r.alloc.free_pages() == r.alloc.page_count() {
+            let since = r.idle_since_ms.load(Ordering::Relaxed);
+            if since == 0 {
+                r.idle_since_ms.store(now_ms.max(1), Ordering::Relaxed);
+            } else if now_ms.saturating_sub(since) >= idle_ms {
+                due.push(id);
+            }
+        } else {
+            r.idle_since_ms.store(0, Ordering::Relaxed);
+        }
+    }
+    for id in due {
+        if layout.regions.remove(id).is_ok() {
+            returning.insert(id.0);
+        }
+    }
+}
+
+/// A region taken out for return is unreachable now: give it back if it is
+/// still entirely free and no lease holds it, else put it back.
+fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Arc<OwnedRegion>) {
+    let untouched =
+        Arc::strong_count(&region) == 1 && region.alloc.free_pages() == region.alloc.page_count();
+    if untouched {
+        match shared.return_region(id.0) {
+            Ok(()) => {
+                // Relaxed: a gauge.
+                shared
+                    .owned_bytes
+                    .fetch_sub(region.desc.len_bytes, Ordering::Relaxed);
+                shared.stats.bump(&shared.stats.regions_returned);
+                shared.retired.push(Arc::clone(&region.mapping));
+                return;
+            }
+            Err(e) => tracing::debug!(region = %id, error = %e, "returning an idle region failed"),
+        }
+    }
+    region.idle_since_ms.store(0, Ordering::Relaxed);
+    if let Err(rejected) = layout.regions.insert(id, region) {
+        tracing::error!(region = %id, error = %rejected, "cannot put a region back; retiring it");
+        shared.retired.push(Arc::clone(&rejected.value.mapping));
+    }
+}

@@ -1,0 +1,269 @@
+//! Read guards and the pins behind them.
+//!
+//! A [`ReadGuard`] is a pinned, read-only view of one chunk, in place in the
+//! pool: its bytes are the mapping's bytes (no copy). The pin, taken by the
+//! `Lookup` that found the key, keeps the directory from deleting the key,
+//! so the page's owner cannot reuse it while the guard lives. Dropping the
+//! guard releases the pin.
+//!
+//! **Deferred, batched unpins.** A dropped guard queues its unpin; the
+//! queue is sent as one `Unpin` per layout (a) by the maintenance thread
+//! within `unpin_delay_us` (≤ 1 ms) of the first queued entry, or (b) before
+//! *any* other request of this client, whichever comes first — so a client
+//! always observes its own releases (drop a guard, then delete the key:
+//! never `Pinned` by yourself). Entries are taken from the queue and sent
+//! under one lock, and the queue's length is lowered only after the send,
+//! so a thread that finds the queue empty knows every release queued
+//! before it is already on the wire ahead of its own request.
+//!
+//! **Pins and sessions.** Pins belong to a session, i.e. a connection. The
+//! [`LivePins`] registry counts the pins the client's live guards hold per
+//! key; after a reconnect (which ends the old session and its pins) the
+//! client takes them again on the new session and clears the queue (those
+//! unpins died with the old session). Keys that cannot be pinned again
+//! (deleted meanwhile, or not yet re-registered after a directory restart)
+//! are counted as invalidated views.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cxlkv_controlplane::proto::Location;
+use cxlkv_dataplane::map::MappedRegion;
+use parking_lot::{Mutex, MutexGuard};
+
+use super::shared::Shared;
+
+/// A pinned, read-only view of one chunk in the shared pool. Derefs to the
+/// chunk's bytes; dropping it releases the pin (see the module docs).
+pub struct ReadGuard {
+    shared: Arc<Shared>,
+    mapping: Arc<MappedRegion>,
+    layout_ix: u32,
+    key: Box<[u8]>,
+    location: Location,
+    page_size_bytes: usize,
+}
+
+impl ReadGuard {
+    /// Builds a guard whose view was checked to lie in `mapping` (the caller
+    /// holds one pin on `key` for it, registered in [`LivePins`]).
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        mapping: Arc<MappedRegion>,
+        layout_ix: u32,
+        key: Box<[u8]>,
+        location: Location,
+        page_size_bytes: usize,
+    ) -> Self {
+        debug_assert!(
+            mapping
+                .page(
+                    page_size_bytes,
+                    location.page_index(),
+                    location.len_bytes as usize
+                )
+                .is_ok()
+        );
+        Self {
+            shared,
+            mapping,
+            layout_ix,
+            key,
+            location,
+            page_size_bytes,
+        }
+    }
+
+    /// The chunk, in place in the pool.
+    pub fn bytes(&self) -> &[u8] {
+        self.mapping
+            .page(
+                self.page_size_bytes,
+                self.location.page_index(),
+                self.location.len_bytes as usize,
+            )
+            .expect("invariant: the view was bounds-checked when the guard was made")
+            .as_bytes()
+    }
+
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// Where the chunk lives (region, page, generation, length).
+    pub fn location(&self) -> Location {
+        self.location
+    }
+
+    /// Releases the pin now (same as dropping the guard).
+    pub fn release(self) {}
+}
+
+impl std::ops::Deref for ReadGuard {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
+impl fmt::Debug for ReadGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadGuard")
+            .field("key_len_bytes", &self.key.len())
+            .field("location", &self.location)
+            .finish()
+    }
+}
+
+impl Drop for ReadGuard {
+    fn drop(&mut self) {
+        let key = std::mem::take(&mut self.key);
+        self.shared.release_pin(self.layout_ix, key);
+    }
+}
+
+/// Pins held by live guards, per `(layout, key)`.
+#[derive(Debug, Default)]
+pub(crate) struct LivePins {
+    map: Mutex<HashMap<(u32, Box<[u8]>), u32>>,
+}
+
+impl LivePins {
+    pub fn lock(&self) -> MutexGuard<'_, HashMap<(u32, Box<[u8]>), u32>> {
+        self.map.lock()
+    }
+
+    /// Counts one more pin on each key (under one lock).
+    pub fn add<'k>(&self, layout_ix: u32, keys: impl Iterator<Item = &'k [u8]>) {
+        let mut map = self.map.lock();
+        for key in keys {
+            *map.entry((layout_ix, key.into())).or_insert(0) += 1;
+        }
+    }
+
+    /// Counts one pin fewer; false if none was counted (the pins were lost
+    /// with a session and could not be taken again).
+    pub fn remove(map: &mut HashMap<(u32, Box<[u8]>), u32>, layout_ix: u32, key: &[u8]) -> bool {
+        let k = (layout_ix, Box::<[u8]>::from(key));
+        match map.get_mut(&k) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                true
+            }
+            Some(_) => {
+                map.remove(&k);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Unpins waiting to be sent.
+#[derive(Debug, Default)]
+pub(crate) struct UnpinQueue {
+    /// Entries queued and not yet on the wire; lowered only after the send.
+    pending: AtomicUsize,
+    queue: Mutex<Vec<(u32, Box<[u8]>)>>,
+}
+
+impl UnpinQueue {
+    /// True when some release is queued and not yet sent.
+    pub fn has_pending(&self) -> bool {
+        // Acquire: pairs with the Release decrement in `sent`, so a thread
+        // that reads 0 also sees that the send happened before it.
+        self.pending.load(Ordering::Acquire) > 0
+    }
+
+    /// Queues one unpin; returns true if the queue was empty (the caller
+    /// wakes the maintenance thread to bound the delay).
+    pub fn push(&self, layout_ix: u32, key: Box<[u8]>) -> bool {
+        let mut q = self.queue.lock();
+        q.push((layout_ix, key));
+        // Relaxed: the queue lock orders it with the flushers' decrement.
+        self.pending.fetch_add(1, Ordering::Relaxed) == 0
+    }
+
+    /// Locks the queue for a flush: the caller takes the entries, sends
+    /// them, and then calls [`UnpinQueue::sent`] before unlocking.
+    pub fn lock(&self) -> MutexGuard<'_, Vec<(u32, Box<[u8]>)>> {
+        self.queue.lock()
+    }
+
+    /// `n` entries taken by a flush are on the wire (or were dropped).
+    pub fn sent(&self, n: usize) {
+        // Release: see `has_pending`.
+        self.pending.fetch_sub(n, Ordering::Release);
+    }
+}
+
+/// Groups taken entries into one `(layout, keys, counts)` batch per layout,
+/// merging repeated keys into a count.
+pub(crate) fn group_unpins(entries: Vec<(u32, Box<[u8]>)>) -> Vec<(u32, Vec<Vec<u8>>, Vec<u32>)> {
+    let mut by_layout: HashMap<u32, HashMap<Box<[u8]>, u32>> = HashMap::new();
+    for (layout, key) in entries {
+        *by_layout.entry(layout).or_default().entry(key).or_insert(0) += 1;
+    }
+    let mut out: Vec<_> = by_layout
+        .into_iter()
+        .map(|(layout, keys)| {
+            let (keys, counts): (Vec<Vec<u8>>, Vec<u32>) =
+                keys.into_iter().map(|(k, n)| (k.into_vec(), n)).unzip();
+            (layout, keys, counts)
+        })
+        .collect();
+    out.sort_by_key(|(layout, _, _)| *layout);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpins_are_grouped_per_layout_with_repeated_keys_counted() {
+        let entries = vec![
+            (1, Box::from(&b"a"[..])),
+            (0, Box::from(&b"a"[..])),
+            (1, Box::from(&b"a"[..])),
+            (1, Box::from(&b"b"[..])),
+        ];
+        let groups = group_unpins(entries);
+        assert_eq!(groups.len(), 2);
+        assert_eq!(groups[0], (0, vec![b"a".to_vec()], vec![1]));
+        let (layout, keys, counts) = &groups[1];
+        assert_eq!(*layout, 1);
+        let mut pairs: Vec<_> = keys.iter().cloned().zip(counts.iter().copied()).collect();
+        pairs.sort();
+        assert_eq!(pairs, vec![(b"a".to_vec(), 2), (b"b".to_vec(), 1)]);
+    }
+
+    #[test]
+    fn the_queue_reports_pending_until_the_flush_says_sent() {
+        let q = UnpinQueue::default();
+        assert!(!q.has_pending());
+        assert!(q.push(0, Box::from(&b"k"[..])));
+        assert!(!q.push(0, Box::from(&b"j"[..])));
+        let mut locked = q.lock();
+        let taken = std::mem::take(&mut *locked);
+        assert!(q.has_pending(), "taken but not yet sent");
+        q.sent(taken.len());
+        drop(locked);
+        assert!(!q.has_pending());
+    }
+
+    #[test]
+    fn live_pins_count_per_key_and_refuse_a_release_never_counted() {
+        let pins = LivePins::default();
+        pins.add(0, [&b"a"[..], &b"a"[..], &b"b"[..]].into_iter());
+        let mut map = pins.lock();
+        assert!(LivePins::remove(&mut map, 0, b"a"));
+        assert!(LivePins::remove(&mut map, 0, b"a"));
+        assert!(!LivePins::remove(&mut map, 0, b"a"));
+        assert!(!LivePins::remove(&mut map, 1, b"b"));
+        assert!(LivePins::remove(&mut map, 0, b"b"));
+        assert!(map.is_empty());
+    }
+}

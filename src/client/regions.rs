@@ -1,0 +1,182 @@
+//! The regions a client maps: its own (mapped eagerly, with a page
+//! allocator) and its peers' (mapped lazily on first lookup, cached).
+//!
+//! Both live in epoch-published [`RegionTable`]s (one per layout for owned
+//! regions, one for peers), read without locks on every allocation and
+//! lookup. A mapping is shared by `Arc` between its table entry and the
+//! views that read it (read guards, page leases); the table never clones it
+//! for a reader, so its count moves only when a view is created or dropped.
+//!
+//! **Who unmaps.** A region leaves its table (returned, refused at
+//! reattach, evicted from the peer cache); the table hands the entry back
+//! once no reader can reach it, and its mapping joins the [`Retired`] list.
+//! The maintenance thread drops a retired mapping once it holds the last
+//! reference — when the last view of it is gone — so `munmap` and the
+//! engines' `before_unmap` callbacks run there, never under a reader and
+//! never while a view exists.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cxlkv_controlplane::proto::{Layout, RegionDesc, RegionToken};
+use cxlkv_dataplane::alloc::PageAllocator;
+use cxlkv_dataplane::backing::Extent;
+use cxlkv_dataplane::map::{MapObservers, MappedRegion, Populate};
+use cxlkv_dataplane::visibility::Visibility;
+use parking_lot::Mutex;
+
+use super::error::ClientError;
+use super::pools::Pool;
+
+/// A region this client owns: its mapping, its page allocator, and what
+/// proves it is ours on reattach.
+#[derive(Debug)]
+pub(crate) struct OwnedRegion {
+    pub desc: RegionDesc,
+    pub layout: Layout,
+    pub token: RegionToken,
+    pub mapping: Arc<MappedRegion>,
+    pub alloc: PageAllocator,
+    pub page_size_bytes: usize,
+    pub visibility: Visibility,
+    /// Part of the layout's initial reservation: never returned while the
+    /// client lives.
+    pub initial: bool,
+    /// Milliseconds (client clock) since which every page has been free;
+    /// 0 while some page is in use. Maintenance-thread only.
+    pub idle_since_ms: AtomicU64,
+}
+
+/// A peer's region, mapped for reading.
+#[derive(Debug)]
+pub(crate) struct PeerRegion {
+    pub desc: RegionDesc,
+    pub mapping: Arc<MappedRegion>,
+    pub visibility: Visibility,
+    /// Stamp of the last lookup that resolved into it (for the cache's
+    /// least-recently-used eviction).
+    pub last_used: AtomicU64,
+}
+
+impl PeerRegion {
+    pub fn touch(&self, stamp: u64) {
+        // Relaxed: an eviction hint; a stale stamp only picks a worse victim.
+        if self.last_used.load(Ordering::Relaxed) != stamp {
+            self.last_used.store(stamp, Ordering::Relaxed);
+        }
+    }
+}
+
+fn extent_of(desc: &RegionDesc) -> Extent {
+    Extent::new(desc.offset_bytes, desc.len_bytes)
+}
+
+/// Maps a region granted to this client, populated for writing.
+pub(crate) fn map_owned(
+    pool: &Pool,
+    desc: RegionDesc,
+    layout: Layout,
+    token: RegionToken,
+    observers: &MapObservers,
+    initial: bool,
+) -> Result<OwnedRegion, ClientError> {
+    let page_size_bytes = page_size(&desc, &layout)?;
+    // SAFETY: the client upholds the cxlkv page protocol for every mapping
+    // it makes: bytes of a page are written only through a `PageLease`,
+    // which exists only for a page this client's allocator handed out and
+    // that is not registered yet (so no reader anywhere knows it); pages are
+    // read only through read guards on a registered, published key whose pin
+    // (held by the guard) keeps the directory from deleting it, so its
+    // owner cannot reallocate and rewrite it while the view exists.
+    let mapping = unsafe {
+        MappedRegion::map(
+            pool.backing.as_ref(),
+            desc.region_id(),
+            extent_of(&desc),
+            Populate::Eager,
+            observers,
+        )
+    }?;
+    let pages = mapping.page_count(page_size_bytes)?;
+    let alloc = PageAllocator::new(pages)?;
+    Ok(OwnedRegion {
+        desc,
+        layout,
+        token,
+        mapping: Arc::new(mapping),
+        alloc,
+        page_size_bytes,
+        visibility: pool.visibility,
+        initial,
+        idle_since_ms: AtomicU64::new(0),
+    })
+}
+
+/// Maps a peer's region lazily (pages fault in as they are read).
+pub(crate) fn map_peer(
+    pool: &Pool,
+    desc: RegionDesc,
+    observers: &MapObservers,
+    stamp: u64,
+) -> Result<PeerRegion, ClientError> {
+    // SAFETY: as in `map_owned`: this client only reads peer pages through
+    // read guards holding a pin on a registered, published key.
+    let mapping = unsafe {
+        MappedRegion::map(
+            pool.backing.as_ref(),
+            desc.region_id(),
+            extent_of(&desc),
+            Populate::Lazy,
+            observers,
+        )
+    }?;
+    Ok(PeerRegion {
+        desc,
+        mapping: Arc::new(mapping),
+        visibility: pool.visibility,
+        last_used: AtomicU64::new(stamp),
+    })
+}
+
+fn page_size(desc: &RegionDesc, layout: &Layout) -> Result<usize, ClientError> {
+    if desc.page_size_bytes != layout.page_size_bytes {
+        return Err(ClientError::PageSizeMismatch {
+            region: desc.region_id(),
+            region_page_bytes: desc.page_size_bytes,
+            layout_page_bytes: layout.page_size_bytes,
+        });
+    }
+    usize::try_from(desc.page_size_bytes).map_err(|_| ClientError::InvalidPageSize {
+        page_size_bytes: desc.page_size_bytes,
+        max_bytes: cxlkv_controlplane::proto::MAX_PAGE_BYTES,
+    })
+}
+
+/// Mappings out of every table, waiting for their last view to go.
+#[derive(Debug, Default)]
+pub(crate) struct Retired {
+    list: Mutex<Vec<Arc<MappedRegion>>>,
+}
+
+impl Retired {
+    pub fn push(&self, mapping: Arc<MappedRegion>) {
+        self.list.lock().push(mapping);
+    }
+
+    /// Drops (unmaps) every retired mapping nobody else holds; returns how
+    /// many are still waiting. The drops run outside the lock.
+    pub fn sweep(&self) -> usize {
+        let unmapped: Vec<Arc<MappedRegion>> = {
+            let mut list = self.list.lock();
+            // Only this list holds a mapping whose strong count is 1, and
+            // there are no weak references: nobody can take a new one.
+            let (last, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut *list)
+                .into_iter()
+                .partition(|m| Arc::strong_count(m) == 1);
+            *list = waiting;
+            last
+        };
+        drop(unmapped);
+        self.list.lock().len()
+    }
+}

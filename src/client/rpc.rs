@@ -1,0 +1,513 @@
+//! One request, start to finish: sequence number, unpins first, encode,
+//! send, retry, reconnect, decode, notices.
+//!
+//! [`Shared::exchange`] is the only way a request leaves the client after
+//! connect. Per attempt it (1) sends the queued unpins ahead of the request
+//! (pipelined on the same connection, so the directory applies them first),
+//! (2) stamps the request with its sequence number, the notice
+//! acknowledgement and `replies_received_below`, (3) sends it with a
+//! deadline, and (4) on a reply applies the piggybacked notices before
+//! handing the reply to the caller.
+//!
+//! **Retries** keep the sequence number (DESIGN §4): a deadline that passed,
+//! a transient refusal (`Busy`, `Timeout`) or a broken connection (after a
+//! reconnect and reattach) sends the same request again, at most
+//! `max_retries` times. Two refusals change the number instead: a ticket
+//! from before a directory restart is void (`SequenceTooOld` after a
+//! `Recovered` reattach), and a pinning lookup whose pins belong to a
+//! session that is gone (`PinsHeldByOtherSession`) must look up afresh.
+//!
+//! **Outcomes.** A request that got an answer — or an error reply, which
+//! by the protocol changed nothing — is *definite*. A mutating request whose
+//! attempts all went unanswered, or whose cached reply the directory
+//! dropped, is *indeterminate*: it may have taken effect. The register path
+//! parks such batches and resolves them later; other callers report it.
+
+use std::time::{Duration, Instant};
+
+use cxlkv_controlplane::frame::{Frame, HEADER_BYTES};
+use cxlkv_controlplane::proto::{
+    self, Archived, ArchivedDirectoryReply, Delete, ErrorCode, Exists, Heartbeat, Lookup,
+    MapRegion, Message, Register, RequestMeta, RequestRegion, ReturnRegion, Stats, Unpin,
+    UnpinOutcome, UnpinReply,
+};
+use cxlkv_controlplane::transport::{ClientError as TransportError, PendingCall};
+
+use super::error::ClientError;
+use super::read::group_unpins;
+use super::seq::SeqTicket;
+use super::shared::{Conn, Shared};
+
+/// How a request failed.
+#[derive(Debug)]
+pub(crate) enum Fail {
+    /// It did not take effect (or was read-only).
+    Definite(ClientError),
+    /// It may have taken effect; the answer is lost.
+    Indeterminate(ClientError),
+}
+
+impl Fail {
+    pub fn into_error(self) -> ClientError {
+        match self {
+            Fail::Definite(e) => e,
+            Fail::Indeterminate(e) => e,
+        }
+    }
+}
+
+/// What an exchange may do besides the request itself.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mode {
+    /// Send queued unpins ahead of the request.
+    pub flush_unpins: bool,
+    /// Reconnect (and reattach) when the connection broke. Off inside the
+    /// reattach procedure itself, which holds the reconnect lock.
+    pub reconnect: bool,
+}
+
+impl Mode {
+    pub const NORMAL: Mode = Mode {
+        flush_unpins: true,
+        reconnect: true,
+    };
+    /// Requests made by the reattach procedure on its new connection.
+    pub const REATTACH: Mode = Mode {
+        flush_unpins: false,
+        reconnect: false,
+    };
+}
+
+/// A request whose metadata the exchange fills in per attempt (sequence
+/// number, notice acknowledgement, `replies_received_below`).
+pub(crate) trait WithMeta: Message {
+    fn set_meta(&mut self, meta: RequestMeta);
+}
+
+macro_rules! with_meta {
+    ($($t:ty),* $(,)?) => {
+        $(impl WithMeta for $t {
+            fn set_meta(&mut self, meta: RequestMeta) {
+                self.meta = meta;
+            }
+        })*
+    };
+}
+
+with_meta!(
+    Heartbeat,
+    RequestRegion,
+    ReturnRegion,
+    MapRegion,
+    Register,
+    Lookup,
+    Exists,
+    Unpin,
+    Delete,
+    Stats
+);
+
+/// A frame encoded for sending; the payload is the part after the header.
+pub(crate) struct Encoded {
+    buf: Vec<u8>,
+    payload_len: usize,
+}
+
+impl Encoded {
+    pub fn new<M: Message>(msg: &M) -> Result<Self, ClientError> {
+        let mut buf = Vec::new();
+        let frame_len =
+            proto::encode(0, msg, &mut buf).map_err(|source| ClientError::BadReply {
+                op: "encode",
+                source,
+            })?;
+        debug_assert_eq!(frame_len, buf.len());
+        let mut len = [0u8; 4];
+        len.copy_from_slice(&buf[16..20]);
+        Ok(Self {
+            buf,
+            payload_len: u32::from_le_bytes(len) as usize,
+        })
+    }
+
+    /// The payload: position-independent (rkyv offsets are relative) and at
+    /// an 8-aligned offset, so the transport can frame it anew.
+    pub fn payload(&self) -> &[u8] {
+        &self.buf[HEADER_BYTES..HEADER_BYTES + self.payload_len]
+    }
+}
+
+/// Unpins sent ahead of a request, awaiting their replies.
+pub(crate) struct InflightUnpins {
+    conn_no: u64,
+    calls: Vec<(SeqTicket, Result<PendingCall, TransportError>, Encoded)>,
+}
+
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis((1u64 << attempt.min(6)).min(50))
+}
+
+impl Shared {
+    /// Sends one request and returns what `handle` makes of its reply (see
+    /// the module docs). `ticket` is the request's sequence number (`None`:
+    /// read-only); it may be renewed on the way.
+    pub fn exchange<Q, R, T>(
+        &self,
+        op: &'static str,
+        mode: Mode,
+        mut ticket: Option<&mut SeqTicket>,
+        msg: &mut Q,
+        mut handle: impl FnMut(&Archived<R>) -> Result<T, ClientError>,
+    ) -> Result<T, Fail>
+    where
+        Q: WithMeta,
+        R: Message,
+        Archived<R>: ArchivedDirectoryReply,
+    {
+        let timeout = self.request_timeout();
+        let mutating = ticket.is_some();
+        let mut attempts = 0u32;
+        let mut sent = false;
+        let mut last = String::from("no attempt");
+        let give_up = |sent: bool, err: ClientError| {
+            if mutating && sent {
+                Fail::Indeterminate(err)
+            } else {
+                Fail::Definite(err)
+            }
+        };
+        while attempts <= self.cfg.max_retries {
+            self.check_open().map_err(Fail::Definite)?;
+            let conn = self.conn().map_err(Fail::Definite)?;
+            if !conn.usable() {
+                if !mode.reconnect {
+                    return Err(Fail::Definite(ClientError::Unanswered {
+                        op,
+                        attempts,
+                        last: "the connection broke".into(),
+                    }));
+                }
+                attempts += 1;
+                self.stats.bump(&self.stats.retries);
+                if let Err(e) = self.reconnect(conn.conn_no) {
+                    return Err(give_up(sent, e));
+                }
+                continue;
+            }
+            if let Some(t) = ticket.as_deref_mut()
+                && self.seqs.is_void(t)
+            {
+                self.renew(t, timeout).map_err(Fail::Definite)?;
+            }
+            let unpins = if mode.flush_unpins {
+                self.start_unpins(&conn)
+            } else {
+                None
+            };
+            msg.set_meta(RequestMeta {
+                seq: ticket.as_deref().map_or(0, |t| t.seq),
+                notice_ack: self.notice_ack(),
+                replies_received_below: if mutating {
+                    self.seqs.received_below()
+                } else {
+                    0
+                },
+            });
+            let encoded = Encoded::new(msg).map_err(Fail::Definite)?;
+            self.note_sent();
+            if attempts > 0 {
+                self.stats.bump(&self.stats.retries);
+            }
+            let result = conn.rpc.call(Q::KIND.as_u16(), encoded.payload(), timeout);
+            sent = true;
+            if let Some(unpins) = unpins {
+                self.finish_unpins(&conn, unpins);
+            }
+            attempts += 1;
+            let reply = match result {
+                Ok(reply) => reply,
+                Err(TransportError::Timeout { .. }) => {
+                    last = format!("no reply within {} ms", timeout.as_millis());
+                    continue;
+                }
+                Err(TransportError::TooManyInFlight { limit }) => {
+                    last = format!("{limit} requests in flight");
+                    std::thread::sleep(backoff(attempts));
+                    continue;
+                }
+                Err(e @ (TransportError::Closed { .. } | TransportError::Connect { .. })) => {
+                    last = e.to_string();
+                    if !mode.reconnect {
+                        return Err(give_up(
+                            sent,
+                            ClientError::Unanswered { op, attempts, last },
+                        ));
+                    }
+                    if let Err(e) = self.reconnect(conn.conn_no) {
+                        return Err(give_up(sent, e));
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    return Err(give_up(
+                        sent,
+                        ClientError::Unanswered {
+                            op,
+                            attempts,
+                            last: e.to_string(),
+                        },
+                    ));
+                }
+            };
+            let frame = Frame {
+                header: reply.header,
+                payload: reply.payload(),
+            };
+            match proto::access_reply::<R>(frame) {
+                Ok(Ok(archived)) => {
+                    self.absorb(archived.reply_meta());
+                    return handle(archived).map_err(Fail::Definite);
+                }
+                Ok(Err(refusal)) => {
+                    let code = refusal.code.to_native();
+                    let err = ClientError::server(
+                        op,
+                        code,
+                        refusal.message.as_str(),
+                        refusal.limit.to_native(),
+                    );
+                    match ErrorCode::from_u16(code) {
+                        Some(c) if c.is_transient() => {
+                            last = err.to_string();
+                            std::thread::sleep(backoff(attempts));
+                        }
+                        Some(ErrorCode::SequenceTooOld)
+                            if ticket.as_deref().is_some_and(|t| self.seqs.is_void(t)) =>
+                        {
+                            // Renewed at the top of the loop.
+                            last = err.to_string();
+                        }
+                        Some(ErrorCode::PinsHeldByOtherSession) => {
+                            last = err.to_string();
+                            if let Some(t) = ticket.as_deref_mut() {
+                                self.renew(t, timeout).map_err(Fail::Definite)?;
+                            }
+                        }
+                        Some(ErrorCode::SessionEnded | ErrorCode::HelloRequired) => {
+                            // The next request reattaches on a new session.
+                            conn.dead.store(true, std::sync::atomic::Ordering::Relaxed);
+                            return Err(Fail::Definite(err));
+                        }
+                        Some(ErrorCode::SequenceTooOld | ErrorCode::ReplyEvicted) => {
+                            return Err(Fail::Indeterminate(err));
+                        }
+                        _ => return Err(Fail::Definite(err)),
+                    }
+                }
+                Err(source) => {
+                    return Err(give_up(sent, ClientError::BadReply { op, source }));
+                }
+            }
+        }
+        Err(give_up(
+            sent,
+            ClientError::Unanswered { op, attempts, last },
+        ))
+    }
+
+    /// A read-only request.
+    pub fn read_call<Q, R, T>(
+        &self,
+        op: &'static str,
+        msg: &mut Q,
+        handle: impl FnMut(&Archived<R>) -> Result<T, ClientError>,
+    ) -> Result<T, ClientError>
+    where
+        Q: WithMeta,
+        R: Message,
+        Archived<R>: ArchivedDirectoryReply,
+    {
+        self.exchange::<Q, R, T>(op, Mode::NORMAL, None, msg, handle)
+            .map_err(Fail::into_error)
+    }
+
+    /// A mutating request under a fresh sequence number, released when it
+    /// ends whatever the outcome.
+    pub fn mutating_call<Q, R, T>(
+        &self,
+        op: &'static str,
+        mode: Mode,
+        msg: &mut Q,
+        handle: impl FnMut(&Archived<R>) -> Result<T, ClientError>,
+    ) -> Result<T, Fail>
+    where
+        Q: WithMeta,
+        R: Message,
+        Archived<R>: ArchivedDirectoryReply,
+    {
+        let mut ticket = self.ticket()?;
+        let r = self.exchange::<Q, R, T>(op, mode, Some(&mut ticket), msg, handle);
+        self.seqs.release(ticket);
+        r
+    }
+
+    /// A fresh sequence number, waiting (bounded) for room in the window.
+    pub fn ticket(&self) -> Result<SeqTicket, Fail> {
+        self.seqs
+            .acquire(Instant::now() + self.request_timeout())
+            .map_err(|full| {
+                Fail::Definite(ClientError::TooManyInFlight {
+                    window: full.window,
+                })
+            })
+    }
+
+    fn renew(&self, ticket: &mut SeqTicket, timeout: Duration) -> Result<(), ClientError> {
+        let old = std::mem::replace(
+            ticket,
+            SeqTicket {
+                seq: 0,
+                incarnation: 0,
+            },
+        );
+        *ticket = self
+            .seqs
+            .renew(old, Instant::now() + timeout)
+            .map_err(|full| ClientError::TooManyInFlight {
+                window: full.window,
+            })?;
+        Ok(())
+    }
+
+    fn note_sent(&self) {
+        self.stats.bump(&self.stats.requests);
+        // Relaxed: a heartbeat-scheduling hint.
+        self.last_sent_ms
+            .store(self.now_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sends every queued unpin on `conn`, one `Unpin` per layout and batch,
+    /// without waiting for the replies (see `read.rs` for the ordering).
+    pub fn start_unpins(&self, conn: &Conn) -> Option<InflightUnpins> {
+        if !self.unpins.has_pending() {
+            return None;
+        }
+        let mut queue = self.unpins.lock();
+        if queue.is_empty() {
+            return None;
+        }
+        let taken = std::mem::take(&mut *queue);
+        let n = taken.len();
+        let max_batch = (conn.limits.max_batch as usize).clamp(1, proto::MAX_BATCH);
+        let layouts = self.layouts.read();
+        let mut calls = Vec::new();
+        for (layout_ix, keys, counts) in group_unpins(taken) {
+            let Some(layout) = layouts.get(layout_ix as usize).map(|l| l.layout) else {
+                continue;
+            };
+            for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
+                let Ok(ticket) = self.ticket() else {
+                    self.stats
+                        .add(&self.stats.unpins_dropped, keys.len() as u64);
+                    continue;
+                };
+                let msg = Unpin {
+                    meta: RequestMeta {
+                        seq: ticket.seq,
+                        notice_ack: self.notice_ack(),
+                        replies_received_below: self.seqs.received_below(),
+                    },
+                    layout,
+                    keys: keys.to_vec(),
+                    counts: counts.to_vec(),
+                };
+                let Ok(encoded) = Encoded::new(&msg) else {
+                    self.seqs.release(ticket);
+                    continue;
+                };
+                self.note_sent();
+                let call = conn.rpc.start(
+                    <Unpin as Message>::KIND.as_u16(),
+                    encoded.payload(),
+                    self.request_timeout(),
+                );
+                self.stats.bump(&self.stats.unpin_batches);
+                calls.push((ticket, call, encoded));
+            }
+        }
+        drop(layouts);
+        self.unpins.sent(n);
+        drop(queue);
+        Some(InflightUnpins {
+            conn_no: conn.conn_no,
+            calls,
+        })
+    }
+
+    /// Waits for unpins sent by [`Shared::start_unpins`]. A lost reply is
+    /// retried with the same number on the same connection; if the
+    /// connection broke, the pins died with its session and the unpin is
+    /// dropped (sending it on a new session could release a pin taken
+    /// again for a live guard).
+    pub fn finish_unpins(&self, conn: &Conn, inflight: InflightUnpins) {
+        debug_assert_eq!(conn.conn_no, inflight.conn_no);
+        for (ticket, call, encoded) in inflight.calls {
+            let mut attempts = 0;
+            let mut call = call;
+            loop {
+                let outcome = call.and_then(PendingCall::wait);
+                let retry = match outcome {
+                    Ok(reply) => {
+                        let frame = Frame {
+                            header: reply.header,
+                            payload: reply.payload(),
+                        };
+                        match proto::access_reply::<UnpinReply>(frame) {
+                            Ok(Ok(r)) => {
+                                self.absorb(r.reply_meta());
+                                let not_held = r
+                                    .outcomes
+                                    .iter()
+                                    .filter(|o| {
+                                        matches!(UnpinOutcome::from(*o), UnpinOutcome::NotPinned)
+                                    })
+                                    .count();
+                                self.stats.add(&self.stats.unpins_not_held, not_held as u64);
+                                false
+                            }
+                            Ok(Err(refusal)) => ErrorCode::from_u16(refusal.code.to_native())
+                                .is_some_and(ErrorCode::is_transient),
+                            Err(_) => false,
+                        }
+                    }
+                    Err(TransportError::Timeout { .. }) => true,
+                    Err(_) => false,
+                };
+                attempts += 1;
+                if !retry || attempts > self.cfg.max_retries || !conn.usable() {
+                    if retry || !conn.usable() {
+                        self.stats.bump(&self.stats.unpins_dropped);
+                    }
+                    break;
+                }
+                self.stats.bump(&self.stats.retries);
+                call = conn.rpc.start(
+                    <Unpin as Message>::KIND.as_u16(),
+                    encoded.payload(),
+                    self.request_timeout(),
+                );
+            }
+            self.seqs.release(ticket);
+        }
+    }
+
+    /// Sends the queued unpins now and waits for their replies.
+    pub fn flush_unpins(&self) -> Result<(), ClientError> {
+        self.check_open()?;
+        let conn = self.conn()?;
+        if let Some(unpins) = self.start_unpins(&conn) {
+            self.finish_unpins(&conn, unpins);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,450 @@
+//! Sessions: the first `Hello`, and the reconnect-and-reattach procedure
+//! that keeps an instance alive across broken connections and directory
+//! restarts (DESIGN §4, §8).
+//!
+//! **Reconnect.** The first request to see its connection break calls
+//! [`Shared::reconnect`] with the connection's generation; the others find
+//! a newer generation and just retry. Reconnecting retries with exponential
+//! backoff (`reconnect_backoff_min_ms` doubling up to `…_max_ms`) for at most
+//! `reconnect_timeout_ms`, then fails the request. Each attempt opens a
+//! connection and sends `Reattach`: the instance's secret, every region it
+//! owns with its token and layout, its next sequence number and the highest
+//! notice it applied.
+//!
+//! **What a reattach restores.**
+//! - *Resumed* (the directory still knew the instance): keys, notices and
+//!   the reply cache are intact, so the requests that were in flight are
+//!   retried with their numbers and answered exactly once.
+//! - *Recovered* (the directory restarted): every ticket issued before is
+//!   void ([`super::seq`]), regions it refuses are dropped (with their keys),
+//!   and the instance registers every key of its index again before the
+//!   procedure returns — a flag keeps that pending across further broken
+//!   attempts until it completes.
+//! - In both cases the old session's pins are gone: the unpins still queued
+//!   for it are dropped and the pins of live read guards are taken again
+//!   (keys that cannot be pinned any more are counted as invalidated views).
+//!
+//! **Fatal.** An instance whose grace period expired (`InstanceGone`), a
+//! refused secret, or pools that changed identity cannot be resumed: the
+//! client records the reason and every later call fails with it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use cxlkv_controlplane::frame::Frame;
+use cxlkv_controlplane::proto::{
+    self, ErrorCode, Hello, Lookup, LookupReply, Message, OwnedRegion as WireOwnedRegion,
+    PROTOCOL_MAX, PROTOCOL_MIN, Reattach, Reattached, Register, RegisterEntry, RegisterOutcome,
+    RegisterReply, RequestMeta, Welcome,
+};
+use cxlkv_controlplane::transport::{Reply, RpcClient};
+
+use super::config::{ClientConfig, ServerAddr};
+use super::error::ClientError;
+use super::index::IndexedKey;
+use super::pools::{self, Pool};
+use super::rpc::{Encoded, Fail, Mode};
+use super::shared::{Conn, Identity, Shared};
+
+/// Why one reattach attempt failed.
+enum Attempt {
+    /// Try again after a backoff.
+    Retry(ClientError),
+    /// The instance cannot be resumed.
+    Fatal(ClientError),
+}
+
+/// The pre-shared secret goes only to TCP listeners.
+fn tcp_secret(cfg: &ClientConfig) -> Option<Vec<u8>> {
+    match cfg.server {
+        ServerAddr::Tcp(_) => cfg.client_secret.clone(),
+        _ => None,
+    }
+}
+
+/// Decodes the answer to an opening request (`Hello`/`Reattach`) into its
+/// owned form; an `ErrorReply` becomes a server error.
+fn decode_opening<M: Message>(reply: &Reply, op: &'static str) -> Result<M, ClientError> {
+    let frame = Frame {
+        header: reply.header,
+        payload: reply.payload(),
+    };
+    match proto::access_reply::<M>(frame) {
+        Ok(Ok(archived)) => {
+            proto::deserialize::<M>(archived).map_err(|source| ClientError::BadReply { op, source })
+        }
+        Ok(Err(refusal)) => Err(ClientError::server(
+            op,
+            refusal.code.to_native(),
+            refusal.message.as_str(),
+            refusal.limit.to_native(),
+        )),
+        Err(source) => Err(ClientError::BadReply { op, source }),
+    }
+}
+
+/// What `connect` hands to the client: the shared state, with a live
+/// session.
+pub(crate) fn connect(
+    cfg: ClientConfig,
+    observers: cxlkv_dataplane::map::MapObservers,
+) -> Result<Arc<Shared>, ClientError> {
+    cfg.validate()?;
+    let timeout = Duration::from_millis(cfg.request_timeout_ms);
+    let rpc = RpcClient::connect(&cfg.server.endpoint(), cfg.transport.clone())
+        .map_err(ClientError::Connect)?;
+    let hello = Hello {
+        meta: RequestMeta::default(),
+        protocol_min: PROTOCOL_MIN,
+        protocol_max: PROTOCOL_MAX,
+        instance_id: cfg.instance_id.clone(),
+        client_name: cfg.client_name.clone(),
+        client_secret: tcp_secret(&cfg),
+    };
+    let encoded = Encoded::new(&hello)?;
+    let mut reply = rpc
+        .call(Hello::KIND.as_u16(), encoded.payload(), timeout)
+        .map_err(ClientError::Connect)?;
+    let fds = std::mem::take(&mut reply.fds);
+    let welcome: Welcome = decode_opening(&reply, "hello")?;
+    let pools: Vec<Pool> = if welcome.fds_passed > 0 {
+        pools::from_fds(&welcome.pools, fds, cfg.visibility)?
+    } else {
+        pools::open_by_path(&welcome.pools, &cfg.pool_paths, cfg.visibility)?
+    };
+    let conn = Conn {
+        rpc,
+        conn_no: 1,
+        session_id: welcome.session_id,
+        lease_ms: welcome.lease_ms,
+        limits: welcome.limits,
+        directory_epoch: welcome.directory_epoch,
+        dead: AtomicBool::new(false),
+    };
+    let shared = Arc::new(Shared {
+        seqs: super::seq::SeqWindow::new(u64::from(welcome.limits.reply_cache_len)),
+        identity: Identity {
+            instance_id: welcome.instance_id.clone(),
+            secret: welcome.instance_secret,
+        },
+        cfg,
+        pools,
+        observers,
+        conn: parking_lot::Mutex::new(Some(Arc::new(conn))),
+        reconnect_lock: Default::default(),
+        notice_applied: Default::default(),
+        notice_lock: Default::default(),
+        layouts: Default::default(),
+        peers: Default::default(),
+        peer_lock: Default::default(),
+        retired: Default::default(),
+        index: Default::default(),
+        unpins: Default::default(),
+        live_pins: Default::default(),
+        unresolved: Default::default(),
+        reregister_pending: Default::default(),
+        fatal: Default::default(),
+        owned_bytes: Default::default(),
+        usage: Default::default(),
+        stats: Default::default(),
+        closing: Default::default(),
+        wake: Default::default(),
+        last_sent_ms: Default::default(),
+        clock: Instant::now(),
+        stamp: Default::default(),
+    });
+    shared.usage.store(welcome.meta.usage);
+    shared.apply_notices(welcome.meta.notices.iter().copied());
+    Ok(shared)
+}
+
+impl Shared {
+    /// Re-establishes the session after connection generation `failed_conn_no`
+    /// broke (see the module docs). Returns once a newer connection is up.
+    pub fn reconnect(&self, failed_conn_no: u64) -> Result<(), ClientError> {
+        let timeout = Duration::from_millis(self.cfg.reconnect_timeout_ms);
+        let Some(_serial) = self.reconnect_lock.try_lock_for(timeout) else {
+            return Err(ClientError::ReconnectFailed {
+                elapsed_ms: timeout.as_millis() as u64,
+                last: "another thread is still reconnecting".into(),
+            });
+        };
+        if let Some(c) = self.conn.lock().as_ref()
+            && (c.conn_no != failed_conn_no && c.usable())
+        {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut backoff = Duration::from_millis(self.cfg.reconnect_backoff_min_ms);
+        let max_backoff = Duration::from_millis(self.cfg.reconnect_backoff_max_ms);
+        loop {
+            self.check_open()?;
+            match self.reattach_once() {
+                Ok(()) => return Ok(()),
+                Err(Attempt::Fatal(e)) => {
+                    tracing::error!(error = %e, "the instance cannot be resumed");
+                    *self.fatal.lock() = Some(e.to_string());
+                    return Err(e);
+                }
+                Err(Attempt::Retry(e)) => {
+                    let elapsed = start.elapsed();
+                    if elapsed >= timeout {
+                        return Err(ClientError::ReconnectFailed {
+                            elapsed_ms: elapsed.as_millis() as u64,
+                            last: e.to_string(),
+                        });
+                    }
+                    tracing::debug!(error = %e, "reattach failed; backing off");
+                    std::thread::sleep(backoff.min(timeout - elapsed));
+                    backoff = (backoff * 2).min(max_backoff);
+                }
+            }
+        }
+    }
+
+    /// Every owned region, as `Reattach` presents it.
+    fn owned_regions(&self) -> Vec<WireOwnedRegion> {
+        let mut out = Vec::new();
+        for layout in self.layouts.read().iter() {
+            for (_, r) in layout.regions.read().iter() {
+                out.push(WireOwnedRegion {
+                    desc: r.desc,
+                    layout: r.layout,
+                    token: r.token,
+                });
+            }
+        }
+        out
+    }
+
+    fn reattach_once(&self) -> Result<(), Attempt> {
+        let timeout = self.request_timeout();
+        let rpc = RpcClient::connect(&self.cfg.server.endpoint(), self.cfg.transport.clone())
+            .map_err(|e| Attempt::Retry(ClientError::Connect(e)))?;
+        let regions = self.owned_regions();
+        if regions.len() > proto::MAX_REATTACH_REGIONS {
+            return Err(Attempt::Fatal(ClientError::BatchTooLarge {
+                len: regions.len(),
+                max: proto::MAX_REATTACH_REGIONS,
+            }));
+        }
+        let msg = Reattach {
+            meta: RequestMeta {
+                seq: 0,
+                notice_ack: self.notice_ack(),
+                replies_received_below: 0,
+            },
+            protocol_min: PROTOCOL_MIN,
+            protocol_max: PROTOCOL_MAX,
+            instance_id: self.identity.instance_id.clone(),
+            instance_secret: self.identity.secret,
+            client_name: self.cfg.client_name.clone(),
+            client_secret: tcp_secret(&self.cfg),
+            regions,
+            next_seq: self.seqs.next(),
+        };
+        let encoded = Encoded::new(&msg).map_err(Attempt::Fatal)?;
+        let reply = rpc
+            .call(Reattach::KIND.as_u16(), encoded.payload(), timeout)
+            .map_err(|e| Attempt::Retry(ClientError::Connect(e)))?;
+        // New pool descriptors may ride along; the pools opened at connect
+        // stay in use (their identity is checked below).
+        let r: Reattached = decode_opening(&reply, "reattach").map_err(|e| {
+            let fatal = matches!(
+                e.code(),
+                Some(
+                    ErrorCode::InstanceGone
+                        | ErrorCode::AuthenticationFailed
+                        | ErrorCode::AuthenticationRequired
+                        | ErrorCode::UnsupportedVersion
+                )
+            );
+            if fatal {
+                Attempt::Fatal(e)
+            } else {
+                Attempt::Retry(e)
+            }
+        })?;
+        let same_pools = r.welcome.pools.len() == self.pools.len()
+            && r.welcome
+                .pools
+                .iter()
+                .zip(&self.pools)
+                .all(|(a, b)| a.uuid == b.info.uuid && a.size_bytes == b.info.size_bytes);
+        if !same_pools {
+            return Err(Attempt::Fatal(ClientError::Pool {
+                pool: 0,
+                reason: "the server's pools changed across the reattach".into(),
+            }));
+        }
+        let old_conn_no = self.conn.lock().as_ref().map_or(0, |c| c.conn_no);
+        let conn = Arc::new(Conn {
+            rpc,
+            conn_no: old_conn_no + 1,
+            session_id: r.welcome.session_id,
+            lease_ms: r.welcome.lease_ms,
+            limits: r.welcome.limits,
+            directory_epoch: r.welcome.directory_epoch,
+            dead: AtomicBool::new(false),
+        });
+        self.seqs
+            .set_window(u64::from(r.welcome.limits.reply_cache_len));
+        let refused: Vec<u64> = r.refused.iter().map(|x| x.region).collect();
+        if !refused.is_empty() {
+            tracing::warn!(regions = ?refused, "regions refused at reattach");
+            self.drop_owned_regions(&refused);
+        }
+        if !r.resumed {
+            tracing::info!("the directory restarted; registering this instance's keys again");
+            self.seqs.new_incarnation();
+            self.reregister_pending.store(true, Ordering::Release);
+            self.stats.bump(&self.stats.directory_restarts);
+        }
+        {
+            let mut current = self.conn.lock();
+            if current.is_none() {
+                return Err(Attempt::Fatal(ClientError::Closed));
+            }
+            *current = Some(conn);
+        }
+        self.stats.bump(&self.stats.reconnects);
+        self.usage.store(r.welcome.meta.usage);
+        self.apply_notices(r.welcome.meta.notices.iter().copied());
+        if self.reregister_pending.load(Ordering::Acquire) {
+            self.reregister().map_err(Attempt::Retry)?;
+            self.reregister_pending.store(false, Ordering::Release);
+        }
+        self.repin().map_err(Attempt::Retry)
+    }
+
+    /// Registers every key of the index again (after a directory restart).
+    fn reregister(&self) -> Result<(), ClientError> {
+        let layouts: Vec<_> = self.layouts.read().clone();
+        let max_batch = (self.limits().max_batch as usize).clamp(1, proto::MAX_BATCH);
+        let mut by_layout: HashMap<u32, Vec<IndexedKey>> = HashMap::new();
+        for k in self.index.snapshot() {
+            by_layout.entry(k.layout_ix).or_default().push(k);
+        }
+        for (ix, keys) in by_layout {
+            let Some(layout) = layouts.get(ix as usize) else {
+                continue;
+            };
+            for batch in keys.chunks(max_batch) {
+                let mut msg = Register {
+                    meta: Default::default(),
+                    layout: layout.layout,
+                    entries: batch
+                        .iter()
+                        .map(|k| RegisterEntry {
+                            key: k.key.clone(),
+                            location: k.location,
+                        })
+                        .collect(),
+                };
+                let outcomes = self
+                    .mutating_call::<_, RegisterReply, _>(
+                        "register",
+                        Mode::REATTACH,
+                        &mut msg,
+                        |reply| {
+                            Ok(reply
+                                .outcomes
+                                .iter()
+                                .map(RegisterOutcome::from)
+                                .collect::<Vec<_>>())
+                        },
+                    )
+                    .map_err(Fail::into_error)?;
+                for (k, outcome) in batch.iter().zip(outcomes) {
+                    let kept = match outcome {
+                        RegisterOutcome::Inserted => true,
+                        RegisterOutcome::Duplicate(w) => {
+                            w.region == k.location.region
+                                && w.page == k.location.page
+                                && w.generation == k.location.generation
+                        }
+                        RegisterOutcome::Rejected(_) => false,
+                    };
+                    if kept {
+                        self.stats.bump(&self.stats.keys_reregistered);
+                        continue;
+                    }
+                    // Taken by another instance meanwhile, or refused: the
+                    // key is not ours any more and its page is free.
+                    let l = k.location;
+                    let region = self.find_owned(l.region);
+                    self.index.forget_freed(l.region, l.page, l.generation, || {
+                        if let Some(r) = &region {
+                            let _ = r.alloc.free(l.page_index(), l.page_generation());
+                        }
+                    });
+                    self.stats.bump(&self.stats.keys_lost_with_regions);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes again, on the new session, the pins live read guards hold;
+    /// drops the unpins queued for the old session.
+    fn repin(&self) -> Result<(), ClientError> {
+        let mut pins = self.live_pins.lock();
+        {
+            let mut queue = self.unpins.lock();
+            let n = queue.len();
+            queue.clear();
+            self.unpins.sent(n);
+            self.stats.add(&self.stats.unpins_dropped, n as u64);
+        }
+        if pins.is_empty() {
+            return Ok(());
+        }
+        let layouts: Vec<_> = self.layouts.read().clone();
+        let max_batch = (self.limits().max_batch as usize).clamp(1, proto::MAX_BATCH);
+        let max_pins = proto::MAX_PINS_PER_KEY as u32;
+        let mut groups: HashMap<(u32, u32), Vec<Vec<u8>>> = HashMap::new();
+        for ((ix, key), &count) in pins.iter() {
+            groups
+                .entry((*ix, count.min(max_pins)))
+                .or_default()
+                .push(key.to_vec());
+        }
+        for ((ix, count), keys) in groups {
+            let Some(layout) = layouts.get(ix as usize) else {
+                continue;
+            };
+            for batch in keys.chunks(max_batch) {
+                let mut msg = Lookup {
+                    meta: Default::default(),
+                    layout: layout.layout,
+                    keys: batch.to_vec(),
+                    pins: count,
+                };
+                let found: Vec<bool> = self
+                    .mutating_call::<_, LookupReply, _>("lookup", Mode::REATTACH, &mut msg, |r| {
+                        Ok(r.locations().map(|l| l.is_some()).collect())
+                    })
+                    .map_err(Fail::into_error)?;
+                for (key, found) in batch.iter().zip(found) {
+                    let k = (ix, Box::<[u8]>::from(key.as_slice()));
+                    if !found {
+                        // The views stay readable but unprotected; their
+                        // drops must not release pins they no longer hold.
+                        if let Some(n) = pins.remove(&k) {
+                            self.stats.add(&self.stats.views_invalidated, u64::from(n));
+                        }
+                    } else if let Some(n) = pins.get_mut(&k)
+                        && *n > max_pins
+                    {
+                        self.stats
+                            .add(&self.stats.views_invalidated, u64::from(*n - max_pins));
+                        *n = max_pins;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,95 @@
+//! Client counters: monotonic tallies of what the client did and of the
+//! unusual events it absorbed (stale notices, reconnects, lost views), read
+//! as a [`ClientStats`] snapshot.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// The live counters (relaxed atomics: independent tallies).
+        #[derive(Debug, Default)]
+        pub(crate) struct Counters {
+            $(pub $name: AtomicU64,)*
+        }
+
+        /// A snapshot of the client's counters (monotonic since connect).
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        #[non_exhaustive]
+        pub struct ClientStats {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl Counters {
+            pub fn snapshot(&self) -> ClientStats {
+                ClientStats {
+                    // Relaxed: independent tallies read for reporting.
+                    $($name: self.$name.load(Ordering::Relaxed),)*
+                }
+            }
+        }
+    };
+}
+
+counters!(
+    /// Requests sent (every attempt counts).
+    requests,
+    /// Attempts after the first, of any request.
+    retries,
+    /// Connections re-established.
+    reconnects,
+    /// Reattaches that found the directory restarted.
+    directory_restarts,
+    /// Keys registered again after a directory restart.
+    keys_reregistered,
+    /// Keys dropped from the index because re-registration found them taken
+    /// or refused, or their region was refused.
+    keys_lost_with_regions,
+    /// Regions the directory refused at reattach.
+    regions_refused,
+    /// Regions taken from the directory.
+    regions_acquired,
+    /// Idle regions given back.
+    regions_returned,
+    /// Peer regions mapped.
+    peer_regions_mapped,
+    /// Peer regions unmapped to keep the cache bounded.
+    peer_regions_evicted,
+    /// Pages freed by freed-page notices.
+    pages_freed_by_notice,
+    /// Notices naming a generation the page no longer has (resent or
+    /// overtaken): ignored.
+    stale_notices,
+    /// Notices for a region this client no longer owns: ignored.
+    notices_unknown_region,
+    /// Notices whose number skipped one (should not happen).
+    notice_gaps,
+    /// Pages whose registration lost to an earlier one (`Duplicate`).
+    duplicates,
+    /// Pages whose registration was refused (`Rejected`).
+    rejections,
+    /// Unpin requests sent.
+    unpin_batches,
+    /// Unpins the directory reported as not held (double release).
+    unpins_not_held,
+    /// Unpins dropped because their session ended before they were sent.
+    unpins_dropped,
+    /// Views whose pins could not be taken again after a reconnect (the key
+    /// was deleted or not yet re-registered meanwhile).
+    views_invalidated,
+    /// Registrations parked because their outcome was unknown.
+    registers_unresolved,
+    /// Heartbeats sent.
+    heartbeats,
+);
+
+impl Counters {
+    pub fn bump(&self, c: &AtomicU64) {
+        // Relaxed: independent tallies.
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add(&self, c: &AtomicU64, n: u64) {
+        // Relaxed: independent tallies.
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+}
