@@ -45,8 +45,9 @@
 # still written for what ran).
 set -euo pipefail
 
-readonly SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-readonly REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
+readonly SCRIPT_DIR REPO_ROOT
 
 # Per-scenario wall-clock limits: a hung scenario must not stall the suite.
 readonly DEFAULT_TIMEOUT_SECS=3600
@@ -156,7 +157,7 @@ if [[ -n "$CHUNK_SIZES" ]]; then
 fi
 for node in $NUMA_NODE $MEM_NODE; do
     [[ -d "/sys/devices/system/node/node$node" ]] \
-        || die_usage "NUMA node $node does not exist (nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | sed 's|.*/node||' | tr '\n' ' '))"
+        || die_usage "NUMA node $node does not exist (nodes: $(cd /sys/devices/system/node && echo node[0-9]*))"
 done
 if [[ -n "$POOL" ]]; then
     [[ -e "$POOL" ]] || die_usage "pool '$POOL' does not exist (a file pool must be created first, e.g. truncate -s 8G /dev/hugepages/cxlkv-bench)"

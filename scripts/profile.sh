@@ -14,7 +14,8 @@
 #   perf-top.txt      flat profile: self time per symbol
 #   stacks.folded     collapsed stacks (inferno-collapse-perf)
 #   flamegraph.svg    the flame graph (inferno-flamegraph)
-#   output.txt        the profiled command's stdout and stderr
+#   output.txt        the profiled command's stdout
+#   perf-record.log   perf record's messages and the command's stderr
 #   summary.txt       what ran, counters available or not, the top symbols
 #
 # Call graphs: `--call-graph dwarf` by default. Rust's standard library and
@@ -41,8 +42,9 @@
 # 2 usage; 3 setup failed (no perf, build failed, perf not permitted).
 set -euo pipefail
 
-readonly SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-readonly REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
+readonly SCRIPT_DIR REPO_ROOT
 readonly DEFAULT_FREQ_HZ=499
 readonly DWARF_STACK_BYTES=16384
 readonly TOP_SYMBOLS=25
@@ -117,7 +119,7 @@ if [[ ${#SUBCOMMAND[@]} -gt 0 && ${#BENCH_FLAGS[@]} -gt 0 ]]; then
     die_usage "--quick, --reps and --pool apply to a SCENARIO; put the subcommand's own flags after --"
 fi
 [[ "$CALL_GRAPH" == dwarf || "$CALL_GRAPH" == fp ]] || die_usage "--call-graph takes dwarf or fp, got '$CALL_GRAPH'"
-[[ "$FREQ" =~ ^[0-9]+$ ]] && (( FREQ >= 1 )) || die_usage "--freq takes a positive number of Hz, got '$FREQ'"
+{ [[ "$FREQ" =~ ^[0-9]+$ ]] && (( FREQ >= 1 )); } || die_usage "--freq takes a positive number of Hz, got '$FREQ'"
 
 # --- perf --------------------------------------------------------------------
 
@@ -252,7 +254,7 @@ perf report -i "$OUT/perf.data" --stdio --no-children --percent-limit 1 \
     >"$OUT/perf-report.txt" 2>/dev/null
 perf report -i "$OUT/perf.data" --stdio --no-children -g none --percent-limit 0.3 \
     >"$OUT/perf-top.txt" 2>/dev/null
-samples="$(awk '/^# Samples:/ { print $3 " " $4 " " $5 " " $6; exit }' "$OUT/perf-top.txt")"
+samples="$(grep -Eo '[0-9]+ samples' "$OUT/perf-record.log" | tail -n 1 || true)"
 
 if [[ -z "$FLAME_NOTE" ]]; then
     perf script -i "$OUT/perf.data" 2>/dev/null \
