@@ -427,11 +427,11 @@ def ratio_panel(parts, axis, rows, top, height):
             parts.append(text_el(right + 4, y + BAR_H + 4, label, 11, "start", color))
         else:
             parts.append(text_el(left - 4, y + BAR_H + 4, label, 11, "end", color))
-        for target, _, met in evals:
+        for target, _, _ in evals:
             if target["metric"] != "ratio" or target["threshold"] <= 0:
                 continue
             tx = axis.x(target["threshold"])
-            parts.append(line_el(tx, y, tx, y + BAR_H * 2, MISS_COLOR if met is False else "#222", 2))
+            parts.append(line_el(tx, y - 1, tx, y + BAR_H * 2 + 1, "#111", 2))
     parts.append(line_el(centre, top - 6, centre, top + height, "#222", 1.5))
 
 

@@ -38,6 +38,8 @@
 # WARNING for device DAX: scenarios write into the pool. Never point --pool at
 # a device that holds a live cxlkv pool or anyone's data.
 #
+# Needs bash >= 4.4 and python3 (standard library only).
+#
 # Exit status: 0 every scenario ran and reported; 1 at least one scenario
 # failed, timed out or broke the bench contract (the report says which);
 # 2 usage error; 3 setup failed (no python3, build failed, numactl refused
