@@ -1,0 +1,1183 @@
+//! The transport handler that drives the directory: one instance lives on the
+//! transport's event-loop thread and owns the [`Directory`].
+//!
+//! Per request frame: checked decode (`proto::decode_request`), a directory
+//! call with keys borrowed from the receive buffer, the reply encoded and
+//! queued, the directory's effects carried out, the latency recorded. Work
+//! that finishes elsewhere (pool-manager answers) and timers come back
+//! through the [`Mailbox`] and [`Completer::wake`]: the loop then calls
+//! [`Handler::on_wake`], which applies them on this thread. Nothing here
+//! blocks.
+//!
+//! Connections and sessions: a connection has at most one session, opened by
+//! `Hello` or `Reattach`; every other request on a connection without one
+//! gets `HelloRequired`. Closing the connection ends the session
+//! (`Directory::session_closed`); the directory ending a session (lease
+//! expiry, admin) closes its connection.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::mpsc::SyncSender;
+use std::time::{Duration, Instant};
+
+use cxlkv_controlplane::directory::{
+    self as dir, Caller, Completion, DeferredId, Directory, DirectoryError, DirectoryStats, Effect,
+    InstanceId, OpKind, Peer, PoolRequestId, PresentedRegion, RegionReply, RegisterEntry, Sequence,
+    SessionEndReason, SessionId, Time, UnpinEntry,
+};
+use cxlkv_controlplane::frame::{Frame, FrameHeader, HEADER_BYTES, MAX_FRAME_BYTES};
+use cxlkv_controlplane::proto::{
+    self, AnyRequest, ArchivedHello, ArchivedReattach, ErrorCode, ErrorReply, KeyBitmap, Kind,
+    Limits, Message, PoolInfo, ProtoError, RefusedRegion, ReplyMeta,
+};
+use cxlkv_controlplane::transport::{
+    Admit, Completer, ConnId, DisconnectReason, Handler, PeerInfo, Refusal, RefuseReason,
+    Rejection, Replies,
+};
+use cxlkv_dataplane::ids::RegionId;
+use parking_lot::Mutex;
+
+use super::pool::{PoolReply, PoolRequest, PoolService, PoolServiceError, dup_fds};
+use super::wire;
+
+/// Pool-manager answers and control requests, posted from other threads for
+/// the loop thread. Its length is bounded by construction: one entry per
+/// pool request in flight (bounded by the directory's pending-request and
+/// region limits) and per control call (one per caller, each waits for its
+/// answer).
+#[derive(Debug, Default)]
+pub(crate) struct Mailbox {
+    events: Mutex<VecDeque<Event>>,
+}
+
+impl Mailbox {
+    pub fn post(&self, event: Event, completer: &Completer) {
+        self.events.lock().push_back(event);
+        // The loop may be stopping; the event then dies with it.
+        if let Err(e) = completer.wake() {
+            tracing::debug!(error = %e, "event posted to a stopping server");
+        }
+    }
+
+    fn take(&self) -> VecDeque<Event> {
+        std::mem::take(&mut *self.events.lock())
+    }
+}
+
+/// Something for the loop thread to apply.
+#[derive(Debug)]
+pub(crate) enum Event {
+    Allocated {
+        request: PoolRequestId,
+        result: Result<proto::RegionHandle, PoolServiceError>,
+    },
+    Freed {
+        handle: dir::RegionHandle,
+        owner: InstanceId,
+        attempt: u32,
+        result: Result<(), PoolServiceError>,
+    },
+    PoolStats(Result<proto::PoolStatsReply, PoolServiceError>),
+    Control(Control),
+}
+
+/// Requests from the [`ServerHandle`](super::ServerHandle).
+#[derive(Debug)]
+pub(crate) enum Control {
+    Stats(SyncSender<DirectoryStats>),
+}
+
+/// Per connection.
+#[derive(Debug)]
+struct Conn {
+    peer: PeerInfo,
+    session: Option<ConnSession>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ConnSession {
+    id: SessionId,
+    /// The instance's quota (piggybacked on replies).
+    quota_bytes: Option<u64>,
+}
+
+/// A `RequestRegion` reply waiting for the pool manager.
+#[derive(Debug)]
+struct PendingReply {
+    conn: ConnId,
+    request_id: u64,
+    started: Instant,
+}
+
+/// A region free the pool manager did not confirm, waiting to be sent again.
+#[derive(Debug)]
+struct FreeRetry {
+    due: Instant,
+    handle: dir::RegionHandle,
+    owner: InstanceId,
+    attempt: u32,
+}
+
+/// First and longest wait before a failed free is sent again.
+const FREE_RETRY_FIRST: Duration = Duration::from_millis(100);
+const FREE_RETRY_MAX: Duration = Duration::from_secs(5);
+/// How often the pools' fill levels are asked for.
+const POOL_STATS_EVERY: Duration = Duration::from_secs(1);
+
+/// What the handler needs besides the directory.
+pub(crate) struct HandlerParts {
+    pub directory: Directory,
+    pub directory_id: String,
+    pub pool: Arc<dyn PoolService>,
+    pub pools: Vec<PoolInfo>,
+    pub pool_fds: Vec<OwnedFd>,
+    pub mailbox: Arc<Mailbox>,
+    pub completer: Completer,
+    pub origin: Instant,
+    pub tcp_secret: Option<Vec<u8>>,
+    pub max_inflight_per_conn: usize,
+    pub default_region_bytes: u64,
+    pub tick_every: Duration,
+    pub server_uid: u32,
+}
+
+pub(crate) struct DirectoryHandler {
+    dir: Directory,
+    directory_id: String,
+    pool: Arc<dyn PoolService>,
+    pools: Vec<PoolInfo>,
+    pool_fds: Vec<OwnedFd>,
+    /// Region lengths are rounded up to this (the largest pool alignment).
+    align_bytes: u64,
+    default_region_bytes: u64,
+    limits: Limits,
+    lease_ms: u32,
+    mailbox: Arc<Mailbox>,
+    completer: Completer,
+    origin: Instant,
+    tcp_secret: Option<Vec<u8>>,
+    server_uid: u32,
+    conns: HashMap<ConnId, Conn>,
+    sessions: HashMap<SessionId, ConnId>,
+    pending: HashMap<DeferredId, PendingReply>,
+    free_retries: Vec<FreeRetry>,
+    /// Frees submitted and not answered yet (shutdown waits for them).
+    frees_in_flight: usize,
+    tick_every: Duration,
+    next_tick: Instant,
+    next_pool_stats: Instant,
+    anon_instances: u64,
+    shutdown_closed: usize,
+    /// Encoding scratch, reused across replies.
+    buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for DirectoryHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectoryHandler")
+            .field("directory_id", &self.directory_id)
+            .field("connections", &self.conns.len())
+            .field("sessions", &self.sessions.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DirectoryHandler {
+    pub fn new(p: HandlerParts) -> Self {
+        let cfg = p.directory.config();
+        let limits = Limits {
+            max_frame_bytes: MAX_FRAME_BYTES as u32,
+            max_key_bytes: dir::MAX_KEY_BYTES as u32,
+            max_batch: cfg.max_batch.min(proto::MAX_BATCH) as u32,
+            max_inflight: p.max_inflight_per_conn.min(u32::MAX as usize) as u32,
+            max_pins_per_key: cfg.max_pins_per_call.min(proto::MAX_PINS_PER_KEY as u32),
+            reply_cache_len: cfg.reply_window.min(u64::from(u32::MAX)) as u32,
+        };
+        let lease_ms = cfg.session_lease.as_millis().min(u128::from(u32::MAX)) as u32;
+        let align_bytes = p.pools.iter().map(|i| i.align_bytes).max().unwrap_or(4096);
+        let now = Instant::now();
+        Self {
+            dir: p.directory,
+            directory_id: p.directory_id,
+            pool: p.pool,
+            pools: p.pools,
+            pool_fds: p.pool_fds,
+            align_bytes,
+            default_region_bytes: p.default_region_bytes,
+            limits,
+            lease_ms,
+            mailbox: p.mailbox,
+            completer: p.completer,
+            origin: p.origin,
+            tcp_secret: p.tcp_secret,
+            server_uid: p.server_uid,
+            conns: HashMap::new(),
+            sessions: HashMap::new(),
+            pending: HashMap::new(),
+            free_retries: Vec::new(),
+            frees_in_flight: 0,
+            tick_every: p.tick_every,
+            next_tick: now + p.tick_every,
+            next_pool_stats: now,
+            anon_instances: 0,
+            shutdown_closed: 0,
+            buf: Vec::with_capacity(64 << 10),
+        }
+    }
+
+    fn now(&self) -> Time {
+        Time::from_nanos(self.origin.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64)
+    }
+
+    /// Sessions whose connection the server's shutdown closed.
+    pub fn sessions_closed_at_shutdown(&self) -> usize {
+        self.shutdown_closed
+    }
+
+    /// Frees not yet confirmed by the pool manager (in flight or waiting to
+    /// be retried).
+    pub fn frees_outstanding(&self) -> usize {
+        self.frees_in_flight + self.free_retries.len()
+    }
+
+    // --- replies ----------------------------------------------------------
+
+    /// Encodes `msg` and queues it as the reply to `request_id`.
+    fn send<M: Message>(&mut self, out: &mut Replies, conn: ConnId, request_id: u64, msg: &M) {
+        self.send_with_fds(out, conn, request_id, msg, Vec::new());
+    }
+
+    fn send_with_fds<M: Message>(
+        &mut self,
+        out: &mut Replies,
+        conn: ConnId,
+        request_id: u64,
+        msg: &M,
+        fds: Vec<OwnedFd>,
+    ) {
+        self.buf.clear();
+        let payload_len = match proto::encode(request_id, msg, &mut self.buf) {
+            Ok(_) => {
+                let mut len = [0u8; 4];
+                len.copy_from_slice(&self.buf[16..20]);
+                u32::from_le_bytes(len) as usize
+            }
+            Err(e) => {
+                tracing::error!(error = %e, kind = ?M::KIND, "reply does not encode");
+                let reply = ErrorReply::new(ErrorCode::Internal, e.to_string(), 0);
+                return self.send_error(out, conn, request_id, &reply);
+            }
+        };
+        let payload = &self.buf[HEADER_BYTES..HEADER_BYTES + payload_len];
+        let sent = if fds.is_empty() {
+            out.send(conn, M::KIND.as_u16(), request_id, payload)
+        } else {
+            out.send_with_fds(conn, M::KIND.as_u16(), request_id, payload, fds)
+        };
+        if let Err(e) = sent {
+            tracing::error!(error = %e, conn = %conn, "reply could not be queued");
+        }
+    }
+
+    fn send_error(&mut self, out: &mut Replies, conn: ConnId, request_id: u64, e: &ErrorReply) {
+        self.buf.clear();
+        match proto::encode(request_id, e, &mut self.buf) {
+            Ok(_) => {
+                let mut len = [0u8; 4];
+                len.copy_from_slice(&self.buf[16..20]);
+                let payload_len = u32::from_le_bytes(len) as usize;
+                let payload = &self.buf[HEADER_BYTES..HEADER_BYTES + payload_len];
+                if let Err(err) = out.send(conn, Kind::ErrorReply.as_u16(), request_id, payload) {
+                    tracing::error!(error = %err, conn = %conn, "error reply could not be queued");
+                }
+            }
+            Err(err) => tracing::error!(error = %err, "error reply does not encode"),
+        }
+    }
+
+    fn meta(
+        &self,
+        session: &ConnSession,
+        notices: &[dir::FreedPageNotice],
+        usage: &dir::Usage,
+    ) -> ReplyMeta {
+        wire::reply_meta(notices, usage, session.quota_bytes)
+    }
+
+    // --- requests ---------------------------------------------------------
+
+    fn op_of(kind: Kind) -> Option<OpKind> {
+        Some(match kind {
+            Kind::Hello => OpKind::Hello,
+            Kind::Reattach => OpKind::Reattach,
+            Kind::Heartbeat | Kind::MapRegion => OpKind::Heartbeat,
+            Kind::Register => OpKind::Register,
+            Kind::Lookup => OpKind::Lookup,
+            Kind::Exists => OpKind::Exists,
+            Kind::Unpin => OpKind::Unpin,
+            Kind::Delete => OpKind::Delete,
+            Kind::RequestRegion => OpKind::RequestRegion,
+            Kind::ReturnRegion => OpKind::ReturnRegion,
+            Kind::Stats => OpKind::Stats,
+            Kind::EndSession => OpKind::EndSession,
+            _ => return None,
+        })
+    }
+
+    fn dispatch(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        req: AnyRequest<'_>,
+        out: &mut Replies,
+        started: Instant,
+    ) {
+        let session = self.conns.get(&conn).and_then(|c| c.session);
+        match (req, session) {
+            (AnyRequest::Hello(h), None) => self.hello(conn, request_id, h, out),
+            (AnyRequest::Reattach(r), None) => self.reattach(conn, request_id, r, out),
+            (AnyRequest::Hello(_) | AnyRequest::Reattach(_), Some(_)) => {
+                let e = ErrorReply::new(
+                    ErrorCode::InvalidArgument,
+                    "this connection already has a session; open another connection",
+                    0,
+                );
+                self.send_error(out, conn, request_id, &e);
+            }
+            (
+                AnyRequest::PoolHello(_)
+                | AnyRequest::AllocRegion(_)
+                | AnyRequest::FreeRegion(_)
+                | AnyRequest::ReattachRegions(_)
+                | AnyRequest::ListRegions(_)
+                | AnyRequest::PoolStats(_),
+                _,
+            ) => {
+                let e = ErrorReply::new(
+                    ErrorCode::UnknownKind,
+                    format!(
+                        "{:?} is a pool-manager request; this is a directory socket",
+                        req.kind()
+                    ),
+                    0,
+                );
+                self.send_error(out, conn, request_id, &e);
+            }
+            (_, None) => {
+                let e = ErrorReply::new(
+                    ErrorCode::HelloRequired,
+                    format!("{:?} before Hello or Reattach", req.kind()),
+                    0,
+                );
+                self.send_error(out, conn, request_id, &e);
+            }
+            (req, Some(s)) => self.session_request(conn, request_id, s, req, out, started),
+        }
+    }
+
+    /// The identity the kernel gave the connection, and for TCP whether the
+    /// presented client secret is the configured one.
+    fn peer(&self, conn: ConnId, client_secret: Option<&[u8]>) -> Option<Peer> {
+        Some(match &self.conns.get(&conn)?.peer {
+            PeerInfo::Unix(cred) => Peer::Unix {
+                pid: u32::try_from(cred.pid).unwrap_or(0),
+                uid: cred.uid,
+                gid: cred.gid,
+            },
+            _ => Peer::Tcp {
+                secret_matched: match (&self.tcp_secret, client_secret) {
+                    (Some(expected), Some(given)) => wire::secret_matches(given, expected),
+                    _ => false,
+                },
+            },
+        })
+    }
+
+    fn is_tcp(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|c| !matches!(c.peer, PeerInfo::Unix(_)))
+    }
+
+    /// The error reply for a failed `Hello`/`Reattach`; TCP authentication
+    /// failures also close the connection (no second guess on it).
+    fn refuse_opening(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        e: &DirectoryError,
+        secret_given: bool,
+        out: &mut Replies,
+    ) {
+        let mut reply = wire::directory_error(e);
+        let auth = matches!(e, DirectoryError::TcpSecretRequired);
+        if auth && secret_given {
+            reply = ErrorReply::new(
+                ErrorCode::AuthenticationFailed,
+                "the client secret does not match this listener's",
+                0,
+            );
+        }
+        self.send_error(out, conn, request_id, &reply);
+        if auth && self.is_tcp(conn) {
+            out.close(conn);
+        }
+    }
+
+    fn welcome_for(
+        &self,
+        version: u16,
+        instance_id: String,
+        secret: dir::InstanceSecret,
+        session: SessionId,
+        directory_epoch: u64,
+        meta: ReplyMeta,
+    ) -> proto::Welcome {
+        proto::Welcome {
+            meta,
+            protocol_version: version,
+            instance_id,
+            instance_secret: proto::InstanceSecret(secret.0),
+            session_id: session.0,
+            directory_id: self.directory_id.clone(),
+            directory_epoch,
+            limits: self.limits,
+            lease_ms: self.lease_ms,
+            pools: self.pools.clone(),
+            fds_passed: 0,
+        }
+    }
+
+    /// Pool descriptors for a Unix peer (none for TCP, or if duplicating
+    /// fails: the client then opens the pools by path).
+    fn fds_for(&self, conn: ConnId) -> Vec<OwnedFd> {
+        if self.is_tcp(conn) || self.pool_fds.len() != self.pools.len() {
+            return Vec::new();
+        }
+        match dup_fds(&self.pool_fds) {
+            Ok(fds) => fds,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot duplicate pool descriptors; clients open by path");
+                Vec::new()
+            }
+        }
+    }
+
+    fn open_session(&mut self, conn: ConnId, id: SessionId, quota_bytes: Option<u64>) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.session = Some(ConnSession { id, quota_bytes });
+        }
+        self.sessions.insert(id, conn);
+    }
+
+    fn hello(&mut self, conn: ConnId, request_id: u64, h: &ArchivedHello, out: &mut Replies) {
+        let version = match proto::negotiate(h.protocol_min.to_native(), h.protocol_max.to_native())
+        {
+            Ok(v) => v,
+            Err(e) => return self.send_error(out, conn, request_id, &e.to_reply()),
+        };
+        let secret = h.client_secret.as_ref().map(|s| s.as_slice());
+        let Some(peer) = self.peer(conn, secret) else {
+            return;
+        };
+        let name = if h.instance_id.is_empty() {
+            self.anon_instances += 1;
+            format!("anon-{:x}-{}", self.dir.epoch(), self.anon_instances)
+        } else {
+            h.instance_id.as_str().to_owned()
+        };
+        let now = self.now();
+        let result = self.dir.hello(
+            dir::Hello {
+                instance: &name,
+                quota_bytes: None,
+            },
+            peer,
+            now,
+        );
+        let w = match result {
+            Ok(w) => w,
+            Err(e) => return self.refuse_opening(conn, request_id, &e, secret.is_some(), out),
+        };
+        self.open_session(conn, w.session, w.quota_bytes);
+        let fds = self.fds_for(conn);
+        let meta = wire::reply_meta(&[], &w.usage, w.quota_bytes);
+        let mut welcome =
+            self.welcome_for(version, name, w.secret, w.session, w.directory_epoch, meta);
+        welcome.fds_passed = fds.len() as u32;
+        self.send_with_fds(out, conn, request_id, &welcome, fds);
+        self.apply_effects(Some(out));
+    }
+
+    fn reattach(&mut self, conn: ConnId, request_id: u64, r: &ArchivedReattach, out: &mut Replies) {
+        let version = match proto::negotiate(r.protocol_min.to_native(), r.protocol_max.to_native())
+        {
+            Ok(v) => v,
+            Err(e) => return self.send_error(out, conn, request_id, &e.to_reply()),
+        };
+        let secret = r.client_secret.as_ref().map(|s| s.as_slice());
+        let Some(peer) = self.peer(conn, secret) else {
+            return;
+        };
+        let presented: Vec<PresentedRegion> = r
+            .regions
+            .iter()
+            .map(|o| PresentedRegion {
+                handle: dir::RegionHandle {
+                    region: RegionId(o.desc.region.to_native()),
+                    pool: cxlkv_dataplane::ids::PoolId(o.desc.pool.to_native()),
+                    offset_bytes: o.desc.offset_bytes.to_native(),
+                    len_bytes: o.desc.len_bytes.to_native(),
+                    token: dir::RegionToken(*o.token.as_bytes()),
+                },
+                layout: wire::layout(&o.layout),
+            })
+            .collect();
+        let instance_secret = dir::InstanceSecret(*r.instance_secret.as_bytes());
+        let now = self.now();
+        let result = self.dir.reattach(
+            dir::Reattach {
+                instance: r.instance_id.as_str(),
+                secret: instance_secret,
+                regions: &presented,
+                next_seq: r.next_seq.to_native(),
+                notice_ack: r.meta.notice_ack.to_native(),
+                quota_bytes: None,
+            },
+            peer,
+            now,
+        );
+        let a = match result {
+            Ok(a) => a,
+            Err(e) => return self.refuse_opening(conn, request_id, &e, secret.is_some(), out),
+        };
+        self.open_session(conn, a.session, a.quota_bytes);
+        let mut accepted = Vec::new();
+        let mut refused = Vec::new();
+        for (p, status) in presented.iter().zip(&a.regions) {
+            match status {
+                dir::RegionStatus::Confirmed => accepted.push(p.handle.region.0),
+                _ => refused.push(RefusedRegion {
+                    region: p.handle.region.0,
+                    code: ErrorCode::NotOwner.as_u16(),
+                }),
+            }
+        }
+        let fds = self.fds_for(conn);
+        let meta = wire::reply_meta(&a.notices, &a.usage, a.quota_bytes);
+        let mut welcome = self.welcome_for(
+            version,
+            r.instance_id.as_str().to_owned(),
+            instance_secret,
+            a.session,
+            a.directory_epoch,
+            meta,
+        );
+        welcome.fds_passed = fds.len() as u32;
+        let reply = proto::Reattached {
+            welcome,
+            resumed: a.kind == dir::ReattachKind::Resumed,
+            accepted,
+            refused,
+            oldest_accepted_seq: a.oldest_accepted_seq,
+        };
+        self.send_with_fds(out, conn, request_id, &reply, fds);
+        self.apply_effects(Some(out));
+    }
+
+    fn session_request(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        s: ConnSession,
+        req: AnyRequest<'_>,
+        out: &mut Replies,
+        started: Instant,
+    ) {
+        let meta = req.meta();
+        let caller = Caller {
+            session: s.id,
+            notice_ack: meta.notice_ack,
+        };
+        let seq = Sequence {
+            seq: meta.seq,
+            replies_received_below: meta.replies_received_below,
+        };
+        let now = self.now();
+        let result: Result<(), DirectoryError> = match req {
+            AnyRequest::Heartbeat(_) => self.dir.heartbeat(&caller, now).map(|r| {
+                let reply = proto::HeartbeatReply {
+                    meta: self.meta(&s, &r.notices, &r.usage),
+                    lease_ms: self.lease_ms,
+                };
+                self.send(out, conn, request_id, &reply);
+            }),
+            AnyRequest::Lookup(l) => {
+                let seq = (l.pins() > 0).then_some(seq);
+                self.dir
+                    .lookup(
+                        &caller,
+                        seq,
+                        wire::layout(&l.layout),
+                        l.keys(),
+                        l.pins(),
+                        now,
+                    )
+                    .map(|r| {
+                        let reply = proto::LookupReply {
+                            meta: self.meta(&s, &r.notices, &r.usage),
+                            locations: r
+                                .body
+                                .locations
+                                .iter()
+                                .map(|l| l.as_ref().map(wire::wire_location))
+                                .collect(),
+                            regions: r.body.regions.iter().map(wire::wire_desc).collect(),
+                        };
+                        self.send(out, conn, request_id, &reply);
+                    })
+            }
+            AnyRequest::Exists(e) => self
+                .dir
+                .exists(&caller, wire::layout(&e.layout), e.keys(), now)
+                .map(|r| {
+                    let reply = proto::ExistsReply {
+                        meta: self.meta(&s, &r.notices, &r.usage),
+                        present: r.body.iter().copied().collect::<KeyBitmap>(),
+                    };
+                    self.send(out, conn, request_id, &reply);
+                }),
+            AnyRequest::Register(g) => {
+                let entries = g.entries.iter().map(|e| RegisterEntry {
+                    key: e.key.as_slice(),
+                    location: wire::location(&e.location),
+                });
+                self.dir
+                    .register(&caller, seq, wire::layout(&g.layout), entries, now)
+                    .map(|r| {
+                        let outcomes: Option<Vec<_>> =
+                            r.body.iter().map(wire::register_outcome).collect();
+                        match outcomes {
+                            Some(outcomes) => {
+                                let reply = proto::RegisterReply {
+                                    meta: self.meta(&s, &r.notices, &r.usage),
+                                    outcomes,
+                                };
+                                self.send(out, conn, request_id, &reply);
+                            }
+                            None => {
+                                tracing::error!(outcomes = ?r.body, "a rejection reason has no wire form");
+                                let e = ErrorReply::new(
+                                    ErrorCode::Internal,
+                                    "a registration outcome has no wire form in this build",
+                                    0,
+                                );
+                                self.send_error(out, conn, request_id, &e);
+                            }
+                        }
+                    })
+            }
+            AnyRequest::Unpin(u) => {
+                let entries = u.keys.iter().zip(u.counts.iter()).map(|(k, c)| UnpinEntry {
+                    key: k.as_slice(),
+                    count: c.to_native(),
+                });
+                self.dir
+                    .unpin(&caller, seq, wire::layout(&u.layout), entries, now)
+                    .map(|r| {
+                        let reply = proto::UnpinReply {
+                            meta: self.meta(&s, &r.notices, &r.usage),
+                            outcomes: r.body.iter().map(wire::unpin_outcome).collect(),
+                        };
+                        self.send(out, conn, request_id, &reply);
+                    })
+            }
+            AnyRequest::Delete(d) => {
+                let layout = wire::layout(&d.layout);
+                self.dir
+                    .delete(&caller, seq, layout, d.keys(), now)
+                    .map(|r| {
+                        let outcomes = r
+                            .body
+                            .iter()
+                            .zip(d.keys())
+                            .map(|(o, key)| {
+                                let pins = match o {
+                                    dir::DeleteOutcome::Pinned => {
+                                        self.dir.inspect_key(&layout, key).map_or(0, |k| k.pins)
+                                    }
+                                    _ => 0,
+                                };
+                                wire::delete_outcome(o, pins)
+                            })
+                            .collect();
+                        let reply = proto::DeleteReply {
+                            meta: self.meta(&s, &r.notices, &r.usage),
+                            outcomes,
+                        };
+                        self.send(out, conn, request_id, &reply);
+                    })
+            }
+            AnyRequest::RequestRegion(q) => {
+                let layout = wire::layout(&q.layout);
+                let asked = match q.len_bytes.to_native() {
+                    0 => self.default_region_bytes.max(layout.page_size_bytes),
+                    n => n,
+                };
+                let len_bytes = asked
+                    .checked_next_multiple_of(self.align_bytes)
+                    .unwrap_or(asked);
+                self.dir
+                    .request_region(&caller, seq, layout, len_bytes, now)
+                    .map(|r| match r.body {
+                        RegionReply::Granted(g) => {
+                            let reply = self.granted(&s, &g, &r.notices, &r.usage);
+                            self.send(out, conn, request_id, &reply);
+                        }
+                        RegionReply::Deferred(id) => {
+                            self.pending.insert(
+                                id,
+                                PendingReply {
+                                    conn,
+                                    request_id,
+                                    started,
+                                },
+                            );
+                        }
+                    })
+            }
+            AnyRequest::ReturnRegion(q) => {
+                let region = q.region.to_native();
+                self.dir
+                    .return_region(&caller, seq, RegionId(region), now)
+                    .map(|r| {
+                        let reply = proto::RegionReturned {
+                            meta: self.meta(&s, &r.notices, &r.usage),
+                            region,
+                        };
+                        self.send(out, conn, request_id, &reply);
+                    })
+            }
+            AnyRequest::MapRegion(m) => self.dir.heartbeat(&caller, now).map(|r| {
+                let descs = m
+                    .regions()
+                    .map(|id| {
+                        self.dir
+                            .inspect_region(RegionId(id))
+                            .map(|i| wire::wire_desc(&i.descriptor))
+                    })
+                    .collect();
+                let reply = proto::RegionMap {
+                    meta: self.meta(&s, &r.notices, &r.usage),
+                    descs,
+                };
+                self.send(out, conn, request_id, &reply);
+            }),
+            AnyRequest::EndSession(e) => self.end_session(conn, request_id, &caller, &s, e, out),
+            AnyRequest::Stats(_) => {
+                let e = ErrorReply::new(
+                    ErrorCode::UnknownKind,
+                    "Stats is not served by this server build yet",
+                    0,
+                );
+                self.send_error(out, conn, request_id, &e);
+                Ok(())
+            }
+            AnyRequest::Hello(_)
+            | AnyRequest::Reattach(_)
+            | AnyRequest::PoolHello(_)
+            | AnyRequest::AllocRegion(_)
+            | AnyRequest::FreeRegion(_)
+            | AnyRequest::ReattachRegions(_)
+            | AnyRequest::ListRegions(_)
+            | AnyRequest::PoolStats(_) => unreachable!("dispatch() routes these elsewhere"),
+        };
+        if let Err(e) = result {
+            self.send_error(out, conn, request_id, &wire::directory_error(&e));
+        }
+        self.apply_effects(Some(out));
+    }
+
+    fn end_session(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        caller: &Caller,
+        s: &ConnSession,
+        e: &proto::ArchivedEndSession,
+        out: &mut Replies,
+    ) -> Result<(), DirectoryError> {
+        let admin = match self.conns.get(&conn).map(|c| &c.peer) {
+            Some(PeerInfo::Unix(cred)) => cred.uid == 0 || cred.uid == self.server_uid,
+            _ => false,
+        };
+        if !admin {
+            let reply = ErrorReply::new(
+                ErrorCode::AuthenticationFailed,
+                "EndSession is for the server's own user (or root) on the Unix socket",
+                0,
+            );
+            self.send_error(out, conn, request_id, &reply);
+            return Ok(());
+        }
+        let target = SessionId(e.session_id.to_native());
+        let now = self.now();
+        let ended = self.dir.end_session(target, now)?;
+        // The caller may have ended its own session: then the reply carries
+        // no notices (there is no live session to renew).
+        let meta = match self.dir.heartbeat(caller, now) {
+            Ok(r) => self.meta(s, &r.notices, &r.usage),
+            Err(_) => ReplyMeta::default(),
+        };
+        let reply = proto::SessionEnded {
+            meta,
+            session_id: target.0,
+            pins_released: ended.pins_released,
+        };
+        self.send(out, conn, request_id, &reply);
+        Ok(())
+    }
+
+    fn granted(
+        &self,
+        s: &ConnSession,
+        g: &dir::RegionGrant,
+        notices: &[dir::FreedPageNotice],
+        usage: &dir::Usage,
+    ) -> proto::RegionGranted {
+        proto::RegionGranted {
+            meta: self.meta(s, notices, usage),
+            desc: wire::wire_desc(&g.handle.descriptor(g.layout.page_size_bytes)),
+            layout: wire::wire_layout(g.layout),
+            token: proto::RegionToken(g.handle.token.0),
+        }
+    }
+
+    // --- effects and events -----------------------------------------------
+
+    /// Carries out what the directory asked for. `out` is absent in
+    /// callbacks that cannot queue replies (`on_disconnect`): closes then go
+    /// through the completer.
+    fn apply_effects(&mut self, mut out: Option<&mut Replies>) {
+        let effects: Vec<Effect> = self.dir.drain_effects().collect();
+        for effect in effects {
+            match effect {
+                Effect::AllocateRegion {
+                    request,
+                    owner,
+                    layout: _,
+                    len_bytes,
+                } => {
+                    let mailbox = Arc::clone(&self.mailbox);
+                    let completer = self.completer.clone();
+                    self.pool.submit(
+                        PoolRequest::Alloc {
+                            pool: None,
+                            len_bytes,
+                            instance_id: owner.as_str().to_owned(),
+                        },
+                        Box::new(move |r| {
+                            let result = r.and_then(|reply| match reply {
+                                PoolReply::Allocated(h) => Ok(h),
+                                other => Err(unexpected_reply(&other)),
+                            });
+                            mailbox.post(Event::Allocated { request, result }, &completer);
+                        }),
+                    );
+                }
+                Effect::FreeRegion { handle, owner } => self.submit_free(handle, owner, 0),
+                Effect::SessionEnded { session, reason } => {
+                    if reason == SessionEndReason::ConnectionClosed {
+                        continue;
+                    }
+                    tracing::info!(session = %session, ?reason, "session ended; closing its connection");
+                    if let Some(conn) = self.sessions.remove(&session) {
+                        if let Some(c) = self.conns.get_mut(&conn) {
+                            c.session = None;
+                        }
+                        match out.as_deref_mut() {
+                            Some(out) => out.close(conn),
+                            None => {
+                                if let Err(e) = self.completer.close(conn) {
+                                    tracing::debug!(error = %e, "cannot close a connection");
+                                }
+                            }
+                        }
+                    }
+                }
+                other => tracing::error!(effect = ?other, "directory effect not handled"),
+            }
+        }
+    }
+
+    fn submit_free(&mut self, handle: dir::RegionHandle, owner: InstanceId, attempt: u32) {
+        let mailbox = Arc::clone(&self.mailbox);
+        let completer = self.completer.clone();
+        self.frees_in_flight += 1;
+        self.pool.submit(
+            PoolRequest::Free {
+                region: handle.region.0,
+                token: proto::RegionToken(handle.token.0),
+            },
+            Box::new(move |r| {
+                let result = r.and_then(|reply| match reply {
+                    PoolReply::Freed { .. } => Ok(()),
+                    other => Err(unexpected_reply(&other)),
+                });
+                mailbox.post(
+                    Event::Freed {
+                        handle,
+                        owner,
+                        attempt,
+                        result,
+                    },
+                    &completer,
+                );
+            }),
+        );
+    }
+
+    /// Applies the events posted since the last wake, runs due timers.
+    pub fn run_events(&mut self, mut out: Option<&mut Replies>) {
+        for event in self.mailbox.take() {
+            match event {
+                Event::Allocated { request, result } => {
+                    let failure = result.as_ref().err().cloned();
+                    let completions = self.dir.region_allocated(
+                        request,
+                        result
+                            .map(|h| wire::dir_handle(&h))
+                            .map_err(|e| e.to_string()),
+                    );
+                    for c in completions {
+                        self.complete_region(c, failure.as_ref(), out.as_deref_mut());
+                    }
+                }
+                Event::Freed {
+                    handle,
+                    owner,
+                    attempt,
+                    result,
+                } => {
+                    self.frees_in_flight -= 1;
+                    match result {
+                        Ok(()) => tracing::debug!(region = %handle.region, "region freed"),
+                        Err(e) if e.is_transient() => {
+                            let backoff = FREE_RETRY_FIRST
+                                .saturating_mul(1 << attempt.min(8))
+                                .min(FREE_RETRY_MAX);
+                            tracing::warn!(region = %handle.region, error = %e, retry_in_ms = backoff.as_millis() as u64, "region free failed; retrying");
+                            self.free_retries.push(FreeRetry {
+                                due: Instant::now() + backoff,
+                                handle,
+                                owner,
+                                attempt: attempt.saturating_add(1),
+                            });
+                        }
+                        Err(e) => {
+                            tracing::error!(region = %handle.region, owner = %owner, error = %e, "the pool manager refused a region free; not retried");
+                        }
+                    }
+                }
+                Event::PoolStats(Ok(stats)) => {
+                    for p in &stats.pools {
+                        self.dir.pool_usage(
+                            cxlkv_dataplane::ids::PoolId(p.pool),
+                            p.total_bytes,
+                            p.free_bytes,
+                        );
+                    }
+                }
+                Event::PoolStats(Err(e)) => {
+                    tracing::warn!(error = %e, "pool manager statistics unavailable")
+                }
+                Event::Control(Control::Stats(reply)) => {
+                    let now = self.now();
+                    // The caller may have given up waiting.
+                    let _ = reply.send(self.dir.stats(now));
+                }
+            }
+        }
+        let now = Instant::now();
+        if !self.free_retries.is_empty() {
+            let due: Vec<FreeRetry>;
+            (due, self.free_retries) = std::mem::take(&mut self.free_retries)
+                .into_iter()
+                .partition(|r| r.due <= now);
+            for r in due {
+                self.submit_free(r.handle, r.owner, r.attempt);
+            }
+        }
+        if now >= self.next_tick {
+            self.next_tick = now + self.tick_every;
+            let t = self.now();
+            self.dir.tick(t);
+        }
+        if now >= self.next_pool_stats {
+            self.next_pool_stats = now + POOL_STATS_EVERY;
+            let mailbox = Arc::clone(&self.mailbox);
+            let completer = self.completer.clone();
+            self.pool.submit(
+                PoolRequest::Stats,
+                Box::new(move |r| {
+                    let result = r.and_then(|reply| match reply {
+                        PoolReply::Stats(s) => Ok(s),
+                        other => Err(unexpected_reply(&other)),
+                    });
+                    mailbox.post(Event::PoolStats(result), &completer);
+                }),
+            );
+        }
+        self.apply_effects(out);
+    }
+
+    fn complete_region(
+        &mut self,
+        c: Completion,
+        failure: Option<&PoolServiceError>,
+        out: Option<&mut Replies>,
+    ) {
+        let Some(p) = self.pending.remove(&c.deferred) else {
+            return;
+        };
+        let Some(out) = out else {
+            return;
+        };
+        let Some(s) = self
+            .conns
+            .get(&p.conn)
+            .and_then(|conn| conn.session)
+            .filter(|s| s.id == c.session)
+        else {
+            return;
+        };
+        match &c.result {
+            Ok(r) => {
+                let reply = self.granted(&s, &r.body, &r.notices, &r.usage);
+                self.send(out, p.conn, p.request_id, &reply);
+            }
+            Err(DirectoryError::RegionAllocationFailed { reason }) => {
+                let (code, limit) = failure
+                    .and_then(|f| f.error_code().map(|c| (c, f.limit)))
+                    .unwrap_or((ErrorCode::OutOfSpace, 0));
+                let e = ErrorReply::new(code, format!("region allocation failed: {reason}"), limit);
+                self.send_error(out, p.conn, p.request_id, &e);
+            }
+            Err(e) => {
+                let reply = wire::directory_error(e);
+                self.send_error(out, p.conn, p.request_id, &reply);
+            }
+        }
+        self.dir
+            .record_latency(OpKind::RequestRegion, p.started.elapsed());
+    }
+}
+
+fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
+    PoolServiceError::new(
+        ErrorCode::Internal,
+        format!("unexpected pool manager answer {reply:?}"),
+        0,
+    )
+}
+
+impl Handler for DirectoryHandler {
+    fn on_connect(&mut self, conn: ConnId, peer: &PeerInfo) -> Admit {
+        self.conns.insert(
+            conn,
+            Conn {
+                peer: peer.clone(),
+                session: None,
+            },
+        );
+        Admit::Accept
+    }
+
+    fn on_refused(&mut self, _peer: &PeerInfo, why: RefuseReason) -> Option<Refusal> {
+        let RefuseReason::TooManyConnections { limit } = why else {
+            return None;
+        };
+        let reply = ErrorReply::new(
+            ErrorCode::Busy,
+            format!("connection limit reached ({limit})"),
+            limit as u64,
+        );
+        let mut buf = Vec::new();
+        let len = proto::encode(0, &reply, &mut buf).ok()?;
+        let _ = len;
+        let mut plen = [0u8; 4];
+        plen.copy_from_slice(&buf[16..20]);
+        let payload_len = u32::from_le_bytes(plen) as usize;
+        Some(Refusal {
+            kind: Kind::ErrorReply.as_u16(),
+            payload: buf[HEADER_BYTES..HEADER_BYTES + payload_len].to_vec(),
+        })
+    }
+
+    fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies) {
+        let started = Instant::now();
+        let request_id = frame.header.request_id;
+        let req = match proto::decode_request(frame) {
+            Ok(req) => req,
+            Err(e) => {
+                tracing::debug!(conn = %conn, error = %e, "request refused at the edge");
+                return self.send_error(out, conn, request_id, &e.to_reply());
+            }
+        };
+        let op = Self::op_of(req.kind());
+        self.dispatch(conn, request_id, req, out, started);
+        if let Some(op) = op
+            && op != OpKind::RequestRegion
+        {
+            self.dir.record_latency(op, started.elapsed());
+        }
+    }
+
+    fn on_rejected(
+        &mut self,
+        conn: ConnId,
+        header: FrameHeader,
+        why: Rejection,
+        out: &mut Replies,
+    ) {
+        let reply = match why {
+            Rejection::Frame(e) => ProtoError::Frame(e).to_reply(),
+            Rejection::TooManyInFlight { limit } => ErrorReply::new(
+                ErrorCode::Busy,
+                format!("{limit} requests already in flight on this connection"),
+                limit as u64,
+            ),
+            Rejection::DuplicateRequestId => ErrorReply::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "request id {} is already in flight on this connection",
+                    header.request_id
+                ),
+                0,
+            ),
+            other => ErrorReply::new(ErrorCode::Internal, format!("{other:?}"), 0),
+        };
+        self.send_error(out, conn, header.request_id, &reply);
+    }
+
+    fn on_disconnect(&mut self, conn: ConnId, why: &DisconnectReason) {
+        let Some(c) = self.conns.remove(&conn) else {
+            return;
+        };
+        if let Some(s) = c.session {
+            tracing::debug!(conn = %conn, session = %s.id, reason = ?why, "session's connection closed");
+            self.sessions.remove(&s.id);
+            if matches!(why, DisconnectReason::Shutdown) {
+                self.shutdown_closed += 1;
+            }
+            let now = self.now();
+            self.dir.session_closed(s.id, now);
+            self.apply_effects(None);
+        }
+    }
+
+    fn on_wake(&mut self, out: &mut Replies) {
+        self.run_events(Some(out));
+    }
+}

@@ -1,0 +1,78 @@
+//! The in-process server answers the whole key lifecycle over its Unix
+//! socket: hello (with the pool descriptor), a region, register, lookup
+//! with a pin, exists, unpin, delete, heartbeat.
+
+mod common;
+
+use common::*;
+use cxlkv::server::{Server, ServerConfig};
+use cxlkv_controlplane::proto::{DeleteOutcome, ErrorCode, RegisterOutcome, UnpinOutcome};
+
+#[test]
+fn a_client_runs_the_key_lifecycle_over_the_unix_socket() {
+    let server = Server::start(ServerConfig::ephemeral("basics")).unwrap();
+    let mut c = Raw::connect_unix(server.socket_path());
+    let (welcome, fds) = c.hello("inst-a");
+    let welcome = welcome.unwrap();
+    assert_eq!(welcome.instance_id, "inst-a");
+    assert_eq!(welcome.pools.len(), 1);
+    assert_eq!(welcome.fds_passed, 1);
+    assert_eq!(fds.len(), 1, "the pool descriptor comes with Welcome");
+    assert_eq!(
+        std::path::Path::new(&welcome.pools[0].path),
+        server.pool_paths()[0]
+    );
+
+    let granted = c.request_region(0).unwrap();
+    assert_eq!(granted.layout, LAYOUT);
+    let region = granted.desc.region;
+
+    let reply = c
+        .register(vec![
+            (b"k1".to_vec(), loc(region, 0)),
+            (b"k2".to_vec(), loc(region, 1)),
+        ])
+        .unwrap();
+    assert_eq!(
+        reply.outcomes,
+        vec![RegisterOutcome::Inserted, RegisterOutcome::Inserted]
+    );
+    let found = c.lookup(&[b"k1", b"nope"], 1).unwrap();
+    assert_eq!(found.locations, vec![Some(loc(region, 0)), None]);
+    assert_eq!(found.regions.len(), 1);
+    let present = c.exists(&[b"k1", b"k2", b"nope"]).unwrap();
+    assert_eq!(
+        (0..3).map(|i| present.present.get(i)).collect::<Vec<_>>(),
+        vec![Some(true), Some(true), Some(false)]
+    );
+
+    let deleted = c.delete(&[b"k1", b"k2", b"nope"]).unwrap();
+    assert_eq!(
+        deleted.outcomes,
+        vec![
+            DeleteOutcome::Pinned { pins: 1 },
+            DeleteOutcome::Deleted,
+            DeleteOutcome::Missing
+        ]
+    );
+    // The owner hears of its freed page.
+    assert_eq!(deleted.meta.notices.len(), 1);
+    assert_eq!(deleted.meta.notices[0].page, 1);
+    let unpinned = c.unpin(&[b"k1", b"k1"]).unwrap();
+    assert_eq!(
+        unpinned.outcomes,
+        vec![UnpinOutcome::Unpinned, UnpinOutcome::NotPinned]
+    );
+    c.heartbeat().unwrap();
+
+    let other = Raw::connect_unix(server.socket_path());
+    expect_code(other.heartbeat(), ErrorCode::HelloRequired);
+    drop(c);
+    drop(other);
+    let socket = server.socket_path().to_owned();
+    let pool = server.pool_paths()[0].clone();
+    let report = server.shutdown().unwrap();
+    assert_eq!(report.frees_unconfirmed, 0);
+    assert!(!socket.exists(), "the socket file is removed");
+    assert!(!pool.exists(), "an ephemeral pool is removed");
+}
