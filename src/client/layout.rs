@@ -89,6 +89,20 @@ impl LayoutHandle {
             .sum()
     }
 
+    /// Frees the layout's allocators refused (stale generation, double or
+    /// foreign): each one a free that would have been wrong, caught.
+    pub fn refused_frees(&self) -> u64 {
+        self.state
+            .regions
+            .read()
+            .iter()
+            .map(|(_, r)| {
+                let s = r.alloc.stats();
+                s.stale_frees + s.double_frees + s.foreign_frees
+            })
+            .sum()
+    }
+
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.client.inner.shared
     }

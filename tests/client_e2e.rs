@@ -1,0 +1,398 @@
+//! The client against a real in-process server, one process: the write and
+//! read paths, page reclamation (abort, duplicate, notices), the client's
+//! view of its own releases, memory limits (auto-expand, quota), layouts,
+//! idle region return, eager mapping and map observers, heartbeats, input
+//! limits.
+
+mod client_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use client_support::*;
+use cxlkv::client::{Client, ClientError, DeleteOutcome, LayoutOptions, RegisterOutcome};
+use cxlkv_dataplane::ids::RegionId;
+use cxlkv_dataplane::map::{MapInfo, MapObserver};
+use parking_lot::Mutex;
+
+#[test]
+fn put_then_get_returns_the_same_bytes_in_place() {
+    let server = start_server("e2e-put-get");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let items: Vec<(Vec<u8>, Vec<u8>)> = (0..20)
+        .map(|i| (key(i), chunk(i, 1000 + i as usize * 3000)))
+        .collect();
+    let outcomes = layout.batch_put(&items).unwrap();
+    assert!(outcomes.iter().all(|o| *o == RegisterOutcome::Inserted));
+    assert_eq!(client.owned_keys(), 20);
+
+    let keys: Vec<&[u8]> = items.iter().map(|(k, _)| k.as_slice()).collect();
+    let mut with_missing = keys.clone();
+    with_missing.push(b"absent");
+    let guards = layout.batch_get(&with_missing).unwrap();
+    assert!(guards[20].is_none());
+    for ((_, want), got) in items.iter().zip(&guards) {
+        assert_eq!(&got.as_ref().unwrap()[..], &want[..]);
+    }
+    // Same page, same bytes: two lookups of a key view the same address.
+    let again = layout.get(&items[3].0).unwrap().unwrap();
+    assert_eq!(again.as_ptr(), guards[3].as_ref().unwrap().as_ptr());
+    assert_eq!(
+        layout.batch_exists(&with_missing).unwrap(),
+        [vec![true; 20], vec![false]].concat()
+    );
+}
+
+#[test]
+fn a_client_observes_its_own_releases_and_deleted_pages_come_back() {
+    let server = start_server("e2e-releases");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"k", &chunk(1, 5000)).unwrap();
+    let total = layout.free_pages() + 1;
+
+    let guard = layout.get(b"k").unwrap().unwrap();
+    assert_eq!(
+        layout.delete(b"k").unwrap(),
+        DeleteOutcome::Pinned { pins: 1 }
+    );
+    drop(guard);
+    // The unpin is deferred, but always sent before the next request.
+    assert_eq!(layout.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+    assert_eq!(layout.delete(b"k").unwrap(), DeleteOutcome::Missing);
+    // The freed-page notice rode on a reply to this client: its page is free.
+    assert_eq!(layout.free_pages(), total);
+    assert_eq!(client.owned_keys(), 0);
+    assert_eq!(client.stats().pages_freed_by_notice, 1);
+}
+
+#[test]
+fn duplicate_and_aborted_pages_return_to_the_allocator_exactly_once() {
+    let server = start_server("e2e-duplicate");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"k", &chunk(1, 100)).unwrap();
+    let free = layout.free_pages();
+
+    let outcome = layout.put(b"k", &chunk(2, 100)).unwrap();
+    let RegisterOutcome::Duplicate(winner) = outcome else {
+        panic!("{outcome:?}");
+    };
+    assert_eq!(winner.len_bytes, 100);
+    assert_eq!(layout.free_pages(), free, "the loser's page is free again");
+    // The winner's bytes are unchanged.
+    assert_eq!(&layout.get(b"k").unwrap().unwrap()[..], &chunk(1, 100)[..]);
+
+    // A duplicate key later in the same batch loses to the earlier entry.
+    let outcomes = layout
+        .batch_put(&[(b"d".as_slice(), b"one".as_slice()), (b"d", b"two")])
+        .unwrap();
+    assert_eq!(outcomes[0], RegisterOutcome::Inserted);
+    assert!(matches!(outcomes[1], RegisterOutcome::Duplicate(_)));
+    assert_eq!(layout.free_pages(), free - 1);
+
+    let mut lease = layout.alloc().unwrap();
+    lease.write(b"never registered").unwrap();
+    drop(lease);
+    let leases = layout.batch_alloc(5).unwrap();
+    assert_eq!(layout.free_pages(), free - 6);
+    drop(leases);
+    assert_eq!(layout.free_pages(), free - 1);
+}
+
+#[test]
+fn pages_written_in_place_are_published_and_registered_with_their_length() {
+    let server = start_server("e2e-lease");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let mut leases = layout.batch_alloc(3).unwrap();
+    for (i, lease) in leases.iter_mut().enumerate() {
+        let want = chunk(i as u64, 777);
+        lease.bytes_mut()[..777].copy_from_slice(&want);
+        lease.set_len(777).unwrap();
+    }
+    let keys = [b"a".as_slice(), b"b", b"c"];
+    let outcomes = layout
+        .batch_register(keys.iter().copied().zip(leases).collect())
+        .unwrap();
+    assert_eq!(outcomes, vec![RegisterOutcome::Inserted; 3]);
+    for (i, k) in keys.iter().enumerate() {
+        let g = layout.get(k).unwrap().unwrap();
+        assert_eq!(g.location().len_bytes, 777);
+        assert_eq!(&g[..], &chunk(i as u64, 777)[..]);
+    }
+    // An empty lease is refused before anything is sent.
+    let empty = layout.alloc().unwrap();
+    assert!(matches!(
+        layout.register(b"e", empty),
+        Err(ClientError::ChunkLength { len_bytes: 0, .. })
+    ));
+}
+
+#[test]
+fn without_auto_expand_a_full_layout_is_out_of_memory_and_batches_are_all_or_nothing() {
+    let server = start_server("e2e-expand");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let fixed = client
+        .layout_with(
+            PAGE,
+            1,
+            LayoutOptions {
+                initial_reservation_bytes: 4 << 20,
+                region_size_bytes: 4 << 20,
+                auto_expand: false,
+            },
+        )
+        .unwrap();
+    let pages = fixed.free_pages();
+    assert_eq!(pages, (4 << 20) / PAGE);
+    let held = fixed.batch_alloc(pages as usize - 2).unwrap();
+    assert!(matches!(
+        fixed.batch_alloc(3),
+        Err(ClientError::OutOfMemory { requested: 3, .. })
+    ));
+    assert_eq!(fixed.free_pages(), 2, "the failed batch took nothing");
+    drop(held);
+
+    let growing = client.layout(PAGE, 2).unwrap();
+    assert_eq!(growing.region_bytes(), 0, "no initial reservation");
+    let leases = growing.batch_alloc(100).unwrap();
+    assert_eq!(
+        growing.region_bytes(),
+        8 << 20,
+        "two 4 MiB regions of 64 pages"
+    );
+    drop(leases);
+    assert_eq!(client.stats().regions_acquired, 3);
+}
+
+#[test]
+fn the_quota_bounds_the_regions_a_client_takes() {
+    let server = start_server("e2e-quota");
+    let mut cfg = client_config(&server);
+    cfg.quota_bytes = Some(8 << 20);
+    let client = Client::connect(cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let leases = layout.batch_alloc(128).unwrap();
+    let err = layout.alloc().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::QuotaExceeded {
+                quota_bytes: 8388608,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(leases);
+    layout.alloc().unwrap();
+}
+
+#[test]
+fn two_layouts_in_one_client_have_separate_keys_and_regions() {
+    let server = start_server("e2e-layouts");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let a = client.layout(PAGE, 0xA).unwrap();
+    let b = client.layout(PAGE * 2, 0xB).unwrap();
+    let a2 = client.layout(PAGE, 0xA).unwrap();
+    a.put(b"shared-name", &chunk(1, 100)).unwrap();
+    assert!(
+        b.get(b"shared-name").unwrap().is_none(),
+        "no cross-layout hit"
+    );
+    assert!(!b.exists(b"shared-name").unwrap());
+    assert_eq!(b.delete(b"shared-name").unwrap(), DeleteOutcome::Missing);
+    assert_eq!(
+        b.put(b"shared-name", &chunk(2, 100)).unwrap(),
+        RegisterOutcome::Inserted,
+        "the same key in another layout is another key"
+    );
+    assert_eq!(
+        &a2.get(b"shared-name").unwrap().unwrap()[..],
+        &chunk(1, 100)[..]
+    );
+    assert_eq!(
+        &b.get(b"shared-name").unwrap().unwrap()[..],
+        &chunk(2, 100)[..]
+    );
+    let ga = a.get(b"shared-name").unwrap().unwrap();
+    let gb = b.get(b"shared-name").unwrap().unwrap();
+    assert_ne!(ga.location().region, gb.location().region);
+    // A lease of one layout cannot be registered in another.
+    let lease = a.alloc().unwrap();
+    assert!(matches!(
+        b.register(b"x", lease),
+        Err(ClientError::ForeignLease { index: 0 })
+    ));
+}
+
+#[test]
+fn idle_regions_beyond_the_initial_reservation_are_returned() {
+    let server = start_server("e2e-idle");
+    let mut cfg = client_config(&server);
+    cfg.idle_region_return_ms = 50;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client
+        .layout_with(
+            PAGE,
+            FINGERPRINT,
+            LayoutOptions {
+                initial_reservation_bytes: 4 << 20,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            },
+        )
+        .unwrap();
+    let items: Vec<(Vec<u8>, Vec<u8>)> = (0..100).map(|i| (key(i), chunk(i, 64))).collect();
+    layout.batch_put(&items).unwrap();
+    assert_eq!(layout.region_bytes(), 8 << 20);
+    let keys: Vec<&[u8]> = items.iter().map(|(k, _)| k.as_slice()).collect();
+    assert!(
+        layout
+            .batch_delete(&keys)
+            .unwrap()
+            .iter()
+            .all(|o| *o == DeleteOutcome::Deleted)
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || layout.region_bytes() == 4 << 20),
+        "the second region is returned, the initial one kept"
+    );
+    assert_eq!(client.stats().regions_returned, 1);
+    let stats = server.directory_stats().unwrap();
+    assert_eq!(stats.regions, 1);
+}
+
+#[derive(Default)]
+struct Recorder {
+    mapped: Mutex<Vec<MapInfo>>,
+    unmapped: Mutex<Vec<RegionId>>,
+}
+
+impl MapObserver for Recorder {
+    fn on_map(&self, info: &MapInfo) {
+        self.mapped.lock().push(*info);
+    }
+    fn before_unmap(&self, info: &MapInfo) {
+        self.unmapped.lock().push(info.region);
+    }
+}
+
+#[test]
+fn observers_see_every_mapping_and_eager_map_maps_peers_at_connect() {
+    let server = start_server("e2e-observers");
+    let writer = Client::connect(client_config(&server)).unwrap();
+    let wl = writer.layout(PAGE, FINGERPRINT).unwrap();
+    wl.put(b"k", &chunk(9, 4096)).unwrap();
+
+    let recorder = Arc::new(Recorder::default());
+    let mut cfg = client_config(&server);
+    cfg.eager_map = true;
+    let reader =
+        Client::connect_with_observers(cfg, vec![recorder.clone() as Arc<dyn MapObserver>])
+            .unwrap();
+    assert_eq!(recorder.mapped.lock().len(), 1, "the writer's region");
+    assert_eq!(reader.stats().peer_regions_mapped, 1);
+    let rl = reader.layout(PAGE, FINGERPRINT).unwrap();
+    let g = rl.get(b"k").unwrap().unwrap();
+    assert_eq!(
+        reader.stats().peer_regions_mapped,
+        1,
+        "no mapping on lookup"
+    );
+    let info = recorder.mapped.lock()[0];
+    assert_eq!(info.region, RegionId(g.location().region));
+    let addr = g.as_ptr() as usize;
+    assert!(addr >= info.base_addr && addr + g.len() <= info.base_addr + info.len_bytes);
+    drop(g);
+    drop(rl);
+    reader.close().unwrap();
+    assert!(recorder.unmapped.lock().is_empty() || recorder.unmapped.lock()[0] == info.region);
+}
+
+#[test]
+fn heartbeats_keep_an_idle_session_alive_beyond_its_lease() {
+    let mut cfg = server_config("e2e-heartbeat");
+    cfg.directory.session_lease = Duration::from_millis(300);
+    let server = cxlkv::server::Server::start(cfg).unwrap();
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"k", &chunk(1, 10)).unwrap();
+    let session = client.session_id();
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(layout.exists(b"k").unwrap());
+    assert_eq!(client.session_id(), session, "the same session");
+    assert_eq!(client.stats().reconnects, 0);
+    assert!(client.stats().heartbeats >= 3);
+}
+
+#[test]
+fn oversized_keys_and_batches_are_refused_before_sending() {
+    let server = start_server("e2e-limits");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let sent = client.stats().requests;
+    let long = vec![b'x'; 513];
+    assert!(matches!(
+        layout.get(&long),
+        Err(ClientError::KeyLength {
+            len_bytes: 513,
+            max_bytes: 512,
+            ..
+        })
+    ));
+    assert!(matches!(
+        layout.exists(b""),
+        Err(ClientError::KeyLength { len_bytes: 0, .. })
+    ));
+    let many: Vec<Vec<u8>> = (0..4097).map(key).collect();
+    assert!(matches!(
+        layout.batch_exists(&many),
+        Err(ClientError::BatchTooLarge { len: 4097, .. })
+    ));
+    assert!(matches!(
+        layout.put(b"k", &vec![0u8; PAGE as usize + 1]),
+        Err(ClientError::ChunkLength { .. })
+    ));
+    assert!(matches!(
+        client.layout(1000, 1),
+        Err(ClientError::InvalidPageSize {
+            page_size_bytes: 1000,
+            ..
+        })
+    ));
+    assert_eq!(client.stats().requests, sent, "nothing was sent");
+}
+
+#[test]
+fn many_threads_share_one_client() {
+    let server = start_server("e2e-threads");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let layout = layout.clone();
+            s.spawn(move || {
+                for i in 0..50u64 {
+                    let k = key(t * 1000 + i);
+                    let v = chunk(t * 1000 + i, 300);
+                    assert_eq!(layout.put(&k, &v).unwrap(), RegisterOutcome::Inserted);
+                    let g = layout.get(&k).unwrap().unwrap();
+                    assert_eq!(&g[..], &v[..]);
+                    drop(g);
+                    if i % 2 == 0 {
+                        assert_eq!(layout.delete(&k).unwrap(), DeleteOutcome::Deleted);
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(client.owned_keys(), 100);
+    // The last unpins may still be deferred (≤ 1 ms): send them now.
+    client.flush_unpins().unwrap();
+    let stats = server.directory_stats().unwrap();
+    assert_eq!(stats.keys, 100);
+    assert_eq!(stats.pins, 0, "every unpin arrived");
+}
