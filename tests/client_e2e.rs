@@ -396,3 +396,90 @@ fn many_threads_share_one_client() {
     assert_eq!(stats.keys, 100);
     assert_eq!(stats.pins, 0, "every unpin arrived");
 }
+
+/// Writes the pool's identity header (the UUID the server announced) into
+/// the first block of the pool file if it has none yet. The pool service
+/// writes this header when it opens a pool; the embedded pool manager of
+/// this server build does not, and a remote client refuses a pool without
+/// it. The first block is never part of a region.
+fn ensure_identity_header(path: &std::path::Path, uuid: [u8; 16], size: u64, align: u64) {
+    use cxlkv_controlplane::pool::{PoolIdentity, PoolUuid, header};
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut block = vec![0u8; header::HEADER_BYTES];
+    f.read_exact_at(&mut block, 0).unwrap();
+    if header::decode(&block).unwrap() == header::BlockState::Fresh {
+        header::encode_identity(
+            &mut block,
+            &PoolIdentity {
+                uuid: PoolUuid(uuid),
+                size_bytes: size,
+                alignment_bytes: align,
+            },
+        )
+        .unwrap();
+        f.write_all_at(&block, 0).unwrap();
+    }
+}
+
+#[test]
+fn a_remote_client_over_tcp_with_flush_visibility_shares_with_a_local_one() {
+    use cxlkv_dataplane::visibility::Visibility;
+    let mut cfg = server_config("e2e-tcp");
+    cfg.tcp_listen = Some("127.0.0.1:0".parse().unwrap());
+    cfg.tcp_secret = Some(b"sesame".to_vec());
+    let server = cxlkv::server::Server::start(cfg).unwrap();
+    let local = Client::connect(client_config(&server)).unwrap();
+    let pool = local.pools()[0].clone();
+    ensure_identity_header(
+        &server.pool_paths()[0],
+        pool.uuid,
+        pool.size_bytes,
+        pool.align_bytes,
+    );
+
+    let addr = server.tcp_addr().unwrap();
+    let mut wrong = cxlkv::client::ClientConfig::tcp(addr);
+    wrong.client_secret = Some(b"guess".to_vec());
+    let err = Client::connect(wrong).unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(cxlkv_controlplane::proto::ErrorCode::AuthenticationFailed),
+        "{err}"
+    );
+
+    let mut rcfg = cxlkv::client::ClientConfig::tcp(addr);
+    rcfg.client_secret = Some(b"sesame".to_vec());
+    rcfg.visibility = Some(Visibility::Flush);
+    rcfg.layout.region_size_bytes = 4 << 20;
+    // The remote host's own path to the same device, found by UUID.
+    rcfg.pool_paths = vec![(pool.uuid, server.pool_paths()[0].clone())];
+    let remote = Client::connect(rcfg).unwrap();
+    assert_eq!(remote.visibility(0), Some(Visibility::Flush));
+    assert_eq!(local.visibility(0), Some(Visibility::Coherent));
+
+    let ll = local.layout(PAGE, FINGERPRINT).unwrap();
+    let rl = remote.layout(PAGE, FINGERPRINT).unwrap();
+    let from_local: Vec<(Vec<u8>, Vec<u8>)> = (0..8).map(|i| (key(i), chunk(i, 40_000))).collect();
+    ll.batch_put(&from_local).unwrap();
+    let from_remote: Vec<(Vec<u8>, Vec<u8>)> =
+        (100..108).map(|i| (key(i), chunk(i, 40_000))).collect();
+    rl.batch_put(&from_remote).unwrap();
+    for (k, v) in &from_local {
+        assert_eq!(&rl.get(k).unwrap().unwrap()[..], &v[..]);
+    }
+    for (k, v) in &from_remote {
+        assert_eq!(&ll.get(k).unwrap().unwrap()[..], &v[..]);
+    }
+    // A page written through the lease (plain stores) is flushed before
+    // registration in Flush mode, and read back by the other side.
+    let mut lease = rl.alloc().unwrap();
+    lease.bytes_mut()[..5].copy_from_slice(b"flush");
+    lease.set_len(5).unwrap();
+    rl.register(b"plain", lease).unwrap();
+    assert_eq!(&ll.get(b"plain").unwrap().unwrap()[..], b"flush");
+}

@@ -100,6 +100,11 @@ const SCENARIOS: &[Scenario] = &[
         crate::bench::alloc::run,
     ),
     (
+        "store",
+        "client batch_put GB/s vs memcpy of the same bytes into the same kind of mapping",
+        crate::bench::store::run,
+    ),
+    (
         "directory-memory",
         "directory state machine: resident bytes per key (1 M keys) and ns per key",
         crate::bench::directory_memory::run,
