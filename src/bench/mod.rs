@@ -10,7 +10,10 @@
 pub mod alloc;
 pub mod copy;
 pub mod directory_memory;
+mod forked_server;
 pub mod rtt;
+mod rtt_get;
+pub mod share;
 pub mod store;
 
 use std::io::Write;

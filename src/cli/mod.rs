@@ -105,6 +105,11 @@ const SCENARIOS: &[Scenario] = &[
         crate::bench::store::run,
     ),
     (
+        "share",
+        "a second process reads 16 x 4 MiB chunks in place vs over loopback TCP (warm, cold)",
+        crate::bench::share::run,
+    ),
+    (
         "directory-memory",
         "directory state machine: resident bytes per key (1 M keys) and ns per key",
         crate::bench::directory_memory::run,
