@@ -319,6 +319,7 @@ impl Server {
             let origin = Instant::now();
             let mut seed = [0u8; 32];
             cxlkv_controlplane::pool::sys::random_bytes(&mut seed).map_err(ServerError::Random)?;
+            let recovered_regions = recovered.iter().map(|r| r.handle.region).collect();
             let directory =
                 Directory::recover(directory_cfg.clone(), seed, dir_time(origin), recovered)?;
             prepare_socket(&config.socket_path)?;
@@ -354,6 +355,7 @@ impl Server {
                 tick_every: Duration::from_millis(config.tick_ms),
                 // SAFETY: geteuid has no preconditions and cannot fail.
                 server_uid: unsafe { libc::geteuid() },
+                recovered_regions,
             });
             let backend = server.backend();
             let transport = server.spawn(handler)?;
