@@ -235,7 +235,7 @@ impl DirectoryHandler {
             frees_in_flight: 0,
             tick_every: p.tick_every,
             next_tick: now + p.tick_every,
-            next_pool_stats: now,
+            next_pool_stats: now + POOL_STATS_EVERY,
             anon_instances: 0,
             shutdown_closed: 0,
             buf: Vec::with_capacity(64 << 10),
