@@ -11,6 +11,7 @@ pub mod alloc;
 pub mod copy;
 pub mod directory_memory;
 pub mod rtt;
+pub mod server;
 
 use std::io::Write;
 use std::time::{Duration, Instant};
