@@ -15,6 +15,7 @@ pub mod rtt;
 mod rtt_get;
 pub mod share;
 pub mod store;
+pub mod server;
 
 use std::io::Write;
 use std::time::{Duration, Instant};

@@ -110,6 +110,16 @@ const SCENARIOS: &[Scenario] = &[
         crate::bench::share::run,
     ),
     (
+        "exists",
+        "Exists through the real server (Unix socket, 100-byte keys) vs a raw socket exchange of the same sizes (batch=1, 64, 512)",
+        crate::bench::server::run_exists,
+    ),
+    (
+        "lookup",
+        "Lookup with one pin per key through the real server vs a raw socket exchange of the same sizes (batch=1, 64, 512)",
+        crate::bench::server::run_lookup,
+    ),
+    (
         "directory-memory",
         "directory state machine: resident bytes per key (1 M keys) and ns per key",
         crate::bench::directory_memory::run,

@@ -52,6 +52,7 @@ use cxlkv_controlplane::directory::{
 };
 use cxlkv_controlplane::proto;
 use cxlkv_controlplane::transport::{self, Endpoint, TransportError};
+use cxlkv_dataplane::ids::PoolId;
 
 use handler::{Control, DirectoryHandler, Event, HandlerParts, Mailbox};
 use pool::{
@@ -319,8 +320,12 @@ impl Server {
             let origin = Instant::now();
             let mut seed = [0u8; 32];
             cxlkv_controlplane::pool::sys::random_bytes(&mut seed).map_err(ServerError::Random)?;
-            let directory =
+            let recovered_regions = recovered.iter().map(|r| r.handle.region).collect();
+            let mut directory =
                 Directory::recover(directory_cfg.clone(), seed, dir_time(origin), recovered)?;
+            for p in pool_usage(pool.as_ref())? {
+                directory.pool_usage(PoolId(p.pool), p.total_bytes, p.free_bytes);
+            }
             prepare_socket(&config.socket_path)?;
             let mut endpoints = vec![Endpoint::Unix(config.socket_path.clone())];
             if let Some(addr) = config.tcp_listen {
@@ -354,6 +359,7 @@ impl Server {
                 tick_every: Duration::from_millis(config.tick_ms),
                 // SAFETY: geteuid has no preconditions and cannot fail.
                 server_uid: unsafe { libc::geteuid() },
+                recovered_regions,
             });
             let backend = server.backend();
             let transport = server.spawn(handler)?;
@@ -434,6 +440,29 @@ fn list_regions(pool: &dyn PoolService) -> Result<Vec<RecoveredRegion>, ServerEr
     Err(ServerError::PoolService(format!(
         "more than {MAX_LIST_PAGES} pages of regions"
     )))
+}
+
+/// The pools' fill levels, asked at start so that the first replies carry
+/// them.
+fn pool_usage(pool: &dyn PoolService) -> Result<Vec<proto::PoolUsage>, ServerError> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    pool.submit(
+        PoolRequest::Stats,
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    );
+    match rx.recv_timeout(POOL_CALL_TIMEOUT) {
+        Ok(Ok(PoolReply::Stats(s))) => Ok(s.pools),
+        Ok(Ok(other)) => Err(ServerError::PoolService(format!(
+            "unexpected answer to PoolStats: {other:?}"
+        ))),
+        Ok(Err(e)) => Err(ServerError::PoolService(e.to_string())),
+        Err(_) => Err(ServerError::PoolService(format!(
+            "no answer to PoolStats within {} s",
+            POOL_CALL_TIMEOUT.as_secs()
+        ))),
+    }
 }
 
 /// Makes `path` bindable: a stale socket file (nobody accepts on it) is
