@@ -127,3 +127,55 @@ fn lost_duplicated_and_reordered_replies_leak_nothing_and_free_nothing_twice() {
     let dir = server.directory_stats().unwrap();
     assert_eq!((dir.keys, dir.pins), (0, 0));
 }
+
+/// Resets the connection that sends the next request after `arm()`.
+struct ResetOnDemand {
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FaultPlan for ResetOnDemand {
+    fn on_request(&mut self, _req: &RequestInfo) -> RequestFault {
+        if self.armed.swap(false, Ordering::Relaxed) {
+            RequestFault::Reset
+        } else {
+            RequestFault::Deliver
+        }
+    }
+}
+
+#[test]
+fn a_reconnected_client_takes_its_live_guards_pins_again() {
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let plan = ResetOnDemand {
+        armed: Arc::clone(&armed),
+    };
+    let server = Server::start_with_faults(server_config("faults-repin"), Box::new(plan)).unwrap();
+    let a = Client::connect(client_config(&server)).unwrap();
+    let b = Client::connect(client_config(&server)).unwrap();
+    let al = a.layout(PAGE, FINGERPRINT).unwrap();
+    let bl = b.layout(PAGE, FINGERPRINT).unwrap();
+    al.batch_put(&[(b"held", chunk(1, 100)), (b"free", chunk(2, 100))])
+        .unwrap();
+    let guard = al.get(b"held").unwrap().unwrap();
+    let session = a.session_id();
+
+    armed.store(true, Ordering::Relaxed);
+    // This request's connection is reset: the client reattaches, the old
+    // session's pin is gone, and the live guard's pin is taken again.
+    assert!(al.exists(b"free").unwrap());
+    assert_ne!(a.session_id(), session, "a new session");
+    assert_eq!(a.stats().reconnects, 1);
+    assert_eq!(a.stats().views_invalidated, 0);
+    assert_eq!(
+        bl.delete(b"held").unwrap(),
+        DeleteOutcome::Pinned { pins: 1 },
+        "the guard still protects its page"
+    );
+    assert_eq!(&guard[..], &chunk(1, 100)[..]);
+    drop(guard);
+    a.flush_unpins().unwrap();
+    assert_eq!(bl.delete(b"held").unwrap(), DeleteOutcome::Deleted);
+    // A's page came back through a notice on its next reply.
+    assert!(!al.exists(b"held").unwrap());
+    assert_eq!(a.owned_keys(), 1);
+}
