@@ -1,0 +1,482 @@
+//! The entry points end to end against an in-process server, called the
+//! way C calls them (raw pointers, handles, statuses). The C test
+//! (`ffi/tests/c/api_test.c`, run by `scripts/test-ffi.sh`) covers every
+//! function from C, under AddressSanitizer too; these run with
+//! `cargo test` and pin the semantics the Rust side promises.
+
+use std::ffi::{CStr, CString, c_void};
+use std::mem::{MaybeUninit, size_of};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cxlkv::server::{Server, ServerConfig, ServerHandle};
+
+use crate::args::cxlkv_bytes;
+use crate::boundary::cxlkv_last_error;
+use crate::client::*;
+use crate::config::*;
+use crate::layout::*;
+use crate::read::*;
+use crate::status::cxlkv_status::{self, *};
+
+const PAGE: u64 = 64 << 10;
+const FINGERPRINT: u64 = 0xF1F1;
+
+fn last_error() -> String {
+    // SAFETY: NUL-terminated, valid until this thread's next call; copied.
+    unsafe { CStr::from_ptr(cxlkv_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[track_caller]
+fn ok(status: cxlkv_status) {
+    assert_eq!(status, CXLKV_STATUS_OK, "{}", last_error());
+}
+
+/// The tests below count live handles in the process-wide registries, so
+/// they run one at a time.
+static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+struct Fixture {
+    server: Option<ServerHandle>,
+    socket: CString,
+    _serial: parking_lot::MutexGuard<'static, ()>,
+}
+
+impl Fixture {
+    fn new(tag: &str) -> Self {
+        let serial = SERIAL.lock();
+        let mut cfg = ServerConfig::ephemeral(tag);
+        cfg.pool_size_bytes = 64 << 20;
+        let server = Server::start(cfg).expect("server starts");
+        let socket = CString::new(server.socket_path().as_os_str().as_encoded_bytes()).unwrap();
+        Self {
+            server: Some(server),
+            socket,
+            _serial: serial,
+        }
+    }
+
+    fn config(&self) -> cxlkv_config {
+        let mut c = MaybeUninit::<cxlkv_config>::uninit();
+        // SAFETY: room for one config.
+        ok(unsafe { cxlkv_config_init(c.as_mut_ptr(), size_of::<cxlkv_config>() as u32) });
+        // SAFETY: initialised above.
+        let mut c = unsafe { c.assume_init() };
+        c.socket_path = self.socket.as_ptr();
+        c.region_size_bytes = 4 << 20;
+        c
+    }
+
+    fn connect(&self) -> (*mut cxlkv_client, *mut cxlkv_layout) {
+        let config = self.config();
+        let mut client = std::ptr::null_mut();
+        // SAFETY: live config with valid strings, live out slot.
+        ok(unsafe { cxlkv_connect(&config, &mut client) });
+        let mut layout = std::ptr::null_mut();
+        // SAFETY: NULL options, live out slot.
+        ok(unsafe { cxlkv_layout_open(client, PAGE, FINGERPRINT, std::ptr::null(), &mut layout) });
+        (client, layout)
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if let Some(s) = self.server.take() {
+            let _ = s.shutdown();
+        }
+    }
+}
+
+fn bytes(b: &[u8]) -> cxlkv_bytes {
+    cxlkv_bytes {
+        data: b.as_ptr(),
+        len: b.len(),
+    }
+}
+
+fn close(client: *mut cxlkv_client, layout: *mut cxlkv_layout) {
+    ok(cxlkv_layout_close(layout));
+    // SAFETY: a handle (checked).
+    ok(unsafe { cxlkv_close(client) });
+}
+
+#[test]
+fn put_then_get_reads_the_same_bytes_in_place_until_released() {
+    let fx = Fixture::new("ffi-put-get");
+    let (client, layout) = fx.connect();
+    let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("k{i}").into_bytes()).collect();
+    let values: Vec<Vec<u8>> = (0..8).map(|i| vec![i as u8; 1000 + i]).collect();
+    let kd: Vec<cxlkv_bytes> = keys.iter().map(|k| bytes(k)).collect();
+    let vd: Vec<cxlkv_bytes> = values.iter().map(|v| bytes(v)).collect();
+    let mut results = vec![MaybeUninit::<cxlkv_register_result>::uninit(); 8];
+    // SAFETY: 8 keys, 8 values, 8 result slots, all live.
+    ok(unsafe {
+        cxlkv_batch_put(
+            layout,
+            kd.as_ptr(),
+            vd.as_ptr(),
+            8,
+            results.as_mut_ptr().cast(),
+        )
+    });
+    for r in &results {
+        // SAFETY: written by the call.
+        assert_eq!(
+            // SAFETY: passed on to the caller.
+            unsafe { r.assume_init() }.outcome,
+            cxlkv_register_outcome::CXLKV_REGISTER_INSERTED
+        );
+    }
+
+    let mut views = vec![MaybeUninit::<cxlkv_view>::uninit(); 9];
+    let mut kd2 = kd.clone();
+    kd2.push(bytes(b"absent"));
+    // SAFETY: 9 keys and 9 view slots.
+    ok(unsafe { cxlkv_batch_get(layout, kd2.as_ptr(), 9, views.as_mut_ptr().cast()) });
+    // SAFETY: written by the call.
+    let mut views: Vec<cxlkv_view> = views
+        .into_iter()
+        .map(|v| unsafe { v.assume_init() })
+        .collect();
+    for (i, v) in views[..8].iter().enumerate() {
+        assert!(!v.guard.is_null());
+        // SAFETY: a live view's data covers len_bytes until released.
+        let got = unsafe { std::slice::from_raw_parts(v.data, v.len_bytes as usize) };
+        assert_eq!(got, &values[i][..]);
+    }
+    assert!(views[8].guard.is_null() && views[8].data.is_null());
+    assert_eq!(crate::read::live_guards(), 8);
+
+    // Pinned: the delete is refused while the views live.
+    let mut del = MaybeUninit::<cxlkv_delete_result>::uninit();
+    // SAFETY: one key, one slot.
+    ok(unsafe { cxlkv_delete(layout, keys[0].as_ptr(), keys[0].len(), del.as_mut_ptr()) });
+    // SAFETY: written by the call.
+    assert_eq!(
+        // SAFETY: passed on to the caller.
+        unsafe { del.assume_init() }.outcome,
+        cxlkv_delete_outcome::CXLKV_DELETE_PINNED
+    );
+
+    let stale = views[0];
+    // SAFETY: 9 live views.
+    ok(unsafe { cxlkv_batch_release(views.as_mut_ptr(), 9) });
+    assert!(
+        views.iter().all(|v| v.guard.is_null() && v.data.is_null()),
+        "zeroed"
+    );
+    assert_eq!(crate::read::live_guards(), 0);
+    let mut again = stale;
+    // SAFETY: a copy of a released view: its guard is checked.
+    assert_eq!(
+        // SAFETY: passed on to the caller.
+        unsafe { cxlkv_release(&mut again) },
+        CXLKV_STATUS_BAD_HANDLE
+    );
+
+    // SAFETY: one key, one slot.
+    ok(unsafe { cxlkv_delete(layout, keys[0].as_ptr(), keys[0].len(), del.as_mut_ptr()) });
+    // SAFETY: written by the call.
+    assert_eq!(
+        // SAFETY: passed on to the caller.
+        unsafe { del.assume_init() }.outcome,
+        cxlkv_delete_outcome::CXLKV_DELETE_DELETED
+    );
+    let mut present = true;
+    // SAFETY: one key, one slot.
+    ok(unsafe { cxlkv_exists(layout, keys[0].as_ptr(), keys[0].len(), &mut present) });
+    assert!(!present);
+    close(client, layout);
+}
+
+#[test]
+fn a_lease_written_in_place_registers_and_duplicates_name_the_winner() {
+    let fx = Fixture::new("ffi-lease");
+    let (client, layout) = fx.connect();
+    let mut lease = std::ptr::null_mut();
+    // SAFETY: live out slot.
+    ok(unsafe { cxlkv_alloc(layout, &mut lease) });
+    let (mut data, mut cap) = (std::ptr::null_mut(), 0u64);
+    // SAFETY: live out slots.
+    ok(unsafe { cxlkv_lease_data(lease, &mut data, &mut cap) });
+    assert_eq!(cap, PAGE);
+    // SAFETY: the lease's page is `cap` writable bytes until registered.
+    unsafe { std::ptr::write_bytes(data, 0xAB, 5000) };
+    ok(cxlkv_lease_set_len(lease, 5000));
+    let mut r = MaybeUninit::<cxlkv_register_result>::uninit();
+    // SAFETY: key, lease handle, result slot.
+    ok(unsafe { cxlkv_register(layout, b"w".as_ptr(), 1, lease, r.as_mut_ptr()) });
+    // SAFETY: written by the call.
+    let r = unsafe { r.assume_init() };
+    assert_eq!(r.outcome, cxlkv_register_outcome::CXLKV_REGISTER_INSERTED);
+    // The handle was consumed.
+    assert_eq!(cxlkv_lease_set_len(lease, 1), CXLKV_STATUS_BAD_HANDLE);
+    assert!(last_error().contains("already freed"), "{}", last_error());
+
+    let mut view = MaybeUninit::<cxlkv_view>::uninit();
+    // SAFETY: key and view slot.
+    ok(unsafe { cxlkv_get(layout, b"w".as_ptr(), 1, view.as_mut_ptr()) });
+    // SAFETY: written by the call.
+    let mut view = unsafe { view.assume_init() };
+    assert_eq!(view.len_bytes, 5000);
+    // SAFETY: a live view.
+    assert!(
+        // SAFETY: passed on to the caller.
+        unsafe { std::slice::from_raw_parts(view.data, 5000) }
+            .iter()
+            .all(|b| *b == 0xAB)
+    );
+
+    let mut r = MaybeUninit::<cxlkv_register_result>::uninit();
+    // SAFETY: key, value, result slot.
+    ok(unsafe {
+        cxlkv_put(
+            layout,
+            b"w".as_ptr(),
+            1,
+            b"other".as_ptr(),
+            5,
+            r.as_mut_ptr(),
+        )
+    });
+    // SAFETY: written by the call.
+    let r = unsafe { r.assume_init() };
+    assert_eq!(r.outcome, cxlkv_register_outcome::CXLKV_REGISTER_DUPLICATE);
+    assert_eq!(r.winner, view.location, "the winner is the first chunk");
+    // SAFETY: a live view.
+    ok(unsafe { cxlkv_release(&mut view) });
+    assert_eq!(crate::layout::live_leases(), 0);
+    close(client, layout);
+}
+
+#[test]
+fn batch_register_consumes_every_lease_even_when_one_handle_is_bad() {
+    let fx = Fixture::new("ffi-consume");
+    let (client, layout) = fx.connect();
+    let mut leases = [std::ptr::null_mut(); 3];
+    // SAFETY: three out slots.
+    ok(unsafe { cxlkv_batch_alloc(layout, 3, leases.as_mut_ptr()) });
+    let mut info = cxlkv_layout_info {
+        size: size_of::<cxlkv_layout_info>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_layout(layout, &mut info) });
+    let free_before = info.free_pages;
+    // SAFETY: a lease handle.
+    ok(cxlkv_lease_abort(leases[1]));
+    let keys = [bytes(b"a"), bytes(b"b"), bytes(b"c")];
+    let mut results = [MaybeUninit::<cxlkv_register_result>::uninit(); 3];
+    // SAFETY: 3 keys, 3 handles (one freed: checked), 3 result slots.
+    let s = unsafe {
+        cxlkv_batch_register(
+            layout,
+            keys.as_ptr(),
+            leases.as_ptr(),
+            3,
+            results.as_mut_ptr().cast(),
+        )
+    };
+    assert_eq!(s, CXLKV_STATUS_BAD_HANDLE);
+    assert!(last_error().contains("leases[1]"), "{}", last_error());
+    assert_eq!(
+        crate::layout::live_leases(),
+        0,
+        "the valid leases were consumed"
+    );
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_layout(layout, &mut info) });
+    assert_eq!(info.free_pages, free_before + 3, "every page went back");
+    close(client, layout);
+}
+
+#[test]
+fn bad_handles_and_arguments_give_statuses_not_crashes() {
+    let fx = Fixture::new("ffi-bad");
+    let (client, layout) = fx.connect();
+    let garbage = 0x1234_5678usize as *const cxlkv_layout;
+    let mut present = false;
+    // SAFETY: the handles are checked before anything else is touched.
+    unsafe {
+        assert_eq!(
+            cxlkv_exists(garbage, b"k".as_ptr(), 1, &mut present),
+            CXLKV_STATUS_BAD_HANDLE
+        );
+        assert_eq!(
+            cxlkv_exists(client.cast(), b"k".as_ptr(), 1, &mut present),
+            CXLKV_STATUS_BAD_HANDLE,
+            "a client handle is not a layout handle"
+        );
+        assert!(last_error().contains("client handle"), "{}", last_error());
+        assert_eq!(
+            cxlkv_exists(layout, std::ptr::null(), 1, &mut present),
+            CXLKV_STATUS_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            cxlkv_exists(layout, b"k".as_ptr(), 1, std::ptr::null_mut()),
+            CXLKV_STATUS_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            cxlkv_exists(layout, b"k".as_ptr(), 0, &mut present),
+            CXLKV_STATUS_KEY_LENGTH
+        );
+        assert_eq!(
+            cxlkv_exists(layout, b"k".as_ptr(), 513, &mut present),
+            CXLKV_STATUS_KEY_LENGTH
+        );
+        let mut r = MaybeUninit::<cxlkv_register_result>::uninit();
+        assert_eq!(
+            cxlkv_put(layout, b"k".as_ptr(), 1, b"v".as_ptr(), 0, r.as_mut_ptr()),
+            CXLKV_STATUS_CHUNK_LENGTH
+        );
+        let big = vec![1u8; PAGE as usize + 1];
+        assert_eq!(
+            cxlkv_put(
+                layout,
+                b"k".as_ptr(),
+                1,
+                big.as_ptr(),
+                big.len(),
+                r.as_mut_ptr()
+            ),
+            CXLKV_STATUS_CHUNK_LENGTH,
+            "larger than the page"
+        );
+        let mut views = [MaybeUninit::<cxlkv_view>::uninit(); 1];
+        assert_eq!(
+            cxlkv_batch_get(
+                layout,
+                std::ptr::dangling::<cxlkv_bytes>(),
+                5000,
+                views.as_mut_ptr().cast()
+            ),
+            CXLKV_STATUS_BATCH_TOO_LARGE
+        );
+        assert_eq!(
+            cxlkv_batch_get(layout, std::ptr::null(), 0, std::ptr::null_mut()),
+            CXLKV_STATUS_OK
+        );
+        let mut l = std::ptr::null_mut();
+        assert_eq!(
+            cxlkv_layout_open(client, 1000, 1, std::ptr::null(), &mut l),
+            CXLKV_STATUS_INVALID_PAGE_SIZE
+        );
+        assert!(l.is_null());
+    }
+    close(client, layout);
+    // After close: the freed handles are refused, and NULL frees are no-ops.
+    // SAFETY: checked handles.
+    unsafe {
+        assert_eq!(cxlkv_close(client), CXLKV_STATUS_BAD_HANDLE);
+        assert_eq!(cxlkv_close(std::ptr::null_mut()), CXLKV_STATUS_OK);
+    }
+    assert_eq!(cxlkv_flush_unpins(client), CXLKV_STATUS_BAD_HANDLE);
+}
+
+#[test]
+fn a_layout_of_a_closed_client_reports_closed() {
+    let fx = Fixture::new("ffi-closed");
+    let (client, layout) = fx.connect();
+    // SAFETY: a live handle.
+    ok(unsafe { cxlkv_close(client) });
+    let mut present = false;
+    // SAFETY: live key and out slot.
+    let s = unsafe { cxlkv_exists(layout, b"k".as_ptr(), 1, &mut present) };
+    assert_eq!(s, CXLKV_STATUS_CLOSED, "{}", last_error());
+    ok(cxlkv_layout_close(layout));
+}
+
+static MAPPED: AtomicUsize = AtomicUsize::new(0);
+static UNMAPPED: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn on_map(user: *mut c_void, info: *const cxlkv_map_info) {
+    assert_eq!(user as usize, 0xBEEF);
+    // SAFETY: the library passes a live info struct.
+    assert!(!unsafe { &*info }.base.is_null());
+    MAPPED.fetch_add(1, Ordering::SeqCst);
+}
+
+unsafe extern "C" fn before_unmap(_: *mut c_void, _: *const cxlkv_map_info) {
+    UNMAPPED.fetch_add(1, Ordering::SeqCst);
+}
+
+#[test]
+fn map_callbacks_see_each_region_mapped_and_unmapped_once() {
+    let fx = Fixture::new("ffi-map");
+    let mut config = fx.config();
+    config.initial_reservation_bytes = 4 << 20;
+    config.map_callbacks = cxlkv_map_callbacks {
+        on_map: Some(on_map),
+        before_unmap: Some(before_unmap),
+        user_data: 0xBEEF as *mut c_void,
+    };
+    let mut client = std::ptr::null_mut();
+    // SAFETY: live config, live out slot.
+    ok(unsafe { cxlkv_connect(&config, &mut client) });
+    let mut layout = std::ptr::null_mut();
+    // SAFETY: NULL options, live out slot.
+    ok(unsafe { cxlkv_layout_open(client, PAGE, FINGERPRINT, std::ptr::null(), &mut layout) });
+    assert_eq!(
+        MAPPED.load(Ordering::SeqCst),
+        1,
+        "the initial reservation's region"
+    );
+    close(client, layout);
+    assert_eq!(UNMAPPED.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn stats_structs_report_what_the_caller_can_hold() {
+    let fx = Fixture::new("ffi-stats");
+    let (client, layout) = fx.connect();
+    let mut r = MaybeUninit::<cxlkv_register_result>::uninit();
+    // SAFETY: key, value, result slot.
+    ok(unsafe { cxlkv_put(layout, b"s".as_ptr(), 1, b"v".as_ptr(), 1, r.as_mut_ptr()) });
+    let mut stats = cxlkv_client_stats {
+        size: size_of::<cxlkv_client_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_stats(client, &mut stats) });
+    assert!(stats.requests >= 2, "hello and register at least");
+    // A size no header ever declared is refused.
+    let mut short = cxlkv_usage {
+        size: 8,
+        ..Default::default()
+    };
+    // SAFETY: a live struct of at least 8 bytes.
+    let s = unsafe { cxlkv_query_usage(client, &mut short) };
+    assert_eq!(
+        s, CXLKV_STATUS_INVALID_ARGUMENT,
+        "8 is no released size of cxlkv_usage"
+    );
+    let mut usage = cxlkv_usage {
+        size: size_of::<cxlkv_usage>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_usage(client, &mut usage) });
+    assert_eq!(usage.instance_used_bytes, PAGE);
+    let mut dir = cxlkv_directory_stats {
+        size: size_of::<cxlkv_directory_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_directory(client, &mut dir) });
+    assert_eq!(dir.keys, 1);
+    let mut info = cxlkv_session_info {
+        size: size_of::<cxlkv_session_info>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_session(client, &mut info) });
+    assert_ne!(info.session_id, 0);
+    assert_eq!(info.owned_keys, 1);
+    let mut buf = [0 as std::ffi::c_char; 128];
+    let mut len = 0;
+    // SAFETY: 128 writable bytes, live out slot.
+    ok(unsafe { cxlkv_instance_id(client, buf.as_mut_ptr(), buf.len(), &mut len) });
+    assert!(len > 0);
+    close(client, layout);
+}
