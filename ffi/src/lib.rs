@@ -61,9 +61,10 @@
 mod status;
 // The boundary: panics, last error.
 mod boundary;
-// Connect and configure.
-mod client;
+// Configuration structs and their defaults.
 mod config;
+// Sessions: connect, close, statistics, map observers.
+mod client;
 // Keys and chunks.
 mod layout;
 mod read;
