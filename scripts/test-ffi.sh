@@ -130,7 +130,8 @@ if [ "$python" = 1 ]; then
     CXLKV_LIB="$prefix/lib/libcxlkv.so" "$work/venv/bin/pip" install -q --disable-pip-version-check ./python
     (
         cd "$work"   # import the installed package, not the source tree
-        CXLKV_TEST_SERVER="$server_bin" "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
+        CXLKV_TEST_SERVER="$server_bin" CXLKV_TEST_C_PRODUCER="$bin/c-producer" \
+            "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
             "$repo/python/tests"
     )
 fi

@@ -1,0 +1,674 @@
+"""The client: sessions, layouts, zero-copy views and writable leases.
+
+Memory safety of views
+----------------------
+A :class:`View` is a chunk *in place* in the shared pool: its
+:meth:`View.memoryview` is a read-only ``memoryview`` over the pool's bytes
+(no copy). The pin that keeps the chunk in place is released by
+:meth:`View.release` (or the ``with`` block's end). Releasing while a
+memoryview of it — or a slice, a cast, a NumPy array made from one — is
+still alive would leave that memoryview reading memory that may be reused,
+so it is refused:
+
+- every :meth:`View.memoryview` call exports the bytes through a fresh
+  ctypes array at the chunk's address; the memoryview, and everything
+  derived from it, holds that array (it is the buffer's exporter), and the
+  view keeps only a *weak* reference to it. The array therefore lives
+  exactly as long as some memoryview of it does;
+- :meth:`View.release` refuses with ``BufferError`` while any of those
+  arrays is alive (after one garbage collection, for memoryviews kept only
+  by reference cycles), leaving the view valid and readable; once they are
+  all gone it releases the pin, and :meth:`View.memoryview` raises
+  :class:`ViewReleasedError` from then on;
+- each array also holds the pin, so a view object collected while a
+  memoryview of it lives keeps its pin until that memoryview goes.
+
+Leases use the same mechanism for their writable memoryviews: registering
+or aborting a lease while one is alive raises ``BufferError``, so no write
+through Python can follow publication, and a lease object is kept alive by
+its memoryviews. (This relies on CPython freeing objects when their last
+reference goes, as the GIL build does.)
+
+Thread safety: a :class:`Client` and its :class:`Layout` objects may be
+used from several threads at once (the C library is thread-safe and ctypes
+releases the GIL around every call). A :class:`Lease` is written by one
+thread at a time; a :class:`View` must not be released while another
+thread reads its memoryview (the export check covers memoryviews, not a
+raw address taken from one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+from . import _native as N
+from .errors import ArgumentError, ClosedError, HandleError, Status, ViewReleasedError, check
+
+BytesLike = Union[bytes, bytearray, memoryview, str]
+
+def _as_buffer(obj: BytesLike, keep: list) -> tuple[int, int]:
+    """``(address, length)`` of ``obj``'s bytes, without a copy for bytes,
+    bytearray and writable buffers (read-only buffers of other types are
+    copied once); ``keep`` holds what must outlive the call."""
+    if isinstance(obj, str):
+        obj = obj.encode()
+    if isinstance(obj, bytes):
+        if not obj:
+            return 0, 0
+        p = ctypes.c_char_p(obj)
+        keep.append(p)
+        return ctypes.cast(p, ctypes.c_void_p).value, len(obj)
+    mv = memoryview(obj)
+    if mv.nbytes == 0:
+        return 0, 0
+    if not mv.contiguous:
+        raise ArgumentError(Status.INVALID_ARGUMENT, "buffers must be contiguous")
+    if mv.readonly:
+        return _as_buffer(mv.tobytes(), keep)
+    arr = (ctypes.c_char * mv.nbytes).from_buffer(mv.cast("B"))
+    keep.append(arr)
+    return ctypes.addressof(arr), mv.nbytes
+
+
+def _bytes_array(items: Sequence[BytesLike], keep: list):
+    arr = (N.Bytes * len(items))()
+    for i, item in enumerate(items):
+        arr[i].data, arr[i].len = _as_buffer(item, keep)
+    keep.append(arr)
+    return arr
+
+
+class _Exports:
+    """The buffers exported from one piece of pool memory (see the module
+    docs): fresh ctypes arrays at its address, tracked by weak references
+    (ctypes arrays are unhashable, so by ``id``; an entry is removed when
+    its array dies, before the ``id`` can be reused)."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def export(self, address: int, length: int, owner: object, readonly: bool) -> memoryview:
+        arr = (ctypes.c_ubyte * length).from_address(address)
+        # Whoever holds the array (every memoryview of it) holds the owner.
+        arr._cxlkv_owner = owner
+        refs, key = self._refs, id(arr)
+        refs[key] = weakref.ref(arr, lambda _dead: refs.pop(key, None))
+        mv = memoryview(arr).cast("B")
+        return mv.toreadonly() if readonly else mv
+
+    def _any(self) -> bool:
+        return any(r() is not None for r in list(self._refs.values()))
+
+    def alive(self) -> bool:
+        if not self._any():
+            return False
+        # A memoryview kept only by a reference cycle is dead but not freed.
+        gc.collect()
+        return self._any()
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a chunk lives in the pool."""
+
+    region_id: int
+    page: int
+    generation: int
+    len_bytes: int
+
+    @classmethod
+    def _from(cls, raw: N.Location) -> "Location":
+        return cls(raw.region_id, raw.page, raw.generation, raw.len_bytes)
+
+
+@dataclass(frozen=True)
+class RegisterResult:
+    """What happened to one registration: ``inserted``; else ``duplicate``
+    (``winner`` is the existing chunk) or ``rejected`` (``reject_reason``,
+    the wire's number)."""
+
+    outcome: str
+    reject_reason: int = 0
+    winner: Optional[Location] = None
+
+    @property
+    def inserted(self) -> bool:
+        return self.outcome == "inserted"
+
+    @classmethod
+    def _from(cls, raw: N.RegisterResult) -> "RegisterResult":
+        if raw.outcome == N.REGISTER_INSERTED:
+            return cls("inserted")
+        if raw.outcome == N.REGISTER_DUPLICATE:
+            return cls("duplicate", winner=Location._from(raw.winner))
+        return cls("rejected", reject_reason=raw.reject_reason)
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    """``deleted``, ``pinned`` (``pins`` held; nothing changed) or
+    ``missing``."""
+
+    outcome: str
+    pins: int = 0
+
+    @classmethod
+    def _from(cls, raw: N.DeleteResult) -> "DeleteResult":
+        name = {N.DELETE_DELETED: "deleted", N.DELETE_PINNED: "pinned"}.get(raw.outcome, "missing")
+        return cls(name, raw.pins)
+
+
+class _Pin:
+    """Owns one view's guard; releases it once, explicitly or when
+    collected."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: N.View):
+        self._raw = raw
+
+    def release(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            check(N.lib.cxlkv_release(ctypes.byref(raw)))
+
+    def __del__(self):
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            N.lib.cxlkv_release(ctypes.byref(raw))
+
+
+class View:
+    """A chunk in place in the shared pool, pinned until released (see the
+    module docs). Use as a context manager, or call :meth:`release`."""
+
+    __slots__ = ("key", "location", "_len", "_address", "_pin", "_exports", "_client")
+
+    def __init__(self, key: bytes, raw: N.View, client: "Client"):
+        self.key = key
+        self.location = Location._from(raw.location)
+        self._len = raw.len_bytes
+        self._address = raw.data
+        self._pin = _Pin(raw)
+        self._exports = _Exports()
+        self._client = client  # keeps the map callbacks alive while mapped
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def released(self) -> bool:
+        return self._address is None
+
+    def _live(self) -> int:
+        if self._address is None:
+            raise ViewReleasedError(f"the view of {self.key!r} was released")
+        return self._address
+
+    def memoryview(self) -> memoryview:
+        """A read-only memoryview of the chunk's bytes in the pool (zero
+        copy). Raises :class:`ViewReleasedError` after release."""
+        return self._exports.export(self._live(), self._len, self._pin, readonly=True)
+
+    def __bytes__(self) -> bytes:
+        """A copy of the chunk."""
+        return self.memoryview().tobytes()
+
+    def address(self) -> int:
+        """The chunk's address in this process (for engines that hand it to
+        a device); valid until release, which nothing here can check."""
+        return self._live()
+
+    def release(self) -> None:
+        """Releases the pin. Raises ``BufferError`` (and keeps the view)
+        while a memoryview of it is alive; a no-op once released."""
+        if self._address is None:
+            return
+        if self._exports.alive():
+            raise BufferError(
+                f"a memoryview of the view of {self.key!r} is still alive; "
+                "release or drop it before releasing the view"
+            )
+        self._address = None
+        self._pin.release()
+
+    def __enter__(self) -> "View":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self._len} bytes"
+        return f"View({self.key!r}, {state})"
+
+
+class ViewBatch(list):
+    """The result of :meth:`Layout.batch_get`: a list of :class:`View` (or
+    ``None`` for absent keys); as a context manager, releases them all."""
+
+    def release(self) -> None:
+        first = None
+        for v in self:
+            if v is not None:
+                try:
+                    v.release()
+                except BufferError as e:
+                    first = first or e
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "ViewBatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Lease:
+    """A writable page no key names yet: write it (``write``, or in place
+    through :meth:`memoryview` then :meth:`set_len`), then register it with
+    :meth:`Layout.register`. Dropped unregistered, its page goes back."""
+
+    __slots__ = ("_handle", "_capacity", "_address", "_len", "_exports", "_layout", "__weakref__")
+
+    def __init__(self, handle: int, layout: "Layout"):
+        self._handle = handle
+        data, cap = ctypes.c_void_p(), ctypes.c_uint64()
+        check(N.lib.cxlkv_lease_data(handle, ctypes.byref(data), ctypes.byref(cap)))
+        self._capacity = cap.value
+        self._address = data.value
+        self._len = 0
+        self._exports = _Exports()
+        self._layout = layout
+
+    @property
+    def capacity(self) -> int:
+        """The page size: the most a chunk can hold."""
+        return self._capacity
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise ViewReleasedError("the lease was registered or aborted")
+        return self._handle
+
+    def memoryview(self) -> memoryview:
+        """The whole page, writable, in place in the pool. Every memoryview
+        of it must be gone before the lease is registered or aborted."""
+        self._live()
+        return self._exports.export(self._address, self._capacity, self, readonly=False)
+
+    def write(self, data: BytesLike) -> None:
+        """Copies ``data`` to the start of the page (non-temporal stores for
+        large chunks) and sets the length."""
+        keep: list = []
+        addr, n = _as_buffer(data, keep)
+        check(N.lib.cxlkv_lease_write(self._live(), addr, n))
+        self._len = n
+
+    def set_len(self, len_bytes: int) -> None:
+        """Sets the chunk's length after writing through :meth:`memoryview`."""
+        check(N.lib.cxlkv_lease_set_len(self._live(), len_bytes))
+        self._len = len_bytes
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _check_unexported(self) -> None:
+        self._live()
+        if self._exports.alive():
+            raise BufferError("a memoryview of the lease is still alive; drop it first")
+
+    def _take(self) -> int:
+        """Hands the handle over (registration or abort consumes it)."""
+        self._check_unexported()
+        handle, self._handle = self._handle, None
+        return handle
+
+    def abort(self) -> None:
+        """Gives the page back (a no-op once registered or aborted)."""
+        if self._handle is not None:
+            check(N.lib.cxlkv_lease_abort(self._take()))
+
+    def __del__(self):
+        # No memoryview is alive (each would hold this object).
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            N.lib.cxlkv_lease_abort(handle)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+
+def _key(k: BytesLike) -> bytes:
+    return k.encode() if isinstance(k, str) else bytes(k)
+
+
+class Layout:
+    """A layout (page size + fingerprint) of a client: its own regions and
+    key space. Every ``batch_*`` call is one round trip. Keys are ``bytes``
+    or ``str`` (UTF-8)."""
+
+    def __init__(self, handle: int, client: "Client"):
+        self._handle = handle
+        self._client = client
+
+    def _h(self) -> int:
+        if self._handle is None:
+            raise HandleError(Status.BAD_HANDLE, "the layout was closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Frees the handle (the layout's keys and regions stay)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            check(N.lib.cxlkv_layout_close(handle))
+
+    def __del__(self):
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            N.lib.cxlkv_layout_close(handle)
+
+    def __enter__(self) -> "Layout":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def info(self) -> dict:
+        """Page size, fingerprint, region bytes, free pages, refused frees."""
+        out = N.sized(N.LayoutInfo)
+        check(N.lib.cxlkv_query_layout(self._h(), ctypes.byref(out)))
+        return {f: getattr(out, f) for f in N.LAYOUT_INFO_FIELDS}
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.info()["page_size_bytes"]
+
+    # --- write -----------------------------------------------------------
+
+    def alloc(self) -> Lease:
+        return self.batch_alloc(1)[0]
+
+    def batch_alloc(self, n: int) -> list[Lease]:
+        """``n`` writable pages, all or none."""
+        raw = (ctypes.c_void_p * max(n, 1))()
+        check(N.lib.cxlkv_batch_alloc(self._h(), n, raw))
+        leases: list[Lease] = []
+        try:
+            for i in range(n):
+                leases.append(Lease(raw[i], self))
+        except BaseException:
+            for i in range(len(leases), n):
+                N.lib.cxlkv_lease_abort(raw[i])
+            raise
+        return leases
+
+    def register(self, key: BytesLike, lease: Lease) -> RegisterResult:
+        return self.batch_register([(key, lease)])[0]
+
+    def batch_register(self, entries: Iterable[tuple[BytesLike, Lease]]) -> list[RegisterResult]:
+        """Publishes and registers written leases (one round trip). Every
+        lease is consumed, whatever the outcome."""
+        entries = list(entries)
+        keys = [_key(k) for k, _ in entries]
+        for _, lease in entries:
+            lease._check_unexported()
+        handles = (ctypes.c_void_p * max(len(entries), 1))(*[lease._take() for _, lease in entries])
+        keep: list = []
+        karr = _bytes_array(keys, keep)
+        out = (N.RegisterResult * max(len(entries), 1))()
+        check(N.lib.cxlkv_batch_register(self._h(), karr, handles, len(entries), out))
+        return [RegisterResult._from(out[i]) for i in range(len(entries))]
+
+    def put(self, key: BytesLike, data: BytesLike) -> RegisterResult:
+        return self.batch_put([(key, data)])[0]
+
+    def batch_put(self, items: Iterable[tuple[BytesLike, BytesLike]]) -> list[RegisterResult]:
+        """Allocates, copies, publishes and registers each ``(key, data)``."""
+        items = list(items)
+        keep: list = []
+        karr = _bytes_array([_key(k) for k, _ in items], keep)
+        varr = _bytes_array([v for _, v in items], keep)
+        out = (N.RegisterResult * max(len(items), 1))()
+        check(N.lib.cxlkv_batch_put(self._h(), karr, varr, len(items), out))
+        return [RegisterResult._from(out[i]) for i in range(len(items))]
+
+    # --- read --------------------------------------------------------------
+
+    def get(self, key: BytesLike) -> Optional[View]:
+        """The chunk under ``key``, pinned and in place; ``None`` if absent."""
+        return self.batch_get([key])[0]
+
+    def batch_get(self, keys: Iterable[BytesLike]) -> ViewBatch:
+        """Pins and maps every key in one round trip (``None`` for absent
+        keys)."""
+        keys = [_key(k) for k in keys]
+        keep: list = []
+        karr = _bytes_array(keys, keep)
+        out = (N.View * max(len(keys), 1))()
+        check(N.lib.cxlkv_batch_get(self._h(), karr, len(keys), out))
+        views = ViewBatch()
+        for i, k in enumerate(keys):
+            if out[i].guard:
+                raw = N.View.from_buffer_copy(out[i])
+                views.append(View(k, raw, self._client))
+            else:
+                views.append(None)
+        return views
+
+    def exists(self, key: BytesLike) -> bool:
+        return self.batch_exists([key])[0]
+
+    def batch_exists(self, keys: Iterable[BytesLike]) -> list[bool]:
+        keys = [_key(k) for k in keys]
+        keep: list = []
+        karr = _bytes_array(keys, keep)
+        out = (ctypes.c_bool * max(len(keys), 1))()
+        check(N.lib.cxlkv_batch_exists(self._h(), karr, len(keys), out))
+        return [bool(out[i]) for i in range(len(keys))]
+
+    def delete(self, key: BytesLike) -> DeleteResult:
+        return self.batch_delete([key])[0]
+
+    def batch_delete(self, keys: Iterable[BytesLike]) -> list[DeleteResult]:
+        """Deletes keys: ``deleted``, ``pinned`` or ``missing`` each."""
+        keys = [_key(k) for k in keys]
+        keep: list = []
+        karr = _bytes_array(keys, keep)
+        out = (N.DeleteResult * max(len(keys), 1))()
+        check(N.lib.cxlkv_batch_delete(self._h(), karr, len(keys), out))
+        return [DeleteResult._from(out[i]) for i in range(len(keys))]
+
+
+MapCallback = Callable[[int, int, int, int], None]
+
+
+class Client:
+    """A session with the cxlkv server. Use :meth:`connect`; close with
+    :meth:`close` or a ``with`` block. Views and leases stay valid after
+    close, until released."""
+
+    def __init__(self, handle: int, callbacks: list):
+        self._handle = handle
+        # ctypes callback objects must outlive every call into them.
+        self._callbacks = callbacks
+
+    @classmethod
+    def connect(
+        cls,
+        socket_path: Optional[str] = None,
+        *,
+        tcp_addr: Optional[str] = None,
+        client_secret: Optional[bytes] = None,
+        instance_id: Optional[str] = None,
+        client_name: Optional[str] = None,
+        region_size_bytes: Optional[int] = None,
+        initial_reservation_bytes: Optional[int] = None,
+        auto_expand: bool = True,
+        eager_map: bool = False,
+        quota_bytes: Optional[int] = None,
+        request_timeout_ms: Optional[int] = None,
+        on_map: Optional[MapCallback] = None,
+        on_unmap: Optional[MapCallback] = None,
+        **more: int,
+    ) -> "Client":
+        """Connects to a server on ``socket_path`` (or ``tcp_addr``,
+        ``"host:port"``). ``on_map(region_id, offset_bytes, base_address,
+        len_bytes)`` and ``on_unmap(...)`` are told of every region mapped
+        and unmapped (from any thread; exceptions in them are printed and
+        ignored). Other ``cxlkv_config`` integer fields may be passed by
+        name (``max_retries=5``, ``unpin_delay_us=0``, ...)."""
+        cfg = N.Config()
+        check(N.lib.cxlkv_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
+        keep: list = []
+        if socket_path is not None:
+            cfg.socket_path = str(socket_path).encode()
+        if tcp_addr is not None:
+            cfg.tcp_addr = tcp_addr.encode()
+        if client_secret is not None:
+            cfg.client_secret, cfg.client_secret_len = _as_buffer(client_secret, keep)
+        if instance_id is not None:
+            cfg.instance_id = instance_id.encode()
+        if client_name is not None:
+            cfg.client_name = client_name.encode()
+        if region_size_bytes is not None:
+            cfg.region_size_bytes = region_size_bytes
+        if initial_reservation_bytes is not None:
+            cfg.initial_reservation_bytes = initial_reservation_bytes
+        if quota_bytes is not None:
+            cfg.quota_bytes = quota_bytes
+        if request_timeout_ms is not None:
+            cfg.request_timeout_ms = request_timeout_ms
+        cfg.flags = (N.CONFIG_EAGER_MAP if eager_map else 0) | (
+            0 if auto_expand else N.CONFIG_NO_AUTO_EXPAND
+        )
+        for name, value in more.items():
+            if name not in dict(N.Config._fields_) or name in ("size", "map_callbacks"):
+                raise TypeError(f"connect() got an unexpected keyword argument {name!r}")
+            setattr(cfg, name, value)
+        callbacks = []
+        if on_map is not None or on_unmap is not None:
+            cfg.map_callbacks.on_map = _map_fn(on_map, callbacks)
+            cfg.map_callbacks.before_unmap = _map_fn(on_unmap, callbacks)
+        handle = ctypes.c_void_p()
+        check(N.lib.cxlkv_connect(ctypes.byref(cfg), ctypes.byref(handle)))
+        return cls(handle.value, callbacks)
+
+    def _h(self) -> int:
+        if self._handle is None:
+            raise ClosedError(Status.CLOSED, "the client was closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Ends the session (pending unpins are sent first)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            check(N.lib.cxlkv_close(handle))
+
+    def __del__(self):
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            N.lib.cxlkv_close(handle)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def layout(
+        self,
+        page_size_bytes: int,
+        fingerprint: int,
+        *,
+        initial_reservation_bytes: Optional[int] = None,
+        region_size_bytes: Optional[int] = None,
+        auto_expand: Optional[bool] = None,
+    ) -> Layout:
+        """The layout ``(page_size_bytes, fingerprint)``; options apply when
+        this client creates it (default: the client's configuration)."""
+        opts = None
+        if (initial_reservation_bytes, region_size_bytes, auto_expand) != (None, None, None):
+            opts = N.LayoutOptions()
+            check(N.lib.cxlkv_layout_options_init(ctypes.byref(opts), ctypes.sizeof(opts)))
+            if initial_reservation_bytes is not None:
+                opts.initial_reservation_bytes = initial_reservation_bytes
+            if region_size_bytes is not None:
+                opts.region_size_bytes = region_size_bytes
+            if auto_expand is False:
+                opts.flags |= N.CONFIG_NO_AUTO_EXPAND
+        handle = ctypes.c_void_p()
+        check(
+            N.lib.cxlkv_layout_open(
+                self._h(),
+                page_size_bytes,
+                fingerprint,
+                ctypes.byref(opts) if opts is not None else None,
+                ctypes.byref(handle),
+            )
+        )
+        return Layout(handle.value, self)
+
+    def stats(self) -> dict:
+        """The client's counters."""
+        out = N.sized(N.ClientStats)
+        check(N.lib.cxlkv_query_stats(self._h(), ctypes.byref(out)))
+        return {f: getattr(out, f) for f in N.CLIENT_STATS_FIELDS}
+
+    def usage(self) -> dict:
+        """This instance's memory accounting (no round trip)."""
+        out = N.sized(N.Usage)
+        check(N.lib.cxlkv_query_usage(self._h(), ctypes.byref(out)))
+        return {f: getattr(out, f) for f in N.USAGE_FIELDS}
+
+    def session(self) -> dict:
+        """Session id, directory epoch, owned keys, unresolved registrations."""
+        out = N.sized(N.SessionInfo)
+        check(N.lib.cxlkv_query_session(self._h(), ctypes.byref(out)))
+        return {f: getattr(out, f) for f in N.SESSION_FIELDS}
+
+    def directory_stats(self) -> dict:
+        """The directory's totals (one round trip)."""
+        out = N.sized(N.DirectoryStats)
+        check(N.lib.cxlkv_query_directory(self._h(), ctypes.byref(out)))
+        return {f: getattr(out, f) for f in N.DIRECTORY_FIELDS}
+
+    @property
+    def instance_id(self) -> str:
+        n = ctypes.c_size_t()
+        buf = ctypes.create_string_buffer(256)
+        check(N.lib.cxlkv_instance_id(self._h(), buf, len(buf), ctypes.byref(n)))
+        return buf.value.decode()
+
+    def flush_unpins(self) -> None:
+        """Sends the unpins of released views now."""
+        check(N.lib.cxlkv_flush_unpins(self._h()))
+
+    def map_all_regions(self) -> int:
+        """Maps every region of other instances now; how many were mapped."""
+        n = ctypes.c_size_t()
+        check(N.lib.cxlkv_map_all_regions(self._h(), ctypes.byref(n)))
+        return n.value
+
+
+def _map_fn(f: Optional[MapCallback], keep: list):
+    if f is None:
+        return N.MAP_FN()
+
+    def trampoline(_user_data, info):
+        i = info.contents
+        f(i.region_id, i.offset_bytes, i.base or 0, i.len_bytes)
+
+    cb = N.MAP_FN(trampoline)
+    keep.append(cb)
+    return cb

@@ -1,0 +1,175 @@
+"""The client API end to end against a real server process."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import cxlkv
+from conftest import PAGE
+
+
+def test_put_then_get_reads_the_bytes_in_place(layout):
+    data = bytes(range(256)) * 20
+    assert layout.put(b"k1", data).inserted
+    with layout.get(b"k1") as view:
+        mv = view.memoryview()
+        assert mv == data and len(view) == len(data)
+        assert view.location.len_bytes == len(data)
+        with layout.get(b"k1") as again:
+            assert again.address() == view.address(), "both views are the pool's bytes"
+        del mv
+
+
+def test_batches_answer_per_key_and_absent_keys_give_none(layout):
+    items = [(f"key-{i}", bytes([i]) * (100 + i)) for i in range(10)]
+    assert all(r.inserted for r in layout.batch_put(items))
+    keys = [k for k, _ in items] + ["absent"]
+    assert layout.batch_exists(keys) == [True] * 10 + [False]
+    with layout.batch_get(keys) as views:
+        assert views[-1] is None
+        for (k, v), view in zip(items, views):
+            assert bytes(view) == v and view.key == k.encode()
+        pinned = layout.batch_delete(keys)
+        assert {r.outcome for r in pinned[:-1]} == {"pinned"} and pinned[0].pins == 1
+        assert pinned[-1].outcome == "missing"
+    assert all(v.released for v in views if v is not None)
+    assert [r.outcome for r in layout.batch_delete(keys)] == ["deleted"] * 10 + ["missing"]
+    assert layout.batch_get([]) == [] and layout.batch_put([]) == []
+
+
+def test_a_lease_is_written_in_place_and_consumed_by_registration(layout):
+    lease = layout.alloc()
+    assert lease.capacity == PAGE
+    page = lease.memoryview()
+    page[:5] = b"hello"
+    with pytest.raises(BufferError):
+        layout.register(b"lease-key", lease)  # the memoryview could write after publication
+    del page
+    lease.set_len(5)
+    assert layout.register(b"lease-key", lease).inserted
+    with pytest.raises(cxlkv.ViewReleasedError):
+        lease.memoryview()
+    with layout.get(b"lease-key") as view:
+        assert bytes(view) == b"hello"
+        dup = layout.put(b"lease-key", b"other")
+        assert dup.outcome == "duplicate" and dup.winner == view.location
+
+
+def test_leases_written_by_copy_register_in_one_batch_and_aborts_give_pages_back(layout):
+    leases = layout.batch_alloc(3)
+    for i, lease in enumerate(leases):
+        lease.write(f"chunk {i}".encode())
+    leases[2].abort()
+    before = layout.info()["free_pages"]
+    results = layout.batch_register([("a", leases[0]), ("b", leases[1])])
+    assert [r.outcome for r in results] == ["inserted", "inserted"]
+    with layout.get("b") as v:
+        assert bytes(v) == b"chunk 1"
+    with layout.alloc() as unused:  # aborted at the end of the block
+        assert layout.info()["free_pages"] == before - 1
+        del unused
+    assert layout.info()["free_pages"] == before
+    assert layout.info()["refused_frees"] == 0
+
+
+def test_errors_carry_their_status_and_message(client, layout):
+    with pytest.raises(cxlkv.ArgumentError) as e:
+        client.layout(1000, 1)
+    assert e.value.status == cxlkv.Status.INVALID_PAGE_SIZE
+    assert "1000" in e.value.message and isinstance(e.value, ValueError)
+    with pytest.raises(cxlkv.ArgumentError) as e:
+        layout.put(b"", b"x")
+    assert e.value.status == cxlkv.Status.KEY_LENGTH
+    with pytest.raises(cxlkv.ArgumentError) as e:
+        layout.put(b"x" * 600, b"x")
+    assert e.value.status == cxlkv.Status.KEY_LENGTH
+    with pytest.raises(cxlkv.ArgumentError) as e:
+        layout.put(b"k", b"x" * (PAGE + 1))
+    assert e.value.status == cxlkv.Status.CHUNK_LENGTH
+    with pytest.raises(cxlkv.ConnectionLostError) as e:
+        cxlkv.Client.connect("/nonexistent/cxlkv.sock", request_timeout_ms=200)
+    assert isinstance(e.value, ConnectionError)
+    with pytest.raises(TypeError):
+        cxlkv.Client.connect("/x", no_such_field=1)
+
+
+def test_a_closed_client_fails_its_layouts_but_not_its_views(server, fingerprint):
+    client = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
+    layout = client.layout(PAGE, fingerprint)
+    layout.put(b"k", b"survives")
+    view = layout.get(b"k")
+    client.close()
+    with pytest.raises(cxlkv.ClosedError):
+        layout.exists(b"k")
+    with pytest.raises(cxlkv.ClosedError):
+        client.layout(PAGE, fingerprint)
+    assert bytes(view) == b"survives", "a view outlives its client"
+    view.release()
+    layout.close()
+    with pytest.raises(cxlkv.HandleError):
+        layout.exists(b"k")
+
+
+def test_stats_usage_session_and_directory(client, layout):
+    layout.put(b"s", b"v")
+    assert client.stats()["requests"] >= 2
+    assert client.usage()["instance_used_bytes"] >= PAGE
+    session = client.session()
+    assert session["session_id"] != 0 and session["owned_keys"] >= 1
+    assert client.directory_stats()["keys"] >= 1
+    assert client.instance_id
+    client.flush_unpins()
+    assert client.map_all_regions() >= 0
+    info = layout.info()
+    assert info["page_size_bytes"] == PAGE and info["region_bytes"] >= 4 << 20
+
+
+def test_map_callbacks_report_every_region_with_its_address(server, fingerprint):
+    maps, unmaps = [], []
+    client = cxlkv.Client.connect(
+        server.socket,
+        region_size_bytes=4 << 20,
+        on_map=lambda *info: maps.append(info),
+        on_unmap=lambda *info: unmaps.append(info),
+    )
+    layout = client.layout(PAGE, fingerprint)
+    layout.put(b"m", b"mapped")
+    assert len(maps) == 1
+    region, _offset, base, length = maps[0]
+    with layout.get(b"m") as view:
+        assert base <= view.address() < base + length, "the view lies in the mapped region"
+        assert view.location.region_id == region
+    layout.close()
+    client.close()
+    assert [u[0] for u in unmaps] == [region]
+
+
+def test_threads_share_one_client(layout):
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(20):
+                k = f"t{t}-{i}"
+                assert layout.put(k, k.encode() * 10).inserted
+                with layout.get(k) as v:
+                    assert bytes(v) == k.encode() * 10
+                assert layout.delete(k).outcome == "deleted"
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_bytes_like_inputs_are_accepted(layout):
+    assert layout.put(bytearray(b"ba"), bytearray(b"from a bytearray")).inserted
+    assert layout.put(memoryview(b"mv"), memoryview(b"from a read-only memoryview")).inserted
+    with layout.batch_get([b"ba", "mv"]) as (a, b):
+        assert bytes(a) == b"from a bytearray" and bytes(b) == b"from a read-only memoryview"

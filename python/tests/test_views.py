@@ -1,0 +1,105 @@
+"""Views are memoryviews over the shared pool that can never read freed
+memory: a released view raises, and a view is not released while any
+memoryview of it (or a slice, or a memoryview in a reference cycle) lives."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import pytest
+
+import cxlkv
+
+
+@pytest.fixture
+def view(layout):
+    layout.put(b"v", bytes(range(200)))
+    v = layout.get(b"v")
+    yield v
+    v.release()
+
+
+def test_a_released_view_raises_instead_of_dangling(view):
+    view.release()
+    assert view.released
+    for use in (view.memoryview, view.address, lambda: bytes(view)):
+        with pytest.raises(cxlkv.ViewReleasedError):
+            use()
+    view.release()  # idempotent
+
+
+def test_a_retained_memoryview_blocks_release_and_stays_readable(view):
+    mv = view.memoryview()
+    with pytest.raises(BufferError):
+        view.release()
+    assert not view.released and mv[:3] == bytes([0, 1, 2])
+    del mv
+    view.release()
+    assert view.released
+
+
+def test_a_retained_slice_or_cast_blocks_release(view):
+    part = view.memoryview()[10:20]
+    with pytest.raises(BufferError):
+        view.release()
+    assert part == bytes(range(10, 20))
+    del part
+    words = view.memoryview().cast("I")
+    with pytest.raises(BufferError):
+        view.release()
+    del words
+    view.release()
+
+
+def test_a_memoryview_only_in_a_reference_cycle_does_not_block_release(view):
+    cycle = [view.memoryview()]
+    cycle.append(cycle)
+    del cycle
+    view.release()  # collects the cycle first
+
+
+def test_memoryviews_are_read_only(view):
+    mv = view.memoryview()
+    with pytest.raises(TypeError):
+        mv[0] = 1
+    del mv
+
+
+def test_a_view_collected_unreleased_releases_its_pin(client, layout):
+    layout.put(b"c", b"collected")
+    v = layout.get(b"c")
+    assert layout.delete(b"c").outcome == "pinned"
+    del v
+    gc.collect()
+    client.flush_unpins()
+    assert layout.delete(b"c").outcome == "deleted"
+
+
+def test_a_memoryview_outliving_its_view_object_keeps_the_pin(client, layout):
+    layout.put(b"o", b"outlives")
+    v = layout.get(b"o")
+    mv = v.memoryview()
+    del v
+    gc.collect()
+    client.flush_unpins()
+    assert layout.delete(b"o").outcome == "pinned", "the memoryview still reads the chunk"
+    assert mv == b"outlives"
+    del mv
+    gc.collect()
+    client.flush_unpins()
+    assert layout.delete(b"o").outcome == "deleted"
+
+
+def test_the_memoryview_is_the_pools_memory_not_a_copy(layout):
+    lease = layout.alloc()
+    page = lease.memoryview()
+    written_at = ctypes.addressof(page.obj)
+    page[:4] = b"same"
+    del page
+    lease.set_len(4)
+    layout.register(b"same", lease)
+    with layout.get(b"same") as v:
+        mv = v.memoryview()
+        assert ctypes.addressof(mv.obj) == written_at == v.address()
+        del mv
