@@ -13,9 +13,9 @@ pub mod directory_memory;
 mod forked_server;
 pub mod rtt;
 mod rtt_get;
+pub mod server;
 pub mod share;
 pub mod store;
-pub mod server;
 
 use std::io::Write;
 use std::time::{Duration, Instant};

@@ -151,6 +151,7 @@ pub(crate) fn connect(
         stats: Default::default(),
         closing: Default::default(),
         wake: Default::default(),
+        unpin_timer_armed: Default::default(),
         last_sent_ms: Default::default(),
         clock: Instant::now(),
         stamp: Default::default(),

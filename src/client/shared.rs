@@ -104,6 +104,11 @@ pub(crate) struct Shared {
     pub closing: AtomicBool,
     /// Wakes the maintenance thread (an unpin was queued, or close).
     pub wake: (Mutex<bool>, Condvar),
+    /// The maintenance thread has been told about queued unpins and will
+    /// flush them within `unpin_delay_us`: later pushes need not wake it
+    /// (a wake-up is a system call and a context switch on every `get`
+    /// otherwise).
+    pub unpin_timer_armed: AtomicBool,
     /// Client-clock milliseconds of the last request sent (heartbeats fill
     /// gaps).
     pub last_sent_ms: AtomicU64,
@@ -346,7 +351,10 @@ impl Shared {
         }
         let first = self.unpins.push(layout_ix, key);
         drop(pins);
-        if first {
+        // AcqRel: pairs with the maintenance thread's disarm, after which it
+        // looks at the queue again (so a push it did not flush is seen
+        // either by that look or by this wake-up).
+        if first && !self.unpin_timer_armed.swap(true, Ordering::AcqRel) {
             self.wake_maintenance();
         }
     }
