@@ -109,7 +109,7 @@ fn pages_written_in_place_are_published_and_registered_with_their_length() {
     let mut leases = layout.batch_alloc(3).unwrap();
     for (i, lease) in leases.iter_mut().enumerate() {
         let want = chunk(i as u64, 777);
-        lease.bytes_mut()[..777].copy_from_slice(&want);
+        lease.bytes_mut().unwrap()[..777].copy_from_slice(&want);
         lease.set_len(777).unwrap();
     }
     let keys = [b"a".as_slice(), b"b", b"c"];
@@ -478,7 +478,7 @@ fn a_remote_client_over_tcp_with_flush_visibility_shares_with_a_local_one() {
     // A page written through the lease (plain stores) is flushed before
     // registration in Flush mode, and read back by the other side.
     let mut lease = rl.alloc().unwrap();
-    lease.bytes_mut()[..5].copy_from_slice(b"flush");
+    lease.bytes_mut().unwrap()[..5].copy_from_slice(b"flush");
     lease.set_len(5).unwrap();
     rl.register(b"plain", lease).unwrap();
     assert_eq!(&ll.get(b"plain").unwrap().unwrap()[..], b"flush");

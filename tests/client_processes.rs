@@ -224,7 +224,7 @@ fn role_victim() {
     layout.batch_put(&items).unwrap();
     let mut leases = layout.batch_alloc(5).unwrap();
     for lease in &mut leases {
-        lease.bytes_mut()[..100].fill(0xAB);
+        lease.bytes_mut().unwrap()[..100].fill(0xAB);
     }
     let own = layout.batch_get(&[key(0), key(1), key(2)]).unwrap();
     let parents = layout.batch_get(&[b"parent-0", b"parent-1"]).unwrap();

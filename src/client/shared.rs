@@ -365,7 +365,13 @@ impl Shared {
         for &id in ids {
             let region = RegionId(id);
             for layout in self.layouts.read().iter() {
-                if let Some(len) = layout.regions.with(region, |r| r.desc.len_bytes)
+                let len = layout.regions.with(region, |r| {
+                    // Release: a lease that sees the flag sees it before
+                    // writing (see `PageLease::bytes_mut`).
+                    r.revoked.store(true, Ordering::Release);
+                    r.desc.len_bytes
+                });
+                if let Some(len) = len
                     && layout.regions.remove(region).is_ok()
                 {
                     // Relaxed: a gauge, changed under the table's writer lock.
