@@ -146,6 +146,7 @@ pub(crate) fn connect(
         unresolved: Default::default(),
         reregister_pending: Default::default(),
         fatal: Default::default(),
+        has_fatal: Default::default(),
         owned_bytes: Default::default(),
         usage: Default::default(),
         stats: Default::default(),
@@ -186,7 +187,7 @@ impl Shared {
                 Ok(()) => return Ok(()),
                 Err(Attempt::Fatal(e)) => {
                     tracing::error!(error = %e, "the instance cannot be resumed");
-                    *self.fatal.lock() = Some(e.to_string());
+                    self.set_fatal(e.to_string());
                     return Err(e);
                 }
                 Err(Attempt::Retry(e)) => {

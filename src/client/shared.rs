@@ -98,6 +98,9 @@ pub(crate) struct Shared {
     /// Set when the instance can no longer be resumed (its grace expired, or
     /// the server refused it): every later call fails with this message.
     pub fatal: Mutex<Option<String>>,
+    /// `fatal` is set (read without the lock on every call: allocation must
+    /// stay lock-free).
+    pub has_fatal: AtomicBool,
     pub owned_bytes: AtomicU64,
     pub usage: UsageCell,
     pub stats: Counters,
@@ -176,13 +179,23 @@ impl Shared {
         if self.closing.load(Ordering::Relaxed) {
             return Err(ClientError::Closed);
         }
-        if let Some(reason) = self.fatal.lock().as_ref() {
+        // Acquire: pairs with the Release in `set_fatal`, so the reason is
+        // there when the flag is.
+        if self.has_fatal.load(Ordering::Acquire)
+            && let Some(reason) = self.fatal.lock().as_ref()
+        {
             return Err(ClientError::ReconnectFailed {
                 elapsed_ms: 0,
                 last: reason.clone(),
             });
         }
         Ok(())
+    }
+
+    /// Records why the instance can no longer be resumed.
+    pub fn set_fatal(&self, reason: String) {
+        *self.fatal.lock() = Some(reason);
+        self.has_fatal.store(true, Ordering::Release);
     }
 
     /// Wakes the maintenance thread.
