@@ -173,6 +173,12 @@ fn pick_idle_regions(
 /// A region taken out for return is unreachable now: give it back if it is
 /// still entirely free and no lease holds it, else put it back.
 fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Arc<OwnedRegion>) {
+    // Acquire: pairs with the Release that revokes a refused region (it is
+    // no longer ours to return or to put back).
+    if region.revoked.load(Ordering::Acquire) {
+        shared.retired.push(Arc::clone(&region.mapping));
+        return;
+    }
     let untouched =
         Arc::strong_count(&region) == 1 && region.alloc.free_pages() == region.alloc.page_count();
     if untouched {
