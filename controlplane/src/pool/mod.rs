@@ -55,6 +55,7 @@ pub mod ledger;
 pub mod liveness;
 pub mod manager;
 pub mod record;
+pub mod service;
 pub mod store;
 pub mod sys;
 pub mod token;
