@@ -325,72 +325,17 @@ impl PoolCore {
     /// another manager, corrupt state, foreign pool, …) is returned here,
     /// before anything is served.
     pub fn start(cfg: ServiceConfig) -> Result<Self, ServiceError> {
-        check_config(&cfg)?;
-        let origin = Instant::now();
-        let recovered = PoolStore::open(
-            &cfg.state_dir,
-            cfg.store,
-            ManagerConfig {
-                grace_ms: cfg.grace_ms,
-            },
-            MonotonicMs(0),
-        )?;
-        let mut store = recovered.store;
-        let mut manager = recovered.manager;
-        let names = NamesFile::open(&cfg.state_dir)?;
-        let mut pools = Vec::with_capacity(cfg.pools.len());
-        for spec in &cfg.pools {
-            pools.push(OpenPool::open(
-                spec,
-                &mut manager,
-                &mut store,
-                cfg.lease_ms,
-            )?);
-        }
-        if cfg.pass_fds && pools.len() > crate::transport::MAX_FDS_PER_FRAME {
-            tracing::warn!(
-                pools = pools.len(),
-                max = crate::transport::MAX_FDS_PER_FRAME,
-                "more pools than descriptors fit in one frame: pool descriptors are not passed"
-            );
-        }
-        let infos = pools.iter().map(OpenPool::info).collect();
-        let shared = Arc::new(LinkShared {
-            queued_requests: AtomicUsize::new(0),
-            next_session: AtomicU64::new(1),
-            stopped: AtomicBool::new(false),
-            failure: Mutex::new(None),
-            counters: Counters::default(),
-        });
-        let (tx, rx) = mpsc::channel();
-        let renew_ms = cfg.lease_renew_ms();
-        let probe_ms = cfg.probe_interval_ms();
-        let core = Core {
-            manager,
-            store,
-            names,
-            pools,
-            sessions: HashMap::new(),
-            caller_sessions: HashMap::new(),
-            caches: HashMap::new(),
-            held: VecDeque::new(),
-            origin,
-            next_renew: MonotonicMs(renew_ms),
-            next_probe: MonotonicMs(probe_ms),
-            next_prune: MonotonicMs(CACHE_PRUNE_MS),
-            scratch: Vec::new(),
-            shared: Arc::clone(&shared),
-            cfg,
-        };
+        let (core, link, rx) = Core::open(cfg)?;
+        let pools = core.pools.iter().map(OpenPool::info).collect();
         let join = std::thread::Builder::new()
             .name("cxlkv-pool-core".into())
             .spawn(move || core.run(rx))
             .map_err(ServiceError::Thread)?;
         Ok(Self {
-            link: CoreLink { tx, shared },
+            link,
             join: Some(join),
             server: None,
-            pools: infos,
+            pools,
         })
     }
 
@@ -532,6 +477,68 @@ fn err(code: ErrorCode, message: impl Into<String>) -> PoolServiceError {
 }
 
 impl Core {
+    /// Recovers, opens the pools, and returns the core with the link to it
+    /// and its command receiver (not yet running).
+    fn open(cfg: ServiceConfig) -> Result<(Self, CoreLink, mpsc::Receiver<Command>), ServiceError> {
+        check_config(&cfg)?;
+        let origin = Instant::now();
+        let recovered = PoolStore::open(
+            &cfg.state_dir,
+            cfg.store,
+            ManagerConfig {
+                grace_ms: cfg.grace_ms,
+            },
+            MonotonicMs(0),
+        )?;
+        let mut store = recovered.store;
+        let mut manager = recovered.manager;
+        let names = NamesFile::open(&cfg.state_dir)?;
+        let mut pools = Vec::with_capacity(cfg.pools.len());
+        for spec in &cfg.pools {
+            pools.push(OpenPool::open(
+                spec,
+                &mut manager,
+                &mut store,
+                cfg.lease_ms,
+            )?);
+        }
+        if cfg.pass_fds && pools.len() > crate::transport::MAX_FDS_PER_FRAME {
+            tracing::warn!(
+                pools = pools.len(),
+                max = crate::transport::MAX_FDS_PER_FRAME,
+                "more pools than descriptors fit in one frame: pool descriptors are not passed"
+            );
+        }
+        let shared = Arc::new(LinkShared {
+            queued_requests: AtomicUsize::new(0),
+            next_session: AtomicU64::new(1),
+            stopped: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            counters: Counters::default(),
+        });
+        let (tx, rx) = mpsc::channel();
+        let renew_ms = cfg.lease_renew_ms();
+        let probe_ms = cfg.probe_interval_ms();
+        let core = Core {
+            manager,
+            store,
+            names,
+            pools,
+            sessions: HashMap::new(),
+            caller_sessions: HashMap::new(),
+            caches: HashMap::new(),
+            held: VecDeque::new(),
+            origin,
+            next_renew: MonotonicMs(renew_ms),
+            next_probe: MonotonicMs(probe_ms),
+            next_prune: MonotonicMs(CACHE_PRUNE_MS),
+            scratch: Vec::new(),
+            shared: Arc::clone(&shared),
+            cfg,
+        };
+        Ok((core, CoreLink { tx, shared }, rx))
+    }
+
     fn now(&self) -> MonotonicMs {
         MonotonicMs(self.origin.elapsed().as_millis() as u64)
     }
@@ -1333,5 +1340,204 @@ fn manager_handle(h: &RegionHandle) -> Handle {
             instance: names::instance_id(&h.owner.instance_id),
         },
         token: Token(h.token.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::service::PoolSpec;
+    use crate::pool::{StoreConfig, SyncPolicy};
+
+    fn config(dir: &std::path::Path, sync: SyncPolicy) -> ServiceConfig {
+        ServiceConfig {
+            pools: vec![PoolSpec {
+                path: dir.join("pool"),
+                create_size_bytes: Some(16 << 20),
+                align_bytes: Some(4096),
+                visibility: None,
+            }],
+            state_dir: dir.join("state"),
+            store: StoreConfig {
+                sync,
+                checkpoint_every_records: 4096,
+            },
+            grace_ms: 60_000,
+            lease_ms: 10_000,
+            pass_fds: false,
+            tcp_auth: TcpAuth::Disabled,
+        }
+    }
+
+    type Log = Arc<Mutex<Vec<(&'static str, u64, Result<PoolReply, PoolServiceError>)>>>;
+
+    /// Queues `ops` (after a hello) and a stop *before* the core runs, so the
+    /// core sees them all ready at once; runs it on this thread. Returns, per
+    /// answer in release order: its label, the commits done when it was
+    /// released, and the answer.
+    fn run_batch(
+        sync: SyncPolicy,
+        ops: Vec<(&'static str, Op)>,
+    ) -> Vec<(&'static str, u64, Result<PoolReply, PoolServiceError>)> {
+        let dir = tempfile::Builder::new()
+            .prefix("cxlkv-core-")
+            .tempdir_in("/dev/shm")
+            .unwrap();
+        let (core, link, rx) = Core::open(config(dir.path(), sync)).unwrap();
+        let session = link.new_session();
+        assert!(link.open(
+            session,
+            Caller::Remote {
+                connection: session
+            },
+            SessionTransport::InProcess
+        ));
+        let log: Log = Arc::new(Mutex::new(Vec::new()));
+        let hello = Op::Hello {
+            protocol_min: 1,
+            protocol_max: 1,
+            directory_id: "dir-a".into(),
+            secret: None,
+        };
+        for (label, op) in std::iter::once(("hello", hello)).chain(ops) {
+            let log = Arc::clone(&log);
+            let shared = Arc::clone(&link.shared);
+            let done: super::super::PoolCallback = Box::new(move |r| {
+                let commits = shared.counters.commits.load(Ordering::Relaxed);
+                log.lock().push((label, commits, r));
+            });
+            link.request(session, op, ReplyTo::Callback(done)).unwrap();
+        }
+        link.tx.send(Command::Stop).unwrap();
+        core.run(rx).unwrap();
+        let out = std::mem::take(&mut *log.lock());
+        out
+    }
+
+    fn alloc(seq: u64) -> Op {
+        Op::Alloc {
+            seq,
+            pool: None,
+            len_bytes: 4096,
+            directory_id: None,
+            instance_id: "inst".into(),
+        }
+    }
+
+    fn labels_and_commits(
+        log: &[(&'static str, u64, Result<PoolReply, PoolServiceError>)],
+    ) -> Vec<(&'static str, u64)> {
+        log.iter().map(|(l, c, _)| (*l, *c)).collect()
+    }
+
+    #[test]
+    fn group_commit_releases_every_ready_reply_after_one_sync_in_order() {
+        let log = run_batch(
+            SyncPolicy::Group {
+                max_batch_records: 64,
+            },
+            vec![("a1", alloc(1)), ("stats", Op::Stats), ("a2", alloc(2))],
+        );
+        // The stats reply pushed nothing but follows a pending record: it
+        // waits for the same commit.
+        assert_eq!(
+            labels_and_commits(&log),
+            [("hello", 0), ("a1", 1), ("stats", 1), ("a2", 1)]
+        );
+        assert!(log.iter().all(|(_, _, r)| r.is_ok()));
+    }
+
+    #[test]
+    fn per_record_sync_commits_each_mutation_and_answers_reads_at_once() {
+        let log = run_batch(
+            SyncPolicy::PerRecord,
+            vec![("a1", alloc(1)), ("stats", Op::Stats), ("a2", alloc(2))],
+        );
+        assert_eq!(
+            labels_and_commits(&log),
+            [("hello", 0), ("a1", 1), ("stats", 1), ("a2", 2)]
+        );
+    }
+
+    #[test]
+    fn a_retry_in_the_same_group_is_answered_from_the_cache_after_the_commit() {
+        let log = run_batch(
+            SyncPolicy::Group {
+                max_batch_records: 64,
+            },
+            vec![("a1", alloc(1)), ("retry", alloc(1))],
+        );
+        assert_eq!(
+            labels_and_commits(&log),
+            [("hello", 0), ("a1", 1), ("retry", 1)]
+        );
+        match (&log[1].2, &log[2].2) {
+            (Ok(PoolReply::Allocated(a)), Ok(PoolReply::Allocated(b))) => assert_eq!(a, b),
+            other => panic!("expected two equal allocations, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_full_group_commits_before_the_queue_is_drained() {
+        let ops = (1..=5).map(|s| ("a", alloc(s))).collect();
+        let log = run_batch(
+            SyncPolicy::Group {
+                max_batch_records: 2,
+            },
+            ops,
+        );
+        let commits: Vec<u64> = log.iter().skip(1).map(|(_, c, _)| *c).collect();
+        assert_eq!(commits, [1, 1, 2, 2, 3]);
+    }
+
+    #[test]
+    fn requests_before_the_hello_and_foreign_owners_are_refused_without_effect() {
+        let dir = tempfile::Builder::new()
+            .prefix("cxlkv-core-")
+            .tempdir_in("/dev/shm")
+            .unwrap();
+        let (mut core, link, _rx) = Core::open(config(dir.path(), SyncPolicy::PerRecord)).unwrap();
+        let session = link.new_session();
+        core.handle(Command::Open {
+            session,
+            caller: Caller::Remote { connection: 1 },
+            transport: SessionTransport::InProcess,
+        })
+        .unwrap();
+        let now = core.now();
+        let e = core.execute(session, alloc(1), now).unwrap_err();
+        assert_eq!(e.error_code(), Some(ErrorCode::HelloRequired));
+        assert!(
+            core.execute(session, Op::Stats, now).is_ok(),
+            "stats need no hello"
+        );
+        core.execute(
+            session,
+            Op::Hello {
+                protocol_min: 1,
+                protocol_max: 1,
+                directory_id: "dir-a".into(),
+                secret: None,
+            },
+            now,
+        )
+        .unwrap();
+        let e = core
+            .execute(
+                session,
+                Op::Alloc {
+                    seq: 1,
+                    pool: None,
+                    len_bytes: 4096,
+                    directory_id: Some("dir-b".into()),
+                    instance_id: "i".into(),
+                },
+                now,
+            )
+            .unwrap_err();
+        assert_eq!(e.error_code(), Some(ErrorCode::NotOwner));
+        assert_eq!(core.store.journal_ref().pending_records(), 0);
+        // Refused before the state machine: the seq was not consumed.
+        assert!(core.execute(session, alloc(1), now).is_ok());
     }
 }
