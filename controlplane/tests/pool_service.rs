@@ -272,7 +272,7 @@ fn a_retried_seq_is_answered_once_and_a_seq_older_than_the_cache_is_refused() {
         first,
         "answered from the cache"
     );
-    for seq in 2..=(300) {
+    for seq in 2..=300 {
         w.alloc("dir-a", seq).unwrap();
     }
     let (code, _) = w.alloc("dir-a", 1).unwrap_err();

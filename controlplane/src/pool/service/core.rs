@@ -1410,8 +1410,7 @@ mod tests {
         }
         link.tx.send(Command::Stop).unwrap();
         core.run(rx).unwrap();
-        let out = std::mem::take(&mut *log.lock());
-        out
+        std::mem::take(&mut *log.lock())
     }
 
     fn alloc(seq: u64) -> Op {
