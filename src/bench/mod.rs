@@ -8,6 +8,7 @@
 //! nothing else on standard output; without it, a human-readable table.
 
 pub mod copy;
+pub mod pool;
 pub mod rtt;
 
 use std::io::Write;

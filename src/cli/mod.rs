@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// A CI-sized run: fewer and smaller cases, seconds not minutes.
     #[arg(long)]
     pub quick: bool,
+    /// `bench pool`: directory in which the journals are kept (default
+    /// `/dev/shm`); one on a real disk includes the cost of `fdatasync`.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
 }
 
 /// Entry point of the `cxlkv` binary.
@@ -107,6 +111,11 @@ const SCENARIOS: &[Scenario] = &[
         "rtt",
         "control-plane round trip (transport) vs a raw busy-polling socket ping-pong",
         crate::bench::rtt::run,
+    ),
+    (
+        "pool",
+        "alloc+free through a cxlkv pool daemon vs the pool state machine in process",
+        crate::bench::pool::run,
     ),
 ];
 

@@ -547,14 +547,45 @@ impl Core {
         let result = self.serve(&rx);
         self.shared.stopped.store(true, Ordering::Release);
         match result {
-            Ok(()) => self.finish(),
+            Ok(()) => {
+                self.refuse_queued(&rx);
+                drop(rx);
+                self.finish()
+            }
             Err(fatal) => {
                 let msg = fatal.to_string();
                 tracing::error!(error = %msg, "pool service stopping: the journal or names file failed (fail-stop)");
                 *self.shared.failure.lock() = Some(msg.clone());
                 self.abandon_held();
+                self.refuse_queued(&rx);
                 drop(rx);
                 Err(ServiceError::Stopped(msg))
+            }
+        }
+    }
+
+    /// Answers what is still queued once the core stops (the front ends see
+    /// `stopped` from now on and answer new requests themselves): callbacks
+    /// get an error, connections are closed — every callback is called
+    /// exactly once, and no request is answered as if it ran.
+    fn refuse_queued(&mut self, rx: &mpsc::Receiver<Command>) {
+        while let Ok(cmd) = rx.try_recv() {
+            let Command::Request { session, reply, .. } = cmd else {
+                continue;
+            };
+            match reply {
+                ReplyTo::Callback(cb) => cb(Err(stopped_error())),
+                ReplyTo::Wire { .. } => {
+                    if let Some(Session {
+                        transport:
+                            SessionTransport::Unix { completer, conn }
+                            | SessionTransport::Tcp { completer, conn },
+                        ..
+                    }) = self.sessions.get(&session)
+                    {
+                        let _ = completer.close(*conn);
+                    }
+                }
             }
         }
     }
@@ -1487,6 +1518,48 @@ mod tests {
         );
         let commits: Vec<u64> = log.iter().skip(1).map(|(_, c, _)| *c).collect();
         assert_eq!(commits, [1, 1, 2, 2, 3]);
+    }
+
+    #[test]
+    fn requests_queued_behind_a_stop_get_an_error_exactly_once() {
+        let dir = tempfile::Builder::new()
+            .prefix("cxlkv-core-")
+            .tempdir_in("/dev/shm")
+            .unwrap();
+        let (core, link, rx) = Core::open(config(dir.path(), SyncPolicy::PerRecord)).unwrap();
+        let session = link.new_session();
+        assert!(link.open(
+            session,
+            Caller::Remote {
+                connection: session
+            },
+            SessionTransport::InProcess
+        ));
+        link.tx.send(Command::Stop).unwrap();
+        let answers = Arc::new(Mutex::new(Vec::new()));
+        for seq in 1..=3 {
+            let answers = Arc::clone(&answers);
+            let done: super::super::PoolCallback = Box::new(move |r| answers.lock().push(r));
+            link.request(session, alloc(seq), ReplyTo::Callback(done))
+                .unwrap();
+        }
+        let report = core.run(rx).unwrap();
+        let answers = answers.lock();
+        assert_eq!(answers.len(), 3);
+        assert!(answers.iter().all(|r| {
+            r.as_ref()
+                .is_err_and(|e| e.error_code() == Some(ErrorCode::Internal))
+        }));
+        assert!(link.shared.failure.lock().is_none());
+        // Nothing ran: the stop came first.
+        assert_eq!(report.committed_seq, 2, "only the pool's own records");
+        let done: super::super::PoolCallback = Box::new(|r| {
+            assert!(r.is_err(), "a stopped core refuses at once");
+        });
+        assert!(
+            link.request(session, Op::Stats, ReplyTo::Callback(done))
+                .is_err()
+        );
     }
 
     #[test]

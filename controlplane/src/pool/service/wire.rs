@@ -270,15 +270,48 @@ pub(crate) fn send_answer(
     } else {
         completer.complete_with_fds(conn, kind, request_id, &bytes, fds)
     };
-    if let Err(e) = sent {
+    match sent {
+        Ok(()) => {}
+        // The transport stopped first (a graceful shutdown): nobody to tell.
+        Err(crate::transport::ReplyError::Stopped) => {}
         // The peer times out and resends with the same seq.
-        tracing::warn!(%conn, request_id, error = %e, "cannot queue a pool reply");
+        Err(e) => tracing::warn!(%conn, request_id, error = %e, "cannot queue a pool reply"),
     }
 }
 
+/// How long [`prepare_socket_path`] waits for an answer from whatever
+/// accepts on an existing socket.
+const SOCKET_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// True when something on `stream` answers a `PoolStats` request within
+/// [`SOCKET_PROBE_TIMEOUT`] with a well-framed reply.
+fn answers_pool_stats(stream: &UnixStream) -> bool {
+    use std::io::{Read, Write};
+    // `Read`/`Write` are implemented for `&UnixStream`.
+    let mut stream = stream;
+    let mut probe = || -> io::Result<bool> {
+        stream.set_read_timeout(Some(SOCKET_PROBE_TIMEOUT))?;
+        stream.set_write_timeout(Some(SOCKET_PROBE_TIMEOUT))?;
+        let mut frame = Vec::new();
+        proto::encode(
+            1,
+            &proto::PoolStats {
+                meta: proto::RequestMeta::default(),
+            },
+            &mut frame,
+        )
+        .map_err(io::Error::other)?;
+        stream.write_all(&frame)?;
+        let mut header = [0u8; HEADER_BYTES];
+        stream.read_exact(&mut header)?;
+        Ok(FrameHeader::decode(&header).is_ok_and(|h| h.request_id == 1))
+    };
+    probe().unwrap_or(false)
+}
+
 /// Makes `path` bindable: creates its directory, and removes a stale socket
-/// file that nobody accepts on (left by a killed daemon). A socket someone
-/// accepts on, or a file that is not a socket, is refused.
+/// file that nobody answers on (left by a killed daemon). A socket on which a
+/// pool manager answers, or a file that is not a socket, is refused.
 pub(crate) fn prepare_socket_path(path: &Path) -> Result<(), ServiceError> {
     if let Some(parent) = path.parent()
         && !parent.as_os_str().is_empty()
@@ -311,10 +344,22 @@ pub(crate) fn prepare_socket_path(path: &Path) -> Result<(), ServiceError> {
         )));
     }
     match UnixStream::connect(path) {
-        Ok(_) => Err(ServiceError::Config(format!(
-            "socket {} is in use by another process (a pool manager already serves it?); refusing to start a second one",
+        Ok(stream) if answers_pool_stats(&stream) => Err(ServiceError::Config(format!(
+            "socket {} is in use by another process (a pool manager answers on it); refusing to start a second one",
             path.display()
         ))),
+        // Accepted by a listener that does not answer: one whose process is
+        // gone while the kernel tears it down (an io_uring's file references
+        // outlive a killed process briefly). Stale.
+        Ok(_) => {
+            tracing::info!(path = %path.display(), "replacing a socket nobody answers on");
+            std::fs::remove_file(path).map_err(|e| {
+                ServiceError::Config(format!(
+                    "cannot remove stale socket {}: {e}",
+                    path.display()
+                ))
+            })
+        }
         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
             tracing::info!(path = %path.display(), "removing a stale socket file");
             std::fs::remove_file(path).map_err(|e| {
