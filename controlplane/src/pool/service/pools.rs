@@ -30,10 +30,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use cxlkv_dataplane::backing::{self, Backing, BackingError, BackingKind, Extent};
-use cxlkv_dataplane::map::{MapError, MapObservers, MappedRegion, Populate};
-use cxlkv_dataplane::visibility::{self, Visibility};
 use std::os::fd::AsRawFd;
+
+use cxlkv_dataplane::backing::{self, Backing, BackingError, BackingKind, Extent};
+use cxlkv_dataplane::ids::{PageIndex, RegionId};
+use cxlkv_dataplane::map::{MapError, MapObservers, MappedRegion, PageViewMut, Populate};
+use cxlkv_dataplane::visibility::{self, Visibility};
 
 use super::PoolSpec;
 use crate::pool::fence::{FenceError, PoolFileLock};
@@ -142,7 +144,7 @@ impl OpenPool {
         let block = unsafe {
             MappedRegion::map(
                 &*backing,
-                proto_region_zero(),
+                HEADER_BLOCK_REGION,
                 Extent::new(0, align),
                 Populate::Eager,
                 &MapObservers::new(),
@@ -221,19 +223,17 @@ impl OpenPool {
     }
 
     /// The whole header block, for reading or writing from the core.
-    fn block_mut(&self) -> Result<cxlkv_dataplane::map::PageViewMut<'_>, OpenError> {
+    fn block_mut(&self) -> Result<PageViewMut<'_>, OpenError> {
         let align = self.backing.align_bytes() as usize;
         // SAFETY: the header block's sharing contract (module essay): only
         // this value maps it in this process and the core takes one view at
         // a time (`&self` methods are called from the core thread only, and
         // each view is dropped before the next is taken).
-        unsafe {
-            self.block
-                .page_mut(align, cxlkv_dataplane::ids::PageIndex(0), align)
-        }
-        .map_err(|source| OpenError::Map {
-            path: self.path().to_path_buf(),
-            source,
+        unsafe { self.block.page_mut(align, PageIndex(0), align) }.map_err(|source| {
+            OpenError::Map {
+                path: self.path().to_path_buf(),
+                source,
+            }
         })
     }
 
@@ -374,6 +374,4 @@ impl OpenPool {
 
 /// The header block is mapped under a region id no region has (ids start at
 /// 1), so logs never confuse it with a data region.
-fn proto_region_zero() -> cxlkv_dataplane::ids::RegionId {
-    cxlkv_dataplane::ids::RegionId(0)
-}
+const HEADER_BLOCK_REGION: RegionId = RegionId(0);
