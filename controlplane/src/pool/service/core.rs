@@ -165,6 +165,14 @@ struct Counters {
     reclaimed: AtomicU64,
 }
 
+impl Counters {
+    // Relaxed throughout: independent monotonic tallies, read for reporting;
+    // no other memory is published through them.
+    fn bump(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 /// A copy of the core's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CoreStats {
@@ -206,7 +214,7 @@ fn stopped_error() -> PoolServiceError {
 impl CoreLink {
     /// A session id, unique for the life of the process.
     pub fn new_session(&self) -> u64 {
-        // Relaxed: ids only need to be unique.
+        // Relaxed: ids only need to be unique; nothing is published with them.
         self.shared.next_session.fetch_add(1, Ordering::Relaxed)
     }
 
@@ -236,6 +244,9 @@ impl CoreLink {
         op: Op,
         reply: ReplyTo,
     ) -> Result<(), (ReplyTo, PoolServiceError)> {
+        // Acquire pairs with the core's Release store, though nothing else is
+        // published with the flag: a front end that misses it still finds
+        // the channel closed, or its command answered by `refuse_queued`.
         if self.shared.stopped.load(Ordering::Acquire) {
             return Err((reply, stopped_error()));
         }
@@ -385,7 +396,7 @@ impl PoolCore {
 
     pub fn stats(&self) -> CoreStats {
         let c = &self.link.shared.counters;
-        // Relaxed: independent counters read for reporting.
+        // Relaxed: see `Counters::bump`.
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         CoreStats {
             requests: l(&c.requests),
@@ -404,6 +415,7 @@ impl PoolCore {
 
     /// True while the core serves.
     pub fn is_running(&self) -> bool {
+        // Acquire: see `CoreLink::request`.
         !self.link.shared.stopped.load(Ordering::Acquire)
     }
 
@@ -545,6 +557,7 @@ impl Core {
 
     fn run(mut self, rx: mpsc::Receiver<Command>) -> Result<ShutdownReport, ServiceError> {
         let result = self.serve(&rx);
+        // Release: see the Acquire in `CoreLink::request`.
         self.shared.stopped.store(true, Ordering::Release);
         match result {
             Ok(()) => {
@@ -674,10 +687,10 @@ impl Core {
             for r in &report.reclaimed {
                 tracing::info!(region = %r.id, pool = %r.pool, owner = %r.owner, len_bytes = r.len_bytes, "reclaimed a region of a gone directory");
             }
-            self.shared
-                .counters
-                .reclaimed
-                .fetch_add(report.reclaimed.len() as u64, Ordering::Relaxed);
+            Counters::bump(
+                &self.shared.counters.reclaimed,
+                report.reclaimed.len() as u64,
+            );
             if !report.more_due {
                 break;
             }
@@ -732,9 +745,8 @@ impl Core {
             let report = self.store.commit()?;
             if report.records > 0 {
                 let c = &self.shared.counters;
-                c.commits.fetch_add(1, Ordering::Relaxed);
-                c.records
-                    .fetch_add(report.records as u64, Ordering::Relaxed);
+                Counters::bump(&c.commits, 1);
+                Counters::bump(&c.records, report.records as u64);
             }
         }
         while let Some(out) = self.held.pop_front() {
@@ -754,10 +766,7 @@ impl Core {
         }
         self.names.compact(|k, id| in_use.contains(&(k, id)))?;
         let report = self.store.checkpoint(&self.manager)?;
-        self.shared
-            .counters
-            .checkpoints
-            .fetch_add(1, Ordering::Relaxed);
+        Counters::bump(&self.shared.counters.checkpoints, 1);
         tracing::debug!(
             seq = report.seq,
             len_bytes = report.len_bytes,
@@ -796,11 +805,9 @@ impl Core {
             }
             Command::Closed { session } => self.close_session(session),
             Command::Request { session, op, reply } => {
+                // Relaxed: the bound's counter (see `CoreLink::request`).
                 self.shared.queued_requests.fetch_sub(1, Ordering::Relaxed);
-                self.shared
-                    .counters
-                    .requests
-                    .fetch_add(1, Ordering::Relaxed);
+                Counters::bump(&self.shared.counters.requests, 1);
                 let now = self.now();
                 let (route, answer) = match self.sessions.get(&session) {
                     None => {

@@ -276,6 +276,8 @@ impl Drop for RemotePool {
     /// Fails what is still queued (`SessionEnded`) and stops the driver; may
     /// wait for one request attempt in flight (`request_timeout_ms`).
     fn drop(&mut self) {
+        // Release/Acquire: nothing else is published with the flag; the
+        // dropped sender tells the driver the same thing through the channel.
         self.shared.closing.store(true, Ordering::Release);
         self.tx = None;
         if let Some(join) = self.join.take()
