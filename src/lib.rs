@@ -13,5 +13,6 @@
 
 pub mod bench;
 pub mod cli;
+pub mod config;
 
 pub use cxlkv_dataplane as dataplane;
