@@ -13,6 +13,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod config;
 pub mod server;
 
 pub use cxlkv_dataplane as dataplane;

@@ -10,6 +10,7 @@
 pub mod alloc;
 pub mod copy;
 pub mod directory_memory;
+pub mod pool;
 pub mod rtt;
 pub mod server;
 
