@@ -4,7 +4,7 @@
 //! **flags > environment > file > built-in defaults.**
 //!
 //! The file (`--config PATH`, or `$CXLKV_CONFIG`) has one table per section
-//! (`[pool]` today; `[server]` and `[directory]` are added by their owners).
+//! (`[pool]`, `[server]`, `[directory]`).
 //! Every key `k` of section `s` can be set from the environment as
 //! `CXLKV_<S>_<K>` (upper case; e.g. `CXLKV_POOL_GRACE_MS=5000`); the value
 //! is read as a TOML value when it parses as one (`5000`, `true`,
@@ -39,7 +39,7 @@ pub const ENV_PREFIX: &str = "CXLKV_";
 /// Environment variable naming the configuration file (like `--config`).
 pub const CONFIG_ENV: &str = "CXLKV_CONFIG";
 /// The sections the environment layer reads (`CXLKV_<SECTION>_<KEY>`).
-pub const SECTIONS: &[&str] = &["pool"];
+pub const SECTIONS: &[&str] = &["pool", "server", "directory"];
 
 /// Name of the embedded default pool file, under [`DEFAULT_POOL_DIR`].
 pub const DEFAULT_POOL_FILE: &str = "cxlkv.pool";
@@ -94,6 +94,8 @@ impl Override {
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub pool: PoolConfig,
+    pub server: ServerSection,
+    pub directory: DirectorySection,
 }
 
 /// `[pool]`: the pool manager (`cxlkv pool`, and the pool manager embedded
@@ -148,6 +150,251 @@ impl Default for PoolConfig {
             lease_ms: 10_000,
             pass_fds: true,
         }
+    }
+}
+
+/// `[server]`: `cxlkv serve`'s listeners, identity and timers.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    /// The Unix socket clients connect to. Default:
+    /// [`crate::server::default_socket_path`].
+    pub socket: Option<PathBuf>,
+    /// Also listen on TCP at this address (`host:port`). Off by default.
+    pub tcp: Option<String>,
+    /// File holding the pre-shared secret TCP clients present (mode 0600 or
+    /// stricter). Required with `tcp` unless `tcp_insecure`.
+    pub tcp_secret_file: Option<PathBuf>,
+    /// Accept TCP clients without a secret (trusted networks only).
+    pub tcp_insecure: bool,
+    /// Connections served at once; more are refused with `Busy`.
+    pub max_connections: usize,
+    /// The directory's stable identity at the pool manager.
+    pub directory_id: String,
+    /// Region size when a client asks for the default.
+    #[serde(deserialize_with = "de_bytes")]
+    pub default_region_bytes: u64,
+    /// How often the directory's timers run.
+    pub tick_ms: u64,
+    /// Use a `cxlkv pool` daemon at this endpoint (`unix:PATH` or
+    /// `tcp:HOST:PORT`) instead of the embedded pool manager (`[pool]` is
+    /// then unused).
+    pub pool_daemon: Option<String>,
+    /// File holding the secret of a TCP pool daemon.
+    pub pool_daemon_secret_file: Option<PathBuf>,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            socket: None,
+            tcp: None,
+            tcp_secret_file: None,
+            tcp_insecure: false,
+            max_connections: 1024,
+            directory_id: crate::server::DEFAULT_DIRECTORY_ID.to_owned(),
+            default_region_bytes: crate::server::DEFAULT_REGION_BYTES,
+            tick_ms: 100,
+            pool_daemon: None,
+            pool_daemon_secret_file: None,
+        }
+    }
+}
+
+/// `[directory]`: the directory's semantics and limits (DESIGN §4).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DirectorySection {
+    /// A session without requests for this long dies (its pins released).
+    pub lease_ms: u64,
+    /// An instance without sessions for this long is gone; also how long a
+    /// restarted directory waits for reattaches.
+    pub grace_ms: u64,
+    /// Largest per-instance quota (bytes of regions); also the quota of
+    /// instances that ask for none. 0: unlimited.
+    #[serde(deserialize_with = "de_bytes")]
+    pub quota_bytes: u64,
+    /// Evict keys of gone owners while the pools are fuller than
+    /// `high_watermark`.
+    pub orphan_eviction: bool,
+    /// Pool fill (0..=1) above which eviction starts ...
+    pub high_watermark: f64,
+    /// ... and at or below which it stops.
+    pub low_watermark: f64,
+    /// Full LRU eviction of unpinned keys (engines without a policy).
+    pub lru: bool,
+    /// Fill of the held regions (0..=1) the LRU starts at, and stops at.
+    pub lru_high_fill: f64,
+    pub lru_low_fill: f64,
+    /// Most keys evicted per tick.
+    pub max_evictions_per_tick: usize,
+    /// Pins held longer than this are reported as long-held.
+    pub long_pin_ms: u64,
+    /// Most entries per batch request (at most 4096).
+    pub max_batch: usize,
+    /// Most pins one lookup takes per key (at most 1024).
+    pub max_pins_per_call: u32,
+    /// Most keys held.
+    pub max_keys: usize,
+    pub max_sessions: usize,
+    pub max_instances: usize,
+    /// Width of the exactly-once window, in sequence numbers (a multiple of
+    /// 64).
+    pub reply_window: u64,
+    /// Bytes of cached replies per instance.
+    #[serde(deserialize_with = "de_bytes")]
+    pub reply_cache_bytes: u64,
+    /// Largest region one request may ask for.
+    #[serde(deserialize_with = "de_bytes")]
+    pub max_region_bytes: u64,
+}
+
+impl Default for DirectorySection {
+    fn default() -> Self {
+        let d = cxlkv_controlplane::directory::DirectoryConfig::default();
+        Self {
+            lease_ms: d.session_lease.as_millis() as u64,
+            grace_ms: d.instance_grace.as_millis() as u64,
+            quota_bytes: d.max_instance_quota_bytes.unwrap_or(0),
+            orphan_eviction: d.eviction.orphans,
+            high_watermark: d.eviction.pool_high_watermark,
+            low_watermark: d.eviction.pool_low_watermark,
+            lru: d.eviction.lru,
+            lru_high_fill: d.eviction.lru_high_fill,
+            lru_low_fill: d.eviction.lru_low_fill,
+            max_evictions_per_tick: d.eviction.max_evictions_per_tick,
+            long_pin_ms: d.long_held_pin.as_millis() as u64,
+            max_batch: d.max_batch,
+            max_pins_per_call: d.max_pins_per_call,
+            max_keys: d.max_keys,
+            max_sessions: d.max_sessions,
+            max_instances: d.max_instances,
+            reply_window: d.reply_window,
+            reply_cache_bytes: d.reply_cache_bytes_per_instance as u64,
+            max_region_bytes: d.max_region_bytes,
+        }
+    }
+}
+
+impl DirectorySection {
+    /// The directory's configuration (its own checks run when the server
+    /// starts).
+    pub fn directory_config(&self) -> cxlkv_controlplane::directory::DirectoryConfig {
+        use std::time::Duration;
+        let mut d = cxlkv_controlplane::directory::DirectoryConfig::default();
+        d.session_lease = Duration::from_millis(self.lease_ms);
+        d.instance_grace = Duration::from_millis(self.grace_ms);
+        d.max_instance_quota_bytes = (self.quota_bytes > 0).then_some(self.quota_bytes);
+        d.eviction.orphans = self.orphan_eviction;
+        d.eviction.pool_high_watermark = self.high_watermark;
+        d.eviction.pool_low_watermark = self.low_watermark;
+        d.eviction.lru = self.lru;
+        d.eviction.lru_high_fill = self.lru_high_fill;
+        d.eviction.lru_low_fill = self.lru_low_fill;
+        d.eviction.max_evictions_per_tick = self.max_evictions_per_tick;
+        d.long_held_pin = Duration::from_millis(self.long_pin_ms);
+        d.max_batch = self.max_batch;
+        d.max_pins_per_call = self.max_pins_per_call;
+        d.max_keys = self.max_keys;
+        d.max_sessions = self.max_sessions;
+        d.max_instances = self.max_instances;
+        d.reply_window = self.reply_window;
+        d.reply_cache_bytes_per_instance =
+            usize::try_from(self.reply_cache_bytes).unwrap_or(usize::MAX);
+        d.max_region_bytes = self.max_region_bytes;
+        d
+    }
+}
+
+impl Config {
+    /// `cxlkv serve`'s server configuration: `[server]` and `[directory]`,
+    /// and the embedded pool manager from `[pool]` (or the daemon named by
+    /// `[server] pool_daemon`), every default filled in.
+    pub fn server_config(&self) -> Result<crate::server::ServerConfig, ConfigError> {
+        use crate::server::{PoolManagerConfig, ServerConfig};
+        use cxlkv_controlplane::pool::service::RemoteConfig;
+        use cxlkv_controlplane::transport::Endpoint;
+        let invalid = |key: &'static str, reason: String| ConfigError::Value {
+            section: "server",
+            key,
+            reason,
+        };
+        let s = &self.server;
+        let mut c = ServerConfig::default();
+        if let Some(p) = &s.socket {
+            c.socket_path = p.clone();
+        }
+        c.tcp_listen = match &s.tcp {
+            None => None,
+            Some(t) => Some(
+                t.parse::<SocketAddr>()
+                    .map_err(|e| invalid("tcp", format!("{t:?} is not host:port ({e})")))?,
+            ),
+        };
+        c.tcp_secret = match &s.tcp_secret_file {
+            Some(path) => Some(read_secret(path).map_err(|r| invalid("tcp_secret_file", r))?),
+            None => None,
+        };
+        c.tcp_insecure_no_secret = s.tcp_insecure;
+        if c.tcp_listen.is_some() && c.tcp_secret.is_none() && !s.tcp_insecure {
+            return Err(invalid(
+                "tcp",
+                "a TCP listener needs tcp_secret_file (or tcp_insecure = true on a trusted network)"
+                    .into(),
+            ));
+        }
+        c.max_connections = s.max_connections;
+        c.directory_id = s.directory_id.clone();
+        c.default_region_bytes = s.default_region_bytes;
+        c.tick_ms = s.tick_ms;
+        c.directory = self.directory.directory_config();
+        c.pool_manager = Some(match &s.pool_daemon {
+            None => {
+                let resolved = self.pool.resolve()?;
+                c.pool_path = resolved.service.pools[0].path.clone();
+                PoolManagerConfig::Embedded(resolved.service)
+            }
+            Some(ep) => {
+                let endpoint = parse_endpoint(ep).map_err(|r| invalid("pool_daemon", r))?;
+                let mut remote = RemoteConfig::new(endpoint, s.directory_id.clone());
+                remote.secret = match &s.pool_daemon_secret_file {
+                    Some(path) => {
+                        Some(read_secret(path).map_err(|r| invalid("pool_daemon_secret_file", r))?)
+                    }
+                    None => None,
+                };
+                if matches!(remote.endpoint, Endpoint::Tcp(_)) && remote.secret.is_none() {
+                    tracing::warn!(
+                        "pool daemon over TCP without a secret: it must run with tcp_insecure"
+                    );
+                }
+                PoolManagerConfig::Remote(remote)
+            }
+        });
+        Ok(c)
+    }
+}
+
+/// `unix:PATH` or `tcp:HOST:PORT` (a bare path is a Unix socket).
+fn parse_endpoint(s: &str) -> Result<cxlkv_controlplane::transport::Endpoint, String> {
+    use cxlkv_controlplane::transport::Endpoint;
+    if let Some(addr) = s.strip_prefix("tcp:") {
+        return addr
+            .parse::<SocketAddr>()
+            .map(Endpoint::Tcp)
+            .map_err(|e| format!("{s:?}: {addr:?} is not host:port ({e})"));
+    }
+    let path = s.strip_prefix("unix:").unwrap_or(s);
+    if path.is_empty() {
+        return Err(format!("{s:?}: empty socket path"));
+    }
+    Ok(Endpoint::Unix(PathBuf::from(path)))
+}
+
+fn de_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    match Bytes::deserialize(d)? {
+        Bytes::Int(n) => Ok(n),
+        Bytes::Text(s) => parse_bytes(&s).map_err(serde::de::Error::custom),
     }
 }
 
@@ -562,6 +809,72 @@ mod tests {
         );
         p.tcp_insecure = true;
         assert_eq!(p.resolve().unwrap().service.tcp_auth, TcpAuth::Disabled);
+    }
+
+    #[test]
+    fn server_and_directory_sections_follow_the_same_precedence() {
+        let f = file(
+            "[server]\nsocket = \"/tmp/from-file.sock\"\ntick_ms = 7\n\n[directory]\nlease_ms = 1000\nquota_bytes = \"1GiB\"\nlru = true\n",
+        );
+        let vars = env(&[
+            ("CXLKV_SERVER_TICK_MS", "9"),
+            ("CXLKV_DIRECTORY_LEASE_MS", "2000"),
+        ]);
+        let flags = [Override::new("directory", "lease_ms", 3000i64)];
+        let c = load(Some(f.path()), vars, &flags).unwrap();
+        assert_eq!(c.directory.lease_ms, 3000, "flag wins");
+        assert_eq!(c.server.tick_ms, 9, "environment beats the file");
+        assert_eq!(
+            c.server.socket.as_deref(),
+            Some(Path::new("/tmp/from-file.sock"))
+        );
+        assert_eq!(c.directory.quota_bytes, 1 << 30);
+        let s = c.server_config().unwrap();
+        assert_eq!(s.tick_ms, 9);
+        assert_eq!(s.directory.session_lease, std::time::Duration::from_secs(3));
+        assert_eq!(s.directory.max_instance_quota_bytes, Some(1 << 30));
+        assert!(s.directory.eviction.lru);
+        assert_eq!(s.socket_path, Path::new("/tmp/from-file.sock"));
+    }
+
+    #[test]
+    fn server_defaults_are_the_servers_defaults() {
+        let s = Config::default().server_config().unwrap();
+        let d = crate::server::ServerConfig::default();
+        assert_eq!(s.socket_path, d.socket_path);
+        assert_eq!(s.directory, d.directory);
+        assert_eq!(s.pool_path, Path::new("/dev/shm/cxlkv.pool"));
+        assert_eq!(s.max_connections, d.max_connections);
+        assert!(s.tcp_listen.is_none());
+        let e = load(None, env(&[("CXLKV_DIRECTORY_LEASE", "1")]), &[]).unwrap_err();
+        assert!(e.to_string().contains("lease"), "{e}");
+    }
+
+    #[test]
+    fn a_server_tcp_listener_needs_a_secret_or_insecure() {
+        let mut c = Config::default();
+        c.server.tcp = Some("127.0.0.1:0".into());
+        assert!(
+            c.server_config()
+                .unwrap_err()
+                .to_string()
+                .contains("tcp_secret_file")
+        );
+        c.server.tcp_insecure = true;
+        assert!(c.server_config().unwrap().tcp_insecure_no_secret);
+    }
+
+    #[test]
+    fn a_pool_daemon_endpoint_is_unix_or_tcp() {
+        assert!(matches!(
+            parse_endpoint("unix:/run/cxlkv/pool.sock"),
+            Ok(cxlkv_controlplane::transport::Endpoint::Unix(_))
+        ));
+        assert!(matches!(
+            parse_endpoint("tcp:10.0.0.1:7000"),
+            Ok(cxlkv_controlplane::transport::Endpoint::Tcp(_))
+        ));
+        assert!(parse_endpoint("tcp:nowhere").is_err());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::bench::Reporter;
 
 pub mod pool;
+pub mod serve;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -29,6 +30,9 @@ enum Command {
     /// Run the pool manager as a standalone daemon (several directories
     /// sharing one device).
     Pool(pool::PoolArgs),
+    /// Run the directory server with its embedded pool manager (with no
+    /// arguments: the default pool under /dev/shm, the default socket).
+    Serve(serve::ServeArgs),
 }
 
 /// Flags shared by every bench scenario.
@@ -70,6 +74,10 @@ pub fn main() -> ExitCode {
         Command::Pool(args) => {
             init_tracing("info");
             pool::run(&args)
+        }
+        Command::Serve(args) => {
+            init_tracing("info");
+            serve::run(&args)
         }
     };
     match result {

@@ -82,7 +82,7 @@ fn int(flag: &str, v: u64) -> anyhow::Result<toml::Value> {
 }
 
 /// Parses `PATH[,size=SIZE][,align=ALIGN][,visibility=…]` into a TOML table.
-fn pool_spec(spec: &str) -> anyhow::Result<toml::Value> {
+pub(crate) fn pool_spec(spec: &str) -> anyhow::Result<toml::Value> {
     let mut parts = spec.split(',');
     let path = parts.next().unwrap_or_default();
     anyhow::ensure!(!path.is_empty(), "--pool {spec:?}: the path is empty");
@@ -163,7 +163,7 @@ impl PoolArgs {
 
 /// Blocks SIGTERM and SIGINT in the calling thread (and so in every thread
 /// it starts afterwards), to be taken with `sigtimedwait`.
-fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
+pub(crate) fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
     // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a valid sigset_t; the calls only write to it and to
@@ -179,7 +179,7 @@ fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
 }
 
 /// Waits up to [`SIGNAL_POLL_MS`] for a signal of `set`.
-fn wait_signal(set: &libc::sigset_t) -> Option<i32> {
+pub(crate) fn wait_signal(set: &libc::sigset_t) -> Option<i32> {
     let timeout = libc::timespec {
         tv_sec: 0,
         tv_nsec: SIGNAL_POLL_MS * 1_000_000,

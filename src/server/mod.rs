@@ -592,6 +592,13 @@ impl ServerHandle {
         &self.pool_paths
     }
 
+    /// Why the embedded pool manager stopped on its own (a failed journal
+    /// write or sync: fail-stop), if it did. The server must then exit; a
+    /// restart recovers.
+    pub fn pool_failure(&self) -> Option<String> {
+        self.pool_core.as_ref().and_then(PoolCore::failure)
+    }
+
     /// A snapshot of the directory's statistics (asked of the loop thread).
     pub fn directory_stats(&self) -> Result<DirectoryStats, ServerError> {
         let (tx, rx) = mpsc::sync_channel(1);
