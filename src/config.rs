@@ -280,29 +280,34 @@ impl DirectorySection {
     /// The directory's configuration (its own checks run when the server
     /// starts).
     pub fn directory_config(&self) -> cxlkv_controlplane::directory::DirectoryConfig {
+        use cxlkv_controlplane::directory::{DirectoryConfig, EvictionConfig};
         use std::time::Duration;
-        let mut d = cxlkv_controlplane::directory::DirectoryConfig::default();
-        d.session_lease = Duration::from_millis(self.lease_ms);
-        d.instance_grace = Duration::from_millis(self.grace_ms);
-        d.max_instance_quota_bytes = (self.quota_bytes > 0).then_some(self.quota_bytes);
-        d.eviction.orphans = self.orphan_eviction;
-        d.eviction.pool_high_watermark = self.high_watermark;
-        d.eviction.pool_low_watermark = self.low_watermark;
-        d.eviction.lru = self.lru;
-        d.eviction.lru_high_fill = self.lru_high_fill;
-        d.eviction.lru_low_fill = self.lru_low_fill;
-        d.eviction.max_evictions_per_tick = self.max_evictions_per_tick;
-        d.long_held_pin = Duration::from_millis(self.long_pin_ms);
-        d.max_batch = self.max_batch;
-        d.max_pins_per_call = self.max_pins_per_call;
-        d.max_keys = self.max_keys;
-        d.max_sessions = self.max_sessions;
-        d.max_instances = self.max_instances;
-        d.reply_window = self.reply_window;
-        d.reply_cache_bytes_per_instance =
-            usize::try_from(self.reply_cache_bytes).unwrap_or(usize::MAX);
-        d.max_region_bytes = self.max_region_bytes;
-        d
+        let base = DirectoryConfig::default();
+        DirectoryConfig {
+            session_lease: Duration::from_millis(self.lease_ms),
+            instance_grace: Duration::from_millis(self.grace_ms),
+            max_instance_quota_bytes: (self.quota_bytes > 0).then_some(self.quota_bytes),
+            eviction: EvictionConfig {
+                orphans: self.orphan_eviction,
+                pool_high_watermark: self.high_watermark,
+                pool_low_watermark: self.low_watermark,
+                lru: self.lru,
+                lru_high_fill: self.lru_high_fill,
+                lru_low_fill: self.lru_low_fill,
+                max_evictions_per_tick: self.max_evictions_per_tick,
+            },
+            long_held_pin: Duration::from_millis(self.long_pin_ms),
+            max_batch: self.max_batch,
+            max_pins_per_call: self.max_pins_per_call,
+            max_keys: self.max_keys,
+            max_sessions: self.max_sessions,
+            max_instances: self.max_instances,
+            reply_window: self.reply_window,
+            reply_cache_bytes_per_instance: usize::try_from(self.reply_cache_bytes)
+                .unwrap_or(usize::MAX),
+            max_region_bytes: self.max_region_bytes,
+            ..base
+        }
     }
 }
 
