@@ -397,35 +397,6 @@ fn many_threads_share_one_client() {
     assert_eq!(stats.pins, 0, "every unpin arrived");
 }
 
-/// Writes the pool's identity header (the UUID the server announced) into
-/// the first block of the pool file if it has none yet. The pool service
-/// writes this header when it opens a pool; the embedded pool manager of
-/// this server build does not, and a remote client refuses a pool without
-/// it. The first block is never part of a region.
-fn ensure_identity_header(path: &std::path::Path, uuid: [u8; 16], size: u64, align: u64) {
-    use cxlkv_controlplane::pool::{PoolIdentity, PoolUuid, header};
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut block = vec![0u8; header::HEADER_BYTES];
-    f.read_exact_at(&mut block, 0).unwrap();
-    if header::decode(&block).unwrap() == header::BlockState::Fresh {
-        header::encode_identity(
-            &mut block,
-            &PoolIdentity {
-                uuid: PoolUuid(uuid),
-                size_bytes: size,
-                alignment_bytes: align,
-            },
-        )
-        .unwrap();
-        f.write_all_at(&block, 0).unwrap();
-    }
-}
-
 #[test]
 fn a_remote_client_over_tcp_with_flush_visibility_shares_with_a_local_one() {
     use cxlkv_dataplane::visibility::Visibility;
@@ -435,12 +406,6 @@ fn a_remote_client_over_tcp_with_flush_visibility_shares_with_a_local_one() {
     let server = cxlkv::server::Server::start(cfg).unwrap();
     let local = Client::connect(client_config(&server)).unwrap();
     let pool = local.pools()[0].clone();
-    ensure_identity_header(
-        &server.pool_paths()[0],
-        pool.uuid,
-        pool.size_bytes,
-        pool.align_bytes,
-    );
 
     let addr = server.tcp_addr().unwrap();
     let mut wrong = cxlkv::client::ClientConfig::tcp(addr);
