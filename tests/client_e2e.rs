@@ -315,13 +315,15 @@ fn observers_see_every_mapping_and_eager_map_maps_peers_at_connect() {
 #[test]
 fn heartbeats_keep_an_idle_session_alive_beyond_its_lease() {
     let mut cfg = server_config("e2e-heartbeat");
-    cfg.directory.session_lease = Duration::from_millis(300);
+    cfg.directory.session_lease = Duration::from_secs(2);
     let server = cxlkv::server::Server::start(cfg).unwrap();
     let client = Client::connect(client_config(&server)).unwrap();
     let layout = client.layout(PAGE, FINGERPRINT).unwrap();
     layout.put(b"k", &chunk(1, 10)).unwrap();
     let session = client.session_id();
-    std::thread::sleep(Duration::from_millis(1200));
+    // Idle for 2.5 leases: only heartbeats (every third of a lease) keep
+    // the session.
+    std::thread::sleep(Duration::from_millis(5000));
     assert!(layout.exists(b"k").unwrap());
     assert_eq!(client.session_id(), session, "the same session");
     assert_eq!(client.stats().reconnects, 0);
