@@ -125,6 +125,9 @@ fn start_server() -> anyhow::Result<ServerChild> {
     let mut cfg = ServerConfig::ephemeral("bench");
     cfg.default_region_bytes = REGION_BYTES;
     cfg.pool_size_bytes = 512 << 20;
+    // The session is idle while the raw baseline runs, which on a loaded
+    // host can take longer than the default lease.
+    cfg.directory.session_lease = Duration::from_secs(3600);
     let (socket, pool) = (cfg.socket_path.clone(), cfg.pool_path.clone());
     let child = fork_child(move || match Server::start(cfg) {
         // Serves until the bench kills this process.

@@ -38,7 +38,9 @@ use cxlkv_controlplane::transport::{
 use cxlkv_dataplane::ids::RegionId;
 use parking_lot::Mutex;
 
-use super::pool::{PoolReply, PoolRequest, PoolService, PoolServiceError, dup_fds};
+use cxlkv_controlplane::pool::service::{PoolReply, PoolRequest, PoolService, PoolServiceError};
+
+use super::pool::{dup_fds, worth_retrying};
 use super::wire;
 
 /// Pool-manager answers and control requests, posted from other threads for
@@ -1210,7 +1212,7 @@ impl DirectoryHandler {
                     self.frees_in_flight -= 1;
                     match result {
                         Ok(()) => tracing::debug!(region = %handle.region, "region freed"),
-                        Err(e) if e.is_transient() => {
+                        Err(e) if worth_retrying(&e) => {
                             let backoff = FREE_RETRY_FIRST
                                 .saturating_mul(1 << attempt.min(8))
                                 .min(FREE_RETRY_MAX);
