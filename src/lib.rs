@@ -15,6 +15,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod server;
+pub mod tier;
 
 pub use client::Client;
 
