@@ -16,6 +16,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod server;
+pub mod tier;
 
 pub use client::Client;
 

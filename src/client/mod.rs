@@ -60,6 +60,7 @@ mod rpc;
 mod seq;
 mod session;
 mod shared;
+pub(crate) mod staged;
 mod stats;
 mod write;
 

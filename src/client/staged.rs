@@ -1,0 +1,528 @@
+//! Client operations for the L1 tier ([`crate::tier`]): pins that outlive
+//! any guard, released synchronously with counts; raw views of pages the
+//! tier holds across calls; the usage figures the tier reports.
+//!
+//! The plain API ties a pin to a [`ReadGuard`](super::ReadGuard) and defers
+//! its release. The tier's protocol is different: `reserve_read` takes `T`
+//! pins per key in one lookup, the engine releases them in any split across
+//! later `finish_read` calls, and `finish_read` must have released them
+//! *before it returns*, so that a `delete` that follows — from this process
+//! or any other — sees them gone. Hence:
+//!
+//! - [`LayoutHandle::lookup_pinned`]: one `Lookup` taking `pins` pins per
+//!   found key, resolved to in-place views (peer regions mapped on the way).
+//!   The pins go into the client's ledger of live pins (so a reconnect takes
+//!   them again on the new session, as it does for guards) and nothing
+//!   releases them on drop. A key whose page cannot be mapped has its pins
+//!   released within the call.
+//! - [`LayoutHandle::release_pins`]: the synchronous, counted release. The
+//!   counts are taken out of the ledger and the `Unpin`s are started on the
+//!   current connection under the ledger's lock — so a concurrent reconnect
+//!   either sees the pins (and takes them again before this runs) or does
+//!   not (and they are released here) — then awaited. A release whose
+//!   connection broke is dropped: the pins died with that session, and
+//!   sending it on the next session could release a pin taken again for
+//!   someone else.
+//!
+//! **Unknown outcomes end the session.** A pinning lookup or an unpin whose
+//! every attempt went unanswered may or may not have taken effect: pins may
+//! be held that nobody will release. Both answer it by ending the session
+//! (the connection is marked dead and replaced by a reattach): the
+//! directory drops every pin of the old session, and the reattach takes
+//! again exactly the pins the ledger says are live. No pin leaks, whatever
+//! the network lost.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use cxlkv_controlplane::frame::Frame;
+use cxlkv_controlplane::proto::{
+    self, ArchivedDirectoryReply, ErrorCode, Location, Lookup, LookupReply, Message, RegionDesc, RequestMeta, Unpin,
+    UnpinOutcome, UnpinReply,
+};
+use cxlkv_controlplane::transport::{ClientError as TransportError, PendingCall};
+use cxlkv_dataplane::map::MappedRegion;
+use cxlkv_dataplane::visibility;
+
+use super::error::ClientError;
+use super::layout::LayoutHandle;
+use super::lease::PageLease;
+use super::rpc::{Encoded, Fail, Mode};
+use super::seq::SeqTicket;
+use super::shared::{Conn, Shared};
+
+#[cfg(test)]
+thread_local! {
+    /// Test fail point (the reference's `resolve_none`): this many next
+    /// placements on this thread fail as if the page's region could not be
+    /// mapped.
+    pub(crate) static FAIL_PLACEMENTS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// A chunk in place in the pool: the mapping that holds it (kept mapped
+/// while this lives), where it is, and the layout's page size.
+#[derive(Debug, Clone)]
+pub(crate) struct PlacedPage {
+    pub mapping: Arc<MappedRegion>,
+    pub location: Location,
+    pub page_size_bytes: usize,
+}
+
+/// What a pinning lookup found for one key.
+#[derive(Debug)]
+pub(crate) enum PinnedLookup {
+    /// Found, `pins` pins taken (recorded in the ledger), view resolved.
+    Found(PlacedPage),
+    /// Not registered: no pin taken.
+    Missing,
+    /// Registered, but its page could not be mapped here: the pins were
+    /// released again within the call.
+    Unresolvable(ClientError),
+}
+
+/// What a counted release did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PinRelease {
+    /// Pins released by the directory.
+    pub released: u64,
+    /// Pins the directory did not hold for this session (it reported the
+    /// key `NotPinned`).
+    pub not_held: u64,
+    /// Pins that died with a session before they could be released (not
+    /// in the ledger any more, or the connection broke).
+    pub lost_with_session: u64,
+    /// `Unpin` round trips made.
+    pub round_trips: u64,
+}
+
+/// One started `Unpin`: its ticket, the call, its payload (for resends) and
+/// the pins it carries.
+struct StartedUnpin {
+    ticket: SeqTicket,
+    call: Result<PendingCall, TransportError>,
+    encoded: Encoded,
+    counts: Vec<u32>,
+}
+
+impl LayoutHandle {
+    /// One `Lookup` round trip taking `pins` pins on every key found (see the
+    /// module docs); one result per key, in order. The caller owns the pins
+    /// and releases them with [`LayoutHandle::release_pins`].
+    pub(crate) fn lookup_pinned<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        pins: u32,
+    ) -> Result<Vec<PinnedLookup>, ClientError> {
+        let shared = self.shared();
+        shared.check_open()?;
+        if pins == 0 || pins as usize > proto::MAX_PINS_PER_KEY {
+            return Err(ClientError::Config {
+                field: "pins",
+                reason: format!("{pins} is not in 1..={}", proto::MAX_PINS_PER_KEY),
+            });
+        }
+        let mut msg = Lookup {
+            meta: Default::default(),
+            layout: self.state.layout,
+            keys: keys.iter().map(|k| k.as_ref().to_vec()).collect(),
+            pins,
+        };
+        let n = keys.len();
+        let reply = shared.mutating_call::<_, LookupReply, _>(
+            "lookup",
+            Mode::NORMAL,
+            &mut msg,
+            |reply| {
+                let locations: Vec<Option<Location>> = reply.locations().collect();
+                if locations.len() != n {
+                    return Err(ClientError::BadReply {
+                        op: "lookup",
+                        source: proto::ProtoError::Malformed {
+                            kind: proto::Kind::LookupReply,
+                            len_bytes: 0,
+                            detail: format!("{} locations for {n} keys", locations.len()),
+                        },
+                    });
+                }
+                Ok((locations, reply.regions().collect::<Vec<RegionDesc>>()))
+            },
+        );
+        let (locations, regions) = match reply {
+            Ok(found) => found,
+            Err(Fail::Definite(e)) => return Err(e),
+            Err(Fail::Indeterminate(e)) => {
+                // Pins may have been taken that no reply told us about.
+                shared.end_session("a pinning lookup went unanswered");
+                return Err(e);
+            }
+        };
+        {
+            let mut ledger = shared.live_pins.lock();
+            for (key, location) in keys.iter().zip(&locations) {
+                if location.is_some() {
+                    *ledger
+                        .entry((self.state.ix, Box::from(key.as_ref())))
+                        .or_insert(0) += pins;
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut rollback: Vec<(&[u8], u64)> = Vec::new();
+        for (key, location) in keys.iter().zip(locations) {
+            let Some(location) = location else {
+                out.push(PinnedLookup::Missing);
+                continue;
+            };
+            match self.place(location, &regions) {
+                Ok(page) => out.push(PinnedLookup::Found(page)),
+                Err(e) => {
+                    rollback.push((key.as_ref(), u64::from(pins)));
+                    out.push(PinnedLookup::Unresolvable(e));
+                }
+            }
+        }
+        if !rollback.is_empty() {
+            // Best effort, like every release: its outcome is in the stats.
+            let _ = self.release_pins(&rollback);
+        }
+        Ok(out)
+    }
+
+    /// The view of a found location: the layout's own region, a cached peer
+    /// region, or a peer region mapped now; its bytes acquired (a fence, or
+    /// an invalidation on a `Flush` pool) so they are the writer's.
+    fn place(&self, location: Location, regions: &[RegionDesc]) -> Result<PlacedPage, ClientError> {
+        #[cfg(test)]
+        if FAIL_PLACEMENTS.with(|n| n.replace(n.get().saturating_sub(1)) > 0) {
+            return Err(ClientError::Pool {
+                pool: 0,
+                reason: format!("fail point: region {} cannot be mapped", location.region),
+            });
+        }
+        let shared = self.shared();
+        let desc = regions.iter().find(|d| d.region == location.region);
+        let (mapping, mode) = shared.resolve_region(&self.state, location.region, desc)?;
+        let page_size_bytes = self.state.page_size_bytes;
+        let view = mapping.page(
+            page_size_bytes,
+            location.page_index(),
+            location.len_bytes as usize,
+        )?;
+        visibility::acquire(mode, view.as_bytes());
+        Ok(PlacedPage {
+            mapping,
+            location,
+            page_size_bytes,
+        })
+    }
+
+    /// Releases `count` pins of each `(key, count)` now and waits for the
+    /// directory's answers (see the module docs). A key may appear more than
+    /// once; counts above the protocol's per-entry limit are split.
+    pub(crate) fn release_pins(&self, items: &[(&[u8], u64)]) -> Result<PinRelease, ClientError> {
+        let shared = self.shared();
+        shared.check_open()?;
+        let mut report = PinRelease::default();
+        let per_entry = proto::MAX_PINS_PER_KEY as u64;
+        let max_batch = (shared.limits().max_batch as usize).clamp(1, proto::MAX_BATCH);
+        // Upper bound of the messages needed, so that every ticket is taken
+        // before the ledger is locked (a reconnect needs that lock and the
+        // tickets of in-flight requests).
+        let entries_bound: u64 = items
+            .iter()
+            .map(|(_, n)| n.div_ceil(per_entry).max(1))
+            .sum();
+        let messages = (entries_bound as usize).div_ceil(max_batch);
+        let mut tickets = Vec::with_capacity(messages);
+        for _ in 0..messages {
+            match shared.ticket() {
+                Ok(t) => tickets.push(t),
+                Err(f) => {
+                    for t in tickets {
+                        shared.seqs.release(t);
+                    }
+                    return Err(f.into_error());
+                }
+            }
+        }
+        let (conn, started) = {
+            let mut ledger = shared.live_pins.lock();
+            let mut keys = Vec::new();
+            let mut counts = Vec::new();
+            for (key, wanted) in items {
+                let k = (self.state.ix, Box::<[u8]>::from(*key));
+                let held = ledger.get(&k).map_or(0, |&n| u64::from(n));
+                let take = (*wanted).min(held);
+                report.lost_with_session += wanted - take;
+                if take == 0 {
+                    continue;
+                }
+                if take == held {
+                    ledger.remove(&k);
+                } else if let Some(n) = ledger.get_mut(&k) {
+                    *n -= take as u32;
+                }
+                let mut left = take;
+                while left > 0 {
+                    let c = left.min(per_entry);
+                    keys.push(key.to_vec());
+                    counts.push(c as u32);
+                    left -= c;
+                }
+            }
+            let conn = match shared.conn() {
+                Ok(c) if c.usable() => c,
+                _ => {
+                    // Out of the ledger and the session is gone (or going):
+                    // the pins die with it and are never taken again.
+                    report.lost_with_session += counts.iter().map(|&c| u64::from(c)).sum::<u64>();
+                    drop(ledger);
+                    for t in tickets {
+                        shared.seqs.release(t);
+                    }
+                    return Ok(report);
+                }
+            };
+            let mut started = Vec::new();
+            let mut tickets = tickets.into_iter();
+            for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
+                let ticket = tickets
+                    .next()
+                    .expect("invariant: one ticket per message was taken above");
+                let msg = Unpin {
+                    meta: RequestMeta {
+                        seq: ticket.seq,
+                        notice_ack: shared.notice_ack(),
+                        replies_received_below: shared.seqs.received_below(),
+                    },
+                    layout: self.state.layout,
+                    keys: keys.to_vec(),
+                    counts: counts.to_vec(),
+                };
+                let encoded = match Encoded::new(&msg) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        shared.seqs.release(ticket);
+                        for t in tickets {
+                            shared.seqs.release(t);
+                        }
+                        drop(ledger);
+                        shared.end_session("an unpin could not be encoded");
+                        return Err(e);
+                    }
+                };
+                shared.stats.bump(&shared.stats.requests);
+                shared.stats.bump(&shared.stats.unpin_batches);
+                // Relaxed: a heartbeat-scheduling hint.
+                shared
+                    .last_sent_ms
+                    .store(shared.now_ms(), Ordering::Relaxed);
+                let call = conn.rpc.start(
+                    <Unpin as Message>::KIND.as_u16(),
+                    encoded.payload(),
+                    shared.request_timeout(),
+                );
+                started.push(StartedUnpin {
+                    ticket,
+                    call,
+                    encoded,
+                    counts: counts.to_vec(),
+                });
+            }
+            for t in tickets {
+                shared.seqs.release(t);
+            }
+            (conn, started)
+        };
+        let mut unknown = false;
+        for s in started {
+            report.round_trips += 1;
+            let pins: u64 = s.counts.iter().map(|&c| u64::from(c)).sum();
+            match shared.await_unpin(&conn, s.call, &s.encoded, &s.counts) {
+                UnpinAnswer::Answered { not_held_pins } => {
+                    report.not_held += not_held_pins;
+                    report.released += pins - not_held_pins;
+                }
+                UnpinAnswer::SessionGone => report.lost_with_session += pins,
+                UnpinAnswer::Unknown => {
+                    unknown = true;
+                    report.lost_with_session += pins;
+                }
+            }
+            shared.seqs.release(s.ticket);
+        }
+        if unknown {
+            shared.end_session("an unpin went unanswered");
+        }
+        Ok(report)
+    }
+
+    /// A writable lease's page as a placed page (the tier hands out its
+    /// pointer for the engine to fill in place). Marks the lease as written,
+    /// so registration publishes it.
+    pub(crate) fn place_lease(&self, lease: &mut PageLease) -> Result<PlacedPage, ClientError> {
+        let location = lease.location();
+        let mapping = self
+            .state
+            .regions
+            .with(cxlkv_dataplane::ids::RegionId(location.region), |r| {
+                Arc::clone(&r.mapping)
+            })
+            .ok_or(ClientError::ForeignLease { index: 0 })?;
+        // The engine writes through the pointer, which the lease cannot see:
+        // taking the view is what marks it as needing publication.
+        let _ = lease.bytes_mut();
+        Ok(PlacedPage {
+            mapping,
+            location,
+            page_size_bytes: self.state.page_size_bytes,
+        })
+    }
+
+    /// Bytes of pages allocated in every region this client owns (any
+    /// layout), and the bytes of those regions.
+    pub(crate) fn client_pages_in_use(&self) -> (u64, u64) {
+        let mut used = 0u64;
+        let mut owned = 0u64;
+        for layout in self.shared().layouts.read().iter() {
+            for (_, r) in layout.regions.read().iter() {
+                let total = u64::from(r.alloc.page_count());
+                let free = u64::from(r.alloc.free_pages()).min(total);
+                used += (total - free) * r.page_size_bytes as u64;
+                owned += r.desc.len_bytes;
+            }
+        }
+        (used, owned)
+    }
+
+    /// Whether this layout takes a new region when it is full.
+    pub(crate) fn auto_expands(&self) -> bool {
+        self.state.auto_expand
+    }
+
+    /// The client's configured cap on region bytes, if any.
+    pub(crate) fn quota_bytes(&self) -> Option<u64> {
+        self.shared().cfg.quota_bytes
+    }
+}
+
+/// How one unpin ended.
+enum UnpinAnswer {
+    /// The directory answered; this many pins were not held.
+    Answered { not_held_pins: u64 },
+    /// The connection broke: the session's pins are gone with it.
+    SessionGone,
+    /// Every attempt went unanswered on a live connection.
+    Unknown,
+}
+
+impl Shared {
+    /// Waits for one started unpin, resending the same request (same
+    /// sequence number: answered once) on the same connection after a
+    /// timeout or a transient refusal, at most `max_retries` times.
+    fn await_unpin(
+        &self,
+        conn: &Conn,
+        call: Result<PendingCall, TransportError>,
+        encoded: &Encoded,
+        counts: &[u32],
+    ) -> UnpinAnswer {
+        let mut call = call;
+        let mut attempts = 0;
+        loop {
+            let retry = match call.and_then(PendingCall::wait) {
+                Ok(reply) => {
+                    let frame = Frame {
+                        header: reply.header,
+                        payload: reply.payload(),
+                    };
+                    match proto::access_reply::<UnpinReply>(frame) {
+                        Ok(Ok(r)) => {
+                            self.absorb(r.reply_meta());
+                            // Each `NotPinned` entry released nothing; count
+                            // its pins from the request's counts.
+                            let not_held_pins = not_held_pins(counts, r);
+                            self.stats.add(&self.stats.unpins_not_held, not_held_pins);
+                            return UnpinAnswer::Answered { not_held_pins };
+                        }
+                        Ok(Err(refusal)) => {
+                            match ErrorCode::from_u16(refusal.code.to_native()) {
+                                Some(c) if c.is_transient() => true,
+                                Some(ErrorCode::SessionEnded | ErrorCode::HelloRequired) => {
+                                    // Relaxed: a hint for the next request,
+                                    // which reattaches.
+                                    conn.dead.store(true, Ordering::Relaxed);
+                                    return UnpinAnswer::SessionGone;
+                                }
+                                // A refusal changed nothing; the session
+                                // still holds the pins, which only its end
+                                // can release now.
+                                _ => return UnpinAnswer::Unknown,
+                            }
+                        }
+                        Err(_) => return UnpinAnswer::Unknown,
+                    }
+                }
+                Err(TransportError::Timeout { .. }) => true,
+                Err(_) => return UnpinAnswer::SessionGone,
+            };
+            attempts += 1;
+            if !conn.usable() {
+                return UnpinAnswer::SessionGone;
+            }
+            if !retry || attempts > self.cfg.max_retries {
+                return UnpinAnswer::Unknown;
+            }
+            self.stats.bump(&self.stats.retries);
+            self.stats.bump(&self.stats.requests);
+            call = conn.rpc.start(
+                <Unpin as Message>::KIND.as_u16(),
+                encoded.payload(),
+                self.request_timeout(),
+            );
+        }
+    }
+
+    /// Ends the current session so the directory drops every pin it holds,
+    /// and reattaches now (the reattach takes the ledger's pins again). If
+    /// the reattach fails, the next request retries it.
+    pub(crate) fn end_session(&self, why: &'static str) {
+        let Ok(conn) = self.conn() else { return };
+        tracing::warn!(reason = why, "ending the session to release pins of unknown state");
+        // Relaxed: `dead` is a hint read by the next request, which then
+        // reconnects under the reconnect lock.
+        conn.dead.store(true, Ordering::Relaxed);
+        let conn_no = conn.conn_no;
+        drop(conn);
+        if let Err(e) = self.reconnect(conn_no) {
+            tracing::warn!(error = %e, "reattach after ending the session failed; the next request retries");
+        }
+    }
+}
+
+/// Pins of the entries an `UnpinReply` reports as not held.
+fn not_held_pins(counts: &[u32], reply: &proto::Archived<UnpinReply>) -> u64 {
+    counts
+        .iter()
+        .zip(reply.outcomes.iter())
+        .filter(|(_, o)| matches!(UnpinOutcome::from(*o), UnpinOutcome::NotPinned))
+        .map(|(&c, _)| u64::from(c))
+        .sum()
+}
+
+impl LayoutHandle {
+    /// Most keys one request of this session may carry.
+    pub(crate) fn max_batch(&self) -> usize {
+        (self.shared().limits().max_batch as usize).clamp(1, proto::MAX_BATCH)
+    }
+
+    /// Longest key this session accepts.
+    pub(crate) fn max_key_bytes(&self) -> usize {
+        (self.shared().limits().max_key_bytes as usize).min(proto::MAX_KEY_BYTES)
+    }
+
+    /// The client's latest piggybacked usage (no round trip).
+    pub(crate) fn cached_usage(&self) -> proto::Usage {
+        self.shared().usage.load()
+    }
+}

@@ -1,0 +1,578 @@
+//! The L1 tier: the engine-facing staged protocol on the shared pool
+//! (spec: `l1-tier.md`, behavioural reference: `l1-tier-reference.md`).
+//!
+//! Engines with an L1/L2 tiering controller (LMCache's multi-process mode
+//! is the model) do not just put and get: they reserve pages and fill them
+//! asynchronously, hold readers across a request, promote L2 data into L1
+//! as a private temporary or as a retained shared key, and drive eviction
+//! from listener events. [`L1Tier`] provides that contract over one layout
+//! of a [`Client`](crate::Client), so such an engine can use cxlkv as its
+//! L1 without changing its controllers.
+//!
+//! # State
+//!
+//! Membership and cross-process protection live in the directory; the tier
+//! keeps only this instance's in-flight state (`staging.rs`): the write
+//! map `W` (pages reserved, being filled, not registered) and the read map
+//! `R` (pages served to readers, with their local holds and the directory
+//! pins behind them, or a private temporary page). Per key (this tier's
+//! view): *Untracked*, *WriteStaged*, *DirRead(n holds, n pins)*,
+//! *TempHeld(n)*, *TempIdle* — mutually exclusive (I1).
+//!
+//! # Operations
+//!
+//! The reference's 17 (the layout binding is the constructor):
+//! [`register_listener`](L1Tier::register_listener),
+//! [`reserve_read`](L1Tier::reserve_read), [`unsafe_read`](L1Tier::unsafe_read),
+//! [`finish_read`](L1Tier::finish_read), [`reserve_write`](L1Tier::reserve_write),
+//! [`finish_write`](L1Tier::finish_write),
+//! [`finish_write_and_reserve_read`](L1Tier::finish_write_and_reserve_read),
+//! [`delete`](L1Tier::delete), [`touch_keys`](L1Tier::touch_keys),
+//! [`clear`](L1Tier::clear), [`is_key_evictable`](L1Tier::is_key_evictable),
+//! [`get_memory_usage`](L1Tier::get_memory_usage),
+//! [`get_l1_memory_desc`](L1Tier::get_l1_memory_desc), [`close`](L1Tier::close),
+//! [`report_status`](L1Tier::report_status),
+//! [`get_object_state`](L1Tier::get_object_state), [`memcheck`](L1Tier::memcheck).
+//! Per-key outcomes are [`TierCode`]s; a call is refused as a whole (and
+//! changes nothing) only for bad arguments — a key repeated within the
+//! call, `keys`/`is_temporary` of different lengths, an unsupported write
+//! mode, a key or batch over the limits — or when called re-entrantly or
+//! after `close`.
+//!
+//! # Where cxlkv does better than the reference
+//!
+//! - `reserve_read` is **one** `Lookup` that pins and resolves atomically
+//!   (the reference pins, then retrieves, then rolls back); `finish_read`
+//!   is one synchronous, counted `Unpin`, done before it returns.
+//! - Pins belong to the client's session and are recorded in its ledger:
+//!   they die with the session and are taken again on reattach; a pin whose
+//!   reply was lost cannot leak (the client ends the session instead).
+//! - `delete` is one batched round trip answering `Deleted` / `Pinned` /
+//!   `Missing` per key, never conflated.
+//! - Registration is exactly-once: a lost reply is answered by retrying the
+//!   same sequence number; a registration whose outcome stays unknown keeps
+//!   its page (the client resolves it later), so no page is ever freed
+//!   while registered (I7) and none is leaked.
+//! - `get_memory_usage` makes no round trip (usage rides on every reply).
+//!
+//! # Concurrency
+//!
+//! One lock per tier, held for the whole of every locked operation,
+//! including its round trips and its listener calls (per-call atomicity, as
+//! the reference). Different tiers never share a lock. Not locked:
+//! `touch_keys`, `is_key_evictable` (a mirror of the staged keys),
+//! `get_memory_usage`, `get_l1_memory_desc`, `get_object_state`,
+//! `memcheck`. A listener calling a locked operation of its own tier gets
+//! [`TierError::Reentrant`]. The TTL sweeper (`sweeper.rs`) is a thread per
+//! tier that takes the lock once per sweep.
+
+mod clock;
+mod events;
+mod ops;
+mod staging;
+mod sweeper;
+mod types;
+
+#[cfg(test)]
+mod tests;
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::{Mutex, MutexGuard, RwLock};
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use events::{EventSink, Listener, TierEvent};
+pub use types::{
+    Holds, InvariantViolation, KeyPage, KeyStage, L1MemoryDesc, ObjectState, SweepReport,
+    TierCode, TierError, TierPage, TierStats, TierStatus, WriteMode,
+};
+
+use crate::client::LayoutHandle;
+use events::Callback;
+use staging::{KeyMirror, Staging};
+use sweeper::Sweeper;
+
+/// The name `report_status` gives the backend.
+pub const BACKEND: &str = "cxlkv";
+/// Shortest sweep interval.
+pub const MIN_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// Longest TTL accepted (a year: "never" in practice, still a bound).
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// How a tier is set up. `TierConfig::default()`: write TTL 600 s, read TTL
+/// 300 s (the reference's test values), the system clock, no event sink.
+#[derive(Clone)]
+pub struct TierConfig {
+    /// How long a write reservation may stay unfinished before the sweeper
+    /// reclaims its page.
+    pub write_ttl: Duration,
+    /// How long a read staging may stay after its last reserve before the
+    /// sweeper releases its pins (and reclaims a private page).
+    pub read_ttl: Duration,
+    /// The time deadlines are measured in (tests inject a [`ManualClock`]).
+    pub clock: Arc<dyn Clock>,
+    /// Where observability events go.
+    pub events: Option<Arc<dyn EventSink>>,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        Self {
+            write_ttl: Duration::from_secs(600),
+            read_ttl: Duration::from_secs(300),
+            clock: Arc::new(SystemClock::new()),
+            events: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for TierConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierConfig")
+            .field("write_ttl", &self.write_ttl)
+            .field("read_ttl", &self.read_ttl)
+            .field("clock", &self.clock)
+            .field("events", &self.events.is_some())
+            .finish()
+    }
+}
+
+impl TierConfig {
+    /// The sweep interval: `max(1 s, min(write_ttl, read_ttl) / 4)`.
+    pub fn sweep_interval(&self) -> Duration {
+        (self.write_ttl.min(self.read_ttl) / 4).max(MIN_SWEEP_INTERVAL)
+    }
+
+    fn validate(&self) -> Result<(), TierError> {
+        for (field, ttl) in [("write_ttl", self.write_ttl), ("read_ttl", self.read_ttl)] {
+            if ttl < Duration::from_millis(1) || ttl > MAX_TTL {
+                return Err(TierError::Config {
+                    field,
+                    reason: format!("{ttl:?} is not in 1 ms..={} s", MAX_TTL.as_secs()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+thread_local! {
+    /// Ids of the tiers whose lock this thread holds (to answer a
+    /// re-entrant call from a listener instead of deadlocking).
+    static HELD: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Tier ids, unique in the process.
+static NEXT_TIER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Counters behind [`TierStats`].
+#[derive(Debug, Default)]
+struct Counters {
+    lookups: AtomicU64,
+    unpin_round_trips: AtomicU64,
+    pins_released: AtomicU64,
+    pins_lost: AtomicU64,
+    registers: AtomicU64,
+    registers_unresolved: AtomicU64,
+    exists: AtomicU64,
+    deletes: AtomicU64,
+    temporaries_reclaimed: AtomicU64,
+    swept: AtomicU64,
+}
+
+impl Counters {
+    fn add(c: &AtomicU64, n: u64) {
+        // Relaxed: independent tallies, read for reporting.
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> TierStats {
+        // Relaxed: independent tallies.
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TierStats {
+            lookups: l(&self.lookups),
+            unpin_round_trips: l(&self.unpin_round_trips),
+            pins_released: l(&self.pins_released),
+            pins_lost: l(&self.pins_lost),
+            registers: l(&self.registers),
+            registers_unresolved: l(&self.registers_unresolved),
+            exists: l(&self.exists),
+            deletes: l(&self.deletes),
+            temporaries_reclaimed: l(&self.temporaries_reclaimed),
+            swept: l(&self.swept),
+        }
+    }
+}
+
+/// What the tier and its sweeper share.
+struct Inner {
+    id: u64,
+    layout: LayoutHandle,
+    cfg: TierConfig,
+    state: Mutex<Staging>,
+    mirror: KeyMirror,
+    /// Replaced wholesale on registration so dispatch can clone the `Arc`
+    /// and call listeners without holding this lock.
+    listeners: RwLock<Arc<Vec<Arc<dyn Listener>>>>,
+    /// Set by `close` (the unlocked operations read it).
+    closed: AtomicBool,
+    counters: Counters,
+    /// Tests that inject a state the operations cannot reach turn the
+    /// after-operation invariant assertion off.
+    #[cfg(test)]
+    skip_invariant_assert: AtomicBool,
+}
+
+/// The tier's lock, held by this thread (see `HELD`).
+struct Locked<'a> {
+    guard: MutexGuard<'a, Staging>,
+    id: u64,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Staging;
+    fn deref(&self) -> &Staging {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Staging {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let id = self.id;
+        HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            if let Some(pos) = h.iter().rposition(|&x| x == id) {
+                h.remove(pos);
+            }
+        });
+    }
+}
+
+/// The L1 tier over one layout (see the module docs). Thread-safe; share it
+/// with an `Arc`. Dropping it closes it.
+pub struct L1Tier {
+    inner: Arc<Inner>,
+    sweeper: Mutex<Option<Sweeper>>,
+}
+
+impl std::fmt::Debug for L1Tier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L1Tier")
+            .field("id", &self.inner.id)
+            .field("page_size_bytes", &self.inner.layout.page_size_bytes())
+            .field("cfg", &self.inner.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl L1Tier {
+    /// A tier over `layout` (the reference's `register_kv_layout`: the
+    /// layout fixes the page size and the key space), with its sweeper
+    /// thread started.
+    pub fn new(layout: LayoutHandle, cfg: TierConfig) -> Result<L1Tier, TierError> {
+        cfg.validate()?;
+        let interval = cfg.sweep_interval();
+        let mirror: KeyMirror = Arc::new(RwLock::new(HashSet::new()));
+        let inner = Arc::new(Inner {
+            // Relaxed: only uniqueness matters.
+            id: NEXT_TIER_ID.fetch_add(1, Ordering::Relaxed),
+            layout,
+            cfg,
+            state: Mutex::new(Staging::new(Arc::clone(&mirror))),
+            mirror,
+            listeners: RwLock::new(Arc::new(Vec::new())),
+            closed: AtomicBool::new(false),
+            counters: Counters::default(),
+            #[cfg(test)]
+            skip_invariant_assert: AtomicBool::new(false),
+        });
+        let sweeper = Sweeper::spawn(Arc::clone(&inner), interval).map_err(TierError::Thread)?;
+        Ok(L1Tier {
+            inner,
+            sweeper: Mutex::new(Some(sweeper)),
+        })
+    }
+
+    /// The layout this tier serves.
+    pub fn layout(&self) -> &LayoutHandle {
+        &self.inner.layout
+    }
+
+    /// Appends a listener (no de-duplication, no notification). Locked: a
+    /// listener registered during another call sees none of it.
+    pub fn register_listener(&self, listener: Arc<dyn Listener>) -> Result<(), TierError> {
+        let _st = self.inner.lock("register_listener")?;
+        let mut list = self.inner.listeners.write();
+        let mut next: Vec<Arc<dyn Listener>> = list.as_ref().clone();
+        next.push(listener);
+        *list = Arc::new(next);
+        Ok(())
+    }
+
+    /// Fires `accessed(keys)` on every listener with the keys unchanged. No
+    /// lock, no round trip, no state change, no event.
+    pub fn touch_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<(), TierError> {
+        const OP: &str = "touch_keys";
+        self.inner.check_open(OP)?;
+        self.inner.check_keys(OP, keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
+        self.inner.fire(Callback::Accessed, &keys);
+        Ok(())
+    }
+
+    /// True iff the key is staged in neither map (lock-free). An unknown key
+    /// is evictable: `delete` answers authoritatively (`KeyNotExist` for a
+    /// stale candidate, `KeyIsLocked` for someone else's pin).
+    pub fn is_key_evictable(&self, key: impl AsRef<[u8]>) -> bool {
+        !self.inner.mirror.read().contains(key.as_ref())
+    }
+
+    /// `(used, total)` bytes, with no round trip: `used` = pages allocated
+    /// in this client's owned regions × their page size; `total` = the
+    /// bytes of those regions plus, when this layout auto-expands, the
+    /// pool's free bytes the client may still grow into (bounded by its
+    /// quota), as of the latest reply.
+    pub fn get_memory_usage(&self) -> (u64, u64) {
+        self.inner.memory_usage()
+    }
+
+    /// Always `None`: see [`L1MemoryDesc`].
+    pub fn get_l1_memory_desc(&self) -> Option<L1MemoryDesc> {
+        None
+    }
+
+    /// Always `None`: see [`ObjectState`].
+    pub fn get_object_state(&self, key: impl AsRef<[u8]>) -> Option<ObjectState> {
+        let _ = key;
+        None
+    }
+
+    /// The allocator's health: true unless one of this layout's allocators
+    /// ever refused a free (a page freed twice, with a stale generation, or
+    /// into the wrong region — each a bug caught). Lock-free.
+    pub fn memcheck(&self) -> bool {
+        self.inner.layout.refused_frees() == 0
+    }
+
+    /// The stock status keys plus `backend` (locked).
+    pub fn report_status(&self) -> Result<TierStatus, TierError> {
+        let st = self.inner.lock("report_status")?;
+        let (reads, writes, held, temporary) = st.counts();
+        drop(st);
+        let (used, total) = self.inner.memory_usage();
+        Ok(TierStatus {
+            is_healthy: self.memcheck(),
+            backend: BACKEND,
+            total_object_count: reads + writes,
+            write_locked_count: writes,
+            read_locked_count: held,
+            temporary_count: temporary,
+            memory_used_bytes: used,
+            memory_total_bytes: total,
+            memory_usage_ratio: if total == 0 {
+                0.0
+            } else {
+                used as f64 / total as f64
+            },
+            write_ttl_seconds: self.inner.cfg.write_ttl.as_secs_f64(),
+            read_ttl_seconds: self.inner.cfg.read_ttl.as_secs_f64(),
+        })
+    }
+
+    /// Stops and joins the sweeper, then drains the staging without
+    /// notifying: every read pin released (one batched unpin), every private
+    /// temporary and every write page reclaimed — each exactly once. Shared
+    /// pages are not touched. Idempotent; later calls to locked operations
+    /// fail with `Closed`. The client stays open.
+    pub fn close(&self) -> Result<(), TierError> {
+        const OP: &str = "close";
+        if self.inner.held_by_this_thread() {
+            return Err(TierError::Reentrant { op: OP });
+        }
+        if let Some(s) = self.sweeper.lock().take() {
+            s.stop();
+        }
+        let mut st = self.inner.lock_even_closed(OP)?;
+        if st.closed {
+            return Ok(());
+        }
+        self.inner.closed.store(true, Ordering::Release);
+        st.closed = true;
+        self.inner.drain(&mut st);
+        Ok(())
+    }
+
+    /// Where `key` stands on this tier (diagnostics; locked).
+    pub fn inspect(&self, key: impl AsRef<[u8]>) -> Result<KeyStage, TierError> {
+        let st = self.inner.lock("inspect")?;
+        Ok(st.stage_of(key.as_ref()))
+    }
+
+    /// Checks the invariants I1, I2 and I4 and the tier's mirrors (see
+    /// `staging.rs`); debug builds assert them after every operation.
+    pub fn check_invariants(&self) -> Result<(), TierError> {
+        let st = self.inner.lock("check_invariants")?;
+        st.check().map_err(TierError::from)
+    }
+
+    /// Runs one TTL sweep now (the sweeper thread does this every
+    /// [`TierConfig::sweep_interval`]).
+    pub fn sweep_now(&self) -> Result<SweepReport, TierError> {
+        self.inner.sweep()
+    }
+
+    /// The sweeper's period.
+    pub fn sweep_interval(&self) -> Duration {
+        self.inner.cfg.sweep_interval()
+    }
+
+    /// True while the sweeper thread runs (until `close`).
+    pub fn sweeper_running(&self) -> bool {
+        self.sweeper.lock().as_ref().is_some_and(Sweeper::is_running)
+    }
+
+    /// The tier's counters.
+    pub fn stats(&self) -> TierStats {
+        self.inner.counters.snapshot()
+    }
+}
+
+impl Drop for L1Tier {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::warn!(error = %e, "closing the L1 tier on drop failed");
+        }
+    }
+}
+
+impl Inner {
+    fn held_by_this_thread(&self) -> bool {
+        HELD.with(|h| h.borrow().contains(&self.id))
+    }
+
+    fn check_open(&self, op: &'static str) -> Result<(), TierError> {
+        // Acquire: pairs with the Release in `close`.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(TierError::Closed { op });
+        }
+        Ok(())
+    }
+
+    /// Takes the tier's lock for `op`, refusing a re-entrant call and a
+    /// closed tier.
+    fn lock(&self, op: &'static str) -> Result<Locked<'_>, TierError> {
+        let st = self.lock_even_closed(op)?;
+        if st.closed {
+            return Err(TierError::Closed { op });
+        }
+        Ok(st)
+    }
+
+    fn lock_even_closed(&self, op: &'static str) -> Result<Locked<'_>, TierError> {
+        if self.held_by_this_thread() {
+            return Err(TierError::Reentrant { op });
+        }
+        let guard = self.state.lock();
+        HELD.with(|h| h.borrow_mut().push(self.id));
+        Ok(Locked { guard, id: self.id })
+    }
+
+    /// Argument checks shared by every call that takes keys: batch and key
+    /// lengths within the session's limits, no key repeated.
+    fn check_keys<K: AsRef<[u8]>>(&self, op: &'static str, keys: &[K]) -> Result<(), TierError> {
+        let max = self.layout.max_batch();
+        if keys.len() > max {
+            return Err(TierError::BatchTooLarge {
+                op,
+                len: keys.len(),
+                max,
+            });
+        }
+        let max_bytes = self.layout.max_key_bytes();
+        let mut seen = std::collections::HashMap::with_capacity(keys.len());
+        for (index, key) in keys.iter().enumerate() {
+            let key = key.as_ref();
+            if key.is_empty() || key.len() > max_bytes {
+                return Err(TierError::KeyLength {
+                    op,
+                    index,
+                    len_bytes: key.len(),
+                    max_bytes,
+                });
+            }
+            if let Some(&first_index) = seen.get(key) {
+                return Err(TierError::DuplicateKey {
+                    op,
+                    index,
+                    first_index,
+                });
+            }
+            seen.insert(key, index);
+        }
+        Ok(())
+    }
+
+    /// Calls `cb` on every listener, in registration order.
+    fn fire(&self, cb: Callback, keys: &[&[u8]]) {
+        let listeners = Arc::clone(&self.listeners.read());
+        for l in listeners.iter() {
+            cb.call(l.as_ref(), keys);
+        }
+    }
+
+    /// Calls `first(a)` then `second(b)` on each listener in turn.
+    fn fire_pair(&self, first: (Callback, &[&[u8]]), second: (Callback, &[&[u8]])) {
+        let listeners = Arc::clone(&self.listeners.read());
+        for l in listeners.iter() {
+            first.0.call(l.as_ref(), first.1);
+            second.0.call(l.as_ref(), second.1);
+        }
+    }
+
+    fn publish(&self, event: TierEvent, keys: &[&[u8]]) {
+        if let Some(sink) = &self.cfg.events {
+            sink.publish(event, keys);
+        }
+    }
+
+    /// Asserts the invariants after an operation (debug builds).
+    fn assert_invariants(&self, st: &Staging, op: &'static str) {
+        #[cfg(test)]
+        // Relaxed: set by the test thread before the operation it guards.
+        if self.skip_invariant_assert.load(Ordering::Relaxed) {
+            return;
+        }
+        if cfg!(debug_assertions)
+            && let Err(v) = st.check()
+        {
+            panic!("L1 tier invariant broken after {op}: {v}");
+        }
+    }
+
+    fn memory_usage(&self) -> (u64, u64) {
+        let (used, owned) = self.layout.client_pages_in_use();
+        if !self.layout.auto_expands() {
+            return (used, owned);
+        }
+        let usage = self.layout.cached_usage();
+        let mut growable = usage.pool_free_bytes;
+        let quotas = [
+            self.layout.quota_bytes(),
+            (usage.instance_quota_bytes > 0).then_some(usage.instance_quota_bytes),
+        ];
+        for quota in quotas.into_iter().flatten() {
+            growable = growable.min(quota.saturating_sub(owned));
+        }
+        (used, owned.saturating_add(growable))
+    }
+}

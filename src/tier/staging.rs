@@ -1,0 +1,301 @@
+//! The tier's local state: the write-staging map `W`, the read-staging map
+//! `R`, and the key mirror that answers `is_key_evictable` without the
+//! tier's lock — with the invariants that tie them together.
+//!
+//! Every change to `W` or `R` goes through the methods here, which keep the
+//! mirror equal to `keys(W) ∪ keys(R)`. [`Staging::check`] verifies, after
+//! every operation in debug builds and on demand in tests:
+//!
+//! - **I1**: a key is in at most one of `W` and `R`;
+//! - **I2**: `pinned ≤ holds`; a private temporary holds no pin; a
+//!   directory read holds exactly one pin per hold (`pinned == holds ≥ 1`);
+//! - **I4**: a temporary's page is its own private allocation, still
+//!   allocated under the same generation (never registered, never freed
+//!   while staged) — and so is every write-staged page;
+//! - no page is staged twice (two entries never share a page);
+//! - the mirror equals the maps' keys.
+//!
+//! I3 (hold accounting), I5 (promotes never emit `write_finished`), I6
+//! (only removed keys are reported deleted) and I7 (a page whose
+//! registration is unknown is never freed — the client keeps it parked) are
+//! properties of the operations, proved by the tests.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use super::types::{InvariantViolation, KeyStage, TierPage};
+use crate::client::PageLease;
+
+/// A write reservation: the page the engine fills.
+#[derive(Debug)]
+pub(crate) struct PendingWrite {
+    pub lease: PageLease,
+    pub page: TierPage,
+    pub is_temporary: bool,
+    pub deadline: Duration,
+}
+
+/// A read staging: the page served to readers, its local holds and the
+/// directory pins behind them.
+#[derive(Debug)]
+pub(crate) struct PendingRead {
+    pub page: TierPage,
+    pub holds: u64,
+    pub pinned: u64,
+    /// The private page of a temporary (never registered); `None` for a
+    /// directory read.
+    pub private: Option<PageLease>,
+    pub deadline: Duration,
+}
+
+impl PendingRead {
+    pub fn is_temporary(&self) -> bool {
+        self.private.is_some()
+    }
+
+    /// An idle completed temporary (`TempIdle`): private, nobody holds it.
+    pub fn is_idle_temporary(&self) -> bool {
+        self.is_temporary() && self.holds == 0
+    }
+}
+
+/// Keys staged in either map, readable without the tier's lock.
+pub(crate) type KeyMirror = Arc<RwLock<HashSet<Box<[u8]>>>>;
+
+#[derive(Debug)]
+pub(crate) struct Staging {
+    writes: HashMap<Box<[u8]>, PendingWrite>,
+    reads: HashMap<Box<[u8]>, PendingRead>,
+    mirror: KeyMirror,
+    /// Set by `close`; every later locked call fails with `Closed`.
+    pub closed: bool,
+}
+
+impl Staging {
+    pub fn new(mirror: KeyMirror) -> Self {
+        Self {
+            writes: HashMap::new(),
+            reads: HashMap::new(),
+            mirror,
+            closed: false,
+        }
+    }
+
+    pub fn has_write(&self, key: &[u8]) -> bool {
+        self.writes.contains_key(key)
+    }
+
+    pub fn has_read(&self, key: &[u8]) -> bool {
+        self.reads.contains_key(key)
+    }
+
+    pub fn read(&self, key: &[u8]) -> Option<&PendingRead> {
+        self.reads.get(key)
+    }
+
+    pub fn read_mut(&mut self, key: &[u8]) -> Option<&mut PendingRead> {
+        self.reads.get_mut(key)
+    }
+
+    pub fn insert_write(&mut self, key: &[u8], w: PendingWrite) {
+        debug_assert!(!self.reads.contains_key(key), "I1: inserting a read-staged key into W");
+        self.mirror.write().insert(Box::from(key));
+        self.writes.insert(Box::from(key), w);
+    }
+
+    pub fn insert_read(&mut self, key: &[u8], r: PendingRead) {
+        debug_assert!(!self.writes.contains_key(key), "I1: inserting a write-staged key into R");
+        self.mirror.write().insert(Box::from(key));
+        self.reads.insert(Box::from(key), r);
+    }
+
+    pub fn take_write(&mut self, key: &[u8]) -> Option<PendingWrite> {
+        let w = self.writes.remove(key)?;
+        self.forget(key);
+        Some(w)
+    }
+
+    pub fn take_read(&mut self, key: &[u8]) -> Option<PendingRead> {
+        let r = self.reads.remove(key)?;
+        self.forget(key);
+        Some(r)
+    }
+
+    fn forget(&self, key: &[u8]) {
+        if !self.writes.contains_key(key) && !self.reads.contains_key(key) {
+            self.mirror.write().remove(key);
+        }
+    }
+
+    /// Keys of the writes whose deadline is at or before `now`.
+    pub fn expired_writes(&self, now: Duration) -> Vec<Box<[u8]>> {
+        self.writes
+            .iter()
+            .filter(|(_, w)| w.deadline <= now)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Keys of the reads whose deadline is at or before `now`.
+    pub fn expired_reads(&self, now: Duration) -> Vec<Box<[u8]>> {
+        self.reads
+            .iter()
+            .filter(|(_, r)| r.deadline <= now)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Keys of the idle completed temporaries.
+    pub fn idle_temporaries(&self) -> Vec<Box<[u8]>> {
+        self.reads
+            .iter()
+            .filter(|(_, r)| r.is_idle_temporary())
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Empties both maps: the reads (in map order), then the writes.
+    #[allow(clippy::type_complexity)]
+    pub fn take_all(
+        &mut self,
+    ) -> (
+        Vec<(Box<[u8]>, PendingRead)>,
+        Vec<(Box<[u8]>, PendingWrite)>,
+    ) {
+        let reads: Vec<_> = self.reads.drain().collect();
+        let writes: Vec<_> = self.writes.drain().collect();
+        self.mirror.write().clear();
+        (reads, writes)
+    }
+
+    pub fn stage_of(&self, key: &[u8]) -> KeyStage {
+        if let Some(w) = self.writes.get(key) {
+            return KeyStage::WriteStaged {
+                temporary: w.is_temporary,
+            };
+        }
+        match self.reads.get(key) {
+            Some(r) => KeyStage::ReadStaged {
+                holds: r.holds,
+                pinned: r.pinned,
+                temporary: r.is_temporary(),
+            },
+            None => KeyStage::Untracked,
+        }
+    }
+
+    /// `(|R|, |W|, reads with holds > 0, temporaries in either map)`.
+    pub fn counts(&self) -> (u64, u64, u64, u64) {
+        let held = self.reads.values().filter(|r| r.holds > 0).count();
+        let temporary = self.reads.values().filter(|r| r.is_temporary()).count()
+            + self.writes.values().filter(|w| w.is_temporary).count();
+        (
+            self.reads.len() as u64,
+            self.writes.len() as u64,
+            held as u64,
+            temporary as u64,
+        )
+    }
+
+    /// Checks the invariants listed in the module docs.
+    pub fn check(&self) -> Result<(), InvariantViolation> {
+        let broken = |invariant, key: &[u8], detail: String| InvariantViolation {
+            invariant,
+            key: key.to_vec(),
+            detail,
+        };
+        let mut pages = HashSet::new();
+        for (key, w) in &self.writes {
+            if self.reads.contains_key(key) {
+                return Err(broken("I1", key, "staged in both W and R".into()));
+            }
+            let own = w.lease.location();
+            if !same_page(&own, &w.page) || !w.lease.still_allocated() {
+                return Err(broken(
+                    "I4",
+                    key,
+                    format!("write page {own:?} is not this tier's live allocation"),
+                ));
+            }
+            if !pages.insert((own.region, own.page)) {
+                return Err(broken("distinct pages", key, format!("{own:?} staged twice")));
+            }
+        }
+        for (key, r) in &self.reads {
+            if r.pinned > r.holds {
+                return Err(broken(
+                    "I2",
+                    key,
+                    format!("pinned {} > holds {}", r.pinned, r.holds),
+                ));
+            }
+            match &r.private {
+                Some(lease) => {
+                    if r.pinned != 0 {
+                        return Err(broken(
+                            "I2",
+                            key,
+                            format!("a private temporary holds {} pins", r.pinned),
+                        ));
+                    }
+                    let own = lease.location();
+                    if !same_page(&own, &r.page) || !lease.still_allocated() {
+                        return Err(broken(
+                            "I4",
+                            key,
+                            format!("temporary page {own:?} is not this tier's live allocation"),
+                        ));
+                    }
+                    if !pages.insert((own.region, own.page)) {
+                        return Err(broken("distinct pages", key, format!("{own:?} staged twice")));
+                    }
+                }
+                None => {
+                    if r.holds == 0 || r.pinned != r.holds {
+                        return Err(broken(
+                            "I2",
+                            key,
+                            format!(
+                                "a directory read with holds {} and pins {}",
+                                r.holds, r.pinned
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        let mirror = self.mirror.read();
+        if mirror.len() != self.writes.len() + self.reads.len() {
+            return Err(broken(
+                "mirror",
+                &[],
+                format!(
+                    "{} mirrored keys for {} staged",
+                    mirror.len(),
+                    self.writes.len() + self.reads.len()
+                ),
+            ));
+        }
+        if let Some(k) = mirror
+            .iter()
+            .find(|k| !self.writes.contains_key(*k) && !self.reads.contains_key(*k))
+        {
+            return Err(broken("mirror", k, "mirrored but not staged".into()));
+        }
+        Ok(())
+    }
+
+    #[cfg(test)]
+    pub fn insert_read_unchecked(&mut self, key: &[u8], r: PendingRead) {
+        self.mirror.write().insert(Box::from(key));
+        self.reads.insert(Box::from(key), r);
+    }
+}
+
+fn same_page(own: &cxlkv_controlplane::proto::Location, page: &TierPage) -> bool {
+    let p = page.location();
+    own.region == p.region && own.page == p.page && own.generation == p.generation
+}
