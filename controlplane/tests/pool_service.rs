@@ -168,7 +168,11 @@ impl Wire {
 
     fn alloc(&self, directory: &str, seq: u64) -> Result<RegionHandle, (ErrorCode, String)> {
         self.call::<_, RegionAllocated>(&AllocRegion {
-            meta: RequestMeta { seq, notice_ack: 0 },
+            meta: RequestMeta {
+                seq,
+                notice_ack: 0,
+                replies_received_below: 0,
+            },
             pool: None,
             len_bytes: ALIGN,
             owner: OwnerLabel {

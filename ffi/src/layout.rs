@@ -347,7 +347,7 @@ pub unsafe extern "C" fn cxlkv_lease_data(
         let entry = LEASES.get(lease.addr(), "lease")?;
         let mut slot = entry.lock();
         let lease = slot.as_mut().ok_or_else(consumed)?;
-        let mut page = lease.bytes_mut();
+        let mut page = lease.bytes_mut()?;
         cap.write(page.len() as u64);
         data.write(page.as_mut_ptr());
         Ok(())
