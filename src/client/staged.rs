@@ -37,8 +37,8 @@ use std::sync::atomic::Ordering;
 
 use cxlkv_controlplane::frame::Frame;
 use cxlkv_controlplane::proto::{
-    self, ArchivedDirectoryReply, ErrorCode, Location, Lookup, LookupReply, Message, RegionDesc, RequestMeta, Unpin,
-    UnpinOutcome, UnpinReply,
+    self, ArchivedDirectoryReply, ErrorCode, Location, Lookup, LookupReply, Message, RegionDesc,
+    RequestMeta, Unpin, UnpinOutcome, UnpinReply,
 };
 use cxlkv_controlplane::transport::{ClientError as TransportError, PendingCall};
 use cxlkv_dataplane::map::MappedRegion;
@@ -128,11 +128,8 @@ impl LayoutHandle {
             pins,
         };
         let n = keys.len();
-        let reply = shared.mutating_call::<_, LookupReply, _>(
-            "lookup",
-            Mode::NORMAL,
-            &mut msg,
-            |reply| {
+        let reply =
+            shared.mutating_call::<_, LookupReply, _>("lookup", Mode::NORMAL, &mut msg, |reply| {
                 let locations: Vec<Option<Location>> = reply.locations().collect();
                 if locations.len() != n {
                     return Err(ClientError::BadReply {
@@ -145,8 +142,7 @@ impl LayoutHandle {
                     });
                 }
                 Ok((locations, reply.regions().collect::<Vec<RegionDesc>>()))
-            },
-        );
+            });
         let (locations, regions) = match reply {
             Ok(found) => found,
             Err(Fail::Definite(e)) => return Err(e),
@@ -491,7 +487,10 @@ impl Shared {
     /// the reattach fails, the next request retries it.
     pub(crate) fn end_session(&self, why: &'static str) {
         let Ok(conn) = self.conn() else { return };
-        tracing::warn!(reason = why, "ending the session to release pins of unknown state");
+        tracing::warn!(
+            reason = why,
+            "ending the session to release pins of unknown state"
+        );
         // Relaxed: `dead` is a hint read by the next request, which then
         // reconnects under the reconnect lock.
         conn.dead.store(true, Ordering::Relaxed);

@@ -87,8 +87,8 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use events::{EventSink, Listener, TierEvent};
 pub use types::{
-    Holds, InvariantViolation, KeyPage, KeyStage, L1MemoryDesc, ObjectState, SweepReport,
-    TierCode, TierError, TierPage, TierStats, TierStatus, WriteMode,
+    Holds, InvariantViolation, KeyPage, KeyStage, L1MemoryDesc, ObjectState, SweepReport, TierCode,
+    TierError, TierPage, TierStats, TierStatus, WriteMode,
 };
 
 use crate::client::LayoutHandle;
@@ -438,7 +438,10 @@ impl L1Tier {
 
     /// True while the sweeper thread runs (until `close`).
     pub fn sweeper_running(&self) -> bool {
-        self.sweeper.lock().as_ref().is_some_and(Sweeper::is_running)
+        self.sweeper
+            .lock()
+            .as_ref()
+            .is_some_and(Sweeper::is_running)
     }
 
     /// The tier's counters.

@@ -76,7 +76,8 @@ impl L1Tier {
         if !to_pin.is_empty() {
             let pin_keys = pick(keys, &to_pin);
             for (i, found) in to_pin.iter().zip(inner.lookup(&pin_keys, holds)) {
-                if let Some(page) = inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
+                if let Some(page) =
+                    inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
                 {
                     out[*i] = KeyPage::success(page);
                     ok[*i] = true;
@@ -150,7 +151,12 @@ impl L1Tier {
             }
             let released = t.min(r.holds);
             if released < t {
-                tracing::warn!(?key, asked = t, held = r.holds, "finish_read releases only what is held");
+                tracing::warn!(
+                    ?key,
+                    asked = t,
+                    held = r.holds,
+                    "finish_read releases only what is held"
+                );
             }
             r.holds -= released;
             let unpin_now = released.min(r.pinned);
@@ -171,7 +177,10 @@ impl L1Tier {
             ok[i] = true;
         }
         inner.release(&unpins);
-        Counters::add(&inner.counters.temporaries_reclaimed, reclaimed.len() as u64);
+        Counters::add(
+            &inner.counters.temporaries_reclaimed,
+            reclaimed.len() as u64,
+        );
         drop(reclaimed);
         let (finished, deleted) = (flagged(keys, &ok), flagged(keys, &freed));
         inner.fire_pair(
@@ -421,7 +430,8 @@ impl L1Tier {
         if !registered.is_empty() {
             let reg_keys = pick(keys, &registered);
             for (i, found) in registered.iter().zip(inner.lookup(&reg_keys, holds)) {
-                if let Some(page) = inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
+                if let Some(page) =
+                    inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
                 {
                     out[*i] = KeyPage::success(page);
                     ok[*i] = true;
@@ -475,7 +485,10 @@ impl L1Tier {
                 None => remote.push(i),
             }
         }
-        Counters::add(&inner.counters.temporaries_reclaimed, reclaimed.len() as u64);
+        Counters::add(
+            &inner.counters.temporaries_reclaimed,
+            reclaimed.len() as u64,
+        );
         drop(reclaimed);
         if !remote.is_empty() {
             Counters::add(&inner.counters.deletes, 1);
@@ -532,7 +545,10 @@ impl L1Tier {
                     reclaimed.extend(r.private);
                 }
             }
-            Counters::add(&inner.counters.temporaries_reclaimed, reclaimed.len() as u64);
+            Counters::add(
+                &inner.counters.temporaries_reclaimed,
+                reclaimed.len() as u64,
+            );
             drop(reclaimed);
             if !idle.is_empty() {
                 let idle: Vec<&[u8]> = idle.iter().map(AsRef::as_ref).collect();
@@ -653,7 +669,11 @@ impl Inner {
                 Counters::add(&self.counters.pins_released, r.released);
                 Counters::add(&self.counters.pins_lost, r.lost_with_session + r.not_held);
                 if r.not_held > 0 || r.lost_with_session > 0 {
-                    tracing::warn!(not_held = r.not_held, lost = r.lost_with_session, "some pins were already gone");
+                    tracing::warn!(
+                        not_held = r.not_held,
+                        lost = r.lost_with_session,
+                        "some pins were already gone"
+                    );
                 }
             }
             Err(e) => tracing::warn!(error = %e, "unpin failed; the pins die with the session"),

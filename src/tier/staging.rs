@@ -101,13 +101,19 @@ impl Staging {
     }
 
     pub fn insert_write(&mut self, key: &[u8], w: PendingWrite) {
-        debug_assert!(!self.reads.contains_key(key), "I1: inserting a read-staged key into W");
+        debug_assert!(
+            !self.reads.contains_key(key),
+            "I1: inserting a read-staged key into W"
+        );
         self.mirror.write().insert(Box::from(key));
         self.writes.insert(Box::from(key), w);
     }
 
     pub fn insert_read(&mut self, key: &[u8], r: PendingRead) {
-        debug_assert!(!self.writes.contains_key(key), "I1: inserting a write-staged key into R");
+        debug_assert!(
+            !self.writes.contains_key(key),
+            "I1: inserting a write-staged key into R"
+        );
         self.mirror.write().insert(Box::from(key));
         self.reads.insert(Box::from(key), r);
     }
@@ -221,7 +227,11 @@ impl Staging {
                 ));
             }
             if !pages.insert((own.region, own.page)) {
-                return Err(broken("distinct pages", key, format!("{own:?} staged twice")));
+                return Err(broken(
+                    "distinct pages",
+                    key,
+                    format!("{own:?} staged twice"),
+                ));
             }
         }
         for (key, r) in &self.reads {
@@ -250,7 +260,11 @@ impl Staging {
                         ));
                     }
                     if !pages.insert((own.region, own.page)) {
-                        return Err(broken("distinct pages", key, format!("{own:?} staged twice")));
+                        return Err(broken(
+                            "distinct pages",
+                            key,
+                            format!("{own:?} staged twice"),
+                        ));
                     }
                 }
                 None => {
