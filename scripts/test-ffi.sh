@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The C ABI's tests from outside Rust:
-#   1. builds libcxlkv and the test server, installs them into a temporary
-#      prefix (scripts/install-ffi.sh) and checks the header is current;
+#   1. builds libcxlkv and the `cxlkv` binary, installs the library into a
+#      temporary prefix (scripts/install-ffi.sh) and checks the header is
+#      current and the docs show the example files;
 #   2. checks that the C test calls every symbol the library exports;
 #   3. compiles the C and C++ examples and the C test with -Wall -Wextra
 #      -Werror against the installed header and library (pkg-config), plus
 #      the C test under AddressSanitizer and statically linked;
-#   4. starts a real server process and runs: the C test (plain, ASan,
+#   4. starts a real server process (`cxlkv serve`) and runs: the C test (plain, ASan,
 #      static), producer -> consumer across processes in C, in C++, mixed,
 #      and with the consumer started first;
 #   5. the Python package: pip install into a fresh venv, then pytest.
@@ -30,23 +31,25 @@ cargo_profile=()
 [ "$profile" = release ] && cargo_profile=(--release)
 
 work="$(mktemp -d /tmp/cxlkv-ffi-test.XXXXXX)"
+pool="/dev/shm/cxlkv-ffi-test-$$.pool"
 server_pid=""
 cleanup() {
     if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
         kill -TERM "$server_pid" 2>/dev/null || true
         wait "$server_pid" 2>/dev/null || true
     fi
-    rm -rf "$work"
+    rm -rf "$work" "$pool"
 }
 trap cleanup EXIT
 step() { echo "== $*"; }
 started=$SECONDS
 
-step "build libcxlkv and the test server ($profile)"
-cargo build -q "${cargo_profile[@]}" -p cxlkv-ffi --lib --example cxlkv-test-server
+step "build libcxlkv and cxlkv ($profile)"
+cargo build -q "${cargo_profile[@]}" -p cxlkv-ffi --lib
+cargo build -q "${cargo_profile[@]}" -p cxlkv --bin cxlkv
 target_dir="$(cargo metadata --format-version 1 --no-deps |
     python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
-server_bin="$target_dir/$profile/examples/cxlkv-test-server"
+cxlkv_bin="$target_dir/$profile/cxlkv"
 prefix="$work/prefix"
 install_flags=(--no-build)
 [ "$profile" = debug ] && install_flags+=(--debug)
@@ -90,17 +93,17 @@ if readelf -d "$bin/api_test_static" | grep -q 'libcxlkv'; then
     exit 1
 fi
 
-step "start a server"
+step "start a server (cxlkv serve)"
 socket="$work/cxlkv.sock"
-pool="/dev/shm/cxlkv-ffi-test-$$.pool"
-"$server_bin" --socket "$socket" --pool "$pool" --pool-size-mib 256 >"$work/server.out" 2>&1 &
+CXLKV_LOG=warn "$cxlkv_bin" serve --socket "$socket" --pool "$pool,size=256MiB" \
+    --state-dir "$work/state" >"$work/server.out" 2>"$work/server.err" &
 server_pid=$!
 for _ in $(seq 1 300); do
-    grep -q '^ready' "$work/server.out" 2>/dev/null && break
-    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.out" >&2; exit 1; }
+    grep -q '^listening' "$work/server.out" 2>/dev/null && break
+    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.err" >&2; exit 1; }
     sleep 0.1
 done
-grep -q '^ready' "$work/server.out" || { echo "server did not start" >&2; exit 1; }
+grep -q '^listening' "$work/server.out" || { echo "cxlkv serve did not start" >&2; exit 1; }
 
 step "C test (plain, AddressSanitizer, static)"
 "$bin/api_test" "$socket"
@@ -130,7 +133,7 @@ if [ "$python" = 1 ]; then
     CXLKV_LIB="$prefix/lib/libcxlkv.so" "$work/venv/bin/pip" install -q --disable-pip-version-check ./python
     (
         cd "$work"   # import the installed package, not the source tree
-        CXLKV_TEST_SERVER="$server_bin" CXLKV_TEST_C_PRODUCER="$bin/c-producer" \
+        CXLKV_BIN="$cxlkv_bin" CXLKV_TEST_C_PRODUCER="$bin/c-producer" \
             "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
             "$repo/python/tests"
     )
@@ -138,7 +141,6 @@ fi
 
 step "stop the server"
 kill -TERM "$server_pid"
-wait "$server_pid"
+wait "$server_pid"   # exits 0 after a graceful shutdown
 server_pid=""
-[ ! -e "$pool" ] || { echo "the server left its pool file behind" >&2; exit 1; }
 echo "scripts/test-ffi.sh: all passed in $((SECONDS - started)) s"

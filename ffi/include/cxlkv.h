@@ -42,6 +42,8 @@
 // Most entries of `cxlkv_config.pool_paths`.
 #define CXLKV_MAX_POOL_PATHS 64
 
+
+
 // Status of a call. Numbers are stable, never reused. Ranges: 0 success;
 // 1-99 the call's arguments, the library and the connection; 100-199 the
 // server refused (100 + the wire error code; 100 itself: a code this
@@ -135,6 +137,19 @@ enum cxlkv_status
     CXLKV_STATUS_SERVER_REPLY_EVICTED = 124,
     CXLKV_STATUS_SERVER_PINS_HELD_BY_OTHER_SESSION = 125,
     CXLKV_STATUS_SERVER_REGION_NOT_EMPTY = 126,
+    // A key appears twice in one tier call.
+    CXLKV_STATUS_TIER_DUPLICATE_KEY = 200,
+    // Per-key argument arrays of different lengths.
+    CXLKV_STATUS_TIER_LENGTH_MISMATCH = 201,
+    // A write mode other than `CXLKV_TIER_WRITE_NEW` (keys are
+    // write-once).
+    CXLKV_STATUS_TIER_UNSUPPORTED_MODE = 202,
+    // A listener or event callback called back into its own tier.
+    CXLKV_STATUS_TIER_REENTRANT = 203,
+    // The tier was closed.
+    CXLKV_STATUS_TIER_CLOSED = 204,
+    // A tier invariant does not hold (a bug; the message names it).
+    CXLKV_STATUS_TIER_INVARIANT = 205,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -212,6 +227,36 @@ typedef uint32_t cxlkv_delete_outcome;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Per-key result of a tier operation (the reference's names; stable
+// numbers).
+enum cxlkv_tier_code
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    CXLKV_TIER_SUCCESS = 0,
+    // Not staged here, not in the directory, or not resolvable.
+    CXLKV_TIER_KEY_NOT_EXIST = 1,
+    // Mid-write on this tier (or an idle private temporary).
+    CXLKV_TIER_KEY_NOT_READABLE = 2,
+    // Already staged here, or already registered.
+    CXLKV_TIER_KEY_NOT_WRITABLE = 3,
+    // Registration failed or its outcome is unknown; a promote of a
+    // read-staged key; a finish of an idle private temporary.
+    CXLKV_TIER_KEY_IN_WRONG_STATE = 4,
+    // Delete refused: held here, pinned by someone, or unknown (retry).
+    CXLKV_TIER_KEY_IS_LOCKED = 5,
+    // The allocator could not fit the whole batch.
+    CXLKV_TIER_OUT_OF_MEMORY = 6,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum cxlkv_tier_code cxlkv_tier_code;
+#else
+typedef uint32_t cxlkv_tier_code;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Which visibility mode the client applies to the pools.
 enum cxlkv_visibility
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -247,6 +292,9 @@ typedef struct cxlkv_lease cxlkv_lease;
 
 // A map observer added with `cxlkv_add_map_observer` (opaque).
 typedef struct cxlkv_observer cxlkv_observer;
+
+// An L1 tier over one layout (opaque).
+typedef struct cxlkv_tier cxlkv_tier;
 
 // Where a TCP client finds a pool locally, by the UUID in its header.
 typedef struct cxlkv_pool_path {
@@ -512,6 +560,125 @@ typedef struct cxlkv_delete_result {
     // With `CXLKV_DELETE_PINNED`: pins held; else 0.
     uint32_t pins;
 } cxlkv_delete_result;
+
+// An event callback (`event` is a `cxlkv_tier_event`).
+typedef void (*cxlkv_tier_event_fn)(void *user_data,
+                                    uint32_t event,
+                                    const struct cxlkv_bytes *keys,
+                                    size_t n);
+
+// A tier's settings. Initialise with `cxlkv_tier_config_init`.
+typedef struct cxlkv_tier_config {
+    // `sizeof(cxlkv_tier_config)` as the caller's header declares it.
+    uint32_t size;
+    // Always 0.
+    uint32_t reserved;
+    // How long a write reservation may stay unfinished before the sweeper
+    // reclaims it (1 ms ..= one year).
+    uint64_t write_ttl_ms;
+    // How long a read staging may stay after its last reserve.
+    uint64_t read_ttl_ms;
+    // Where events go (NULL: nowhere). Runs like a listener.
+    cxlkv_tier_event_fn on_event;
+    void *event_user_data;
+} cxlkv_tier_config;
+
+// A listener callback: the keys concerned, in the call's input order
+// (`n` may be 0; the array lives only during the call).
+typedef void (*cxlkv_tier_keys_fn)(void *user_data, const struct cxlkv_bytes *keys, size_t n);
+
+// A listener: seven callbacks (any may be NULL) and their user data.
+typedef struct cxlkv_tier_listener {
+    // `sizeof(cxlkv_tier_listener)` as the caller's header declares it.
+    uint32_t size;
+    // Always 0.
+    uint32_t reserved;
+    // `reserve_read` staged these keys (hits only).
+    cxlkv_tier_keys_fn reserved_read;
+    // `finish_read` released holds on these keys.
+    cxlkv_tier_keys_fn read_finished;
+    // `reserve_write` staged these keys.
+    cxlkv_tier_keys_fn reserved_write;
+    // `finish_write` registered these keys (never temporaries): the
+    // write-through trigger.
+    cxlkv_tier_keys_fn write_finished;
+    // A promote completed these keys and holds them for reading.
+    cxlkv_tier_keys_fn finish_write_and_reserve_read;
+    // These keys were removed: they leave the eviction policy.
+    cxlkv_tier_keys_fn deleted;
+    // `touch_keys` (recency only).
+    cxlkv_tier_keys_fn accessed;
+    void *user_data;
+} cxlkv_tier_listener;
+
+// One key's result of a read-type operation: the code, and with
+// `CXLKV_TIER_SUCCESS` the page (else `data` is NULL and the sizes 0).
+typedef struct cxlkv_tier_page {
+    cxlkv_tier_code code;
+    // Always 0.
+    uint32_t reserved;
+    // The chunk's first byte in this process's mapping of the pool:
+    // writable for `cxlkv_tier_reserve_write` results (until the key's
+    // finish), read-only otherwise; valid while the reservation lasts.
+    uint8_t *data;
+    uint64_t len_bytes;
+    uint64_t page_size_bytes;
+    struct cxlkv_location location;
+} cxlkv_tier_page;
+
+// `report_status`: the stock keys plus `backend`. Set `out->size` first.
+typedef struct cxlkv_tier_status {
+    uint32_t size;
+    // 1 when memcheck passes.
+    uint32_t is_healthy;
+    // `"cxlkv"` (static).
+    const char *backend;
+    // Staged reads + staged writes.
+    uint64_t total_object_count;
+    uint64_t write_locked_count;
+    // Read stagings with at least one hold.
+    uint64_t read_locked_count;
+    uint64_t temporary_count;
+    uint64_t memory_used_bytes;
+    uint64_t memory_total_bytes;
+    // used / total (0 when total is 0).
+    double memory_usage_ratio;
+    double write_ttl_seconds;
+    double read_ttl_seconds;
+} cxlkv_tier_status;
+
+// Where a key stands on a tier (diagnostics). Set `size` first.
+typedef struct cxlkv_tier_key_stage {
+    uint32_t size;
+    // 0: untracked; 1: write-staged; 2: read-staged.
+    uint32_t stage;
+    // 1 for a private temporary.
+    uint32_t temporary;
+    // Always 0.
+    uint32_t reserved;
+    // Read-staged: local holds (0: an idle completed temporary).
+    uint64_t holds;
+    // Read-staged: directory pins behind the holds.
+    uint64_t pinned;
+} cxlkv_tier_key_stage;
+
+// The tier's counters. Set `size` first.
+typedef struct cxlkv_tier_stats {
+    uint32_t size;
+    // Always 0.
+    uint32_t reserved;
+    uint64_t lookups;
+    uint64_t unpin_round_trips;
+    uint64_t pins_released;
+    uint64_t pins_lost;
+    uint64_t registers;
+    uint64_t registers_unresolved;
+    uint64_t exists;
+    uint64_t deletes;
+    uint64_t temporaries_reclaimed;
+    // Entries reclaimed by the TTL sweeper.
+    uint64_t swept;
+} cxlkv_tier_stats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -949,6 +1116,294 @@ cxlkv_status cxlkv_batch_delete(const struct cxlkv_layout *layout,
                                 const struct cxlkv_bytes *keys,
                                 size_t n,
                                 struct cxlkv_delete_result *out_results);
+
+// Fills `config` with the tier defaults (write TTL 600 s, read TTL 300 s,
+// no events) for a struct of `size` bytes.
+//
+// # Safety
+//
+// `config` valid for writes of `size` bytes.
+//
+// Thread safety: any thread.
+cxlkv_status cxlkv_tier_config_init(struct cxlkv_tier_config *config, uint32_t size);
+
+// Opens a tier over `layout` (the reference's `register_kv_layout`: the
+// layout fixes page size and key space) and starts its TTL sweeper.
+// `config` NULL: the defaults. Close with `cxlkv_tier_close`.
+//
+// # Safety
+//
+// `config` NULL or valid for reads of `config->size` bytes; `out_tier`
+// valid for a write. `config->on_event` and its user data must stay
+// callable until `cxlkv_tier_close` returned.
+//
+// Thread safety: any thread.
+cxlkv_status cxlkv_tier_open(const struct cxlkv_layout *layout,
+                             const struct cxlkv_tier_config *config,
+                             struct cxlkv_tier **out_tier);
+
+// Closes the tier and frees its handle (NULL: nothing to do): stops and
+// joins the sweeper, then drains the staging without notifying — every
+// read pin released, every private temporary and write page reclaimed.
+// Page addresses the tier returned are invalid afterwards. The client
+// and layout stay open. The handle is freed even when the status reports
+// a failure.
+//
+// Thread safety: any thread, except from a listener of this tier
+// (`CXLKV_STATUS_TIER_REENTRANT`, and the handle stays valid).
+cxlkv_status cxlkv_tier_close(struct cxlkv_tier *tier);
+
+// Appends a listener (copied; no de-duplication, no notification). Its
+// callbacks run synchronously on the calling thread of each operation,
+// under the tier's lock (except `accessed`); they and `user_data` must
+// stay valid until `cxlkv_tier_close` returned.
+//
+// # Safety
+//
+// `listener` valid for reads of `listener->size` bytes.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_register_listener(const struct cxlkv_tier *tier,
+                                          const struct cxlkv_tier_listener *listener);
+
+// Takes `holds` read holds (a total: clamped to 1..=`CXLKV_TIER_MAX_HOLDS`)
+// on each key and returns its page (one pinning round trip for the keys
+// not staged here). Per key: write-staged here → `KEY_NOT_READABLE`;
+// found → `SUCCESS` with the page; else `KEY_NOT_EXIST`.
+//
+// # Safety
+//
+// `keys` valid for reads of `n` entries (each of its `len` bytes);
+// `out_pages` for writes of `n`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_reserve_read(const struct cxlkv_tier *tier,
+                                     const struct cxlkv_bytes *keys,
+                                     size_t n,
+                                     uint32_t holds,
+                                     struct cxlkv_tier_page *out_pages);
+
+// The staged page of each key, with no new hold and no round trip (only
+// between `reserve_read` and its `finish_read`).
+//
+// # Safety
+//
+// As `cxlkv_tier_reserve_read`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_unsafe_read(const struct cxlkv_tier *tier,
+                                    const struct cxlkv_bytes *keys,
+                                    size_t n,
+                                    struct cxlkv_tier_page *out_pages);
+
+// Releases up to `holds` holds (clamped as for `reserve_read`) of each key
+// and, inside this call, the directory pins behind them. A key reaching
+// zero holds leaves the tier (its page address is then invalid).
+//
+// # Safety
+//
+// `keys` as for `cxlkv_tier_reserve_read`; `out_codes` valid for writes of
+// `n`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_finish_read(const struct cxlkv_tier *tier,
+                                    const struct cxlkv_bytes *keys,
+                                    size_t n,
+                                    uint32_t holds,
+                                    cxlkv_tier_code *out_codes);
+
+// Reserves a page per key for chunks of `len_bytes` (at most the page
+// size), to be written in place through `out_pages[i].data` and completed
+// by `cxlkv_tier_finish_write` (or a promote). `is_temporary[i]` non-zero
+// makes key `i` a private temporary (a promote/prefetch buffer never
+// shared). `mode` is a `cxlkv_tier_write_mode`.
+//
+// # Safety
+//
+// `keys` as for `cxlkv_tier_reserve_read`; `is_temporary` valid for reads
+// of `n` bytes; `out_pages` for writes of `n`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_reserve_write(const struct cxlkv_tier *tier,
+                                      const struct cxlkv_bytes *keys,
+                                      const uint8_t *is_temporary,
+                                      size_t n,
+                                      uint64_t len_bytes,
+                                      uint32_t mode,
+                                      struct cxlkv_tier_page *out_pages);
+
+// Completes writes: temporaries privately (never registered); retained
+// keys registered in one round trip.
+//
+// # Safety
+//
+// `keys` as for `cxlkv_tier_reserve_read`; `out_codes` valid for writes of
+// `n`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_finish_write(const struct cxlkv_tier *tier,
+                                     const struct cxlkv_bytes *keys,
+                                     size_t n,
+                                     cxlkv_tier_code *out_codes);
+
+// The L2 → L1 promote: completes write-reserved keys and takes `holds`
+// read holds on each. A temporary's page is the one written; a retained
+// key's is the directory's (the winner's, if someone registered it
+// first).
+//
+// # Safety
+//
+// As `cxlkv_tier_reserve_read`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_finish_write_and_reserve_read(const struct cxlkv_tier *tier,
+                                                      const struct cxlkv_bytes *keys,
+                                                      size_t n,
+                                                      uint32_t holds,
+                                                      struct cxlkv_tier_page *out_pages);
+
+// Deletes keys: an idle private temporary is reclaimed locally; a key
+// staged here is `KEY_IS_LOCKED`; the rest go to the directory in one
+// round trip (`SUCCESS`, `KEY_IS_LOCKED` while pinned, `KEY_NOT_EXIST`).
+// `force` is accepted and ignored, as in the reference.
+//
+// # Safety
+//
+// `keys` as for `cxlkv_tier_reserve_read`; `out_codes` valid for writes of
+// `n`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_delete(const struct cxlkv_tier *tier,
+                               const struct cxlkv_bytes *keys,
+                               size_t n,
+                               bool force,
+                               cxlkv_tier_code *out_codes);
+
+// Tells the listeners `accessed(keys)` (recency only; no lock, no round
+// trip, no state change).
+//
+// # Safety
+//
+// `keys` as for `cxlkv_tier_reserve_read`.
+//
+// Thread safety: any thread.
+cxlkv_status cxlkv_tier_touch_keys(const struct cxlkv_tier *tier,
+                                   const struct cxlkv_bytes *keys,
+                                   size_t n);
+
+// Drops local staging (never shared data): without `force`, reclaims idle
+// private temporaries; with `force`, everything (pins released, pages
+// reclaimed — unsafe for operations in flight, as in the reference).
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_clear(const struct cxlkv_tier *tier, bool force);
+
+// Whether `key` is staged in neither map (lock-free; an unknown key is
+// evictable — `delete` answers authoritatively).
+//
+// # Safety
+//
+// `key` valid for reads of `key_len` bytes; `out_evictable` for a write.
+//
+// Thread safety: any thread, also from a listener.
+cxlkv_status cxlkv_tier_is_key_evictable(const struct cxlkv_tier *tier,
+                                         const uint8_t *key,
+                                         size_t key_len,
+                                         bool *out_evictable);
+
+// `(used, total)` bytes for the eviction watermark, with no round trip.
+//
+// # Safety
+//
+// `out_used_bytes` and `out_total_bytes` valid for a write.
+//
+// Thread safety: any thread, also from a listener.
+cxlkv_status cxlkv_tier_get_memory_usage(const struct cxlkv_tier *tier,
+                                         uint64_t *out_used_bytes,
+                                         uint64_t *out_total_bytes);
+
+// The reference's `get_l1_memory_desc`: the shared pool has no single
+// registrable region, so `*out_present` is always false (engines use the
+// region map/unmap callbacks instead).
+//
+// # Safety
+//
+// `out_present` valid for a write.
+//
+// Thread safety: any thread.
+cxlkv_status cxlkv_tier_get_l1_memory_desc(const struct cxlkv_tier *tier, bool *out_present);
+
+// The reference's `get_object_state`: membership lives in the directory,
+// so `*out_present` is always false (see `cxlkv_tier_inspect`).
+//
+// # Safety
+//
+// `key` valid for reads of `key_len` bytes; `out_present` for a write.
+//
+// Thread safety: any thread.
+cxlkv_status cxlkv_tier_get_object_state(const struct cxlkv_tier *tier,
+                                         const uint8_t *key,
+                                         size_t key_len,
+                                         bool *out_present);
+
+// Whether the layout's allocators never refused a free (lock-free).
+//
+// # Safety
+//
+// `out_healthy` valid for a write.
+//
+// Thread safety: any thread.
+cxlkv_status cxlkv_tier_memcheck(const struct cxlkv_tier *tier, bool *out_healthy);
+
+// Writes the tier's status into `*out`.
+//
+// # Safety
+//
+// `out` valid for reads of its size field and writes of `out->size` bytes.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_report_status(const struct cxlkv_tier *tier, struct cxlkv_tier_status *out);
+
+// Where `key` stands on this tier (locked; diagnostics and tests).
+//
+// # Safety
+//
+// `key` valid for reads of `key_len` bytes; `out` as for
+// `cxlkv_tier_report_status`.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_inspect(const struct cxlkv_tier *tier,
+                                const uint8_t *key,
+                                size_t key_len,
+                                struct cxlkv_tier_key_stage *out);
+
+// Writes the tier's counters into `*out`.
+//
+// # Safety
+//
+// As `cxlkv_tier_report_status`.
+//
+// Thread safety: any thread.
+cxlkv_status cxlkv_tier_query_stats(const struct cxlkv_tier *tier, struct cxlkv_tier_stats *out);
+
+// Runs one TTL sweep now (the sweeper does this every
+// max(1 s, min(TTLs)/4)); how many write and read stagings it reclaimed.
+//
+// # Safety
+//
+// `out_writes` and `out_reads` valid for a write.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_sweep_now(const struct cxlkv_tier *tier,
+                                  uint64_t *out_writes,
+                                  uint64_t *out_reads);
+
+// Checks the tier's invariants (I1, I2, I4 and its mirrors):
+// `CXLKV_STATUS_TIER_INVARIANT`, with the broken one in the message, if
+// one does not hold.
+//
+// Thread safety: any thread; not from a listener of this tier.
+cxlkv_status cxlkv_tier_check_invariants(const struct cxlkv_tier *tier);
 
 #ifdef __cplusplus
 }  // extern "C"

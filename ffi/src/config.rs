@@ -234,7 +234,7 @@ fn layout_defaults() -> cxlkv_layout_options {
 /// # Safety
 ///
 /// `ptr` valid for writes of `size` bytes.
-unsafe fn init_versioned<T: Versioned>(
+pub(crate) unsafe fn init_versioned<T: Versioned>(
     ptr: *mut T,
     size: u32,
     value: T,

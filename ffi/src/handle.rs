@@ -45,15 +45,17 @@ pub(crate) enum Tag {
     Lease = 0xC3,
     Guard = 0xC4,
     Observer = 0xC5,
+    Tier = 0xC6,
 }
 
 impl Tag {
-    const ALL: [Tag; 5] = [
+    const ALL: [Tag; 6] = [
         Tag::Client,
         Tag::Layout,
         Tag::Lease,
         Tag::Guard,
         Tag::Observer,
+        Tag::Tier,
     ];
 
     fn name(self) -> &'static str {
@@ -63,6 +65,7 @@ impl Tag {
             Tag::Lease => "lease",
             Tag::Guard => "view guard",
             Tag::Observer => "map observer",
+            Tag::Tier => "tier",
         }
     }
 }

@@ -7,7 +7,8 @@
 //! Rust client's ([`cxlkv::Client`]): connect, layouts, leases written in
 //! place and registered, `put`, zero-copy `get` views, `exists`, `delete`,
 //! statistics, region map/unmap callbacks — each batch-native, one round
-//! trip per batch.
+//! trip per batch — and the L1 tier's ([`cxlkv::tier::L1Tier`]) 17
+//! operations with per-key result arrays, listeners and events.
 //!
 //! ## Conventions (what every entry point does)
 //!
@@ -44,7 +45,8 @@
 //! error), [`handle`] (registry), [`args`] (checked arguments, versioned
 //! structs), [`config`] (`cxlkv_config`, layout options), [`client`]
 //! (connect, close, stats, map observers), [`layout`] (layouts, leases,
-//! register, put), [`read`] (get, views, release, exists, delete).
+//! register, put), [`read`] (get, views, release, exists, delete),
+//! [`tier`] (the L1 tier: every operation, listeners, events).
 //!
 //! ## The library's name
 //!
@@ -68,6 +70,8 @@ mod client;
 // Keys and chunks.
 mod layout;
 mod read;
+// The L1 tier.
+mod tier;
 // Internals without entry points.
 mod args;
 mod handle;
@@ -78,6 +82,8 @@ mod tests;
 use std::ffi::c_char;
 
 pub use status::cxlkv_status;
+// A constant only C reads (the header declares it).
+pub use tier::CXLKV_TIER_MAX_HOLDS;
 
 /// The ABI's version: bumped (major) when a function, struct or status
 /// changes meaning or layout incompatibly; structs that grow keep the

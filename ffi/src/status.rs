@@ -20,6 +20,7 @@ use std::ffi::c_char;
 use std::fmt;
 
 use cxlkv::client::ClientError;
+use cxlkv::tier::TierError;
 use cxlkv_controlplane::proto::ErrorCode;
 
 /// Status of a call. Numbers are stable, never reused. Ranges: 0 success;
@@ -114,6 +115,19 @@ pub enum cxlkv_status {
     CXLKV_STATUS_SERVER_REPLY_EVICTED = 124,
     CXLKV_STATUS_SERVER_PINS_HELD_BY_OTHER_SESSION = 125,
     CXLKV_STATUS_SERVER_REGION_NOT_EMPTY = 126,
+    /// A key appears twice in one tier call.
+    CXLKV_STATUS_TIER_DUPLICATE_KEY = 200,
+    /// Per-key argument arrays of different lengths.
+    CXLKV_STATUS_TIER_LENGTH_MISMATCH = 201,
+    /// A write mode other than `CXLKV_TIER_WRITE_NEW` (keys are
+    /// write-once).
+    CXLKV_STATUS_TIER_UNSUPPORTED_MODE = 202,
+    /// A listener or event callback called back into its own tier.
+    CXLKV_STATUS_TIER_REENTRANT = 203,
+    /// The tier was closed.
+    CXLKV_STATUS_TIER_CLOSED = 204,
+    /// A tier invariant does not hold (a bug; the message names it).
+    CXLKV_STATUS_TIER_INVARIANT = 205,
 }
 
 use cxlkv_status as S;
@@ -172,6 +186,12 @@ pub(crate) const ALL_STATUSES: &[cxlkv_status] = &[
     S::CXLKV_STATUS_SERVER_REPLY_EVICTED,
     S::CXLKV_STATUS_SERVER_PINS_HELD_BY_OTHER_SESSION,
     S::CXLKV_STATUS_SERVER_REGION_NOT_EMPTY,
+    S::CXLKV_STATUS_TIER_DUPLICATE_KEY,
+    S::CXLKV_STATUS_TIER_LENGTH_MISMATCH,
+    S::CXLKV_STATUS_TIER_UNSUPPORTED_MODE,
+    S::CXLKV_STATUS_TIER_REENTRANT,
+    S::CXLKV_STATUS_TIER_CLOSED,
+    S::CXLKV_STATUS_TIER_INVARIANT,
 ];
 
 impl cxlkv_status {
@@ -246,6 +266,12 @@ impl cxlkv_status {
                 b"SERVER_PINS_HELD_BY_OTHER_SESSION\0"
             }
             S::CXLKV_STATUS_SERVER_REGION_NOT_EMPTY => b"SERVER_REGION_NOT_EMPTY\0",
+            S::CXLKV_STATUS_TIER_DUPLICATE_KEY => b"TIER_DUPLICATE_KEY\0",
+            S::CXLKV_STATUS_TIER_LENGTH_MISMATCH => b"TIER_LENGTH_MISMATCH\0",
+            S::CXLKV_STATUS_TIER_UNSUPPORTED_MODE => b"TIER_UNSUPPORTED_MODE\0",
+            S::CXLKV_STATUS_TIER_REENTRANT => b"TIER_REENTRANT\0",
+            S::CXLKV_STATUS_TIER_CLOSED => b"TIER_CLOSED\0",
+            S::CXLKV_STATUS_TIER_INVARIANT => b"TIER_INVARIANT\0",
         }
     }
 }
@@ -298,6 +324,25 @@ impl fmt::Display for FfiError {
 impl From<ClientError> for FfiError {
     fn from(e: ClientError) -> Self {
         Self::new(client_status(&e), e.to_string())
+    }
+}
+
+impl From<TierError> for FfiError {
+    fn from(e: TierError) -> Self {
+        let status = match &e {
+            TierError::DuplicateKey { .. } => S::CXLKV_STATUS_TIER_DUPLICATE_KEY,
+            TierError::LengthMismatch { .. } => S::CXLKV_STATUS_TIER_LENGTH_MISMATCH,
+            TierError::KeyLength { .. } => S::CXLKV_STATUS_KEY_LENGTH,
+            TierError::BatchTooLarge { .. } => S::CXLKV_STATUS_BATCH_TOO_LARGE,
+            TierError::UnsupportedMode { .. } => S::CXLKV_STATUS_TIER_UNSUPPORTED_MODE,
+            TierError::ChunkLength { .. } => S::CXLKV_STATUS_CHUNK_LENGTH,
+            TierError::Config { .. } => S::CXLKV_STATUS_CONFIG,
+            TierError::Reentrant { .. } => S::CXLKV_STATUS_TIER_REENTRANT,
+            TierError::Closed { .. } => S::CXLKV_STATUS_TIER_CLOSED,
+            TierError::Invariant(_) => S::CXLKV_STATUS_TIER_INVARIANT,
+            _ => S::CXLKV_STATUS_OTHER,
+        };
+        Self::new(status, e.to_string())
     }
 }
 

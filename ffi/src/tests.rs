@@ -480,3 +480,182 @@ fn stats_structs_report_what_the_caller_can_hold() {
     assert!(len > 0);
     close(client, layout);
 }
+
+mod tier {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::tier::*;
+
+    /// What the listener heard, and what its re-entrant calls answered.
+    #[derive(Default)]
+    struct Heard {
+        calls: Vec<(&'static str, Vec<Vec<u8>>)>,
+        reentrant: Vec<cxlkv_status>,
+        tier: usize,
+    }
+
+    static HEARD: Mutex<Option<Heard>> = Mutex::new(None);
+
+    fn keys_of(keys: *const cxlkv_bytes, n: usize) -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|i| {
+                // SAFETY: the library passes `n` live keys for the call.
+                let k = unsafe { &*keys.add(i) };
+                // SAFETY: each key covers `len` bytes for the call.
+                unsafe { std::slice::from_raw_parts(k.data, k.len) }.to_vec()
+            })
+            .collect()
+    }
+
+    unsafe extern "C" fn write_finished(_: *mut c_void, keys: *const cxlkv_bytes, n: usize) {
+        let mut g = HEARD.lock().unwrap();
+        let h = g.as_mut().unwrap();
+        h.calls.push(("write_finished", keys_of(keys, n)));
+        // A listener runs under the tier's lock: calling a locked operation
+        // of the same tier is refused, a lock-free one is answered.
+        let tier = h.tier as *const cxlkv_tier;
+        let mut evictable = false;
+        // SAFETY: a checked handle and live out slots.
+        h.reentrant
+            .push(unsafe { cxlkv_tier_is_key_evictable(tier, b"x".as_ptr(), 1, &mut evictable) });
+        let mut status = std::mem::MaybeUninit::<cxlkv_tier_status>::zeroed();
+        // SAFETY: the size field is set before the call.
+        unsafe { (*status.as_mut_ptr()).size = size_of::<cxlkv_tier_status>() as u32 };
+        // SAFETY: a checked handle and a sized out struct.
+        h.reentrant
+            .push(unsafe { cxlkv_tier_report_status(tier, status.as_mut_ptr()) });
+    }
+
+    unsafe extern "C" fn deleted(_: *mut c_void, keys: *const cxlkv_bytes, n: usize) {
+        let mut g = HEARD.lock().unwrap();
+        g.as_mut()
+            .unwrap()
+            .calls
+            .push(("deleted", keys_of(keys, n)));
+    }
+
+    #[test]
+    fn a_tier_round_trip_with_listeners_through_the_c_abi() {
+        let fx = Fixture::new("ffi-tier");
+        let (client, layout) = fx.connect();
+        let mut tier = std::ptr::null_mut();
+        // SAFETY: NULL config, live out slot.
+        ok(unsafe { cxlkv_tier_open(layout, std::ptr::null(), &mut tier) });
+        *HEARD.lock().unwrap() = Some(Heard {
+            tier: tier as usize,
+            ..Default::default()
+        });
+        let listener = cxlkv_tier_listener {
+            size: size_of::<cxlkv_tier_listener>() as u32,
+            reserved: 0,
+            reserved_read: None,
+            read_finished: None,
+            reserved_write: None,
+            write_finished: Some(write_finished),
+            finish_write_and_reserve_read: None,
+            deleted: Some(deleted),
+            accessed: None,
+            user_data: std::ptr::null_mut(),
+        };
+        // SAFETY: a live listener struct.
+        ok(unsafe { cxlkv_tier_register_listener(tier, &listener) });
+
+        let keys = [bytes(b"t0"), bytes(b"t1")];
+        let temporary = [0u8, 0];
+        let mut pages = [NO_PAGE_FOR_TESTS; 2];
+        // SAFETY: two keys, two flags, two page slots.
+        ok(unsafe {
+            cxlkv_tier_reserve_write(
+                tier,
+                keys.as_ptr(),
+                temporary.as_ptr(),
+                2,
+                100,
+                0,
+                pages.as_mut_ptr(),
+            )
+        });
+        for (i, p) in pages.iter().enumerate() {
+            assert_eq!(p.code, cxlkv_tier_code::CXLKV_TIER_SUCCESS);
+            assert_eq!(p.len_bytes, 100);
+            // SAFETY: a write reservation's page, `len_bytes` writable bytes.
+            unsafe { std::ptr::write_bytes(p.data, b'a' + i as u8, 100) };
+        }
+        let mut codes = [cxlkv_tier_code::CXLKV_TIER_KEY_NOT_EXIST; 2];
+        // SAFETY: two keys, two code slots.
+        ok(unsafe { cxlkv_tier_finish_write(tier, keys.as_ptr(), 2, codes.as_mut_ptr()) });
+        assert_eq!(codes, [cxlkv_tier_code::CXLKV_TIER_SUCCESS; 2]);
+
+        // SAFETY: as above.
+        ok(unsafe { cxlkv_tier_reserve_read(tier, keys.as_ptr(), 2, 1, pages.as_mut_ptr()) });
+        // SAFETY: a held read page covers `len_bytes`.
+        let first = unsafe { std::slice::from_raw_parts(pages[0].data, 100) };
+        assert!(first.iter().all(|b| *b == b'a'));
+        // SAFETY: two keys, two code slots.
+        ok(unsafe { cxlkv_tier_delete(tier, keys.as_ptr(), 2, false, codes.as_mut_ptr()) });
+        assert_eq!(codes, [cxlkv_tier_code::CXLKV_TIER_KEY_IS_LOCKED; 2]);
+        // SAFETY: as above.
+        ok(unsafe { cxlkv_tier_finish_read(tier, keys.as_ptr(), 2, 1, codes.as_mut_ptr()) });
+        // SAFETY: as above.
+        ok(unsafe { cxlkv_tier_delete(tier, keys.as_ptr(), 2, false, codes.as_mut_ptr()) });
+        assert_eq!(codes, [cxlkv_tier_code::CXLKV_TIER_SUCCESS; 2]);
+
+        // A key twice in one call is refused as a whole.
+        let twice = [bytes(b"t0"), bytes(b"t0")];
+        // SAFETY: as above.
+        let s = unsafe { cxlkv_tier_finish_read(tier, twice.as_ptr(), 2, 1, codes.as_mut_ptr()) };
+        assert_eq!(s, CXLKV_STATUS_TIER_DUPLICATE_KEY);
+        // SAFETY: as above.
+        let s = unsafe {
+            cxlkv_tier_reserve_write(
+                tier,
+                keys.as_ptr(),
+                temporary.as_ptr(),
+                2,
+                100,
+                1,
+                pages.as_mut_ptr(),
+            )
+        };
+        assert_eq!(s, CXLKV_STATUS_TIER_UNSUPPORTED_MODE);
+
+        ok(cxlkv_tier_close(tier));
+        let heard = HEARD.lock().unwrap().take().unwrap();
+        let t = |k: &[u8]| k.to_vec();
+        assert_eq!(
+            heard.calls,
+            vec![
+                ("write_finished", vec![t(b"t0"), t(b"t1")]),
+                // The refused delete: nothing removed (always notified).
+                ("deleted", vec![]),
+                // finish_read: no private page reclaimed (always notified).
+                ("deleted", vec![]),
+                ("deleted", vec![t(b"t0"), t(b"t1")]),
+            ]
+        );
+        assert_eq!(
+            heard.reentrant,
+            vec![CXLKV_STATUS_OK, CXLKV_STATUS_TIER_REENTRANT]
+        );
+        // SAFETY: a freed handle is checked.
+        let s = unsafe { cxlkv_tier_reserve_read(tier, keys.as_ptr(), 2, 1, pages.as_mut_ptr()) };
+        assert_eq!(s, CXLKV_STATUS_BAD_HANDLE);
+        close(client, layout);
+    }
+
+    const NO_PAGE_FOR_TESTS: cxlkv_tier_page = cxlkv_tier_page {
+        code: cxlkv_tier_code::CXLKV_TIER_KEY_NOT_EXIST,
+        reserved: 0,
+        data: std::ptr::null_mut(),
+        len_bytes: 0,
+        page_size_bytes: 0,
+        location: cxlkv_location {
+            region_id: 0,
+            page: 0,
+            generation: 0,
+            len_bytes: 0,
+            reserved: 0,
+        },
+    };
+}

@@ -1,13 +1,15 @@
-"""A real cxlkv server process for the tests (the ``cxlkv-test-server``
-binary: ``$CXLKV_TEST_SERVER``, else the source tree's Cargo build), on a
-temporary socket and a small pool under /dev/shm; stopped (SIGTERM) at the
-end. Each test gets its own layout fingerprint, hence its own key space."""
+"""A real cxlkv server process for the tests (``cxlkv serve``: the binary
+``$CXLKV_BIN``, else the source tree's Cargo build), on a temporary socket,
+a small pool under /dev/shm and a temporary state directory; stopped
+(SIGTERM) at the end and its files removed. Each test gets its own layout
+fingerprint, hence its own key space."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,18 +25,15 @@ PAGE = 64 << 10
 READY_TIMEOUT_S = 60
 
 
-def server_binary() -> str:
-    env = os.environ.get("CXLKV_TEST_SERVER")
+def cxlkv_binary() -> str:
+    env = os.environ.get("CXLKV_BIN")
     if env:
         return env
     for profile in ("debug", "release"):
-        path = REPO / "target" / profile / "examples" / "cxlkv-test-server"
+        path = REPO / "target" / profile / "cxlkv"
         if path.is_file():
             return str(path)
-    raise RuntimeError(
-        "no cxlkv-test-server: set CXLKV_TEST_SERVER, or run "
-        "`cargo build -p cxlkv-ffi --example cxlkv-test-server`"
-    )
+    raise RuntimeError("no cxlkv binary: set CXLKV_BIN, or run `cargo build --bin cxlkv`")
 
 
 class Server:
@@ -44,21 +43,22 @@ class Server:
         self.pool = f"/dev/shm/cxlkv-py-{uuid.uuid4().hex}.pool"
         self.proc = subprocess.Popen(
             [
-                server_binary(),
+                cxlkv_binary(), "serve",
                 "--socket", self.socket,
-                "--pool", self.pool,
-                "--pool-size-mib", "256",
-                "--session-lease-ms", str(session_lease_ms),
-                "--instance-grace-ms", "300",
+                "--pool", f"{self.pool},size=256MiB",
+                "--state-dir", os.path.join(self.dir, "state"),
+                "--lease-ms", str(session_lease_ms),
+                "--grace-ms", "300",
             ],
             stdout=subprocess.PIPE,
+            env={**os.environ, "CXLKV_LOG": "warn"},
             text=True,
         )
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith("ready"):
+        if not line.startswith("listening"):
             self.stop()
-            raise RuntimeError(f"cxlkv-test-server did not start: {line!r}")
+            raise RuntimeError(f"cxlkv serve did not start: {line!r}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -70,9 +70,7 @@ class Server:
                 self.proc.wait()
         if os.path.exists(self.pool):
             os.unlink(self.pool)
-        for f in Path(self.dir).glob("*"):
-            f.unlink()
-        os.rmdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
