@@ -278,6 +278,47 @@ typedef uint32_t cxlkv_visibility;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// `reserve_write`'s mode; only `CXLKV_TIER_WRITE_NEW` is supported (keys
+// are write-once), the others are refused with
+// `CXLKV_STATUS_TIER_UNSUPPORTED_MODE`.
+enum cxlkv_tier_write_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    CXLKV_TIER_WRITE_NEW = 0,
+    CXLKV_TIER_WRITE_UPDATE = 1,
+    CXLKV_TIER_WRITE_ALL = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum cxlkv_tier_write_mode cxlkv_tier_write_mode;
+#else
+typedef uint32_t cxlkv_tier_write_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// An observability event (the reference's `L1_*` names).
+enum cxlkv_tier_event
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    CXLKV_TIER_EVENT_READ_RESERVED = 1,
+    CXLKV_TIER_EVENT_READ_FINISHED = 2,
+    CXLKV_TIER_EVENT_WRITE_RESERVED = 3,
+    CXLKV_TIER_EVENT_WRITE_FINISHED = 4,
+    CXLKV_TIER_EVENT_WRITE_FINISHED_AND_READ_RESERVED = 5,
+    CXLKV_TIER_EVENT_KEYS_EVICTED = 6,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum cxlkv_tier_event cxlkv_tier_event;
+#else
+typedef uint32_t cxlkv_tier_event;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A connection to the cxlkv server (opaque).
 typedef struct cxlkv_client cxlkv_client;
 

@@ -117,6 +117,25 @@ pub(crate) unsafe fn key<'a>(
     unsafe { slice(data, len, "key") }
 }
 
+/// A key that must not be empty (for calls that check keys themselves
+/// rather than leaving it to the client).
+///
+/// # Safety
+///
+/// As [`slice`].
+pub(crate) unsafe fn nonempty_key<'a>(data: *const u8, len: usize) -> Result<&'a [u8], FfiError> {
+    if len == 0 {
+        return Err(ClientError::KeyLength {
+            index: 0,
+            len_bytes: 0,
+            max_bytes: MAX_KEY_BYTES,
+        }
+        .into());
+    }
+    // SAFETY: passed on to the caller.
+    unsafe { key(data, len, 0) }
+}
+
 /// A chunk: at most `MAX_PAGE_BYTES` (no page is larger).
 ///
 /// # Safety

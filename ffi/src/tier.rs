@@ -760,7 +760,7 @@ pub unsafe extern "C" fn cxlkv_tier_is_key_evictable(
         // SAFETY: passed on to the caller.
         let mut out = unsafe { Out::new(out_evictable, "out_evictable") }?;
         // SAFETY: passed on to the caller.
-        let key = unsafe { args::key(key, key_len, 0) }?;
+        let key = unsafe { args::nonempty_key(key, key_len) }?;
         out.write(self::tier(tier)?.is_key_evictable(key));
         Ok(())
     })
@@ -832,7 +832,7 @@ pub unsafe extern "C" fn cxlkv_tier_get_object_state(
         // SAFETY: passed on to the caller.
         let mut out = unsafe { Out::new(out_present, "out_present") }?;
         // SAFETY: passed on to the caller.
-        let key = unsafe { args::key(key, key_len, 0) }?;
+        let key = unsafe { args::nonempty_key(key, key_len) }?;
         out.write(self::tier(tier)?.get_object_state(key).is_some());
         Ok(())
     })
@@ -965,7 +965,7 @@ pub unsafe extern "C" fn cxlkv_tier_inspect(
 ) -> cxlkv_status {
     call("cxlkv_tier_inspect", || {
         // SAFETY: passed on to the caller.
-        let key = unsafe { args::key(key, key_len, 0) }?;
+        let key = unsafe { args::nonempty_key(key, key_len) }?;
         let (stage, temporary, holds, pinned) = match self::tier(tier)?.inspect(key)? {
             KeyStage::WriteStaged { temporary } => (1, temporary, 0, 0),
             KeyStage::ReadStaged {

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define PAGE_SIZE_BYTES (64u * 1024u)
 #define FINGERPRINT 0x7465737400ull
@@ -517,6 +518,223 @@ static void test_closed_client(void) {
     OK(cxlkv_layout_close(layout));
 }
 
+/* --- the L1 tier ---------------------------------------------------------- */
+
+/* What the listener and the event sink heard. */
+static struct {
+    unsigned calls[7];
+    unsigned events[7];
+    unsigned last_n[7];
+    cxlkv_tier *tier;
+    cxlkv_status reentrant;
+    cxlkv_status lock_free;
+} heard;
+
+#define LISTENER_FN(name, slot)                                                  \
+    static void name(void *user_data, const cxlkv_bytes *keys, size_t n) {      \
+        CHECK(user_data == &heard);                                              \
+        CHECK(n == 0 || (keys != NULL && keys[0].data != NULL && keys[0].len > 0)); \
+        heard.calls[slot]++;                                                     \
+        heard.last_n[slot] = (unsigned)n;                                        \
+    }
+LISTENER_FN(on_reserved_read, 0)
+LISTENER_FN(on_read_finished, 1)
+LISTENER_FN(on_reserved_write, 2)
+LISTENER_FN(on_finish_write_and_reserve_read, 4)
+LISTENER_FN(on_deleted, 5)
+LISTENER_FN(on_accessed, 6)
+
+/* write_finished also calls back into the tier: a locked operation is
+ * refused (no deadlock), a lock-free one answered. */
+static void on_write_finished(void *user_data, const cxlkv_bytes *keys, size_t n) {
+    CHECK(user_data == &heard);
+    (void)keys;
+    heard.calls[3]++;
+    heard.last_n[3] = (unsigned)n;
+    cxlkv_tier_status st = {0};
+    st.size = sizeof st;
+    heard.reentrant = cxlkv_tier_report_status(heard.tier, &st);
+    bool evictable;
+    heard.lock_free = cxlkv_tier_is_key_evictable(heard.tier, (const uint8_t *)"x", 1, &evictable);
+}
+
+static void on_event(void *user_data, uint32_t event, const cxlkv_bytes *keys, size_t n) {
+    CHECK(user_data == &heard);
+    CHECK(event >= CXLKV_TIER_EVENT_READ_RESERVED && event <= CXLKV_TIER_EVENT_KEYS_EVICTED);
+    (void)keys;
+    (void)n;
+    heard.events[event]++;
+}
+
+static void test_tier(cxlkv_layout *layout) {
+    cxlkv_tier_config cfg;
+    EXPECT(cxlkv_tier_config_init(&cfg, 3), CXLKV_STATUS_INVALID_ARGUMENT);
+    OK(cxlkv_tier_config_init(&cfg, sizeof cfg));
+    CHECK(cfg.write_ttl_ms == 600000 && cfg.read_ttl_ms == 300000);
+    cfg.on_event = on_event;
+    cfg.event_user_data = &heard;
+
+    cxlkv_tier *tier = (cxlkv_tier *)0x1;
+    EXPECT(cxlkv_tier_open(NULL, &cfg, &tier), CXLKV_STATUS_BAD_HANDLE);
+    CHECK(tier == NULL);
+    EXPECT(cxlkv_tier_open(layout, &cfg, NULL), CXLKV_STATUS_INVALID_ARGUMENT);
+    cfg.write_ttl_ms = 0;
+    EXPECT(cxlkv_tier_open(layout, &cfg, &tier), CXLKV_STATUS_CONFIG);
+    cfg.write_ttl_ms = 600000;
+    OK(cxlkv_tier_open(layout, &cfg, &tier));
+    heard.tier = tier;
+
+    cxlkv_tier_listener listener = {sizeof listener, 0, on_reserved_read, on_read_finished,
+                                    on_reserved_write, on_write_finished,
+                                    on_finish_write_and_reserve_read, on_deleted, on_accessed,
+                                    &heard};
+    EXPECT(cxlkv_tier_register_listener(tier, NULL), CXLKV_STATUS_INVALID_ARGUMENT);
+    OK(cxlkv_tier_register_listener(tier, &listener));
+
+    cxlkv_bytes keys[4] = {key_of("tier/retained-a"), key_of("tier/retained-b"),
+                           key_of("tier/temp-a"), key_of("tier/absent")};
+    uint8_t temporary[3] = {0, 0, 1};
+    cxlkv_tier_page pages[4];
+    cxlkv_tier_code codes[4];
+
+    /* Write: reserve, fill in place, finish (retained) or promote (temp). */
+    EXPECT(cxlkv_tier_reserve_write(tier, keys, temporary, 3, 3000, CXLKV_TIER_WRITE_UPDATE, pages),
+           CXLKV_STATUS_TIER_UNSUPPORTED_MODE);
+    EXPECT(cxlkv_tier_reserve_write(tier, keys, temporary, 3, 3000, 77, pages),
+           CXLKV_STATUS_INVALID_ARGUMENT);
+    EXPECT(cxlkv_tier_reserve_write(tier, keys, NULL, 3, 3000, CXLKV_TIER_WRITE_NEW, pages),
+           CXLKV_STATUS_INVALID_ARGUMENT);
+    EXPECT(cxlkv_tier_reserve_write(tier, keys, temporary, 3, PAGE_SIZE_BYTES + 1,
+                                    CXLKV_TIER_WRITE_NEW, pages),
+           CXLKV_STATUS_CHUNK_LENGTH);
+    OK(cxlkv_tier_reserve_write(tier, keys, temporary, 3, 3000, CXLKV_TIER_WRITE_NEW, pages));
+    for (int i = 0; i < 3; i++) {
+        CHECK(pages[i].code == CXLKV_TIER_SUCCESS && pages[i].data != NULL);
+        CHECK(pages[i].len_bytes == 3000 && pages[i].page_size_bytes == PAGE_SIZE_BYTES);
+        memset(pages[i].data, 'A' + i, 3000);
+    }
+    OK(cxlkv_tier_reserve_write(tier, keys, temporary, 1, 3000, CXLKV_TIER_WRITE_NEW, pages));
+    CHECK(pages[0].code == CXLKV_TIER_KEY_NOT_WRITABLE && pages[0].data == NULL);
+    bool flag = true;
+    OK(cxlkv_tier_is_key_evictable(tier, keys[0].data, keys[0].len, &flag));
+    CHECK(!flag); /* write-staged */
+    cxlkv_tier_key_stage stage = {0};
+    stage.size = sizeof stage;
+    OK(cxlkv_tier_inspect(tier, keys[2].data, keys[2].len, &stage));
+    CHECK(stage.stage == 1 && stage.temporary == 1);
+
+    OK(cxlkv_tier_finish_write(tier, keys, 2, codes));
+    CHECK(codes[0] == CXLKV_TIER_SUCCESS && codes[1] == CXLKV_TIER_SUCCESS);
+    CHECK(heard.calls[3] == 1 && heard.last_n[3] == 2);
+    CHECK(heard.reentrant == CXLKV_STATUS_TIER_REENTRANT);
+    CHECK(heard.lock_free == CXLKV_STATUS_OK);
+    OK(cxlkv_tier_finish_write_and_reserve_read(tier, keys + 2, 1, 1, pages));
+    CHECK(pages[0].code == CXLKV_TIER_SUCCESS && pages[0].data[0] == 'C');
+    CHECK(heard.calls[4] == 1 && heard.calls[3] == 1); /* a promote never write_finished */
+
+    /* Read: two holds on a retained key; unsafe_read shares the page. */
+    OK(cxlkv_tier_reserve_read(tier, keys, 4, 2, pages));
+    CHECK(pages[0].code == CXLKV_TIER_SUCCESS && pages[0].data[2999] == 'A');
+    CHECK(pages[1].code == CXLKV_TIER_SUCCESS && pages[1].data[0] == 'B');
+    CHECK(pages[3].code == CXLKV_TIER_KEY_NOT_EXIST && pages[3].data == NULL);
+    cxlkv_tier_page again[1];
+    OK(cxlkv_tier_unsafe_read(tier, keys, 1, again));
+    CHECK(again[0].code == CXLKV_TIER_SUCCESS && again[0].data == pages[0].data);
+    OK(cxlkv_tier_delete(tier, keys, 1, true /* ignored */, codes));
+    CHECK(codes[0] == CXLKV_TIER_KEY_IS_LOCKED);
+    OK(cxlkv_tier_finish_read(tier, keys, 1, 1, codes));
+    OK(cxlkv_tier_delete(tier, keys, 1, false, codes));
+    CHECK(codes[0] == CXLKV_TIER_KEY_IS_LOCKED); /* one hold left */
+    OK(cxlkv_tier_finish_read(tier, keys, 2, 1, codes));
+    OK(cxlkv_tier_finish_read(tier, keys, 1, 1, codes));
+    OK(cxlkv_tier_finish_read(tier, keys, 1, 1, codes));
+    CHECK(codes[0] == CXLKV_TIER_KEY_NOT_EXIST); /* nothing left to finish */
+
+    OK(cxlkv_tier_touch_keys(tier, keys, 2));
+    CHECK(heard.calls[6] == 1 && heard.last_n[6] == 2);
+
+    /* Status, usage, stats, and the parity answers. */
+    cxlkv_tier_status st = {0};
+    st.size = sizeof st;
+    OK(cxlkv_tier_report_status(tier, &st));
+    CHECK(st.is_healthy == 1 && strcmp(st.backend, "cxlkv") == 0);
+    /* Still held: retained-b (one hold) and the promoted temporary. */
+    CHECK(st.read_locked_count == 2 && st.temporary_count == 1);
+    uint64_t used = 0, total = 0;
+    OK(cxlkv_tier_get_memory_usage(tier, &used, &total));
+    CHECK(used >= 3 * PAGE_SIZE_BYTES && total >= used);
+    EXPECT(cxlkv_tier_get_memory_usage(tier, NULL, &total), CXLKV_STATUS_INVALID_ARGUMENT);
+    bool present = true;
+    OK(cxlkv_tier_get_l1_memory_desc(tier, &present));
+    CHECK(!present);
+    present = true;
+    OK(cxlkv_tier_get_object_state(tier, keys[0].data, keys[0].len, &present));
+    CHECK(!present);
+    bool healthy = false;
+    OK(cxlkv_tier_memcheck(tier, &healthy));
+    CHECK(healthy);
+    cxlkv_tier_stats ts = {0};
+    ts.size = sizeof ts;
+    OK(cxlkv_tier_query_stats(tier, &ts));
+    CHECK(ts.lookups >= 1 && ts.registers >= 1 && ts.unpin_round_trips >= 1);
+    OK(cxlkv_tier_check_invariants(tier));
+    uint64_t swept_writes = 9, swept_reads = 9;
+    OK(cxlkv_tier_sweep_now(tier, &swept_writes, &swept_reads));
+    CHECK(swept_writes == 0 && swept_reads == 0); /* nothing expired */
+
+    /* Arguments refused as a whole. */
+    cxlkv_bytes twice[2] = {keys[0], keys[0]};
+    EXPECT(cxlkv_tier_finish_read(tier, twice, 2, 1, codes), CXLKV_STATUS_TIER_DUPLICATE_KEY);
+    EXPECT(cxlkv_tier_reserve_read(tier, keys, 2, 1, NULL), CXLKV_STATUS_INVALID_ARGUMENT);
+    EXPECT(cxlkv_tier_reserve_read(tier, NULL, 2, 1, pages), CXLKV_STATUS_INVALID_ARGUMENT);
+    EXPECT(cxlkv_tier_finish_write(tier, keys, (size_t)1 << 40, codes), CXLKV_STATUS_BATCH_TOO_LARGE);
+    EXPECT(cxlkv_tier_is_key_evictable(tier, keys[0].data, 0, &flag), CXLKV_STATUS_KEY_LENGTH);
+    EXPECT(cxlkv_tier_inspect(tier, keys[0].data, keys[0].len, NULL), CXLKV_STATUS_INVALID_ARGUMENT);
+    OK(cxlkv_tier_reserve_read(tier, NULL, 0, 1, NULL)); /* empty: a no-op */
+
+    /* Bad handles. */
+    cxlkv_tier *garbage = (cxlkv_tier *)(uintptr_t)0xC6000000000001ull;
+    EXPECT(cxlkv_tier_clear(garbage, false), CXLKV_STATUS_BAD_HANDLE);
+    EXPECT(cxlkv_tier_touch_keys((cxlkv_tier *)layout, keys, 1), CXLKV_STATUS_BAD_HANDLE);
+    EXPECT(cxlkv_tier_memcheck(NULL, &healthy), CXLKV_STATUS_BAD_HANDLE);
+
+    /* clear(force) drops both held stagings, with notification. */
+    unsigned deleted_before = heard.calls[5];
+    OK(cxlkv_tier_clear(tier, false));
+    OK(cxlkv_tier_clear(tier, true));
+    CHECK(heard.calls[5] == deleted_before + 1 && heard.last_n[5] == 2);
+    CHECK(heard.events[CXLKV_TIER_EVENT_KEYS_EVICTED] >= 1);
+    CHECK(heard.events[CXLKV_TIER_EVENT_WRITE_FINISHED] == 1);
+
+    OK(cxlkv_tier_delete(tier, keys, 2, false, codes));
+    CHECK(codes[0] == CXLKV_TIER_SUCCESS && codes[1] == CXLKV_TIER_SUCCESS);
+
+    OK(cxlkv_tier_close(tier));
+    EXPECT(cxlkv_tier_close(tier), CXLKV_STATUS_BAD_HANDLE);
+    OK(cxlkv_tier_close(NULL));
+    CHECK(heard.calls[0] >= 1 && heard.calls[1] >= 1 && heard.calls[2] >= 1);
+
+    /* Expired reservations: the sweeper's pass, run now. */
+    OK(cxlkv_tier_open(layout, NULL, &tier));
+    cxlkv_tier_config fast;
+    OK(cxlkv_tier_config_init(&fast, sizeof fast));
+    fast.write_ttl_ms = 1;
+    cxlkv_tier *short_lived = NULL;
+    OK(cxlkv_tier_open(layout, &fast, &short_lived));
+    uint8_t not_temporary = 0;
+    OK(cxlkv_tier_reserve_write(short_lived, keys + 3, &not_temporary, 1, 10,
+                                CXLKV_TIER_WRITE_NEW, pages));
+    CHECK(pages[0].code == CXLKV_TIER_SUCCESS);
+    struct timespec pause = {0, 20 * 1000 * 1000};
+    nanosleep(&pause, NULL);
+    OK(cxlkv_tier_sweep_now(short_lived, &swept_writes, &swept_reads));
+    CHECK(swept_writes == 1);
+    OK(cxlkv_tier_finish_write(short_lived, keys + 3, 1, codes));
+    CHECK(codes[0] == CXLKV_TIER_KEY_NOT_EXIST); /* reclaimed */
+    OK(cxlkv_tier_close(short_lived));
+    OK(cxlkv_tier_close(tier));
+}
+
 /* Several threads share one client and one layout. */
 enum { THREADS = 4, ROUNDS = 25 };
 static cxlkv_layout *shared_layout;
@@ -580,6 +798,7 @@ int main(int argc, char **argv) {
     test_leases(layout);
     test_layouts(client);
     test_threads_share_a_layout(layout);
+    test_tier(layout);
     OK(cxlkv_layout_close(layout));
     OK(cxlkv_close(client));
 
