@@ -14,7 +14,8 @@ through ctypes; no compiled extension of its own).
             ...
             del data                       # before the view is released
 
-See ``docs/python.md``.
+The L1 tier (LMCache's staged protocol) is :class:`L1Tier`. See
+``docs/python.md``.
 """
 
 from . import _native
@@ -39,10 +40,12 @@ from .errors import (
     InternalError,
     ServerError,
     Status,
+    TierArgumentError,
     TierError,
     ViewReleasedError,
 )
 from .keys import ObjectKey, object_key
+from .tier import L1Tier, TierCode, TierPage
 
 __version__ = _native.lib.cxlkv_version().decode()
 
@@ -57,6 +60,7 @@ __all__ = [
     "HandleError",
     "IndeterminateError",
     "InternalError",
+    "L1Tier",
     "Layout",
     "Lease",
     "Location",
@@ -64,7 +68,10 @@ __all__ = [
     "RegisterResult",
     "ServerError",
     "Status",
+    "TierArgumentError",
+    "TierCode",
     "TierError",
+    "TierPage",
     "View",
     "ViewBatch",
     "ViewReleasedError",

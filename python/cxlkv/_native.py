@@ -269,6 +269,98 @@ class DeleteResult(Structure):
     _fields_ = [("outcome", c_uint32), ("pins", c_uint32)]
 
 
+class TierPage(Structure):
+    _fields_ = [
+        ("code", c_uint32),
+        ("reserved", c_uint32),
+        ("data", c_void_p),
+        ("len_bytes", c_uint64),
+        ("page_size_bytes", c_uint64),
+        ("location", Location),
+    ]
+
+
+TIER_KEYS_FN = CFUNCTYPE(None, c_void_p, POINTER(Bytes), c_size_t)
+TIER_EVENT_FN = CFUNCTYPE(None, c_void_p, c_uint32, POINTER(Bytes), c_size_t)
+
+LISTENER_CALLBACKS = (
+    "reserved_read",
+    "read_finished",
+    "reserved_write",
+    "write_finished",
+    "finish_write_and_reserve_read",
+    "deleted",
+    "accessed",
+)
+
+
+class TierConfig(Structure):
+    _fields_ = [
+        ("size", c_uint32),
+        ("reserved", c_uint32),
+        ("write_ttl_ms", c_uint64),
+        ("read_ttl_ms", c_uint64),
+        ("on_event", TIER_EVENT_FN),
+        ("event_user_data", c_void_p),
+    ]
+
+
+class TierListener(Structure):
+    _fields_ = (
+        [("size", c_uint32), ("reserved", c_uint32)]
+        + [(name, TIER_KEYS_FN) for name in LISTENER_CALLBACKS]
+        + [("user_data", c_void_p)]
+    )
+
+
+TIER_STATUS_COUNTS = (
+    "total_object_count",
+    "write_locked_count",
+    "read_locked_count",
+    "temporary_count",
+    "memory_used_bytes",
+    "memory_total_bytes",
+)
+TIER_STATUS_RATIOS = ("memory_usage_ratio", "write_ttl_seconds", "read_ttl_seconds")
+
+
+class TierStatus(Structure):
+    _fields_ = (
+        [("size", c_uint32), ("is_healthy", c_uint32), ("backend", c_char_p)]
+        + [(n, c_uint64) for n in TIER_STATUS_COUNTS]
+        + [(n, ctypes.c_double) for n in TIER_STATUS_RATIOS]
+    )
+
+
+class TierKeyStage(Structure):
+    _fields_ = [
+        ("size", c_uint32),
+        ("stage", c_uint32),
+        ("temporary", c_uint32),
+        ("reserved", c_uint32),
+        ("holds", c_uint64),
+        ("pinned", c_uint64),
+    ]
+
+
+TIER_STATS_FIELDS = (
+    "lookups",
+    "unpin_round_trips",
+    "pins_released",
+    "pins_lost",
+    "registers",
+    "registers_unresolved",
+    "exists",
+    "deletes",
+    "temporaries_reclaimed",
+    "swept",
+)
+
+
+class TierStats(Structure):
+    _fields_ = _counters(*TIER_STATS_FIELDS)
+
+
 # --- constants (cxlkv.h) ----------------------------------------------------
 
 CONFIG_EAGER_MAP = 1 << 0
@@ -285,6 +377,18 @@ REGISTER_REJECTED = 3
 DELETE_DELETED = 1
 DELETE_PINNED = 2
 DELETE_MISSING = 3
+
+TIER_MAX_HOLDS = 128
+TIER_WRITE_MODES = {"new": 0, "update": 1, "all": 2}
+TIER_EVENTS = {
+    1: "L1_READ_RESERVED",
+    2: "L1_READ_FINISHED",
+    3: "L1_WRITE_RESERVED",
+    4: "L1_WRITE_FINISHED",
+    5: "L1_WRITE_FINISHED_AND_READ_RESERVED",
+    6: "L1_KEYS_EVICTED",
+}
+TIER_STAGES = {0: "untracked", 1: "write_staged", 2: "read_staged"}
 
 # --- functions ----------------------------------------------------------------
 
@@ -336,6 +440,48 @@ _fn("cxlkv_exists", status_t, c_void_p, c_void_p, c_size_t, P(c_bool))
 _fn("cxlkv_batch_exists", status_t, c_void_p, P(Bytes), c_size_t, P(c_bool))
 _fn("cxlkv_delete", status_t, c_void_p, c_void_p, c_size_t, P(DeleteResult))
 _fn("cxlkv_batch_delete", status_t, c_void_p, P(Bytes), c_size_t, P(DeleteResult))
+
+_fn("cxlkv_tier_config_init", status_t, P(TierConfig), c_uint32)
+_fn("cxlkv_tier_open", status_t, c_void_p, P(TierConfig), P(c_void_p))
+_fn("cxlkv_tier_close", status_t, c_void_p)
+_fn("cxlkv_tier_register_listener", status_t, c_void_p, P(TierListener))
+_fn("cxlkv_tier_reserve_read", status_t, c_void_p, P(Bytes), c_size_t, c_uint32, P(TierPage))
+_fn("cxlkv_tier_unsafe_read", status_t, c_void_p, P(Bytes), c_size_t, P(TierPage))
+_fn("cxlkv_tier_finish_read", status_t, c_void_p, P(Bytes), c_size_t, c_uint32, P(c_uint32))
+_fn(
+    "cxlkv_tier_reserve_write",
+    status_t,
+    c_void_p,
+    P(Bytes),
+    P(c_uint8),
+    c_size_t,
+    c_uint64,
+    c_uint32,
+    P(TierPage),
+)
+_fn("cxlkv_tier_finish_write", status_t, c_void_p, P(Bytes), c_size_t, P(c_uint32))
+_fn(
+    "cxlkv_tier_finish_write_and_reserve_read",
+    status_t,
+    c_void_p,
+    P(Bytes),
+    c_size_t,
+    c_uint32,
+    P(TierPage),
+)
+_fn("cxlkv_tier_delete", status_t, c_void_p, P(Bytes), c_size_t, c_bool, P(c_uint32))
+_fn("cxlkv_tier_touch_keys", status_t, c_void_p, P(Bytes), c_size_t)
+_fn("cxlkv_tier_clear", status_t, c_void_p, c_bool)
+_fn("cxlkv_tier_is_key_evictable", status_t, c_void_p, c_void_p, c_size_t, P(c_bool))
+_fn("cxlkv_tier_get_memory_usage", status_t, c_void_p, P(c_uint64), P(c_uint64))
+_fn("cxlkv_tier_get_l1_memory_desc", status_t, c_void_p, P(c_bool))
+_fn("cxlkv_tier_get_object_state", status_t, c_void_p, c_void_p, c_size_t, P(c_bool))
+_fn("cxlkv_tier_memcheck", status_t, c_void_p, P(c_bool))
+_fn("cxlkv_tier_report_status", status_t, c_void_p, P(TierStatus))
+_fn("cxlkv_tier_inspect", status_t, c_void_p, c_void_p, c_size_t, P(TierKeyStage))
+_fn("cxlkv_tier_query_stats", status_t, c_void_p, P(TierStats))
+_fn("cxlkv_tier_sweep_now", status_t, c_void_p, P(c_uint64), P(c_uint64))
+_fn("cxlkv_tier_check_invariants", status_t, c_void_p)
 
 if lib.cxlkv_abi_version() >> 16 != ABI_MAJOR:
     raise ImportError(

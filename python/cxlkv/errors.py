@@ -11,7 +11,9 @@ The classes group statuses by what a caller does about them:
   unreachable or did not answer;
 - :class:`IndeterminateError`: a request may or may not have taken effect;
 - :class:`ServerError`: the server refused (``code`` is its wire code);
-- :class:`TierError`: the L1 tier refused a whole call;
+- :class:`TierError`: the L1 tier refused a whole call
+  (:class:`TierArgumentError` for bad arguments, also an
+  :class:`ArgumentError`);
 - :class:`InternalError`: a bug or an unexpected failure below.
 
 :class:`ViewReleasedError` is raised by this package itself, when a
@@ -80,6 +82,12 @@ class Status(enum.IntEnum):
     SERVER_REPLY_EVICTED = 124
     SERVER_PINS_HELD_BY_OTHER_SESSION = 125
     SERVER_REGION_NOT_EMPTY = 126
+    TIER_DUPLICATE_KEY = 200
+    TIER_LENGTH_MISMATCH = 201
+    TIER_UNSUPPORTED_MODE = 202
+    TIER_REENTRANT = 203
+    TIER_CLOSED = 204
+    TIER_INVARIANT = 205
 
 
 class Error(Exception):
@@ -133,6 +141,11 @@ class TierError(Error):
     listener, or inconsistent arguments); nothing changed."""
 
 
+class TierArgumentError(TierError, ArgumentError):
+    """The L1 tier refused the call's arguments (a key repeated within the
+    call, per-key lists of different lengths, an unsupported write mode)."""
+
+
 class InternalError(Error):
     """A bug or an unexpected failure below (the message says what)."""
 
@@ -161,18 +174,23 @@ _BY_STATUS = {
     Status.CONNECT: ConnectionLostError,
     Status.DISCONNECTED: ConnectionLostError,
     Status.INDETERMINATE: IndeterminateError,
+    Status.TIER_DUPLICATE_KEY: TierArgumentError,
+    Status.TIER_LENGTH_MISMATCH: TierArgumentError,
+    Status.TIER_UNSUPPORTED_MODE: TierArgumentError,
 }
 
 
 def error_for(status: int) -> Error:
     """The exception for a non-OK ``status``, with this thread's message."""
     message = _native.last_error()
-    if 100 <= status < 200:
+    if status in _BY_STATUS:
+        cls = _BY_STATUS[status]
+    elif 100 <= status < 200:
         cls = ServerError
     elif 200 <= status < 300:
         cls = TierError
     else:
-        cls = _BY_STATUS.get(status, InternalError)
+        cls = InternalError
     return cls(status, message)
 
 

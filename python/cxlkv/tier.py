@@ -1,0 +1,476 @@
+"""The L1 tier: the engine-facing staged protocol of LMCache's L1 manager
+(reserve and finish reads and writes, promotes, temporaries, delete,
+clear, a TTL sweeper, listeners and events) on the shared pool.
+
+The 17 operations keep the reference's names and parameters
+(``l1-tier-reference.md``), with three differences: key lists are answered
+with lists in input order (a key repeated within one call is refused with
+:class:`~cxlkv.errors.TierArgumentError`, so a list is the reference's map);
+``reserve_write`` takes the chunk length instead of a tensor layout (the
+layout is bound when the tier is created); and read holds may be given as a
+total (``holds=``) besides the reference's ``extra_count``.
+
+Pages
+-----
+Read-type results carry a :class:`TierPage`: the chunk in place in the
+pool. :meth:`TierPage.memoryview` is zero copy — writable for pages from
+:meth:`L1Tier.reserve_write` (until the key is finished), read-only
+otherwise. A page is valid while the tier holds the reservation that
+returned it. The tier guards that the way views are guarded
+(:mod:`cxlkv.client`): every memoryview is exported through a ctypes
+array tracked weakly; an operation that may end a key's reservation
+(``finish_*``, ``delete``, ``clear``, ``close``, ``sweep_now``) raises
+``BufferError`` and changes nothing while a memoryview of that key's page
+is alive, and afterwards marks the pages whose reservation ended as
+released — their :meth:`TierPage.memoryview` raises
+:class:`~cxlkv.errors.ViewReleasedError`. What Python cannot guard is the
+tier's own TTL sweeper thread, which reclaims an *expired* reservation
+whatever Python holds (as the reference's TTL locks do): keep the TTLs
+above the longest time a page is used.
+
+Listeners are Python objects with any of the methods ``reserved_read``,
+``read_finished``, ``reserved_write``, ``write_finished``,
+``finish_write_and_reserve_read``, ``deleted``, ``accessed``, each called
+with a list of ``bytes`` keys — synchronously, on the calling thread, under
+the tier's lock (except ``accessed``): a listener must not call back into
+the same tier (that raises :class:`~cxlkv.errors.TierError`). Exceptions in
+listeners are printed and ignored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import weakref
+from typing import Callable, Iterable, Optional, Sequence
+
+from . import _native as N
+from .client import BytesLike, Layout, Location, _as_buffer, _bytes_array, _Exports, _key
+from .errors import (
+    ArgumentError,
+    HandleError,
+    Status,
+    TierArgumentError,
+    ViewReleasedError,
+    check,
+)
+
+
+class TierCode(enum.IntEnum):
+    """Per-key result (the reference's shared L1 error enumeration)."""
+
+    SUCCESS = 0
+    KEY_NOT_EXIST = 1
+    KEY_NOT_READABLE = 2
+    KEY_NOT_WRITABLE = 3
+    KEY_IN_WRONG_STATE = 4
+    KEY_IS_LOCKED = 5
+    OUT_OF_MEMORY = 6
+
+
+class TierPage:
+    """A chunk's page from a tier reservation (see the module docs)."""
+
+    __slots__ = (
+        "key",
+        "location",
+        "page_size_bytes",
+        "writable",
+        "_len",
+        "_address",
+        "_exports",
+        "__weakref__",
+    )
+
+    def __init__(self, key: bytes, raw: N.TierPage, writable: bool):
+        self.key = key
+        self.location = Location._from(raw.location)
+        self.page_size_bytes = raw.page_size_bytes
+        self.writable = writable
+        self._len = raw.len_bytes
+        self._address = raw.data
+        self._exports = _Exports()
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def released(self) -> bool:
+        return self._address is None
+
+    def memoryview(self) -> memoryview:
+        """The chunk's bytes in the pool (zero copy)."""
+        if self._address is None:
+            raise ViewReleasedError(f"the reservation of {self.key!r} ended")
+        return self._exports.export(self._address, self._len, self, readonly=not self.writable)
+
+    def address(self) -> int:
+        if self._address is None:
+            raise ViewReleasedError(f"the reservation of {self.key!r} ended")
+        return self._address
+
+    def __bytes__(self) -> bytes:
+        return self.memoryview().tobytes()
+
+    def _exported(self) -> bool:
+        return self._address is not None and self._exports.alive()
+
+    def _release(self) -> None:
+        self._address = None
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self._len} bytes"
+        return f"TierPage({self.key!r}, {state})"
+
+
+def _holds(extra_count: int, holds: Optional[int]) -> int:
+    """The total holds of a call: ``holds`` if given, else ``1 +
+    extra_count`` (the library clamps to 1..=128)."""
+    total = holds if holds is not None else 1 + extra_count
+    return max(0, min(int(total), 1 << 31))
+
+
+class L1Tier:
+    """The L1 tier over one :class:`~cxlkv.Layout` (see the module docs).
+    Thread-safe; a context manager (``close`` at the end)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        write_ttl_s: float = 600.0,
+        read_ttl_s: float = 300.0,
+        on_event: Optional[Callable[[str, list], None]] = None,
+    ):
+        cfg = N.TierConfig()
+        check(N.lib.cxlkv_tier_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
+        cfg.write_ttl_ms = int(write_ttl_s * 1000)
+        cfg.read_ttl_ms = int(read_ttl_s * 1000)
+        # ctypes callback objects must outlive every call into them.
+        self._callbacks: list = []
+        if on_event is not None:
+
+            def event(_user, code, keys, n):
+                on_event(N.TIER_EVENTS.get(code, str(code)), _keys_from_c(keys, n))
+
+            cfg.on_event = N.TIER_EVENT_FN(event)
+            self._callbacks.append(cfg.on_event)
+        handle = ctypes.c_void_p()
+        check(N.lib.cxlkv_tier_open(layout._h(), ctypes.byref(cfg), ctypes.byref(handle)))
+        self._handle = handle.value
+        self._layout = layout
+        self._pages: dict[bytes, list] = {}
+
+    # --- plumbing -----------------------------------------------------------
+
+    def _h(self) -> int:
+        if self._handle is None:
+            raise HandleError(Status.BAD_HANDLE, "the tier was closed")
+        return self._handle
+
+    def _track(self, page: TierPage) -> None:
+        refs = self._pages.setdefault(page.key, [])
+        refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(page))
+
+    def _live_pages(self, keys: Optional[Iterable[bytes]] = None) -> list[TierPage]:
+        selected = self._pages.items() if keys is None else ((k, self._pages.get(k, [])) for k in keys)
+        out = []
+        for _, refs in selected:
+            for r in refs:
+                p = r()
+                if p is not None and not p.released:
+                    out.append(p)
+        return out
+
+    def _guard(self, keys: Optional[Sequence[bytes]]) -> None:
+        """Refuses (``BufferError``) while a memoryview of a page of
+        ``keys`` (``None``: any key) is alive."""
+        for p in self._live_pages(keys):
+            if p._exported():
+                raise BufferError(
+                    f"a memoryview of the page of {p.key!r} is still alive; drop it before "
+                    "an operation that may end its reservation"
+                )
+
+    def _revalidate(self, keys: Optional[Sequence[bytes]], writes_ended: bool) -> None:
+        """Marks released the pages of ``keys`` (``None``: all) whose
+        reservation ended: every write page if ``writes_ended``, and read
+        pages that are no longer this key's held page."""
+        pages = self._live_pages(keys)
+        if not pages:
+            return
+        read_keys = sorted({p.key for p in pages if not p.writable})
+        current: dict[bytes, Optional[int]] = {}
+        if read_keys and self._handle is not None:
+            for k, (code, page) in zip(read_keys, self._call_pages("unsafe", read_keys)):
+                current[k] = page.address() if code == TierCode.SUCCESS else None
+        for p in pages:
+            if p.writable:
+                if writes_ended or self._handle is None:
+                    p._release()
+            elif current.get(p.key) != p._address:
+                p._release()
+
+    def _call_pages(self, op: str, keys: Sequence[bytes], *extra) -> list:
+        keep: list = []
+        karr = _bytes_array(keys, keep)
+        out = (N.TierPage * max(len(keys), 1))()
+        h = self._h()
+        if op == "reserve_read":
+            check(N.lib.cxlkv_tier_reserve_read(h, karr, len(keys), extra[0], out))
+        elif op == "unsafe":
+            check(N.lib.cxlkv_tier_unsafe_read(h, karr, len(keys), out))
+        elif op == "promote":
+            check(N.lib.cxlkv_tier_finish_write_and_reserve_read(h, karr, len(keys), extra[0], out))
+        elif op == "reserve_write":
+            flags, len_bytes, mode = extra
+            check(N.lib.cxlkv_tier_reserve_write(h, karr, flags, len(keys), len_bytes, mode, out))
+        results = []
+        writable = op == "reserve_write"
+        for i, k in enumerate(keys):
+            code = TierCode(out[i].code)
+            if code == TierCode.SUCCESS and out[i].data:
+                page = TierPage(k, out[i], writable)
+                if op != "unsafe":
+                    self._track(page)
+                results.append((code, page))
+            else:
+                results.append((code, None))
+        return results
+
+    def _call_codes(self, fn, keys: Sequence[bytes], *args) -> list[TierCode]:
+        keep: list = []
+        karr = _bytes_array(keys, keep)
+        out = (ctypes.c_uint32 * max(len(keys), 1))()
+        check(fn(self._h(), karr, len(keys), *args, out))
+        return [TierCode(out[i]) for i in range(len(keys))]
+
+    # --- the 17 operations ------------------------------------------------------
+
+    def register_listener(self, listener: object) -> None:
+        """Appends a listener (see the module docs)."""
+        raw = N.TierListener()
+        raw.size = ctypes.sizeof(raw)
+        for name in N.LISTENER_CALLBACKS:
+            method = getattr(listener, name, None)
+            if method is None:
+                continue
+
+            def trampoline(_user, keys, n, method=method):
+                method(_keys_from_c(keys, n))
+
+            cb = N.TIER_KEYS_FN(trampoline)
+            self._callbacks.append(cb)
+            setattr(raw, name, cb)
+        check(N.lib.cxlkv_tier_register_listener(self._h(), ctypes.byref(raw)))
+
+    def reserve_read(
+        self, keys: Iterable[BytesLike], extra_count: int = 0, *, holds: Optional[int] = None
+    ) -> list[tuple[TierCode, Optional[TierPage]]]:
+        """Takes ``1 + extra_count`` (or ``holds``) read holds per key and
+        returns ``(code, page)`` per key."""
+        keys = [_key(k) for k in keys]
+        return self._call_pages("reserve_read", keys, _holds(extra_count, holds))
+
+    def unsafe_read(self, keys: Iterable[BytesLike]) -> list[tuple[TierCode, Optional[TierPage]]]:
+        """The staged pages, with no new hold (between ``reserve_read`` and
+        its ``finish_read`` only)."""
+        keys = [_key(k) for k in keys]
+        results = self._call_pages("unsafe", keys)
+        for _, page in results:
+            if page is not None:
+                self._track(page)
+        return results
+
+    def finish_read(
+        self, keys: Iterable[BytesLike], extra_count: int = 0, *, holds: Optional[int] = None
+    ) -> list[TierCode]:
+        """Releases holds (and the pins behind them, before returning)."""
+        keys = [_key(k) for k in keys]
+        self._guard(keys)
+        codes = self._call_codes(N.lib.cxlkv_tier_finish_read, keys, _holds(extra_count, holds))
+        self._revalidate(keys, writes_ended=False)
+        return codes
+
+    def reserve_write(
+        self,
+        keys: Iterable[BytesLike],
+        is_temporary: Sequence[bool],
+        len_bytes: Optional[int] = None,
+        mode: str = "new",
+    ) -> list[tuple[TierCode, Optional[TierPage]]]:
+        """Reserves a page per key for a chunk of ``len_bytes`` (default: a
+        whole page), written in place through the page's writable
+        memoryview. Only ``mode="new"`` (keys are write-once)."""
+        keys = [_key(k) for k in keys]
+        if mode not in N.TIER_WRITE_MODES:
+            raise ArgumentError(Status.INVALID_ARGUMENT, f"mode {mode!r} is not new, update or all")
+        flags = (ctypes.c_uint8 * max(len(keys), 1))(*[1 if t else 0 for t in is_temporary])
+        if len(is_temporary) != len(keys):
+            raise TierArgumentError(
+                Status.TIER_LENGTH_MISMATCH,
+                f"reserve_write: {len(keys)} keys but {len(is_temporary)} is_temporary flags",
+            )
+        if len_bytes is None:
+            len_bytes = self._layout.page_size_bytes
+        return self._call_pages(
+            "reserve_write", keys, flags, len_bytes, N.TIER_WRITE_MODES[mode]
+        )
+
+    def finish_write(self, keys: Iterable[BytesLike]) -> list[TierCode]:
+        """Completes writes: temporaries privately, retained keys registered
+        (one round trip)."""
+        keys = [_key(k) for k in keys]
+        self._guard(keys)
+        codes = self._call_codes(N.lib.cxlkv_tier_finish_write, keys)
+        self._revalidate(keys, writes_ended=True)
+        return codes
+
+    def finish_write_and_reserve_read(
+        self, keys: Iterable[BytesLike], extra_count: int = 0, *, holds: Optional[int] = None
+    ) -> list[tuple[TierCode, Optional[TierPage]]]:
+        """The L2 → L1 promote: completes the writes and holds the keys for
+        reading (never reported as written)."""
+        keys = [_key(k) for k in keys]
+        self._guard(keys)
+        results = self._call_pages("promote", keys, _holds(extra_count, holds))
+        fresh = {id(p) for _, p in results if p is not None}
+        for p in self._live_pages(keys):
+            if p.writable and id(p) not in fresh:
+                p._release()
+        return results
+
+    def delete(self, keys: Iterable[BytesLike], force: bool = False) -> list[TierCode]:
+        """Deletes keys (``force`` is accepted and ignored, as in the
+        reference)."""
+        keys = [_key(k) for k in keys]
+        self._guard(keys)
+        codes = self._call_codes(N.lib.cxlkv_tier_delete, keys, bool(force))
+        self._revalidate(keys, writes_ended=False)
+        return codes
+
+    def touch_keys(self, keys: Iterable[BytesLike]) -> None:
+        """Tells the listeners ``accessed(keys)``."""
+        keys = [_key(k) for k in keys]
+        keep: list = []
+        karr = _bytes_array(keys, keep)
+        check(N.lib.cxlkv_tier_touch_keys(self._h(), karr, len(keys)))
+
+    def clear(self, force: bool = False) -> None:
+        """Drops local staging (never shared data); ``force`` drops all of
+        it."""
+        self._guard(None)
+        check(N.lib.cxlkv_tier_clear(self._h(), bool(force)))
+        self._revalidate(None, writes_ended=force)
+
+    def is_key_evictable(self, key: BytesLike) -> bool:
+        out = ctypes.c_bool()
+        keep: list = []
+        addr, n = _as_buffer(_key(key), keep)
+        check(N.lib.cxlkv_tier_is_key_evictable(self._h(), addr, n, ctypes.byref(out)))
+        return out.value
+
+    def get_memory_usage(self) -> tuple[int, int]:
+        """``(used, total)`` bytes, with no round trip."""
+        used, total = ctypes.c_uint64(), ctypes.c_uint64()
+        check(N.lib.cxlkv_tier_get_memory_usage(self._h(), ctypes.byref(used), ctypes.byref(total)))
+        return used.value, total.value
+
+    def get_l1_memory_desc(self) -> None:
+        """Always ``None``: the shared pool has no single registrable region
+        (use the client's ``on_map`` / ``on_unmap`` callbacks)."""
+        out = ctypes.c_bool()
+        check(N.lib.cxlkv_tier_get_l1_memory_desc(self._h(), ctypes.byref(out)))
+        return None
+
+    def get_object_state(self, key: BytesLike) -> None:
+        """Always ``None``: membership lives in the directory (see
+        :meth:`inspect`)."""
+        out = ctypes.c_bool()
+        keep: list = []
+        addr, n = _as_buffer(_key(key), keep)
+        check(N.lib.cxlkv_tier_get_object_state(self._h(), addr, n, ctypes.byref(out)))
+        return None
+
+    def memcheck(self) -> bool:
+        out = ctypes.c_bool()
+        check(N.lib.cxlkv_tier_memcheck(self._h(), ctypes.byref(out)))
+        return out.value
+
+    def report_status(self) -> dict:
+        """The stock status keys plus ``backend``."""
+        out = N.sized(N.TierStatus)
+        check(N.lib.cxlkv_tier_report_status(self._h(), ctypes.byref(out)))
+        status = {"is_healthy": bool(out.is_healthy), "backend": out.backend.decode()}
+        status.update({n: getattr(out, n) for n in N.TIER_STATUS_COUNTS})
+        status.update({n: getattr(out, n) for n in N.TIER_STATUS_RATIOS})
+        return status
+
+    def close(self) -> None:
+        """Stops the sweeper and drains the staging; every page of the tier
+        is released. Raises ``BufferError`` (and stays open) while a
+        memoryview of one of its pages is alive."""
+        if self._handle is None:
+            return
+        self._guard(None)
+        handle, self._handle = self._handle, None
+        try:
+            check(N.lib.cxlkv_tier_close(handle))
+        finally:
+            self._revalidate(None, writes_ended=True)
+
+    # --- beyond the 17 ------------------------------------------------------
+
+    def inspect(self, key: BytesLike) -> dict:
+        """Where ``key`` stands here: ``stage`` (``untracked``,
+        ``write_staged``, ``read_staged``), ``temporary``, ``holds``,
+        ``pinned``."""
+        out = N.sized(N.TierKeyStage)
+        keep: list = []
+        addr, n = _as_buffer(_key(key), keep)
+        check(N.lib.cxlkv_tier_inspect(self._h(), addr, n, ctypes.byref(out)))
+        return {
+            "stage": N.TIER_STAGES.get(out.stage, str(out.stage)),
+            "temporary": bool(out.temporary),
+            "holds": out.holds,
+            "pinned": out.pinned,
+        }
+
+    def stats(self) -> dict:
+        out = N.sized(N.TierStats)
+        check(N.lib.cxlkv_tier_query_stats(self._h(), ctypes.byref(out)))
+        return {f: getattr(out, f) for f in N.TIER_STATS_FIELDS}
+
+    def sweep_now(self) -> tuple[int, int]:
+        """Runs one TTL sweep now: ``(writes, reads)`` reclaimed."""
+        self._guard(None)
+        writes, reads = ctypes.c_uint64(), ctypes.c_uint64()
+        check(N.lib.cxlkv_tier_sweep_now(self._h(), ctypes.byref(writes), ctypes.byref(reads)))
+        live = self._live_pages()
+        write_keys = [p.key for p in live if p.writable]
+        if write_keys:
+            stages = {k: self.inspect(k)["stage"] for k in set(write_keys)}
+            for p in live:
+                if p.writable and stages.get(p.key) != "write_staged":
+                    p._release()
+        self._revalidate(None, writes_ended=False)
+        return writes.value, reads.value
+
+    def check_invariants(self) -> None:
+        check(N.lib.cxlkv_tier_check_invariants(self._h()))
+
+    def __enter__(self) -> "L1Tier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            N.lib.cxlkv_tier_close(handle)
+
+
+def _keys_from_c(keys, n: int) -> list[bytes]:
+    return [ctypes.string_at(keys[i].data, keys[i].len) for i in range(n)]

@@ -1,0 +1,362 @@
+"""The L1 tier from Python: the reference's shared conformance suite
+(``l1-tier-reference.md`` §7.1, all 15 cases) against a real server, and
+what the Python layer adds — pages as memoryviews that raise once their
+reservation ends, listeners and events, and a reader in another process."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import cxlkv
+from cxlkv import L1Tier, TierCode
+from conftest import PAGE
+
+CHUNK_BYTES = 100 * 2 * 512 * 2 // 64  # the reference's (100, 2, 512) bf16 layout, scaled to the page
+
+
+def key(i: int) -> bytes:
+    """Keys differ by a 4-byte big-endian chunk hash, as in the reference."""
+    return cxlkv.ObjectKey("conformance-model", 0, i.to_bytes(4, "big")).encode()
+
+
+class Recorder:
+    """A listener recording every call."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, list[bytes]]] = []
+
+    def __getattr__(self, name):
+        if name in ("reserved_read", "read_finished", "reserved_write", "write_finished",
+                    "finish_write_and_reserve_read", "deleted", "accessed"):
+            return lambda keys, name=name: self.calls.append((name, keys))
+        raise AttributeError(name)
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.calls]
+
+
+@pytest.fixture
+def tier(layout):
+    with L1Tier(layout) as t:
+        yield t
+        t.check_invariants()
+
+
+def fill(k: bytes) -> int:
+    """The byte key ``k``'s chunk is filled with."""
+    return sum(k) % 256
+
+
+def write(tier: L1Tier, k: bytes) -> None:
+    """The suite's helper: reserve_write(new, retained) then finish_write."""
+    [(code, page)] = tier.reserve_write([k], [False], CHUNK_BYTES)
+    assert code == TierCode.SUCCESS
+    mv = page.memoryview()
+    mv[:] = bytes([fill(k)]) * len(mv)
+    del mv
+    assert tier.finish_write([k]) == [TierCode.SUCCESS]
+
+
+def test_conformance_1_reserve_read_of_a_never_written_key(tier):
+    assert tier.reserve_read([key(1)]) == [(TierCode.KEY_NOT_EXIST, None)]
+
+
+def test_conformance_2_round_trip(tier):
+    write(tier, key(2))
+    [(code, page)] = tier.reserve_read([key(2)])
+    assert code == TierCode.SUCCESS and bytes(page) == bytes([fill(key(2))]) * CHUNK_BYTES
+    [(code2, page2)] = tier.unsafe_read([key(2)])
+    assert code2 == TierCode.SUCCESS and page2.address() == page.address()
+    assert tier.finish_read([key(2)]) == [TierCode.SUCCESS]
+
+
+def test_conformance_3_reserve_write_twice_on_an_in_flight_key(tier):
+    [(first, _)] = tier.reserve_write([key(3)], [False], CHUNK_BYTES)
+    assert first == TierCode.SUCCESS
+    assert tier.reserve_write([key(3)], [False], CHUNK_BYTES) == [(TierCode.KEY_NOT_WRITABLE, None)]
+
+
+def test_conformance_4_unsafe_read_without_reserve_read(tier):
+    write(tier, key(4))
+    [(code, page)] = tier.unsafe_read([key(4)])
+    assert code != TierCode.SUCCESS and page is None
+
+
+def test_conformance_5_delete_is_locked_while_read_held(tier):
+    write(tier, key(5))
+    tier.reserve_read([key(5)])
+    assert tier.delete([key(5)]) == [TierCode.KEY_IS_LOCKED]
+    tier.finish_read([key(5)])
+    assert tier.delete([key(5)]) == [TierCode.SUCCESS]
+
+
+def test_conformance_6_extra_count_holds_need_as_many_finishes(tier):
+    write(tier, key(6))
+    tier.reserve_read([key(6)], extra_count=2)
+    assert tier.delete([key(6)]) == [TierCode.KEY_IS_LOCKED]
+    for _ in range(3):
+        assert tier.finish_read([key(6)]) == [TierCode.SUCCESS]
+    assert tier.delete([key(6)]) == [TierCode.SUCCESS]
+
+
+def test_conformance_7_clear_keeps_held_reads(tier):
+    write(tier, key(7))
+    tier.reserve_read([key(7)])
+    tier.clear()
+    assert tier.unsafe_read([key(7)])[0][0] == TierCode.SUCCESS
+    tier.finish_read([key(7)])
+
+
+def test_conformance_8_evictability_follows_the_read_hold(tier):
+    write(tier, key(8))
+    assert tier.is_key_evictable(key(8))
+    tier.reserve_read([key(8)])
+    assert not tier.is_key_evictable(key(8))
+    tier.finish_read([key(8)])
+    assert tier.is_key_evictable(key(8))
+
+
+def test_conformance_9_retained_promote(tier):
+    [(code, page)] = tier.reserve_write([key(9)], [False], CHUNK_BYTES)
+    assert code == TierCode.SUCCESS
+    page.memoryview()[:4] = b"from"
+    [(code, held)] = tier.finish_write_and_reserve_read([key(9)])
+    assert code == TierCode.SUCCESS and bytes(held)[:4] == b"from"
+    assert tier.unsafe_read([key(9)])[0][0] == TierCode.SUCCESS
+    assert tier.delete([key(9)]) == [TierCode.KEY_IS_LOCKED]
+    tier.finish_read([key(9)])
+    assert tier.delete([key(9)]) == [TierCode.SUCCESS]
+
+
+def test_conformance_10_temporary_promote(tier):
+    [(code, _)] = tier.reserve_write([key(10)], [True], CHUNK_BYTES)
+    assert code == TierCode.SUCCESS
+    assert tier.finish_write_and_reserve_read([key(10)])[0][0] == TierCode.SUCCESS
+    assert tier.unsafe_read([key(10)])[0][0] == TierCode.SUCCESS
+    assert tier.finish_read([key(10)]) == [TierCode.SUCCESS]
+    assert tier.unsafe_read([key(10)]) == [(TierCode.KEY_NOT_EXIST, None)]
+
+
+def test_conformance_11_promote_never_fires_write_finished(tier):
+    tier.reserve_write([key(11)], [False], CHUNK_BYTES)
+    rec = Recorder()
+    tier.register_listener(rec)
+    tier.finish_write_and_reserve_read([key(11)])
+    assert ("finish_write_and_reserve_read", [key(11)]) in rec.calls
+    assert "write_finished" not in rec.names()
+    tier.finish_read([key(11)])
+
+
+def test_conformance_12_reserve_read_of_a_write_reserved_key(tier):
+    tier.reserve_write([key(12)], [False], CHUNK_BYTES)
+    assert tier.reserve_read([key(12)]) == [(TierCode.KEY_NOT_READABLE, None)]
+
+
+def test_conformance_13_finishes_of_never_reserved_keys(tier):
+    assert tier.finish_read([key(13)]) == [TierCode.KEY_NOT_EXIST]
+    assert tier.finish_write([key(13)]) == [TierCode.KEY_NOT_EXIST]
+
+
+def test_conformance_14_delete_of_a_missing_key(tier):
+    assert tier.delete([key(14)]) == [TierCode.KEY_NOT_EXIST]
+
+
+def test_conformance_15_listener_lifecycle(tier):
+    rec = Recorder()
+    tier.register_listener(rec)
+    k = key(15)
+    [(_, page)] = tier.reserve_write([k], [False], CHUNK_BYTES)
+    del page
+    tier.finish_write([k])
+    tier.reserve_read([k])
+    tier.touch_keys([k])
+    tier.finish_read([k])
+    assert tier.delete([k]) == [TierCode.SUCCESS]
+    heard = [(n, keys) for n, keys in rec.calls if keys]
+    assert heard == [
+        ("reserved_write", [k]),
+        ("write_finished", [k]),
+        ("reserved_read", [k]),
+        ("accessed", [k]),
+        ("read_finished", [k]),
+        ("deleted", [k]),
+    ]
+
+
+def test_the_protocols_17_operations_are_all_there():
+    ops = [
+        "register_listener", "reserve_read", "unsafe_read", "finish_read", "reserve_write",
+        "finish_write", "finish_write_and_reserve_read", "delete", "touch_keys", "clear",
+        "is_key_evictable", "get_memory_usage", "get_l1_memory_desc", "close", "report_status",
+        "get_object_state", "memcheck",
+    ]
+    for op in ops:
+        assert callable(getattr(L1Tier, op)), op
+    assert list(inspect.signature(L1Tier.reserve_read).parameters)[:3] == ["self", "keys", "extra_count"]
+    assert inspect.signature(L1Tier.delete).parameters["force"].default is False
+
+
+# --- beyond the suite ----------------------------------------------------------
+
+
+def test_status_usage_and_the_parity_answers(tier):
+    write(tier, key(20))
+    tier.reserve_read([key(20)])
+    status = tier.report_status()
+    assert status["backend"] == "cxlkv" and status["is_healthy"]
+    assert status["read_locked_count"] == 1 and status["write_ttl_seconds"] == 600
+    used, total = tier.get_memory_usage()
+    assert used >= PAGE and total >= used
+    assert tier.get_l1_memory_desc() is None and tier.get_object_state(key(20)) is None
+    assert tier.memcheck()
+    assert tier.inspect(key(20)) == {"stage": "read_staged", "temporary": False, "holds": 1, "pinned": 1}
+    assert tier.stats()["lookups"] >= 1
+    tier.finish_read([key(20)])
+
+
+def test_bad_calls_are_refused_as_a_whole(tier):
+    with pytest.raises(cxlkv.TierArgumentError) as e:
+        tier.reserve_read([key(21), key(21)])
+    assert e.value.status == cxlkv.Status.TIER_DUPLICATE_KEY and isinstance(e.value, ValueError)
+    with pytest.raises(cxlkv.TierArgumentError):
+        tier.reserve_write([key(21)], [False], CHUNK_BYTES, mode="all")
+    with pytest.raises(cxlkv.TierArgumentError):
+        tier.reserve_write([key(21), key(22)], [False], CHUNK_BYTES)
+    assert tier.inspect(key(21))["stage"] == "untracked"
+
+
+def test_a_listener_calling_back_into_its_tier_is_refused_not_deadlocked(tier):
+    seen = []
+
+    class Reentrant:
+        def write_finished(self, keys):
+            try:
+                tier.report_status()
+            except cxlkv.TierError as e:
+                seen.append(e.status)
+            seen.append(tier.is_key_evictable(keys[0]))  # lock-free: answered
+
+    tier.register_listener(Reentrant())
+    write(tier, key(23))
+    assert seen == [cxlkv.Status.TIER_REENTRANT, True]
+
+
+def test_events_carry_the_references_names(layout):
+    events = []
+    with L1Tier(layout, on_event=lambda name, keys: events.append((name, keys))) as t:
+        write(t, key(24))
+        t.reserve_read([key(24)])
+        t.finish_read([key(24)])
+        t.delete([key(24)])
+    names = [n for n, _ in events]
+    assert names == [
+        "L1_WRITE_RESERVED",
+        "L1_WRITE_FINISHED",
+        "L1_READ_RESERVED",
+        "L1_READ_FINISHED",
+        "L1_KEYS_EVICTED",  # finish_read: nothing reclaimed
+        "L1_KEYS_EVICTED",
+    ]
+    assert events[1] == ("L1_WRITE_FINISHED", [key(24)])
+
+
+def test_a_page_memoryview_blocks_the_finish_and_the_page_raises_after(tier):
+    write(tier, key(25))
+    [(_, page)] = tier.reserve_read([key(25)])
+    mv = page.memoryview()
+    assert mv.readonly
+    with pytest.raises(BufferError):
+        tier.finish_read([key(25)])
+    assert tier.inspect(key(25))["holds"] == 1, "nothing changed"
+    del mv
+    tier.finish_read([key(25)])
+    assert page.released
+    with pytest.raises(cxlkv.ViewReleasedError):
+        page.memoryview()
+
+
+def test_a_write_page_is_writable_until_its_finish(tier):
+    [(_, page)] = tier.reserve_write([key(26)], [False], 10)
+    mv = page.memoryview()
+    mv[:] = b"0123456789"
+    with pytest.raises(BufferError):
+        tier.finish_write([key(26)])
+    del mv
+    tier.finish_write([key(26)])
+    with pytest.raises(cxlkv.ViewReleasedError):
+        page.memoryview()
+    [(_, held)] = tier.reserve_read([key(26)])
+    assert bytes(held) == b"0123456789"
+    tier.finish_read([key(26)])
+
+
+def test_holds_outlive_a_partial_finish(tier):
+    write(tier, key(27))
+    [(_, page)] = tier.reserve_read([key(27)], holds=2)
+    tier.finish_read([key(27)])
+    assert not page.released and bytes(page)[:1] == bytes([fill(key(27))])
+    tier.finish_read([key(27)])
+    assert page.released
+
+
+def test_expired_reservations_are_swept(layout):
+    with L1Tier(layout, write_ttl_s=0.001) as t:
+        [(_, page)] = t.reserve_write([key(28)], [False], 10)
+        time.sleep(0.02)
+        assert t.sweep_now() == (1, 0)
+        assert page.released
+        assert t.finish_write([key(28)]) == [TierCode.KEY_NOT_EXIST]
+
+
+def test_close_releases_every_page(layout):
+    t = L1Tier(layout)
+    write(t, key(29))
+    [(_, page)] = t.reserve_read([key(29)])
+    t.close()
+    assert page.released
+    with pytest.raises(cxlkv.HandleError):
+        t.reserve_read([key(29)])
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, cxlkv
+    client = cxlkv.Client.connect(sys.argv[1])
+    layout = client.layout({page}, int(sys.argv[2]))
+    tier = cxlkv.L1Tier(layout)
+    [(code, page)] = tier.reserve_read([bytes.fromhex(sys.argv[3])])
+    assert code == cxlkv.TierCode.SUCCESS, code
+    print("holding", bytes(page)[:1].hex(), flush=True)
+    sys.stdin.readline()
+    del page
+    print("finished", tier.finish_read([bytes.fromhex(sys.argv[3])])[0].name, flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_another_processes_read_hold_blocks_delete_until_its_finish(server, tier, fingerprint):
+    k = key(30)
+    write(tier, k)
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLDER.format(page=PAGE), server.socket, str(fingerprint), k.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout.readline().split() == ["holding", f"{fill(k):02x}"]
+        assert tier.delete([k]) == [TierCode.KEY_IS_LOCKED], "pinned by the other process"
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline().split() == ["finished", "SUCCESS"]
+        assert tier.delete([k]) == [TierCode.SUCCESS], "finish_read released its pins at once"
+    finally:
+        other.kill()
+        other.wait()
