@@ -51,7 +51,7 @@ fn check_page(page: &str, required: &[&str]) {
             .unwrap_or_else(|e| panic!("{page}: {path}: {e}"));
         assert!(
             *block == file,
-            "{page}: the block marked {path} differs from the file; paste the file in again"
+            "{page}: the block marked {path} differs from the file; run scripts/sync-doc-examples.py"
         );
     }
     for r in required {
@@ -69,6 +69,7 @@ fn the_c_api_page_shows_the_example_files_verbatim() {
         &[
             "ffi/examples/c/producer.c",
             "ffi/examples/c/consumer.c",
+            "ffi/examples/c/tier.c",
             "ffi/examples/cpp/cxlkv.hpp",
             "ffi/examples/cpp/producer.cpp",
             "ffi/examples/cpp/consumer.cpp",
@@ -80,6 +81,10 @@ fn the_c_api_page_shows_the_example_files_verbatim() {
 fn the_python_page_shows_the_example_files_verbatim() {
     check_page(
         "docs/python.md",
-        &["python/examples/producer.py", "python/examples/consumer.py"],
+        &[
+            "python/examples/producer.py",
+            "python/examples/consumer.py",
+            "python/examples/tier.py",
+        ],
     );
 }

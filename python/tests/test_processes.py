@@ -109,3 +109,9 @@ def test_python_reads_what_the_c_producer_wrote(server, client):
             assert bytes(v) == expected
     assert all(r.outcome == "deleted" for r in layout.batch_delete(keys))
     layout.close()
+
+
+def test_the_documented_tier_example_runs(server):
+    done = run_python(EXAMPLES / "tier.py", server.socket)
+    assert done.returncode == 0, done.stderr
+    assert "3 written through, 0 left in the policy, 0 staged, bytes intact" in done.stdout
