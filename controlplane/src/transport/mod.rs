@@ -55,13 +55,15 @@ pub mod client;
 pub mod config;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+mod ring;
 pub mod server;
+mod spin;
 pub mod sys;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-pub use client::{ClientError, ClientStats, PendingCall, Reply, RpcClient};
+pub use client::{ClientError, ClientStats, MAX_CLIENT_INFLIGHT, PendingCall, Reply, RpcClient};
 pub use config::{
     Backend, BackendChoice, ClientConfig, Endpoint, IO_ENV, IoConfig, ServerConfig, TaskRun,
 };
@@ -96,6 +98,14 @@ pub enum TransportError {
 
 /// Whether the one-time "io_uring unavailable" line was logged.
 static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// Checks that io_uring with `io`'s flags works here (kernel version,
+/// seccomp policy) with the functional probe `BackendChoice::Auto` relies
+/// on (a real multishot receive into a provided-buffer ring; cached per
+/// flag set). Lets tests and tools ask without binding a server.
+pub fn probe_uring(io: &IoConfig) -> Result<(), TransportError> {
+    server::uring::probe(io).map_err(TransportError::UringUnavailable)
+}
 
 /// Resolves the backend: explicit config, else `CXLKV_IO`, else io_uring if
 /// a ring with the features we need can be created, else the fallback (with
