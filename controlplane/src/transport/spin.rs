@@ -1,4 +1,14 @@
-//! How a poller passes the time between two polls.
+//! How a poller passes the time between two polls: [`Spinner`].
+//!
+//! Both ends poll for a while before they sleep (`IoConfig::spin_us`). On
+//! a loaded host the peer we wait for often shares our vCPU, and then every
+//! moment we keep the CPU is added to the round trip: so a poller yields
+//! between polls. On a quiet host a yield finds nobody to run and only
+//! stretches the polling period (a `sched_yield` costs ~350 ns here): so a
+//! yield that comes back at once buys the next `SOLO_SPIN` of polling
+//! without yields. The numbers are in the transport essay. Any thread that
+//! becomes runnable on this CPU meanwhile waits at most `SOLO_SPIN` (or
+//! less, if the scheduler preempts us for it).
 
 use std::time::{Duration, Instant};
 

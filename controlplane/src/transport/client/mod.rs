@@ -28,6 +28,17 @@
 //! (one system call per frame either way, made by the calling thread under
 //! the send lock, which keeps frames whole on the stream).
 //!
+//! The syscall wire is the default (`BackendChoice::Auto`): a reply costs
+//! it one `recvmsg`, while the io_uring wire arms a poll per reply and
+//! completes it through kernel task work; it measured slower (see the
+//! transport essay). The io_uring wire has a side
+//! effect to know about: when a connection's ring is torn down, the kernel
+//! sends every thread that ever submitted to it (every thread that led) a
+//! one-time notification to drop its per-thread state, which interrupts a
+//! blocking call of that thread that reports `EINTR` rather than restarting
+//! (a socket read with a timeout, `epoll_wait`). Code on such threads must
+//! retry on `EINTR`, as it must for signals anyway.
+//!
 //! **Pending requests** live in a slab of at most `max_inflight` slots. A
 //! request id is the slot's index (low 32 bits) and the slot's generation
 //! (high 32 bits, never 0, bumped on every reuse), so a reply finds its
@@ -1011,5 +1022,73 @@ fn take_fds(
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = sys::shutdown(self.sock.fd());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_never_zero_and_a_reused_slot_gets_a_new_id() {
+        let mut t = Table::default();
+        let (s0, a) = t.alloc(2).expect("room for two");
+        let (_, b) = t.alloc(2).expect("room for two");
+        assert!(t.alloc(2).is_none(), "the limit holds");
+        assert!(a != 0 && b != 0 && a != b);
+        assert!(matches!(t.release(a), (None, false)));
+        let (s2, c) = t.alloc(2).expect("a slot was freed");
+        assert_eq!(s2, s0, "the freed slot is reused");
+        assert_ne!(c, a, "with a new generation");
+        assert!(
+            t.entry_mut(a).is_none(),
+            "a late reply to the old id finds nothing"
+        );
+        assert!(t.entry_mut(c).is_some());
+        assert_eq!(Table::slot_of(c), s0 as usize);
+    }
+
+    #[test]
+    fn a_generation_that_wraps_skips_zero() {
+        let mut t = Table::default();
+        let (slot, id) = t.alloc(1).expect("room");
+        t.entries[slot as usize].generation = u32::MAX;
+        t.release(id);
+        let (_, id) = t.alloc(1).expect("room");
+        assert_eq!(id >> 32, 1, "generation 0 would make id 0 possible");
+    }
+
+    #[test]
+    fn releasing_a_stale_id_leaves_the_new_occupant_alone() {
+        let mut t = Table::default();
+        let (_, old) = t.alloc(1).expect("room");
+        t.release(old);
+        let (_, new) = t.alloc(1).expect("room");
+        assert!(matches!(t.release(old), (None, false)));
+        assert!(t.entry_mut(new).is_some(), "still registered");
+    }
+
+    fn memfd() -> OwnedFd {
+        // SAFETY: a NUL-terminated name; a non-negative result is a new fd.
+        let raw = unsafe { libc::memfd_create(c"cxlkv-unit".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: `raw` is a fresh descriptor owned by nobody else.
+        unsafe { sys::own_fd(raw) }
+    }
+
+    #[test]
+    fn descriptors_go_to_the_frame_that_reaches_the_end_of_their_receive() {
+        let stats = ClientStats::default();
+        // A receive of bytes 100..300 brought one descriptor.
+        let mut batches = VecDeque::from([(100, 300, vec![memfd()])]);
+        // A frame that ends inside the receive is not the carrier...
+        assert!(take_fds(&mut batches, 100, 64, &stats).is_empty());
+        // ...the one that starts inside it and reaches its end is.
+        assert_eq!(take_fds(&mut batches, 164, 136, &stats).len(), 1);
+        assert!(batches.is_empty());
+        // A batch no frame claimed is a stray once frames pass it.
+        let mut batches = VecDeque::from([(0, 64, vec![memfd()])]);
+        assert!(take_fds(&mut batches, 64, 64, &stats).is_empty());
+        assert_eq!(stats.stray_fds.load(Ordering::Relaxed), 1);
     }
 }

@@ -305,7 +305,13 @@ impl Driver {
             if conn.state == ConnState::Dead {
                 return;
             }
-            let res = {
+            if conn.sendq.is_empty() {
+                break;
+            }
+            let res = if let Some(bytes) = conn.sendq.lone_frame() {
+                // The common reply: one frame, no descriptors, one `send`.
+                sys::send(conn.fd.as_fd(), bytes)
+            } else {
                 let mut iov = Vec::with_capacity(8);
                 conn.sendq.gather(&mut iov, &mut fds);
                 if iov.is_empty() {
