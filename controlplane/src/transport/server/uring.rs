@@ -640,6 +640,7 @@ impl Driver {
             // One frame, no descriptors (the common reply): a plain SEND
             // spares the kernel copying a message header.
             let rest = &f.bytes[op.done..];
+            // Fits: a frame is at most MAX_FRAME_BYTES (8 MiB and a header).
             let sqe = opcode::Send::new(types::Fd(fd), rest.as_ptr(), rest.len() as u32)
                 .flags(libc::MSG_NOSIGNAL)
                 .build()
