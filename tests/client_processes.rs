@@ -328,7 +328,7 @@ fn live_clients_reregister_their_keys_after_a_server_restart() {
     let mut cfg = server_config("proc-restart");
     cfg.remove_pool_on_shutdown = false;
     cfg.directory.instance_grace = Duration::from_secs(10);
-    let pool_path = cfg.pool_path.clone();
+    let _cleanup = RemoveOnDrop(server_files(&cfg));
     let server = Server::start(cfg.clone()).unwrap();
     let mut owner = ChildRole::spawn("owner", &[socket_env(&server)]);
     owner.expect("written");
@@ -367,5 +367,4 @@ fn live_clients_reregister_their_keys_after_a_server_restart() {
     drop(layout);
     drop(local);
     server.shutdown().unwrap();
-    let _ = std::fs::remove_file(pool_path);
 }

@@ -13,7 +13,7 @@ use transport_common::*;
 #[test]
 fn frames_of_several_kinds_and_sizes_round_trip() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         for ep in f.endpoints() {
             let c = f.client(ep);
             for len in [0usize, 1, 7, 8, 150, 4096, 65_537, 1 << 20] {
@@ -49,7 +49,7 @@ fn frames_of_several_kinds_and_sizes_round_trip() {
 #[test]
 fn pipelined_requests_complete_out_of_order_through_the_completer() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         let completer = f.server.completer();
         for ep in f.endpoints() {
             let c = f.client(ep);
@@ -85,7 +85,7 @@ fn pipelined_requests_complete_out_of_order_through_the_completer() {
 #[test]
 fn many_threads_share_one_client() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         for ep in f.endpoints() {
             let c = f.client(ep);
             std::thread::scope(|s| {
@@ -106,7 +106,7 @@ fn many_threads_share_one_client() {
 #[test]
 fn an_expired_deadline_times_out_and_the_late_reply_is_dropped() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         let completer = f.server.completer();
         for ep in f.endpoints() {
             let c = f.client(ep);
@@ -144,7 +144,7 @@ fn an_expired_deadline_times_out_and_the_late_reply_is_dropped() {
 #[test]
 fn unix_peers_are_identified_by_kernel_credentials() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         let c = f.client(&f.unix);
         let text =
             String::from_utf8(c.call(WHO_AM_I, b"", LONG).unwrap().payload().to_vec()).unwrap();
@@ -161,7 +161,7 @@ fn unix_peers_are_identified_by_kernel_credentials() {
 #[test]
 fn a_descriptor_sent_with_a_reply_reaches_the_client() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         let c = f.client(&f.unix);
         for round in 0..3 {
             // Surround the descriptor-carrying reply with pipelined ones so
@@ -185,7 +185,7 @@ fn a_descriptor_sent_with_a_reply_reaches_the_client() {
 #[test]
 fn the_handler_can_close_a_connection_after_its_reply() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         for ep in f.endpoints() {
             let c = f.client(ep);
             assert_eq!(c.call(CLOSE_ME, b"", LONG).unwrap().payload(), b"bye");
@@ -198,7 +198,7 @@ fn the_handler_can_close_a_connection_after_its_reply() {
 #[test]
 fn a_server_that_shuts_down_fails_pending_calls() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         let c = f.client(&f.unix);
         let pending = c.start(DEFER, b"never", LONG).unwrap();
         f.wait_until("the deferred request", |s| !s.deferred.lock().is_empty());

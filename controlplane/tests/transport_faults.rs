@@ -9,12 +9,9 @@ use cxlkv_controlplane::transport::ClientError;
 use cxlkv_controlplane::transport::fault::{FaultScript, ReplyMatch};
 use transport_common::*;
 
-fn start_faulty(
-    backend: cxlkv_controlplane::transport::BackendChoice,
-    script: &FaultScript,
-) -> Fixture {
+fn start_faulty(backend: Backends, script: &FaultScript) -> Fixture {
     let plan = script.clone();
-    start_with(server_config(backend), move |s| {
+    start_with(backend, server_config(backend), move |s| {
         s.set_fault_plan(Box::new(plan))
     })
 }

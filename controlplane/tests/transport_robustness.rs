@@ -50,9 +50,15 @@ impl Raw {
                 return Some((f.header, f.payload.to_vec()));
             }
             let mut buf = [0u8; 4096];
-            let n = match self {
-                Raw::Unix(s) => s.read(&mut buf).ok()?,
-                Raw::Tcp(s) => s.read(&mut buf).ok()?,
+            let r = match self {
+                Raw::Unix(s) => s.read(&mut buf),
+                Raw::Tcp(s) => s.read(&mut buf),
+            };
+            // EINTR: this thread led an io_uring client whose ring was torn
+            // down (see the client's module essay); read again.
+            let n = match r {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => r.ok()?,
             };
             if n == 0 {
                 return None;
@@ -114,7 +120,7 @@ fn still_served(f: &Fixture, good: &cxlkv_controlplane::transport::RpcClient) {
 #[test]
 fn an_intact_header_with_a_wrong_version_gets_an_error_reply_and_the_connection_lives() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         for ep in f.endpoints() {
             let good = f.client(ep);
             let mut raw = Raw::connect(ep);
@@ -135,7 +141,7 @@ fn an_intact_header_with_a_wrong_version_gets_an_error_reply_and_the_connection_
 #[test]
 fn an_oversized_frame_gets_an_error_reply_and_its_payload_is_skipped() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         for ep in f.endpoints() {
             let good = f.client(ep);
             let mut raw = Raw::connect(ep);
@@ -158,7 +164,7 @@ fn an_oversized_frame_gets_an_error_reply_and_its_payload_is_skipped() {
 #[test]
 fn bad_magic_or_reserved_bits_close_only_that_connection() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         for ep in f.endpoints() {
             let good = f.client(ep);
             for corrupt in [0usize, 21] {
@@ -196,7 +202,7 @@ fn bad_magic_or_reserved_bits_close_only_that_connection() {
 #[test]
 fn a_peer_that_disconnects_mid_frame_or_trickles_bytes_affects_only_itself() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         for ep in f.endpoints() {
             let good = f.client(ep);
             // Truncated, then gone.
@@ -229,7 +235,7 @@ fn a_partial_frame_held_too_long_closes_that_connection() {
     for backend in backends() {
         let mut cfg = server_config(backend);
         cfg.partial_frame_timeout_ms = 100;
-        let f = start(cfg);
+        let f = start(backend, cfg);
         let mut raw = Raw::connect(&f.unix);
         raw.write_all(&frame(ECHO, 1, b"half")[..10]);
         assert!(raw.closed_by_server());
@@ -247,7 +253,7 @@ fn a_peer_that_stops_reading_is_dropped_when_its_queue_overflows() {
     for backend in backends() {
         let mut cfg = server_config(backend);
         cfg.max_send_queue_bytes = cxlkv_controlplane::frame::MAX_FRAME_BYTES;
-        let f = start(cfg);
+        let f = start(backend, cfg);
         for ep in f.endpoints() {
             let good = f.client(ep);
             let mut raw = Raw::connect(ep);
@@ -290,7 +296,7 @@ fn connections_beyond_the_limit_are_refused_with_the_handlers_frame() {
     for backend in backends() {
         let mut cfg = server_config(backend);
         cfg.max_connections = 4;
-        let f = start(cfg);
+        let f = start(backend, cfg);
         let clients: Vec<_> = (0..4).map(|_| f.client(&f.unix)).collect();
         for c in &clients {
             c.call(ECHO, b"in", LONG).unwrap();
@@ -326,7 +332,7 @@ fn requests_beyond_the_in_flight_limit_are_rejected_with_the_reason() {
     for backend in backends() {
         let mut cfg = server_config(backend);
         cfg.max_inflight_per_conn = 3;
-        let f = start(cfg);
+        let f = start(backend, cfg);
         let completer = f.server.completer();
         let c = f.client(&f.unix);
         let held: Vec<_> = (0..3u8)
@@ -360,7 +366,7 @@ fn requests_beyond_the_in_flight_limit_are_rejected_with_the_reason() {
 #[test]
 fn the_client_refuses_more_than_its_in_flight_bound() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         let mut cfg = client_config(backend);
         cfg.max_inflight = 2;
         let c = cxlkv_controlplane::transport::RpcClient::connect(&f.unix, cfg).unwrap();
@@ -378,7 +384,7 @@ fn the_client_refuses_more_than_its_in_flight_bound() {
 #[test]
 fn two_hundred_fifty_six_connections_are_served_concurrently() {
     for backend in backends() {
-        let f = start(server_config(backend));
+        let f = start(backend, server_config(backend));
         let clients: Vec<_> = (0..256).map(|i| f.client(f.endpoints()[i % 2])).collect();
         std::thread::scope(|s| {
             for chunk in clients.chunks(32) {

@@ -6,17 +6,19 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::rtt::{Child, fork_child};
-use crate::server::{Server, ServerConfig};
+use crate::server::{PoolManagerConfig, Server, ServerConfig};
 
 /// How long the child may take to listen.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The running child; killed (and its socket and pool files removed) on
-/// drop.
+/// The running child; killed (and its socket, pool file and pool-manager
+/// state removed) on drop.
 pub(super) struct ForkedServer {
     child: Option<Child>,
     socket: PathBuf,
     pool: PathBuf,
+    /// The embedded pool manager's state (none with a remote one).
+    state_dir: Option<PathBuf>,
 }
 
 impl ForkedServer {
@@ -26,6 +28,10 @@ impl ForkedServer {
     pub fn start(cfg: ServerConfig) -> anyhow::Result<Self> {
         let socket = cfg.socket_path.clone();
         let pool = cfg.pool_path.clone();
+        let state_dir = match cfg.pool_manager_config() {
+            PoolManagerConfig::Embedded(service) => Some(service.state_dir),
+            _ => None,
+        };
         let child = fork_child(move || match Server::start(cfg) {
             Ok(_running) => loop {
                 std::thread::sleep(Duration::from_secs(3600));
@@ -36,6 +42,7 @@ impl ForkedServer {
             child: Some(child),
             socket,
             pool,
+            state_dir,
         };
         let deadline = Instant::now() + START_TIMEOUT;
         while std::os::unix::net::UnixStream::connect(&server.socket).is_err() {
@@ -60,6 +67,9 @@ impl Drop for ForkedServer {
         drop(self.child.take());
         let _ = std::fs::remove_file(&self.socket);
         let _ = std::fs::remove_file(&self.pool);
+        if let Some(dir) = &self.state_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 

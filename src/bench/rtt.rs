@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use cxlkv_controlplane::frame::{Frame, FrameHeader};
 use cxlkv_controlplane::transport::{
-    BackendChoice, ClientConfig, ConnId, Endpoint, Handler, Rejection, Replies, RpcClient, Server,
-    ServerConfig, TaskRun, sys,
+    Backend, BackendChoice, ClientConfig, ConnId, Endpoint, Handler, Rejection, Replies, RpcClient,
+    Server, ServerConfig, TaskRun, sys,
 };
 
 use super::{Better, Record, Reporter, median, percentile};
@@ -75,12 +75,30 @@ pub(super) enum Kind {
     Tcp,
 }
 
+/// A change to both ends' configuration for one case.
+type Tweak = fn(&mut ServerConfig, &mut ClientConfig);
+
 struct Case {
-    name: String,
+    name: &'static str,
     kind: Kind,
-    backend: BackendChoice,
-    tweak: fn(&mut ServerConfig),
+    /// Backend of the server and of the client.
+    server: BackendChoice,
+    client: BackendChoice,
+    tweak: Tweak,
     idle_gap: Option<Duration>,
+    /// Round trips per rep when the default count would take too long.
+    round_trips: Option<usize>,
+}
+
+impl Case {
+    /// Both ends' configuration.
+    fn configs(&self) -> (ServerConfig, ClientConfig) {
+        let (mut s, mut c) = (ServerConfig::default(), ClientConfig::default());
+        s.io.backend = self.server;
+        c.io.backend = self.client;
+        (self.tweak)(&mut s, &mut c);
+        (s, c)
+    }
 }
 
 /// A forked child process, killed and reaped on drop.
@@ -117,11 +135,16 @@ fn temp_socket_path(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("cxlkv-rtt-{}-{tag}.sock", std::process::id()))
 }
 
-/// Starts our server in a child process; returns it and its endpoint.
-fn start_ours(case: &Case) -> anyhow::Result<(Child, Endpoint)> {
-    let mut cfg = ServerConfig::default();
-    cfg.io.backend = case.backend;
-    (case.tweak)(&mut cfg);
+/// Our server (in a child process) and a client connected to it.
+struct Ours {
+    _server: Child,
+    client: RpcClient,
+    server_backend: Backend,
+}
+
+/// Starts our server in a child process and connects a client.
+fn start_ours(case: &Case) -> anyhow::Result<Ours> {
+    let (server_cfg, client_cfg) = case.configs();
     let ep = match case.kind {
         Kind::Unix => {
             let p = temp_socket_path("ours");
@@ -130,15 +153,23 @@ fn start_ours(case: &Case) -> anyhow::Result<(Child, Endpoint)> {
         }
         Kind::Tcp => Endpoint::Tcp("127.0.0.1:0".parse()?),
     };
-    let server = Server::bind(cfg, &[ep])?;
+    let server = Server::bind(server_cfg, &[ep])?;
     let ep = server.endpoints()[0].clone();
+    let server_backend = server.backend();
     let reply = vec![0x5Au8; REPLY_PAYLOAD_BYTES];
     let child = fork_child(move || {
         if let Err(e) = server.run(EchoHandler { reply }) {
             eprintln!("rtt server: {e}");
         }
     })?;
-    Ok((child, ep))
+    // The server child may still be starting its loop; connect is accepted
+    // by the kernel backlog either way.
+    let client = RpcClient::connect(&ep, client_cfg)?;
+    Ok(Ours {
+        _server: child,
+        client,
+        server_backend,
+    })
 }
 
 /// A connected raw socket.
@@ -291,40 +322,36 @@ fn our_latencies(client: &RpcClient, n: usize, gap: Option<Duration>) -> anyhow:
     Ok(out)
 }
 
-fn connect(ep: &Endpoint, backend: BackendChoice) -> anyhow::Result<RpcClient> {
-    let mut cfg = ClientConfig::default();
-    cfg.io.backend = backend;
-    // The server child may still be starting its loop; connect is accepted
-    // by the kernel backlog either way.
-    Ok(RpcClient::connect(ep, cfg)?)
-}
-
 fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Result<()> {
-    let n = match (args.quick, case.idle_gap.is_some()) {
-        (true, true) => 100,
-        (true, false) => 2_000,
-        (false, true) => 500,
-        (false, false) => 20_000,
-    };
-    let (_server, ep) = start_ours(case)?;
-    let client = connect(&ep, case.backend)?;
-    let backend = client_backend_name(case.backend);
+    let n = case
+        .round_trips
+        .unwrap_or(match (args.quick, case.idle_gap.is_some()) {
+            (true, true) => 100,
+            (true, false) => 2_000,
+            (false, true) => 500,
+            (false, false) => 20_000,
+        });
+    let ours = start_ours(case)?;
     let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.reps {
         let mut raw = raw_latencies(case.kind, n, case.idle_gap)?;
         raw_p50.push(percentile(&mut raw, 50.0));
-        let mut ours = our_latencies(&client, n, case.idle_gap)?;
+        let mut ours = our_latencies(&ours.client, n, case.idle_gap)?;
         ours_p50.push(percentile(&mut ours, 50.0));
         all_ours.extend(ours);
     }
-    let (ours, base) = (median(&mut ours_p50), median(&mut raw_p50));
-    let rec = Record::new(SCENARIO, &case.name, ours, base, "us", Better::Lower)
-        .with("p50_us", ours)
+    let (p50, base) = (median(&mut ours_p50), median(&mut raw_p50));
+    let mut ratios: Vec<f64> = raw_p50.iter().zip(&ours_p50).map(|(r, o)| r / o).collect();
+    let rec = Record::new(SCENARIO, case.name, p50, base, "us", Better::Lower)
+        .with("p50_us", p50)
         .with("p99_us", percentile(&mut all_ours, 99.0))
         .with("raw_p50_us", base)
+        .with("ratio_min", percentile(&mut ratios, 0.0))
+        .with("ratio_max", percentile(&mut ratios, 100.0))
         .with("handler", "echo")
         .with("server", "forked process")
-        .with("server_backend", backend)
+        .with("server_backend", ours.server_backend.to_string())
+        .with("client_backend", ours.client.backend().to_string())
         .with("round_trips_per_rep", n as u64)
         .with("reps", args.reps as u64)
         .with("request_wire_bytes", REQUEST_WIRE_BYTES as u64)
@@ -333,20 +360,12 @@ fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Resu
     Ok(())
 }
 
-fn client_backend_name(b: BackendChoice) -> &'static str {
-    match b {
-        BackendChoice::Fallback => "fallback",
-        BackendChoice::Uring => "uring",
-        _ => "default",
-    }
-}
-
 const INFLIGHT: usize = 64;
 
 fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Result<()> {
     let rounds = if args.quick { 200 } else { 2_000 };
-    let (_server, ep) = start_ours(case)?;
-    let client = connect(&ep, case.backend)?;
+    let ours = start_ours(case)?;
+    let client = &ours.client;
     let req = vec![0xA5u8; REQUEST_PAYLOAD_BYTES];
     let (mut ours_rate, mut raw_rate) = (Vec::new(), Vec::new());
     for _ in 0..args.reps {
@@ -374,65 +393,80 @@ fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::R
         }
         ours_rate.push((rounds * INFLIGHT) as f64 / t.elapsed().as_secs_f64());
     }
-    let (ours, base) = (median(&mut ours_rate), median(&mut raw_rate));
-    let rec = Record::new(SCENARIO, &case.name, ours, base, "req/s", Better::Higher)
+    let (rate, base) = (median(&mut ours_rate), median(&mut raw_rate));
+    let rec = Record::new(SCENARIO, case.name, rate, base, "req/s", Better::Higher)
         .with("handler", "echo")
         .with("server", "forked process")
+        .with("server_backend", ours.server_backend.to_string())
+        .with("client_backend", client.backend().to_string())
         .with("inflight", INFLIGHT as u64)
         .with("reps", args.reps as u64);
     r.emit(&rec)?;
     Ok(())
 }
 
-/// A change to the server configuration for one case.
-type Tweak = fn(&mut ServerConfig);
+fn no_tweak(_: &mut ServerConfig, _: &mut ClientConfig) {}
 
-fn no_tweak(_: &mut ServerConfig) {}
+const GAP: Option<Duration> = Some(Duration::from_millis(1));
+/// Round trips per rep of the SQPOLL cases.
+const SQPOLL_ROUND_TRIPS: usize = 200;
 
 /// Entry point (registered in `cli::SCENARIOS`).
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
-    let case = |name: &str, kind, backend, tweak: fn(&mut ServerConfig), idle_gap| Case {
-        name: name.to_owned(),
+    use BackendChoice::{Auto, Fallback, Uring};
+    let case = |name, kind, (server, client), tweak: Tweak, idle_gap| Case {
+        name,
         kind,
-        backend,
+        server,
+        client,
         tweak,
         idle_gap,
+        round_trips: None,
     };
     let latency = [
         case(
             "transport=unix,backend=default",
             Kind::Unix,
-            BackendChoice::Auto,
+            (Auto, Auto),
             no_tweak,
             None,
         ),
         case(
             "transport=tcp,backend=default",
             Kind::Tcp,
-            BackendChoice::Auto,
+            (Auto, Auto),
             no_tweak,
             None,
         ),
+        // The fallback on both ends.
         case(
             "transport=unix,backend=fallback",
             Kind::Unix,
-            BackendChoice::Fallback,
+            (Fallback, Fallback),
             no_tweak,
             None,
         ),
         case(
             "transport=tcp,backend=fallback",
             Kind::Tcp,
-            BackendChoice::Fallback,
+            (Fallback, Fallback),
+            no_tweak,
+            None,
+        ),
+        // io_uring on both ends (the client's io_uring wire).
+        case(
+            "transport=unix,backend=uring",
+            Kind::Unix,
+            (Uring, Uring),
             no_tweak,
             None,
         ),
         case(
             "transport=unix,backend=default,idle_gap_ms=1",
             Kind::Unix,
-            BackendChoice::Auto,
+            (Auto, Auto),
             no_tweak,
-            Some(Duration::from_millis(1)),
+            GAP,
         ),
     ];
     for c in &latency {
@@ -445,43 +479,72 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
         &case(
             "transport=unix,backend=default,inflight=64",
             Kind::Unix,
-            BackendChoice::Auto,
+            (Auto, Auto),
             no_tweak,
             None,
         ),
     )?;
     if !args.quick {
         // The measurements behind the defaults (module essay of `transport`).
-        let variants: [(&str, Tweak); 5] = [
-            ("transport=unix,backend=uring,sqpoll=on", |c| {
-                c.io.sqpoll = true
-            }),
-            ("transport=unix,backend=uring,taskrun=defer", |c| {
-                c.io.taskrun = TaskRun::Defer
-            }),
-            ("transport=unix,backend=uring,taskrun=interrupt", |c| {
-                c.io.taskrun = TaskRun::Interrupt
-            }),
-            ("transport=unix,backend=uring,spin_us=0", |c| {
-                c.io.spin_us = 0
-            }),
+        let variants: [(&'static str, (BackendChoice, BackendChoice), Tweak); 7] = [
+            // SQPOLL: a kernel thread submits and runs receive work (the
+            // task-run flags do not apply; the kernel refuses them with it).
+            (
+                "transport=unix,backend=uring,sqpoll=on",
+                (Uring, Auto),
+                |s, _| s.io.sqpoll = true,
+            ),
+            (
+                "transport=unix,backend=uring,sqpoll=on,client=uring_sqpoll",
+                (Uring, Uring),
+                |s, c| {
+                    s.io.sqpoll = true;
+                    c.io.sqpoll = true;
+                },
+            ),
+            (
+                "transport=unix,backend=uring,taskrun=coop",
+                (Uring, Auto),
+                |s, _| s.io.taskrun = TaskRun::Coop,
+            ),
+            (
+                "transport=unix,backend=uring,taskrun=interrupt",
+                (Uring, Auto),
+                |s, _| s.io.taskrun = TaskRun::Interrupt,
+            ),
+            (
+                "transport=unix,backend=uring,spin_us=0",
+                (Uring, Auto),
+                |s, c| {
+                    s.io.spin_us = 0;
+                    c.io.spin_us = 0;
+                },
+            ),
+            (
+                "transport=unix,backend=default,client=uring",
+                (Auto, Uring),
+                no_tweak,
+            ),
             (
                 "transport=unix,backend=default,spin_us=2000,idle_gap_ms=1",
-                |c| c.io.spin_us = 2000,
+                (Auto, Auto),
+                |s, c| {
+                    s.io.spin_us = 2000;
+                    c.io.spin_us = 2000;
+                },
             ),
         ];
-        for (name, tweak) in variants {
+        for (name, ends, tweak) in variants {
             let gap = name
                 .contains("idle_gap")
                 .then_some(Duration::from_millis(1));
-            let backend = if name.contains("uring") {
-                BackendChoice::Uring
-            } else {
-                BackendChoice::Auto
-            };
-            if let Err(e) = latency_case(args, r, &case(name, Kind::Unix, backend, tweak, gap)) {
-                r.note(&format!("{name}: skipped: {e:#}"));
+            let mut c = case(name, Kind::Unix, ends, tweak, gap);
+            if name.contains("sqpoll") {
+                // Measured at ~10-30 ms per round trip on a loaded 2-vCPU
+                // host (see the transport essay): keep the case short.
+                c.round_trips = Some(SQPOLL_ROUND_TRIPS);
             }
+            latency_case(args, r, &c)?;
         }
     }
     let _ = std::fs::remove_file(temp_socket_path("ours"));

@@ -75,6 +75,28 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Removes files and directories when dropped (also when a test panics).
+pub struct RemoveOnDrop(pub Vec<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+}
+
+/// What a server with this configuration leaves on disk: its socket, its
+/// pool file and its embedded pool manager's state.
+pub fn server_files(cfg: &ServerConfig) -> Vec<std::path::PathBuf> {
+    let mut files = vec![cfg.socket_path.clone(), cfg.pool_path.clone()];
+    if let cxlkv::server::PoolManagerConfig::Embedded(service) = cfg.pool_manager_config() {
+        files.push(service.state_dir);
+    }
+    files
+}
+
 /// A child process running one role; killed on drop.
 pub struct ChildRole {
     child: Child,

@@ -15,13 +15,15 @@ pub const IO_ENV: &str = "CXLKV_IO";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum BackendChoice {
-    /// `CXLKV_IO` if set, else io_uring, falling back (with one log line)
-    /// when io_uring cannot be set up.
+    /// `CXLKV_IO` if set, else the measured default: on the server
+    /// io_uring, falling back (with one log line) when io_uring cannot be set
+    /// up; on the client the syscall wire, which measured faster for its
+    /// request/reply pattern (see the transport essay).
     #[default]
     Auto,
     /// io_uring or an error.
     Uring,
-    /// The epoll / busy-poll backend.
+    /// The server's epoll backend; the client's syscall wire.
     Fallback,
 }
 
@@ -65,20 +67,23 @@ impl BackendChoice {
     }
 }
 
-/// How io_uring delivers completions that need the submitting task's
-/// context (socket receives do). See the module essay for measurements.
+/// How io_uring runs the work that completes a socket receive (it runs in
+/// the submitting thread's context). See the transport essay for the
+/// measurements behind the default and `ring.rs` for the flags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum TaskRun {
     /// `COOP_TASKRUN | TASKRUN_FLAG`: no inter-processor interrupt; the
     /// kernel raises a flag in the shared ring that the spinning loop checks
     /// and enters the kernel only then.
-    #[default]
     Coop,
-    /// `SINGLE_ISSUER | DEFER_TASKRUN | TASKRUN_FLAG`: work runs only when
-    /// the loop asks for completions.
+    /// `SINGLE_ISSUER | DEFER_TASKRUN | TASKRUN_FLAG`: the work waits in a
+    /// per-ring list until the loop asks for completions (the flag says
+    /// when). Server rings only: a client ring gets `Coop` instead, since
+    /// its reading role moves between threads.
+    #[default]
     Defer,
-    /// Kernel default: task work interrupts the loop thread.
+    /// Kernel default: task work interrupts the thread.
     Interrupt,
 }
 
@@ -91,16 +96,20 @@ pub struct IoConfig {
     /// spinning through short gaps is what keeps round trips near the raw
     /// socket's.
     pub spin_us: u32,
-    /// io_uring: a kernel thread polls the submission queue (costs a core
-    /// while busy; see the module essay for why it is off by default).
+    /// io_uring: a kernel thread polls the submission queue and runs the
+    /// receive work, so the loop never enters the kernel while busy (costs a
+    /// core while busy; `taskrun` does not apply, the kernel refuses SQPOLL
+    /// with those flags; see the module essay for why it is off by default).
     pub sqpoll: bool,
     /// io_uring: the SQPOLL thread sleeps after this much idle time.
     pub sqpoll_idle_ms: u32,
     pub taskrun: TaskRun,
-    /// io_uring submission-queue entries (the completion queue is twice this).
+    /// io_uring submission-queue entries of the server's ring (the
+    /// completion queue is twice this). A client ring has a fixed 4: it
+    /// holds at most a receive and its cancellation.
     pub ring_entries: u32,
-    /// io_uring provided receive buffers: bytes each (a receive completes
-    /// with at most this many bytes) ...
+    /// io_uring provided receive buffers of the server: bytes each (a
+    /// receive completes with at most this many bytes) ...
     pub recv_buffer_bytes: u32,
     /// ... and how many (a power of two, ≤ 32768).
     pub recv_buffer_count: u16,
@@ -113,7 +122,7 @@ impl Default for IoConfig {
             spin_us: 200,
             sqpoll: false,
             sqpoll_idle_ms: 10,
-            taskrun: TaskRun::Coop,
+            taskrun: TaskRun::Defer,
             ring_entries: 256,
             recv_buffer_bytes: 16 << 10,
             recv_buffer_count: 256,

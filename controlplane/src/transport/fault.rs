@@ -29,6 +29,12 @@
 //!
 //! Rules are tried in order and the first that matches fires; a rule with
 //! `nth` fires once, the others on every match.
+//!
+//! **Shutdown discards held replies.** A reply held back by `Delay` or
+//! `Reorder` when the server stops is dropped, like every reply not yet
+//! written: shutdown closes connections without flushing them (see
+//! `ServerHandle::shutdown`). A test that needs such a reply must wait for
+//! it before stopping the server.
 
 use std::fmt;
 use std::sync::Arc;
@@ -80,11 +86,13 @@ pub enum RequestFault {
 pub enum ReplyFault {
     Deliver,
     Drop,
+    /// Send it after this long (discarded if the server stops first).
     Delay(Duration),
     /// Send it twice.
     Duplicate,
     /// Hold it back and send it right after the next reply to the same
-    /// connection (or after 200 ms if none comes).
+    /// connection (or after 200 ms if none comes; discarded if the
+    /// connection closes or the server stops first).
     Reorder,
     /// Do not send it; reset the connection.
     Reset,

@@ -10,37 +10,97 @@
 //! [`RpcClient`] pipelines requests from many threads over one connection,
 //! matching replies by request id, each with its own deadline.
 //!
-//! **Backends.** io_uring (multishot accept, multishot receive into a
-//! provided-buffer ring, `SENDMSG`) and an epoll fallback, chosen by
-//! [`IoConfig::backend`], else `CXLKV_IO=uring|fallback`, else io_uring if a
-//! functional probe (a real multishot receive) succeeds, else the fallback
-//! with one `warn!` line per process. The client reads with plain system
-//! calls on either backend: its leader/follower design (see `client.rs`)
-//! makes the waiting thread read its own reply, and a receive there costs
-//! one system call either way.
+//! **Backends.** The server: io_uring (multishot accept, multishot receive
+//! into a provided-buffer ring, batched submissions; a reply is one `SEND`,
+//! or a `SENDMSG` when it carries descriptors or several frames go
+//! together) or an epoll fallback. The client (`client/`): a *syscall wire*
+//! (`recvmsg`/`recv`, `poll` to sleep) or an *io_uring wire* (one receive at
+//! a time into the decoder, armed by the thread that currently reads).
+//! Each end takes [`IoConfig::backend`], else `CXLKV_IO=uring|fallback`,
+//! else its measured default: the server takes io_uring if a functional
+//! probe ([`probe_uring`]: a real multishot receive) succeeds, else the
+//! fallback with one `warn!` line per process; the client takes the
+//! syscall wire, which measured faster (below): a reply costs it one
+//! `recvmsg`, while the io_uring wire arms a poll per reply and completes
+//! it through kernel task work. Client sends are plain `send` calls on
+//! both wires (one system call per frame either way).
 //!
 //! **Waiting.** Both ends poll without sleeping for `spin_us` (default 200)
-//! after their last event, then block in the kernel. While polling they
-//! *yield* the CPU each iteration: on this 2-vCPU machine under a load of
-//! ~6 (other builds) client and server often share one vCPU, and a pure
-//! busy spin shorter than the scheduler slice only delays the peer — we
-//! measured ~410 µs round trips with a 200 µs pure spin (≈ one spin on each
-//! side), 7 µs with a 1000 µs spin (the scheduler preempts the spinner), and
-//! 7.7 µs / p99 50 µs with yielding 200 µs spins. Sleeping at once
-//! (`spin_us = 0`) gave 10.8 µs. io_uring rings use `COOP_TASKRUN |
-//! TASKRUN_FLAG` by default (the loop checks a flag in shared memory and
-//! enters the kernel only when receive work is pending): measured p50
-//! 7.0 µs vs 8.1 µs for `DEFER_TASKRUN` and 10.0 µs for interrupt-driven
-//! task work. SQPOLL is off: it needs a core of its own, which a 2-vCPU
-//! host does not have, and this kernel refused SQPOLL combined with
-//! COOP_TASKRUN (EINVAL). All of it is in [`IoConfig`].
+//! after their last event, then block in the kernel (`epoll_wait`,
+//! `io_uring_enter`, `poll`). Between two polls a poller yields the CPU,
+//! unless its last yield came back within 1.5 µs — nobody else wanted the
+//! CPU — in which case it polls without yielding for the next 10 µs
+//! (`spin.rs`). Yielding is what a loaded host needs: on this 2-vCPU VM at
+//! load ~6–8, client and server mostly share one vCPU, and every
+//! microsecond a poller keeps the CPU without yielding is added to the
+//! round trip (p50 6.9 µs yielding at each poll; 12.0 / 27.3 / 57.3 µs when
+//! each wait first polled 5 / 20 / 50 µs without yielding; the previous
+//! design's 200 µs pure spin gave ~410 µs). Not yielding when alone is what
+//! a quiet host needs: there a `sched_yield` is a ~350 ns system call that
+//! doubles the polling period (an adaptive vs an always-yielding client
+//! against the same server: ratio 0.669 vs 0.646 and 0.661 vs 0.645 with
+//! the host quieted as below; 0.650 vs 0.636 under load). These
+//! comparisons and the task-run ones below come from a scratch harness
+//! that interleaves blocks of 2000 round trips of several configurations
+//! against one server; the rest is `cxlkv bench rtt`. An io_uring server that spins checks the ring's
+//! TASKRUN flag and enters the kernel only when receive work waits, then
+//! reaps at once (it used to yield first).
+//!
+//! **io_uring flags** ([`TaskRun`], `ring.rs`). Server rings default to
+//! `DEFER_TASKRUN` (with `SINGLE_ISSUER` and `TASKRUN_FLAG`): receive work
+//! waits in the ring until the loop asks for it, without signalling a
+//! task. Quieted host, same harness, median over 8 blocks of the per-block
+//! ratio, two runs each: defer 0.713 / 0.714, coop 0.642 / 0.662, coop +
+//! single issuer 0.655 / 0.673, interrupt 0.525 / 0.521. Under load defer
+//! and coop tie at the median (0.644 / 0.639 / 0.637 vs 0.628 / 0.646 /
+//! 0.627; defer's lower quartile is lower). Client rings use coop (a
+//! single-issuer ring cannot follow the reading role from thread to
+//! thread). **SQPOLL is off**: the kernel refuses it with any task-run flag
+//! (`EINVAL` on 6.18), so an SQPOLL ring has none (`TaskRun` does not
+//! apply); on this shared 2-vCPU host its kernel thread, which burns CPU
+//! while it polls, does not get a vCPU when the receive work it owns is
+//! due: a round trip took 5.2 µs in one rep (ratio 1.00) and 6.2 ms at the
+//! median (`sqpoll=on`); a request after a pause of 5–20 ms took 11–12 ms
+//! (3.3 ms after 50 ms), whatever `sqpoll_idle_ms` (1, 3, 10, 30) and even
+//! with the server loop still spinning; with SQPOLL rings on both ends the
+//! median was 28 ms. It would need a core of its own.
+//!
+//! **Measurements** (2-vCPU VM, kernel 6.18, shared with other builds at
+//! load ~10; `ratio` = raw busy-polling ping-pong p50 ÷ ours, one-key byte
+//! counts, target ≥ 0.67 for `transport=unix,backend=default`). A quiet
+//! host is stood in for by real-time priority for our threads (`chrt -f 1
+//! cxlkv bench rtt --quick --reps 5`; never with SQPOLL cases, whose
+//! kernel thread would starve). Ratios, one per run:
+//!
+//! | case (`cxlkv bench rtt …`)       | quieted, before | quieted, now | loaded, before      | loaded, now         |
+//! |----------------------------------|-----------------|--------------|---------------------|---------------------|
+//! | `unix,backend=default`           | 0.571, 0.587    | 0.684, 0.699 | 0.483, 0.627, 0.644 | 0.685, 0.645, 0.700 |
+//! | `unix,backend=fallback`          | 0.633, 0.658    | 0.709, 0.714 | 0.476, 0.651, 0.481 | 0.701, 0.700, 0.560 |
+//! | `unix,backend=uring` (both ends) | —               | 0.516, 0.547 | —                   | 0.592, 0.535, 0.627 |
+//! | `tcp,backend=default`            | 0.772, 0.746    | 0.876, 0.876 | 0.632, 0.815, 0.640 | 0.874, 0.832, 1.058 |
+//! | `unix,…,idle_gap_ms=1`           | 0.282, 0.313    | 0.333, 0.313 | (raw side starved)  | (raw side starved)  |
+//! | `inflight=64`, ours in req/s     | 497 k, 476 k    | 552 k, 621 k | 275 k, 143 k, 339 k | 213 k, 241 k, 217 k |
+//!
+//! "Before" is the previous commit of this module (syscall client with a
+//! hash map of pending requests, `COOP_TASKRUN`, a yield at every poll).
+//! After a 1 ms pause ours takes ~38 µs against the raw pair's ~12 µs: the
+//! raw peers never sleep, ours sleep after `spin_us`. Polling through the
+//! pause (`spin_us=2000,idle_gap_ms=1`) bought nothing under load (34 µs
+//! vs 24 µs for the default in the same run); it is not measured quieted.
+//! Loaded runs scatter: per rep, `unix,backend=default` ranged 0.48–0.74.
+//! The full run (`cxlkv bench rtt --reps 5`, loaded) adds the variants:
+//! `taskrun=coop` 0.535, `taskrun=interrupt` 0.547, `spin_us=0` 0.601
+//! (under load a sleeping poller is woken onto a busy vCPU cheaply; on an
+//! idle one a wake-up costs ~50 µs), `client=uring` 0.516 against the
+//! syscall wire's 0.700 in the same run.
 //!
 //! **Bounds.** Connections (`max_connections`, refused with a
 //! handler-built frame), requests in flight per connection (rejected with
 //! [`Rejection::TooManyInFlight`]), bytes queued per connection (a peer that
 //! stops reading is dropped), time a partial frame may sit
 //! (`partial_frame_timeout_ms`), completions pending from other threads,
-//! and on the client requests in flight and a deadline per request.
+//! and on the client requests in flight (`max_inflight`, at most
+//! [`MAX_CLIENT_INFLIGHT`]) and a deadline per request.
 //!
 //! **Bad input.** An intact header with a wrong version or oversized
 //! payload reaches [`Handler::on_rejected`] (the connection lives); a
@@ -55,13 +115,15 @@ pub mod client;
 pub mod config;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+mod ring;
 pub mod server;
+mod spin;
 pub mod sys;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-pub use client::{ClientError, ClientStats, PendingCall, Reply, RpcClient};
+pub use client::{ClientError, ClientStats, MAX_CLIENT_INFLIGHT, PendingCall, Reply, RpcClient};
 pub use config::{
     Backend, BackendChoice, ClientConfig, Endpoint, IO_ENV, IoConfig, ServerConfig, TaskRun,
 };
@@ -96,6 +158,14 @@ pub enum TransportError {
 
 /// Whether the one-time "io_uring unavailable" line was logged.
 static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// Checks that io_uring with `io`'s flags works here (kernel version,
+/// seccomp policy) with the functional probe `BackendChoice::Auto` relies
+/// on (a real multishot receive into a provided-buffer ring; cached per
+/// flag set). Lets tests and tools ask without binding a server.
+pub fn probe_uring(io: &IoConfig) -> Result<(), TransportError> {
+    server::uring::probe(io).map_err(TransportError::UringUnavailable)
+}
 
 /// Resolves the backend: explicit config, else `CXLKV_IO`, else io_uring if
 /// a ring with the features we need can be created, else the fallback (with

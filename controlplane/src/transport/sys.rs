@@ -160,6 +160,49 @@ pub struct Received {
     pub fds_truncated: bool,
 }
 
+/// A `msghdr` that receives into `iov` with `control` as its control
+/// buffer. It points at both through raw pointers: they must outlive every
+/// use of it (for io_uring, until the operation completes).
+pub(crate) fn recv_msghdr(iov: &mut libc::iovec, control: &mut CmsgBuf) -> libc::msghdr {
+    // SAFETY: an all-zero msghdr is a valid empty message.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.words.as_mut_ptr().cast();
+    msg.msg_controllen = CMSG_WORDS * 8;
+    msg
+}
+
+/// Takes ownership of the descriptors a receive put into `msg`'s control
+/// buffer (appended to `fds`) and says whether the kernel had to drop some
+/// (`MSG_CTRUNC`).
+///
+/// # Safety
+/// `msg` is the header of a receive that succeeded: the kernel filled its
+/// control buffer up to `msg_controllen` and set `msg_flags`, and the
+/// descriptors in it are owned by nobody yet (each call takes them once).
+pub(crate) unsafe fn take_rights(msg: &libc::msghdr, fds: &mut Vec<OwnedFd>) -> bool {
+    // SAFETY: per the contract, the control buffer holds well-formed
+    // cmsghdrs up to msg_controllen; FIRSTHDR/NXTHDR stay within that length,
+    // and each SCM_RIGHTS payload holds (cmsg_len - CMSG_LEN(0)) / sizeof(int)
+    // descriptors that this process now owns.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data_len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(cmsg);
+                for i in 0..data_len / size_of::<RawFd>() {
+                    let raw = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(raw));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
+        }
+    }
+    msg.msg_flags & libc::MSG_CTRUNC != 0
+}
+
 /// Non-blocking `recvmsg` into `buf`; descriptors that arrive are appended
 /// to `fds` (close-on-exec). `Ok(bytes == 0)` is end of stream.
 pub fn recv_with_fds(
@@ -172,12 +215,7 @@ pub fn recv_with_fds(
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // SAFETY: an all-zero msghdr is a valid empty message.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.words.as_mut_ptr().cast();
-    msg.msg_controllen = CMSG_WORDS * 8;
+    let mut msg = recv_msghdr(&mut iov, &mut control);
     // SAFETY: `iov` covers `buf` (writable, borrowed mutably for the call) and
     // `msg_control` covers `control`; both outlive the call.
     let bytes = cvt_size(unsafe {
@@ -187,27 +225,11 @@ pub fn recv_with_fds(
             libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
         )
     })?;
-    // SAFETY: the kernel filled `control` up to msg_controllen with
-    // well-formed cmsghdrs; FIRSTHDR/NXTHDR stay within that length, and each
-    // SCM_RIGHTS payload holds (cmsg_len - CMSG_LEN(0)) / sizeof(int) fds
-    // which this process now owns (so wrapping them in OwnedFd is sound).
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data_len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let data = libc::CMSG_DATA(cmsg);
-                for i in 0..data_len / size_of::<RawFd>() {
-                    let raw = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(raw));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
+    // SAFETY: the recvmsg above succeeded and its descriptors are taken once.
+    let fds_truncated = unsafe { take_rights(&msg, fds) };
     Ok(Received {
         bytes,
-        fds_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0,
+        fds_truncated,
     })
 }
 

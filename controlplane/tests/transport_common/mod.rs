@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use cxlkv_controlplane::frame::{Frame, FrameHeader};
 use cxlkv_controlplane::transport::{
-    Admit, BackendChoice, ClientConfig, ConnId, DisconnectReason, Endpoint, Handler, PeerInfo,
-    Refusal, RefuseReason, Rejection, Replies, RpcClient, Server, ServerConfig, ServerHandle,
+    Admit, Backend, BackendChoice, ClientConfig, ConnId, DisconnectReason, Endpoint, Handler,
+    IoConfig, PeerInfo, Refusal, RefuseReason, Rejection, Replies, RpcClient, Server, ServerConfig,
+    ServerHandle, probe_uring,
 };
 use parking_lot::Mutex;
 
@@ -135,22 +136,41 @@ pub fn memfd_with(bytes: &[u8]) -> OwnedFd {
     f.into()
 }
 
-/// Backends every test runs on: io_uring when this kernel allows it (the
-/// test says so when it does not), and the fallback always.
-pub fn backends() -> Vec<BackendChoice> {
-    let mut v = vec![BackendChoice::Fallback];
-    let probe = ServerConfig {
-        io: cxlkv_controlplane::transport::IoConfig {
-            backend: BackendChoice::Uring,
-            ..Default::default()
-        },
+/// The backends of one run of a test: the server's and the client's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backends {
+    pub server: BackendChoice,
+    pub client: BackendChoice,
+}
+
+/// Every pairing of server and client backend each test runs on: io_uring
+/// when this kernel allows it (the test says so when it does not), and the
+/// fallback always.
+pub fn backends() -> Vec<Backends> {
+    let mut ends = vec![BackendChoice::Fallback];
+    let uring = IoConfig {
+        backend: BackendChoice::Uring,
         ..Default::default()
     };
-    match Server::bind(probe, &[]) {
-        Ok(_) => v.insert(0, BackendChoice::Uring),
+    match probe_uring(&uring) {
+        Ok(()) => ends.insert(0, BackendChoice::Uring),
         Err(e) => eprintln!("io_uring unavailable, testing the fallback only: {e}"),
     }
-    v
+    let mut pairs = Vec::new();
+    for &server in &ends {
+        for &client in &ends {
+            pairs.push(Backends { server, client });
+        }
+    }
+    pairs
+}
+
+/// The backend a client configured with `choice` must report.
+fn expected_backend(choice: BackendChoice) -> Backend {
+    match choice {
+        BackendChoice::Fallback => Backend::Fallback,
+        _ => Backend::Uring,
+    }
 }
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -165,27 +185,30 @@ pub struct Fixture {
     pub seen: Arc<Seen>,
     pub unix: Endpoint,
     pub tcp: Endpoint,
-    pub backend: BackendChoice,
+    pub backend: Backends,
 }
 
-pub fn server_config(backend: BackendChoice) -> ServerConfig {
+pub fn server_config(backend: Backends) -> ServerConfig {
     let mut cfg = ServerConfig::default();
-    cfg.io.backend = backend;
+    cfg.io.backend = backend.server;
     cfg
 }
 
-pub fn client_config(backend: BackendChoice) -> ClientConfig {
+pub fn client_config(backend: Backends) -> ClientConfig {
     let mut cfg = ClientConfig::default();
-    cfg.io.backend = backend;
+    cfg.io.backend = backend.client;
     cfg
 }
 
-pub fn start(cfg: ServerConfig) -> Fixture {
-    start_with(cfg, |_| {})
+pub fn start(backend: Backends, cfg: ServerConfig) -> Fixture {
+    start_with(backend, cfg, |_| {})
 }
 
-pub fn start_with(cfg: ServerConfig, prepare: impl FnOnce(&mut Server)) -> Fixture {
-    let backend = cfg.io.backend;
+pub fn start_with(
+    backend: Backends,
+    cfg: ServerConfig,
+    prepare: impl FnOnce(&mut Server),
+) -> Fixture {
     let path = unique_socket_path();
     let mut server = Server::bind(
         cfg,
@@ -217,8 +240,11 @@ impl Fixture {
         [&self.unix, &self.tcp]
     }
 
+    /// A client of the backend under test (checked: it must not fall back).
     pub fn client(&self, ep: &Endpoint) -> RpcClient {
-        RpcClient::connect(ep, client_config(self.backend)).expect("connect")
+        let c = RpcClient::connect(ep, client_config(self.backend)).expect("connect");
+        assert_eq!(c.backend(), expected_backend(self.backend.client));
+        c
     }
 
     /// Waits (bounded) until `pred` holds on what the handler saw.

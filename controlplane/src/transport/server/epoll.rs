@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::{ConnState, Core, DisconnectReason, Handler, Listener, stop_requested};
 use crate::transport::TransportError;
+use crate::transport::spin::Spinner;
 use crate::transport::sys;
 
 /// epoll tokens: connection slots are small numbers; these sit at the top.
@@ -125,6 +126,7 @@ pub(crate) fn run<H: Handler>(
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
     let spin = Duration::from_micros(u64::from(core.cfg.io.spin_us));
     let mut last_activity = Instant::now();
+    let mut spinner = Spinner::default();
     loop {
         if stop_requested(&core.shared) {
             break;
@@ -162,9 +164,7 @@ pub(crate) fn run<H: Handler>(
         if n > 0 || had_work || flushed {
             last_activity = now;
         } else if !asleep {
-            // Spinning: yield so a peer sharing this vCPU can run (see the
-            // transport essay).
-            std::thread::yield_now();
+            spinner.pause(now);
         }
     }
     core.close_all();
@@ -251,6 +251,7 @@ impl Driver {
                 return;
             }
             let spare = conn.decoder.spare(READ_CHUNK_BYTES);
+            let asked = spare.len();
             match sys::recv(conn.fd.as_fd(), spare) {
                 Ok(0) => {
                     core.close(slot, DisconnectReason::PeerClosed);
@@ -260,6 +261,13 @@ impl Driver {
                     conn.decoder.filled(n);
                     read += n;
                     core.process_input(slot, now);
+                    if n < asked {
+                        // Drained (a short read): skip the `recv` that would
+                        // only say EAGAIN — it sits between the request and
+                        // its reply. Level-triggered epoll reports bytes that
+                        // arrive meanwhile.
+                        return;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -297,7 +305,13 @@ impl Driver {
             if conn.state == ConnState::Dead {
                 return;
             }
-            let res = {
+            if conn.sendq.is_empty() {
+                break;
+            }
+            let res = if let Some(bytes) = conn.sendq.lone_frame() {
+                // The common reply: one frame, no descriptors, one `send`.
+                sys::send(conn.fd.as_fd(), bytes)
+            } else {
                 let mut iov = Vec::with_capacity(8);
                 conn.sendq.gather(&mut iov, &mut fds);
                 if iov.is_empty() {

@@ -22,7 +22,7 @@
 pub(crate) mod epoll;
 pub(crate) mod uring;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque, hash_map};
 use std::fmt;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
@@ -526,6 +526,17 @@ impl SendQueue {
         self.bytes = 0;
     }
 
+    /// The unsent bytes of the only queued frame, if it is alone and has no
+    /// descriptors to attach (the common reply: one plain `send` will do).
+    pub fn lone_frame(&self) -> Option<&[u8]> {
+        if self.frames.len() != 1 {
+            return None;
+        }
+        let f = self.frames.front()?;
+        // `advance` drops descriptors once their first byte is sent.
+        f.fds.is_empty().then(|| &f.bytes[self.front_offset..])
+    }
+
     /// Fills `iov` with the next run of bytes to write and returns the
     /// descriptors to attach (only ever for a frame sent alone, from its
     /// first byte).
@@ -803,31 +814,35 @@ impl<H: Handler> Core<H> {
                     }
                     if reset {
                         // Not delivered: the connection dies with it.
-                    } else if conn.inflight.contains_key(&rid) {
-                        ServerStats::bump(&stats.frames_rejected);
-                        handler.on_rejected(
-                            id,
-                            frame.header,
-                            Rejection::DuplicateRequestId,
-                            &mut out,
-                        );
-                    } else if conn.inflight.len() >= limit {
-                        ServerStats::bump(&stats.frames_rejected);
-                        handler.on_rejected(
-                            id,
-                            frame.header,
-                            Rejection::TooManyInFlight { limit },
-                            &mut out,
-                        );
                     } else {
-                        conn.inflight.insert(
-                            rid,
-                            InFlight {
-                                kind: frame.header.kind,
-                                nth_of_kind,
-                            },
-                        );
-                        handler.on_frame(id, frame, &mut out);
+                        let full = conn.inflight.len() >= limit;
+                        match conn.inflight.entry(rid) {
+                            hash_map::Entry::Occupied(_) => {
+                                ServerStats::bump(&stats.frames_rejected);
+                                handler.on_rejected(
+                                    id,
+                                    frame.header,
+                                    Rejection::DuplicateRequestId,
+                                    &mut out,
+                                );
+                            }
+                            hash_map::Entry::Vacant(_) if full => {
+                                ServerStats::bump(&stats.frames_rejected);
+                                handler.on_rejected(
+                                    id,
+                                    frame.header,
+                                    Rejection::TooManyInFlight { limit },
+                                    &mut out,
+                                );
+                            }
+                            hash_map::Entry::Vacant(v) => {
+                                v.insert(InFlight {
+                                    kind: frame.header.kind,
+                                    nth_of_kind,
+                                });
+                                handler.on_frame(id, frame, &mut out);
+                            }
+                        }
                     }
                 }
             }
@@ -1378,7 +1393,9 @@ impl<H> ServerHandle<H> {
     }
 
     /// Stops the loop (every connection is closed, the handler hears
-    /// `Shutdown` for each) and returns the handler.
+    /// `Shutdown` for each) and returns the handler. Closing does not flush:
+    /// replies not yet written — queued, or held back by a fault plan's
+    /// `Delay` or `Reorder` — are discarded.
     pub fn shutdown(mut self) -> Result<H, TransportError> {
         self.stop_and_join()
             .unwrap_or(Err(TransportError::LoopPanicked))

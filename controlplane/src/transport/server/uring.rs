@@ -34,10 +34,12 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use super::{ConnState, Core, DisconnectReason, Handler, Listener, OutFrame, stop_requested};
 use crate::transport::TransportError;
 use crate::transport::config::{IoConfig, TaskRun};
+use crate::transport::ring::{self, Role};
+use crate::transport::spin::Spinner;
 use crate::transport::sys::{self, CmsgBuf};
 
-/// `IORING_ENTER_GETEVENTS` from the kernel ABI (not exported by `libc`).
-const IORING_ENTER_GETEVENTS: u32 = 1;
+/// Bound on each wait of the io_uring probe.
+const PROBE_WAIT: Duration = Duration::from_secs(1);
 
 /// Buffer group id of the receive buffer ring.
 const BGID: u16 = 1;
@@ -57,33 +59,18 @@ fn split_user_data(ud: u64) -> (u64, u32, u32) {
     (ud >> 56, ((ud >> 32) & 0xFF_FFFF) as u32, ud as u32)
 }
 
-/// Builds a ring with the configured waiting flags.
-pub(crate) fn build_ring(cfg: &IoConfig, entries: u32) -> io::Result<IoUring> {
-    let mut b = IoUring::builder();
-    b.setup_cqsize(entries * 2);
-    match cfg.taskrun {
-        TaskRun::Coop => {
-            b.setup_coop_taskrun().setup_taskrun_flag();
-        }
-        TaskRun::Defer => {
-            b.setup_single_issuer()
-                .setup_defer_taskrun()
-                .setup_taskrun_flag();
-        }
-        TaskRun::Interrupt => {}
-    }
-    if cfg.sqpoll {
-        b.setup_sqpoll(cfg.sqpoll_idle_ms);
-    }
-    b.build(entries)
-}
-
 /// Probe results per (sqpoll, taskrun) flag set.
 type ProbeCache = HashMap<(bool, TaskRun), Result<(), String>>;
 
 /// Checks that this kernel (and any seccomp policy) gives us a ring with
 /// the configured flags, a provided-buffer ring and multishot receive, by
 /// doing one real multishot receive on a socket pair. Cached per flag set.
+///
+/// The probe runs on a short-lived thread of its own: the kernel delivers a
+/// ring's leftover work to the thread that submitted it as a notification
+/// that interrupts that thread's blocking calls with `EINTR` (seen on
+/// sockets with a receive timeout), and the caller's thread must not get
+/// one from a ring it never asked for.
 pub(crate) fn probe(cfg: &IoConfig) -> io::Result<()> {
     static CACHE: OnceLock<StdMutex<ProbeCache>> = OnceLock::new();
     let key = (cfg.sqpoll, cfg.taskrun);
@@ -91,7 +78,15 @@ pub(crate) fn probe(cfg: &IoConfig) -> io::Result<()> {
     if let Some(r) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return r.clone().map_err(io::Error::other);
     }
-    let r = probe_uncached(cfg).map_err(|e| e.to_string());
+    let r = std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("cxlkv-uring-probe".into())
+            .spawn_scoped(s, || probe_uncached(cfg))
+            .map_err(|e| e.to_string())?
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("the io_uring probe panicked")))
+            .map_err(|e| e.to_string())
+    });
     cache
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -100,7 +95,7 @@ pub(crate) fn probe(cfg: &IoConfig) -> io::Result<()> {
 }
 
 fn probe_uncached(cfg: &IoConfig) -> io::Result<()> {
-    let mut ring = build_ring(cfg, 8)?;
+    let mut ring = ring::build_ring(cfg, Role::Server, 8)?;
     if !ring.params().is_feature_ext_arg() {
         return Err(io::Error::other("kernel lacks IORING_FEAT_EXT_ARG"));
     }
@@ -114,21 +109,30 @@ fn probe_uncached(cfg: &IoConfig) -> io::Result<()> {
     unsafe { ring.submission().push(&recv) }.map_err(|_| io::Error::other("probe ring full"))?;
     ring.submit()?;
     sys::send(b.as_fd(), b"x")?;
-    let ts = types::Timespec::from(Duration::from_secs(1));
-    let args = types::SubmitArgs::new().timespec(&ts);
-    match ring.submitter().submit_with_args(1, &args) {
-        Ok(_) => {}
-        Err(e) if e.raw_os_error() == Some(libc::ETIME) => {}
-        Err(e) => return Err(e),
+    // One byte, then end of stream: the multishot receive completes twice
+    // and ends (no MORE flag), so no operation outlives the probe.
+    let mut results = Vec::new();
+    let until = Instant::now() + PROBE_WAIT;
+    let mut ended = false;
+    while !ended {
+        let now = Instant::now();
+        if now >= until {
+            return Err(io::Error::other("multishot receive did not complete"));
+        }
+        ring::submit_and_wait(&ring, Some(until - now))?;
+        for cqe in ring.completion() {
+            results.push(cqe.result());
+            ended |= !cqueue::more(cqe.flags());
+        }
+        if !results.is_empty() && !ended {
+            // The byte arrived: end the stream.
+            sys::shutdown(b.as_fd())?;
+        }
     }
-    let cqe = ring
-        .completion()
-        .next()
-        .ok_or_else(|| io::Error::other("multishot receive did not complete"))?;
-    if cqe.result() != 1 {
+    if results.first() != Some(&1) {
         return Err(io::Error::other(format!(
-            "multishot receive failed: {}",
-            io::Error::from_raw_os_error(-cqe.result())
+            "multishot receive failed: {:?}",
+            results.first().map(|r| io::Error::from_raw_os_error(-r))
         )));
     }
     drop(ring);
@@ -242,10 +246,27 @@ struct SendOp {
     total: usize,
 }
 
+impl SendOp {
+    fn new() -> Box<Self> {
+        Box::new(SendOp {
+            frames: Vec::new(),
+            iov: Vec::new(),
+            // SAFETY: an all-zero msghdr is a valid empty message.
+            msg: unsafe { std::mem::zeroed() },
+            cmsg: CmsgBuf::default(),
+            done: 0,
+            total: 0,
+        })
+    }
+}
+
 #[derive(Default)]
 struct ConnIo {
     recv_armed: bool,
     send: Option<Box<SendOp>>,
+    /// A finished send's op, kept (emptied) for the next send: a reply then
+    /// costs no allocation here.
+    spare: Option<Box<SendOp>>,
     /// `shutdown` issued; waiting for operations to drain.
     closing: bool,
 }
@@ -266,7 +287,8 @@ pub(crate) fn run<H: Handler>(
     listeners: &[Listener],
 ) -> Result<(), TransportError> {
     let io_cfg = core.cfg.io.clone();
-    let ring = build_ring(&io_cfg, io_cfg.ring_entries).map_err(TransportError::Setup)?;
+    let ring = ring::build_ring(&io_cfg, Role::Server, io_cfg.ring_entries)
+        .map_err(TransportError::Setup)?;
     let bufs = BufRing::new(&ring, io_cfg.recv_buffer_count, io_cfg.recv_buffer_bytes)
         .map_err(TransportError::Setup)?;
     let mut d = Driver {
@@ -283,6 +305,7 @@ pub(crate) fn run<H: Handler>(
     d.arm_wake(core)?;
     let spin = Duration::from_micros(u64::from(io_cfg.spin_us));
     let mut last_activity = Instant::now();
+    let mut spinner = Spinner::default();
     let mut cqes: Vec<cqueue::Entry> = Vec::with_capacity(io_cfg.ring_entries as usize * 2);
     loop {
         if stop_requested(&core.shared) {
@@ -309,11 +332,9 @@ pub(crate) fn run<H: Handler>(
             continue;
         }
         if now.duration_since(last_activity) < spin {
-            d.poll_kernel(io_cfg.taskrun)?;
-            // Yield, not just pause: on a loaded machine the peer we wait for
-            // may share this vCPU, and a spin shorter than the scheduler slice
-            // would only delay it (measured: ~400 µs round trips, see essay).
-            std::thread::yield_now();
+            if !d.poll_kernel()? {
+                spinner.pause(now);
+            }
             continue;
         }
         if core.prepare_sleep() {
@@ -347,68 +368,22 @@ impl Driver {
     }
 
     fn submit(&mut self) -> Result<(), TransportError> {
-        match self.ring.submit() {
-            Ok(_) => Ok(()),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
-                ) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(TransportError::Io(e)),
-        }
+        ring::submit(&self.ring).map_err(TransportError::Io)
     }
 
     /// While spinning: let the kernel run pending receive work when it says
-    /// there is some (TASKRUN flag), without waiting.
-    fn poll_kernel(&mut self, mode: TaskRun) -> Result<(), TransportError> {
-        let needs = match mode {
-            TaskRun::Interrupt => false,
-            TaskRun::Coop | TaskRun::Defer => self.ring.submission().taskrun(),
-        };
-        if needs {
-            // SAFETY: io_uring_enter with GETEVENTS and no submissions or
-            // wait; no argument pointer.
-            let r = unsafe {
-                self.ring
-                    .submitter()
-                    .enter::<libc::sigset_t>(0, 0, IORING_ENTER_GETEVENTS, None)
-            };
-            if let Err(e) = r
-                && !matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
-                )
-            {
-                return Err(TransportError::Io(e));
-            }
+    /// there is some (TASKRUN flag), without waiting. True if it did (the
+    /// completions are then waiting to be reaped).
+    fn poll_kernel(&mut self) -> Result<bool, TransportError> {
+        if !ring::needs_task_run(&mut self.ring) {
+            return Ok(false);
         }
-        Ok(())
+        ring::run_task_work(&self.ring).map_err(TransportError::Io)?;
+        Ok(true)
     }
 
     fn wait(&mut self, timeout: Option<Duration>) -> Result<(), TransportError> {
-        let r = match timeout {
-            Some(t) => {
-                let ts = types::Timespec::from(t);
-                let args = types::SubmitArgs::new().timespec(&ts);
-                self.ring.submitter().submit_with_args(1, &args)
-            }
-            None => self.ring.submit_and_wait(1),
-        };
-        match r {
-            Ok(_) => Ok(()),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
-                ) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(TransportError::Io(e)),
-        }
+        ring::submit_and_wait(&self.ring, timeout).map_err(TransportError::Io)
     }
 
     fn arm_accept(&mut self, listener: u32) -> Result<(), TransportError> {
@@ -600,8 +575,9 @@ impl Driver {
             self.start_send(core, slot, op)?;
             return Ok(());
         }
-        // Sent: descriptors and bytes are the kernel's now; recycle the Vec.
-        drop(op);
+        // Sent: descriptors and bytes are the kernel's now.
+        op.frames.clear();
+        self.io[slot as usize].spare = Some(op);
         self.flush(core, slot)?;
         if self.io[slot as usize].send.is_none() {
             core.on_flushed(slot);
@@ -635,18 +611,14 @@ impl Driver {
         if conn.state == ConnState::Dead || conn.sendq.is_empty() {
             return Ok(());
         }
-        let mut frames = Vec::new();
-        conn.sendq.pop_batch(&mut frames);
-        let total = frames.iter().map(|f| f.bytes.len()).sum();
-        let op = Box::new(SendOp {
-            frames,
-            iov: Vec::new(),
-            // SAFETY: an all-zero msghdr is a valid empty message.
-            msg: unsafe { std::mem::zeroed() },
-            cmsg: CmsgBuf::default(),
-            done: 0,
-            total,
-        });
+        let mut op = self.io[slot as usize]
+            .spare
+            .take()
+            .unwrap_or_else(SendOp::new);
+        debug_assert!(op.frames.is_empty());
+        conn.sendq.pop_batch(&mut op.frames);
+        op.total = op.frames.iter().map(|f| f.bytes.len()).sum();
+        op.done = 0;
         self.start_send(core, slot, op)
     }
 
@@ -661,6 +633,23 @@ impl Driver {
             return Ok(());
         };
         let (fd, generation) = (conn.fd.as_raw_fd(), conn.id.generation());
+        let ud = user_data(OP_SEND, generation, slot);
+        if let [f] = op.frames.as_slice()
+            && f.fds.is_empty()
+        {
+            // One frame, no descriptors (the common reply): a plain SEND
+            // spares the kernel copying a message header.
+            let rest = &f.bytes[op.done..];
+            // Fits: a frame is at most MAX_FRAME_BYTES (8 MiB and a header).
+            let sqe = opcode::Send::new(types::Fd(fd), rest.as_ptr(), rest.len() as u32)
+                .flags(libc::MSG_NOSIGNAL)
+                .build()
+                .user_data(ud);
+            // The box keeps the frame's bytes at a stable address until the
+            // completion hands it back to `on_send`.
+            self.io[slot as usize].send = Some(op);
+            return self.push(&sqe);
+        }
         let mut skip = op.done;
         let mut iov = std::mem::take(&mut op.iov);
         iov.clear();
@@ -692,7 +681,7 @@ impl Driver {
         let sqe = opcode::SendMsg::new(types::Fd(fd), &op.msg)
             .flags(libc::MSG_NOSIGNAL as u32)
             .build()
-            .user_data(user_data(OP_SEND, generation, slot));
+            .user_data(ud);
         // The box keeps msg/iov/cmsg/frames at stable addresses until the
         // completion hands it back to `on_send`.
         self.io[slot as usize].send = Some(op);
