@@ -12,6 +12,7 @@ pub mod copy;
 pub mod directory_memory;
 pub mod rtt;
 pub mod store;
+pub mod tier;
 
 use std::io::Write;
 use std::time::{Duration, Instant};

@@ -109,6 +109,11 @@ const SCENARIOS: &[Scenario] = &[
         "directory state machine: resident bytes per key (1 M keys) and ns per key",
         crate::bench::directory_memory::run,
     ),
+    (
+        "tier",
+        "L1 tier reserve_read+finish_read keys/s (64-key batches) vs batch_get + explicit unpin flush",
+        crate::bench::tier::run,
+    ),
 ];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {

@@ -37,8 +37,8 @@ use std::sync::atomic::Ordering;
 
 use cxlkv_controlplane::frame::Frame;
 use cxlkv_controlplane::proto::{
-    self, ArchivedDirectoryReply, ErrorCode, Location, Lookup, LookupReply, Message, RegionDesc, RequestMeta, Unpin,
-    UnpinOutcome, UnpinReply,
+    self, ArchivedDirectoryReply, ErrorCode, Location, Lookup, LookupReply, Message, RegionDesc,
+    RequestMeta, Unpin, UnpinOutcome, UnpinReply,
 };
 use cxlkv_controlplane::transport::{ClientError as TransportError, PendingCall};
 use cxlkv_dataplane::map::MappedRegion;
@@ -128,11 +128,8 @@ impl LayoutHandle {
             pins,
         };
         let n = keys.len();
-        let reply = shared.mutating_call::<_, LookupReply, _>(
-            "lookup",
-            Mode::NORMAL,
-            &mut msg,
-            |reply| {
+        let reply =
+            shared.mutating_call::<_, LookupReply, _>("lookup", Mode::NORMAL, &mut msg, |reply| {
                 let locations: Vec<Option<Location>> = reply.locations().collect();
                 if locations.len() != n {
                     return Err(ClientError::BadReply {
@@ -145,8 +142,7 @@ impl LayoutHandle {
                     });
                 }
                 Ok((locations, reply.regions().collect::<Vec<RegionDesc>>()))
-            },
-        );
+            });
         let (locations, regions) = match reply {
             Ok(found) => found,
             Err(Fail::Definite(e)) => return Err(e),
@@ -247,8 +243,8 @@ impl LayoutHandle {
         }
         let (conn, started) = {
             let mut ledger = shared.live_pins.lock();
-            let mut keys = Vec::new();
-            let mut counts = Vec::new();
+            // One `(keys, counts)` per message, at most `max_batch` entries.
+            let mut batches: Vec<(Vec<Vec<u8>>, Vec<u32>)> = Vec::new();
             for (key, wanted) in items {
                 let k = (self.state.ix, Box::<[u8]>::from(*key));
                 let held = ledger.get(&k).map_or(0, |&n| u64::from(n));
@@ -265,6 +261,15 @@ impl LayoutHandle {
                 let mut left = take;
                 while left > 0 {
                     let c = left.min(per_entry);
+                    if batches
+                        .last()
+                        .is_none_or(|(keys, _)| keys.len() >= max_batch)
+                    {
+                        batches.push((Vec::new(), Vec::new()));
+                    }
+                    let (keys, counts) = batches
+                        .last_mut()
+                        .expect("invariant: a batch with room was just ensured");
                     keys.push(key.to_vec());
                     counts.push(c as u32);
                     left -= c;
@@ -275,7 +280,11 @@ impl LayoutHandle {
                 _ => {
                     // Out of the ledger and the session is gone (or going):
                     // the pins die with it and are never taken again.
-                    report.lost_with_session += counts.iter().map(|&c| u64::from(c)).sum::<u64>();
+                    report.lost_with_session += batches
+                        .iter()
+                        .flat_map(|(_, counts)| counts)
+                        .map(|&c| u64::from(c))
+                        .sum::<u64>();
                     drop(ledger);
                     for t in tickets {
                         shared.seqs.release(t);
@@ -285,7 +294,7 @@ impl LayoutHandle {
             };
             let mut started = Vec::new();
             let mut tickets = tickets.into_iter();
-            for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
+            for (keys, counts) in batches {
                 let ticket = tickets
                     .next()
                     .expect("invariant: one ticket per message was taken above");
@@ -296,8 +305,8 @@ impl LayoutHandle {
                         replies_received_below: shared.seqs.received_below(),
                     },
                     layout: self.state.layout,
-                    keys: keys.to_vec(),
-                    counts: counts.to_vec(),
+                    keys,
+                    counts,
                 };
                 let encoded = match Encoded::new(&msg) {
                     Ok(e) => e,
@@ -326,7 +335,7 @@ impl LayoutHandle {
                     ticket,
                     call,
                     encoded,
-                    counts: counts.to_vec(),
+                    counts: msg.counts,
                 });
             }
             for t in tickets {
@@ -488,7 +497,10 @@ impl Shared {
     /// the reattach fails, the next request retries it.
     pub(crate) fn end_session(&self, why: &'static str) {
         let Ok(conn) = self.conn() else { return };
-        tracing::warn!(reason = why, "ending the session to release pins of unknown state");
+        tracing::warn!(
+            reason = why,
+            "ending the session to release pins of unknown state"
+        );
         // Relaxed: `dead` is a hint read by the next request, which then
         // reconnects under the reconnect lock.
         conn.dead.store(true, Ordering::Relaxed);

@@ -8,8 +8,6 @@
 //! sink with the successful keys in input order, and (debug builds) assert
 //! the invariants before the lock is released.
 
-use std::collections::HashMap;
-
 use super::events::Callback;
 use super::staging::{PendingRead, PendingWrite, Staging};
 use super::types::{Holds, KeyPage, SweepReport, TierCode, TierError, TierPage, WriteMode};
@@ -76,7 +74,8 @@ impl L1Tier {
         if !to_pin.is_empty() {
             let pin_keys = pick(keys, &to_pin);
             for (i, found) in to_pin.iter().zip(inner.lookup(&pin_keys, holds)) {
-                if let Some(page) = inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
+                if let Some(page) =
+                    inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
                 {
                     out[*i] = KeyPage::success(page);
                     ok[*i] = true;
@@ -150,7 +149,12 @@ impl L1Tier {
             }
             let released = t.min(r.holds);
             if released < t {
-                tracing::warn!(?key, asked = t, held = r.holds, "finish_read releases only what is held");
+                tracing::warn!(
+                    ?key,
+                    asked = t,
+                    held = r.holds,
+                    "finish_read releases only what is held"
+                );
             }
             r.holds -= released;
             let unpin_now = released.min(r.pinned);
@@ -171,7 +175,10 @@ impl L1Tier {
             ok[i] = true;
         }
         inner.release(&unpins);
-        Counters::add(&inner.counters.temporaries_reclaimed, reclaimed.len() as u64);
+        Counters::add(
+            &inner.counters.temporaries_reclaimed,
+            reclaimed.len() as u64,
+        );
         drop(reclaimed);
         let (finished, deleted) = (flagged(keys, &ok), flagged(keys, &freed));
         inner.fire_pair(
@@ -421,7 +428,8 @@ impl L1Tier {
         if !registered.is_empty() {
             let reg_keys = pick(keys, &registered);
             for (i, found) in registered.iter().zip(inner.lookup(&reg_keys, holds)) {
-                if let Some(page) = inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
+                if let Some(page) =
+                    inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
                 {
                     out[*i] = KeyPage::success(page);
                     ok[*i] = true;
@@ -475,7 +483,10 @@ impl L1Tier {
                 None => remote.push(i),
             }
         }
-        Counters::add(&inner.counters.temporaries_reclaimed, reclaimed.len() as u64);
+        Counters::add(
+            &inner.counters.temporaries_reclaimed,
+            reclaimed.len() as u64,
+        );
         drop(reclaimed);
         if !remote.is_empty() {
             Counters::add(&inner.counters.deletes, 1);
@@ -532,7 +543,10 @@ impl L1Tier {
                     reclaimed.extend(r.private);
                 }
             }
-            Counters::add(&inner.counters.temporaries_reclaimed, reclaimed.len() as u64);
+            Counters::add(
+                &inner.counters.temporaries_reclaimed,
+                reclaimed.len() as u64,
+            );
             drop(reclaimed);
             if !idle.is_empty() {
                 let idle: Vec<&[u8]> = idle.iter().map(AsRef::as_ref).collect();
@@ -573,25 +587,7 @@ impl Inner {
     ) -> Option<TierPage> {
         match found {
             PinnedLookup::Found(placed) => {
-                if let Some(r) = st.read_mut(key) {
-                    debug_assert!(!r.is_temporary(), "temporaries are never pinned");
-                    r.holds += t;
-                    r.pinned += t;
-                    r.deadline = deadline;
-                    return Some(r.page.clone());
-                }
-                let page = TierPage::from_placed(placed);
-                st.insert_read(
-                    key,
-                    PendingRead {
-                        page: page.clone(),
-                        holds: t,
-                        pinned: t,
-                        private: None,
-                        deadline,
-                    },
-                );
-                Some(page)
+                Some(st.add_directory_read(key, TierPage::from_placed(placed), t, deadline))
             }
             PinnedLookup::Missing => None,
             PinnedLookup::Unresolvable(e) => {
@@ -653,7 +649,11 @@ impl Inner {
                 Counters::add(&self.counters.pins_released, r.released);
                 Counters::add(&self.counters.pins_lost, r.lost_with_session + r.not_held);
                 if r.not_held > 0 || r.lost_with_session > 0 {
-                    tracing::warn!(not_held = r.not_held, lost = r.lost_with_session, "some pins were already gone");
+                    tracing::warn!(
+                        not_held = r.not_held,
+                        lost = r.lost_with_session,
+                        "some pins were already gone"
+                    );
                 }
             }
             Err(e) => tracing::warn!(error = %e, "unpin failed; the pins die with the session"),
@@ -696,7 +696,7 @@ impl Inner {
             .iter()
             .filter_map(|k| st.take_write(k))
             .collect();
-        let reads: HashMap<&[u8], PendingRead> = expired_reads
+        let reads: Vec<(&[u8], PendingRead)> = expired_reads
             .iter()
             .filter_map(|k| st.take_read(k).map(|r| (k.as_ref(), r)))
             .collect();
@@ -706,7 +706,7 @@ impl Inner {
             .map(|(k, r)| (*k, r.pinned))
             .collect();
         self.release(&unpins);
-        let temporaries = reads.values().filter(|r| r.is_temporary()).count() as u64;
+        let temporaries = reads.iter().filter(|(_, r)| r.is_temporary()).count() as u64;
         let report = SweepReport {
             writes: writes.len() as u64,
             reads: reads.len() as u64,

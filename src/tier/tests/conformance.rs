@@ -24,10 +24,17 @@ fn conformance_2_round_trip_write_reserve_unsafe_read_finish() {
     let r = h.reserve_read(&[&k], ONE);
     assert_eq!(r[0].code, TierCode::Success);
     let p = page(&r[0]);
-    assert_eq!(read_bytes(&p), bytes_for(&k, CHUNK), "the written bytes, in place");
+    assert_eq!(
+        read_bytes(&p),
+        bytes_for(&k, CHUNK),
+        "the written bytes, in place"
+    );
     let u = h.unsafe_read(&[&k]);
     assert_eq!(u[0].code, TierCode::Success);
-    assert!(page(&u[0]).same_page(&p), "unsafe_read serves the same page");
+    assert!(
+        page(&u[0]).same_page(&p),
+        "unsafe_read serves the same page"
+    );
     assert_eq!(h.finish_read(&[&k], ONE), vec![TierCode::Success]);
     h.healthy();
 }
@@ -139,7 +146,10 @@ fn conformance_11_promote_fires_its_callback_and_never_write_finished() {
     h.reserve(&[&k], false);
     h.listen();
     assert_eq!(h.promote(&[&k], ONE)[0].code, TierCode::Success);
-    assert_eq!(h.rec.kinds("finish_write_and_reserve_read"), vec![vec![k.clone()]]);
+    assert_eq!(
+        h.rec.kinds("finish_write_and_reserve_read"),
+        vec![vec![k.clone()]]
+    );
     assert!(h.rec.kinds("write_finished").is_empty());
 }
 
@@ -158,7 +168,10 @@ fn conformance_13_finishes_of_never_reserved_keys_are_key_not_exist() {
     let h = harness("conf13");
     let k = key(13);
     assert_eq!(h.finish_read(&[&k], ONE), vec![TierCode::KeyNotExist]);
-    assert_eq!(h.tier.finish_write(&[&k]).unwrap(), vec![TierCode::KeyNotExist]);
+    assert_eq!(
+        h.tier.finish_write(&[&k]).unwrap(),
+        vec![TierCode::KeyNotExist]
+    );
 }
 
 #[test]

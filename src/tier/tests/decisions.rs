@@ -17,7 +17,9 @@ fn a_key_repeated_within_a_call_is_an_argument_error_that_changes_nothing() {
     let dup: [&[u8]; 3] = [&a, &b, &a];
     let errs = [
         h.tier.reserve_read(&dup, ONE).unwrap_err(),
-        h.tier.reserve_write(&dup, &[false; 3], CHUNK, WriteMode::New).unwrap_err(),
+        h.tier
+            .reserve_write(&dup, &[false; 3], CHUNK, WriteMode::New)
+            .unwrap_err(),
         h.tier.finish_read(&dup, ONE).unwrap_err(),
         h.tier.finish_write(&dup).unwrap_err(),
         h.tier.finish_write_and_reserve_read(&dup, ONE).unwrap_err(),
@@ -27,7 +29,14 @@ fn a_key_repeated_within_a_call_is_an_argument_error_that_changes_nothing() {
     ];
     for e in &errs {
         assert!(
-            matches!(e, TierError::DuplicateKey { index: 2, first_index: 0, .. }),
+            matches!(
+                e,
+                TierError::DuplicateKey {
+                    index: 2,
+                    first_index: 0,
+                    ..
+                }
+            ),
             "{e}"
         );
         assert!(e.is_argument_error());
@@ -45,7 +54,17 @@ fn keys_and_flags_of_different_lengths_are_an_argument_error() {
         .tier
         .reserve_write(&[&a, &b], &[true], CHUNK, WriteMode::New)
         .unwrap_err();
-    assert!(matches!(e, TierError::LengthMismatch { keys: 2, flags: 1, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            TierError::LengthMismatch {
+                keys: 2,
+                flags: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(h.stage(&a), KeyStage::Untracked);
 }
 
@@ -94,7 +113,10 @@ impl Listener for Reentrant {
         });
         seen.push(format!("touch {}", own.touch_keys(keys).is_ok()));
         seen.push(format!("evictable {}", own.is_key_evictable(keys[0])));
-        seen.push(format!("other tier {}", other.reserve_read(keys, ONE).is_ok()));
+        seen.push(format!(
+            "other tier {}",
+            other.reserve_read(keys, ONE).is_ok()
+        ));
     }
 }
 
@@ -109,7 +131,8 @@ fn a_listener_calling_back_into_its_tier_gets_an_error_never_a_deadlock() {
         other: Arc::downgrade(&other),
         seen: Default::default(),
     });
-    own.register_listener(Arc::clone(&l) as Arc<dyn Listener>).unwrap();
+    own.register_listener(Arc::clone(&l) as Arc<dyn Listener>)
+        .unwrap();
     let k = key(7);
     let r = own
         .reserve_write(&[&k], &[false], CHUNK, WriteMode::New)
@@ -139,10 +162,17 @@ fn listener_key_lists_follow_the_input_order_across_local_and_pinned_keys() {
     h.promote(&[&t], ONE);
     h.listen();
     h.reserve_read(&[&b, &t, &a], ONE);
-    assert_eq!(h.rec.kinds("reserved_read"), vec![vec![b.clone(), t.clone(), a.clone()]]);
+    assert_eq!(
+        h.rec.kinds("reserved_read"),
+        vec![vec![b.clone(), t.clone(), a.clone()]]
+    );
     h.finish_read(&[&a, &t, &b], Holds::total(2));
     assert_eq!(h.rec.kinds("read_finished"), vec![vec![a, t.clone(), b]]);
-    assert_eq!(h.rec.kinds("deleted"), vec![vec![t]], "the temporary reached zero");
+    assert_eq!(
+        h.rec.kinds("deleted"),
+        vec![vec![t]],
+        "the temporary reached zero"
+    );
     h.healthy();
 }
 
@@ -173,7 +203,11 @@ fn written_pages_are_read_in_place_by_a_peer() {
     h.tier.finish_write(&[&k]).unwrap();
     let g = h.peer.get(&k).unwrap().expect("registered");
     assert_eq!(&g[..], bytes_for(&k, CHUNK).as_slice());
-    assert_eq!(g.location(), w.location(), "the peer reads the page the engine wrote");
+    assert_eq!(
+        g.location(),
+        w.location(),
+        "the peer reads the page the engine wrote"
+    );
 }
 
 #[test]
@@ -194,7 +228,10 @@ fn close_is_idempotent_and_locked_calls_fail_afterwards() {
         h.tier.reserve_read(&[&k], ONE).unwrap_err(),
         TierError::Closed { .. }
     ));
-    assert!(matches!(h.tier.touch_keys(&[&k]).unwrap_err(), TierError::Closed { .. }));
+    assert!(matches!(
+        h.tier.touch_keys(&[&k]).unwrap_err(),
+        TierError::Closed { .. }
+    ));
     assert!(h.tier.is_key_evictable(&k));
 }
 

@@ -102,7 +102,11 @@ fn scenario_9_a_lost_pin_reply_is_retried_once_and_a_lost_answer_leaks_no_pin() 
     assert_eq!(h.stage(&k), KeyStage::Untracked);
     eventually("the lost pins are released", || h.pins() == 0);
     assert!(h.client.stats().reconnects >= 1);
-    assert_eq!(h.reserve_read(&[&k], ONE)[0].code, TierCode::Success, "usable again");
+    assert_eq!(
+        h.reserve_read(&[&k], ONE)[0].code,
+        TierCode::Success,
+        "usable again"
+    );
     h.healthy();
 }
 
@@ -154,7 +158,11 @@ fn scenario_19_a_failed_exists_check_proceeds() {
     let k = key(19);
     sw.arm(Kind::Exists, ReplyFault::Drop, ATTEMPTS);
     let r = h.reserve(&[&k], false);
-    assert_eq!(r[0].code, TierCode::Success, "dedup deferred to registration");
+    assert_eq!(
+        r[0].code,
+        TierCode::Success,
+        "dedup deferred to registration"
+    );
     assert_eq!(sw.fired(), ATTEMPTS);
     assert_eq!(h.tier.finish_write(&[&k]).unwrap(), vec![TierCode::Success]);
 }
@@ -166,7 +174,10 @@ fn scenario_21_a_lost_store_reply_never_recycles_the_page() {
     let k1 = key(211);
     h.reserve(&[&k1], false);
     sw.arm(Kind::Register, ReplyFault::Drop, 1);
-    assert_eq!(h.tier.finish_write(&[&k1]).unwrap(), vec![TierCode::Success]);
+    assert_eq!(
+        h.tier.finish_write(&[&k1]).unwrap(),
+        vec![TierCode::Success]
+    );
     assert_eq!(h.dir().outcomes.inserted, 1, "registered once");
     // Every attempt lost: the spec's KeyInWrongState, out of W, and the page
     // is not freed while its registration is unknown (I7)…
@@ -174,7 +185,10 @@ fn scenario_21_a_lost_store_reply_never_recycles_the_page() {
     h.reserve(&[&k2], false);
     let free = h.free_pages();
     sw.arm(Kind::Register, ReplyFault::Drop, ATTEMPTS);
-    assert_eq!(h.tier.finish_write(&[&k2]).unwrap(), vec![TierCode::KeyInWrongState]);
+    assert_eq!(
+        h.tier.finish_write(&[&k2]).unwrap(),
+        vec![TierCode::KeyInWrongState]
+    );
     assert_eq!(h.stage(&k2), KeyStage::Untracked);
     assert_eq!(h.free_pages(), free, "never recycled while unknown");
     assert_eq!(h.tier.stats().registers_unresolved, 1);
@@ -187,7 +201,11 @@ fn scenario_21_a_lost_store_reply_never_recycles_the_page() {
     assert!(h.in_directory(&k2));
     assert_eq!(h.free_pages(), free, "the page belongs to its key");
     assert_eq!(h.delete(&[&k2]), vec![TierCode::Success]);
-    assert_eq!(h.free_pages(), free + 1, "freed exactly once, after the delete");
+    assert_eq!(
+        h.free_pages(),
+        free + 1,
+        "freed exactly once, after the delete"
+    );
     h.healthy();
 }
 
@@ -253,9 +271,19 @@ fn held_reads_survive_a_connection_reset_and_still_protect_the_key() {
         h.peer.delete(&k).unwrap(),
         crate::client::DeleteOutcome::Pinned { pins: 2 }
     );
-    assert_eq!(h.finish_read(&[&k], Holds::total(2)), vec![TierCode::Success]);
-    assert_eq!(h.pins(), 0, "released on the new session, inside finish_read");
-    assert_eq!(h.peer.delete(&k).unwrap(), crate::client::DeleteOutcome::Deleted);
+    assert_eq!(
+        h.finish_read(&[&k], Holds::total(2)),
+        vec![TierCode::Success]
+    );
+    assert_eq!(
+        h.pins(),
+        0,
+        "released on the new session, inside finish_read"
+    );
+    assert_eq!(
+        h.peer.delete(&k).unwrap(),
+        crate::client::DeleteOutcome::Deleted
+    );
 }
 
 #[test]
@@ -267,7 +295,13 @@ fn an_unpin_whose_every_reply_is_lost_still_releases_the_pins() {
     sw.arm(Kind::Unpin, ReplyFault::Drop, ATTEMPTS);
     assert_eq!(h.finish_read(&[&k], ONE), vec![TierCode::Success]);
     eventually("the session's pins are gone", || h.pins() == 0);
-    assert!(h.client.stats().reconnects >= 1, "the session of unknown pins was ended");
+    assert!(
+        h.client.stats().reconnects >= 1,
+        "the session of unknown pins was ended"
+    );
     assert_eq!(h.stage(&k), KeyStage::Untracked);
-    assert_eq!(h.peer.delete(&k).unwrap(), crate::client::DeleteOutcome::Deleted);
+    assert_eq!(
+        h.peer.delete(&k).unwrap(),
+        crate::client::DeleteOutcome::Deleted
+    );
 }

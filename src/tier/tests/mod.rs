@@ -64,10 +64,13 @@ pub(super) fn client_config(server: &ServerHandle) -> ClientConfig {
     c
 }
 
-/// Every callback, recorded in order as `(name, keys)`.
+/// One recorded callback: its name and its keys.
+pub(super) type Call = (&'static str, Vec<Vec<u8>>);
+
+/// Every callback, recorded in order.
 #[derive(Default)]
 pub(super) struct Recorder {
-    calls: Mutex<Vec<(&'static str, Vec<Vec<u8>>)>>,
+    calls: Mutex<Vec<Call>>,
 }
 
 impl Recorder {
@@ -78,7 +81,7 @@ impl Recorder {
     }
 
     /// Every call, in order.
-    pub fn all(&self) -> Vec<(&'static str, Vec<Vec<u8>>)> {
+    pub fn all(&self) -> Vec<Call> {
         self.calls.lock().clone()
     }
 
@@ -195,8 +198,7 @@ impl Setup {
         let server = (self.start)(self.server);
         let client = Client::connect((self.client)(&server)).expect("client connects");
         let layout = client.layout(PAGE, FINGERPRINT).expect("layout");
-        let peer_client =
-            Client::connect(client_config(&server)).expect("peer client connects");
+        let peer_client = Client::connect(client_config(&server)).expect("peer client connects");
         let peer = peer_client.layout(PAGE, FINGERPRINT).expect("peer layout");
         let clock = Arc::new(ManualClock::new());
         let bus = Arc::new(Bus::default());
@@ -231,10 +233,9 @@ pub(super) fn harness(tag: &str) -> Harness {
 
 /// Deterministic chunk bytes for `key`.
 pub(super) fn bytes_for(key: &[u8], len: usize) -> Vec<u8> {
-    let mut x = key
-        .iter()
-        .fold(0x9E37_79B9_7F4A_7C15u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01B3))
-        | 1;
+    let mut x = key.iter().fold(0x9E37_79B9_7F4A_7C15u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01B3)
+    }) | 1;
     (0..len)
         .map(|_| {
             x ^= x << 13;

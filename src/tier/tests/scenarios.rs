@@ -24,7 +24,10 @@ fn scenario_1_miss_fires_an_empty_reserved_read() {
     h.listen();
     let key = k(1);
     let r = h.reserve_read(&[&key], ONE);
-    assert_eq!((r[0].code, r[0].page.is_none()), (TierCode::KeyNotExist, true));
+    assert_eq!(
+        (r[0].code, r[0].page.is_none()),
+        (TierCode::KeyNotExist, true)
+    );
     assert_eq!(h.pins(), 0);
     assert_eq!(h.rec.kinds("reserved_read"), vec![Vec::<Vec<u8>>::new()]);
 }
@@ -38,12 +41,20 @@ fn scenario_2_hit_pins_and_stages_the_page_in_place() {
     assert_eq!(r[0].code, TierCode::Success);
     let p = page(&r[0]);
     assert_eq!(h.pins(), 1);
-    assert_eq!(p.location(), h.peer_location(&key), "the peer's page, zero-copy");
+    assert_eq!(
+        p.location(),
+        h.peer_location(&key),
+        "the peer's page, zero-copy"
+    );
     assert_eq!(read_bytes(&p), bytes_for(&key, CHUNK));
     let u = h.unsafe_read(&[&key]);
     assert_eq!(u[0].code, TierCode::Success);
     assert!(page(&u[0]).same_page(&p));
-    assert_eq!(h.tier.stats().lookups, 1, "one round trip pins and resolves");
+    assert_eq!(
+        h.tier.stats().lookups,
+        1,
+        "one round trip pins and resolves"
+    );
     h.healthy();
 }
 
@@ -60,7 +71,14 @@ fn scenario_3_a_miss_never_shadows_the_hits_around_it() {
         vec![TierCode::Success, TierCode::KeyNotExist, TierCode::Success]
     );
     assert_eq!(h.pins(), 2, "one pin on each hit");
-    assert_eq!(h.stage(&k3), KeyStage::ReadStaged { holds: 1, pinned: 1, temporary: false });
+    assert_eq!(
+        h.stage(&k3),
+        KeyStage::ReadStaged {
+            holds: 1,
+            pinned: 1,
+            temporary: false
+        }
+    );
     assert_eq!(h.rec.kinds("reserved_read"), vec![vec![k1, k3]]);
 }
 
@@ -108,7 +126,11 @@ fn scenario_6_over_release_is_clamped_to_what_is_held() {
     );
     let after = h.tier.stats();
     assert_eq!(after.unpin_round_trips - before.unpin_round_trips, 1);
-    assert_eq!(after.pins_released - before.pins_released, 1, "exactly one unpin");
+    assert_eq!(
+        after.pins_released - before.pins_released,
+        1,
+        "exactly one unpin"
+    );
     assert_eq!(h.pins(), 0);
     assert_eq!(h.dir().outcomes.not_pinned, 0, "never more than held");
 }
@@ -134,7 +156,14 @@ fn scenario_8_extra_count_is_clamped_to_one_through_128_pins() {
     assert_eq!(h.pins(), 1);
     h.reserve_read(&[&k2], Holds::from_extra_count(1000));
     assert_eq!(h.pins(), 1 + 128);
-    assert_eq!(h.stage(&k2), KeyStage::ReadStaged { holds: 128, pinned: 128, temporary: false });
+    assert_eq!(
+        h.stage(&k2),
+        KeyStage::ReadStaged {
+            holds: 128,
+            pinned: 128,
+            temporary: false
+        }
+    );
     h.healthy();
 }
 
@@ -159,8 +188,15 @@ fn scenario_13_a_mid_write_key_is_not_readable_and_not_pinned() {
     assert_eq!(h.reserve(&[&key], true)[0].code, TierCode::Success);
     h.seed(&key);
     let r = h.reserve_read(&[&key], ONE);
-    assert_eq!((r[0].code, r[0].page.is_none()), (TierCode::KeyNotReadable, true));
-    assert_eq!(h.pins(), 0, "a peer's copy is never pinned for a key mid-write here");
+    assert_eq!(
+        (r[0].code, r[0].page.is_none()),
+        (TierCode::KeyNotReadable, true)
+    );
+    assert_eq!(
+        h.pins(),
+        0,
+        "a peer's copy is never pinned for a key mid-write here"
+    );
     assert_eq!(h.stage(&key), KeyStage::WriteStaged { temporary: true });
     assert_eq!(h.promote(&[&key], ONE)[0].code, TierCode::Success);
     assert!(!matches!(h.stage(&key), KeyStage::WriteStaged { .. }));
@@ -189,7 +225,10 @@ fn scenario_15_a_write_registers_and_reads_back() {
     let r = h.reserve_read(&[&key], ONE);
     assert_eq!(r[0].code, TierCode::Success);
     assert_eq!(read_bytes(&page(&r[0])), bytes_for(&key, CHUNK));
-    assert_eq!(h.tier.finish_write(&[&key]).unwrap(), vec![TierCode::KeyNotExist]);
+    assert_eq!(
+        h.tier.finish_write(&[&key]).unwrap(),
+        vec![TierCode::KeyNotExist]
+    );
 }
 
 #[test]
@@ -234,9 +273,16 @@ fn scenario_17_out_of_memory_is_whole_batch_and_silent() {
     assert_eq!(codes(&r), vec![TierCode::OutOfMemory; 2]);
     assert_eq!(h.stage(&k1), KeyStage::Untracked);
     assert_eq!(h.stage(&k2), KeyStage::Untracked);
-    assert_eq!(h.free_pages(), 1, "all or nothing: the free page was not taken");
+    assert_eq!(
+        h.free_pages(),
+        1,
+        "all or nothing: the free page was not taken"
+    );
     assert!(h.rec.kinds("reserved_write").is_empty());
-    assert!(h.bus.of(TierEvent::WriteReserved).len() == 1, "only the fill's");
+    assert!(
+        h.bus.of(TierEvent::WriteReserved).len() == 1,
+        "only the fill's"
+    );
     h.healthy();
 }
 
@@ -292,7 +338,10 @@ fn scenario_22_a_definite_refusal_reclaims_and_reports_an_empty_write_finished()
     let free = h.free_pages();
     h.reserve(&[&key], false);
     h.listen();
-    assert_eq!(h.tier.finish_write(&[&key]).unwrap(), vec![TierCode::KeyInWrongState]);
+    assert_eq!(
+        h.tier.finish_write(&[&key]).unwrap(),
+        vec![TierCode::KeyInWrongState]
+    );
     assert_eq!(h.free_pages(), free, "its page is reclaimed");
     assert_eq!(h.rec.kinds("write_finished"), vec![Vec::<Vec<u8>>::new()]);
     assert!(h.bus.of(TierEvent::WriteFinished).is_empty());
@@ -306,8 +355,15 @@ fn scenario_23_a_duplicate_is_success_and_the_page_is_freed_once_by_the_client()
     let free = h.free_pages();
     h.reserve(&[&key], false);
     h.seed(&key);
-    assert_eq!(h.tier.finish_write(&[&key]).unwrap(), vec![TierCode::Success]);
-    assert_eq!(h.free_pages(), free, "the caller's page is freed by the client");
+    assert_eq!(
+        h.tier.finish_write(&[&key]).unwrap(),
+        vec![TierCode::Success]
+    );
+    assert_eq!(
+        h.free_pages(),
+        free,
+        "the caller's page is freed by the client"
+    );
     assert!(h.tier.memcheck(), "exactly once");
     let peer = h.peer_location(&key);
     assert_eq!(
@@ -347,7 +403,11 @@ fn scenario_25_a_temporary_page_is_reclaimed_by_its_last_finish_read() {
     h.bus.clear();
     assert_eq!(h.finish_read(&[&key], ONE), vec![TierCode::Success]);
     assert_eq!(h.free_pages(), free, "the private page is freed");
-    assert_eq!(h.tier.stats().unpin_round_trips, 0, "no unpin: it was never pinned");
+    assert_eq!(
+        h.tier.stats().unpin_round_trips,
+        0,
+        "no unpin: it was never pinned"
+    );
     assert_eq!(h.unsafe_read(&[&key])[0].code, TierCode::KeyNotExist);
     let ks = vec![key.clone()];
     assert_eq!(
@@ -356,7 +416,10 @@ fn scenario_25_a_temporary_page_is_reclaimed_by_its_last_finish_read() {
     );
     assert_eq!(
         h.bus.all(),
-        vec![(TierEvent::ReadFinished, ks.clone()), (TierEvent::KeysEvicted, ks)]
+        vec![
+            (TierEvent::ReadFinished, ks.clone()),
+            (TierEvent::KeysEvicted, ks)
+        ]
     );
     h.healthy();
 }
@@ -375,7 +438,11 @@ fn scenario_26_a_retained_promote_registers_and_pins() {
         h.finish_read(&[&key], ONE);
     }
     assert_eq!(h.pins(), 0);
-    assert_eq!(h.free_pages(), free_after_reserve, "nothing freed: the key owns it");
+    assert_eq!(
+        h.free_pages(),
+        free_after_reserve,
+        "nothing freed: the key owns it"
+    );
     assert!(h.in_directory(&key));
     h.healthy();
 }
@@ -403,7 +470,10 @@ fn scenario_27_a_retained_promote_after_a_duplicate_serves_the_winner() {
 fn scenario_28_a_promote_of_an_unstaged_key_is_key_not_exist() {
     let h = harness("s28");
     let r = h.promote(&[&k(28)], ONE);
-    assert_eq!((r[0].code, r[0].page.is_none()), (TierCode::KeyNotExist, true));
+    assert_eq!(
+        (r[0].code, r[0].page.is_none()),
+        (TierCode::KeyNotExist, true)
+    );
 }
 
 #[test]
@@ -427,9 +497,15 @@ fn scenario_29_a_promote_of_a_read_staged_key_is_refused_and_w_kept() {
         },
     );
     let r = h.promote(&[&key], ONE);
-    assert_eq!((r[0].code, r[0].page.is_none()), (TierCode::KeyInWrongState, true));
+    assert_eq!(
+        (r[0].code, r[0].page.is_none()),
+        (TierCode::KeyInWrongState, true)
+    );
     assert!(h.tier.inner.state.lock().has_write(&key), "W left intact");
-    assert!(h.tier.check_invariants().is_err(), "the injected state is caught");
+    assert!(
+        h.tier.check_invariants().is_err(),
+        "the injected state is caught"
+    );
 }
 
 #[test]
@@ -439,7 +515,10 @@ fn scenario_30_a_retained_promote_whose_registration_is_refused() {
     let free = h.free_pages();
     h.reserve(&[&key], false);
     let r = h.promote(&[&key], ONE);
-    assert_eq!((r[0].code, r[0].page.is_none()), (TierCode::KeyInWrongState, true));
+    assert_eq!(
+        (r[0].code, r[0].page.is_none()),
+        (TierCode::KeyInWrongState, true)
+    );
     assert_eq!(h.stage(&key), KeyStage::Untracked, "not in W");
     assert_eq!(h.free_pages(), free);
     h.healthy();
@@ -511,7 +590,11 @@ fn scenario_34_only_removed_keys_are_reported_deleted() {
     h.listen();
     assert_eq!(
         h.delete(&[&removed, &absent, &locked]),
-        vec![TierCode::Success, TierCode::KeyNotExist, TierCode::KeyIsLocked]
+        vec![
+            TierCode::Success,
+            TierCode::KeyNotExist,
+            TierCode::KeyIsLocked
+        ]
     );
     assert_eq!(h.rec.kinds("deleted"), vec![vec![removed.clone()]]);
     assert_eq!(h.bus.of(TierEvent::KeysEvicted), vec![vec![removed]]);
@@ -568,7 +651,10 @@ fn scenario_37_evictability_tracks_local_staging_only() {
     assert!(!h.tier.is_key_evictable(&key));
     h.finish_read(&[&key], ONE);
     assert!(h.tier.is_key_evictable(&key));
-    assert!(h.tier.is_key_evictable(k(370)), "an unknown key is evictable");
+    assert!(
+        h.tier.is_key_evictable(k(370)),
+        "an unknown key is evictable"
+    );
 }
 
 // --- E. TTL sweeper ------------------------------------------------------------
@@ -590,7 +676,10 @@ fn scenario_38_an_expired_write_is_reclaimed_silently() {
     assert_eq!(h.stage(&key), KeyStage::Untracked);
     assert_eq!(h.free_pages(), free);
     assert!(h.rec.all().is_empty() && h.bus.all().is_empty());
-    assert_eq!(h.tier.finish_write(&[&key]).unwrap(), vec![TierCode::KeyNotExist]);
+    assert_eq!(
+        h.tier.finish_write(&[&key]).unwrap(),
+        vec![TierCode::KeyNotExist]
+    );
     h.healthy();
 }
 
@@ -606,7 +695,11 @@ fn scenario_39_an_expired_read_is_unpinned_and_a_late_finish_is_key_not_exist() 
     assert_eq!(h.tier.sweep_now().unwrap().reads, 1);
     assert_eq!(h.stage(&key), KeyStage::Untracked);
     assert_eq!(h.pins(), 0);
-    assert_eq!(h.free_pages(), free, "a directory page is never freed by the sweeper");
+    assert_eq!(
+        h.free_pages(),
+        free,
+        "a directory page is never freed by the sweeper"
+    );
     let trips = h.tier.stats().unpin_round_trips;
     assert_eq!(h.finish_read(&[&key], ONE), vec![TierCode::KeyNotExist]);
     assert_eq!(h.tier.stats().unpin_round_trips, trips, "no unpin");
@@ -639,7 +732,14 @@ fn scenario_41_live_staging_is_untouched_and_an_overlap_refreshes_the_deadline()
     h.clock.advance(PAST_READ_TTL);
     h.reserve_read(&[&key], ONE);
     assert_eq!(h.tier.sweep_now().unwrap(), Default::default());
-    assert_eq!(h.stage(&key), KeyStage::ReadStaged { holds: 2, pinned: 2, temporary: false });
+    assert_eq!(
+        h.stage(&key),
+        KeyStage::ReadStaged {
+            holds: 2,
+            pinned: 2,
+            temporary: false
+        }
+    );
     assert_eq!(h.pins(), 2);
 }
 
@@ -714,7 +814,10 @@ fn scenario_45_usage_comes_from_the_latest_reply_with_no_round_trip() {
     // Any reply to this client refreshes its figures.
     h.layout.exists(k(45)).unwrap();
     let free = h.client.usage().pool_free_bytes;
-    assert!(free < 2 << 20, "the pool cannot give another region: {free}");
+    assert!(
+        free < 2 << 20,
+        "the pool cannot give another region: {free}"
+    );
     assert_eq!(
         h.tier.get_memory_usage(),
         (PAGE, h.layout.region_bytes() + free),
@@ -803,7 +906,10 @@ fn scenario_50_a_temporary_finish_write_never_publishes() {
     let free = h.free_pages();
     h.reserve(&[&key], true);
     h.bus.clear();
-    assert_eq!(h.tier.finish_write(&[&key]).unwrap(), vec![TierCode::Success]);
+    assert_eq!(
+        h.tier.finish_write(&[&key]).unwrap(),
+        vec![TierCode::Success]
+    );
     assert!(!h.in_directory(&key), "absent to exists");
     assert!(h.peer.get(&key).unwrap().is_none(), "a peer cannot pin it");
     assert!(h.bus.of(TierEvent::WriteFinished).is_empty());
@@ -831,7 +937,10 @@ fn scenario_51_private_reads_ignore_a_peer_copy() {
         assert_eq!(h.pins(), 2);
         let r = h.reserve_read(&[&key], ONE);
         assert_eq!(r[0].code, TierCode::Success);
-        assert!(page(&r[0]).same_page(&p), "our private page, not the peer's");
+        assert!(
+            page(&r[0]).same_page(&p),
+            "our private page, not the peer's"
+        );
         assert_eq!(h.pins(), 2, "the peer's copy is not pinned");
         if promote {
             h.finish_read(&[&key], ONE);
@@ -910,7 +1019,9 @@ fn scenario_56_an_idle_temporary_expires_by_ttl() {
     .unwrap();
     let key = k(56);
     let free = h.free_pages();
-    let r = t.reserve_write(&[&key], &[true], CHUNK, WriteMode::New).unwrap();
+    let r = t
+        .reserve_write(&[&key], &[true], CHUNK, WriteMode::New)
+        .unwrap();
     assert!(r[0].is_success());
     t.finish_write(&[&key]).unwrap();
     assert_eq!(h.free_pages(), free - 1);
@@ -919,6 +1030,9 @@ fn scenario_56_an_idle_temporary_expires_by_ttl() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(h.free_pages(), free, "the sweeper freed P");
-    assert_eq!(t.reserve_read(&[&key], ONE).unwrap()[0].code, TierCode::KeyNotExist);
+    assert_eq!(
+        t.reserve_read(&[&key], ONE).unwrap()[0].code,
+        TierCode::KeyNotExist
+    );
     assert_eq!(t.stats().unpin_round_trips, 0);
 }
