@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod config;
 pub mod server;
 pub mod tier;
 

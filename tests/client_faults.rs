@@ -80,8 +80,10 @@ fn lost_duplicated_and_reordered_replies_leak_nothing_and_free_nothing_twice() {
     };
     let server = Server::start_with_faults(server_config("faults"), Box::new(plan)).unwrap();
     let mut cfg = client_config(&server);
-    cfg.request_timeout_ms = 150;
-    cfg.max_retries = 8;
+    // Short deadlines make lost replies cheap; enough retries that a slow
+    // but delivered reply on a loaded machine never exhausts them.
+    cfg.request_timeout_ms = 250;
+    cfg.max_retries = 20;
     let client = Client::connect(cfg).unwrap();
     let layout = client.layout(PAGE, FINGERPRINT).unwrap();
 
@@ -126,4 +128,117 @@ fn lost_duplicated_and_reordered_replies_leak_nothing_and_free_nothing_twice() {
     assert_eq!(stats.stale_notices, 0);
     let dir = server.directory_stats().unwrap();
     assert_eq!((dir.keys, dir.pins), (0, 0));
+}
+
+/// Resets the connection that sends the next request after `arm()`.
+struct ResetOnDemand {
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FaultPlan for ResetOnDemand {
+    fn on_request(&mut self, _req: &RequestInfo) -> RequestFault {
+        if self.armed.swap(false, Ordering::Relaxed) {
+            RequestFault::Reset
+        } else {
+            RequestFault::Deliver
+        }
+    }
+}
+
+#[test]
+fn a_reconnected_client_takes_its_live_guards_pins_again() {
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let plan = ResetOnDemand {
+        armed: Arc::clone(&armed),
+    };
+    let server = Server::start_with_faults(server_config("faults-repin"), Box::new(plan)).unwrap();
+    let a = Client::connect(client_config(&server)).unwrap();
+    let b = Client::connect(client_config(&server)).unwrap();
+    let al = a.layout(PAGE, FINGERPRINT).unwrap();
+    let bl = b.layout(PAGE, FINGERPRINT).unwrap();
+    al.batch_put(&[(b"held", chunk(1, 100)), (b"free", chunk(2, 100))])
+        .unwrap();
+    let guard = al.get(b"held").unwrap().unwrap();
+    let session = a.session_id();
+
+    armed.store(true, Ordering::Relaxed);
+    // This request's connection is reset: the client reattaches, the old
+    // session's pin is gone, and the live guard's pin is taken again.
+    assert!(al.exists(b"free").unwrap());
+    assert_ne!(a.session_id(), session, "a new session");
+    assert_eq!(a.stats().reconnects, 1);
+    assert_eq!(a.stats().views_invalidated, 0);
+    assert_eq!(
+        bl.delete(b"held").unwrap(),
+        DeleteOutcome::Pinned { pins: 1 },
+        "the guard still protects its page"
+    );
+    assert_eq!(&guard[..], &chunk(1, 100)[..]);
+    drop(guard);
+    a.flush_unpins().unwrap();
+    assert_eq!(bl.delete(b"held").unwrap(), DeleteOutcome::Deleted);
+    // A's page came back through a notice on its next reply.
+    assert!(!al.exists(b"held").unwrap());
+    assert_eq!(a.owned_keys(), 1);
+}
+
+/// Resets every connection that sends a request while armed.
+struct ResetWhileArmed {
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FaultPlan for ResetWhileArmed {
+    fn on_request(&mut self, _req: &RequestInfo) -> RequestFault {
+        if self.armed.load(Ordering::Relaxed) {
+            RequestFault::Reset
+        } else {
+            RequestFault::Deliver
+        }
+    }
+}
+
+#[test]
+fn an_instance_that_expired_while_disconnected_gets_its_regions_revoked() {
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let plan = ResetWhileArmed {
+        armed: Arc::clone(&armed),
+    };
+    // Grace 300 ms: an instance unreachable for longer is gone.
+    let server = Server::start_with_faults(server_config("faults-expiry"), Box::new(plan)).unwrap();
+    let a = Client::connect(client_config(&server)).unwrap();
+    let al = a.layout(PAGE, FINGERPRINT).unwrap();
+    al.put(b"kept", &chunk(1, 100)).unwrap();
+    let mut lease = al.alloc().unwrap();
+    lease.write(b"before").unwrap();
+
+    armed.store(true, Ordering::Relaxed);
+    // Every request and reattach is reset for a second: the instance
+    // expires meanwhile (its key keeps its region alive for readers).
+    let waiter = {
+        let armed = Arc::clone(&armed);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            armed.store(false, Ordering::Relaxed);
+        })
+    };
+    assert!(al.exists(b"kept").unwrap(), "answered after the reattach");
+    waiter.join().unwrap();
+
+    let stats = a.stats();
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    assert_eq!(stats.regions_refused, 1, "the expired instance's region");
+    assert_eq!(a.owned_keys(), 0, "its keys are no longer this instance's");
+    assert!(matches!(
+        lease.write(b"after"),
+        Err(cxlkv::client::ClientError::RegionRevoked { .. })
+    ));
+    drop(lease);
+    // The client goes on with new regions; the orphaned key stays readable.
+    assert_eq!(
+        al.put(b"new", &chunk(2, 100)).unwrap(),
+        RegisterOutcome::Inserted
+    );
+    let b = Client::connect(client_config(&server)).unwrap();
+    let bl = b.layout(PAGE, FINGERPRINT).unwrap();
+    assert_eq!(&bl.get(b"kept").unwrap().unwrap()[..], &chunk(1, 100)[..]);
 }

@@ -224,7 +224,7 @@ fn role_victim() {
     layout.batch_put(&items).unwrap();
     let mut leases = layout.batch_alloc(5).unwrap();
     for lease in &mut leases {
-        lease.bytes_mut()[..100].fill(0xAB);
+        lease.bytes_mut().unwrap()[..100].fill(0xAB);
     }
     let own = layout.batch_get(&[key(0), key(1), key(2)]).unwrap();
     let parents = layout.batch_get(&[b"parent-0", b"parent-1"]).unwrap();
@@ -340,20 +340,6 @@ fn live_clients_reregister_their_keys_after_a_server_restart() {
 
     server.shutdown().unwrap();
     let server = Server::start(cfg).unwrap();
-    let recovered = server.directory_stats().unwrap();
-    if recovered.per_instance.iter().all(|i| !i.awaiting_reattach) {
-        eprintln!(
-            "SKIPPED: this server build does not keep regions across a restart \
-             (its pool manager has no journal), so no instance can be resumed"
-        );
-        owner.kill();
-        drop(layout);
-        drop(local);
-        server.shutdown().unwrap();
-        let _ = std::fs::remove_file(pool_path);
-        return;
-    }
-
     let all: Vec<Vec<u8>> = (0..5)
         .map(key)
         .chain((0..OWNER_KEYS).map(|i| key(1000 + i)))

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use cxlkv::server::{Server, ServerConfig};
-use cxlkv_controlplane::proto::{DeleteOutcome, ErrorCode, RegisterOutcome, UnpinOutcome};
+use cxlkv_controlplane::proto::{self, DeleteOutcome, ErrorCode, RegisterOutcome, UnpinOutcome};
 
 #[test]
 fn a_client_runs_the_key_lifecycle_over_the_unix_socket() {
@@ -64,6 +64,36 @@ fn a_client_runs_the_key_lifecycle_over_the_unix_socket() {
         vec![UnpinOutcome::Unpinned, UnpinOutcome::NotPinned]
     );
     c.heartbeat().unwrap();
+
+    let stats: proto::StatsReply = c
+        .call(&proto::Stats {
+            meta: c.ro(),
+            sections: proto::sections::ALL,
+            max_rows: 16,
+        })
+        .unwrap();
+    assert_eq!(stats.totals.keys, 1, "k1 is left");
+    assert_eq!(stats.totals.sessions, 1);
+    assert_eq!(stats.totals.regions, 1);
+    assert_eq!(stats.outcomes.inserted, 2);
+    assert_eq!(stats.outcomes.delete_pinned, 1);
+    assert_eq!(stats.instances.len(), 1);
+    assert_eq!(stats.instances[0].instance_id, "inst-a");
+    assert_eq!(stats.sessions.len(), 1);
+    assert_eq!(stats.sessions[0].pid, std::process::id());
+    assert_eq!(stats.regions.len(), 1);
+    assert_eq!(stats.regions[0].region, region);
+    assert_eq!(stats.regions[0].keys, 1);
+    let lookups = stats
+        .ops
+        .iter()
+        .find(|o| o.kind == proto::Kind::Lookup.as_u16())
+        .unwrap();
+    assert_eq!((lookups.requests, lookups.items), (1, 2));
+    assert_eq!(
+        lookups.latency.count, 1,
+        "the server records each call's latency"
+    );
 
     let other = Raw::connect_unix(server.socket_path());
     expect_code(other.heartbeat(), ErrorCode::HelloRequired);

@@ -10,7 +10,12 @@
 pub mod alloc;
 pub mod copy;
 pub mod directory_memory;
+mod forked_server;
+pub mod pool;
 pub mod rtt;
+mod rtt_get;
+pub mod server;
+pub mod share;
 pub mod store;
 pub mod tier;
 

@@ -70,7 +70,7 @@ impl Handler for EchoHandler {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Unix,
     Tcp,
 }
@@ -84,7 +84,7 @@ struct Case {
 }
 
 /// A forked child process, killed and reaped on drop.
-struct Child(libc::pid_t);
+pub(super) struct Child(libc::pid_t);
 
 impl Drop for Child {
     fn drop(&mut self) {
@@ -97,7 +97,7 @@ impl Drop for Child {
 }
 
 /// Runs `body` in a forked child that never returns into the bench.
-fn fork_child(body: impl FnOnce()) -> anyhow::Result<Child> {
+pub(super) fn fork_child(body: impl FnOnce()) -> anyhow::Result<Child> {
     // SAFETY: the bench is single-threaded here (client threads are joined
     // before every fork), so the child's only thread is a copy of this one
     // and no lock can be held by a thread that does not exist in it.
@@ -250,7 +250,11 @@ fn raw_echo_loop(fd: BorrowedFd<'_>) {
     }
 }
 
-fn raw_latencies(kind: Kind, n: usize, gap: Option<Duration>) -> anyhow::Result<Vec<f64>> {
+pub(super) fn raw_latencies(
+    kind: Kind,
+    n: usize,
+    gap: Option<Duration>,
+) -> anyhow::Result<Vec<f64>> {
     let (_child, sock) = raw_echo_server(kind)?;
     let req = vec![0xA5u8; REQUEST_WIRE_BYTES];
     let mut rep = vec![0u8; REPLY_WIRE_BYTES];
@@ -434,6 +438,7 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     for c in &latency {
         latency_case(args, r, c)?;
     }
+    super::rtt_get::run(args, r)?;
     throughput_case(
         args,
         r,

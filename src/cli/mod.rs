@@ -9,6 +9,9 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bench::Reporter;
 
+pub mod pool;
+pub mod serve;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "cxlkv",
@@ -24,6 +27,12 @@ struct Cli {
 enum Command {
     /// Run one benchmark scenario (bench contract: DESIGN §7).
     Bench(BenchArgs),
+    /// Run the pool manager as a standalone daemon (several directories
+    /// sharing one device).
+    Pool(pool::PoolArgs),
+    /// Run the directory server with its embedded pool manager (with no
+    /// arguments: the default pool under /dev/shm, the default socket).
+    Serve(serve::ServeArgs),
 }
 
 /// Flags shared by every bench scenario.
@@ -48,14 +57,28 @@ pub struct BenchArgs {
     /// A CI-sized run: fewer and smaller cases, seconds not minutes.
     #[arg(long)]
     pub quick: bool,
+    /// `bench pool`: directory in which the journals are kept (default
+    /// `/dev/shm`); one on a real disk includes the cost of `fdatasync`.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
 }
 
 /// Entry point of the `cxlkv` binary.
 pub fn main() -> ExitCode {
-    init_tracing();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Bench(args) => run_bench(&args),
+        Command::Bench(args) => {
+            init_tracing("warn");
+            run_bench(&args)
+        }
+        Command::Pool(args) => {
+            init_tracing("info");
+            pool::run(&args)
+        }
+        Command::Serve(args) => {
+            init_tracing("info");
+            serve::run(&args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -66,12 +89,15 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_tracing() {
+/// Logs to stderr, filtered by `CXLKV_LOG` (default: `default_level`).
+fn init_tracing(default_level: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("CXLKV_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let filter =
+        EnvFilter::try_from_env("CXLKV_LOG").unwrap_or_else(|_| EnvFilter::new(default_level));
     // Logs go to stderr so that `--json` output on stdout stays machine-readable.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
 }
@@ -105,9 +131,29 @@ const SCENARIOS: &[Scenario] = &[
         crate::bench::store::run,
     ),
     (
+        "share",
+        "a second process reads 16 x 4 MiB chunks in place vs over loopback TCP (warm, cold)",
+        crate::bench::share::run,
+    ),
+    (
+        "exists",
+        "Exists through the real server (Unix socket, 100-byte keys) vs a raw socket exchange of the same sizes (batch=1, 64, 512)",
+        crate::bench::server::run_exists,
+    ),
+    (
+        "lookup",
+        "Lookup with one pin per key through the real server vs a raw socket exchange of the same sizes (batch=1, 64, 512)",
+        crate::bench::server::run_lookup,
+    ),
+    (
         "directory-memory",
         "directory state machine: resident bytes per key (1 M keys) and ns per key",
         crate::bench::directory_memory::run,
+    ),
+    (
+        "pool",
+        "alloc+free through a cxlkv pool daemon vs the pool state machine in process",
+        crate::bench::pool::run,
     ),
     (
         "tier",

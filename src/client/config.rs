@@ -243,21 +243,18 @@ mod tests {
     fn defaults_are_valid_and_each_bad_value_names_its_field() {
         let ok = ClientConfig::unix("/tmp/x.sock");
         ok.validate().unwrap();
-        let cases: Vec<(&str, Box<dyn Fn(&mut ClientConfig)>)> = vec![
-            ("instance_id", Box::new(|c| c.instance_id = "x".repeat(200))),
-            ("request_timeout_ms", Box::new(|c| c.request_timeout_ms = 0)),
-            ("max_retries", Box::new(|c| c.max_retries = 1000)),
-            ("unpin_delay_us", Box::new(|c| c.unpin_delay_us = 5000)),
-            ("max_peer_mappings", Box::new(|c| c.max_peer_mappings = 0)),
-            ("quota_bytes", Box::new(|c| c.quota_bytes = Some(0))),
-            (
-                "reconnect_backoff_min_ms",
-                Box::new(|c| c.reconnect_backoff_min_ms = 5_000),
-            ),
-            (
-                "client_secret",
-                Box::new(|c| c.client_secret = Some(vec![0; 300])),
-            ),
+        type Tweak = fn(&mut ClientConfig);
+        let cases: Vec<(&str, Tweak)> = vec![
+            ("instance_id", |c| c.instance_id = "x".repeat(200)),
+            ("request_timeout_ms", |c| c.request_timeout_ms = 0),
+            ("max_retries", |c| c.max_retries = 1000),
+            ("unpin_delay_us", |c| c.unpin_delay_us = 5000),
+            ("max_peer_mappings", |c| c.max_peer_mappings = 0),
+            ("quota_bytes", |c| c.quota_bytes = Some(0)),
+            ("reconnect_backoff_min_ms", |c| {
+                c.reconnect_backoff_min_ms = 5_000
+            }),
+            ("client_secret", |c| c.client_secret = Some(vec![0; 300])),
         ];
         for (field, tweak) in cases {
             let mut c = ClientConfig::unix("/tmp/x.sock");

@@ -78,6 +78,10 @@ pub enum ClientError {
     Map(#[from] MapError),
     #[error(transparent)]
     Allocator(#[from] AllocatorError),
+    #[error(
+        "region {region} is no longer this instance's (refused at reattach): its leases cannot write"
+    )]
+    RegionRevoked { region: RegionId },
     #[error("region {region}: the client holds the maximum number of regions")]
     RegionTableFull { region: RegionId },
 

@@ -40,9 +40,12 @@ pub(crate) struct IndexedKey {
     pub location: Location,
 }
 
+/// One shard: `(region, page)` → the key registered there.
+type Shard = Mutex<HashMap<(u64, u32), Entry>>;
+
 #[derive(Debug)]
 pub(crate) struct KeyIndex {
-    shards: Box<[Mutex<HashMap<(u64, u32), Entry>>]>,
+    shards: Box<[Shard]>,
 }
 
 impl Default for KeyIndex {
@@ -54,7 +57,7 @@ impl Default for KeyIndex {
 }
 
 impl KeyIndex {
-    fn shard(&self, region: u64, page: u32) -> &Mutex<HashMap<(u64, u32), Entry>> {
+    fn shard(&self, region: u64, page: u32) -> &Shard {
         let h = region
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .wrapping_add(u64::from(page));

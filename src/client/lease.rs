@@ -84,7 +84,19 @@ impl PageLease {
     }
 
     /// The whole page, writable. Marks the lease as needing publication.
-    pub fn bytes_mut(&mut self) -> PageViewMut<'_> {
+    /// Fails if the region was taken back from this instance (it was refused
+    /// at a reattach, e.g. after the instance expired while disconnected).
+    pub fn bytes_mut(&mut self) -> Result<PageViewMut<'_>, ClientError> {
+        // Acquire: pairs with the Release that revokes the region.
+        if self
+            .region
+            .revoked
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Err(ClientError::RegionRevoked {
+                region: self.region.desc.region_id(),
+            });
+        }
         self.needs_publish = true;
         let page_size = self.page_size_bytes();
         // SAFETY: this lease holds the allocator's exclusive grant of
@@ -96,7 +108,7 @@ impl PageLease {
                 .mapping
                 .page_mut(page_size, self.page, page_size)
         };
-        view.expect("invariant: the allocator only hands out pages inside its region")
+        Ok(view.expect("invariant: the allocator only hands out pages inside its region"))
     }
 
     /// Copies `src` to the start of the page with the fastest routine and
@@ -112,7 +124,7 @@ impl PageLease {
         }
         let touched_before = self.needs_publish;
         let path = {
-            let mut view = self.bytes_mut();
+            let mut view = self.bytes_mut()?;
             copy::copy_in(&mut view[..src.len()], src)
         };
         self.len_bytes = src.len();

@@ -139,7 +139,6 @@ impl LayoutHandle {
             location.len_bytes as usize,
         )?;
         visibility::acquire(mode, view.as_bytes());
-        drop(view);
         Ok(ReadGuard::new(
             Arc::clone(shared),
             mapping,

@@ -44,12 +44,7 @@ pub(crate) fn run(shared: Arc<Shared>) {
         if shared.closing.load(Ordering::Acquire) {
             return;
         }
-        if shared.unpins.has_pending() {
-            std::thread::sleep(Duration::from_micros(u64::from(shared.cfg.unpin_delay_us)));
-            if let Err(e) = shared.flush_unpins() {
-                tracing::debug!(error = %e, "deferred unpin flush failed");
-            }
-        }
+        flush_deferred_unpins(&shared);
         if heartbeat_due(&shared) {
             heartbeat(&shared);
         }
@@ -57,6 +52,29 @@ pub(crate) fn run(shared: Arc<Shared>) {
         if now.saturating_sub(last_tick_ms) >= TICK.as_millis() as u64 {
             last_tick_ms = now;
             housekeeping(&shared, &mut returning, now);
+        }
+    }
+}
+
+/// Sends the queued unpins `unpin_delay_us` after the first was queued (any
+/// request of the client may have sent them meanwhile), then disarms the
+/// timer; pushes that raced the disarm are flushed by another round.
+fn flush_deferred_unpins(shared: &Shared) {
+    // Bounded: each round waits the delay; a client dropping guards faster
+    // than that keeps this thread flushing, as it should.
+    for _ in 0..1000 {
+        if !shared.unpins.has_pending() {
+            // AcqRel: see `Shared::release_pin`.
+            shared.unpin_timer_armed.swap(false, Ordering::AcqRel);
+            if !shared.unpins.has_pending() {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_micros(u64::from(shared.cfg.unpin_delay_us)));
+        if let Err(e) = shared.flush_unpins() {
+            tracing::debug!(error = %e, "deferred unpin flush failed");
+            shared.unpin_timer_armed.store(false, Ordering::Release);
+            return;
         }
     }
 }
@@ -155,6 +173,12 @@ fn pick_idle_regions(
 /// A region taken out for return is unreachable now: give it back if it is
 /// still entirely free and no lease holds it, else put it back.
 fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Arc<OwnedRegion>) {
+    // Acquire: pairs with the Release that revokes a refused region (it is
+    // no longer ours to return or to put back).
+    if region.revoked.load(Ordering::Acquire) {
+        shared.retired.push(Arc::clone(&region.mapping));
+        return;
+    }
     let untouched =
         Arc::strong_count(&region) == 1 && region.alloc.free_pages() == region.alloc.page_count();
     if untouched {

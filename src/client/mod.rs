@@ -87,6 +87,15 @@ pub use stats::ClientStats;
 
 use shared::Shared;
 
+// Many threads share one client; views and leases move between threads.
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Client>();
+    assert_send_sync::<LayoutHandle>();
+    assert_send_sync::<ReadGuard>();
+    assert_send_sync::<PageLease>();
+};
+
 /// A connection to the cxlkv directory and the pools it serves. Cheap to
 /// clone (clones share everything); the session ends when the last clone
 /// and the last [`LayoutHandle`] are dropped, or on [`Client::close`].

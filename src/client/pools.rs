@@ -188,6 +188,8 @@ fn file_kind(fd: &OwnedFd) -> BackingKind {
         return BackingKind::OtherFile;
     }
     // SAFETY: fstatfs returned 0, so it initialised `st`.
+    // `f_type`'s integer type differs between architectures.
+    #[allow(clippy::unnecessary_cast)]
     let magic = unsafe { st.assume_init() }.f_type as i64;
     match magic {
         TMPFS_MAGIC => BackingKind::Tmpfs,

@@ -124,14 +124,17 @@ impl Drop for ReadGuard {
     }
 }
 
+/// Pin counts by `(layout index, key)`.
+pub(crate) type PinCounts = HashMap<(u32, Box<[u8]>), u32>;
+
 /// Pins held by live guards, per `(layout, key)`.
 #[derive(Debug, Default)]
 pub(crate) struct LivePins {
-    map: Mutex<HashMap<(u32, Box<[u8]>), u32>>,
+    map: Mutex<PinCounts>,
 }
 
 impl LivePins {
-    pub fn lock(&self) -> MutexGuard<'_, HashMap<(u32, Box<[u8]>), u32>> {
+    pub fn lock(&self) -> MutexGuard<'_, PinCounts> {
         self.map.lock()
     }
 
@@ -145,7 +148,7 @@ impl LivePins {
 
     /// Counts one pin fewer; false if none was counted (the pins were lost
     /// with a session and could not be taken again).
-    pub fn remove(map: &mut HashMap<(u32, Box<[u8]>), u32>, layout_ix: u32, key: &[u8]) -> bool {
+    pub fn remove(map: &mut PinCounts, layout_ix: u32, key: &[u8]) -> bool {
         let k = (layout_ix, Box::<[u8]>::from(key));
         match map.get_mut(&k) {
             Some(n) if *n > 1 => {

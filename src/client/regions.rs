@@ -16,7 +16,7 @@
 //! never while a view exists.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cxlkv_controlplane::proto::{Layout, RegionDesc, RegionToken};
 use cxlkv_dataplane::alloc::PageAllocator;
@@ -45,6 +45,10 @@ pub(crate) struct OwnedRegion {
     /// Milliseconds (client clock) since which every page has been free;
     /// 0 while some page is in use. Maintenance-thread only.
     pub idle_since_ms: AtomicU64,
+    /// The directory no longer confirms this region as ours (refused at a
+    /// reattach, e.g. after the instance expired): leases still holding a
+    /// page of it must not write any more.
+    pub revoked: AtomicBool,
 }
 
 /// A peer's region, mapped for reading.
@@ -109,6 +113,7 @@ pub(crate) fn map_owned(
         visibility: pool.visibility,
         initial,
         idle_since_ms: AtomicU64::new(0),
+        revoked: AtomicBool::new(false),
     })
 }
 

@@ -45,6 +45,10 @@ pub(crate) enum Fail {
     Definite(ClientError),
     /// It may have taken effect; the answer is lost.
     Indeterminate(ClientError),
+    /// Its sequence number was issued before a directory restart (only with
+    /// `Mode::renew_void` off): the new directory never saw it, the old one
+    /// may have applied it, and the caller decides what to send instead.
+    Void,
 }
 
 impl Fail {
@@ -52,6 +56,10 @@ impl Fail {
         match self {
             Fail::Definite(e) => e,
             Fail::Indeterminate(e) => e,
+            Fail::Void => ClientError::Indeterminate {
+                op: "request",
+                reason: "its sequence number predates a directory restart".into(),
+            },
         }
     }
 }
@@ -64,17 +72,29 @@ pub(crate) struct Mode {
     /// Reconnect (and reattach) when the connection broke. Off inside the
     /// reattach procedure itself, which holds the reconnect lock.
     pub reconnect: bool,
+    /// Send a request whose number predates a directory restart again under
+    /// a fresh number. Off for `Register`, whose pages must be checked first
+    /// (see `write.rs`): the exchange then fails with [`Fail::Void`].
+    pub renew_void: bool,
 }
 
 impl Mode {
     pub const NORMAL: Mode = Mode {
         flush_unpins: true,
         reconnect: true,
+        renew_void: true,
+    };
+    /// Registrations (see `renew_void`).
+    pub const REGISTER: Mode = Mode {
+        flush_unpins: true,
+        reconnect: true,
+        renew_void: false,
     };
     /// Requests made by the reattach procedure on its new connection.
     pub const REATTACH: Mode = Mode {
         flush_unpins: false,
         reconnect: false,
+        renew_void: true,
     };
 }
 
@@ -197,6 +217,9 @@ impl Shared {
             if let Some(t) = ticket.as_deref_mut()
                 && self.seqs.is_void(t)
             {
+                if !mode.renew_void {
+                    return Err(Fail::Void);
+                }
                 self.renew(t, timeout).map_err(Fail::Definite)?;
             }
             let unpins = if mode.flush_unpins {
@@ -362,7 +385,7 @@ impl Shared {
             })
     }
 
-    fn renew(&self, ticket: &mut SeqTicket, timeout: Duration) -> Result<(), ClientError> {
+    pub fn renew(&self, ticket: &mut SeqTicket, timeout: Duration) -> Result<(), ClientError> {
         let old = std::mem::replace(
             ticket,
             SeqTicket {

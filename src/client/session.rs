@@ -146,11 +146,13 @@ pub(crate) fn connect(
         unresolved: Default::default(),
         reregister_pending: Default::default(),
         fatal: Default::default(),
+        has_fatal: Default::default(),
         owned_bytes: Default::default(),
         usage: Default::default(),
         stats: Default::default(),
         closing: Default::default(),
         wake: Default::default(),
+        unpin_timer_armed: Default::default(),
         last_sent_ms: Default::default(),
         clock: Instant::now(),
         stamp: Default::default(),
@@ -185,7 +187,7 @@ impl Shared {
                 Ok(()) => return Ok(()),
                 Err(Attempt::Fatal(e)) => {
                     tracing::error!(error = %e, "the instance cannot be resumed");
-                    *self.fatal.lock() = Some(e.to_string());
+                    self.set_fatal(e.to_string());
                     return Err(e);
                 }
                 Err(Attempt::Retry(e)) => {

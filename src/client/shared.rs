@@ -98,12 +98,20 @@ pub(crate) struct Shared {
     /// Set when the instance can no longer be resumed (its grace expired, or
     /// the server refused it): every later call fails with this message.
     pub fatal: Mutex<Option<String>>,
+    /// `fatal` is set (read without the lock on every call: allocation must
+    /// stay lock-free).
+    pub has_fatal: AtomicBool,
     pub owned_bytes: AtomicU64,
     pub usage: UsageCell,
     pub stats: Counters,
     pub closing: AtomicBool,
     /// Wakes the maintenance thread (an unpin was queued, or close).
     pub wake: (Mutex<bool>, Condvar),
+    /// The maintenance thread has been told about queued unpins and will
+    /// flush them within `unpin_delay_us`: later pushes need not wake it
+    /// (a wake-up is a system call and a context switch on every `get`
+    /// otherwise).
+    pub unpin_timer_armed: AtomicBool,
     /// Client-clock milliseconds of the last request sent (heartbeats fill
     /// gaps).
     pub last_sent_ms: AtomicU64,
@@ -171,13 +179,23 @@ impl Shared {
         if self.closing.load(Ordering::Relaxed) {
             return Err(ClientError::Closed);
         }
-        if let Some(reason) = self.fatal.lock().as_ref() {
+        // Acquire: pairs with the Release in `set_fatal`, so the reason is
+        // there when the flag is.
+        if self.has_fatal.load(Ordering::Acquire)
+            && let Some(reason) = self.fatal.lock().as_ref()
+        {
             return Err(ClientError::ReconnectFailed {
                 elapsed_ms: 0,
                 last: reason.clone(),
             });
         }
         Ok(())
+    }
+
+    /// Records why the instance can no longer be resumed.
+    pub fn set_fatal(&self, reason: String) {
+        *self.fatal.lock() = Some(reason);
+        self.has_fatal.store(true, Ordering::Release);
     }
 
     /// Wakes the maintenance thread.
@@ -346,7 +364,10 @@ impl Shared {
         }
         let first = self.unpins.push(layout_ix, key);
         drop(pins);
-        if first {
+        // AcqRel: pairs with the maintenance thread's disarm, after which it
+        // looks at the queue again (so a push it did not flush is seen
+        // either by that look or by this wake-up).
+        if first && !self.unpin_timer_armed.swap(true, Ordering::AcqRel) {
             self.wake_maintenance();
         }
     }
@@ -357,7 +378,13 @@ impl Shared {
         for &id in ids {
             let region = RegionId(id);
             for layout in self.layouts.read().iter() {
-                if let Some(len) = layout.regions.with(region, |r| r.desc.len_bytes)
+                let len = layout.regions.with(region, |r| {
+                    // Release: a lease that sees the flag sees it before
+                    // writing (see `PageLease::bytes_mut`).
+                    r.revoked.store(true, Ordering::Release);
+                    r.desc.len_bytes
+                });
+                if let Some(len) = len
                     && layout.regions.remove(region).is_ok()
                 {
                     // Relaxed: a gauge, changed under the table's writer lock.

@@ -26,6 +26,15 @@
 //! our own location for keys that did register, and refuses a page whose
 //! registration was already deleted (`StaleGeneration`), so nothing is
 //! registered twice.
+//!
+//! **Directory restarts.** A batch in flight when the directory restarted
+//! carries a number the new directory refuses (it went to the previous
+//! incarnation). It is sent again under a fresh number — but first, pages
+//! that a freed-page notice released meanwhile are taken out (their key was
+//! registered and deleted under the old directory; the page may already be
+//! another writer's): they count as `Inserted`. The new directory has no
+//! history that could refuse them, so this check is what keeps a reused page
+//! from being registered under the old key.
 
 use std::sync::Arc;
 
@@ -44,13 +53,24 @@ use super::shared::Shared;
 /// are kept allocated for the client's lifetime (never freed: safe) and
 /// counted.
 const MAX_UNRESOLVED: usize = 64;
+/// Most times one batch is re-sent because a directory restart voided its
+/// sequence number (each restart voids it once).
+const MAX_VOID_RESENDS: usize = 8;
+
+/// One entry of a registration in flight: its index in the caller's batch.
+#[derive(Debug)]
+struct Entry {
+    index: usize,
+    key: Vec<u8>,
+    lease: PageLease,
+}
 
 /// A registration whose outcome is unknown (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Unresolved {
     ticket: SeqTicket,
     layout: Arc<LayoutState>,
-    entries: Vec<(Vec<u8>, PageLease)>,
+    entries: Vec<Entry>,
 }
 
 impl LayoutHandle {
@@ -81,7 +101,8 @@ impl LayoutHandle {
             });
         }
         let max_key = (limits.max_key_bytes as usize).min(proto::MAX_KEY_BYTES);
-        let mut owned = Vec::with_capacity(entries.len());
+        let n = entries.len();
+        let mut pending = Vec::with_capacity(n);
         for (index, (key, mut lease)) in entries.into_iter().enumerate() {
             let key = key.as_ref();
             if key.is_empty() || key.len() > max_key {
@@ -102,30 +123,39 @@ impl LayoutHandle {
                 });
             }
             lease.publish();
-            owned.push((key.to_vec(), lease));
+            pending.push(Entry {
+                index,
+                key: key.to_vec(),
+                lease,
+            });
         }
         let mut ticket = shared.ticket().map_err(Fail::into_error)?;
-        match shared.send_register(&self.state, &mut ticket, &owned) {
-            Ok(outcomes) => {
+        let mut out = vec![None; n];
+        match shared.register_until_answered(&self.state, &mut ticket, &mut pending, &mut out) {
+            Ok(()) => {
                 shared.seqs.release(ticket);
-                Ok(shared.settle(&self.state, owned, outcomes))
-            }
-            Err(Fail::Definite(e)) => {
-                // Nothing was registered: the leases drop, freeing the pages.
-                shared.seqs.release(ticket);
-                Err(e)
+                Ok(out
+                    .into_iter()
+                    .map(|o| o.expect("invariant: every entry is settled"))
+                    .collect())
             }
             Err(Fail::Indeterminate(e)) => {
                 let reason = e.to_string();
                 shared.park(Unresolved {
                     ticket,
                     layout: Arc::clone(&self.state),
-                    entries: owned,
+                    entries: pending,
                 });
                 Err(ClientError::Indeterminate {
                     op: "register",
                     reason,
                 })
+            }
+            Err(other) => {
+                // Refused as a whole: nothing was registered; the leases
+                // drop, freeing their pages.
+                shared.seqs.release(ticket);
+                Err(other.into_error())
             }
         }
     }
@@ -162,29 +192,82 @@ impl LayoutHandle {
 }
 
 impl Shared {
+    /// Sends `entries` until the directory answers, settling each entry's
+    /// outcome into `out[entry.index]` and draining `entries`. A number voided
+    /// by a directory restart is replaced after dropping the entries whose
+    /// page a notice freed meanwhile: they were registered (and deleted)
+    /// under the old directory, so they count as `Inserted`, and their page
+    /// may already belong to another writer.
+    fn register_until_answered(
+        &self,
+        layout: &LayoutState,
+        ticket: &mut SeqTicket,
+        entries: &mut Vec<Entry>,
+        out: &mut [Option<RegisterOutcome>],
+    ) -> Result<(), Fail> {
+        for _ in 0..MAX_VOID_RESENDS {
+            match self.send_register(layout, ticket, entries) {
+                Ok(outcomes) => {
+                    for (entry, outcome) in std::mem::take(entries).into_iter().zip(outcomes) {
+                        let index = entry.index;
+                        out[index] = Some(self.settle(layout, entry, outcome));
+                    }
+                    return Ok(());
+                }
+                Err(Fail::Void) => {
+                    self.drop_freed(entries, out);
+                    self.renew(ticket, self.request_timeout())
+                        .map_err(Fail::Definite)?;
+                    if entries.is_empty() {
+                        return Ok(());
+                    }
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Err(Fail::Indeterminate(ClientError::Indeterminate {
+            op: "register",
+            reason: format!("its number was voided by {MAX_VOID_RESENDS} directory restarts"),
+        }))
+    }
+
+    /// Takes out the entries whose page a freed-page notice released: their
+    /// key was registered and deleted already. The page is not ours to free
+    /// again (the lease is consumed, not dropped).
+    fn drop_freed(&self, entries: &mut Vec<Entry>, out: &mut [Option<RegisterOutcome>]) {
+        let (kept, freed): (Vec<Entry>, Vec<Entry>) = std::mem::take(entries)
+            .into_iter()
+            .partition(|e| e.lease.still_allocated());
+        for e in freed {
+            out[e.index] = Some(RegisterOutcome::Inserted);
+            e.lease.consume();
+        }
+        *entries = kept;
+    }
+
     /// One `Register` exchange for `entries` under `ticket`; the outcomes in
     /// order.
     fn send_register(
         &self,
         layout: &LayoutState,
         ticket: &mut SeqTicket,
-        entries: &[(Vec<u8>, PageLease)],
+        entries: &[Entry],
     ) -> Result<Vec<RegisterOutcome>, Fail> {
         let mut msg = Register {
             meta: Default::default(),
             layout: layout.layout,
             entries: entries
                 .iter()
-                .map(|(key, lease)| RegisterEntry {
-                    key: key.clone(),
-                    location: lease.location(),
+                .map(|e| RegisterEntry {
+                    key: e.key.clone(),
+                    location: e.lease.location(),
                 })
                 .collect(),
         };
         let n = entries.len();
         self.exchange::<_, RegisterReply, _>(
             "register",
-            Mode::NORMAL,
+            Mode::REGISTER,
             Some(ticket),
             &mut msg,
             |reply| {
@@ -209,41 +292,36 @@ impl Shared {
         })
     }
 
-    /// Applies a batch's outcomes: inserted pages are recorded in the key
-    /// index and kept; the others go back to the allocator.
+    /// Applies one entry's outcome: an inserted page is recorded in the key
+    /// index and kept; any other goes back to the allocator.
     fn settle(
         &self,
         layout: &LayoutState,
-        entries: Vec<(Vec<u8>, PageLease)>,
-        outcomes: Vec<RegisterOutcome>,
-    ) -> Vec<RegisterOutcome> {
-        entries
-            .into_iter()
-            .zip(outcomes)
-            .map(|((key, lease), outcome)| {
-                let own = lease.location();
-                match outcome {
-                    RegisterOutcome::Inserted => {
-                        self.keep(layout, &key, lease);
-                        RegisterOutcome::Inserted
-                    }
-                    RegisterOutcome::Duplicate(winner) if same_page(&winner, &own) => {
-                        self.keep(layout, &key, lease);
-                        RegisterOutcome::Inserted
-                    }
-                    RegisterOutcome::Duplicate(winner) => {
-                        self.stats.bump(&self.stats.duplicates);
-                        drop(lease);
-                        RegisterOutcome::Duplicate(winner)
-                    }
-                    RegisterOutcome::Rejected(reason) => {
-                        self.stats.bump(&self.stats.rejections);
-                        drop(lease);
-                        RegisterOutcome::Rejected(reason)
-                    }
-                }
-            })
-            .collect()
+        entry: Entry,
+        outcome: RegisterOutcome,
+    ) -> RegisterOutcome {
+        let Entry { key, lease, .. } = entry;
+        let own = lease.location();
+        match outcome {
+            RegisterOutcome::Inserted => {
+                self.keep(layout, &key, lease);
+                RegisterOutcome::Inserted
+            }
+            RegisterOutcome::Duplicate(winner) if same_page(&winner, &own) => {
+                self.keep(layout, &key, lease);
+                RegisterOutcome::Inserted
+            }
+            RegisterOutcome::Duplicate(winner) => {
+                self.stats.bump(&self.stats.duplicates);
+                drop(lease);
+                RegisterOutcome::Duplicate(winner)
+            }
+            RegisterOutcome::Rejected(reason) => {
+                self.stats.bump(&self.stats.rejections);
+                drop(lease);
+                RegisterOutcome::Rejected(reason)
+            }
+        }
     }
 
     /// The key owns the page now: record it unless a notice already freed
@@ -268,8 +346,8 @@ impl Shared {
             ticket, entries, ..
         } = batch;
         self.seqs.release(ticket);
-        for (_, lease) in entries {
-            lease.consume();
+        for e in entries {
+            e.lease.consume();
         }
     }
 
@@ -278,27 +356,35 @@ impl Shared {
     pub fn resolve_unresolved(&self) {
         let parked = std::mem::take(&mut *self.unresolved.lock());
         for mut batch in parked {
-            // A page freed by a notice was registered and deleted already:
-            // it must not be registered again, and it is free.
-            batch.entries.retain(|(_, lease)| lease.still_allocated());
-            if batch.entries.is_empty() {
-                self.seqs.release(batch.ticket);
-                continue;
-            }
-            let mut result = self.send_register(&batch.layout, &mut batch.ticket, &batch.entries);
+            // Nobody waits for these outcomes: only the pages matter.
+            let mut out: Vec<Option<RegisterOutcome>> =
+                vec![None; batch.entries.iter().map(|e| e.index + 1).max().unwrap_or(0)];
+            // A page freed by a notice was registered and deleted already.
+            self.drop_freed(&mut batch.entries, &mut out);
+            let mut result = self.register_until_answered(
+                &batch.layout,
+                &mut batch.ticket,
+                &mut batch.entries,
+                &mut out,
+            );
             if let Err(Fail::Indeterminate(ClientError::Server { code, .. })) = &result
                 && matches!(
                     ErrorCode::from_u16(*code),
                     Some(ErrorCode::SequenceTooOld | ErrorCode::ReplyEvicted)
                 )
             {
-                // The number is spent; send the batch as a new request.
-                match self.ticket() {
-                    Ok(fresh) => {
-                        let old = std::mem::replace(&mut batch.ticket, fresh);
-                        self.seqs.release(old);
-                        result =
-                            self.send_register(&batch.layout, &mut batch.ticket, &batch.entries);
+                // The number ran, but its answer is gone: send the batch as a
+                // new request. The directory answers `Duplicate` with our own
+                // location for keys that did register, and refuses pages
+                // registered and deleted since (`StaleGeneration`).
+                match self.renew(&mut batch.ticket, self.request_timeout()) {
+                    Ok(()) => {
+                        result = self.register_until_answered(
+                            &batch.layout,
+                            &mut batch.ticket,
+                            &mut batch.entries,
+                            &mut out,
+                        );
                     }
                     Err(_) => {
                         self.unresolved.lock().push(batch);
@@ -307,20 +393,13 @@ impl Shared {
                 }
             }
             match result {
-                Ok(outcomes) => {
-                    let Unresolved {
-                        ticket,
-                        layout,
-                        entries,
-                    } = batch;
-                    self.seqs.release(ticket);
-                    self.settle(&layout, entries, outcomes);
-                }
-                Err(Fail::Definite(_)) => {
-                    // Refused as a whole: nothing registered, pages free.
+                Ok(()) => self.seqs.release(batch.ticket),
+                Err(Fail::Indeterminate(_)) => self.unresolved.lock().push(batch),
+                Err(_) => {
+                    // Refused as a whole: nothing registered; the leases
+                    // drop, freeing their pages.
                     self.seqs.release(batch.ticket);
                 }
-                Err(Fail::Indeterminate(_)) => self.unresolved.lock().push(batch),
             }
         }
     }

@@ -15,7 +15,7 @@
 //! (`Directory::session_closed`); the directory ending a session (lease
 //! expiry, admin) closes its connection.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::mpsc::SyncSender;
@@ -38,7 +38,9 @@ use cxlkv_controlplane::transport::{
 use cxlkv_dataplane::ids::RegionId;
 use parking_lot::Mutex;
 
-use super::pool::{PoolReply, PoolRequest, PoolService, PoolServiceError, dup_fds};
+use cxlkv_controlplane::pool::service::{PoolReply, PoolRequest, PoolService, PoolServiceError};
+
+use super::pool::{dup_fds, worth_retrying};
 use super::wire;
 
 /// Pool-manager answers and control requests, posted from other threads for
@@ -93,6 +95,16 @@ pub(crate) enum Control {
 struct Conn {
     peer: PeerInfo,
     session: Option<ConnSession>,
+    /// For the stats' session table.
+    info: Option<SessionInfo>,
+}
+
+#[derive(Debug)]
+struct SessionInfo {
+    instance: String,
+    opened: Instant,
+    last_request: Instant,
+    requests: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -140,6 +152,8 @@ pub(crate) struct HandlerParts {
     pub default_region_bytes: u64,
     pub tick_every: Duration,
     pub server_uid: u32,
+    /// The regions `Directory::recover` started from.
+    pub recovered_regions: Vec<RegionId>,
 }
 
 pub(crate) struct DirectoryHandler {
@@ -161,6 +175,9 @@ pub(crate) struct DirectoryHandler {
     conns: HashMap<ConnId, Conn>,
     sessions: HashMap<SessionId, ConnId>,
     pending: HashMap<DeferredId, PendingReply>,
+    /// Every region the directory holds (for the stats' region table):
+    /// added when granted, confirmed or recovered, removed when freed.
+    regions: BTreeSet<RegionId>,
     free_retries: Vec<FreeRetry>,
     /// Frees submitted and not answered yet (shutdown waits for them).
     frees_in_flight: usize,
@@ -215,11 +232,12 @@ impl DirectoryHandler {
             conns: HashMap::new(),
             sessions: HashMap::new(),
             pending: HashMap::new(),
+            regions: p.recovered_regions.into_iter().collect(),
             free_retries: Vec::new(),
             frees_in_flight: 0,
             tick_every: p.tick_every,
             next_tick: now + p.tick_every,
-            next_pool_stats: now,
+            next_pool_stats: now + POOL_STATS_EVERY,
             anon_instances: 0,
             shutdown_closed: 0,
             buf: Vec::with_capacity(64 << 10),
@@ -464,9 +482,22 @@ impl DirectoryHandler {
         }
     }
 
-    fn open_session(&mut self, conn: ConnId, id: SessionId, quota_bytes: Option<u64>) {
+    fn open_session(
+        &mut self,
+        conn: ConnId,
+        id: SessionId,
+        quota_bytes: Option<u64>,
+        instance: &str,
+    ) {
         if let Some(c) = self.conns.get_mut(&conn) {
             c.session = Some(ConnSession { id, quota_bytes });
+            let now = Instant::now();
+            c.info = Some(SessionInfo {
+                instance: instance.to_owned(),
+                opened: now,
+                last_request: now,
+                requests: 1,
+            });
         }
         self.sessions.insert(id, conn);
     }
@@ -500,7 +531,7 @@ impl DirectoryHandler {
             Ok(w) => w,
             Err(e) => return self.refuse_opening(conn, request_id, &e, secret.is_some(), out),
         };
-        self.open_session(conn, w.session, w.quota_bytes);
+        self.open_session(conn, w.session, w.quota_bytes, &name);
         let fds = self.fds_for(conn);
         let meta = wire::reply_meta(&[], &w.usage, w.quota_bytes);
         let mut welcome =
@@ -552,12 +583,15 @@ impl DirectoryHandler {
             Ok(a) => a,
             Err(e) => return self.refuse_opening(conn, request_id, &e, secret.is_some(), out),
         };
-        self.open_session(conn, a.session, a.quota_bytes);
+        self.open_session(conn, a.session, a.quota_bytes, r.instance_id.as_str());
         let mut accepted = Vec::new();
         let mut refused = Vec::new();
         for (p, status) in presented.iter().zip(&a.regions) {
             match status {
-                dir::RegionStatus::Confirmed => accepted.push(p.handle.region.0),
+                dir::RegionStatus::Confirmed => {
+                    accepted.push(p.handle.region.0);
+                    self.regions.insert(p.handle.region);
+                }
                 _ => refused.push(RefusedRegion {
                     region: p.handle.region.0,
                     code: ErrorCode::NotOwner.as_u16(),
@@ -775,15 +809,15 @@ impl DirectoryHandler {
                 self.send(out, conn, request_id, &reply);
             }),
             AnyRequest::EndSession(e) => self.end_session(conn, request_id, &caller, &s, e, out),
-            AnyRequest::Stats(_) => {
-                let e = ErrorReply::new(
-                    ErrorCode::UnknownKind,
-                    "Stats is not served by this server build yet",
-                    0,
+            AnyRequest::Stats(q) => self.dir.heartbeat(&caller, now).map(|r| {
+                let meta = self.meta(&s, &r.notices, &r.usage);
+                let reply = self.stats_reply(
+                    meta,
+                    q.sections.to_native(),
+                    q.max_rows.to_native() as usize,
                 );
-                self.send_error(out, conn, request_id, &e);
-                Ok(())
-            }
+                self.send(out, conn, request_id, &reply);
+            }),
             AnyRequest::Hello(_)
             | AnyRequest::Reattach(_)
             | AnyRequest::PoolHello(_)
@@ -839,6 +873,218 @@ impl DirectoryHandler {
         Ok(())
     }
 
+    /// The wire form of the directory's statistics, plus what only the
+    /// server knows (sessions, regions).
+    fn stats_reply(
+        &mut self,
+        meta: ReplyMeta,
+        sections: u32,
+        max_rows: usize,
+    ) -> proto::StatsReply {
+        use proto::sections as sec;
+        let now = self.now();
+        let st = self.dir.stats(now);
+        let mut truncated = false;
+        let mut cap = |len: usize| {
+            truncated |= len > max_rows;
+            len.min(max_rows)
+        };
+        let o = &st.outcomes;
+        let e = &st.evictions;
+        let totals = proto::DirectoryTotals {
+            keys: st.keys,
+            used_bytes: st.page_bytes,
+            value_bytes: st.value_bytes,
+            key_bytes: st.key_bytes,
+            owned_bytes: st.region_bytes,
+            regions: st.regions,
+            deferred_regions: st.orphaned_regions,
+            pending_region_requests: st.pending_region_requests,
+            pins: st.pins,
+            pinned_keys: st.pinned_keys,
+            instances_live: st.per_instance.iter().filter(|i| i.sessions > 0).count() as u64,
+            instances_absent: st.per_instance.iter().filter(|i| i.sessions == 0).count() as u64,
+            sessions: st.sessions,
+            notices_pending: st
+                .per_instance
+                .iter()
+                .map(|i| i.notices_pending as u64)
+                .sum(),
+            layouts: st.layouts,
+            long_held_pins: st.long_held_pins.count,
+            evictions_orphan: e.orphan_keys,
+            evictions_lru: e.lru_keys,
+            evictions_lru_skipped: e.lru_skipped,
+            sessions_expired: o.sessions_expired,
+            sessions_closed: o.sessions_closed,
+            sessions_ended: o.sessions_ended_by_admin,
+            instances_gone: o.instances_gone,
+            regions_granted: o.regions_granted,
+            regions_returned: o.regions_returned,
+            regions_freed: o.regions_freed,
+            regions_deferred: o.regions_deferred,
+            notices_issued: o.notices_issued,
+        };
+        let outcomes = proto::OutcomeTotals {
+            inserted: o.inserted,
+            duplicate: o.duplicate,
+            rejected: o.rejected,
+            stale_generation: o.stale_generation,
+            lookup_hits: o.lookup_hits,
+            lookup_misses: o.lookup_misses,
+            exists_hits: o.exists_hits,
+            exists_misses: o.exists_misses,
+            pins_taken: o.pins_taken,
+            unpinned: o.unpinned,
+            not_pinned: o.not_pinned,
+            deleted: o.deleted,
+            delete_pinned: o.delete_pinned,
+            delete_missing: o.delete_missing,
+            retries_answered: o.retries_answered,
+            sequence_too_old: o.sequence_too_old,
+            replies_evicted: o.replies_evicted,
+        };
+        let ops = st
+            .ops
+            .iter()
+            .map(|op| proto::OpStats {
+                kind: kind_of(op.op).as_u16(),
+                requests: op.counters.calls,
+                items: op.counters.keys,
+                errors: op.counters.errors,
+                latency: proto::LatencySummary {
+                    count: op.latency.count,
+                    p50_ns: op.latency.p50_ns,
+                    p99_ns: op.latency.p99_ns,
+                    max_ns: op.latency.max_ns,
+                },
+            })
+            .collect();
+        let pools = st
+            .per_pool
+            .iter()
+            .take(proto::MAX_POOLS)
+            .map(|p| proto::PoolRow {
+                pool: p.pool.0,
+                size_bytes: p.reported_total_bytes,
+                free_bytes: p.estimated_free_bytes,
+                regions: p.regions,
+                region_bytes: p.region_bytes,
+                orphaned_regions: p.orphaned_regions,
+                keys: p.keys,
+                used_bytes: p.used_bytes,
+            })
+            .collect();
+        let mut instances = Vec::new();
+        if sections & sec::INSTANCES != 0 {
+            let n = cap(st.per_instance.len());
+            instances = st.per_instance[..n]
+                .iter()
+                .map(|i| proto::InstanceRow {
+                    instance_id: i.instance.as_str().to_owned(),
+                    sessions: i.sessions.min(u32::MAX as usize) as u32,
+                    awaiting_reattach: i.awaiting_reattach,
+                    regions: i.regions.min(u32::MAX as usize) as u32,
+                    owned_bytes: i.owned_bytes,
+                    pending_region_bytes: i.pending_region_bytes,
+                    used_bytes: i.used_bytes,
+                    quota_bytes: i.quota_bytes.unwrap_or(0),
+                    keys: i.keys,
+                    pins: i.pins_held,
+                    notices_pending: i.notices_pending.min(u32::MAX as usize) as u32,
+                    cached_replies: i.cached_replies.min(u32::MAX as usize) as u32,
+                    cached_reply_bytes: i.cached_reply_bytes as u64,
+                })
+                .collect();
+        }
+        let mut sessions = Vec::new();
+        if sections & sec::SESSIONS != 0 {
+            let clock = Instant::now();
+            let mut rows: Vec<proto::SessionRow> = self
+                .conns
+                .values()
+                .filter_map(|c| {
+                    let s = c.session?;
+                    let info = c.info.as_ref()?;
+                    let (transport, pid, uid) = match &c.peer {
+                        PeerInfo::Unix(cred) => (
+                            proto::Transport::Unix,
+                            u32::try_from(cred.pid).unwrap_or(0),
+                            cred.uid,
+                        ),
+                        _ => (proto::Transport::Tcp, 0, 0),
+                    };
+                    Some(proto::SessionRow {
+                        session_id: s.id.0,
+                        instance_id: info.instance.clone(),
+                        transport,
+                        pid,
+                        uid,
+                        age_ms: clock.saturating_duration_since(info.opened).as_millis() as u64,
+                        idle_ms: clock
+                            .saturating_duration_since(info.last_request)
+                            .as_millis() as u64,
+                        requests: info.requests,
+                    })
+                })
+                .collect();
+            rows.sort_by_key(|r| r.session_id);
+            let n = cap(rows.len());
+            rows.truncate(n);
+            sessions = rows;
+        }
+        let mut regions = Vec::new();
+        if sections & sec::REGIONS != 0 {
+            let n = cap(self.regions.len());
+            regions = self
+                .regions
+                .iter()
+                .take(n)
+                .filter_map(|&id| self.dir.inspect_region(id))
+                .map(|r| proto::RegionRow {
+                    region: r.descriptor.region.0,
+                    pool: r.descriptor.pool.0,
+                    layout: wire::wire_layout(r.layout),
+                    len_bytes: r.descriptor.len_bytes,
+                    owner_instance: r.owner_label.as_str().to_owned(),
+                    owner_present: r.owner.is_some(),
+                    keys: u64::from(r.keys),
+                    used_bytes: u64::from(r.keys) * r.descriptor.page_size_bytes,
+                    deferred: r.owner.is_none(),
+                })
+                .collect();
+        }
+        let mut long_pins = Vec::new();
+        if sections & sec::LONG_PINS != 0 {
+            let n = cap(st.long_held_pins.oldest.len());
+            long_pins = st.long_held_pins.oldest[..n]
+                .iter()
+                .map(|p| proto::LongPinRow {
+                    session_id: p.session.0,
+                    instance_id: p.instance.as_str().to_owned(),
+                    pins: p.pins,
+                    held_ms: p.held_for.as_millis() as u64,
+                })
+                .collect();
+        }
+        proto::StatsReply {
+            meta,
+            directory_id: self.directory_id.clone(),
+            directory_epoch: st.directory_epoch,
+            uptime_ms: self.origin.elapsed().as_millis() as u64,
+            totals,
+            outcomes,
+            ops,
+            pools,
+            instances,
+            sessions,
+            regions,
+            long_pins,
+            long_pin_threshold_ms: st.long_held_pins.threshold.as_millis() as u64,
+            truncated,
+        }
+    }
+
     fn granted(
         &self,
         s: &ConnSession,
@@ -886,7 +1132,10 @@ impl DirectoryHandler {
                         }),
                     );
                 }
-                Effect::FreeRegion { handle, owner } => self.submit_free(handle, owner, 0),
+                Effect::FreeRegion { handle, owner } => {
+                    self.regions.remove(&handle.region);
+                    self.submit_free(handle, owner, 0);
+                }
                 Effect::SessionEnded { session, reason } => {
                     if reason == SessionEndReason::ConnectionClosed {
                         continue;
@@ -963,7 +1212,7 @@ impl DirectoryHandler {
                     self.frees_in_flight -= 1;
                     match result {
                         Ok(()) => tracing::debug!(region = %handle.region, "region freed"),
-                        Err(e) if e.is_transient() => {
+                        Err(e) if worth_retrying(&e) => {
                             let backoff = FREE_RETRY_FIRST
                                 .saturating_mul(1 << attempt.min(8))
                                 .min(FREE_RETRY_MAX);
@@ -1038,6 +1287,9 @@ impl DirectoryHandler {
         failure: Option<&PoolServiceError>,
         out: Option<&mut Replies>,
     ) {
+        if let Ok(r) = &c.result {
+            self.regions.insert(r.body.handle.region);
+        }
         let Some(p) = self.pending.remove(&c.deferred) else {
             return;
         };
@@ -1074,6 +1326,24 @@ impl DirectoryHandler {
     }
 }
 
+/// The request kind an operation is counted under.
+fn kind_of(op: OpKind) -> Kind {
+    match op {
+        OpKind::Hello => Kind::Hello,
+        OpKind::Reattach => Kind::Reattach,
+        OpKind::Heartbeat => Kind::Heartbeat,
+        OpKind::Register => Kind::Register,
+        OpKind::Lookup => Kind::Lookup,
+        OpKind::Exists => Kind::Exists,
+        OpKind::Unpin => Kind::Unpin,
+        OpKind::Delete => Kind::Delete,
+        OpKind::RequestRegion => Kind::RequestRegion,
+        OpKind::ReturnRegion => Kind::ReturnRegion,
+        OpKind::Stats => Kind::Stats,
+        OpKind::EndSession => Kind::EndSession,
+    }
+}
+
 fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
     PoolServiceError::new(
         ErrorCode::Internal,
@@ -1089,6 +1359,7 @@ impl Handler for DirectoryHandler {
             Conn {
                 peer: peer.clone(),
                 session: None,
+                info: None,
             },
         );
         Admit::Accept
@@ -1126,6 +1397,10 @@ impl Handler for DirectoryHandler {
             }
         };
         let op = Self::op_of(req.kind());
+        if let Some(info) = self.conns.get_mut(&conn).and_then(|c| c.info.as_mut()) {
+            info.last_request = started;
+            info.requests += 1;
+        }
         self.dispatch(conn, request_id, req, out, started);
         if let Some(op) = op
             && op != OpKind::RequestRegion

@@ -35,7 +35,7 @@
 //! pools' UUIDs and paths instead of descriptors.
 
 mod handler;
-pub mod pool;
+mod pool;
 mod wire;
 
 use std::io;
@@ -47,25 +47,43 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use cxlkv_controlplane::directory::{
-    ConfigError, Directory, DirectoryConfig, DirectoryStats, InstanceId, RecoveredRegion,
-};
+use cxlkv_controlplane::directory::{ConfigError, Directory, DirectoryConfig, DirectoryStats};
+use cxlkv_controlplane::pool::StoreConfig;
+use cxlkv_controlplane::pool::service::{PoolCore, PoolSpec, ServiceConfig, TcpAuth};
 use cxlkv_controlplane::proto;
 use cxlkv_controlplane::transport::{self, Endpoint, TransportError};
+use cxlkv_dataplane::ids::PoolId;
 
 use handler::{Control, DirectoryHandler, Event, HandlerParts, Mailbox};
-use pool::{
-    EmbeddedPool, EmbeddedPoolError, EmbeddedPoolSpec, PoolReply, PoolRequest, PoolService,
-};
+pub use pool::PoolManagerConfig;
 
-/// Where `cxlkv serve` listens by default.
-pub const DEFAULT_SOCKET_PATH: &str = "/tmp/cxlkv.sock";
-/// The embedded default pool: a file under `/dev/shm` (RAM-backed).
-pub const DEFAULT_POOL_PATH: &str = "/dev/shm/cxlkv-pool";
+/// The embedded default pool: a file under `/dev/shm` (RAM-backed), the
+/// same one `cxlkv pool` defaults to.
+pub const DEFAULT_POOL_PATH: &str = "/dev/shm/cxlkv.pool";
 /// 2 GiB: a fraction of RAM on any machine that runs inference.
-pub const DEFAULT_POOL_SIZE_BYTES: u64 = 2 << 30;
+pub const DEFAULT_POOL_SIZE_BYTES: u64 = cxlkv_dataplane::backing::DEFAULT_POOL_SIZE_BYTES;
 /// Default region size (DESIGN §3: max(64 MiB, one page)).
 pub const DEFAULT_REGION_BYTES: u64 = 64 << 20;
+/// Name of the server's socket in its runtime directory.
+pub const SOCKET_FILE: &str = "cxlkv.sock";
+
+/// Where `cxlkv serve` listens by default (and where clients look first):
+/// `/run/cxlkv/cxlkv.sock` as root; otherwise
+/// `$XDG_RUNTIME_DIR/cxlkv/cxlkv.sock`, or `/tmp/cxlkv-<uid>/cxlkv.sock`
+/// without `XDG_RUNTIME_DIR` — the same directories as `cxlkv pool`'s
+/// socket.
+pub fn default_socket_path() -> PathBuf {
+    // SAFETY: geteuid and getuid have no preconditions and cannot fail.
+    let (euid, uid) = unsafe { (libc::geteuid(), libc::getuid()) };
+    if euid == 0 {
+        return Path::new("/run/cxlkv").join(SOCKET_FILE);
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => Path::new(&d).join("cxlkv").join(SOCKET_FILE),
+        None => PathBuf::from(format!("/tmp/cxlkv-{uid}")).join(SOCKET_FILE),
+    }
+}
+
 /// The directory's default stable identity (its owner label at the pool
 /// manager: a restarted server with the same id finds its regions).
 pub const DEFAULT_DIRECTORY_ID: &str = "cxlkv";
@@ -73,15 +91,11 @@ pub const DEFAULT_DIRECTORY_ID: &str = "cxlkv";
 /// How long shutdown waits for region frees the pool manager has not
 /// confirmed yet.
 const SHUTDOWN_FREE_WAIT: Duration = Duration::from_secs(2);
-/// How long start-up waits for the pool manager's list of regions.
-const POOL_CALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// Most pages of `ListRegions` read at start-up (16 M regions).
-const MAX_LIST_PAGES: usize = 4096;
 
 /// Everything a server needs to start. `ServerConfig::default()` is what
 /// `cxlkv serve` runs with no arguments; fields may be changed one by one
 /// (the struct is `#[non_exhaustive]`: new fields come with defaults).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ServerConfig {
     /// Unix socket to listen on. A stale socket file (nobody listening) is
@@ -98,10 +112,16 @@ pub struct ServerConfig {
     /// The directory's stable identity at the pool manager.
     pub directory_id: String,
     pub directory: DirectoryConfig,
-    /// The embedded pool file, created (or grown) to `pool_size_bytes`.
+    /// The embedded pool file, created (or grown) to `pool_size_bytes`,
+    /// when `pool_manager` is not set.
     pub pool_path: PathBuf,
     pub pool_size_bytes: u64,
-    /// Remove the pool file on shutdown (temporary servers: tests, benches).
+    /// Where the pool manager runs and what it serves. `None`: embedded,
+    /// one pool at `pool_path`, its state directory next to it
+    /// (`<pool_path>.state`), the pool service's defaults otherwise.
+    pub pool_manager: Option<PoolManagerConfig>,
+    /// Remove the embedded pool files and the pool manager's state
+    /// directory on shutdown (temporary servers: tests, benches).
     pub remove_pool_on_shutdown: bool,
     /// Region size when a client asks for "the default" (0 bytes).
     pub default_region_bytes: u64,
@@ -115,7 +135,7 @@ pub struct ServerConfig {
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
-            socket_path: PathBuf::from(DEFAULT_SOCKET_PATH),
+            socket_path: default_socket_path(),
             tcp_listen: None,
             tcp_secret: None,
             tcp_insecure_no_secret: false,
@@ -124,6 +144,7 @@ impl Default for ServerConfig {
             directory: DirectoryConfig::default(),
             pool_path: PathBuf::from(DEFAULT_POOL_PATH),
             pool_size_bytes: DEFAULT_POOL_SIZE_BYTES,
+            pool_manager: None,
             remove_pool_on_shutdown: false,
             default_region_bytes: DEFAULT_REGION_BYTES,
             tick_ms: 100,
@@ -134,8 +155,9 @@ impl Default for ServerConfig {
 
 impl ServerConfig {
     /// A private server for a test or a bench: a unique socket under the
-    /// temporary directory and a unique 256 MiB pool under `/dev/shm`, both
-    /// removed on shutdown. `tag` goes into the names (for humans).
+    /// temporary directory and a unique 256 MiB pool under `/dev/shm` (its
+    /// pool-manager state next to it, `<pool>.state`), all removed on
+    /// shutdown. `tag` goes into the names (for humans).
     pub fn ephemeral(tag: &str) -> Self {
         use std::sync::atomic::{AtomicU64, Ordering};
         static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -155,6 +177,28 @@ impl ServerConfig {
             default_region_bytes: 4 << 20,
             ..Self::default()
         }
+    }
+
+    /// The pool manager this configuration asks for: `pool_manager`, or the
+    /// embedded default over `pool_path`.
+    pub fn pool_manager_config(&self) -> PoolManagerConfig {
+        if let Some(c) = &self.pool_manager {
+            return c.clone();
+        }
+        PoolManagerConfig::Embedded(ServiceConfig {
+            pools: vec![PoolSpec {
+                path: self.pool_path.clone(),
+                create_size_bytes: Some(self.pool_size_bytes),
+                align_bytes: None,
+                visibility: None,
+            }],
+            state_dir: pool::default_state_dir(&self.pool_path),
+            store: StoreConfig::default(),
+            grace_ms: 30_000,
+            lease_ms: 10_000,
+            pass_fds: true,
+            tcp_auth: TcpAuth::Disabled,
+        })
     }
 
     /// Checks the fields the directory does not check itself.
@@ -202,6 +246,11 @@ impl ServerConfig {
         if self.tick_ms == 0 || self.tick_ms > 10_000 {
             return bad(format!("tick_ms = {} is not in 1..=10000", self.tick_ms));
         }
+        if let Some(PoolManagerConfig::Embedded(c)) = &self.pool_manager
+            && c.pools.is_empty()
+        {
+            return bad("the embedded pool manager needs at least one pool".into());
+        }
         if self.default_region_bytes == 0 {
             return bad("default_region_bytes must be positive".into());
         }
@@ -217,8 +266,6 @@ pub enum ServerError {
     Config(String),
     #[error(transparent)]
     Directory(#[from] ConfigError),
-    #[error(transparent)]
-    Pool(#[from] EmbeddedPoolError),
     #[error("the pool manager: {0}")]
     PoolService(String),
     #[error(transparent)]
@@ -245,10 +292,14 @@ pub struct ServerHandle {
     ticker: Option<(mpsc::Sender<()>, JoinHandle<()>)>,
     mailbox: Arc<Mailbox>,
     completer: transport::Completer,
+    /// The embedded pool manager, stopped (journal synced, checkpointed)
+    /// after the directory.
+    pool_core: Option<PoolCore>,
     socket_path: PathBuf,
     tcp_addr: Option<SocketAddr>,
     pool_paths: Vec<PathBuf>,
-    remove_pool: bool,
+    /// Files and directories removed after shutdown (ephemeral servers).
+    remove_after: Vec<PathBuf>,
 }
 
 /// What shutdown found.
@@ -296,31 +347,57 @@ impl Server {
         config.validate()?;
         let mut directory_cfg = config.directory.clone();
         directory_cfg.tcp_requires_secret = !config.tcp_insecure_no_secret;
-        let spec = EmbeddedPoolSpec {
-            path: config.pool_path.clone(),
-            size_bytes: config.pool_size_bytes,
-            grace_ms: directory_cfg.instance_grace.as_millis() as u64,
+        let pool_cfg = config.pool_manager_config();
+        let removable = match (&pool_cfg, config.remove_pool_on_shutdown) {
+            (PoolManagerConfig::Embedded(c), true) => c
+                .pools
+                .iter()
+                .map(|p| p.path.clone())
+                .chain([c.state_dir.clone()])
+                .collect(),
+            _ => Vec::new(),
         };
-        let (pool, session) = EmbeddedPool::open(&spec, &config.directory_id)?;
-        let remove_pool = |why: &ServerError| {
-            if config.remove_pool_on_shutdown {
-                let _ = std::fs::remove_file(&config.pool_path);
-            }
+        let cleanup = |why: &ServerError| {
+            remove_paths(&removable);
             tracing::error!(error = %why, "server start failed");
         };
         let started = (|| {
-            let recovered = list_regions(pool.as_ref())?;
-            if !recovered.is_empty() {
-                tracing::info!(
-                    regions = recovered.len(),
-                    "recovering the directory from the pool manager's regions"
-                );
-            }
+            let opened = pool::open(&pool_cfg, &config.directory_id)?;
+            let mut pool_core = opened.core;
+            let result = (|| {
+                let recovered = pool::recover(opened.service.as_ref())?;
+                if !recovered.is_empty() {
+                    tracing::info!(
+                        regions = recovered.len(),
+                        "recovering the directory from the pool manager's regions"
+                    );
+                }
+                let usage = pool::usage(opened.service.as_ref())?;
+                Ok::<_, ServerError>((recovered, usage))
+            })();
+            let (recovered, usage) = match result {
+                Ok(r) => r,
+                Err(e) => {
+                    drop(opened.service);
+                    if let Some(core) = pool_core.take()
+                        && let Err(stop) = core.shutdown()
+                    {
+                        tracing::warn!(error = %stop, "pool manager stopped with an error");
+                    }
+                    return Err(e);
+                }
+            };
+            let pool = opened.service;
+            let session = opened.session;
             let origin = Instant::now();
             let mut seed = [0u8; 32];
             cxlkv_controlplane::pool::sys::random_bytes(&mut seed).map_err(ServerError::Random)?;
-            let directory =
+            let recovered_regions = recovered.iter().map(|r| r.handle.region).collect();
+            let mut directory =
                 Directory::recover(directory_cfg.clone(), seed, dir_time(origin), recovered)?;
+            for p in usage {
+                directory.pool_usage(PoolId(p.pool), p.total_bytes, p.free_bytes);
+            }
             prepare_socket(&config.socket_path)?;
             let mut endpoints = vec![Endpoint::Unix(config.socket_path.clone())];
             if let Some(addr) = config.tcp_listen {
@@ -342,7 +419,7 @@ impl Server {
             let handler = DirectoryHandler::new(HandlerParts {
                 directory,
                 directory_id: config.directory_id.clone(),
-                pool: Arc::clone(&pool) as Arc<dyn PoolService>,
+                pool: Arc::clone(&pool),
                 pools: session.welcome.pools.clone(),
                 pool_fds: session.fds,
                 mailbox: Arc::clone(&mailbox),
@@ -354,29 +431,54 @@ impl Server {
                 tick_every: Duration::from_millis(config.tick_ms),
                 // SAFETY: geteuid has no preconditions and cannot fail.
                 server_uid: unsafe { libc::geteuid() },
+                recovered_regions,
             });
             let backend = server.backend();
             let transport = server.spawn(handler)?;
             let ticker = spawn_ticker(completer.clone(), Duration::from_millis(config.tick_ms))?;
+            let pool_paths: Vec<PathBuf> = session
+                .welcome
+                .pools
+                .iter()
+                .map(|p| PathBuf::from(&p.path))
+                .collect();
             tracing::info!(
                 socket = %config.socket_path.display(),
                 tcp = ?tcp_addr,
-                pool = %config.pool_path.display(),
+                pools = ?pool_paths,
                 %backend,
                 "server listening"
             );
+            drop(pool);
             Ok(ServerHandle {
                 transport: Some(transport),
                 ticker: Some(ticker),
                 mailbox,
                 completer,
+                pool_core,
                 socket_path: config.socket_path.clone(),
                 tcp_addr,
-                pool_paths: vec![config.pool_path.clone()],
-                remove_pool: config.remove_pool_on_shutdown,
+                pool_paths,
+                remove_after: removable.clone(),
             })
         })();
-        started.inspect_err(remove_pool)
+        started.inspect_err(cleanup)
+    }
+}
+
+/// Removes files and directory trees, logging what cannot be removed.
+fn remove_paths(paths: &[PathBuf]) {
+    for p in paths {
+        let removed = if p.is_dir() {
+            std::fs::remove_dir_all(p)
+        } else {
+            std::fs::remove_file(p)
+        };
+        match removed {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(path = %p.display(), error = %e, "cannot remove"),
+        }
     }
 }
 
@@ -386,94 +488,70 @@ fn dir_time(origin: Instant) -> cxlkv_controlplane::directory::Time {
     )
 }
 
-/// Every region the pool manager holds for this directory, as the directory
-/// recovers them.
-fn list_regions(pool: &dyn PoolService) -> Result<Vec<RecoveredRegion>, ServerError> {
-    let mut out = Vec::new();
-    let mut after_region = 0;
-    for _ in 0..MAX_LIST_PAGES {
-        let (tx, rx) = mpsc::sync_channel(1);
-        pool.submit(
-            PoolRequest::List {
-                after_region,
-                max_handles: proto::MAX_LIST_REGIONS as u32,
-            },
-            Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-        );
-        let list = match rx.recv_timeout(POOL_CALL_TIMEOUT) {
-            Ok(Ok(PoolReply::Regions(list))) => list,
-            Ok(Ok(other)) => {
-                return Err(ServerError::PoolService(format!(
-                    "unexpected answer to ListRegions: {other:?}"
-                )));
-            }
-            Ok(Err(e)) => return Err(ServerError::PoolService(e.to_string())),
-            Err(_) => {
-                return Err(ServerError::PoolService(format!(
-                    "no answer to ListRegions within {} s",
-                    POOL_CALL_TIMEOUT.as_secs()
-                )));
-            }
-        };
-        for h in &list.handles {
-            let owner = InstanceId::new(&h.owner.instance_id).map_err(|e| {
-                ServerError::PoolService(format!("region {} has owner label {e}", h.region))
-            })?;
-            out.push(RecoveredRegion {
-                handle: wire::dir_handle(h),
-                owner,
-            });
-            after_region = after_region.max(h.region);
-        }
-        if !list.more {
-            return Ok(out);
-        }
+/// Makes `path` bindable: creates its directory (0755) and removes a stale
+/// socket file (nobody answers on it: a killed server's). A socket on which
+/// a server answers, or a file that is not a socket, is refused.
+fn prepare_socket(path: &Path) -> Result<(), ServerError> {
+    use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+    let err = |source| ServerError::SocketPath {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(parent) = path.parent()
+        && !parent.as_os_str().is_empty()
+    {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(parent)
+            .map_err(err)?;
     }
-    Err(ServerError::PoolService(format!(
-        "more than {MAX_LIST_PAGES} pages of regions"
-    )))
+    let meta = match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(err(e)),
+        Ok(meta) => meta,
+    };
+    if !meta.file_type().is_socket() {
+        return Err(err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "exists and is not a socket",
+        )));
+    }
+    match UnixStream::connect(path) {
+        Ok(stream) if answers(&stream) => Err(ServerError::AlreadyRunning {
+            path: path.to_owned(),
+        }),
+        // Refused, or accepted by a listener that does not answer (a killed
+        // process's io_uring can hold its socket open for a moment): stale.
+        Ok(_) => remove_stale(path).map_err(err),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => remove_stale(path).map_err(err),
+        Err(e) => Err(err(e)),
+    }
 }
 
-/// Makes `path` bindable: a stale socket file (nobody accepts on it) is
-/// removed; a live one means another server runs there.
-fn prepare_socket(path: &Path) -> Result<(), ServerError> {
-    match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(ServerError::SocketPath {
-            path: path.to_owned(),
-            source,
-        }),
-        Ok(meta) => {
-            use std::os::unix::fs::FileTypeExt;
-            if !meta.file_type().is_socket() {
-                return Err(ServerError::SocketPath {
-                    path: path.to_owned(),
-                    source: io::Error::new(
-                        io::ErrorKind::AlreadyExists,
-                        "exists and is not a socket",
-                    ),
-                });
-            }
-            match UnixStream::connect(path) {
-                Ok(_) => Err(ServerError::AlreadyRunning {
-                    path: path.to_owned(),
-                }),
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                    tracing::info!(path = %path.display(), "removing a stale socket file");
-                    std::fs::remove_file(path).map_err(|source| ServerError::SocketPath {
-                        path: path.to_owned(),
-                        source,
-                    })
-                }
-                Err(source) => Err(ServerError::SocketPath {
-                    path: path.to_owned(),
-                    source,
-                }),
-            }
-        }
+fn remove_stale(path: &Path) -> io::Result<()> {
+    tracing::info!(path = %path.display(), "replacing a stale socket file");
+    std::fs::remove_file(path)
+}
+
+/// Whether a server answers a frame on `stream` within half a second.
+fn answers(mut stream: &UnixStream) -> bool {
+    use std::io::{Read, Write};
+    let mut frame = Vec::new();
+    let hb = proto::Heartbeat {
+        meta: proto::RequestMeta::default(),
+    };
+    if proto::encode(1, &hb, &mut frame).is_err()
+        || stream
+            .set_read_timeout(Some(Duration::from_millis(500)))
+            .is_err()
+        || stream.write_all(&frame).is_err()
+    {
+        return false;
     }
+    let mut header = [0u8; cxlkv_controlplane::frame::HEADER_BYTES];
+    stream.read_exact(&mut header).is_ok()
+        && cxlkv_controlplane::frame::FrameHeader::decode(&header).is_ok()
 }
 
 /// Wakes the loop every `every` until its sender is dropped.
@@ -512,6 +590,13 @@ impl ServerHandle {
     /// The pools' paths on this host, in pool-index order.
     pub fn pool_paths(&self) -> &[PathBuf] {
         &self.pool_paths
+    }
+
+    /// Why the embedded pool manager stopped on its own (a failed journal
+    /// write or sync: fail-stop), if it did. The server must then exit; a
+    /// restart recovers.
+    pub fn pool_failure(&self) -> Option<String> {
+        self.pool_core.as_ref().and_then(PoolCore::failure)
     }
 
     /// A snapshot of the directory's statistics (asked of the loop thread).
@@ -555,13 +640,17 @@ impl ServerHandle {
             );
         }
         drop(handler);
-        if self.remove_pool {
-            for p in &self.pool_paths {
-                if let Err(e) = std::fs::remove_file(p) {
-                    tracing::warn!(path = %p.display(), error = %e, "cannot remove the pool file");
-                }
+        if let Some(core) = self.pool_core.take() {
+            match core.shutdown() {
+                Ok(r) => tracing::info!(
+                    committed_seq = r.committed_seq,
+                    checkpointed = r.checkpointed,
+                    "pool manager stopped"
+                ),
+                Err(e) => tracing::warn!(error = %e, "pool manager stopped with an error"),
             }
         }
+        remove_paths(&self.remove_after);
         tracing::info!(sessions_closed, "server stopped");
         Ok(ShutdownReport {
             sessions_closed,

@@ -102,10 +102,10 @@ impl ChildRole {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Some(msg) = line.strip_prefix("@@") {
-                    if tx.send(msg.to_owned()).is_err() {
-                        break;
-                    }
+                if let Some(msg) = line.strip_prefix("@@")
+                    && tx.send(msg.to_owned()).is_err()
+                {
+                    break;
                 }
             }
         });

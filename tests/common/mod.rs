@@ -75,6 +75,27 @@ impl Raw {
         self.call_fds(msg).0
     }
 
+    /// Sends `msg` and waits at most `timeout`: `None` when no reply came
+    /// (dropped by a fault plan), or the connection closed.
+    pub fn try_call<M: Message, R: Message>(
+        &self,
+        msg: &M,
+        timeout: Duration,
+    ) -> Option<Answer<R>> {
+        let payload = encode_payload(msg);
+        let reply = self.rpc.call(M::KIND.as_u16(), &payload, timeout).ok()?;
+        let frame = Frame {
+            header: reply.header,
+            payload: reply.payload(),
+        };
+        Some(
+            match proto::access_reply::<R>(frame).expect("reply passes checked access") {
+                Ok(r) => Ok(proto::deserialize::<R>(r).expect("deserializes")),
+                Err(e) => Err(proto::deserialize::<ErrorReply>(e).expect("deserializes")),
+            },
+        )
+    }
+
     /// A read-only request's meta.
     pub fn ro(&self) -> RequestMeta {
         RequestMeta {
@@ -201,4 +222,79 @@ pub fn expect_code<R: std::fmt::Debug>(a: Answer<R>, code: ErrorCode) -> ErrorRe
         }
         Ok(r) => panic!("expected {code}, got {r:?}"),
     }
+}
+
+/// The directory's state, without the counters and latencies that every
+/// request (even a refused one) moves, and without the pool manager's fill
+/// reports (they arrive on their own schedule): equal before and after a
+/// request means the request changed nothing.
+pub fn state_of(s: &cxlkv_controlplane::directory::DirectoryStats) -> String {
+    format!(
+        "keys={} page={} value={} key_bytes={} pins={} pinned={} sessions={} instances={} \
+         regions={} region_bytes={} orphaned={} pending={} layouts={} per_instance={:?} per_pool={:?}",
+        s.keys,
+        s.page_bytes,
+        s.value_bytes,
+        s.key_bytes,
+        s.pins,
+        s.pinned_keys,
+        s.sessions,
+        s.instances,
+        s.regions,
+        s.region_bytes,
+        s.orphaned_regions,
+        s.pending_region_requests,
+        s.layouts,
+        s.per_instance,
+        s.per_pool
+            .iter()
+            .map(|p| (
+                p.pool,
+                p.regions,
+                p.region_bytes,
+                p.orphaned_regions,
+                p.keys,
+                p.used_bytes
+            ))
+            .collect::<Vec<_>>()
+    )
+}
+
+/// Polls `cond` every 10 ms until it holds or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A session with one region: (client, region id).
+pub fn session_with_region(server: &cxlkv::server::ServerHandle, instance: &str) -> (Raw, u64) {
+    let mut c = Raw::connect_unix(server.socket_path());
+    c.hello(instance).0.expect("welcome");
+    let region = c.request_region(0).expect("a region").desc.region;
+    (c, region)
+}
+
+/// The transport backends every server test runs on: the default (io_uring
+/// where the kernel allows it) and the epoll fallback.
+pub fn backends() -> [cxlkv_controlplane::transport::BackendChoice; 2] {
+    use cxlkv_controlplane::transport::BackendChoice;
+    [BackendChoice::Auto, BackendChoice::Fallback]
+}
+
+/// An ephemeral server configuration on `backend`.
+pub fn config_on(
+    tag: &str,
+    backend: cxlkv_controlplane::transport::BackendChoice,
+) -> cxlkv::server::ServerConfig {
+    let mut cfg = cxlkv::server::ServerConfig::ephemeral(tag);
+    cfg.io.backend = backend;
+    cfg
 }

@@ -949,6 +949,41 @@ impl PoolManager {
         self.ledger.pool_by_uuid(uuid)
     }
 
+    /// A live region, if `id` names one.
+    pub fn region(&self, id: RegionId) -> Option<RegionRecord> {
+        self.ledger.region(id).copied()
+    }
+
+    /// The live regions of `directory` with ids above `after`, by increasing
+    /// id (for listing a directory's regions one page at a time).
+    pub fn regions_of(
+        &self,
+        directory: DirectoryId,
+        after: RegionId,
+    ) -> impl Iterator<Item = RegionRecord> + '_ {
+        let from = RegionId(after.0.saturating_add(1));
+        self.directories
+            .get(&directory)
+            .into_iter()
+            .flat_map(move |entry| entry.regions.range(from..))
+            .map(|id| {
+                *self
+                    .ledger
+                    .region(*id)
+                    .expect("a directory lists only live regions")
+            })
+    }
+
+    /// The handle (with its token) that was issued for a live region.
+    pub fn handle_of(&self, region: &RegionRecord) -> Handle {
+        self.handle_for(region)
+    }
+
+    /// Every live region, by increasing id (statistics by owner).
+    pub fn regions(&self) -> impl Iterator<Item = &RegionRecord> + '_ {
+        self.ledger.regions()
+    }
+
     pub fn pool(&self, pool: PoolId) -> Option<PoolInfo> {
         self.ledger.pool(pool).copied()
     }

@@ -25,6 +25,7 @@
 //! | [`fence`] | `flock` on the state directory and the pool file | files |
 //! | [`liveness`] | local directory processes via `/proc/<pid>/stat` | `/proc` |
 //! | [`sys`] | `getrandom`, directory `fsync`, `flock` | syscalls |
+//! | [`service`] | the driver: core thread (commit, release, timers), pools and leases, wire handler, in-process and remote sessions ([`service::PoolService`]) | files, sockets, mappings |
 //!
 //! A driver (the service, or a test) runs the loop:
 //!
@@ -55,6 +56,7 @@ pub mod ledger;
 pub mod liveness;
 pub mod manager;
 pub mod record;
+pub mod service;
 pub mod store;
 pub mod sys;
 pub mod token;

@@ -125,8 +125,6 @@ pub const MAX_LIST_REGIONS: usize = 4096;
 pub const MAX_POOL_OWNERS: usize = 64;
 /// Most rows in each optional stats table.
 pub const MAX_STATS_ROWS: usize = 2048;
-/// Bytes of a key shown in the long-pin stats table.
-pub const STATS_KEY_PREFIX_BYTES: usize = 32;
 /// Page sizes are multiples of this.
 pub const PAGE_QUANTUM_BYTES: u64 = 4096;
 /// Largest page size (chunk lengths are `u32`).
@@ -223,6 +221,7 @@ assert_archived_align!(
     LatencySummary,
     OpStats,
     DirectoryTotals,
+    OutcomeTotals,
     PoolRow,
     InstanceRow,
     Transport,

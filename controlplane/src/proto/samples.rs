@@ -320,11 +320,8 @@ pub fn stats() -> Stats {
 pub fn stats_reply() -> StatsReply {
     let latency = LatencySummary {
         count: 1000,
-        mean_ns: 9_000,
         p50_ns: 8_000,
-        p90_ns: 12_000,
         p99_ns: 20_000,
-        p999_ns: 40_000,
         max_ns: 90_000,
     };
     StatsReply {
@@ -339,32 +336,42 @@ pub fn stats_reply() -> StatsReply {
             instances_live: 1,
             ..Default::default()
         },
+        outcomes: OutcomeTotals {
+            inserted: 10,
+            lookup_hits: 16_000,
+            ..Default::default()
+        },
         ops: vec![OpStats {
             kind: Kind::Lookup.as_u16(),
             requests: 1000,
             items: 16_000,
             errors: 1,
-            replayed: 2,
             latency,
         }],
         pools: vec![PoolRow {
             pool: 0,
             size_bytes: 2 << 30,
             free_bytes: 1 << 30,
-            largest_free_bytes: 1 << 30,
             regions: 4,
+            region_bytes: 256 << 20,
+            orphaned_regions: 0,
+            keys: 3,
+            used_bytes: 6 << 20,
         }],
         instances: vec![InstanceRow {
             instance_id: "vllm-0".into(),
-            client_name: "vllm-worker-0".into(),
-            present: true,
             sessions: 1,
+            awaiting_reattach: false,
             regions: 2,
             owned_bytes: 128 << 20,
+            pending_region_bytes: 0,
             used_bytes: 6 << 20,
             quota_bytes: 0,
             keys: 3,
             pins: 2,
+            notices_pending: 1,
+            cached_replies: 4,
+            cached_reply_bytes: 512,
         }],
         sessions: vec![SessionRow {
             session_id: 42,
@@ -374,7 +381,6 @@ pub fn stats_reply() -> StatsReply {
             uid: 1000,
             age_ms: 60_000,
             idle_ms: 5,
-            pins: 2,
             requests: 1001,
         }],
         regions: vec![RegionRow {
@@ -391,9 +397,6 @@ pub fn stats_reply() -> StatsReply {
         long_pins: vec![LongPinRow {
             session_id: 42,
             instance_id: "vllm-0".into(),
-            layout: LAYOUT,
-            key_prefix: b"model-a/chunk/0".to_vec(),
-            key_len_bytes: 15,
             pins: 1,
             held_ms: 120_000,
         }],

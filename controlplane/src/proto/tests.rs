@@ -960,15 +960,6 @@ fn strings_and_secrets_over_their_limits_are_refused() {
         MAX_PATH_BYTES as u64,
         "MAX_PATH_BYTES",
     );
-    let mut reply = samples::stats_reply();
-    reply.long_pins[0].key_prefix = vec![0; STATS_KEY_PREFIX_BYTES + 1];
-    let e = rejection(&reply);
-    assert_reply(
-        &e,
-        ErrorCode::InvalidArgument,
-        STATS_KEY_PREFIX_BYTES as u64,
-        "STATS_KEY_PREFIX_BYTES",
-    );
     let e = rejection(&ErrorReply {
         code: 1,
         message: long(MAX_MESSAGE_BYTES + 1),
@@ -1387,7 +1378,6 @@ fn the_largest_legal_batch_of_every_kind_fits_in_one_frame() {
     let sample = samples::stats_reply();
     let instance = InstanceRow {
         instance_id: max_name(),
-        client_name: max_name(),
         ..sample.instances[0].clone()
     };
     let session = SessionRow {
@@ -1400,7 +1390,6 @@ fn the_largest_legal_batch_of_every_kind_fits_in_one_frame() {
     };
     let long_pin = LongPinRow {
         instance_id: max_name(),
-        key_prefix: vec![0; STATS_KEY_PREFIX_BYTES],
         ..sample.long_pins[0].clone()
     };
     fits(&StatsReply {

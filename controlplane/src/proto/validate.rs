@@ -578,7 +578,6 @@ impl Validate for ArchivedStatsReply {
         )?;
         for row in self.instances.iter() {
             check_name(kind, "instances.instance_id", &row.instance_id)?;
-            check_name(kind, "instances.client_name", &row.client_name)?;
         }
         for row in self.sessions.iter() {
             check_name(kind, "sessions.instance_id", &row.instance_id)?;
@@ -588,13 +587,6 @@ impl Validate for ArchivedStatsReply {
         }
         for row in self.long_pins.iter() {
             check_name(kind, "long_pins.instance_id", &row.instance_id)?;
-            check_bytes(
-                kind,
-                "long_pins.key_prefix",
-                row.key_prefix.len(),
-                "STATS_KEY_PREFIX_BYTES",
-                STATS_KEY_PREFIX_BYTES,
-            )?;
         }
         Ok(())
     }

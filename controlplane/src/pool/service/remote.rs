@@ -1,0 +1,621 @@
+//! [`RemotePool`]: the [`PoolService`] of a directory whose pool manager is
+//! a `cxlkv pool` daemon, over one pipelined [`RpcClient`] connection.
+//!
+//! One driver thread owns the connection. It takes submitted requests (up
+//! to `max_inflight` at once), sends them pipelined, and waits for the
+//! replies in submission order (the daemon releases them in that order) —
+//! requests submitted while it waits are sent with the next batch, which is
+//! what lets the daemon's group commit share one `fdatasync` among them.
+//!
+//! **Retries (exactly-once).** Mutating requests carry a `seq` taken at
+//! submission from a counter that starts at the welcome's `last_seq + 1`.
+//! A request whose reply is lost — a deadline passes, or the connection
+//! breaks — is resent with the **same** `seq` (the daemon's reply cache, or
+//! after a daemon restart its allocation tags, answer it exactly once),
+//! until `retry_window_ms` after its submission; `Busy` is retried the same
+//! way. Then it fails with `Timeout`.
+//!
+//! **Reconnect.** When the connection breaks, the driver reconnects (a pause
+//! of `reconnect_backoff_ms` between attempts), sends `PoolHello` again and
+//! then `ReattachRegions` with every region this session holds — those it
+//! allocated or reattached and has not freed — so a restarted daemon does
+//! not reclaim them after its grace period; then it resends the requests in
+//! flight, in `seq` order. Descriptors from the first welcome stay valid
+//! across daemon restarts (they are open descriptions of the same pool
+//! files); those of later welcomes are dropped.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::wire::encode_payload;
+use super::{PoolCallback, PoolReply, PoolRequest, PoolService, PoolServiceError, PoolSession};
+use crate::frame::Frame;
+use crate::proto::{
+    self, AllocRegion, ErrorCode, FreeRegion, ListRegions, MAX_REATTACH_REGIONS, Message,
+    OwnerLabel, PROTOCOL_MAX, PROTOCOL_MIN, PoolHello, PoolStats, PoolStatsReply, PoolWelcome,
+    ProtoError, ReattachRegions, RegionAllocated, RegionFreed, RegionHandle, RegionList,
+    RegionsReattached, RequestMeta,
+};
+use crate::transport::{ClientConfig, ClientError, Endpoint, PendingCall, RpcClient};
+
+/// How to reach the daemon and how hard to try.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    pub endpoint: Endpoint,
+    /// This directory's stable name (`PoolHello.directory_id`).
+    pub directory_id: String,
+    /// The pool secret, for TCP listeners that require it.
+    pub secret: Option<Vec<u8>>,
+    pub client: ClientConfig,
+    /// Deadline of one attempt of one request.
+    pub request_timeout_ms: u64,
+    /// How long after its submission a request is retried before it fails
+    /// with `Timeout`.
+    pub retry_window_ms: u64,
+    /// Pause between reconnection attempts (and `Busy` retries).
+    pub reconnect_backoff_ms: u64,
+    /// Requests submitted and not answered; more are answered `Busy` at once.
+    pub max_queued: usize,
+    /// Requests on the wire at once.
+    pub max_inflight: usize,
+}
+
+impl RemoteConfig {
+    pub fn new(endpoint: Endpoint, directory_id: impl Into<String>) -> Self {
+        Self {
+            endpoint,
+            directory_id: directory_id.into(),
+            secret: None,
+            client: ClientConfig::default(),
+            request_timeout_ms: 10_000,
+            retry_window_ms: 60_000,
+            reconnect_backoff_ms: 200,
+            max_queued: 4096,
+            max_inflight: 128,
+        }
+    }
+}
+
+struct Submission {
+    seq: u64,
+    request: PoolRequest,
+    done: PoolCallback,
+    submitted: Instant,
+}
+
+struct Shared {
+    welcome: Mutex<PoolWelcome>,
+    closing: AtomicBool,
+}
+
+/// The remote [`PoolService`] (see the module essay).
+pub struct RemotePool {
+    tx: Option<mpsc::SyncSender<Submission>>,
+    next_seq: Mutex<u64>,
+    shared: Arc<Shared>,
+    join: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for RemotePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemotePool").finish_non_exhaustive()
+    }
+}
+
+fn client_error(e: &ClientError) -> PoolServiceError {
+    let code = match e {
+        ClientError::Timeout { .. } => ErrorCode::Timeout,
+        ClientError::TooManyInFlight { .. } => ErrorCode::Busy,
+        _ => ErrorCode::Internal,
+    };
+    PoolServiceError::new(code, format!("pool manager unreachable: {e}"), 0)
+}
+
+/// A session opened on `client`: the welcome and its descriptors.
+fn hello(client: &RpcClient, cfg: &RemoteConfig) -> Result<PoolSession, PoolServiceError> {
+    let msg = PoolHello {
+        meta: RequestMeta::default(),
+        protocol_min: PROTOCOL_MIN,
+        protocol_max: PROTOCOL_MAX,
+        directory_id: cfg.directory_id.clone(),
+        secret: cfg.secret.clone(),
+    };
+    let mut scratch = Vec::new();
+    let payload = encode_payload(&msg, &mut scratch)
+        .map_err(|e| PoolServiceError::from(e.to_reply()))?
+        .to_vec();
+    let timeout = Duration::from_millis(cfg.request_timeout_ms);
+    let mut reply = client
+        .call(PoolHello::KIND.as_u16(), &payload, timeout)
+        .map_err(|e| client_error(&e))?;
+    let welcome: PoolWelcome = decode(&reply)?;
+    let fds = std::mem::take(&mut reply.fds);
+    if fds.len() != welcome.fds_passed as usize {
+        return Err(PoolServiceError::new(
+            ErrorCode::Malformed,
+            format!(
+                "the welcome announced {} descriptors, {} arrived",
+                welcome.fds_passed,
+                fds.len()
+            ),
+            0,
+        ));
+    }
+    Ok(PoolSession { welcome, fds })
+}
+
+/// The expected reply `M`, or the daemon's error.
+fn decode<M: Message>(reply: &crate::transport::Reply) -> Result<M, PoolServiceError> {
+    let frame = Frame {
+        header: reply.header,
+        payload: reply.payload(),
+    };
+    let to_err = |e: ProtoError| {
+        PoolServiceError::new(
+            ErrorCode::Malformed,
+            format!("bad reply from the pool manager: {e}"),
+            0,
+        )
+    };
+    match proto::access_reply::<M>(frame).map_err(to_err)? {
+        Ok(archived) => proto::deserialize::<M>(archived).map_err(to_err),
+        Err(e) => Err(PoolServiceError {
+            code: e.code(),
+            message: e.message().to_owned(),
+            limit: e.limit(),
+        }),
+    }
+}
+
+impl RemotePool {
+    /// Connects, says `PoolHello`, and starts the driver. Fails if the daemon
+    /// is unreachable now (later outages are ridden out, see the essay).
+    pub fn connect(cfg: RemoteConfig) -> Result<(Self, PoolSession), PoolServiceError> {
+        if cfg.max_inflight == 0 || cfg.max_queued == 0 {
+            return Err(PoolServiceError::new(
+                ErrorCode::InvalidArgument,
+                "max_inflight and max_queued must be positive",
+                0,
+            ));
+        }
+        let client =
+            RpcClient::connect(&cfg.endpoint, cfg.client.clone()).map_err(|e| client_error(&e))?;
+        let session = hello(&client, &cfg)?;
+        let shared = Arc::new(Shared {
+            welcome: Mutex::new(session.welcome.clone()),
+            closing: AtomicBool::new(false),
+        });
+        let (tx, rx) = mpsc::sync_channel(cfg.max_queued);
+        let next_seq = session.welcome.last_seq + 1;
+        let driver = Driver {
+            client: Some(client),
+            cfg,
+            rx,
+            flights: VecDeque::new(),
+            held: BTreeMap::new(),
+            shared: Arc::clone(&shared),
+            scratch: Vec::new(),
+        };
+        let join = std::thread::Builder::new()
+            .name("cxlkv-pool-client".into())
+            .spawn(move || driver.run())
+            .map_err(|e| {
+                PoolServiceError::new(
+                    ErrorCode::Internal,
+                    format!("cannot start a thread: {e}"),
+                    0,
+                )
+            })?;
+        Ok((
+            Self {
+                tx: Some(tx),
+                next_seq: Mutex::new(next_seq),
+                shared,
+                join: Some(join),
+            },
+            session,
+        ))
+    }
+}
+
+impl PoolService for RemotePool {
+    fn submit(&self, request: PoolRequest, done: PoolCallback) {
+        let Some(tx) = &self.tx else {
+            done(Err(PoolServiceError::new(
+                ErrorCode::SessionEnded,
+                "the pool session is closed",
+                0,
+            )));
+            return;
+        };
+        let mut next = self.next_seq.lock();
+        let mutating = request.is_mutating();
+        let sub = Submission {
+            seq: if mutating { *next } else { 0 },
+            request,
+            done,
+            submitted: Instant::now(),
+        };
+        match tx.try_send(sub) {
+            Ok(()) => {
+                if mutating {
+                    *next += 1;
+                }
+            }
+            Err(mpsc::TrySendError::Full(sub)) => {
+                drop(next);
+                (sub.done)(Err(PoolServiceError::new(
+                    ErrorCode::Busy,
+                    "too many pool requests queued in this process",
+                    0,
+                )));
+            }
+            Err(mpsc::TrySendError::Disconnected(sub)) => {
+                drop(next);
+                (sub.done)(Err(PoolServiceError::new(
+                    ErrorCode::SessionEnded,
+                    "the pool session's driver has stopped",
+                    0,
+                )));
+            }
+        }
+    }
+
+    fn welcome(&self) -> PoolWelcome {
+        self.shared.welcome.lock().clone()
+    }
+}
+
+impl Drop for RemotePool {
+    /// Fails what is still queued (`SessionEnded`) and stops the driver; may
+    /// wait for one request attempt in flight (`request_timeout_ms`).
+    fn drop(&mut self) {
+        // Release/Acquire: nothing else is published with the flag; the
+        // dropped sender tells the driver the same thing through the channel.
+        self.shared.closing.store(true, Ordering::Release);
+        self.tx = None;
+        if let Some(join) = self.join.take()
+            && join.join().is_err()
+        {
+            tracing::error!("the pool client driver panicked");
+        }
+    }
+}
+
+struct Flight {
+    sub: Submission,
+    kind: u16,
+    payload: Vec<u8>,
+    call: Option<PendingCall>,
+    /// Do not resend before this (after `Busy`).
+    not_before: Option<Instant>,
+}
+
+struct Driver {
+    cfg: RemoteConfig,
+    client: Option<RpcClient>,
+    rx: mpsc::Receiver<Submission>,
+    flights: VecDeque<Flight>,
+    /// Regions this session holds: re-presented after a reconnect.
+    held: BTreeMap<u64, RegionHandle>,
+    shared: Arc<Shared>,
+    scratch: Vec<u8>,
+}
+
+/// What became of a flight's attempt.
+enum Outcome {
+    Done(Result<PoolReply, PoolServiceError>),
+    Resend { after_busy: bool },
+    Broken,
+}
+
+impl Driver {
+    fn run(mut self) {
+        let mut open = true;
+        loop {
+            if self.shared.closing.load(Ordering::Acquire) {
+                self.fail_all("the pool session was closed");
+                return;
+            }
+            if self.flights.is_empty() {
+                if !open {
+                    return;
+                }
+                match self.rx.recv() {
+                    Ok(sub) => self.push(sub),
+                    Err(_) => return,
+                }
+            }
+            while open && self.flights.len() < self.cfg.max_inflight {
+                match self.rx.try_recv() {
+                    Ok(sub) => self.push(sub),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            self.expire();
+            if self.flights.is_empty() {
+                continue;
+            }
+            if self.client.as_ref().is_none_or(RpcClient::is_closed) && !self.reconnect() {
+                continue;
+            }
+            if !self.send_unsent() {
+                self.client = None;
+                continue;
+            }
+            self.wait_front();
+        }
+    }
+
+    fn push(&mut self, sub: Submission) {
+        let meta = RequestMeta {
+            seq: sub.seq,
+            ..RequestMeta::default()
+        };
+        let dir = self.cfg.directory_id.clone();
+        let encoded = match &sub.request {
+            PoolRequest::Alloc {
+                pool,
+                len_bytes,
+                instance_id,
+            } => self.encode(&AllocRegion {
+                meta,
+                pool: *pool,
+                len_bytes: *len_bytes,
+                owner: OwnerLabel {
+                    directory_id: dir,
+                    instance_id: instance_id.clone(),
+                },
+            }),
+            PoolRequest::Free { region, token } => self.encode(&FreeRegion {
+                meta,
+                region: *region,
+                token: *token,
+            }),
+            PoolRequest::Reattach { handles } => self.encode(&ReattachRegions {
+                meta,
+                handles: handles.clone(),
+            }),
+            PoolRequest::List {
+                after_region,
+                max_handles,
+            } => self.encode(&ListRegions {
+                meta,
+                after_region: *after_region,
+                max_handles: *max_handles,
+            }),
+            PoolRequest::Stats => self.encode(&PoolStats { meta }),
+        };
+        match encoded {
+            Ok((kind, payload)) => self.flights.push_back(Flight {
+                sub,
+                kind,
+                payload,
+                call: None,
+                not_before: None,
+            }),
+            Err(e) => (sub.done)(Err(e)),
+        }
+    }
+
+    fn encode<M: Message>(&mut self, msg: &M) -> Result<(u16, Vec<u8>), PoolServiceError> {
+        let payload = encode_payload(msg, &mut self.scratch)
+            .map_err(|e| PoolServiceError::from(e.to_reply()))?;
+        Ok((M::KIND.as_u16(), payload.to_vec()))
+    }
+
+    /// Fails the flights whose retry window has passed.
+    fn expire(&mut self) {
+        let window = Duration::from_millis(self.cfg.retry_window_ms);
+        let now = Instant::now();
+        let mut keep = VecDeque::with_capacity(self.flights.len());
+        for f in self.flights.drain(..) {
+            if f.call.is_none() && now >= f.sub.submitted + window {
+                (f.sub.done)(Err(PoolServiceError::new(
+                    ErrorCode::Timeout,
+                    format!(
+                        "no answer from the pool manager within {} ms (retried)",
+                        self.cfg.retry_window_ms
+                    ),
+                    self.cfg.retry_window_ms,
+                )));
+            } else {
+                keep.push_back(f);
+            }
+        }
+        self.flights = keep;
+    }
+
+    fn fail_all(&mut self, why: &str) {
+        let err = || PoolServiceError::new(ErrorCode::SessionEnded, why, 0);
+        for f in self.flights.drain(..) {
+            (f.sub.done)(Err(err()));
+        }
+        while let Ok(sub) = self.rx.try_recv() {
+            (sub.done)(Err(err()));
+        }
+    }
+
+    /// One reconnection attempt (after the backoff): hello, reattach, and
+    /// every flight marked for resending. False when it failed.
+    fn reconnect(&mut self) -> bool {
+        let backoff = Duration::from_millis(self.cfg.reconnect_backoff_ms);
+        if self.client.take().is_some() {
+            tracing::warn!(endpoint = %self.cfg.endpoint, "connection to the pool manager lost; reconnecting");
+        }
+        for f in &mut self.flights {
+            f.call = None;
+        }
+        std::thread::sleep(backoff);
+        let client = match RpcClient::connect(&self.cfg.endpoint, self.cfg.client.clone()) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "pool manager not reachable yet");
+                return false;
+            }
+        };
+        let session = match hello(&client, &self.cfg) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "pool manager refused the hello after a reconnect");
+                return false;
+            }
+        };
+        if !self.reattach(&client) {
+            return false;
+        }
+        tracing::info!(
+            endpoint = %self.cfg.endpoint,
+            manager_epoch = session.welcome.manager_epoch,
+            regions = self.held.len(),
+            "reconnected to the pool manager"
+        );
+        *self.shared.welcome.lock() = session.welcome;
+        self.client = Some(client);
+        true
+    }
+
+    fn reattach(&mut self, client: &RpcClient) -> bool {
+        let handles: Vec<RegionHandle> = self.held.values().cloned().collect();
+        let timeout = Duration::from_millis(self.cfg.request_timeout_ms);
+        for chunk in handles.chunks(MAX_REATTACH_REGIONS) {
+            let msg = ReattachRegions {
+                meta: RequestMeta::default(),
+                handles: chunk.to_vec(),
+            };
+            let Ok((kind, payload)) = self.encode(&msg) else {
+                return false;
+            };
+            let reply = match client.call(kind, &payload, timeout) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reattach after a reconnect failed");
+                    return false;
+                }
+            };
+            match decode::<RegionsReattached>(&reply) {
+                Ok(r) => {
+                    for refused in r.refused {
+                        tracing::warn!(
+                            region = refused.region,
+                            code = refused.code,
+                            "the pool manager refused a region on reattach; forgetting it"
+                        );
+                        self.held.remove(&refused.region);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reattach after a reconnect refused");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Starts every flight not on the wire. False when the connection broke.
+    fn send_unsent(&mut self) -> bool {
+        let Some(client) = self.client.clone() else {
+            return false;
+        };
+        let timeout = Duration::from_millis(self.cfg.request_timeout_ms);
+        let now = Instant::now();
+        for f in &mut self.flights {
+            if f.call.is_some() || f.not_before.is_some_and(|t| now < t) {
+                continue;
+            }
+            match client.start(f.kind, &f.payload, timeout) {
+                Ok(call) => {
+                    f.call = Some(call);
+                    f.not_before = None;
+                }
+                Err(ClientError::TooManyInFlight { .. }) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "sending to the pool manager failed");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Waits for the oldest flight's reply and acts on it.
+    fn wait_front(&mut self) {
+        let Some(front) = self.flights.front_mut() else {
+            return;
+        };
+        let Some(call) = front.call.take() else {
+            // Held back after `Busy` (or the client's own in-flight bound):
+            // wait out the pause, then resend.
+            let pause = front.not_before.map_or(Duration::from_millis(1), |t| {
+                t.saturating_duration_since(Instant::now())
+            });
+            std::thread::sleep(pause);
+            return;
+        };
+        let outcome = match call.wait() {
+            Ok(reply) => self.outcome(&reply),
+            Err(ClientError::Timeout { .. }) => Outcome::Resend { after_busy: false },
+            Err(ClientError::Closed { .. }) => Outcome::Broken,
+            Err(e) => Outcome::Done(Err(client_error(&e))),
+        };
+        match outcome {
+            Outcome::Done(result) => {
+                let f = self.flights.pop_front().expect("the front exists");
+                (f.sub.done)(result);
+            }
+            Outcome::Resend { after_busy } => {
+                let front = self.flights.front_mut().expect("the front exists");
+                if after_busy {
+                    front.not_before =
+                        Some(Instant::now() + Duration::from_millis(self.cfg.reconnect_backoff_ms));
+                }
+            }
+            Outcome::Broken => self.client = None,
+        }
+    }
+
+    fn outcome(&mut self, reply: &crate::transport::Reply) -> Outcome {
+        let front = self.flights.front().expect("the front exists");
+        let result = match &front.sub.request {
+            PoolRequest::Alloc { .. } => decode::<RegionAllocated>(reply).map(|r| {
+                self.held.insert(r.handle.region, r.handle.clone());
+                PoolReply::Allocated(r.handle)
+            }),
+            PoolRequest::Free { region, .. } => {
+                let region = *region;
+                let r = decode::<RegionFreed>(reply);
+                // Freed, or already gone: either way this session no longer
+                // holds it.
+                if r.is_ok()
+                    || r.as_ref()
+                        .is_err_and(|e| e.error_code() == Some(ErrorCode::UnknownRegion))
+                {
+                    self.held.remove(&region);
+                }
+                r.map(|f| PoolReply::Freed { region: f.region })
+            }
+            PoolRequest::Reattach { handles } => decode::<RegionsReattached>(reply).map(|r| {
+                for h in handles {
+                    if r.accepted.contains(&h.region) {
+                        self.held.insert(h.region, h.clone());
+                    }
+                }
+                PoolReply::Reattached(r)
+            }),
+            PoolRequest::List { .. } => decode::<RegionList>(reply).map(PoolReply::Regions),
+            PoolRequest::Stats => decode::<PoolStatsReply>(reply).map(PoolReply::Stats),
+        };
+        match result {
+            Err(e) if e.is_transient() => Outcome::Resend { after_busy: true },
+            other => Outcome::Done(other),
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! The pool service in process: sessions in process and over a socket,
+//! exactly-once retries (reply cache, and allocation tags across restarts),
+//! names across restarts, the reaper for a closed session, reconnect and
+//! reattach of a [`RemotePool`] across a service restart, descriptor
+//! passing, TCP authentication, and lease renewal and self-fencing.
+//!
+//! The real-process checks (SIGKILL of a `cxlkv pool` daemon, directory
+//! processes, a second daemon) are in the root package's `tests/`.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cxlkv_controlplane::frame::Frame;
+use cxlkv_controlplane::pool::header::{self, BlockState};
+use cxlkv_controlplane::pool::service::{
+    PoolCore, PoolReply, PoolRequest, PoolService, PoolServiceError, PoolSpec, RemoteConfig,
+    RemotePool, ServiceConfig, TcpAuth,
+};
+use cxlkv_controlplane::pool::{ManagerId, ManagerLease, StoreConfig, SyncPolicy};
+use cxlkv_controlplane::proto::{
+    self, AllocRegion, ErrorCode, Message, OwnerLabel, PoolHello, PoolStats, PoolStatsReply,
+    PoolWelcome, RegionAllocated, RegionHandle, RequestMeta,
+};
+use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient, ServerConfig};
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on every wait for something the service does on a timer.
+const EVENTUALLY: Duration = Duration::from_secs(60);
+const POOL_BYTES: u64 = 16 << 20;
+const ALIGN: u64 = 4096;
+
+struct Dir(tempfile::TempDir);
+
+impl Dir {
+    fn new(name: &str) -> Self {
+        Self(
+            tempfile::Builder::new()
+                .prefix(&format!("cxlkv-svc-{name}-"))
+                .tempdir_in("/dev/shm")
+                .expect("a temporary directory under /dev/shm"),
+        )
+    }
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+    fn socket(&self) -> PathBuf {
+        self.path().join("pool.sock")
+    }
+}
+
+fn config(dir: &Dir, sync: SyncPolicy, grace_ms: u64) -> ServiceConfig {
+    ServiceConfig {
+        pools: vec![PoolSpec {
+            path: dir.path().join("pool"),
+            create_size_bytes: Some(POOL_BYTES),
+            align_bytes: Some(ALIGN),
+            visibility: None,
+        }],
+        state_dir: dir.path().join("state"),
+        store: StoreConfig {
+            sync,
+            checkpoint_every_records: 64,
+        },
+        grace_ms,
+        lease_ms: 10_000,
+        pass_fds: true,
+        tcp_auth: TcpAuth::Disabled,
+    }
+}
+
+fn alloc(instance: &str) -> PoolRequest {
+    PoolRequest::Alloc {
+        pool: None,
+        len_bytes: 1,
+        instance_id: instance.into(),
+    }
+}
+
+fn allocated(r: Result<PoolReply, PoolServiceError>) -> RegionHandle {
+    match r {
+        Ok(PoolReply::Allocated(h)) => h,
+        other => panic!("expected an allocation, got {other:?}"),
+    }
+}
+
+fn list_all(s: &dyn PoolService) -> Vec<RegionHandle> {
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        match s.call(
+            PoolRequest::List {
+                after_region: after,
+                max_handles: 3,
+            },
+            TIMEOUT,
+        ) {
+            Ok(PoolReply::Regions(l)) => {
+                after = l.handles.last().map_or(after, |h| h.region);
+                out.extend(l.handles);
+                if !l.more {
+                    return out;
+                }
+            }
+            other => panic!("expected a region list, got {other:?}"),
+        }
+    }
+}
+
+fn stats(s: &dyn PoolService) -> PoolStatsReply {
+    match s.call(PoolRequest::Stats, TIMEOUT) {
+        Ok(PoolReply::Stats(r)) => r,
+        other => panic!("expected stats, got {other:?}"),
+    }
+}
+
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < EVENTUALLY, "gave up waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A raw protocol client: typed calls over an `RpcClient`.
+struct Wire {
+    client: RpcClient,
+}
+
+impl Wire {
+    fn connect(path: &Path) -> Self {
+        Self {
+            client: RpcClient::connect(&Endpoint::Unix(path.to_owned()), ClientConfig::default())
+                .expect("connect to the pool service"),
+        }
+    }
+
+    fn call<M: Message, R: Message>(&self, msg: &M) -> Result<R, (ErrorCode, String)> {
+        let mut buf = Vec::new();
+        proto::encode(0, msg, &mut buf).unwrap();
+        let reply = self
+            .client
+            .call(M::KIND.as_u16(), &buf[24..], TIMEOUT)
+            .expect("a reply");
+        let frame = Frame {
+            header: reply.header,
+            payload: reply.payload(),
+        };
+        match proto::access_reply::<R>(frame).expect("a valid reply") {
+            Ok(a) => Ok(proto::deserialize::<R>(a).unwrap()),
+            Err(e) => Err((
+                e.error_code().expect("a known code"),
+                e.message().to_owned(),
+            )),
+        }
+    }
+
+    fn hello(&self, directory: &str) -> PoolWelcome {
+        self.call(&PoolHello {
+            meta: RequestMeta::default(),
+            protocol_min: 1,
+            protocol_max: 1,
+            directory_id: directory.into(),
+            secret: None,
+        })
+        .expect("welcome")
+    }
+
+    fn alloc(&self, directory: &str, seq: u64) -> Result<RegionHandle, (ErrorCode, String)> {
+        self.call::<_, RegionAllocated>(&AllocRegion {
+            meta: RequestMeta { seq, notice_ack: 0 },
+            pool: None,
+            len_bytes: ALIGN,
+            owner: OwnerLabel {
+                directory_id: directory.into(),
+                instance_id: "inst".into(),
+            },
+        })
+        .map(|r| r.handle)
+    }
+}
+
+#[test]
+fn in_process_sessions_allocate_list_free_and_report_stats() {
+    let dir = Dir::new("local");
+    let core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 60_000)).unwrap();
+    let (pool, session) = core.attach_local("dir-a", TIMEOUT).unwrap();
+    assert_eq!(session.welcome.pools.len(), 1);
+    assert_eq!(
+        session.fds.len(),
+        1,
+        "in-process sessions get the descriptors too"
+    );
+    assert_eq!(session.welcome.last_seq, 0);
+    let a = allocated(pool.call(alloc("inst-1"), TIMEOUT));
+    let b = allocated(pool.call(alloc("inst-2"), TIMEOUT));
+    assert_eq!(a.len_bytes, ALIGN, "rounded up to the pool alignment");
+    assert_eq!(b.owner.instance_id, "inst-2");
+    assert_eq!(list_all(&pool), vec![a.clone(), b.clone()]);
+    let s = stats(&pool);
+    assert_eq!(s.pools[0].regions, 2);
+    assert_eq!(s.pools[0].owners[0].directory_id, "dir-a");
+    assert_eq!(s.pools[0].owners[0].bytes, 2 * ALIGN);
+    let freed = pool.call(
+        PoolRequest::Free {
+            region: a.region,
+            token: a.token,
+        },
+        TIMEOUT,
+    );
+    assert!(matches!(freed, Ok(PoolReply::Freed { region }) if region == a.region));
+    let again = pool
+        .call(
+            PoolRequest::Free {
+                region: a.region,
+                token: a.token,
+            },
+            TIMEOUT,
+        )
+        .unwrap_err();
+    assert_eq!(again.error_code(), Some(ErrorCode::UnknownRegion));
+    assert_eq!(list_all(&pool), vec![b]);
+    drop(pool);
+    core.shutdown().unwrap();
+}
+
+#[test]
+fn regions_and_owner_names_survive_a_restart_and_seqs_continue() {
+    let dir = Dir::new("restart");
+    let core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 60_000)).unwrap();
+    let (pool, _) = core.attach_local("dir-a", TIMEOUT).unwrap();
+    let before: Vec<_> = (0..100)
+        .map(|i| allocated(pool.call(alloc(&format!("inst-{}", i % 7)), TIMEOUT)))
+        .collect();
+    drop(pool);
+    // 100 allocations with a checkpoint every 64 records: the restart loads
+    // a checkpoint and replays a journal, and the names file was compacted.
+    core.shutdown().unwrap();
+    let core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 60_000)).unwrap();
+    let (pool, session) = core.attach_local("dir-a", TIMEOUT).unwrap();
+    assert_eq!(session.welcome.regions_held, 100);
+    assert!(
+        session.welcome.last_seq >= 100,
+        "{}",
+        session.welcome.last_seq
+    );
+    assert_eq!(list_all(&pool), before, "same handles, tokens and names");
+    // Presenting them keeps them (a restarted manager gives everything a
+    // grace period).
+    match pool.call(PoolRequest::Reattach { handles: before }, TIMEOUT) {
+        Ok(PoolReply::Reattached(r)) => {
+            assert_eq!(r.accepted.len(), 100);
+            assert!(r.refused.is_empty());
+        }
+        other => panic!("expected a reattach, got {other:?}"),
+    }
+    drop(pool);
+    core.shutdown().unwrap();
+}
+
+#[test]
+fn a_retried_seq_is_answered_once_and_a_seq_older_than_the_cache_is_refused() {
+    let dir = Dir::new("seq");
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 60_000)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let w = Wire::connect(&dir.socket());
+    assert_eq!(w.hello("dir-a").last_seq, 0);
+    let first = w.alloc("dir-a", 1).unwrap();
+    assert_eq!(
+        w.alloc("dir-a", 1).unwrap(),
+        first,
+        "answered from the cache"
+    );
+    for seq in 2..=300 {
+        w.alloc("dir-a", seq).unwrap();
+    }
+    let (code, _) = w.alloc("dir-a", 1).unwrap_err();
+    assert_eq!(code, ErrorCode::SequenceTooOld);
+    let st: PoolStatsReply = w
+        .call(&PoolStats {
+            meta: RequestMeta::default(),
+        })
+        .unwrap();
+    assert_eq!(st.pools[0].regions, 300, "no retry allocated twice");
+    // A second connection of the same process is the same caller: its hello
+    // is welcome at once, with the number to continue from.
+    let w2 = Wire::connect(&dir.socket());
+    assert_eq!(w2.hello("dir-a").last_seq, 300);
+    core.shutdown().unwrap();
+}
+
+#[test]
+fn a_retried_allocation_after_a_restart_returns_the_committed_region() {
+    let dir = Dir::new("tag");
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 60_000)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let w = Wire::connect(&dir.socket());
+    w.hello("dir-a");
+    let h = w.alloc("dir-a", 7).unwrap();
+    drop(w);
+    core.shutdown().unwrap();
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 60_000)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let w = Wire::connect(&dir.socket());
+    assert_eq!(w.hello("dir-a").last_seq, 7, "from the journaled tag");
+    assert_eq!(w.alloc("dir-a", 7).unwrap(), h, "the tag found the region");
+    let other = w.alloc("dir-a", 8).unwrap();
+    assert_ne!(other.region, h.region);
+    core.shutdown().unwrap();
+}
+
+#[test]
+fn a_closed_sessions_regions_are_reclaimed_after_the_grace_period_and_a_live_ones_are_not() {
+    let dir = Dir::new("reap");
+    let core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 200)).unwrap();
+    let (gone, _) = core.attach_local("dir-gone", TIMEOUT).unwrap();
+    let (live, _) = core.attach_local("dir-live", TIMEOUT).unwrap();
+    for _ in 0..5 {
+        allocated(gone.call(alloc("i"), TIMEOUT));
+    }
+    let kept = allocated(live.call(alloc("i"), TIMEOUT));
+    drop(gone);
+    eventually("the gone directory's regions to be reclaimed", || {
+        stats(&live).pools[0].regions == 1
+    });
+    assert_eq!(core.stats().reclaimed, 5);
+    assert_eq!(list_all(&live), vec![kept]);
+    drop(live);
+    core.shutdown().unwrap();
+}
+
+#[test]
+fn a_remote_pool_reconnects_and_reattaches_after_the_service_restarts() {
+    let dir = Dir::new("remote");
+    let grace_ms = 300;
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let mut rc = RemoteConfig::new(Endpoint::Unix(dir.socket()), "dir-remote");
+    rc.reconnect_backoff_ms = 20;
+    let (remote, session) = RemotePool::connect(rc).unwrap();
+    assert_eq!(session.fds.len(), 1, "descriptors over the Unix socket");
+    assert_eq!(session.welcome.fds_passed, 1);
+    let pool_file = std::fs::File::from(session.fds.into_iter().next().unwrap());
+    assert_eq!(pool_file.metadata().unwrap().len(), POOL_BYTES);
+    let mine: Vec<_> = (0..3)
+        .map(|_| allocated(remote.call(alloc("r"), TIMEOUT)))
+        .collect();
+    // Another directory that will not come back after the restart.
+    let (orphan, _) = core.attach_local("dir-orphan", TIMEOUT).unwrap();
+    allocated(orphan.call(alloc("o"), TIMEOUT));
+    drop(orphan);
+    core.shutdown().unwrap();
+
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    // The first call after the restart finds the connection broken,
+    // reconnects (hello + reattach) and is resent.
+    let fourth = allocated(remote.call(alloc("r"), TIMEOUT));
+    eventually("the orphan's region to be reclaimed", || {
+        stats(&remote).pools[0].regions == 4
+    });
+    std::thread::sleep(Duration::from_millis(2 * grace_ms));
+    let mut expected = mine;
+    expected.push(fourth);
+    assert_eq!(list_all(&remote), expected, "reattached regions are kept");
+    drop(remote);
+    core.shutdown().unwrap();
+}
+
+#[test]
+fn tcp_directories_must_present_the_secret_and_get_no_descriptors() {
+    let dir = Dir::new("tcp");
+    let mut cfg = config(&dir, SyncPolicy::PerRecord, 60_000);
+    cfg.tcp_auth = TcpAuth::Secret(b"open sesame".to_vec());
+    let mut core = PoolCore::start(cfg).unwrap();
+    let bound = core
+        .listen(
+            &[Endpoint::Tcp("127.0.0.1:0".parse().unwrap())],
+            ServerConfig::default(),
+        )
+        .unwrap();
+    let ep = bound[0].clone();
+    let attempt = |secret: Option<&[u8]>| {
+        let mut rc = RemoteConfig::new(ep.clone(), "dir-tcp");
+        rc.secret = secret.map(<[u8]>::to_vec);
+        RemotePool::connect(rc)
+    };
+    let code = |r: Result<_, PoolServiceError>| r.map(|_| ()).unwrap_err().error_code();
+    assert_eq!(code(attempt(None)), Some(ErrorCode::AuthenticationRequired));
+    assert_eq!(
+        code(attempt(Some(b"open sesame!"))),
+        Some(ErrorCode::AuthenticationFailed)
+    );
+    let (remote, session) = attempt(Some(b"open sesame")).unwrap();
+    assert_eq!(session.welcome.fds_passed, 0);
+    assert!(session.fds.is_empty());
+    allocated(remote.call(alloc("t"), TIMEOUT));
+    drop(remote);
+    core.shutdown().unwrap();
+}
+
+fn read_header(pool: &Path) -> cxlkv_controlplane::pool::Header {
+    let f = std::fs::File::open(pool).unwrap();
+    let mut block = vec![0u8; ALIGN as usize];
+    f.read_exact_at(&mut block, 0).unwrap();
+    match header::decode(&block).unwrap() {
+        BlockState::Initialised(h) => h,
+        BlockState::Fresh => panic!("the service initialised the header"),
+    }
+}
+
+#[test]
+fn the_lease_is_renewed_and_a_takeover_stops_allocations_from_the_pool() {
+    let dir = Dir::new("lease");
+    let mut cfg = config(&dir, SyncPolicy::PerRecord, 60_000);
+    cfg.lease_ms = 300;
+    let pool_path = cfg.pools[0].path.clone();
+    let core = PoolCore::start(cfg).unwrap();
+    let (pool, _) = core.attach_local("dir-a", TIMEOUT).unwrap();
+    let first = read_header(&pool_path)
+        .lease
+        .expect("a lease after the start");
+    eventually("a lease renewal", || {
+        read_header(&pool_path)
+            .lease
+            .is_some_and(|l| l.seq > first.seq + 1)
+    });
+    allocated(pool.call(alloc("i"), TIMEOUT));
+    // Another manager (on another host) takes the pool over with a higher
+    // epoch: the next renewal sees it and the pool goes offline.
+    let current = read_header(&pool_path).lease.unwrap();
+    let usurper = ManagerLease {
+        seq: current.seq + 1,
+        epoch: current.epoch + 1,
+        expires_unix_ms: u64::MAX,
+        holder: ManagerId([0xee; 16]),
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&pool_path)
+        .unwrap();
+    let mut block = vec![0u8; ALIGN as usize];
+    f.read_exact_at(&mut block, 0).unwrap();
+    header::write_lease(&mut block, &usurper).unwrap();
+    f.write_all_at(&block[..header::HEADER_BYTES], 0).unwrap();
+    eventually("the pool to go offline", || {
+        pool.call(alloc("i"), TIMEOUT)
+            .is_err_and(|e| e.error_code() == Some(ErrorCode::OutOfSpace))
+    });
+    assert_eq!(
+        read_header(&pool_path).lease.unwrap().holder,
+        ManagerId([0xee; 16]),
+        "the superseded manager does not write its lease back"
+    );
+    drop(pool);
+    core.shutdown().unwrap();
+}

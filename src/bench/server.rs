@@ -1,0 +1,502 @@
+//! `cxlkv bench exists` and `cxlkv bench lookup`: key operations through the
+//! real server on a Unix socket, against a raw socket exchange of the same
+//! request and reply sizes measured in the same run.
+//!
+//! **Setup.** The server runs in a **forked child process** (as deployed:
+//! its own scheduler accounting and allocator, not a thread of the bench),
+//! started with [`Server::start`] on a private socket and pool
+//! ([`ServerConfig::ephemeral`]), and killed after the scenario. It is forked
+//! rather than exec'd as `cxlkv serve` so that the bench measures exactly the
+//! server code and needs neither a configuration nor the binary's path. The
+//! bench process registers [`KEYS`] 100-byte keys (4 KiB pages, 64 MiB
+//! regions) through it once.
+//!
+//! **What is timed.** One call: `RpcClient::call` with a request encoded
+//! beforehand (encoding is the client library's cost, not the server's),
+//! until the reply frame is in hand. Each call asks for a different window of
+//! `batch` registered keys (all hit). `lookup` takes one pin per key; the
+//! matching `Unpin` follows each call **outside** the timed section, so every
+//! timed lookup starts from the same state (no pins held) and pays for
+//! taking its pins, as a reader that pins, reads and unpins does. Mutating
+//! requests say `replies_received_below = seq`, as a client that has all its
+//! replies does, so the reply cache stays small.
+//!
+//! **Baseline.** A forked child that busy-polls a Unix socket and answers
+//! every request of our request's wire size with our reply's wire size; the
+//! bench busy-polls too. It is the transport floor: no framing, no decode, no
+//! directory. `ratio` = raw p50 ÷ our p50 (higher is better, 1 would be the
+//! floor). Reps alternate raw and ours; each rep's p50 is taken and the
+//! median over reps is reported, with `p99_us` over all our calls.
+//! `keys_per_s` is `batch / p50`: what one caller gets at the typical call
+//! time (a mean would mostly measure the other processes of a busy host).
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use cxlkv_controlplane::frame::{Frame, HEADER_BYTES, frame_len};
+use cxlkv_controlplane::proto::{self, Kind, Layout, Message, RequestMeta};
+use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient, sys};
+
+use super::{Better, Record, Reporter, median, percentile};
+use crate::cli::BenchArgs;
+use crate::server::{Server, ServerConfig};
+
+/// Keys registered for the scenario.
+const KEYS: usize = 64 << 10;
+const KEY_BYTES: usize = 100;
+const LAYOUT: Layout = Layout {
+    page_size_bytes: 4096,
+    fingerprint: 0xbe4c,
+};
+const REGION_BYTES: u64 = 64 << 20;
+const BATCHES: [usize; 3] = [1, 64, 512];
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on every raw-socket wait (the raw peers spin; this is a hang guard).
+const RAW_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the child server may take to listen.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Which operation a scenario times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Exists,
+    Lookup,
+}
+
+impl Op {
+    fn scenario(self) -> &'static str {
+        match self {
+            Op::Exists => "exists",
+            Op::Lookup => "lookup",
+        }
+    }
+}
+
+/// A forked child process, killed and reaped on drop.
+struct Child(libc::pid_t);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` is a child we forked and have not reaped yet.
+        unsafe {
+            libc::kill(self.0, libc::SIGKILL);
+            libc::waitpid(self.0, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+/// Runs `body` in a forked child that never returns into the bench.
+fn fork_child(body: impl FnOnce()) -> anyhow::Result<Child> {
+    // SAFETY: the bench is single-threaded whenever it forks (no client
+    // thread is alive: calls run on this thread), so the child's only thread
+    // is a copy of this one and no lock is held by a thread that does not
+    // exist in it.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(io::Error::last_os_error()).context("fork"),
+        0 => {
+            body();
+            // SAFETY: leave without running the parent's destructors.
+            unsafe { libc::_exit(0) }
+        }
+        pid => Ok(Child(pid)),
+    }
+}
+
+/// The server in a child process, and the files to remove after it.
+struct ServerChild {
+    _child: Child,
+    socket: std::path::PathBuf,
+    pool: std::path::PathBuf,
+}
+
+impl Drop for ServerChild {
+    fn drop(&mut self) {
+        // The child was killed first (field order): nobody removes these.
+        let _ = std::fs::remove_file(&self.socket);
+        let _ = std::fs::remove_file(&self.pool);
+    }
+}
+
+fn start_server() -> anyhow::Result<ServerChild> {
+    let mut cfg = ServerConfig::ephemeral("bench");
+    cfg.default_region_bytes = REGION_BYTES;
+    cfg.pool_size_bytes = 512 << 20;
+    // The session is idle while the raw baseline runs, which on a loaded
+    // host can take longer than the default lease.
+    cfg.directory.session_lease = Duration::from_secs(3600);
+    let (socket, pool) = (cfg.socket_path.clone(), cfg.pool_path.clone());
+    let child = fork_child(move || match Server::start(cfg) {
+        // Serves until the bench kills this process.
+        Ok(_serving) => loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        },
+        Err(e) => eprintln!("bench server: {e}"),
+    })?;
+    let deadline = Instant::now() + START_TIMEOUT;
+    while UnixStream::connect(&socket).is_err() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the server did not listen on {} within {} s",
+            socket.display(),
+            START_TIMEOUT.as_secs()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(ServerChild {
+        _child: child,
+        socket,
+        pool,
+    })
+}
+
+/// The client side: a session, its sequence numbers, encoding scratch.
+struct Client {
+    rpc: RpcClient,
+    next_seq: u64,
+    buf: Vec<u8>,
+}
+
+/// An encoded request payload (8-aligned start not needed: the transport
+/// copies it into a frame).
+fn payload<M: Message>(buf: &mut Vec<u8>, msg: &M) -> anyhow::Result<Vec<u8>> {
+    buf.clear();
+    proto::encode(0, msg, buf)?;
+    let len = u32::from_le_bytes(buf[16..20].try_into()?) as usize;
+    Ok(buf[HEADER_BYTES..HEADER_BYTES + len].to_vec())
+}
+
+impl Client {
+    fn connect(socket: &std::path::Path) -> anyhow::Result<Client> {
+        let rpc = RpcClient::connect(&Endpoint::Unix(socket.to_owned()), ClientConfig::default())?;
+        Ok(Client {
+            rpc,
+            next_seq: 1,
+            buf: Vec::new(),
+        })
+    }
+
+    fn seq(&mut self) -> RequestMeta {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        RequestMeta {
+            seq,
+            notice_ack: 0,
+            replies_received_below: seq,
+        }
+    }
+
+    /// Sends a request and checks that the reply is `R` (not an error).
+    fn call<M: Message, R: Message>(&mut self, msg: &M) -> anyhow::Result<R> {
+        let p = payload(&mut self.buf, msg)?;
+        let reply = self.rpc.call(M::KIND.as_u16(), &p, CALL_TIMEOUT)?;
+        let frame = Frame {
+            header: reply.header,
+            payload: reply.payload(),
+        };
+        match proto::access_reply::<R>(frame)? {
+            Ok(r) => Ok(proto::deserialize::<R>(r)?),
+            Err(e) => anyhow::bail!("{:?}: {} (code {})", M::KIND, e.message(), e.code()),
+        }
+    }
+}
+
+fn key(i: usize) -> Vec<u8> {
+    let mut k = format!("bench/layer-kv/chunk-{i:010}/").into_bytes();
+    k.resize(KEY_BYTES, b'.');
+    k
+}
+
+/// Hello, regions, and every key registered.
+fn populate(c: &mut Client) -> anyhow::Result<()> {
+    let _: proto::Welcome = c.call(&proto::Hello {
+        meta: RequestMeta::default(),
+        protocol_min: proto::PROTOCOL_MIN,
+        protocol_max: proto::PROTOCOL_MAX,
+        instance_id: "bench".into(),
+        client_name: "cxlkv bench".into(),
+        client_secret: None,
+    })?;
+    let pages_per_region = (REGION_BYTES / LAYOUT.page_size_bytes) as usize;
+    let mut registered = 0;
+    while registered < KEYS {
+        let meta = c.seq();
+        let granted: proto::RegionGranted = c.call(&proto::RequestRegion {
+            meta,
+            layout: LAYOUT,
+            len_bytes: REGION_BYTES,
+        })?;
+        let in_region = pages_per_region.min(KEYS - registered);
+        for first in (0..in_region).step_by(proto::MAX_BATCH) {
+            let n = proto::MAX_BATCH.min(in_region - first);
+            let entries = (first..first + n)
+                .map(|page| proto::RegisterEntry {
+                    key: key(registered + page),
+                    location: proto::Location {
+                        region: granted.desc.region,
+                        page: page as u32,
+                        generation: 1,
+                        len_bytes: LAYOUT.page_size_bytes as u32,
+                    },
+                })
+                .collect();
+            let meta = c.seq();
+            let reply: proto::RegisterReply = c.call(&proto::Register {
+                meta,
+                layout: LAYOUT,
+                entries,
+            })?;
+            anyhow::ensure!(
+                reply
+                    .outcomes
+                    .iter()
+                    .all(|o| *o == proto::RegisterOutcome::Inserted),
+                "registration refused"
+            );
+        }
+        registered += in_region;
+    }
+    Ok(())
+}
+
+/// The keys of call `i` for a batch of `batch`.
+fn window(i: usize, batch: usize) -> Vec<Vec<u8>> {
+    let start = (i * batch) % (KEYS - batch);
+    (start..start + batch).map(key).collect()
+}
+
+/// Our calls: returns the latency of each (µs) and the wire sizes of the
+/// request and reply frames.
+fn ours(
+    c: &mut Client,
+    op: Op,
+    batch: usize,
+    calls: usize,
+) -> anyhow::Result<(Vec<f64>, usize, usize)> {
+    let mut lat = Vec::with_capacity(calls);
+    let (mut req_wire, mut rep_wire) = (0, 0);
+    let warmup = calls / 10;
+    for i in 0..warmup + calls {
+        let keys = window(i, batch);
+        let (kind, p) = match op {
+            Op::Exists => (
+                Kind::Exists,
+                payload(
+                    &mut c.buf,
+                    &proto::Exists {
+                        meta: RequestMeta::default(),
+                        layout: LAYOUT,
+                        keys: keys.clone(),
+                    },
+                )?,
+            ),
+            Op::Lookup => {
+                let meta = c.seq();
+                (
+                    Kind::Lookup,
+                    payload(
+                        &mut c.buf,
+                        &proto::Lookup {
+                            meta,
+                            layout: LAYOUT,
+                            keys: keys.clone(),
+                            pins: 1,
+                        },
+                    )?,
+                )
+            }
+        };
+        let t = Instant::now();
+        let reply = c.rpc.call(kind.as_u16(), &p, CALL_TIMEOUT)?;
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        req_wire = frame_len(p.len());
+        rep_wire = frame_len(reply.payload().len());
+        check_reply(op, batch, &reply)?;
+        if op == Op::Lookup {
+            let meta = c.seq();
+            let _: proto::UnpinReply = c.call(&proto::Unpin {
+                meta,
+                layout: LAYOUT,
+                counts: vec![1; keys.len()],
+                keys,
+            })?;
+        }
+        if i >= warmup {
+            lat.push(us);
+        }
+    }
+    Ok((lat, req_wire, rep_wire))
+}
+
+/// Every key was found (outside the timed section).
+fn check_reply(
+    op: Op,
+    batch: usize,
+    reply: &cxlkv_controlplane::transport::Reply,
+) -> anyhow::Result<()> {
+    let frame = Frame {
+        header: reply.header,
+        payload: reply.payload(),
+    };
+    let found = match op {
+        Op::Exists => match proto::access_reply::<proto::ExistsReply>(frame)? {
+            Ok(r) => r.present.iter().filter(|&p| p).count(),
+            Err(e) => anyhow::bail!("exists: {}", e.message()),
+        },
+        Op::Lookup => match proto::access_reply::<proto::LookupReply>(frame)? {
+            Ok(r) => r.locations().filter(Option::is_some).count(),
+            Err(e) => anyhow::bail!("lookup: {}", e.message()),
+        },
+    };
+    anyhow::ensure!(found == batch, "{found} of {batch} keys found");
+    Ok(())
+}
+
+/// Busy-polling: sends all of `buf`.
+fn raw_send(fd: BorrowedFd<'_>, buf: &[u8], deadline: Instant) -> io::Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        match sys::send(fd, &buf[off..]) {
+            Ok(n) => off += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        if Instant::now() > deadline {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+    }
+    Ok(())
+}
+
+/// Busy-polling: receives exactly `buf.len()` bytes.
+fn raw_recv(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        match sys::recv(fd, &mut buf[off..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => off += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        if Instant::now() > deadline {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+    }
+    Ok(())
+}
+
+/// The raw peer: for every `req` bytes received, `rep` bytes back; spins.
+fn raw_echo_loop(fd: BorrowedFd<'_>, req: usize, rep: usize) {
+    let reply = vec![0x5Au8; rep];
+    let mut buf = vec![0u8; 256 << 10];
+    let mut pending = 0usize;
+    loop {
+        match sys::recv(fd, &mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                pending += n;
+                while pending >= req {
+                    pending -= req;
+                    if raw_send(fd, &reply, Instant::now() + RAW_TIMEOUT).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(_) => return,
+        }
+    }
+}
+
+/// Raw round trips of `req` bytes out and `rep` bytes back (µs each).
+fn raw(req: usize, rep: usize, calls: usize) -> anyhow::Result<Vec<f64>> {
+    let path = std::env::temp_dir().join(format!("cxlkv-bench-raw-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let l = UnixListener::bind(&path)?;
+    let _child = fork_child(move || {
+        if let Ok((s, _)) = l.accept() {
+            let _ = s.set_nonblocking(true);
+            raw_echo_loop(s.as_fd(), req, rep);
+        }
+    })?;
+    let s = UnixStream::connect(&path)?;
+    let _ = std::fs::remove_file(&path);
+    s.set_nonblocking(true)?;
+    let out = vec![0xA5u8; req];
+    let mut back = vec![0u8; rep];
+    let mut lat = Vec::with_capacity(calls);
+    for i in 0..calls + calls / 10 {
+        let t = Instant::now();
+        raw_send(s.as_fd(), &out, t + RAW_TIMEOUT)?;
+        raw_recv(s.as_fd(), &mut back, t + RAW_TIMEOUT)?;
+        if i >= calls / 10 {
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(lat)
+}
+
+fn calls_for(batch: usize, quick: bool) -> usize {
+    let full = match batch {
+        1 => 20_000,
+        64 => 5_000,
+        _ => 2_000,
+    };
+    if quick { full / 10 } else { full }
+}
+
+fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
+    let server = start_server()?;
+    let mut c = Client::connect(&server.socket)?;
+    populate(&mut c)?;
+    for batch in BATCHES {
+        let calls = calls_for(batch, args.quick);
+        let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut req_wire, mut rep_wire) = (0, 0);
+        for _ in 0..args.reps {
+            let (mut lat, q, p) = ours(&mut c, op, batch, calls)?;
+            (req_wire, rep_wire) = (q, p);
+            ours_p50.push(percentile(&mut lat, 50.0));
+            all_ours.extend(lat);
+            let mut raw_lat = raw(req_wire, rep_wire, calls)?;
+            raw_p50.push(percentile(&mut raw_lat, 50.0));
+        }
+        let (p50, base) = (median(&mut ours_p50), median(&mut raw_p50));
+        let keys_per_s = batch as f64 / (p50 * 1e-6);
+        let rec = Record::new(
+            op.scenario(),
+            format!("batch={batch}"),
+            p50,
+            base,
+            "us",
+            Better::Lower,
+        )
+        .with("batch", batch as u64)
+        .with("keys_per_s", keys_per_s)
+        .with("p50_us", p50)
+        .with("p99_us", percentile(&mut all_ours, 99.0))
+        .with("raw_p50_us", base)
+        .with("key_bytes", KEY_BYTES as u64)
+        .with("pins", u64::from(op == Op::Lookup))
+        .with("server", "forked process")
+        .with("calls_per_rep", calls as u64)
+        .with("reps", args.reps as u64)
+        .with("request_wire_bytes", req_wire as u64)
+        .with("reply_wire_bytes", rep_wire as u64);
+        r.emit(&rec)?;
+    }
+    Ok(())
+}
+
+/// `cxlkv bench exists` (registered in `cli::SCENARIOS`).
+pub fn run_exists(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
+    run_op(args, r, Op::Exists)
+}
+
+/// `cxlkv bench lookup` (registered in `cli::SCENARIOS`).
+pub fn run_lookup(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
+    run_op(args, r, Op::Lookup)
+}

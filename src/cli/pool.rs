@@ -1,0 +1,239 @@
+//! `cxlkv pool`: the pool manager as a standalone daemon, so that several
+//! directories (several `cxlkv serve` processes, or directories on other
+//! hosts) share one device.
+//!
+//! Configuration comes from [`crate::config`] (`[pool]`; flags, then
+//! `CXLKV_POOL_*`, then the file, then defaults). The daemon recovers its state directory, opens and
+//! fences its pools, listens on its Unix socket (and TCP if configured),
+//! prints one line `listening <endpoint>…` on standard output once it
+//! serves, and logs with `tracing` on standard error (`CXLKV_LOG`, default
+//! `info` for this command). SIGTERM or SIGINT stop it gracefully: no new
+//! requests, the journal committed and checkpointed, the locks released.
+//! It exits non-zero, naming the reason, when it cannot start (another
+//! manager holds the state directory or a pool, a corrupt state, a foreign
+//! pool) or when its journal fails while serving (fail-stop; a restart
+//! recovers).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use cxlkv_controlplane::pool::service::PoolCore;
+use cxlkv_controlplane::transport::{Endpoint, ServerConfig};
+
+use crate::config::{self, Override};
+
+/// How often the main thread checks that the core still runs while it waits
+/// for a signal.
+const SIGNAL_POLL_MS: i64 = 500;
+
+/// Flags of `cxlkv pool`; each one overrides its `[pool]` key.
+#[derive(Debug, Args)]
+pub struct PoolArgs {
+    /// Configuration file (TOML). Default: `$CXLKV_CONFIG`, else none.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// A pool, `PATH[,size=SIZE][,align=ALIGN][,visibility=coherent|flush]`
+    /// (repeat for several; replaces `[pool] pools`).
+    #[arg(long = "pool", value_name = "SPEC")]
+    pub pools: Vec<String>,
+    /// State directory (journal, checkpoint, secret, lock).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Unix socket to listen on.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Also listen on TCP (`host:port`).
+    #[arg(long)]
+    pub tcp: Option<String>,
+    /// File with the secret TCP directories must present.
+    #[arg(long)]
+    pub tcp_secret_file: Option<PathBuf>,
+    /// Accept TCP directories without a secret (trusted networks only).
+    #[arg(long)]
+    pub tcp_insecure: bool,
+    /// `per-record` or `group`.
+    #[arg(long, value_parser = ["per-record", "group"])]
+    pub sync: Option<String>,
+    /// Largest commit group under `--sync group`.
+    #[arg(long)]
+    pub group_max_records: Option<u64>,
+    /// Committed journal records between checkpoints.
+    #[arg(long)]
+    pub checkpoint_every_records: Option<u64>,
+    /// How long a gone directory's regions wait for a reattach.
+    #[arg(long)]
+    pub grace_ms: Option<u64>,
+    /// Pool-header lease length (renewed every third of it).
+    #[arg(long)]
+    pub lease_ms: Option<u64>,
+    /// Do not pass pool descriptors to local directories.
+    #[arg(long)]
+    pub no_pass_fds: bool,
+    /// Print the resolved configuration and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+fn int(flag: &str, v: u64) -> anyhow::Result<toml::Value> {
+    Ok(toml::Value::Integer(
+        i64::try_from(v).with_context(|| format!("--{flag} {v} is too large"))?,
+    ))
+}
+
+/// Parses `PATH[,size=SIZE][,align=ALIGN][,visibility=…]` into a TOML table.
+pub(crate) fn pool_spec(spec: &str) -> anyhow::Result<toml::Value> {
+    let mut parts = spec.split(',');
+    let path = parts.next().unwrap_or_default();
+    anyhow::ensure!(!path.is_empty(), "--pool {spec:?}: the path is empty");
+    let mut t = toml::Table::new();
+    t.insert("path".into(), toml::Value::String(path.into()));
+    for part in parts {
+        let (k, v) = part
+            .split_once('=')
+            .with_context(|| format!("--pool {spec:?}: {part:?} is not key=value"))?;
+        let value = match k {
+            "size" | "align" => {
+                let n =
+                    config::parse_bytes(v).map_err(|e| anyhow::anyhow!("--pool {spec:?}: {e}"))?;
+                int("pool", n)?
+            }
+            "visibility" => toml::Value::String(v.into()),
+            other => {
+                anyhow::bail!("--pool {spec:?}: unknown key {other:?} (size, align, visibility)")
+            }
+        };
+        let key = match k {
+            "size" => "size_bytes",
+            "align" => "align_bytes",
+            other => other,
+        };
+        t.insert(key.into(), value);
+    }
+    Ok(toml::Value::Table(t))
+}
+
+impl PoolArgs {
+    /// The flags as configuration overrides.
+    pub fn overrides(&self) -> anyhow::Result<Vec<Override>> {
+        let mut o = Vec::new();
+        let path = |p: &PathBuf| toml::Value::String(p.to_string_lossy().into_owned());
+        if !self.pools.is_empty() {
+            let pools = self
+                .pools
+                .iter()
+                .map(|s| pool_spec(s))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            o.push(Override::new("pool", "pools", toml::Value::Array(pools)));
+        }
+        if let Some(p) = &self.state_dir {
+            o.push(Override::new("pool", "state_dir", path(p)));
+        }
+        if let Some(p) = &self.socket {
+            o.push(Override::new("pool", "socket", path(p)));
+        }
+        if let Some(a) = &self.tcp {
+            o.push(Override::new("pool", "tcp", a.clone()));
+        }
+        if let Some(p) = &self.tcp_secret_file {
+            o.push(Override::new("pool", "tcp_secret_file", path(p)));
+        }
+        if self.tcp_insecure {
+            o.push(Override::new("pool", "tcp_insecure", true));
+        }
+        if let Some(s) = &self.sync {
+            o.push(Override::new("pool", "sync", s.clone()));
+        }
+        for (key, v) in [
+            ("group_max_records", self.group_max_records),
+            ("checkpoint_every_records", self.checkpoint_every_records),
+            ("grace_ms", self.grace_ms),
+            ("lease_ms", self.lease_ms),
+        ] {
+            if let Some(v) = v {
+                o.push(Override::new("pool", key, int(key, v)?));
+            }
+        }
+        if self.no_pass_fds {
+            o.push(Override::new("pool", "pass_fds", false));
+        }
+        Ok(o)
+    }
+}
+
+/// Blocks SIGTERM and SIGINT in the calling thread (and so in every thread
+/// it starts afterwards), to be taken with `sigtimedwait`.
+pub(crate) fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t; the calls only write to it and to
+    // this thread's signal mask.
+    let rc = unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
+    };
+    anyhow::ensure!(rc == 0, "pthread_sigmask failed with {rc}");
+    Ok(set)
+}
+
+/// Waits up to [`SIGNAL_POLL_MS`] for a signal of `set`.
+pub(crate) fn wait_signal(set: &libc::sigset_t) -> Option<i32> {
+    let timeout = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: SIGNAL_POLL_MS * 1_000_000,
+    };
+    // SAFETY: `set` and `timeout` are valid for the call; a null info
+    // pointer is allowed.
+    let sig = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &timeout) };
+    (sig > 0).then_some(sig)
+}
+
+/// Runs the daemon until SIGTERM/SIGINT (see the module essay).
+pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
+    let signals = block_stop_signals()?;
+    let cfg = config::load_from_process(args.config.as_deref(), &args.overrides()?)?;
+    let resolved = cfg.pool.resolve()?;
+    if args.print_config {
+        println!("{resolved:#?}");
+        return Ok(());
+    }
+    let mut core =
+        PoolCore::start(resolved.service.clone()).context("cannot start the pool manager")?;
+    let mut endpoints = vec![Endpoint::Unix(resolved.socket.clone())];
+    if let Some(addr) = resolved.tcp {
+        endpoints.push(Endpoint::Tcp(addr));
+    }
+    let bound = core
+        .listen(&endpoints, ServerConfig::default())
+        .context("cannot listen")?;
+    let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
+    println!("listening {}", shown.join(" "));
+    tracing::info!(
+        state_dir = %resolved.service.state_dir.display(),
+        pools = core.pools().len(),
+        endpoints = %shown.join(" "),
+        "pool manager serving"
+    );
+    let stopped_by = loop {
+        if let Some(sig) = wait_signal(&signals) {
+            break Some(sig);
+        }
+        if !core.is_running() {
+            break None;
+        }
+    };
+    if let Some(failure) = core.failure() {
+        let _ = core.shutdown();
+        anyhow::bail!("the pool manager stopped: {failure}");
+    }
+    tracing::info!(signal = ?stopped_by, "stopping");
+    let report = core.shutdown().context("graceful shutdown failed")?;
+    tracing::info!(
+        committed_seq = report.committed_seq,
+        checkpointed = report.checkpointed,
+        "pool manager stopped"
+    );
+    Ok(())
+}

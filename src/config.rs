@@ -1,0 +1,895 @@
+//! cxlkv's one configuration mechanism: a TOML file, environment variables,
+//! command-line flags — merged key by key with one precedence:
+//!
+//! **flags > environment > file > built-in defaults.**
+//!
+//! The file (`--config PATH`, or `$CXLKV_CONFIG`) has one table per section
+//! (`[pool]`, `[server]`, `[directory]`).
+//! Every key `k` of section `s` can be set from the environment as
+//! `CXLKV_<S>_<K>` (upper case; e.g. `CXLKV_POOL_GRACE_MS=5000`); the value
+//! is read as a TOML value when it parses as one (`5000`, `true`,
+//! `[{path = "/dev/shm/a"}]`) and as a string otherwise
+//! (`/dev/shm/cxlkv.pool`, `per-record`). Flags override single keys the
+//! same way ([`Override`]). Only variables of known sections ([`SECTIONS`])
+//! are read, so `CXLKV_LOG` or `CXLKV_IO` never collide; an unknown key in a
+//! known section — in the file, the environment or a flag — is an error that
+//! names it.
+//!
+//! **Adding a section** (for the next engineer): add a field to [`Config`]
+//! with `#[serde(default)]`, its name to [`SECTIONS`], a struct with
+//! `#[serde(deny_unknown_fields, default)]` and documented defaults, and a
+//! table under "Configuration" in `docs/operations.md`.
+//!
+//! Sizes accept integers (bytes) or strings with a binary suffix (`"2GiB"`,
+//! `"64MiB"`, `"4KiB"`). The `[pool]` section resolves to the pool
+//! service's configuration with [`PoolConfig::resolve`], which fills in the
+//! defaults documented there.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use cxlkv_controlplane::pool::service::{PoolSpec, ServiceConfig, TcpAuth, Visibility};
+use cxlkv_controlplane::pool::{StoreConfig, SyncPolicy, store::MAX_GROUP_RECORDS};
+use cxlkv_dataplane::backing::{DEFAULT_POOL_DIR, DEFAULT_POOL_SIZE_BYTES};
+use serde::Deserialize;
+
+/// Prefix of every configuration variable.
+pub const ENV_PREFIX: &str = "CXLKV_";
+/// Environment variable naming the configuration file (like `--config`).
+pub const CONFIG_ENV: &str = "CXLKV_CONFIG";
+/// The sections the environment layer reads (`CXLKV_<SECTION>_<KEY>`).
+pub const SECTIONS: &[&str] = &["pool", "server", "directory"];
+
+/// Name of the embedded default pool file, under [`DEFAULT_POOL_DIR`].
+pub const DEFAULT_POOL_FILE: &str = "cxlkv.pool";
+
+/// What went wrong loading the configuration; each variant names the source
+/// (file, variable or flag) and the key.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("cannot read configuration file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("configuration file {}: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("configuration {origin}: section [{section}] is not a table")]
+    NotATable { origin: String, section: String },
+    #[error("invalid configuration (file, environment and flags merged): {0}")]
+    Invalid(Box<toml::de::Error>),
+    #[error("configuration [{section}] {key}: {reason}")]
+    Value {
+        section: &'static str,
+        key: &'static str,
+        reason: String,
+    },
+}
+
+/// One key set by a flag (or by any caller that wants to set a key last).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    pub section: &'static str,
+    pub key: &'static str,
+    pub value: toml::Value,
+}
+
+impl Override {
+    pub fn new(section: &'static str, key: &'static str, value: impl Into<toml::Value>) -> Self {
+        Self {
+            section,
+            key,
+            value: value.into(),
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub pool: PoolConfig,
+    pub server: ServerSection,
+    pub directory: DirectorySection,
+}
+
+/// `[pool]`: the pool manager (`cxlkv pool`, and the pool manager embedded
+/// in `cxlkv serve`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// Pools, in order. Empty: the embedded default (a 2 GiB file
+    /// `/dev/shm/cxlkv.pool`, created on demand).
+    pub pools: Vec<PoolEntry>,
+    /// Journal, checkpoint, secret, names, lock. Default: see
+    /// [`PoolConfig::resolve`].
+    pub state_dir: Option<PathBuf>,
+    /// The daemon's Unix socket. Default: `/run/cxlkv/pool.sock` as root,
+    /// else `$XDG_RUNTIME_DIR/cxlkv/pool.sock` (or `/tmp/cxlkv-<uid>/pool.sock`).
+    pub socket: Option<PathBuf>,
+    /// Also listen on TCP at this address (`host:port`). Off by default.
+    pub tcp: Option<String>,
+    /// File holding the pre-shared secret TCP directories present (mode
+    /// 0600 or stricter). Required with `tcp` unless `tcp_insecure`.
+    pub tcp_secret_file: Option<PathBuf>,
+    /// Accept TCP directories without a secret (trusted networks only).
+    pub tcp_insecure: bool,
+    /// `per-record` (an `fdatasync` per request that changed state) or
+    /// `group` (requests arriving during a sync share the next one).
+    pub sync: SyncMode,
+    /// Largest group under `sync = "group"` (1..=4096 records).
+    pub group_max_records: usize,
+    /// Committed records between checkpoints.
+    pub checkpoint_every_records: u64,
+    /// How long a gone directory's regions wait for a reattach.
+    pub grace_ms: u64,
+    /// Lease written into each pool header, renewed every `lease_ms / 3`.
+    pub lease_ms: u64,
+    /// Pass pool descriptors to local directories (`SCM_RIGHTS`).
+    pub pass_fds: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            pools: Vec::new(),
+            state_dir: None,
+            socket: None,
+            tcp: None,
+            tcp_secret_file: None,
+            tcp_insecure: false,
+            sync: SyncMode::PerRecord,
+            group_max_records: 256,
+            checkpoint_every_records: 4096,
+            grace_ms: 30_000,
+            lease_ms: 10_000,
+            pass_fds: true,
+        }
+    }
+}
+
+/// `[server]`: `cxlkv serve`'s listeners, identity and timers.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    /// The Unix socket clients connect to. Default:
+    /// [`crate::server::default_socket_path`].
+    pub socket: Option<PathBuf>,
+    /// Also listen on TCP at this address (`host:port`). Off by default.
+    pub tcp: Option<String>,
+    /// File holding the pre-shared secret TCP clients present (mode 0600 or
+    /// stricter). Required with `tcp` unless `tcp_insecure`.
+    pub tcp_secret_file: Option<PathBuf>,
+    /// Accept TCP clients without a secret (trusted networks only).
+    pub tcp_insecure: bool,
+    /// Connections served at once; more are refused with `Busy`.
+    pub max_connections: usize,
+    /// The directory's stable identity at the pool manager.
+    pub directory_id: String,
+    /// Region size when a client asks for the default.
+    #[serde(deserialize_with = "de_bytes")]
+    pub default_region_bytes: u64,
+    /// How often the directory's timers run.
+    pub tick_ms: u64,
+    /// Use a `cxlkv pool` daemon at this endpoint (`unix:PATH` or
+    /// `tcp:HOST:PORT`) instead of the embedded pool manager (`[pool]` is
+    /// then unused).
+    pub pool_daemon: Option<String>,
+    /// File holding the secret of a TCP pool daemon.
+    pub pool_daemon_secret_file: Option<PathBuf>,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            socket: None,
+            tcp: None,
+            tcp_secret_file: None,
+            tcp_insecure: false,
+            max_connections: 1024,
+            directory_id: crate::server::DEFAULT_DIRECTORY_ID.to_owned(),
+            default_region_bytes: crate::server::DEFAULT_REGION_BYTES,
+            tick_ms: 100,
+            pool_daemon: None,
+            pool_daemon_secret_file: None,
+        }
+    }
+}
+
+/// `[directory]`: the directory's semantics and limits (DESIGN §4).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DirectorySection {
+    /// A session without requests for this long dies (its pins released).
+    pub lease_ms: u64,
+    /// An instance without sessions for this long is gone; also how long a
+    /// restarted directory waits for reattaches.
+    pub grace_ms: u64,
+    /// Largest per-instance quota (bytes of regions); also the quota of
+    /// instances that ask for none. 0: unlimited.
+    #[serde(deserialize_with = "de_bytes")]
+    pub quota_bytes: u64,
+    /// Evict keys of gone owners while the pools are fuller than
+    /// `high_watermark`.
+    pub orphan_eviction: bool,
+    /// Pool fill (0..=1) above which eviction starts ...
+    pub high_watermark: f64,
+    /// ... and at or below which it stops.
+    pub low_watermark: f64,
+    /// Full LRU eviction of unpinned keys (engines without a policy).
+    pub lru: bool,
+    /// Fill of the held regions (0..=1) the LRU starts at, and stops at.
+    pub lru_high_fill: f64,
+    pub lru_low_fill: f64,
+    /// Most keys evicted per tick.
+    pub max_evictions_per_tick: usize,
+    /// Pins held longer than this are reported as long-held.
+    pub long_pin_ms: u64,
+    /// Most entries per batch request (at most 4096).
+    pub max_batch: usize,
+    /// Most pins one lookup takes per key (at most 1024).
+    pub max_pins_per_call: u32,
+    /// Most keys held.
+    pub max_keys: usize,
+    pub max_sessions: usize,
+    pub max_instances: usize,
+    /// Width of the exactly-once window, in sequence numbers (a multiple of
+    /// 64).
+    pub reply_window: u64,
+    /// Bytes of cached replies per instance.
+    #[serde(deserialize_with = "de_bytes")]
+    pub reply_cache_bytes: u64,
+    /// Largest region one request may ask for.
+    #[serde(deserialize_with = "de_bytes")]
+    pub max_region_bytes: u64,
+}
+
+impl Default for DirectorySection {
+    fn default() -> Self {
+        let d = cxlkv_controlplane::directory::DirectoryConfig::default();
+        Self {
+            lease_ms: d.session_lease.as_millis() as u64,
+            grace_ms: d.instance_grace.as_millis() as u64,
+            quota_bytes: d.max_instance_quota_bytes.unwrap_or(0),
+            orphan_eviction: d.eviction.orphans,
+            high_watermark: d.eviction.pool_high_watermark,
+            low_watermark: d.eviction.pool_low_watermark,
+            lru: d.eviction.lru,
+            lru_high_fill: d.eviction.lru_high_fill,
+            lru_low_fill: d.eviction.lru_low_fill,
+            max_evictions_per_tick: d.eviction.max_evictions_per_tick,
+            long_pin_ms: d.long_held_pin.as_millis() as u64,
+            max_batch: d.max_batch,
+            max_pins_per_call: d.max_pins_per_call,
+            max_keys: d.max_keys,
+            max_sessions: d.max_sessions,
+            max_instances: d.max_instances,
+            reply_window: d.reply_window,
+            reply_cache_bytes: d.reply_cache_bytes_per_instance as u64,
+            max_region_bytes: d.max_region_bytes,
+        }
+    }
+}
+
+impl DirectorySection {
+    /// The directory's configuration (its own checks run when the server
+    /// starts).
+    pub fn directory_config(&self) -> cxlkv_controlplane::directory::DirectoryConfig {
+        use cxlkv_controlplane::directory::{DirectoryConfig, EvictionConfig};
+        use std::time::Duration;
+        let base = DirectoryConfig::default();
+        DirectoryConfig {
+            session_lease: Duration::from_millis(self.lease_ms),
+            instance_grace: Duration::from_millis(self.grace_ms),
+            max_instance_quota_bytes: (self.quota_bytes > 0).then_some(self.quota_bytes),
+            eviction: EvictionConfig {
+                orphans: self.orphan_eviction,
+                pool_high_watermark: self.high_watermark,
+                pool_low_watermark: self.low_watermark,
+                lru: self.lru,
+                lru_high_fill: self.lru_high_fill,
+                lru_low_fill: self.lru_low_fill,
+                max_evictions_per_tick: self.max_evictions_per_tick,
+            },
+            long_held_pin: Duration::from_millis(self.long_pin_ms),
+            max_batch: self.max_batch,
+            max_pins_per_call: self.max_pins_per_call,
+            max_keys: self.max_keys,
+            max_sessions: self.max_sessions,
+            max_instances: self.max_instances,
+            reply_window: self.reply_window,
+            reply_cache_bytes_per_instance: usize::try_from(self.reply_cache_bytes)
+                .unwrap_or(usize::MAX),
+            max_region_bytes: self.max_region_bytes,
+            ..base
+        }
+    }
+}
+
+impl Config {
+    /// `cxlkv serve`'s server configuration: `[server]` and `[directory]`,
+    /// and the embedded pool manager from `[pool]` (or the daemon named by
+    /// `[server] pool_daemon`), every default filled in.
+    pub fn server_config(&self) -> Result<crate::server::ServerConfig, ConfigError> {
+        use crate::server::{PoolManagerConfig, ServerConfig};
+        use cxlkv_controlplane::pool::service::RemoteConfig;
+        use cxlkv_controlplane::transport::Endpoint;
+        let invalid = |key: &'static str, reason: String| ConfigError::Value {
+            section: "server",
+            key,
+            reason,
+        };
+        let s = &self.server;
+        let mut c = ServerConfig::default();
+        if let Some(p) = &s.socket {
+            c.socket_path = p.clone();
+        }
+        c.tcp_listen = match &s.tcp {
+            None => None,
+            Some(t) => Some(
+                t.parse::<SocketAddr>()
+                    .map_err(|e| invalid("tcp", format!("{t:?} is not host:port ({e})")))?,
+            ),
+        };
+        c.tcp_secret = match &s.tcp_secret_file {
+            Some(path) => Some(read_secret(path).map_err(|r| invalid("tcp_secret_file", r))?),
+            None => None,
+        };
+        c.tcp_insecure_no_secret = s.tcp_insecure;
+        if c.tcp_listen.is_some() && c.tcp_secret.is_none() && !s.tcp_insecure {
+            return Err(invalid(
+                "tcp",
+                "a TCP listener needs tcp_secret_file (or tcp_insecure = true on a trusted network)"
+                    .into(),
+            ));
+        }
+        c.max_connections = s.max_connections;
+        c.directory_id = s.directory_id.clone();
+        c.default_region_bytes = s.default_region_bytes;
+        c.tick_ms = s.tick_ms;
+        c.directory = self.directory.directory_config();
+        c.pool_manager = Some(match &s.pool_daemon {
+            None => {
+                let resolved = self.pool.resolve()?;
+                c.pool_path = resolved.service.pools[0].path.clone();
+                PoolManagerConfig::Embedded(resolved.service)
+            }
+            Some(ep) => {
+                let endpoint = parse_endpoint(ep).map_err(|r| invalid("pool_daemon", r))?;
+                let mut remote = RemoteConfig::new(endpoint, s.directory_id.clone());
+                remote.secret = match &s.pool_daemon_secret_file {
+                    Some(path) => {
+                        Some(read_secret(path).map_err(|r| invalid("pool_daemon_secret_file", r))?)
+                    }
+                    None => None,
+                };
+                if matches!(remote.endpoint, Endpoint::Tcp(_)) && remote.secret.is_none() {
+                    tracing::warn!(
+                        "pool daemon over TCP without a secret: it must run with tcp_insecure"
+                    );
+                }
+                PoolManagerConfig::Remote(remote)
+            }
+        });
+        Ok(c)
+    }
+}
+
+/// `unix:PATH` or `tcp:HOST:PORT` (a bare path is a Unix socket).
+fn parse_endpoint(s: &str) -> Result<cxlkv_controlplane::transport::Endpoint, String> {
+    use cxlkv_controlplane::transport::Endpoint;
+    if let Some(addr) = s.strip_prefix("tcp:") {
+        return addr
+            .parse::<SocketAddr>()
+            .map(Endpoint::Tcp)
+            .map_err(|e| format!("{s:?}: {addr:?} is not host:port ({e})"));
+    }
+    let path = s.strip_prefix("unix:").unwrap_or(s);
+    if path.is_empty() {
+        return Err(format!("{s:?}: empty socket path"));
+    }
+    Ok(Endpoint::Unix(PathBuf::from(path)))
+}
+
+fn de_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    match Bytes::deserialize(d)? {
+        Bytes::Int(n) => Ok(n),
+        Bytes::Text(s) => parse_bytes(&s).map_err(serde::de::Error::custom),
+    }
+}
+
+/// One pool of `[pool] pools`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolEntry {
+    pub path: PathBuf,
+    /// For a file: created (0600) at this size if missing, grown if shorter.
+    /// For a device: its minimum size.
+    #[serde(default, deserialize_with = "de_opt_bytes")]
+    pub size_bytes: Option<u64>,
+    /// Region alignment (default 2 MiB).
+    #[serde(default, deserialize_with = "de_opt_bytes")]
+    pub align_bytes: Option<u64>,
+    /// `coherent` or `flush`; default `flush` for devices, `coherent` for files.
+    #[serde(default)]
+    pub visibility: Option<VisibilityName>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SyncMode {
+    PerRecord,
+    Group,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VisibilityName {
+    Coherent,
+    Flush,
+}
+
+/// An integer, or a string with a binary suffix.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Bytes {
+    Int(u64),
+    Text(String),
+}
+
+fn de_opt_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    match Option::<Bytes>::deserialize(d)? {
+        None => Ok(None),
+        Some(Bytes::Int(n)) => Ok(Some(n)),
+        Some(Bytes::Text(s)) => parse_bytes(&s).map(Some).map_err(serde::de::Error::custom),
+    }
+}
+
+/// Parses `123`, `4KiB`, `64MiB`, `2GiB`, `1TiB` (also `K`, `M`, `G`, `T`).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, suffix) = s.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count (e.g. 4096, 64MiB, 2GiB)"))?;
+    let shift = match suffix.trim() {
+        "" | "B" => 0,
+        "K" | "KiB" => 10,
+        "M" | "MiB" => 20,
+        "G" | "GiB" => 30,
+        "T" | "TiB" => 40,
+        other => {
+            return Err(format!(
+                "unknown size suffix {other:?} in {s:?} (use KiB, MiB, GiB, TiB)"
+            ));
+        }
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
+}
+
+/// Reads a variable's value as a TOML value if it is one, else a string.
+fn env_value(raw: &str) -> toml::Value {
+    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.to_owned())),
+        Err(_) => toml::Value::String(raw.to_owned()),
+    }
+}
+
+fn section_mut<'a>(
+    table: &'a mut toml::Table,
+    section: &str,
+    origin: &str,
+) -> Result<&'a mut toml::Table, ConfigError> {
+    match table
+        .entry(section.to_owned())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+    {
+        toml::Value::Table(t) => Ok(t),
+        _ => Err(ConfigError::NotATable {
+            origin: origin.to_owned(),
+            section: section.to_owned(),
+        }),
+    }
+}
+
+/// Loads the configuration: `file` (if any), then the `CXLKV_*` variables
+/// of `env`, then `flags`, then the defaults for whatever is left.
+pub fn load(
+    file: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+    flags: &[Override],
+) -> Result<Config, ConfigError> {
+    let mut table = match file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            toml::from_str::<toml::Table>(&text).map_err(|source| ConfigError::Parse {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            })?
+        }
+        None => toml::Table::new(),
+    };
+    let mut vars: Vec<(String, String)> = env.into_iter().collect();
+    // Deterministic order (the process environment has none).
+    vars.sort();
+    for (name, raw) in vars {
+        let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        for section in SECTIONS {
+            let prefix = format!("{}_", section.to_ascii_uppercase());
+            if let Some(key) = rest.strip_prefix(&prefix) {
+                let origin = format!("environment variable {name}");
+                section_mut(&mut table, section, &origin)?
+                    .insert(key.to_ascii_lowercase(), env_value(&raw));
+            }
+        }
+    }
+    for o in flags {
+        section_mut(&mut table, o.section, "flag")?.insert(o.key.to_owned(), o.value.clone());
+    }
+    table
+        .try_into::<Config>()
+        .map_err(|e| ConfigError::Invalid(Box::new(e)))
+}
+
+/// Loads from the process: `--config` (else `$CXLKV_CONFIG`), the process
+/// environment, and the flags.
+pub fn load_from_process(
+    config_file: Option<&Path>,
+    flags: &[Override],
+) -> Result<Config, ConfigError> {
+    let from_env = std::env::var_os(CONFIG_ENV).map(PathBuf::from);
+    let file = config_file.map(Path::to_path_buf).or(from_env);
+    let env = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+    load(file.as_deref(), env, flags)
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The pool service's configuration and where the daemon listens, with
+/// every default filled in.
+#[derive(Debug, Clone)]
+pub struct ResolvedPool {
+    pub service: ServiceConfig,
+    pub socket: PathBuf,
+    pub tcp: Option<SocketAddr>,
+}
+
+impl PoolConfig {
+    /// Fills in the defaults:
+    ///
+    /// - pools: the embedded default, `/dev/shm/cxlkv.pool`, 2 GiB, created
+    ///   on demand;
+    /// - state directory: for a first pool under `/dev/shm`, next to it
+    ///   (`<pool path>.state`) — the pool is RAM, so is its state, and a
+    ///   reboot loses both together; otherwise `/var/lib/cxlkv/pool` as root,
+    ///   or `$XDG_STATE_HOME/cxlkv/pool` (`~/.local/state/cxlkv/pool`);
+    /// - socket: `/run/cxlkv/pool.sock` as root, else
+    ///   `$XDG_RUNTIME_DIR/cxlkv/pool.sock`, else `/tmp/cxlkv-<uid>/pool.sock`.
+    pub fn resolve(&self) -> Result<ResolvedPool, ConfigError> {
+        let invalid = |key: &'static str, reason: String| ConfigError::Value {
+            section: "pool",
+            key,
+            reason,
+        };
+        let pools: Vec<PoolSpec> = if self.pools.is_empty() {
+            vec![PoolSpec {
+                path: Path::new(DEFAULT_POOL_DIR).join(DEFAULT_POOL_FILE),
+                create_size_bytes: Some(DEFAULT_POOL_SIZE_BYTES),
+                align_bytes: None,
+                visibility: None,
+            }]
+        } else {
+            self.pools
+                .iter()
+                .map(|p| PoolSpec {
+                    path: p.path.clone(),
+                    create_size_bytes: p.size_bytes,
+                    align_bytes: p.align_bytes,
+                    visibility: p.visibility.map(|v| match v {
+                        VisibilityName::Coherent => Visibility::Coherent,
+                        VisibilityName::Flush => Visibility::Flush,
+                    }),
+                })
+                .collect()
+        };
+        let state_dir = match &self.state_dir {
+            Some(d) => d.clone(),
+            None => default_state_dir(&pools[0].path),
+        };
+        let sync = match self.sync {
+            SyncMode::PerRecord => SyncPolicy::PerRecord,
+            SyncMode::Group => {
+                if !(1..=MAX_GROUP_RECORDS).contains(&self.group_max_records) {
+                    return Err(invalid(
+                        "group_max_records",
+                        format!(
+                            "{} is not in 1..={MAX_GROUP_RECORDS}",
+                            self.group_max_records
+                        ),
+                    ));
+                }
+                SyncPolicy::Group {
+                    max_batch_records: self.group_max_records,
+                }
+            }
+        };
+        let tcp = match &self.tcp {
+            None => None,
+            Some(s) => Some(
+                s.parse::<SocketAddr>()
+                    .map_err(|e| invalid("tcp", format!("{s:?} is not host:port ({e})")))?,
+            ),
+        };
+        let tcp_auth = match (&tcp, &self.tcp_secret_file, self.tcp_insecure) {
+            (_, Some(path), _) => {
+                TcpAuth::Secret(read_secret(path).map_err(|r| invalid("tcp_secret_file", r))?)
+            }
+            (Some(_), None, false) => {
+                return Err(invalid(
+                    "tcp",
+                    "a TCP listener needs tcp_secret_file (or tcp_insecure = true on a trusted network)".into(),
+                ));
+            }
+            _ => TcpAuth::Disabled,
+        };
+        Ok(ResolvedPool {
+            service: ServiceConfig {
+                pools,
+                state_dir,
+                store: StoreConfig {
+                    sync,
+                    checkpoint_every_records: self.checkpoint_every_records,
+                },
+                grace_ms: self.grace_ms,
+                lease_ms: self.lease_ms,
+                pass_fds: self.pass_fds,
+                tcp_auth,
+            },
+            socket: self.socket.clone().unwrap_or_else(default_socket),
+            tcp,
+        })
+    }
+}
+
+fn default_state_dir(first_pool: &Path) -> PathBuf {
+    if first_pool.starts_with(DEFAULT_POOL_DIR) {
+        let mut s = first_pool.as_os_str().to_owned();
+        s.push(".state");
+        return PathBuf::from(s);
+    }
+    if is_root() {
+        return PathBuf::from("/var/lib/cxlkv/pool");
+    }
+    let base = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".local/state")))
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    base.join("cxlkv/pool")
+}
+
+fn default_socket() -> PathBuf {
+    if is_root() {
+        return PathBuf::from("/run/cxlkv/pool.sock");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => Path::new(&d).join("cxlkv/pool.sock"),
+        None => {
+            // SAFETY: getuid has no preconditions and cannot fail.
+            let uid = unsafe { libc::getuid() };
+            PathBuf::from(format!("/tmp/cxlkv-{uid}/pool.sock"))
+        }
+    }
+}
+
+/// Reads a secret file: at most 256 bytes, not readable by group or others;
+/// one trailing newline is not part of the secret.
+fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "{} has mode {mode:o}: readable by group or others; chmod 600 it",
+            path.display()
+        ));
+    }
+    let mut bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if bytes.last() == Some(&b'\n') {
+        bytes.pop();
+    }
+    if bytes.is_empty() || bytes.len() > cxlkv_controlplane::proto::MAX_SECRET_BYTES {
+        return Err(format!(
+            "{} holds {} bytes; a secret is 1..={} bytes",
+            path.display(),
+            bytes.len(),
+            cxlkv_controlplane::proto::MAX_SECRET_BYTES
+        ));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> Vec<(String, String)> {
+        vars.iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
+        f
+    }
+
+    #[test]
+    fn flags_beat_environment_beat_file_beat_defaults() {
+        let f = file("[pool]\ngrace_ms = 1\nlease_ms = 2000\ncheckpoint_every_records = 7\n");
+        let vars = env(&[
+            ("CXLKV_POOL_GRACE_MS", "5"),
+            ("CXLKV_POOL_LEASE_MS", "3000"),
+        ]);
+        let flags = [Override::new("pool", "grace_ms", 9i64)];
+        let c = load(Some(f.path()), vars, &flags).unwrap();
+        assert_eq!(c.pool.grace_ms, 9, "flag wins");
+        assert_eq!(c.pool.lease_ms, 3000, "environment beats the file");
+        assert_eq!(c.pool.checkpoint_every_records, 7, "file beats the default");
+        assert_eq!(c.pool.group_max_records, 256, "default");
+    }
+
+    #[test]
+    fn environment_values_are_toml_when_they_parse_and_strings_otherwise() {
+        let vars = env(&[
+            ("CXLKV_POOL_SYNC", "group"),
+            ("CXLKV_POOL_STATE_DIR", "/tmp/x y"),
+            ("CXLKV_POOL_PASS_FDS", "false"),
+            (
+                "CXLKV_POOL_POOLS",
+                r#"[{path = "/dev/shm/a", size_bytes = "64MiB", align_bytes = 4096}]"#,
+            ),
+            ("CXLKV_LOG", "debug"),
+            ("CXLKV_IO", "fallback"),
+        ]);
+        let c = load(None, vars, &[]).unwrap();
+        assert_eq!(c.pool.sync, SyncMode::Group);
+        assert_eq!(c.pool.state_dir.as_deref(), Some(Path::new("/tmp/x y")));
+        assert!(!c.pool.pass_fds);
+        assert_eq!(c.pool.pools[0].size_bytes, Some(64 << 20));
+        assert_eq!(c.pool.pools[0].align_bytes, Some(4096));
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_wherever_they_come_from() {
+        let e = load(None, env(&[("CXLKV_POOL_GRACE", "1")]), &[]).unwrap_err();
+        assert!(e.to_string().contains("grace"), "{e}");
+        let f = file("[pool]\nstate_dri = \"/x\"\n");
+        let e = load(Some(f.path()), Vec::new(), &[]).unwrap_err();
+        assert!(e.to_string().contains("state_dri"), "{e}");
+        let f = file("[pol]\n");
+        assert!(load(Some(f.path()), Vec::new(), &[]).is_err());
+    }
+
+    #[test]
+    fn defaults_resolve_to_the_embedded_pool_with_its_state_next_to_it() {
+        let r = PoolConfig::default().resolve().unwrap();
+        assert_eq!(r.service.pools.len(), 1);
+        assert_eq!(r.service.pools[0].path, Path::new("/dev/shm/cxlkv.pool"));
+        assert_eq!(r.service.pools[0].create_size_bytes, Some(2 << 30));
+        assert_eq!(r.service.state_dir, Path::new("/dev/shm/cxlkv.pool.state"));
+        assert_eq!(r.service.store.sync, SyncPolicy::PerRecord);
+        assert!(r.socket.ends_with("pool.sock"));
+        assert!(r.tcp.is_none());
+    }
+
+    #[test]
+    fn tcp_without_a_secret_is_refused_unless_insecure_is_chosen() {
+        let mut p = PoolConfig {
+            tcp: Some("127.0.0.1:0".into()),
+            ..PoolConfig::default()
+        };
+        assert!(
+            p.resolve()
+                .unwrap_err()
+                .to_string()
+                .contains("tcp_secret_file")
+        );
+        p.tcp_insecure = true;
+        assert_eq!(p.resolve().unwrap().service.tcp_auth, TcpAuth::Disabled);
+    }
+
+    #[test]
+    fn server_and_directory_sections_follow_the_same_precedence() {
+        let f = file(
+            "[server]\nsocket = \"/tmp/from-file.sock\"\ntick_ms = 7\n\n[directory]\nlease_ms = 1000\nquota_bytes = \"1GiB\"\nlru = true\n",
+        );
+        let vars = env(&[
+            ("CXLKV_SERVER_TICK_MS", "9"),
+            ("CXLKV_DIRECTORY_LEASE_MS", "2000"),
+        ]);
+        let flags = [Override::new("directory", "lease_ms", 3000i64)];
+        let c = load(Some(f.path()), vars, &flags).unwrap();
+        assert_eq!(c.directory.lease_ms, 3000, "flag wins");
+        assert_eq!(c.server.tick_ms, 9, "environment beats the file");
+        assert_eq!(
+            c.server.socket.as_deref(),
+            Some(Path::new("/tmp/from-file.sock"))
+        );
+        assert_eq!(c.directory.quota_bytes, 1 << 30);
+        let s = c.server_config().unwrap();
+        assert_eq!(s.tick_ms, 9);
+        assert_eq!(s.directory.session_lease, std::time::Duration::from_secs(3));
+        assert_eq!(s.directory.max_instance_quota_bytes, Some(1 << 30));
+        assert!(s.directory.eviction.lru);
+        assert_eq!(s.socket_path, Path::new("/tmp/from-file.sock"));
+    }
+
+    #[test]
+    fn server_defaults_are_the_servers_defaults() {
+        let s = Config::default().server_config().unwrap();
+        let d = crate::server::ServerConfig::default();
+        assert_eq!(s.socket_path, d.socket_path);
+        assert_eq!(s.directory, d.directory);
+        assert_eq!(s.pool_path, Path::new("/dev/shm/cxlkv.pool"));
+        assert_eq!(s.max_connections, d.max_connections);
+        assert!(s.tcp_listen.is_none());
+        let e = load(None, env(&[("CXLKV_DIRECTORY_LEASE", "1")]), &[]).unwrap_err();
+        assert!(e.to_string().contains("lease"), "{e}");
+    }
+
+    #[test]
+    fn a_server_tcp_listener_needs_a_secret_or_insecure() {
+        let mut c = Config::default();
+        c.server.tcp = Some("127.0.0.1:0".into());
+        assert!(
+            c.server_config()
+                .unwrap_err()
+                .to_string()
+                .contains("tcp_secret_file")
+        );
+        c.server.tcp_insecure = true;
+        assert!(c.server_config().unwrap().tcp_insecure_no_secret);
+    }
+
+    #[test]
+    fn a_pool_daemon_endpoint_is_unix_or_tcp() {
+        assert!(matches!(
+            parse_endpoint("unix:/run/cxlkv/pool.sock"),
+            Ok(cxlkv_controlplane::transport::Endpoint::Unix(_))
+        ));
+        assert!(matches!(
+            parse_endpoint("tcp:10.0.0.1:7000"),
+            Ok(cxlkv_controlplane::transport::Endpoint::Tcp(_))
+        ));
+        assert!(parse_endpoint("tcp:nowhere").is_err());
+    }
+
+    #[test]
+    fn byte_counts_take_binary_suffixes() {
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("4KiB").unwrap(), 4096);
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("3M").unwrap(), 3 << 20);
+        assert!(parse_bytes("2GB").is_err());
+        assert!(parse_bytes("x").is_err());
+        assert!(parse_bytes("99999999999TiB").is_err());
+    }
+}

@@ -1,0 +1,121 @@
+//! `cxlkv serve` as a process: it starts with no arguments, prints where it
+//! listens, serves, and shuts down cleanly on SIGTERM (exit 0, socket file
+//! removed, the pool manager's state checkpointed). On both transport
+//! backends (`CXLKV_IO`).
+//!
+//! The environment points the socket and the pool at private paths (same
+//! 2 GiB default size), so that the test never meets a real server or pool
+//! manager of this host; there are no flags.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use cxlkv_controlplane::proto::RegisterOutcome;
+
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Kills the process if the test fails before it stopped it.
+struct Guard(Option<Child>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn remove(paths: &[&Path]) {
+    for p in paths {
+        if p.is_dir() {
+            let _ = std::fs::remove_dir_all(p);
+        } else {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn serve_once(io: &str) {
+    let unique = format!("serve-{io}-{}", std::process::id());
+    let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
+    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
+    let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
+    remove(&[&socket, &pool, &state]);
+    let child = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .arg("serve")
+        .env("CXLKV_SERVER_SOCKET", &socket)
+        .env(
+            "CXLKV_POOL_POOLS",
+            format!("[{{path = \"{}\", size_bytes = \"2GiB\"}}]", pool.display()),
+        )
+        .env("CXLKV_IO", io)
+        .env("CXLKV_LOG", "warn")
+        .env_remove("CXLKV_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("cxlkv serve starts");
+    let mut guard = Guard(Some(child));
+    let stdout = guard.0.as_mut().unwrap().stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let line = rx
+        .recv_timeout(START_TIMEOUT)
+        .expect("a line on stdout")
+        .unwrap();
+    assert_eq!(line, format!("listening unix:{}", socket.display()), "{io}");
+
+    let mut c = Raw::connect_unix(&socket);
+    let (welcome, fds) = c.hello("proc");
+    let welcome = welcome.unwrap();
+    assert_eq!(fds.len(), 1, "{io}: the pool descriptor");
+    assert_eq!(welcome.pools[0].size_bytes, 2 << 30);
+    assert_eq!(Path::new(&welcome.pools[0].path), pool);
+    let region = c.request_region(0).unwrap().desc.region;
+    let reply = c.register(vec![(b"k".to_vec(), loc(region, 0))]).unwrap();
+    assert_eq!(reply.outcomes, vec![RegisterOutcome::Inserted]);
+
+    let pid = guard.0.as_ref().unwrap().id() as libc::pid_t;
+    // SAFETY: `pid` is our child, not yet reaped (the guard owns it).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    let status = loop {
+        if let Some(s) = guard.0.as_mut().unwrap().try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "{io}: no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    guard.0 = None;
+    assert!(status.success(), "{io}: exit status {status}");
+    assert!(wait_until(Duration::from_secs(5), || c.rpc.is_closed()
+        || c.try_call::<_, cxlkv_controlplane::proto::HeartbeatReply>(
+            &cxlkv_controlplane::proto::Heartbeat { meta: c.ro() },
+            Duration::from_secs(1)
+        )
+        .is_none()));
+    assert!(!socket.exists(), "{io}: the socket file is removed");
+    assert!(pool.exists(), "{io}: the pool outlives the server");
+    assert!(state.is_dir(), "{io}: the pool manager's state is kept");
+    remove(&[&socket, &pool, &state]);
+}
+
+#[test]
+fn serve_starts_with_no_arguments_and_stops_cleanly_on_sigterm() {
+    serve_once("auto");
+    serve_once("fallback");
+}

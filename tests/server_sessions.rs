@@ -1,0 +1,160 @@
+//! Sessions follow connections: a closed connection or an expired lease
+//! releases the session's pins; an owner that stays away past its grace
+//! period leaves its keys readable, and its region goes back to the pool with
+//! the last of them. On both transport backends.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use cxlkv::server::Server;
+use cxlkv_controlplane::proto::{self, DeleteOutcome, ErrorCode};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+#[test]
+fn a_closed_connection_releases_its_pins() {
+    for backend in backends() {
+        let server = Server::start(config_on("closepins", backend)).unwrap();
+        let (mut owner, region) = session_with_region(&server, "owner");
+        owner
+            .register(vec![(b"k".to_vec(), loc(region, 0))])
+            .unwrap();
+        let mut reader = Raw::connect_unix(server.socket_path());
+        reader.hello("reader").0.unwrap();
+        reader.lookup(&[b"k"], 2).unwrap();
+        assert_eq!(
+            owner.delete(&[b"k"]).unwrap().outcomes,
+            vec![DeleteOutcome::Pinned { pins: 2 }]
+        );
+        drop(reader);
+        assert!(
+            wait_until(WAIT, || server.directory_stats().unwrap().pins == 0),
+            "{backend:?}: pins released when the connection closed"
+        );
+        assert_eq!(
+            owner.delete(&[b"k"]).unwrap().outcomes,
+            vec![DeleteOutcome::Deleted],
+            "{backend:?}"
+        );
+        server.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn an_expired_lease_releases_pins_and_closes_the_connection() {
+    for backend in backends() {
+        let mut cfg = config_on("lease", backend);
+        cfg.directory.session_lease = Duration::from_millis(300);
+        cfg.tick_ms = 20;
+        let server = Server::start(cfg).unwrap();
+        let (mut owner, region) = session_with_region(&server, "owner");
+        owner
+            .register(vec![(b"k".to_vec(), loc(region, 0))])
+            .unwrap();
+        let mut reader = Raw::connect_unix(server.socket_path());
+        reader.hello("silent").0.unwrap();
+        reader.lookup(&[b"k"], 1).unwrap();
+        // The owner keeps its lease; the reader goes quiet.
+        assert!(
+            wait_until(WAIT, || {
+                owner.heartbeat().unwrap();
+                server.directory_stats().unwrap().pins == 0
+            }),
+            "{backend:?}"
+        );
+        assert!(
+            wait_until(WAIT, || gone(&reader)),
+            "{backend:?}: the expired session's connection is closed"
+        );
+        let stats = server.directory_stats().unwrap();
+        assert_eq!(stats.outcomes.sessions_expired, 1, "{backend:?}");
+        server.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn keys_of_a_gone_owner_stay_readable_and_its_region_is_freed_with_the_last() {
+    for backend in backends() {
+        let mut cfg = config_on("gone", backend);
+        cfg.directory.instance_grace = Duration::from_millis(200);
+        cfg.tick_ms = 20;
+        let server = Server::start(cfg).unwrap();
+        let (mut owner, region) = session_with_region(&server, "owner");
+        owner
+            .register(vec![
+                (b"a".to_vec(), loc(region, 0)),
+                (b"b".to_vec(), loc(region, 1)),
+            ])
+            .unwrap();
+        drop(owner);
+        assert!(
+            wait_until(WAIT, || server.directory_stats().unwrap().orphaned_regions
+                == 1),
+            "{backend:?}: the owner's region waits for its keys"
+        );
+        let mut reader = Raw::connect_unix(server.socket_path());
+        reader.hello("reader").0.unwrap();
+        let found = reader.lookup(&[b"a", b"b"], 0).unwrap();
+        assert_eq!(
+            found.locations,
+            vec![Some(loc(region, 0)), Some(loc(region, 1))],
+            "{backend:?}"
+        );
+        reader.delete(&[b"a"]).unwrap();
+        assert_eq!(server.directory_stats().unwrap().regions, 1, "{backend:?}");
+        reader.delete(&[b"b"]).unwrap();
+        let stats = server.directory_stats().unwrap();
+        assert_eq!(stats.regions, 0, "{backend:?}: freed with its last key");
+        assert_eq!(stats.outcomes.regions_freed, 1, "{backend:?}");
+        // The pool manager has the region back: a new one fits where it was.
+        let (_c, again) = session_with_region(&server, "next");
+        assert!(again > region, "{backend:?}: region ids are never reused");
+        let report = server.shutdown().unwrap();
+        assert_eq!(report.frees_unconfirmed, 0, "{backend:?}");
+    }
+}
+
+#[test]
+fn an_admin_can_end_a_session_which_releases_its_pins() {
+    let server = Server::start(config_on("admin", backends()[0])).unwrap();
+    let (mut owner, region) = session_with_region(&server, "owner");
+    owner
+        .register(vec![(b"k".to_vec(), loc(region, 0))])
+        .unwrap();
+    let mut reader = Raw::connect_unix(server.socket_path());
+    let welcome = reader.hello("reader").0.unwrap();
+    reader.lookup(&[b"k"], 1).unwrap();
+    let meta = owner.rw();
+    let ended: proto::SessionEnded = owner
+        .call(&proto::EndSession {
+            meta,
+            session_id: welcome.session_id,
+        })
+        .unwrap();
+    assert_eq!(ended.pins_released, 1);
+    assert_eq!(server.directory_stats().unwrap().pins, 0);
+    assert!(
+        wait_until(WAIT, || gone(&reader)),
+        "the ended session's connection is closed"
+    );
+}
+
+/// The server closed the connection, or refuses the session.
+fn gone(c: &Raw) -> bool {
+    if c.rpc.is_closed() {
+        return true;
+    }
+    match c.try_call::<_, proto::HeartbeatReply>(
+        &proto::Heartbeat { meta: c.ro() },
+        Duration::from_secs(1),
+    ) {
+        None => true,
+        Some(Err(e)) => {
+            assert_eq!(e.error_code(), Some(ErrorCode::SessionEnded), "{e:?}");
+            true
+        }
+        Some(Ok(_)) => false,
+    }
+}
