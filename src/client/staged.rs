@@ -151,6 +151,9 @@ impl LayoutHandle {
                 shared.end_session("a pinning lookup went unanswered");
                 return Err(e);
             }
+            // Only without `renew_void`; kept total: the directory that may
+            // have taken pins restarted, and its pins went with it.
+            Err(f @ Fail::Void) => return Err(f.into_error()),
         };
         {
             let mut ledger = shared.live_pins.lock();
@@ -370,17 +373,17 @@ impl LayoutHandle {
     /// pointer for the engine to fill in place). Marks the lease as written,
     /// so registration publishes it.
     pub(crate) fn place_lease(&self, lease: &mut PageLease) -> Result<PlacedPage, ClientError> {
+        // The engine writes through the pointer, which the lease cannot see:
+        // taking the view is what marks it as needing publication. It fails
+        // if the region was revoked (refused at a reattach).
+        lease.bytes_mut()?;
         let location = lease.location();
+        let region = cxlkv_dataplane::ids::RegionId(location.region);
         let mapping = self
             .state
             .regions
-            .with(cxlkv_dataplane::ids::RegionId(location.region), |r| {
-                Arc::clone(&r.mapping)
-            })
-            .ok_or(ClientError::ForeignLease { index: 0 })?;
-        // The engine writes through the pointer, which the lease cannot see:
-        // taking the view is what marks it as needing publication.
-        let _ = lease.bytes_mut();
+            .with(region, |r| Arc::clone(&r.mapping))
+            .ok_or(ClientError::RegionRevoked { region })?;
         Ok(PlacedPage {
             mapping,
             location,
