@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use client_support::*;
 use cxlkv::client::{Client, LayoutOptions};
-use cxlkv::tier::{Holds, L1Tier, Listener, TierCode, TierConfig, WriteMode};
+use cxlkv::tier::{Holds, L1Tier, Listener, ManualClock, TierCode, TierConfig, WriteMode};
 
 const THREADS: u64 = 4;
 const OPS_PER_THREAD: u64 = 2500;
@@ -76,7 +76,7 @@ fn batch(rng: &mut Rng) -> Vec<Vec<u8>> {
     keys.into_iter().map(stress_key).collect()
 }
 
-fn run_thread(tier: &L1Tier, seed: u64) {
+fn run_thread(tier: &L1Tier, clock: &ManualClock, seed: u64) {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     for _ in 0..OPS_PER_THREAD {
         let keys = batch(&mut rng);
@@ -131,6 +131,9 @@ fn run_thread(tier: &L1Tier, seed: u64) {
                 if rng.below(8) == 0 {
                     tier.clear(false).unwrap();
                 } else {
+                    // Time moves only here, so expiry does not depend on
+                    // how fast this machine runs the test.
+                    clock.advance(Duration::from_millis(50));
                     tier.sweep_now().unwrap();
                 }
             }
@@ -158,13 +161,15 @@ fn threads_driving_one_tier_keep_the_invariants_and_leak_nothing() {
     let baseline_free = layout.free_pages();
     let peer_client = Client::connect(client_config(&server)).unwrap();
     let peer = peer_client.layout(PAGE, FINGERPRINT).unwrap();
+    let clock = Arc::new(ManualClock::new());
     let tier = Arc::new(
         L1Tier::new(
             layout.clone(),
             TierConfig {
-                // Short enough that sweeps find expired staging mid-run.
+                // A few clock steps: sweeps find expired staging mid-run.
                 write_ttl: Duration::from_millis(300),
                 read_ttl: Duration::from_millis(200),
+                clock: Arc::clone(&clock) as Arc<dyn cxlkv::tier::Clock>,
                 ..TierConfig::default()
             },
         )
@@ -201,7 +206,8 @@ fn threads_driving_one_tier_keep_the_invariants_and_leak_nothing() {
     let threads: Vec<_> = (0..THREADS)
         .map(|t| {
             let tier = Arc::clone(&tier);
-            std::thread::spawn(move || run_thread(&tier, t + 1))
+            let clock = Arc::clone(&clock);
+            std::thread::spawn(move || run_thread(&tier, &clock, t + 1))
         })
         .collect();
     for t in threads {

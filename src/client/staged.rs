@@ -24,6 +24,16 @@
 //!   sending it on the next session could release a pin taken again for
 //!   someone else.
 //!
+//! **Reconnects racing a lookup.** The pins of a lookup enter the ledger
+//! after its reply; a reconnect in between would re-pin the ledger without
+//! them while ending the session that holds them. So a lookup whose reply
+//! came on a connection that is no longer current when its pins enter the
+//! ledger ends the session once more, and the reattach takes every ledger
+//! pin again, its own included (a key deleted meanwhile is counted as an
+//! invalidated view). The window is the few microseconds between a reply
+//! and the ledger; a lookup sent after a reconnect is served by the new
+//! connection and never triggers this.
+//!
 //! **Unknown outcomes end the session.** A pinning lookup or an unpin whose
 //! every attempt went unanswered may or may not have taken effect: pins may
 //! be held that nobody will release. Both answer it by ending the session
@@ -50,6 +60,13 @@ use super::lease::PageLease;
 use super::rpc::{Encoded, Fail, Mode};
 use super::seq::SeqTicket;
 use super::shared::{Conn, Shared};
+
+thread_local! {
+    /// The connection (`Conn::conn_no`) whose reply the exchange on this
+    /// thread handed to its caller last: a pinning lookup's pins belong to
+    /// that connection's session.
+    pub(crate) static SERVED_BY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
 #[cfg(test)]
 thread_local! {
@@ -155,7 +172,8 @@ impl LayoutHandle {
             // have taken pins restarted, and its pins went with it.
             Err(f @ Fail::Void) => return Err(f.into_error()),
         };
-        {
+        let served_by = SERVED_BY.get();
+        let raced = {
             let mut ledger = shared.live_pins.lock();
             for (key, location) in keys.iter().zip(&locations) {
                 if location.is_some() {
@@ -164,6 +182,16 @@ impl LayoutHandle {
                         .or_insert(0) += pins;
                 }
             }
+            // Under the ledger lock: a reattach that replaces the
+            // connection from now on re-pins these too.
+            shared.conn().map(|c| c.conn_no).ok() != Some(served_by)
+        };
+        if raced {
+            // The session that took these pins was replaced after the reply
+            // came, and its reattach may have re-pinned the ledger before
+            // they were in it. End the session once more: the reattach takes
+            // every ledger pin again, these included.
+            shared.end_session("a reconnect raced a pinning lookup");
         }
         let mut out = Vec::with_capacity(n);
         let mut rollback: Vec<(&[u8], u64)> = Vec::new();
