@@ -17,6 +17,7 @@ mod rtt_get;
 pub mod server;
 pub mod share;
 pub mod store;
+pub mod tier;
 
 use std::io::Write;
 use std::time::{Duration, Instant};

@@ -155,6 +155,11 @@ const SCENARIOS: &[Scenario] = &[
         "alloc+free through a cxlkv pool daemon vs the pool state machine in process",
         crate::bench::pool::run,
     ),
+    (
+        "tier",
+        "L1 tier reserve_read+finish_read keys/s (64-key batches) vs batch_get + explicit unpin flush",
+        crate::bench::tier::run,
+    ),
 ];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {

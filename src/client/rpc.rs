@@ -289,6 +289,7 @@ impl Shared {
             match proto::access_reply::<R>(frame) {
                 Ok(Ok(archived)) => {
                     self.absorb(archived.reply_meta());
+                    super::staged::SERVED_BY.set(conn.conn_no);
                     return handle(archived).map_err(Fail::Definite);
                 }
                 Ok(Err(refusal)) => {

@@ -24,6 +24,16 @@
 //!   sending it on the next session could release a pin taken again for
 //!   someone else.
 //!
+//! **Reconnects racing a lookup.** The pins of a lookup enter the ledger
+//! after its reply; a reconnect in between would re-pin the ledger without
+//! them while ending the session that holds them. So a lookup whose reply
+//! came on a connection that is no longer current when its pins enter the
+//! ledger ends the session once more, and the reattach takes every ledger
+//! pin again, its own included (a key deleted meanwhile is counted as an
+//! invalidated view). The window is the few microseconds between a reply
+//! and the ledger; a lookup sent after a reconnect is served by the new
+//! connection and never triggers this.
+//!
 //! **Unknown outcomes end the session.** A pinning lookup or an unpin whose
 //! every attempt went unanswered may or may not have taken effect: pins may
 //! be held that nobody will release. Both answer it by ending the session
@@ -50,6 +60,13 @@ use super::lease::PageLease;
 use super::rpc::{Encoded, Fail, Mode};
 use super::seq::SeqTicket;
 use super::shared::{Conn, Shared};
+
+thread_local! {
+    /// The connection (`Conn::conn_no`) whose reply the exchange on this
+    /// thread handed to its caller last: a pinning lookup's pins belong to
+    /// that connection's session.
+    pub(crate) static SERVED_BY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
 #[cfg(test)]
 thread_local! {
@@ -151,11 +168,12 @@ impl LayoutHandle {
                 shared.end_session("a pinning lookup went unanswered");
                 return Err(e);
             }
-            // `Mode::NORMAL` renews a voided number instead of failing, so
-            // this is not reached; answered as the client answers it anyway.
-            Err(void @ Fail::Void) => return Err(void.into_error()),
+            // Only without `renew_void`; kept total: the directory that may
+            // have taken pins restarted, and its pins went with it.
+            Err(f @ Fail::Void) => return Err(f.into_error()),
         };
-        {
+        let served_by = SERVED_BY.get();
+        let raced = {
             let mut ledger = shared.live_pins.lock();
             for (key, location) in keys.iter().zip(&locations) {
                 if location.is_some() {
@@ -164,6 +182,16 @@ impl LayoutHandle {
                         .or_insert(0) += pins;
                 }
             }
+            // Under the ledger lock: a reattach that replaces the
+            // connection from now on re-pins these too.
+            shared.conn().map(|c| c.conn_no).ok() != Some(served_by)
+        };
+        if raced {
+            // The session that took these pins was replaced after the reply
+            // came, and its reattach may have re-pinned the ledger before
+            // they were in it. End the session once more: the reattach takes
+            // every ledger pin again, these included.
+            shared.end_session("a reconnect raced a pinning lookup");
         }
         let mut out = Vec::with_capacity(n);
         let mut rollback: Vec<(&[u8], u64)> = Vec::new();
@@ -246,8 +274,8 @@ impl LayoutHandle {
         }
         let (conn, started) = {
             let mut ledger = shared.live_pins.lock();
-            let mut keys = Vec::new();
-            let mut counts = Vec::new();
+            // One `(keys, counts)` per message, at most `max_batch` entries.
+            let mut batches: Vec<(Vec<Vec<u8>>, Vec<u32>)> = Vec::new();
             for (key, wanted) in items {
                 let k = (self.state.ix, Box::<[u8]>::from(*key));
                 let held = ledger.get(&k).map_or(0, |&n| u64::from(n));
@@ -264,6 +292,15 @@ impl LayoutHandle {
                 let mut left = take;
                 while left > 0 {
                     let c = left.min(per_entry);
+                    if batches
+                        .last()
+                        .is_none_or(|(keys, _)| keys.len() >= max_batch)
+                    {
+                        batches.push((Vec::new(), Vec::new()));
+                    }
+                    let (keys, counts) = batches
+                        .last_mut()
+                        .expect("invariant: a batch with room was just ensured");
                     keys.push(key.to_vec());
                     counts.push(c as u32);
                     left -= c;
@@ -274,7 +311,11 @@ impl LayoutHandle {
                 _ => {
                     // Out of the ledger and the session is gone (or going):
                     // the pins die with it and are never taken again.
-                    report.lost_with_session += counts.iter().map(|&c| u64::from(c)).sum::<u64>();
+                    report.lost_with_session += batches
+                        .iter()
+                        .flat_map(|(_, counts)| counts)
+                        .map(|&c| u64::from(c))
+                        .sum::<u64>();
                     drop(ledger);
                     for t in tickets {
                         shared.seqs.release(t);
@@ -284,7 +325,7 @@ impl LayoutHandle {
             };
             let mut started = Vec::new();
             let mut tickets = tickets.into_iter();
-            for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
+            for (keys, counts) in batches {
                 let ticket = tickets
                     .next()
                     .expect("invariant: one ticket per message was taken above");
@@ -295,8 +336,8 @@ impl LayoutHandle {
                         replies_received_below: shared.seqs.received_below(),
                     },
                     layout: self.state.layout,
-                    keys: keys.to_vec(),
-                    counts: counts.to_vec(),
+                    keys,
+                    counts,
                 };
                 let encoded = match Encoded::new(&msg) {
                     Ok(e) => e,
@@ -325,7 +366,7 @@ impl LayoutHandle {
                     ticket,
                     call,
                     encoded,
-                    counts: counts.to_vec(),
+                    counts: msg.counts,
                 });
             }
             for t in tickets {
@@ -360,17 +401,17 @@ impl LayoutHandle {
     /// pointer for the engine to fill in place). Marks the lease as written,
     /// so registration publishes it.
     pub(crate) fn place_lease(&self, lease: &mut PageLease) -> Result<PlacedPage, ClientError> {
+        // The engine writes through the pointer, which the lease cannot see:
+        // taking the view is what marks it as needing publication. It fails
+        // if the region was revoked (refused at a reattach).
+        lease.bytes_mut()?;
         let location = lease.location();
+        let region = cxlkv_dataplane::ids::RegionId(location.region);
         let mapping = self
             .state
             .regions
-            .with(cxlkv_dataplane::ids::RegionId(location.region), |r| {
-                Arc::clone(&r.mapping)
-            })
-            .ok_or(ClientError::ForeignLease { index: 0 })?;
-        // The engine writes through the pointer, which the lease cannot see:
-        // taking the view is what marks it as needing publication.
-        let _ = lease.bytes_mut();
+            .with(region, |r| Arc::clone(&r.mapping))
+            .ok_or(ClientError::RegionRevoked { region })?;
         Ok(PlacedPage {
             mapping,
             location,

@@ -11,7 +11,10 @@
 //! thread and — except for `accessed` (`touch_keys`) — under the tier's
 //! lock. They must not call back into the same tier: such a call is
 //! detected and answered with [`TierError::Reentrant`](super::TierError),
-//! never a deadlock. Key lists are in the call's input order. The TTL
+//! never a deadlock. A listener may call *another* tier, provided no
+//! listener of that tier calls back into this one from another thread (two
+//! tiers' locks taken in opposite orders by two threads would deadlock, as
+//! any two locks would). Key lists are in the call's input order. The TTL
 //! sweeper and `close` never notify.
 //!
 //! Events ([`EventSink`]) are for observability only; they carry the same

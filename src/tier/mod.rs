@@ -77,7 +77,6 @@ mod types;
 mod tests;
 
 use std::cell::RefCell;
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -214,7 +213,7 @@ struct Inner {
     layout: LayoutHandle,
     cfg: TierConfig,
     state: Mutex<Staging>,
-    mirror: KeyMirror,
+    mirror: Arc<KeyMirror>,
     /// Replaced wholesale on registration so dispatch can clone the `Arc`
     /// and call listeners without holding this lock.
     listeners: RwLock<Arc<Vec<Arc<dyn Listener>>>>,
@@ -282,7 +281,7 @@ impl L1Tier {
     pub fn new(layout: LayoutHandle, cfg: TierConfig) -> Result<L1Tier, TierError> {
         cfg.validate()?;
         let interval = cfg.sweep_interval();
-        let mirror: KeyMirror = Arc::new(RwLock::new(HashSet::new()));
+        let mirror = Arc::new(KeyMirror::default());
         let inner = Arc::new(Inner {
             // Relaxed: only uniqueness matters.
             id: NEXT_TIER_ID.fetch_add(1, Ordering::Relaxed),
@@ -334,7 +333,7 @@ impl L1Tier {
     /// is evictable: `delete` answers authoritatively (`KeyNotExist` for a
     /// stale candidate, `KeyIsLocked` for someone else's pin).
     pub fn is_key_evictable(&self, key: impl AsRef<[u8]>) -> bool {
-        !self.inner.mirror.read().contains(key.as_ref())
+        !self.inner.mirror.contains(key.as_ref())
     }
 
     /// `(used, total)` bytes, with no round trip: `used` = pages allocated
@@ -502,25 +501,30 @@ impl Inner {
             });
         }
         let max_bytes = self.layout.max_key_bytes();
-        let mut seen = std::collections::HashMap::with_capacity(keys.len());
         for (index, key) in keys.iter().enumerate() {
-            let key = key.as_ref();
-            if key.is_empty() || key.len() > max_bytes {
+            let len_bytes = key.as_ref().len();
+            if len_bytes == 0 || len_bytes > max_bytes {
                 return Err(TierError::KeyLength {
                     op,
                     index,
-                    len_bytes: key.len(),
+                    len_bytes,
                     max_bytes,
                 });
             }
-            if let Some(&first_index) = seen.get(key) {
-                return Err(TierError::DuplicateKey {
-                    op,
-                    index,
-                    first_index,
-                });
+        }
+        if keys.len() > 1 {
+            let mut seen: foldhash::HashMap<&[u8], usize> =
+                foldhash::HashMap::with_capacity_and_hasher(keys.len(), Default::default());
+            for (index, key) in keys.iter().enumerate() {
+                if let Some(&first_index) = seen.get(key.as_ref()) {
+                    return Err(TierError::DuplicateKey {
+                        op,
+                        index,
+                        first_index,
+                    });
+                }
+                seen.insert(key.as_ref(), index);
             }
-            seen.insert(key, index);
         }
         Ok(())
     }

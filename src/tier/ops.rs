@@ -8,8 +8,6 @@
 //! sink with the successful keys in input order, and (debug builds) assert
 //! the invariants before the lock is released.
 
-use std::collections::HashMap;
-
 use super::events::Callback;
 use super::staging::{PendingRead, PendingWrite, Staging};
 use super::types::{Holds, KeyPage, SweepReport, TierCode, TierError, TierPage, WriteMode};
@@ -589,25 +587,7 @@ impl Inner {
     ) -> Option<TierPage> {
         match found {
             PinnedLookup::Found(placed) => {
-                if let Some(r) = st.read_mut(key) {
-                    debug_assert!(!r.is_temporary(), "temporaries are never pinned");
-                    r.holds += t;
-                    r.pinned += t;
-                    r.deadline = deadline;
-                    return Some(r.page.clone());
-                }
-                let page = TierPage::from_placed(placed);
-                st.insert_read(
-                    key,
-                    PendingRead {
-                        page: page.clone(),
-                        holds: t,
-                        pinned: t,
-                        private: None,
-                        deadline,
-                    },
-                );
-                Some(page)
+                Some(st.add_directory_read(key, TierPage::from_placed(placed), t, deadline))
             }
             PinnedLookup::Missing => None,
             PinnedLookup::Unresolvable(e) => {
@@ -716,7 +696,7 @@ impl Inner {
             .iter()
             .filter_map(|k| st.take_write(k))
             .collect();
-        let reads: HashMap<&[u8], PendingRead> = expired_reads
+        let reads: Vec<(&[u8], PendingRead)> = expired_reads
             .iter()
             .filter_map(|k| st.take_read(k).map(|r| (k.as_ref(), r)))
             .collect();
@@ -726,7 +706,7 @@ impl Inner {
             .map(|(k, r)| (*k, r.pinned))
             .collect();
         self.release(&unpins);
-        let temporaries = reads.values().filter(|r| r.is_temporary()).count() as u64;
+        let temporaries = reads.iter().filter(|(_, r)| r.is_temporary()).count() as u64;
         let report = SweepReport {
             writes: writes.len() as u64,
             reads: reads.len() as u64,

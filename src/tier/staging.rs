@@ -20,10 +20,12 @@
 //! registration is unknown is never freed — the client keeps it parked) are
 //! properties of the operations, proved by the tests.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::hash::BuildHasher;
+
+use foldhash::{HashMap, HashSet};
 use parking_lot::RwLock;
 
 use super::types::{InvariantViolation, KeyStage, TierPage};
@@ -62,23 +64,67 @@ impl PendingRead {
     }
 }
 
-/// Keys staged in either map, readable without the tier's lock.
-pub(crate) type KeyMirror = Arc<RwLock<HashSet<Box<[u8]>>>>;
+/// Which keys are staged in either map, readable without the tier's lock
+/// (`is_key_evictable`). It counts keys by a 64-bit hash (seeded per
+/// tier), so it allocates nothing: a staged key is always seen; an
+/// unstaged key whose hash equals a staged key's is reported not evictable
+/// until that key leaves — the conservative answer, and only for a 2⁻⁶⁴
+/// coincidence.
+#[derive(Debug, Default)]
+pub(crate) struct KeyMirror {
+    hasher: foldhash::fast::RandomState,
+    counts: RwLock<HashMap<u64, u32>>,
+}
+
+impl KeyMirror {
+    fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.counts.read().contains_key(&self.hash(key))
+    }
+
+    fn add(&self, key: &[u8]) {
+        *self.counts.write().entry(self.hash(key)).or_insert(0) += 1;
+    }
+
+    fn remove(&self, key: &[u8]) {
+        let h = self.hash(key);
+        let mut counts = self.counts.write();
+        match counts.get_mut(&h) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                counts.remove(&h);
+            }
+            None => debug_assert!(false, "removing a key the mirror does not hold"),
+        }
+    }
+
+    fn clear(&self) {
+        self.counts.write().clear();
+    }
+
+    /// The keys counted, with a multiplicity per hash.
+    fn snapshot(&self) -> HashMap<u64, u32> {
+        self.counts.read().clone()
+    }
+}
 
 #[derive(Debug)]
 pub(crate) struct Staging {
     writes: HashMap<Box<[u8]>, PendingWrite>,
     reads: HashMap<Box<[u8]>, PendingRead>,
-    mirror: KeyMirror,
+    mirror: Arc<KeyMirror>,
     /// Set by `close`; every later locked call fails with `Closed`.
     pub closed: bool,
 }
 
 impl Staging {
-    pub fn new(mirror: KeyMirror) -> Self {
+    pub fn new(mirror: Arc<KeyMirror>) -> Self {
         Self {
-            writes: HashMap::new(),
-            reads: HashMap::new(),
+            writes: HashMap::default(),
+            reads: HashMap::default(),
             mirror,
             closed: false,
         }
@@ -105,7 +151,7 @@ impl Staging {
             !self.reads.contains_key(key),
             "I1: inserting a read-staged key into W"
         );
-        self.mirror.write().insert(Box::from(key));
+        self.mirror.add(key);
         self.writes.insert(Box::from(key), w);
     }
 
@@ -114,8 +160,45 @@ impl Staging {
             !self.writes.contains_key(key),
             "I1: inserting a write-staged key into R"
         );
-        self.mirror.write().insert(Box::from(key));
+        self.mirror.add(key);
         self.reads.insert(Box::from(key), r);
+    }
+
+    /// Adds `t` holds backed by `t` pins to the directory read of `key`
+    /// (refreshing its deadline), or stages it with `page`; returns the page
+    /// served — the existing one for an overlapping reserve.
+    pub fn add_directory_read(
+        &mut self,
+        key: &[u8],
+        page: TierPage,
+        t: u64,
+        deadline: Duration,
+    ) -> TierPage {
+        debug_assert!(
+            !self.writes.contains_key(key),
+            "I1: read-staging a write-staged key"
+        );
+        match self.reads.entry(Box::from(key)) {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
+                let r = e.get_mut();
+                debug_assert!(!r.is_temporary(), "temporaries are never pinned");
+                r.holds += t;
+                r.pinned += t;
+                r.deadline = deadline;
+                r.page.clone()
+            }
+            std::collections::hash_map::Entry::Vacant(e) => {
+                self.mirror.add(key);
+                e.insert(PendingRead {
+                    page: page.clone(),
+                    holds: t,
+                    pinned: t,
+                    private: None,
+                    deadline,
+                });
+                page
+            }
+        }
     }
 
     pub fn take_write(&mut self, key: &[u8]) -> Option<PendingWrite> {
@@ -130,10 +213,10 @@ impl Staging {
         Some(r)
     }
 
+    /// The key left one map; by I1 it is in neither now.
     fn forget(&self, key: &[u8]) {
-        if !self.writes.contains_key(key) && !self.reads.contains_key(key) {
-            self.mirror.write().remove(key);
-        }
+        debug_assert!(!self.writes.contains_key(key) && !self.reads.contains_key(key));
+        self.mirror.remove(key);
     }
 
     /// Keys of the writes whose deadline is at or before `now`.
@@ -173,7 +256,7 @@ impl Staging {
     ) {
         let reads: Vec<_> = self.reads.drain().collect();
         let writes: Vec<_> = self.writes.drain().collect();
-        self.mirror.write().clear();
+        self.mirror.clear();
         (reads, writes)
     }
 
@@ -213,7 +296,7 @@ impl Staging {
             key: key.to_vec(),
             detail,
         };
-        let mut pages = HashSet::new();
+        let mut pages = HashSet::default();
         for (key, w) in &self.writes {
             if self.reads.contains_key(key) {
                 return Err(broken("I1", key, "staged in both W and R".into()));
@@ -281,30 +364,27 @@ impl Staging {
                 }
             }
         }
-        let mirror = self.mirror.read();
-        if mirror.len() != self.writes.len() + self.reads.len() {
+        let mut expected: HashMap<u64, u32> = HashMap::default();
+        for key in self.writes.keys().chain(self.reads.keys()) {
+            *expected.entry(self.mirror.hash(key)).or_insert(0) += 1;
+        }
+        if expected != self.mirror.snapshot() {
             return Err(broken(
                 "mirror",
                 &[],
                 format!(
-                    "{} mirrored keys for {} staged",
-                    mirror.len(),
+                    "the mirror counts {} keys, the maps hold {}",
+                    self.mirror.snapshot().values().sum::<u32>(),
                     self.writes.len() + self.reads.len()
                 ),
             ));
-        }
-        if let Some(k) = mirror
-            .iter()
-            .find(|k| !self.writes.contains_key(*k) && !self.reads.contains_key(*k))
-        {
-            return Err(broken("mirror", k, "mirrored but not staged".into()));
         }
         Ok(())
     }
 
     #[cfg(test)]
     pub fn insert_read_unchecked(&mut self, key: &[u8], r: PendingRead) {
-        self.mirror.write().insert(Box::from(key));
+        self.mirror.add(key);
         self.reads.insert(Box::from(key), r);
     }
 }

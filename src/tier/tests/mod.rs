@@ -64,10 +64,13 @@ pub(super) fn client_config(server: &ServerHandle) -> ClientConfig {
     c
 }
 
-/// Every callback, recorded in order as `(name, keys)`.
+/// One recorded callback: its name and its keys.
+pub(super) type Call = (&'static str, Vec<Vec<u8>>);
+
+/// Every callback, recorded in order.
 #[derive(Default)]
 pub(super) struct Recorder {
-    calls: Mutex<Vec<(&'static str, Vec<Vec<u8>>)>>,
+    calls: Mutex<Vec<Call>>,
 }
 
 impl Recorder {
@@ -78,7 +81,7 @@ impl Recorder {
     }
 
     /// Every call, in order.
-    pub fn all(&self) -> Vec<(&'static str, Vec<Vec<u8>>)> {
+    pub fn all(&self) -> Vec<Call> {
         self.calls.lock().clone()
     }
 
