@@ -27,6 +27,9 @@
 //! directory. `ratio` = raw p50 ÷ our p50 (higher is better, 1 would be the
 //! floor). Reps alternate raw and ours; each rep's p50 is taken and the
 //! median over reps is reported, with `p99_us` over all our calls.
+//! `server_p50_us`/`server_p99_us` are the server's own time per call (frame
+//! received → reply queued, from its statistics; each case runs against a
+//! fresh server): the rest of a call is the transport and the client.
 //! `keys_per_s` is `batch / p50`: what one caller gets at the typical call
 //! time (a mean would mostly measure the other processes of a busy host).
 
@@ -448,11 +451,32 @@ fn calls_for(batch: usize, quick: bool) -> usize {
     if quick { full / 10 } else { full }
 }
 
+/// The server's own time for `kind` (frame received → reply queued), p50
+/// and p99 in µs, from its statistics.
+fn server_latency(c: &mut Client, kind: Kind) -> anyhow::Result<(f64, f64)> {
+    let stats: proto::StatsReply = c.call(&proto::Stats {
+        meta: RequestMeta::default(),
+        sections: 0,
+        max_rows: 0,
+    })?;
+    let op = stats
+        .ops
+        .iter()
+        .find(|o| o.kind == kind.as_u16())
+        .context("no statistics for the operation")?;
+    Ok((
+        op.latency.p50_ns as f64 / 1e3,
+        op.latency.p99_ns as f64 / 1e3,
+    ))
+}
+
 fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
-    let server = start_server()?;
-    let mut c = Client::connect(&server.socket)?;
-    populate(&mut c)?;
     for batch in BATCHES {
+        // A fresh server per case, so that its latency statistics are this
+        // case's.
+        let server = start_server()?;
+        let mut c = Client::connect(&server.socket)?;
+        populate(&mut c)?;
         let calls = calls_for(batch, args.quick);
         let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
         let (mut req_wire, mut rep_wire) = (0, 0);
@@ -464,6 +488,13 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
             let mut raw_lat = raw(req_wire, rep_wire, calls)?;
             raw_p50.push(percentile(&mut raw_lat, 50.0));
         }
+        let kind = match op {
+            Op::Exists => Kind::Exists,
+            Op::Lookup => Kind::Lookup,
+        };
+        let (server_p50, server_p99) = server_latency(&mut c, kind)?;
+        drop(c);
+        drop(server);
         let (p50, base) = (median(&mut ours_p50), median(&mut raw_p50));
         let keys_per_s = batch as f64 / (p50 * 1e-6);
         let rec = Record::new(
@@ -479,6 +510,8 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         .with("p50_us", p50)
         .with("p99_us", percentile(&mut all_ours, 99.0))
         .with("raw_p50_us", base)
+        .with("server_p50_us", server_p50)
+        .with("server_p99_us", server_p99)
         .with("key_bytes", KEY_BYTES as u64)
         .with("pins", u64::from(op == Op::Lookup))
         .with("server", "forked process")

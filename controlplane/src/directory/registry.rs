@@ -350,19 +350,20 @@ impl Directory {
             self.counters.outcomes.lookup_misses += n as u64;
             return reply;
         };
-        // Hash all, then probe all (see `probe_all`).
         self.scratch_hashes.clear();
         for key in keys.clone() {
             self.scratch_hashes.push(self.keys.hash(lix, key));
         }
+        self.keys
+            .find_batch(lix, keys, &self.scratch_hashes, &mut self.scratch_slots);
         self.lookup_stamp += 1;
         let stamp = self.lookup_stamp;
         let mut hits = 0u64;
-        for (key, &h) in keys.zip(&self.scratch_hashes) {
-            let Some(es) = self.keys.find(lix, key, h) else {
+        for &es in &self.scratch_slots {
+            if es == NIL {
                 reply.locations.push(None);
                 continue;
-            };
+            }
             hits += 1;
             let entry = self.keys.get(es);
             if entry.pins == 0
@@ -425,14 +426,13 @@ impl Directory {
         match self.layout_ix.get(&layout).copied() {
             None => found.resize(n, false),
             Some(lix) => {
-                // Hash all, then probe all (see `probe_all`).
                 self.scratch_hashes.clear();
                 for key in keys.clone() {
                     self.scratch_hashes.push(self.keys.hash(lix, key));
                 }
-                for (key, &h) in keys.zip(&self.scratch_hashes) {
-                    found.push(self.keys.find(lix, key, h).is_some());
-                }
+                self.keys
+                    .find_batch(lix, keys, &self.scratch_hashes, &mut self.scratch_slots);
+                found.extend(self.scratch_slots.iter().map(|&es| es != NIL));
             }
         }
         let hits = found.iter().filter(|&&f| f).count() as u64;
@@ -654,10 +654,14 @@ impl Directory {
                 .scratch_slots
                 .resize(self.scratch_key_hashes.len(), NIL),
             Some(l) => {
-                for (key, &kh) in keys.zip(&self.scratch_key_hashes) {
-                    let found = self.keys.find(l, key, KeyIndex::entry_hash(kh, l));
-                    self.scratch_slots.push(found.unwrap_or(NIL));
-                }
+                self.scratch_hashes.clear();
+                self.scratch_hashes.extend(
+                    self.scratch_key_hashes
+                        .iter()
+                        .map(|&kh| KeyIndex::entry_hash(kh, l)),
+                );
+                self.keys
+                    .find_batch(l, keys, &self.scratch_hashes, &mut self.scratch_slots);
             }
         }
     }
