@@ -263,16 +263,20 @@ impl World {
                 if u.ratio(1, 16)? && !regions.is_empty() {
                     regions.push(regions[0]);
                 }
-                let notice_ack = if u.arbitrary()? {
-                    u.int_in_range(0..=12u64)?
-                } else {
-                    0
+                let notice_ack = match u.int_in_range(0..=7u8)? {
+                    0 => u.arbitrary()?,
+                    1..=3 => u.int_in_range(0..=12u64)?,
+                    _ => 0,
                 };
                 let req = Reattach {
                     instance: NAMES[ix],
                     secret,
                     regions: &regions,
-                    next_seq: u.int_in_range(0..=100u64)?,
+                    next_seq: if u.ratio(1, 8)? {
+                        u.arbitrary()?
+                    } else {
+                        u.int_in_range(0..=100u64)?
+                    },
                     notice_ack,
                     quota_bytes: None,
                 };
