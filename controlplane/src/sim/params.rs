@@ -26,7 +26,7 @@ pub(crate) const SESSION_LEASE_NS: u64 = 2 * SEC;
 pub(crate) const INSTANCE_GRACE_NS: u64 = 3 * SEC;
 /// The pool manager's grace for a gone directory: longer than a directory
 /// restart plus its rejoin, as the deployment must configure it.
-pub(crate) const POOL_GRACE_MS: u64 = 8_000;
+pub(crate) const POOL_GRACE_MS: u64 = 4_000;
 pub(crate) const TICK_NS: u64 = 100 * MS;
 
 /// How big and how hostile a run is (the long form goes further).
@@ -95,6 +95,8 @@ pub(crate) struct Params {
     /// Group commit: replies wait for a commit up to this long (0: per
     /// record).
     pub commit_delay_max_ns: u64,
+    /// Chance that a commit's sync stalls for 0.1 to 2 s.
+    pub sync_stall_p: f64,
     pub checkpoint_every_records: u64,
     pub client_op_interval_ns: u64,
     pub max_outstanding: usize,
@@ -181,6 +183,11 @@ impl Params {
                 rng.range(1, 5) * MS
             } else {
                 0
+            },
+            sync_stall_p: if hostile && rng.chance(0.3) {
+                [0.01, 0.05, 0.15][rng.index(3)]
+            } else {
+                0.0
             },
             checkpoint_every_records: rng.range(2, 40),
             client_op_interval_ns: rng.range(2, 40) * MS,

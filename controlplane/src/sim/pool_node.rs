@@ -72,6 +72,8 @@ pub struct PoolCounters {
     pub torn_tail_bytes: u64,
     pub records_lost_uncommitted: u64,
     pub reclaimed: u64,
+    /// Commits whose sync stalled (100 ms to 2 s).
+    pub stalls: u64,
 }
 
 #[derive(Debug)]
@@ -92,6 +94,8 @@ pub(crate) struct PoolNode {
     /// value. Recovery must arrive exactly here.
     pub durable: Ledger,
     commit_delay_max_ns: u64,
+    /// Chance that a commit's sync stalls.
+    stall_p: f64,
     checkpoint_every_records: u64,
     pub counters: PoolCounters,
 }
@@ -101,6 +105,7 @@ impl PoolNode {
         ctx: &mut Ctx,
         blocks: u64,
         commit_delay_max_ns: u64,
+        stall_p: f64,
         checkpoint_every_records: u64,
     ) -> Result<Self, String> {
         let mut header_block = vec![0u8; 4096];
@@ -138,6 +143,7 @@ impl PoolNode {
             capacity_bytes: blocks * BLOCK_BYTES,
             durable: Ledger::new(),
             commit_delay_max_ns,
+            stall_p,
             checkpoint_every_records,
             counters: PoolCounters::default(),
         };
@@ -331,11 +337,21 @@ impl PoolNode {
         if self.crash_armed {
             return;
         }
-        if self.commit_delay_max_ns == 0 {
+        if self.commit_scheduled {
+            return;
+        }
+        let stall = ctx.rng.chance(self.stall_p);
+        if self.commit_delay_max_ns == 0 && !stall {
             self.commit(ctx);
-        } else if !self.commit_scheduled {
+        } else {
             self.commit_scheduled = true;
-            let d = ctx.rng.range(0, self.commit_delay_max_ns);
+            // A slow sync now and then holds every reply for up to seconds.
+            let d = if stall {
+                self.counters.stalls += 1;
+                ctx.rng.range(100 * MS, 2_000 * MS)
+            } else {
+                ctx.rng.range(0, self.commit_delay_max_ns)
+            };
             ctx.after(
                 d,
                 Event::PoolCommit {

@@ -314,6 +314,7 @@ impl World {
             &mut ctx,
             params.pool_blocks,
             params.commit_delay_max_ns,
+            params.sync_stall_p,
             params.checkpoint_every_records,
         )
         .map_err(fail)?;
