@@ -7,6 +7,11 @@
 #
 #   scripts/fuzz.sh [seconds]     default 60 (the CI budget)
 #
+# With five targets the CI budget gives each 12 s: enough to replay the seed
+# corpus and run tens of thousands of mutations of each decoder (a smoke test
+# that catches a regression on the committed seeds), far from a campaign. The
+# campaigns and their figures are in docs/reliability.md.
+#
 # Building the instrumented targets takes a few minutes the first time and is
 # not counted in the budget. Long runs (before a release, or after touching
 # frame.rs or proto/): give an hour, or run one target on every core:

@@ -6,4 +6,6 @@ pub mod directory;
 pub mod frame;
 pub mod pool;
 pub mod proto;
+#[cfg(feature = "sim")]
+pub mod sim;
 pub mod transport;

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use cxlkv_controlplane::directory::{
     Caller, DeleteOutcome, Directory, DirectoryConfig, DirectoryError, Effect, EvictionConfig,
-    Hello, InstanceId, Layout, Location, OpKind, Peer, PresentedRegion, Reattach, ReattachKind,
-    RecoveredRegion, RegionHandle, RegionReply, RegionStatus, RegionToken, RegisterEntry,
-    RegisterOutcome, RejectReason, Reply, Sequence, SessionEndReason, SessionId, Time, UnpinEntry,
-    UnpinOutcome,
+    Hello, InstanceId, Layout, Location, MAX_SEQUENCE, OpKind, Peer, PresentedRegion, Reattach,
+    ReattachKind, RecoveredRegion, RegionHandle, RegionReply, RegionStatus, RegionToken,
+    RegisterEntry, RegisterOutcome, RejectReason, Reply, Sequence, SessionEndReason, SessionId,
+    Time, UnpinEntry, UnpinOutcome,
 };
 use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
 
@@ -955,6 +955,76 @@ fn sequence_numbers_out_of_the_window_or_reused_are_refused() {
     assert_ne!(w.dir.state_digest(), before);
     let stats = w.dir.stats(w.now);
     assert_eq!(stats.outcomes.sequence_too_old, 1);
+}
+
+/// Found by the `directory_ops` fuzzer: a request numbered `u64::MAX` ran,
+/// and the next request of the instance overflowed `high + 1` in the reply
+/// window (a panic in debug builds, a wrapped window in release).
+#[test]
+fn sequence_numbers_beyond_the_range_are_refused_and_the_window_survives_the_top() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    let top = Sequence {
+        seq: u64::MAX,
+        replies_received_below: 0,
+    };
+    let before = w.dir.state_digest();
+    assert_eq!(
+        w.register_seq(&a, top, L, &[(b"k", loc(ra, 0, 1))])
+            .unwrap_err(),
+        DirectoryError::SequenceOutOfRange {
+            field: "seq",
+            value: u64::MAX,
+            max: MAX_SEQUENCE
+        }
+    );
+    assert_eq!(
+        w.dir.state_digest(),
+        before,
+        "a refused request changes nothing"
+    );
+    let max = Sequence {
+        seq: MAX_SEQUENCE,
+        replies_received_below: 0,
+    };
+    let first = w
+        .register_seq(&a, max, L, &[(b"k", loc(ra, 0, 1))])
+        .unwrap();
+    assert_eq!(first.body, vec![RegisterOutcome::Inserted]);
+    let retry = w
+        .register_seq(&a, max, L, &[(b"k", loc(ra, 0, 1))])
+        .unwrap();
+    assert_eq!(
+        retry.body, first.body,
+        "the top number is answered from the cache"
+    );
+    assert!(matches!(
+        w.register_seq(&a, top, L, &[(b"j", loc(ra, 1, 1))]),
+        Err(DirectoryError::SequenceOutOfRange { .. })
+    ));
+    w.dir.check_invariants().unwrap();
+
+    w.dir.session_closed(a.session, w.now);
+    for (next_seq, notice_ack, field) in [(u64::MAX, 0, "next_seq"), (1, u64::MAX, "notice_ack")] {
+        let r = w.dir.reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &a.regions,
+                next_seq,
+                notice_ack,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        );
+        assert!(
+            matches!(r, Err(DirectoryError::SequenceOutOfRange { field: f, .. }) if f == field),
+            "{r:?}"
+        );
+    }
+    w.dir.check_invariants().unwrap();
 }
 
 #[test]

@@ -236,13 +236,15 @@ fn expected_alloc(
     if model.callers[dir].is_none() {
         unreachable!("the caller is bound before this is called");
     }
+    let tagged = tag.and_then(|t| model.dir_regions(dir).find(|r| r.tag == t).copied());
     if let Some(t) = tag
-        && let Some(r) = model.dir_regions(dir).find(|r| r.tag == t).copied()
+        && let Some(r) = tagged
     {
         let same = r.handle.len_bytes == len
             && r.handle.owner.instance == InstanceId(instance)
             && target.is_none_or(|p| r.handle.pool == PoolId(p as u32));
         return if same {
+            model.pending.remove(&r.handle.region.0);
             Ok(Reply::Allocated(r.handle))
         } else {
             Err(PoolError::TagReused {

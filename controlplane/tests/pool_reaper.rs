@@ -379,3 +379,54 @@ fn the_reaper_reclaims_at_most_its_limit_per_tick() {
         "everything coalesced back"
     );
 }
+
+/// Found by the deterministic simulation: after a restart every region waits
+/// for its deadline; a directory whose allocation reply was lost retries it
+/// with its tag and gets the region back — which the reaper then reclaimed
+/// under it, since only an attach confirmed regions. A tag retry now keeps
+/// the region it returns.
+#[test]
+fn a_tag_retry_after_a_restart_keeps_the_region_it_returns() {
+    let (mut m, mut records) = manager();
+    let c = Caller::Remote { connection: 1 };
+    attach(&mut m, &c, DIR, &[], 0);
+    let tagged = Request::Alloc {
+        target: PoolTarget::Any,
+        len_bytes: 2 * MIB,
+        instance: InstanceId(3),
+        tag: AllocTag(42),
+    };
+    let Ok(Reply::Allocated(h)) = m.handle(&c, tagged, MonotonicMs(0), &mut records) else {
+        panic!("allocate");
+    };
+    let other = alloc(&mut m, &c, &mut records);
+
+    // The manager restarts before the reply got out; every region waits.
+    let mut m = PoolManager::restore(
+        &m.snapshot(),
+        Secret::from_bytes([7; 32]),
+        ManagerConfig { grace_ms: GRACE_MS },
+        MonotonicMs(1_000),
+    )
+    .unwrap();
+    online(&mut m, &mut records, &fresh_header(1, 64 * MIB, 2 * MIB));
+    let c = Caller::Remote { connection: 2 };
+    attach(&mut m, &c, DIR, &[], 1_000);
+    let again = m.handle(&c, tagged, MonotonicMs(1_100), &mut records);
+    assert_eq!(
+        again,
+        Ok(Reply::Allocated(h)),
+        "the retry gets the same region"
+    );
+    assert_eq!(
+        m.stats().regions_pending_reclaim,
+        1,
+        "only the other one waits"
+    );
+
+    let reaped = m.tick(MonotonicMs(1_000 + GRACE_MS), &mut records);
+    let ids: Vec<_> = reaped.reclaimed.iter().map(|r| r.id).collect();
+    assert_eq!(ids, vec![other.region], "the retried region is kept");
+    assert_eq!(m.snapshot().regions.len(), 1);
+    m.check_invariants().unwrap();
+}

@@ -14,6 +14,11 @@ pub const MAX_PAGE_SIZE_BYTES: u64 = 1 << 30;
 pub const PAGE_SIZE_ALIGN_BYTES: u64 = 4096;
 /// Most pins one key can hold, summed over sessions.
 pub const MAX_PINS_PER_KEY: u32 = 1 << 30;
+/// Largest sequence number (of requests, of freed-page notices) a client may
+/// use or present. Far beyond any real counter (2^62 requests at a billion a
+/// second last 146 years), it keeps the window and notice arithmetic
+/// (`high + 1`, the next notice number) from overflowing on hostile input.
+pub const MAX_SEQUENCE: u64 = 1 << 62;
 /// Hard ceilings the configuration cannot exceed (they keep internal indices
 /// in `u32` and cached reply sizes sane).
 pub const MAX_BATCH_CEILING: usize = 1 << 16;

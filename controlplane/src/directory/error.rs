@@ -78,6 +78,12 @@ pub enum DirectoryError {
     // --- exactly-once -----------------------------------------------------
     #[error("sequence number {seq} is too old (oldest accepted: {oldest_accepted})")]
     SequenceTooOld { seq: u64, oldest_accepted: u64 },
+    #[error("{field} = {value} is beyond the largest sequence number, {max}")]
+    SequenceOutOfRange {
+        field: &'static str,
+        value: u64,
+        max: u64,
+    },
     #[error("sequence number {seq} was already used by a different request")]
     SequenceReused { seq: u64 },
     #[error(

@@ -15,7 +15,7 @@ use super::types::{
     Caller, Effect, EndedSession, InstanceId, InstanceSecret, OpKind, Peer, ReattachKind,
     Reattached, RegionHandle, RegionStatus, Reply, SessionEndReason, SessionId, Time, Welcome,
 };
-use super::{Directory, Hello, Reattach};
+use super::{Directory, Hello, MAX_SEQUENCE, Reattach};
 
 impl Directory {
     /// First contact of an instance: creates it (or takes over an instance of
@@ -126,6 +126,15 @@ impl Directory {
         }
         if req.next_seq == 0 {
             return Err(DirectoryError::InvalidNextSeq);
+        }
+        for (field, value) in [("next_seq", req.next_seq), ("notice_ack", req.notice_ack)] {
+            if value > MAX_SEQUENCE {
+                return Err(DirectoryError::SequenceOutOfRange {
+                    field,
+                    value,
+                    max: MAX_SEQUENCE,
+                });
+            }
         }
         self.check_session_room()?;
         match self.instance_ix.get(&id).copied() {

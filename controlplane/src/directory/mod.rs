@@ -78,7 +78,8 @@
 //! number of the instance and `W = reply_window`: a number above `high` runs;
 //! one in `(high - W, high]` runs if it has not, and otherwise gets its cached
 //! reply; anything lower (or below the instance's floor) is refused with
-//! `SequenceTooOld`. Clients keep fewer than `W` numbers between their oldest
+//! `SequenceTooOld`; a number above [`MAX_SEQUENCE`] is refused with
+//! `SequenceOutOfRange`. Clients keep fewer than `W` numbers between their oldest
 //! unanswered request and their newest. Error replies are not cached and do
 //! not consume the number. A pinning lookup's cached reply is only given to the
 //! session that ran it (its pins belong to that session); a retry on another
@@ -116,7 +117,8 @@ use foldhash::fast::FixedState;
 
 pub use config::{
     ConfigError, DirectoryConfig, EvictionConfig, MAX_BATCH_CEILING, MAX_INSTANCE_ID_BYTES,
-    MAX_KEY_BYTES, MAX_KEYS_CEILING, MAX_PAGE_SIZE_BYTES, MAX_PINS_PER_KEY, PAGE_SIZE_ALIGN_BYTES,
+    MAX_KEY_BYTES, MAX_KEYS_CEILING, MAX_PAGE_SIZE_BYTES, MAX_PINS_PER_KEY, MAX_SEQUENCE,
+    PAGE_SIZE_ALIGN_BYTES,
 };
 pub use error::{DirectoryError, RejectReason};
 pub use inspect::{InvariantViolation, KeyInfo, RegionInfo};

@@ -14,7 +14,9 @@
 //!   executed, the cached reply is returned and nothing runs again; if not (it
 //!   was overtaken by higher numbers), it is executed now;
 //! - `seq ≤ high - W`, or `seq < floor`: refused with `SequenceTooOld` — the
-//!   directory can no longer tell whether it ran.
+//!   directory can no longer tell whether it ran;
+//! - `seq > MAX_SEQUENCE`: refused with `SequenceOutOfRange` (so `high + 1`
+//!   never overflows).
 //!
 //! The client's side of the contract: never let its newest sequence number
 //! run `W` or more ahead of its oldest request still awaiting a reply. Then
@@ -36,6 +38,7 @@
 
 use std::collections::BTreeMap;
 
+use super::MAX_SEQUENCE;
 use super::error::DirectoryError;
 use super::types::{
     DeleteOutcome, LookupReply, PoolRequestId, RegionGrant, RegisterOutcome, SessionId,
@@ -107,9 +110,11 @@ pub(crate) struct ReplyWindow {
 }
 
 impl ReplyWindow {
-    /// A window accepting sequence numbers from `floor` (≥ 1) on.
+    /// A window accepting sequence numbers from `floor` (1..=MAX_SEQUENCE)
+    /// on.
     pub fn new(floor: u64, width: u64) -> Self {
-        debug_assert!(floor >= 1 && width >= 64 && width.is_multiple_of(64));
+        debug_assert!(floor >= 1 && floor <= MAX_SEQUENCE);
+        debug_assert!(width >= 64 && width.is_multiple_of(64));
         Self {
             floor,
             high: floor - 1,
@@ -136,6 +141,13 @@ impl ReplyWindow {
     }
 
     pub fn check(&self, seq: u64) -> Result<SeqCheck<'_>, DirectoryError> {
+        if seq > MAX_SEQUENCE {
+            return Err(DirectoryError::SequenceOutOfRange {
+                field: "seq",
+                value: seq,
+                max: MAX_SEQUENCE,
+            });
+        }
         let oldest = self.oldest_accepted();
         if seq < oldest {
             return Err(DirectoryError::SequenceTooOld {
@@ -310,6 +322,23 @@ mod tests {
             })
         ));
         assert!(matches!(w.check(500), Ok(SeqCheck::Fresh)));
+    }
+
+    #[test]
+    fn a_number_beyond_the_sequence_range_is_refused_and_the_top_one_works() {
+        let mut w = ReplyWindow::new(1, 64);
+        assert!(matches!(
+            w.check(u64::MAX),
+            Err(DirectoryError::SequenceOutOfRange {
+                value: u64::MAX,
+                ..
+            })
+        ));
+        assert!(matches!(w.check(MAX_SEQUENCE), Ok(SeqCheck::Fresh)));
+        w.record(MAX_SEQUENCE, reply(1), usize::MAX);
+        assert!(matches!(w.check(MAX_SEQUENCE), Ok(SeqCheck::Executed(_))));
+        assert_eq!(w.oldest_accepted(), MAX_SEQUENCE - 63);
+        assert_eq!(w.executed_seqs().collect::<Vec<_>>(), vec![MAX_SEQUENCE]);
     }
 
     #[test]

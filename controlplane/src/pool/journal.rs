@@ -131,7 +131,9 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Jou
     }
 }
 
-fn file_header() -> [u8; JOURNAL_HEADER_BYTES] {
+/// The 32-byte file header every journal starts with (the in-memory journals
+/// of the deterministic simulation and the fuzzers build images with it).
+pub fn file_header() -> [u8; JOURNAL_HEADER_BYTES] {
     let mut h = [0u8; JOURNAL_HEADER_BYTES];
     h[0..8].copy_from_slice(&JOURNAL_MAGIC);
     h[8..12].copy_from_slice(&JOURNAL_FORMAT_VERSION.to_le_bytes());

@@ -49,7 +49,8 @@
 //! Retried allocations. An `Alloc` may carry an [`AllocTag`] chosen by the
 //! directory (unique among its live regions). The tag is journaled with the
 //! region, so a retry after a lost reply — even across a manager crash —
-//! returns the region already allocated instead of leaking a second one. A
+//! returns the region already allocated instead of leaking a second one, and
+//! keeps it (a retry after a restart confirms it as an attach would). A
 //! retried `Free` is answered [`PoolError::RegionAlreadyFreed`]: region ids
 //! are never reused, so a valid token for a missing region proves it is gone.
 //!
@@ -601,14 +602,21 @@ impl PoolManager {
         sink: &mut impl RecordSink,
     ) -> Result<Handle, PoolError> {
         let directory = self.bound(caller)?;
-        if let Some(r) = self.ledger.region_by_tag(directory, tag) {
+        if let Some(&r) = self.ledger.region_by_tag(directory, tag) {
             let same = r.len_bytes == len_bytes
                 && r.owner.instance == instance
                 && (target == PoolTarget::Any || target == PoolTarget::Pool(r.pool));
             if !same {
                 return Err(PoolError::TagReused { tag, region: r.id });
             }
-            return Ok(self.handle_for(r));
+            // The owner asked for it again and will use it: it is kept, as if
+            // its handle had been presented (a region waiting for its
+            // deadline — after a restart, say — must not be handed out and
+            // then reclaimed under its user).
+            if let Some(deadline) = self.pending.remove(&r.id) {
+                self.reap_queue.remove(&(deadline, r.id));
+            }
+            return Ok(self.handle_for(&r));
         }
         if len_bytes == 0 {
             return Err(PoolError::ZeroLength);

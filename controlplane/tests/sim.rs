@@ -1,0 +1,63 @@
+//! The deterministic simulation in CI form: thousands of seeds of the
+//! short scale (see `cxlkv_controlplane::sim` for what each seed runs and
+//! checks). `CXLKV_SIM_SEEDS` sets the count (default below), `CXLKV_SIM_FIRST`
+//! the first seed; the long form is `examples/sim.rs`.
+
+use cxlkv_controlplane::sim::{Scale, replay_command, run_seed};
+
+/// Seeds per `cargo test` run: sized for about a minute on two cores in a
+/// debug build (measured in docs/reliability.md).
+const DEFAULT_SEEDS: u64 = 2_000;
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+fn every_seed_keeps_every_invariant_and_returns_to_baseline() {
+    let first = env_u64("CXLKV_SIM_FIRST", 0);
+    let seeds = env_u64("CXLKV_SIM_SEEDS", DEFAULT_SEEDS);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4)) as u64;
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    let mut failed = Vec::new();
+                    let mut seed = first + t;
+                    while seed < first + seeds {
+                        if let Err(f) = run_seed(seed, Scale::Short, false) {
+                            failed.push(format!(
+                                "{f}\n  replay: {}",
+                                replay_command(seed, Scale::Short)
+                            ));
+                        }
+                        seed += threads;
+                    }
+                    failed
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("simulation threads do not panic"))
+            .collect()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} of {seeds} seeds failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn a_seed_replays_exactly() {
+    for seed in [1, 2, 3] {
+        let a = run_seed(seed, Scale::Short, false).map(|r| (r.events, r.trajectory));
+        let b = run_seed(seed, Scale::Short, false).map(|r| (r.events, r.trajectory));
+        assert_eq!(a, b, "seed {seed}");
+    }
+}
