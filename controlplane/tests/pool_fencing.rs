@@ -25,6 +25,13 @@ const READY_MARKER: &str = "cxlkv-lock-holder-ready";
 /// Bound on waiting for the lock-holder child to report in.
 const CHILD_READY_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Serializes spawning a child with dropping and retaking a lock in this
+/// process. `flock` belongs to the open file description: a child forked by
+/// another test thread shares every descriptor until it execs (`O_CLOEXEC`
+/// only closes them at exec), so a lock dropped inside that window is still
+/// held by the child for a moment and the retake is refused.
+static FORK_WINDOW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn refused_state_dir(e: StoreError) -> Option<u32> {
     match e {
         StoreError::Fence(FenceError::StateDirLocked { holder_pid, .. }) => holder_pid,
@@ -35,6 +42,7 @@ fn refused_state_dir(e: StoreError) -> Option<u32> {
 #[test]
 fn a_second_manager_on_the_same_state_dir_in_this_process_is_refused() {
     let dir = shm_dir("fence-same");
+    let _no_fork = FORK_WINDOW.lock().unwrap_or_else(|p| p.into_inner());
     let first = open_store(dir.path(), StoreConfig::default(), 1_000, 0);
     let e = PoolStore::open(
         dir.path(),
@@ -79,6 +87,7 @@ fn a_second_manager_in_another_process_is_refused_until_that_process_dies() {
     let dir = shm_dir("fence-proc");
     let pool = dir.path().join("pool");
     std::fs::write(&pool, vec![0u8; 4096]).unwrap();
+    let spawning = FORK_WINDOW.lock().unwrap_or_else(|p| p.into_inner());
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -93,6 +102,7 @@ fn a_second_manager_in_another_process_is_refused_until_that_process_dies() {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
+    drop(spawning);
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {

@@ -113,7 +113,7 @@ impl ReplyWindow {
     /// A window accepting sequence numbers from `floor` (1..=MAX_SEQUENCE)
     /// on.
     pub fn new(floor: u64, width: u64) -> Self {
-        debug_assert!(floor >= 1 && floor <= MAX_SEQUENCE);
+        debug_assert!((1..=MAX_SEQUENCE).contains(&floor));
         debug_assert!(width >= 64 && width.is_multiple_of(64));
         Self {
             floor,

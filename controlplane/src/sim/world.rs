@@ -206,8 +206,12 @@ struct Oracle {
     replies: BTreeMap<(usize, u64, u32, u64), RecordedBody>,
     /// Notices each client must receive: (region, page, generation) → the
     /// (life, directory incarnation) of each deletion that queued one.
-    notices: Vec<BTreeMap<(RegionId, u32, u32), Vec<(u64, u32)>>>,
+    notices: Vec<ExpectedNotices>,
 }
+
+/// One client's expected notices: (region, page, generation) → the (life,
+/// directory incarnation) of each deletion that queued one.
+type ExpectedNotices = BTreeMap<(RegionId, u32, u32), Vec<(u64, u32)>>;
 
 impl Oracle {
     fn end_session(&mut self, session: SessionId) {
