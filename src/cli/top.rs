@@ -472,6 +472,7 @@ impl TerminalGuard {
         crossterm::execute!(
             io::stdout(),
             crossterm::terminal::EnterAlternateScreen,
+            crossterm::terminal::Clear(crossterm::terminal::ClearType::All),
             crossterm::cursor::Hide
         )?;
         Ok(guard)
@@ -560,8 +561,9 @@ fn ui_loop(rx: &mpsc::Receiver<Result<Report, String>>, capacity: usize) -> anyh
     }
     let _guard = TerminalGuard::enter().context("cannot set up the terminal")?;
     let backend = ratatui::backend::CrosstermBackend::new(io::stdout());
+    // Not `Terminal::clear`: it asks the terminal for the cursor position,
+    // which not every terminal (or pty) answers; `enter` cleared the screen.
     let mut terminal = ratatui::Terminal::new(backend)?;
-    terminal.clear()?;
     let mut history = History::new(capacity);
     let mut view = View::default();
     let mut dirty = true;
@@ -660,6 +662,24 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle:?} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn the_chosen_operation_gets_the_latency_sparkline_and_the_choice_wraps() {
+        let mut r = report(10_000, 100);
+        let mut register = r.ops["lookup"];
+        register.latency.p99_ns = 123_000;
+        r.ops.insert("register", register);
+        let mut h = History::new(4);
+        h.push(r);
+        // By name: lookup, register.
+        let text = screen(&h, &View { selected_op: 1 });
+        assert!(
+            text.contains("register p99 (since start): 123.0µs"),
+            "{text}"
+        );
+        let text = screen(&h, &View { selected_op: 2 });
+        assert!(text.contains("lookup p99 (since start): 40.0µs"), "{text}");
     }
 
     #[test]
