@@ -479,11 +479,11 @@ fn metrics_are_valid_exposition_and_count_the_operations_done() {
         0.0
     );
     assert_eq!(
-        m.get("cxlkv_instance_keys", &[("instance", ENGINE)]),
+        m.get("cxlkv_instance_keys", &[("instance_id", ENGINE)]),
         done.keys_left as f64
     );
     assert_eq!(
-        m.get("cxlkv_instance_used_bytes", &[("instance", ENGINE)]),
+        m.get("cxlkv_instance_used_bytes", &[("instance_id", ENGINE)]),
         (done.keys_left * PAGE) as f64
     );
     assert_eq!(m.get("cxlkv_pool_regions", &[("pool", "0")]), 1.0);
@@ -521,6 +521,37 @@ fn metrics_are_valid_exposition_and_count_the_operations_done() {
         );
         assert!(m.get("cxlkv_request_duration_seconds_sum", &[("op", op)]) > 0.0);
     }
+
+    // Every metric the Grafana dashboard queries is served.
+    let dashboard = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/grafana-dashboard.json"
+    ))
+    .unwrap();
+    let dashboard: Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    let mut queried = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().unwrap();
+            for (at, _) in expr.match_indices("cxlkv_") {
+                let name: String = expr[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .filter(|f| m.types.get(*f).is_some_and(|t| t == "histogram"))
+                    .unwrap_or(&name);
+                assert!(
+                    m.types.contains_key(family),
+                    "the dashboard queries {name}, which is not served"
+                );
+                queried += 1;
+            }
+        }
+    }
+    assert!(queried > 20, "{queried} metric references in the dashboard");
 
     // A scrape is a statistics snapshot: the directory counts it as one
     // `stats` call, and nothing else changes.

@@ -584,7 +584,7 @@ pub fn render(snap: &MetricsSnapshot) -> String {
     ] {
         e.family(name, "gauge", help);
         for i in &s.instances {
-            e.sample(name, &[("instance", &i.instance_id)], field(i));
+            e.sample(name, &[("instance_id", &i.instance_id)], field(i));
         }
     }
     e.out
