@@ -53,7 +53,7 @@ fn workload(client: &Client) -> Done {
     let outcomes = layout.batch_put(&items).unwrap();
     assert!(outcomes.iter().all(|o| *o == RegisterOutcome::Inserted));
     assert!(matches!(
-        layout.put(&key(0), &chunk(99, 100)).unwrap(),
+        layout.put(key(0), &chunk(99, 100)).unwrap(),
         RegisterOutcome::Duplicate(_)
     ));
     let mut wanted: Vec<Vec<u8>> = (0..10).map(key).collect();
@@ -260,8 +260,11 @@ fn valid_name(n: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
 }
 
+/// A sample's labels, in order.
+type Labels = Vec<(String, String)>;
+
 /// Parses `{k="v",...}` at the start of `s`; the labels and the rest.
-fn parse_labels(s: &str) -> Result<(Vec<(String, String)>, &str), String> {
+fn parse_labels(s: &str) -> Result<(Labels, &str), String> {
     let mut labels = Vec::new();
     let mut rest = s.strip_prefix('{').ok_or("no {")?;
     loop {
