@@ -76,8 +76,9 @@ impl ConnectArgs {
     /// Connects, naming the endpoint on failure.
     pub fn connect(&self, tool: &str) -> anyhow::Result<Client> {
         let cfg = self.client_config(tool)?;
-        let server = cfg.server.clone();
-        Client::connect(cfg).with_context(|| format!("cannot connect to the server at {server:?}"))
+        // The client's message already names the endpoint and the cause
+        // (its sources repeat them: not chained again here).
+        Client::connect(cfg).map_err(|e| anyhow::anyhow!("{e}"))
     }
 }
 
