@@ -2,16 +2,19 @@
 //! series of operations: `cxlkv stats --json` (the real binary) reports
 //! exactly those operations field by field, and the `/metrics` endpoint
 //! serves a valid Prometheus exposition whose counters, gauges and
-//! histograms match them; its HTTP edge answers bad requests with the
-//! right status.
+//! histograms match them (and every metric the Grafana dashboard queries);
+//! its HTTP edge answers bad requests with the right status. Last, `cxlkv
+//! serve --metrics-addr` as a process announces its endpoint, which
+//! answers, next to `cxlkv stats`.
 
 mod client_support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use client_support::*;
 use cxlkv::client::{Client, ClientConfig, DeleteOutcome, RegisterOutcome};
@@ -594,4 +597,113 @@ fn the_metrics_endpoint_refuses_what_is_not_a_scrape() {
     assert_eq!(http(addr, b"GET /metrics HTTP/1.1\r\n").0, 408);
     // The endpoint still serves after all that.
     assert_eq!(http(addr, b"GET /metrics HTTP/1.1\r\n\r\n").0, 200);
+}
+
+/// Kills the child if the test fails before it stopped it, and removes its
+/// files.
+struct ServeGuard {
+    child: Option<Child>,
+    paths: Vec<std::path::PathBuf>,
+}
+
+impl Drop for ServeGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for p in &self.paths {
+            let _ = std::fs::remove_dir_all(p);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[test]
+fn serve_with_a_metrics_address_announces_and_serves_it() {
+    let unique = format!("ops-serve-{}", std::process::id());
+    let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
+    let pool = std::path::PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
+    let state = std::path::PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
+    let child = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["serve", "--metrics-addr", "127.0.0.1:0"])
+        .env("CXLKV_SERVER_SOCKET", &socket)
+        .env(
+            "CXLKV_POOL_POOLS",
+            format!(
+                "[{{path = \"{}\", size_bytes = \"64MiB\"}}]",
+                pool.display()
+            ),
+        )
+        .env("CXLKV_LOG", "warn")
+        .env_remove("CXLKV_CONFIG")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("cxlkv serve starts");
+    let mut guard = ServeGuard {
+        child: Some(child),
+        paths: vec![socket.clone(), pool, state],
+    };
+    let stdout = guard.child.as_mut().unwrap().stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a line on stdout")
+        .unwrap();
+    let prefix = format!("listening unix:{} metrics:http://", socket.display());
+    let addr: SocketAddr = line
+        .strip_prefix(&prefix)
+        .and_then(|rest| rest.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("{line:?} does not announce the metrics endpoint"))
+        .parse()
+        .unwrap();
+
+    let out = cxlkv(&["stats", "--json", "--socket", socket.to_str().unwrap()]);
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["totals"]["sessions"], 1, "the tool's own");
+    assert_eq!(r["ops"]["hello"]["requests"], 1);
+
+    // The tool has exited; the server may not have seen its connection
+    // close yet when the first scrape arrives.
+    let closed = |m: &Exposition| m.get("cxlkv_sessions_ended_total", &[("reason", "closed")]);
+    let mut m = None;
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let (status, _, body) = http(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+            assert_eq!(status, 200);
+            let scraped = parse_exposition(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
+            let done = closed(&scraped) == 1.0;
+            m = Some(scraped);
+            done
+        }),
+        "the tool's session is counted as closed"
+    );
+    let m = m.unwrap();
+    assert_eq!(m.get("cxlkv_requests_total", &[("op", "hello")]), 1.0);
+    assert_eq!(m.get("cxlkv_sessions", &[]), 0.0);
+
+    let pid = guard.child.as_ref().unwrap().id() as libc::pid_t;
+    // SAFETY: `pid` is our child, not yet reaped (the guard owns it).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = guard.child.as_mut().unwrap().try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    guard.child = None;
+    assert!(status.success(), "exit status {status}");
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "the metrics endpoint stops with the server"
+    );
 }

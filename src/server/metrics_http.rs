@@ -100,7 +100,8 @@ pub fn response(status: u16, content_type: &str, body: &[u8], head_only: bool) -
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         431 => "Request Header Fields Too Large",
-        _ => "Service Unavailable",
+        503 => "Service Unavailable",
+        _ => "Error",
     };
     let mut out = format!(
         "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n",
