@@ -683,7 +683,36 @@ pub fn render_text(r: &Report, max_rows: usize) -> String {
         table(&mut out, &["session", "instance", "pins", "held"], &rows);
         more(&mut out, r.long_pins.len(), rows.len());
     }
-    let _ = writeln!(out, "\nregions: {} listed", r.regions.len());
+    let _ = writeln!(out, "\nregions");
+    let rows: Vec<Vec<String>> = r
+        .regions
+        .iter()
+        .take(max_rows)
+        .map(|g| {
+            let mut owner = g.owner_instance.clone();
+            if !g.owner_present {
+                owner.push_str(" (gone)");
+            }
+            vec![
+                g.region.to_string(),
+                g.pool.to_string(),
+                human_bytes(g.page_size_bytes),
+                human_bytes(g.len_bytes),
+                owner,
+                g.keys.to_string(),
+                human_bytes(g.used_bytes),
+                if g.deferred { "yes" } else { "no" }.to_owned(),
+            ]
+        })
+        .collect();
+    table(
+        &mut out,
+        &[
+            "region", "pool", "page", "length", "owner", "keys", "used", "deferred",
+        ],
+        &rows,
+    );
+    more(&mut out, r.regions.len(), rows.len());
     if r.truncated {
         let _ = writeln!(out, "(tables truncated by the server)");
     }
@@ -752,6 +781,20 @@ pub(crate) mod tests {
                 cached_reply_bytes: 0,
             })
             .collect();
+        r.regions = vec![proto::RegionRow {
+            region: 42,
+            pool: 0,
+            layout: proto::Layout {
+                page_size_bytes: 64 << 10,
+                fingerprint: 1,
+            },
+            len_bytes: 64 << 20,
+            owner_instance: "engine-b".into(),
+            owner_present: false,
+            keys: 9,
+            used_bytes: 9 << 16,
+            deferred: true,
+        }];
         r.totals.pins = 6;
         r.totals.evictions_orphan = 7;
         r
@@ -791,6 +834,7 @@ pub(crate) mod tests {
             "… 1 more",
             "evictions: orphan 7",
             "pins 6",
+            "engine-b (gone)",
         ] {
             assert!(text.contains(needle), "{needle:?} missing from\n{text}");
         }

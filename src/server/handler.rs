@@ -48,7 +48,8 @@ use super::wire;
 /// the loop thread. Its length is bounded by construction: one entry per
 /// pool request in flight (bounded by the directory's pending-request and
 /// region limits) and per control call (one per caller, each waits for its
-/// answer).
+/// answer; of the metrics endpoint's, at most one is queued: see
+/// `metrics_source`).
 #[derive(Debug, Default)]
 pub(crate) struct Mailbox {
     events: Mutex<VecDeque<Event>>,

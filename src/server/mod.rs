@@ -508,16 +508,32 @@ impl Server {
 
 /// What the metrics thread calls per scrape: a snapshot from the loop,
 /// rendered here.
+///
+/// At most one snapshot request is ever queued in the mailbox: a scrape
+/// that timed out leaves its request there, and the next scrape waits for
+/// that one's answer instead of posting another.
 fn metrics_source(
     mailbox: Arc<Mailbox>,
     completer: transport::Completer,
 ) -> metrics_http::RenderFn {
+    let outstanding = parking_lot::Mutex::new(None::<mpsc::Receiver<metrics::MetricsSnapshot>>);
     Box::new(move || {
-        let (tx, rx) = mpsc::sync_channel(1);
-        mailbox.post(Event::Control(Control::Metrics(tx)), &completer);
-        rx.recv_timeout(METRICS_SNAPSHOT_TIMEOUT)
-            .map(|snap| metrics::render(&snap))
-            .map_err(|_| "the server's event loop did not answer in time\n".to_owned())
+        let mut slot = outstanding.lock();
+        let rx = slot.take().unwrap_or_else(|| {
+            let (tx, rx) = mpsc::sync_channel(1);
+            mailbox.post(Event::Control(Control::Metrics(tx)), &completer);
+            rx
+        });
+        match rx.recv_timeout(METRICS_SNAPSHOT_TIMEOUT) {
+            Ok(snap) => Ok(metrics::render(&snap)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                *slot = Some(rx);
+                Err("the server's event loop did not answer in time\n".to_owned())
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err("the server's event loop is gone\n".to_owned())
+            }
+        }
     })
 }
 
