@@ -182,6 +182,9 @@ pub struct ServerSection {
     pub pool_daemon: Option<String>,
     /// File holding the secret of a TCP pool daemon.
     pub pool_daemon_secret_file: Option<PathBuf>,
+    /// Serve Prometheus metrics at `http://<this>/metrics` (`host:port`).
+    /// Off by default.
+    pub metrics_addr: Option<String>,
 }
 
 impl Default for ServerSection {
@@ -197,6 +200,7 @@ impl Default for ServerSection {
             tick_ms: 100,
             pool_daemon: None,
             pool_daemon_secret_file: None,
+            metrics_addr: None,
         }
     }
 }
@@ -336,6 +340,13 @@ impl Config {
                     .map_err(|e| invalid("tcp", format!("{t:?} is not host:port ({e})")))?,
             ),
         };
+        c.metrics_listen =
+            match &s.metrics_addr {
+                None => None,
+                Some(a) => Some(a.parse::<SocketAddr>().map_err(|e| {
+                    invalid("metrics_addr", format!("{a:?} is not host:port ({e})"))
+                })?),
+            };
         c.tcp_secret = match &s.tcp_secret_file {
             Some(path) => Some(read_secret(path).map_err(|r| invalid("tcp_secret_file", r))?),
             None => None,
@@ -701,7 +712,7 @@ fn default_socket() -> PathBuf {
 
 /// Reads a secret file: at most 256 bytes, not readable by group or others;
 /// one trailing newline is not part of the secret.
-fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
@@ -867,6 +878,38 @@ mod tests {
         );
         c.server.tcp_insecure = true;
         assert!(c.server_config().unwrap().tcp_insecure_no_secret);
+    }
+
+    #[test]
+    fn the_metrics_address_follows_the_precedence_and_must_be_host_port() {
+        let f = file("[server]\nmetrics_addr = \"127.0.0.1:1\"\n");
+        let c = load(Some(f.path()), env(&[]), &[]).unwrap();
+        assert_eq!(
+            c.server_config().unwrap().metrics_listen,
+            Some("127.0.0.1:1".parse().unwrap()),
+            "file"
+        );
+        let vars = env(&[("CXLKV_SERVER_METRICS_ADDR", "127.0.0.1:2")]);
+        let c = load(Some(f.path()), vars.clone(), &[]).unwrap();
+        assert_eq!(c.server.metrics_addr.as_deref(), Some("127.0.0.1:2"), "env");
+        let flags = [Override::new("server", "metrics_addr", "127.0.0.1:3")];
+        let c = load(Some(f.path()), vars, &flags).unwrap();
+        assert_eq!(
+            c.server_config().unwrap().metrics_listen,
+            Some("127.0.0.1:3".parse().unwrap()),
+            "flag"
+        );
+        assert!(
+            Config::default()
+                .server_config()
+                .unwrap()
+                .metrics_listen
+                .is_none()
+        );
+        let mut c = Config::default();
+        c.server.metrics_addr = Some("localhost".into());
+        let e = c.server_config().unwrap_err().to_string();
+        assert!(e.contains("metrics_addr"), "{e}");
     }
 
     #[test]

@@ -11,6 +11,8 @@ use crate::bench::Reporter;
 
 pub mod pool;
 pub mod serve;
+pub mod stats;
+pub mod top;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -33,6 +35,10 @@ enum Command {
     /// Run the directory server with its embedded pool manager (with no
     /// arguments: the default pool under /dev/shm, the default socket).
     Serve(serve::ServeArgs),
+    /// Print a running server's statistics (a table, or `--json`).
+    Stats(stats::StatsArgs),
+    /// Watch a running server live (pools, operations, instances, pins).
+    Top(top::TopArgs),
 }
 
 /// Flags shared by every bench scenario.
@@ -78,6 +84,14 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => {
             init_tracing("info");
             serve::run(&args)
+        }
+        Command::Stats(args) => {
+            init_tracing("warn");
+            stats::run(&args)
+        }
+        Command::Top(args) => {
+            init_tracing("error");
+            top::run(&args)
         }
     };
     match result {

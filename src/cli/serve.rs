@@ -77,6 +77,10 @@ pub struct ServeArgs {
     /// Report pins held longer than this (`[directory] long_pin_ms`).
     #[arg(long)]
     pub long_pin_ms: Option<u64>,
+    /// Serve Prometheus metrics at `http://HOST:PORT/metrics` (`[server]
+    /// metrics_addr`).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
     /// Print the resolved configuration and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -111,6 +115,9 @@ impl ServeArgs {
                 "max_connections",
                 int("max-connections", n)?,
             ));
+        }
+        if let Some(a) = &self.metrics_addr {
+            o.push(Override::new("server", "metrics_addr", a.clone()));
         }
         if let Some(id) = &self.directory_id {
             o.push(Override::new("server", "directory_id", id.clone()));
@@ -167,6 +174,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let mut endpoints = vec![format!("unix:{}", server.socket_path().display())];
     if let Some(addr) = server.tcp_addr() {
         endpoints.push(format!("tcp:{addr}"));
+    }
+    if let Some(addr) = server.metrics_addr() {
+        endpoints.push(format!("metrics:http://{addr}/metrics"));
     }
     println!("listening {}", endpoints.join(" "));
     tracing::info!(

@@ -40,6 +40,7 @@ use parking_lot::Mutex;
 
 use cxlkv_controlplane::pool::service::{PoolReply, PoolRequest, PoolService, PoolServiceError};
 
+use super::metrics::{MetricsSnapshot, OpLatencies, kind_of};
 use super::pool::{dup_fds, worth_retrying};
 use super::wire;
 
@@ -47,7 +48,8 @@ use super::wire;
 /// the loop thread. Its length is bounded by construction: one entry per
 /// pool request in flight (bounded by the directory's pending-request and
 /// region limits) and per control call (one per caller, each waits for its
-/// answer).
+/// answer; of the metrics endpoint's, at most one is queued: see
+/// `metrics_source`).
 #[derive(Debug, Default)]
 pub(crate) struct Mailbox {
     events: Mutex<VecDeque<Event>>,
@@ -88,6 +90,8 @@ pub(crate) enum Event {
 #[derive(Debug)]
 pub(crate) enum Control {
     Stats(SyncSender<DirectoryStats>),
+    /// A snapshot for one `/metrics` scrape.
+    Metrics(SyncSender<MetricsSnapshot>),
 }
 
 /// Per connection.
@@ -179,6 +183,9 @@ pub(crate) struct DirectoryHandler {
     /// added when granted, confirmed or recovered, removed when freed.
     regions: BTreeSet<RegionId>,
     free_retries: Vec<FreeRetry>,
+    /// Fixed-bucket latency histograms for `/metrics` (the directory's own
+    /// are reported as quantiles only).
+    latencies: OpLatencies,
     /// Frees submitted and not answered yet (shutdown waits for them).
     frees_in_flight: usize,
     tick_every: Duration,
@@ -234,6 +241,7 @@ impl DirectoryHandler {
             pending: HashMap::new(),
             regions: p.recovered_regions.into_iter().collect(),
             free_retries: Vec::new(),
+            latencies: OpLatencies::default(),
             frees_in_flight: 0,
             tick_every: p.tick_every,
             next_tick: now + p.tick_every,
@@ -257,6 +265,31 @@ impl DirectoryHandler {
     /// be retried).
     pub fn frees_outstanding(&self) -> usize {
         self.frees_in_flight + self.free_retries.len()
+    }
+
+    /// Records a request's time in the server, in the directory's
+    /// histograms (quantiles for `Stats`) and in the fixed-bucket ones (for
+    /// `/metrics`).
+    fn record_latency(&mut self, op: OpKind, elapsed: Duration) {
+        self.dir.record_latency(op, elapsed);
+        self.latencies.record(op, elapsed);
+    }
+
+    fn metrics_snapshot(&mut self) -> MetricsSnapshot {
+        let stats = self.stats_reply(
+            ReplyMeta::default(),
+            proto::sections::INSTANCES,
+            proto::MAX_STATS_ROWS,
+        );
+        MetricsSnapshot {
+            stats,
+            latencies: self.latencies.clone(),
+            pool_paths: self
+                .pools
+                .iter()
+                .map(|p| (p.pool, p.path.clone()))
+                .collect(),
+        }
     }
 
     // --- replies ----------------------------------------------------------
@@ -1246,6 +1279,10 @@ impl DirectoryHandler {
                     // The caller may have given up waiting.
                     let _ = reply.send(self.dir.stats(now));
                 }
+                Event::Control(Control::Metrics(reply)) => {
+                    // The scrape may have given up waiting.
+                    let _ = reply.send(self.metrics_snapshot());
+                }
             }
         }
         let now = Instant::now();
@@ -1321,26 +1358,7 @@ impl DirectoryHandler {
                 self.send_error(out, p.conn, p.request_id, &reply);
             }
         }
-        self.dir
-            .record_latency(OpKind::RequestRegion, p.started.elapsed());
-    }
-}
-
-/// The request kind an operation is counted under.
-fn kind_of(op: OpKind) -> Kind {
-    match op {
-        OpKind::Hello => Kind::Hello,
-        OpKind::Reattach => Kind::Reattach,
-        OpKind::Heartbeat => Kind::Heartbeat,
-        OpKind::Register => Kind::Register,
-        OpKind::Lookup => Kind::Lookup,
-        OpKind::Exists => Kind::Exists,
-        OpKind::Unpin => Kind::Unpin,
-        OpKind::Delete => Kind::Delete,
-        OpKind::RequestRegion => Kind::RequestRegion,
-        OpKind::ReturnRegion => Kind::ReturnRegion,
-        OpKind::Stats => Kind::Stats,
-        OpKind::EndSession => Kind::EndSession,
+        self.record_latency(OpKind::RequestRegion, p.started.elapsed());
     }
 }
 
@@ -1405,7 +1423,7 @@ impl Handler for DirectoryHandler {
         if let Some(op) = op
             && op != OpKind::RequestRegion
         {
-            self.dir.record_latency(op, started.elapsed());
+            self.record_latency(op, started.elapsed());
         }
     }
 

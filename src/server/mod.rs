@@ -26,6 +26,15 @@
 //! connection is closed, every session ends, its pins are released), waits a
 //! bounded time for region frees in flight, and removes the socket file.
 //!
+//! ## Metrics
+//!
+//! With [`ServerConfig::metrics_listen`] set, a `cxlkv-metrics` thread
+//! answers `GET /metrics` over HTTP (`metrics_http.rs`): each scrape posts a
+//! control event to the loop, which answers with a snapshot (the `Stats`
+//! figures and the fixed-bucket latency histograms of `metrics.rs`); the
+//! text is rendered on the metrics thread. A scrape waits at most
+//! [`METRICS_SNAPSHOT_TIMEOUT`] for the loop.
+//!
 //! ## Identity
 //!
 //! Unix peers are identified by `SO_PEERCRED` (pid, uid, gid), never by a
@@ -35,6 +44,8 @@
 //! pools' UUIDs and paths instead of descriptors.
 
 mod handler;
+pub mod metrics;
+mod metrics_http;
 mod pool;
 mod wire;
 
@@ -55,6 +66,7 @@ use cxlkv_controlplane::transport::{self, Endpoint, TransportError};
 use cxlkv_dataplane::ids::PoolId;
 
 use handler::{Control, DirectoryHandler, Event, HandlerParts, Mailbox};
+use metrics_http::MetricsEndpoint;
 pub use pool::PoolManagerConfig;
 
 /// The embedded default pool: a file under `/dev/shm` (RAM-backed), the
@@ -91,6 +103,10 @@ pub const DEFAULT_DIRECTORY_ID: &str = "cxlkv";
 /// How long shutdown waits for region frees the pool manager has not
 /// confirmed yet.
 const SHUTDOWN_FREE_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a `/metrics` scrape waits for the event loop's snapshot before
+/// it is answered `503`.
+pub const METRICS_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Everything a server needs to start. `ServerConfig::default()` is what
 /// `cxlkv serve` runs with no arguments; fields may be changed one by one
@@ -130,6 +146,9 @@ pub struct ServerConfig {
     pub tick_ms: u64,
     /// Transport knobs (backend, spinning, in-flight limits).
     pub io: transport::IoConfig,
+    /// Serve Prometheus metrics over HTTP at `http://<this>/metrics` (port
+    /// 0 picks a free port). Off by default.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Default for ServerConfig {
@@ -149,6 +168,7 @@ impl Default for ServerConfig {
             default_region_bytes: DEFAULT_REGION_BYTES,
             tick_ms: 100,
             io: transport::IoConfig::default(),
+            metrics_listen: None,
         }
     }
 }
@@ -283,6 +303,8 @@ pub enum ServerError {
     },
     #[error("the server's event loop is gone")]
     Stopped,
+    #[error("cannot listen for metrics on {addr}: {source}")]
+    Metrics { addr: SocketAddr, source: io::Error },
 }
 
 /// A running server. Dropping it shuts it down (errors are logged).
@@ -290,6 +312,8 @@ pub enum ServerError {
 pub struct ServerHandle {
     transport: Option<transport::ServerHandle<DirectoryHandler>>,
     ticker: Option<(mpsc::Sender<()>, JoinHandle<()>)>,
+    /// Stopped first: a scrape in progress still finds the loop.
+    metrics: Option<MetricsEndpoint>,
     mailbox: Arc<Mailbox>,
     completer: transport::Completer,
     /// The embedded pool manager, stopped (journal synced, checkpointed)
@@ -398,6 +422,12 @@ impl Server {
             for p in usage {
                 directory.pool_usage(PoolId(p.pool), p.total_bytes, p.free_bytes);
             }
+            // Bound before anything is served, so that a port in use fails
+            // the start.
+            let metrics_listener = config
+                .metrics_listen
+                .map(MetricsEndpoint::bind)
+                .transpose()?;
             prepare_socket(&config.socket_path)?;
             let mut endpoints = vec![Endpoint::Unix(config.socket_path.clone())];
             if let Some(addr) = config.tcp_listen {
@@ -436,6 +466,14 @@ impl Server {
             let backend = server.backend();
             let transport = server.spawn(handler)?;
             let ticker = spawn_ticker(completer.clone(), Duration::from_millis(config.tick_ms))?;
+            let metrics = metrics_listener
+                .map(|l| {
+                    MetricsEndpoint::spawn(
+                        l,
+                        metrics_source(Arc::clone(&mailbox), completer.clone()),
+                    )
+                })
+                .transpose()?;
             let pool_paths: Vec<PathBuf> = session
                 .welcome
                 .pools
@@ -445,6 +483,7 @@ impl Server {
             tracing::info!(
                 socket = %config.socket_path.display(),
                 tcp = ?tcp_addr,
+                metrics = ?metrics.as_ref().map(MetricsEndpoint::addr),
                 pools = ?pool_paths,
                 %backend,
                 "server listening"
@@ -453,6 +492,7 @@ impl Server {
             Ok(ServerHandle {
                 transport: Some(transport),
                 ticker: Some(ticker),
+                metrics,
                 mailbox,
                 completer,
                 pool_core,
@@ -464,6 +504,37 @@ impl Server {
         })();
         started.inspect_err(cleanup)
     }
+}
+
+/// What the metrics thread calls per scrape: a snapshot from the loop,
+/// rendered here.
+///
+/// At most one snapshot request is ever queued in the mailbox: a scrape
+/// that timed out leaves its request there, and the next scrape waits for
+/// that one's answer instead of posting another.
+fn metrics_source(
+    mailbox: Arc<Mailbox>,
+    completer: transport::Completer,
+) -> metrics_http::RenderFn {
+    let outstanding = parking_lot::Mutex::new(None::<mpsc::Receiver<metrics::MetricsSnapshot>>);
+    Box::new(move || {
+        let mut slot = outstanding.lock();
+        let rx = slot.take().unwrap_or_else(|| {
+            let (tx, rx) = mpsc::sync_channel(1);
+            mailbox.post(Event::Control(Control::Metrics(tx)), &completer);
+            rx
+        });
+        match rx.recv_timeout(METRICS_SNAPSHOT_TIMEOUT) {
+            Ok(snap) => Ok(metrics::render(&snap)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                *slot = Some(rx);
+                Err("the server's event loop did not answer in time\n".to_owned())
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err("the server's event loop is gone\n".to_owned())
+            }
+        }
+    })
 }
 
 /// Removes files and directory trees, logging what cannot be removed.
@@ -587,6 +658,12 @@ impl ServerHandle {
         self.tcp_addr
     }
 
+    /// The metrics endpoint's address actually bound, if metrics are
+    /// configured.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::addr)
+    }
+
     /// The pools' paths on this host, in pool-index order.
     pub fn pool_paths(&self) -> &[PathBuf] {
         &self.pool_paths
@@ -616,6 +693,9 @@ impl ServerHandle {
     }
 
     fn stop(&mut self) -> Result<ShutdownReport, ServerError> {
+        if let Some(m) = self.metrics.take() {
+            m.stop();
+        }
         if let Some((tx, join)) = self.ticker.take() {
             drop(tx);
             let _ = join.join();
