@@ -92,8 +92,8 @@ pub use types::{
 };
 
 use crate::client::LayoutHandle;
-use cxlkv_controlplane::proto::Location;
 use audit::{Said, UnknownOutcome};
+use cxlkv_controlplane::proto::Location;
 use events::Callback;
 use staging::{KeyMirror, Staging};
 use sweeper::Sweeper;

@@ -423,7 +423,11 @@ impl Staging {
             released,
             dropped,
         } = self.holds;
-        if released.checked_add(dropped).and_then(|gone| taken.checked_sub(gone)) != Some(staged) {
+        if released
+            .checked_add(dropped)
+            .and_then(|gone| taken.checked_sub(gone))
+            != Some(staged)
+        {
             return Err(broken(
                 "I3",
                 &[],

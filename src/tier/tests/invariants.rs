@@ -60,7 +60,10 @@ fn i3_a_hold_no_operation_reported_trips_the_assertion() {
             .inner
             .corrupt_as("reserve_read", |_, st| st.add_unreported_holds(&key, 1))
     });
-    assert!(msg.contains("I3") && msg.contains("after reserve_read"), "{msg}");
+    assert!(
+        msg.contains("I3") && msg.contains("after reserve_read"),
+        "{msg}"
+    );
     h.stop_asserting();
 }
 
@@ -77,7 +80,10 @@ fn i3_is_asserted_after_touch_keys_and_after_close() {
     let msg = tripped(|| {
         let _ = h.tier.touch_keys(&[&key]);
     });
-    assert!(msg.contains("I3") && msg.contains("after touch_keys"), "{msg}");
+    assert!(
+        msg.contains("I3") && msg.contains("after touch_keys"),
+        "{msg}"
+    );
     // `close` drains the staging: the unreported holds leave with their
     // entry, and the tally still does not add up.
     let msg = tripped(|| {
@@ -117,7 +123,10 @@ fn i5_write_finished_for_a_temporary_or_an_unconfirmed_key_trips_the_assertion()
     let h = harness("inv-i5-temp");
     let (temp, other) = (key(51), key(52));
     h.reserve(&[&temp], true);
-    assert_eq!(h.tier.finish_write(&[&temp]).unwrap(), vec![TierCode::Success]);
+    assert_eq!(
+        h.tier.finish_write(&[&temp]).unwrap(),
+        vec![TierCode::Success]
+    );
     assert_eq!(
         h.stage(&temp),
         KeyStage::ReadStaged {

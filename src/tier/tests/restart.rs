@@ -68,7 +68,11 @@ fn held_reads_and_finished_keys_survive_a_server_restart() {
         .expect("reserve_write");
     fill(&page(&w[0]), &staged);
     fill(&page(&w[1]), &temp);
-    let temp_view = page(&tier.finish_write_and_reserve_read(&[&temp], Holds::ONE).expect("promote")[0]);
+    let temp_view = page(
+        &tier
+            .finish_write_and_reserve_read(&[&temp], Holds::ONE)
+            .expect("promote")[0],
+    );
     let epoch = client.directory_epoch();
 
     server.shutdown().expect("shutdown");
@@ -105,7 +109,8 @@ fn held_reads_and_finished_keys_survive_a_server_restart() {
         assert_eq!(read_bytes(v), bytes_for(k, CHUNK));
     }
     assert_eq!(read_bytes(&temp_view), bytes_for(&temp, CHUNK));
-    tier.check_invariants().expect("staging consistent after the restart");
+    tier.check_invariants()
+        .expect("staging consistent after the restart");
     assert_eq!(
         tier.inspect(held[0]).expect("inspect"),
         KeyStage::ReadStaged {
@@ -118,11 +123,16 @@ fn held_reads_and_finished_keys_survive_a_server_restart() {
     // finish_read answers as on any day (`Success`) and releases the pins
     // the new session holds, inside the call.
     assert_eq!(
-        tier.finish_read(held, Holds::total(2)).expect("finish_read"),
+        tier.finish_read(held, Holds::total(2))
+            .expect("finish_read"),
         vec![TierCode::Success; held.len()]
     );
     assert_eq!(server.directory_stats().expect("stats").pins, 0);
-    assert_eq!(tier.stats().pins_lost, 0, "every pin was released, none lost");
+    assert_eq!(
+        tier.stats().pins_lost,
+        0,
+        "every pin was released, none lost"
+    );
     assert_eq!(
         peer.delete(held[0]).expect("peer delete"),
         DeleteOutcome::Deleted
@@ -147,7 +157,10 @@ fn held_reads_and_finished_keys_survive_a_server_restart() {
     let got = tier.reserve_read(&live, Holds::ONE).expect("reserve_read");
     for (k, p) in live.iter().zip(&got) {
         assert_eq!(read_bytes(&page(p)), bytes_for(k, CHUNK), "{k:?}");
-        let g = peer.get(k).expect("peer get").expect("the key is registered");
+        let g = peer
+            .get(k)
+            .expect("peer get")
+            .expect("the key is registered");
         assert_eq!(&g[..], &bytes_for(k, CHUNK)[..]);
     }
     drop(got);
@@ -179,9 +192,9 @@ fn held_reads_and_finished_keys_survive_a_server_restart() {
     client.close().expect("client close");
     peer_client.close().expect("peer close");
     eventually("the pool is whole once the clients left", || {
-        server.directory_stats().is_ok_and(|s| {
-            s.regions == 0 && s.instances == 0 && s.keys == 0 && pool_is_free(&s)
-        })
+        server
+            .directory_stats()
+            .is_ok_and(|s| s.regions == 0 && s.instances == 0 && s.keys == 0 && pool_is_free(&s))
     });
     server.shutdown().expect("shutdown");
 }
