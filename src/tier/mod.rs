@@ -55,6 +55,13 @@
 //!   while registered (I7) and none is leaked.
 //! - `get_memory_usage` makes no round trip (usage rides on every reply).
 //!
+//! # Invariants
+//!
+//! The reference's I1–I7, checked in debug builds whenever the tier's lock
+//! is released — after every locked operation, whatever path it returns by
+//! — and after `touch_keys`: I1–I4 on the maps (`staging.rs`), I5–I7 on a
+//! per-call record of what the call did and said (`audit.rs`).
+//!
 //! # Concurrency
 //!
 //! One lock per tier, held for the whole of every locked operation,
@@ -622,8 +629,8 @@ impl Inner {
 
     /// The client's activity count for I7 (see [`UnknownOutcome`]):
     /// requests sent plus pages freed by notices, read under the notice
-    /// lock so that a notice being applied is either wholly counted or
-    /// not yet freeing.
+    /// lock, so that no notice is half applied (its page freed, not yet
+    /// counted) while it is read.
     fn client_activity(&self) -> u64 {
         let shared = self.layout.shared();
         let _applying = shared.notice_lock.lock();
