@@ -4,8 +4,9 @@
 //! client registers, reads and deletes the same keys. Every call must
 //! answer (never an error but the documented ones), the invariants must
 //! hold throughout, and after `close` nothing leaks: the directory holds no
-//! pin, and once the keys are deleted every page of the tier's layout is
-//! back in its allocator, none freed twice.
+//! pin, once the keys are deleted every page of the tier's layout is back
+//! in its allocator, none freed twice, and once the clients leave every
+//! pool's free bytes equal its total.
 
 mod client_support;
 
@@ -237,4 +238,29 @@ fn threads_driving_one_tier_keep_the_invariants_and_leak_nothing() {
     assert_eq!(client.unresolved_registrations(), 0);
     let dir = server.directory_stats().unwrap();
     assert_eq!((dir.keys, dir.pins), (0, 0));
+
+    // The pool level: once both clients leave, their regions go back to the
+    // pool manager and every pool's free bytes equal its total again.
+    let tier = Arc::into_inner(tier).expect("the driver threads are joined");
+    drop(tier);
+    drop((layout, peer));
+    client.close().unwrap();
+    peer_client.close().unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let s = server.directory_stats().unwrap();
+            s.regions == 0 && s.instances == 0 && pool_is_free(&s)
+        }),
+        "every pool's free bytes are back to its total: {:?}",
+        server.directory_stats().unwrap().per_pool
+    );
+}
+
+/// Every pool of the server has all its bytes free (as its pool manager
+/// reports them).
+fn pool_is_free(s: &cxlkv_controlplane::directory::DirectoryStats) -> bool {
+    !s.per_pool.is_empty()
+        && s.per_pool
+            .iter()
+            .all(|p| p.reported_total_bytes > 0 && p.estimated_free_bytes == p.reported_total_bytes)
 }

@@ -55,6 +55,13 @@
 //!   while registered (I7) and none is leaked.
 //! - `get_memory_usage` makes no round trip (usage rides on every reply).
 //!
+//! # Invariants
+//!
+//! The reference's I1–I7, checked in debug builds whenever the tier's lock
+//! is released — after every locked operation, whatever path it returns by
+//! — and after `touch_keys`: I1–I4 on the maps (`staging.rs`), I5–I7 on a
+//! per-call record of what the call did and said (`audit.rs`).
+//!
 //! # Concurrency
 //!
 //! One lock per tier, held for the whole of every locked operation,
@@ -66,6 +73,7 @@
 //! [`TierError::Reentrant`]. The TTL sweeper (`sweeper.rs`) is a thread per
 //! tier that takes the lock once per sweep.
 
+mod audit;
 mod clock;
 mod events;
 mod ops;
@@ -91,6 +99,8 @@ pub use types::{
 };
 
 use crate::client::LayoutHandle;
+use audit::{Said, UnknownOutcome};
+use cxlkv_controlplane::proto::Location;
 use events::Callback;
 use staging::{KeyMirror, Staging};
 use sweeper::Sweeper;
@@ -226,10 +236,14 @@ struct Inner {
     skip_invariant_assert: AtomicBool,
 }
 
-/// The tier's lock, held by this thread (see `HELD`).
+/// The tier's lock, held by this thread (see `HELD`) for the locked
+/// operation `op`. Releasing it asserts the invariants (debug builds), so
+/// they are checked after every locked operation whatever path it returns
+/// by.
 struct Locked<'a> {
     guard: MutexGuard<'a, Staging>,
-    id: u64,
+    inner: &'a Inner,
+    op: &'static str,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -247,13 +261,18 @@ impl std::ops::DerefMut for Locked<'_> {
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        let id = self.id;
+        let id = self.inner.id;
         HELD.with(|h| {
             let mut h = h.borrow_mut();
             if let Some(pos) = h.iter().rposition(|&x| x == id) {
                 h.remove(pos);
             }
         });
+        // Not while unwinding: a second panic would abort, and the first
+        // one already says what went wrong.
+        if !std::thread::panicking() {
+            self.inner.assert_invariants(&mut self.guard, self.op);
+        }
     }
 }
 
@@ -325,7 +344,11 @@ impl L1Tier {
         self.inner.check_open(OP)?;
         self.inner.check_keys(OP, keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
-        self.inner.fire(Callback::Accessed, &keys);
+        let listeners = Arc::clone(&self.inner.listeners.read());
+        for l in listeners.iter() {
+            Callback::Accessed.call(l.as_ref(), &keys);
+        }
+        self.inner.assert_invariants_unlocked(OP);
         Ok(())
     }
 
@@ -417,11 +440,13 @@ impl L1Tier {
         Ok(st.stage_of(key.as_ref()))
     }
 
-    /// Checks the invariants I1, I2 and I4 and the tier's mirrors (see
-    /// `staging.rs`); debug builds assert them after every operation.
+    /// Checks the invariants I1–I4 and the tier's mirrors (`staging.rs`)
+    /// and, in debug builds, I7 (`audit.rs`); debug builds assert these and
+    /// I5/I6 (what the call told its listeners) after every operation.
     pub fn check_invariants(&self) -> Result<(), TierError> {
-        let st = self.inner.lock("check_invariants")?;
-        st.check().map_err(TierError::from)
+        const OP: &str = "check_invariants";
+        let mut st = self.inner.lock(OP)?;
+        self.inner.check(&mut st, OP).map_err(TierError::from)
     }
 
     /// Runs one TTL sweep now (the sweeper thread does this every
@@ -484,9 +509,14 @@ impl Inner {
         if self.held_by_this_thread() {
             return Err(TierError::Reentrant { op });
         }
-        let guard = self.state.lock();
+        let mut guard = self.state.lock();
+        guard.audit.reset();
         HELD.with(|h| h.borrow_mut().push(self.id));
-        Ok(Locked { guard, id: self.id })
+        Ok(Locked {
+            guard,
+            inner: self,
+            op,
+        })
     }
 
     /// Argument checks shared by every call that takes keys: batch and key
@@ -529,8 +559,10 @@ impl Inner {
         Ok(())
     }
 
-    /// Calls `cb` on every listener, in registration order.
-    fn fire(&self, cb: Callback, keys: &[&[u8]]) {
+    /// Calls `cb` on every listener, in registration order (the tier's lock
+    /// held: `st` records what was said).
+    fn fire(&self, st: &mut Staging, cb: Callback, keys: &[&[u8]]) {
+        st.audit.said(Said::Callback(cb), keys);
         let listeners = Arc::clone(&self.listeners.read());
         for l in listeners.iter() {
             cb.call(l.as_ref(), keys);
@@ -538,7 +570,14 @@ impl Inner {
     }
 
     /// Calls `first(a)` then `second(b)` on each listener in turn.
-    fn fire_pair(&self, first: (Callback, &[&[u8]]), second: (Callback, &[&[u8]])) {
+    fn fire_pair(
+        &self,
+        st: &mut Staging,
+        first: (Callback, &[&[u8]]),
+        second: (Callback, &[&[u8]]),
+    ) {
+        st.audit.said(Said::Callback(first.0), first.1);
+        st.audit.said(Said::Callback(second.0), second.1);
         let listeners = Arc::clone(&self.listeners.read());
         for l in listeners.iter() {
             first.0.call(l.as_ref(), first.1);
@@ -546,24 +585,105 @@ impl Inner {
         }
     }
 
-    fn publish(&self, event: TierEvent, keys: &[&[u8]]) {
+    fn publish(&self, st: &mut Staging, event: TierEvent, keys: &[&[u8]]) {
+        st.audit.said(Said::Event(event), keys);
         if let Some(sink) = &self.cfg.events {
             sink.publish(event, keys);
         }
     }
 
+    /// Every invariant check: the maps (I1–I4, `staging.rs`), what the
+    /// current call said (I5, I6, `audit.rs`) and the pages of unknown
+    /// registration outcome (I7).
+    fn check(&self, st: &mut Staging, op: &str) -> Result<(), InvariantViolation> {
+        st.check()?;
+        st.audit.check(op, st)?;
+        self.check_unknown_outcomes(st)
+    }
+
     /// Asserts the invariants after an operation (debug builds).
-    fn assert_invariants(&self, st: &Staging, op: &'static str) {
+    fn assert_invariants(&self, st: &mut Staging, op: &'static str) {
         #[cfg(test)]
         // Relaxed: set by the test thread before the operation it guards.
         if self.skip_invariant_assert.load(Ordering::Relaxed) {
             return;
         }
         if cfg!(debug_assertions)
-            && let Err(v) = st.check()
+            && let Err(v) = self.check(st, op)
         {
             panic!("L1 tier invariant broken after {op}: {v}");
         }
+    }
+
+    /// The assertion after an unlocked operation: only if the lock is free
+    /// (a thread holding it — a listener's own call included — asserts
+    /// when it releases it; waiting here could deadlock that listener).
+    fn assert_invariants_unlocked(&self, op: &'static str) {
+        if cfg!(debug_assertions)
+            && let Some(mut st) = self.state.try_lock()
+        {
+            st.audit.reset();
+            self.assert_invariants(&mut st, op);
+        }
+    }
+
+    /// The client's activity count for I7 (see [`UnknownOutcome`]):
+    /// requests sent plus pages freed by notices, read under the notice
+    /// lock, so that no notice is half applied (its page freed, not yet
+    /// counted) while it is read.
+    fn client_activity(&self) -> u64 {
+        let shared = self.layout.shared();
+        let _applying = shared.notice_lock.lock();
+        // Relaxed: monotonic tallies. A request is counted before it is
+        // sent, a round trip (two system calls) before any free its answer
+        // leads to; the notice count is read under the lock its frees
+        // happen under.
+        shared.stats.requests.load(Ordering::Relaxed)
+            + shared.stats.pages_freed_by_notice.load(Ordering::Relaxed)
+    }
+
+    /// Notes pages whose registration outcome came back unknown (debug
+    /// builds; I7).
+    fn note_unknown_outcomes(&self, st: &mut Staging, locations: &[Location]) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let activity = self.client_activity();
+        st.unknown.clear();
+        st.unknown.extend(
+            locations
+                .iter()
+                .map(|&location| UnknownOutcome { location, activity }),
+        );
+    }
+
+    /// I7: no page of unknown registration outcome is free while the client
+    /// cannot have learned the outcome (see [`UnknownOutcome`]); entries
+    /// the client may have settled since are retired.
+    fn check_unknown_outcomes(&self, st: &mut Staging) -> Result<(), InvariantViolation> {
+        if st.unknown.is_empty() {
+            return Ok(());
+        }
+        let shared = self.layout.shared();
+        for u in &st.unknown {
+            let l = u.location;
+            let allocated = shared
+                .find_owned(l.region)
+                .is_some_and(|r| r.alloc.is_allocated(l.page_index(), l.page_generation()));
+            if !allocated && self.client_activity() == u.activity {
+                return Err(InvariantViolation {
+                    invariant: "I7",
+                    key: Vec::new(),
+                    detail: format!(
+                        "page {l:?} of a registration of unknown outcome is free, \
+                         and the client has not talked to the directory since"
+                    ),
+                });
+            }
+        }
+        let now = self.client_activity();
+        st.unknown.retain(|u| u.activity == now);
+        Ok(())
     }
 
     fn memory_usage(&self) -> (u64, u64) {
@@ -581,5 +701,15 @@ impl Inner {
             growable = growable.min(quota.saturating_sub(owned));
         }
         (used, owned.saturating_add(growable))
+    }
+}
+
+#[cfg(all(test, debug_assertions))]
+impl Inner {
+    /// Test hook: runs `corrupt` under the lock as if it were the operation
+    /// `op`; releasing the lock asserts the invariants, as after `op`.
+    fn corrupt_as(&self, op: &'static str, corrupt: impl FnOnce(&Inner, &mut Staging)) {
+        let mut st = self.lock(op).expect("the tier is open");
+        corrupt(self, &mut st);
     }
 }

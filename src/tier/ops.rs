@@ -5,8 +5,8 @@
 //! changes nothing), take the lock, classify each key against the local
 //! maps, make at most the round trips the operation needs — each one batch
 //! for all its keys — apply the answers, notify the listeners and the event
-//! sink with the successful keys in input order, and (debug builds) assert
-//! the invariants before the lock is released.
+//! sink with the successful keys in input order. Releasing the lock asserts
+//! the invariants (debug builds; `Locked` in `mod.rs`).
 
 use super::events::Callback;
 use super::staging::{PendingRead, PendingWrite, Staging};
@@ -14,6 +14,7 @@ use super::types::{Holds, KeyPage, SweepReport, TierCode, TierError, TierPage, W
 use super::{Counters, Inner, L1Tier, TierEvent};
 use crate::client::staged::PinnedLookup;
 use crate::client::{ClientError, DeleteOutcome, PageLease, RegisterOutcome};
+use cxlkv_controlplane::proto::Location;
 
 /// The keys at `indices` (in that order).
 fn pick<'k, K: AsRef<[u8]>>(keys: &'k [K], indices: &[usize]) -> Vec<&'k [u8]> {
@@ -83,9 +84,9 @@ impl L1Tier {
             }
         }
         let hits = flagged(keys, &ok);
-        inner.fire(Callback::ReservedRead, &hits);
-        inner.publish(TierEvent::ReadReserved, &hits);
-        inner.assert_invariants(&st, OP);
+        st.note_holds_taken(t, hits.len());
+        inner.fire(&mut st, Callback::ReservedRead, &hits);
+        inner.publish(&mut st, TierEvent::ReadReserved, &hits);
         Ok(out)
     }
 
@@ -110,7 +111,6 @@ impl L1Tier {
                 }
             })
             .collect();
-        inner.assert_invariants(&st, OP);
         Ok(out)
     }
 
@@ -137,6 +137,7 @@ impl L1Tier {
         let mut freed = vec![false; keys.len()];
         let mut unpins: Vec<(&[u8], u64)> = Vec::new();
         let mut reclaimed: Vec<PageLease> = Vec::new();
+        let mut released_total = 0u64;
         for (i, key) in keys.iter().enumerate() {
             let key = key.as_ref();
             let Some(r) = st.read_mut(key) else {
@@ -157,6 +158,7 @@ impl L1Tier {
                 );
             }
             r.holds -= released;
+            released_total += released;
             let unpin_now = released.min(r.pinned);
             r.pinned -= unpin_now;
             if unpin_now > 0 {
@@ -174,6 +176,7 @@ impl L1Tier {
             out[i] = TierCode::Success;
             ok[i] = true;
         }
+        st.note_holds_released(released_total);
         inner.release(&unpins);
         Counters::add(
             &inner.counters.temporaries_reclaimed,
@@ -182,12 +185,12 @@ impl L1Tier {
         drop(reclaimed);
         let (finished, deleted) = (flagged(keys, &ok), flagged(keys, &freed));
         inner.fire_pair(
+            &mut st,
             (Callback::ReadFinished, &finished),
             (Callback::Deleted, &deleted),
         );
-        inner.publish(TierEvent::ReadFinished, &finished);
-        inner.publish(TierEvent::KeysEvicted, &deleted);
-        inner.assert_invariants(&st, OP);
+        inner.publish(&mut st, TierEvent::ReadFinished, &finished);
+        inner.publish(&mut st, TierEvent::KeysEvicted, &deleted);
         Ok(out)
     }
 
@@ -267,7 +270,6 @@ impl L1Tier {
                 for &i in &needed {
                     out[i].code = TierCode::OutOfMemory;
                 }
-                inner.assert_invariants(&st, OP);
                 return Ok(out);
             }
         };
@@ -300,9 +302,8 @@ impl L1Tier {
             ok[i] = true;
         }
         let reserved = flagged(keys, &ok);
-        inner.fire(Callback::ReservedWrite, &reserved);
-        inner.publish(TierEvent::WriteReserved, &reserved);
-        inner.assert_invariants(&st, OP);
+        inner.fire(&mut st, Callback::ReservedWrite, &reserved);
+        inner.publish(&mut st, TierEvent::WriteReserved, &reserved);
         Ok(out)
     }
 
@@ -348,16 +349,15 @@ impl L1Tier {
             }
         }
         let mut registered = vec![false; keys.len()];
-        for (i, code) in inner.register(keys, retained) {
+        for (i, code) in inner.register(&mut st, keys, retained) {
             out[i] = code;
             registered[i] = code == TierCode::Success;
         }
         let written = flagged(keys, &registered);
-        inner.fire(Callback::WriteFinished, &written);
+        inner.fire(&mut st, Callback::WriteFinished, &written);
         if !written.is_empty() {
-            inner.publish(TierEvent::WriteFinished, &written);
+            inner.publish(&mut st, TierEvent::WriteFinished, &written);
         }
-        inner.assert_invariants(&st, OP);
         Ok(out)
     }
 
@@ -419,7 +419,7 @@ impl L1Tier {
             }
         }
         let mut registered = Vec::new();
-        for (i, code) in inner.register(keys, retained) {
+        for (i, code) in inner.register(&mut st, keys, retained) {
             out[i].code = TierCode::KeyInWrongState;
             if code == TierCode::Success {
                 registered.push(i);
@@ -437,9 +437,9 @@ impl L1Tier {
             }
         }
         let promoted = flagged(keys, &ok);
-        inner.fire(Callback::FinishWriteAndReserveRead, &promoted);
-        inner.publish(TierEvent::WriteFinishedAndReadReserved, &promoted);
-        inner.assert_invariants(&st, OP);
+        st.note_holds_taken(t, promoted.len());
+        inner.fire(&mut st, Callback::FinishWriteAndReserveRead, &promoted);
+        inner.publish(&mut st, TierEvent::WriteFinishedAndReadReserved, &promoted);
         Ok(out)
     }
 
@@ -495,6 +495,7 @@ impl L1Tier {
                     for (&i, outcome) in remote.iter().zip(outcomes) {
                         out[i] = match outcome {
                             DeleteOutcome::Deleted => {
+                                st.audit.dir_deleted(keys[i].as_ref());
                                 removed[i] = true;
                                 TierCode::Success
                             }
@@ -509,9 +510,8 @@ impl L1Tier {
             }
         }
         let deleted = flagged(keys, &removed);
-        inner.fire(Callback::Deleted, &deleted);
-        inner.publish(TierEvent::KeysEvicted, &deleted);
-        inner.assert_invariants(&st, OP);
+        inner.fire(&mut st, Callback::Deleted, &deleted);
+        inner.publish(&mut st, TierEvent::KeysEvicted, &deleted);
         Ok(out)
     }
 
@@ -533,8 +533,8 @@ impl L1Tier {
                 tracing::warn!(keys = dropped.len(), "clear(force) dropped live staging");
             }
             let dropped: Vec<&[u8]> = dropped.iter().map(AsRef::as_ref).collect();
-            inner.fire(Callback::Deleted, &dropped);
-            inner.publish(TierEvent::KeysEvicted, &dropped);
+            inner.fire(&mut st, Callback::Deleted, &dropped);
+            inner.publish(&mut st, TierEvent::KeysEvicted, &dropped);
         } else {
             let idle = st.idle_temporaries();
             let mut reclaimed = Vec::with_capacity(idle.len());
@@ -550,11 +550,10 @@ impl L1Tier {
             drop(reclaimed);
             if !idle.is_empty() {
                 let idle: Vec<&[u8]> = idle.iter().map(AsRef::as_ref).collect();
-                inner.fire(Callback::Deleted, &idle);
-                inner.publish(TierEvent::KeysEvicted, &idle);
+                inner.fire(&mut st, Callback::Deleted, &idle);
+                inner.publish(&mut st, TierEvent::KeysEvicted, &idle);
             }
         }
-        inner.assert_invariants(&st, OP);
         Ok(())
     }
 }
@@ -602,6 +601,7 @@ impl Inner {
     /// us, or by someone first), `KeyInWrongState` otherwise.
     fn register<K: AsRef<[u8]>>(
         &self,
+        st: &mut Staging,
         keys: &[K],
         retained: Vec<(usize, PendingWrite)>,
     ) -> Vec<(usize, TierCode)> {
@@ -610,6 +610,7 @@ impl Inner {
         }
         Counters::add(&self.counters.registers, 1);
         let indices: Vec<usize> = retained.iter().map(|(i, _)| *i).collect();
+        let locations: Vec<Location> = retained.iter().map(|(_, w)| w.lease.location()).collect();
         let entries: Vec<(&[u8], PageLease)> = retained
             .into_iter()
             .map(|(i, w)| (keys[i].as_ref(), w.lease))
@@ -617,8 +618,12 @@ impl Inner {
         let codes: Vec<TierCode> = match self.layout.batch_register(entries) {
             Ok(outcomes) => outcomes
                 .into_iter()
-                .map(|o| match o {
-                    RegisterOutcome::Inserted | RegisterOutcome::Duplicate(_) => TierCode::Success,
+                .zip(&indices)
+                .map(|(o, &i)| match o {
+                    RegisterOutcome::Inserted | RegisterOutcome::Duplicate(_) => {
+                        st.audit.registered(keys[i].as_ref());
+                        TierCode::Success
+                    }
                     RegisterOutcome::Rejected(reason) => {
                         tracing::warn!(?reason, "registration refused; page reclaimed");
                         TierCode::KeyInWrongState
@@ -628,6 +633,7 @@ impl Inner {
             Err(e) => {
                 if matches!(e, ClientError::Indeterminate { .. }) {
                     Counters::add(&self.counters.registers_unresolved, 1);
+                    self.note_unknown_outcomes(st, &locations);
                 }
                 tracing::warn!(error = %e, keys = indices.len(), "registration failed");
                 vec![TierCode::KeyInWrongState; indices.len()]
@@ -720,7 +726,6 @@ impl Inner {
             reads = report.reads,
             "L1 sweeper reclaimed expired staging"
         );
-        self.assert_invariants(&st, OP);
         Ok(report)
     }
 }

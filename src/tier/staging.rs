@@ -9,16 +9,21 @@
 //! - **I1**: a key is in at most one of `W` and `R`;
 //! - **I2**: `pinned ≤ holds`; a private temporary holds no pin; a
 //!   directory read holds exactly one pin per hold (`pinned == holds ≥ 1`);
+//! - **I3**: the holds staged in `R` are exactly those the operations
+//!   reported taking (`T` per successful key of a `reserve_read` or a
+//!   promote) minus those `finish_read` reported releasing and those that
+//!   left with a reclaimed entry (sweeper, `clear(force)`, `close`) — see
+//!   [`HoldLedger`];
 //! - **I4**: a temporary's page is its own private allocation, still
 //!   allocated under the same generation (never registered, never freed
 //!   while staged) — and so is every write-staged page;
 //! - no page is staged twice (two entries never share a page);
 //! - the mirror equals the maps' keys.
 //!
-//! I3 (hold accounting), I5 (promotes never emit `write_finished`), I6
-//! (only removed keys are reported deleted) and I7 (a page whose
-//! registration is unknown is never freed — the client keeps it parked) are
-//! properties of the operations, proved by the tests.
+//! I5 and I6 (what the listeners were told) and I7 (pages of unknown
+//! registration outcome) are checked from the per-call record in
+//! `audit.rs`, which the maps feed: every key that leaves them is noted
+//! there.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +33,7 @@ use std::hash::BuildHasher;
 use foldhash::{HashMap, HashSet};
 use parking_lot::RwLock;
 
+use super::audit::{CallAudit, UnknownOutcome};
 use super::types::{InvariantViolation, KeyStage, TierPage};
 use crate::client::PageLease;
 
@@ -111,11 +117,34 @@ impl KeyMirror {
     }
 }
 
+/// The tier's lifetime tally of read holds (I3). `taken` counts what the
+/// operations *reported* — `T` for every key they answered `Success` with
+/// a hold — while the entries' `holds` are changed where the holds are
+/// staged; the check compares the two, so a hold staged without being
+/// reported (or reported without being staged, or released twice) shows.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HoldLedger {
+    /// Holds the operations reported taking.
+    pub taken: u64,
+    /// Holds `finish_read` reported releasing.
+    pub released: u64,
+    /// Holds that left `R` with their entry (sweeper, `clear(force)`,
+    /// `close`): nobody will finish them.
+    pub dropped: u64,
+}
+
 #[derive(Debug)]
 pub(crate) struct Staging {
     writes: HashMap<Box<[u8]>, PendingWrite>,
     reads: HashMap<Box<[u8]>, PendingRead>,
     mirror: Arc<KeyMirror>,
+    holds: HoldLedger,
+    /// What the current call did and said (debug builds; reset when the
+    /// lock is taken, checked when it is released).
+    pub audit: CallAudit,
+    /// Pages this tier handed to a registration whose outcome came back
+    /// unknown (debug builds; I7).
+    pub unknown: Vec<UnknownOutcome>,
     /// Set by `close`; every later locked call fails with `Closed`.
     pub closed: bool,
 }
@@ -126,8 +155,21 @@ impl Staging {
             writes: HashMap::default(),
             reads: HashMap::default(),
             mirror,
+            holds: HoldLedger::default(),
+            audit: CallAudit::default(),
+            unknown: Vec::new(),
             closed: false,
         }
+    }
+
+    /// An operation answered `Success` with `t` holds for `keys` keys.
+    pub fn note_holds_taken(&mut self, t: u64, keys: usize) {
+        self.holds.taken += t * keys as u64;
+    }
+
+    /// `finish_read` released `n` holds.
+    pub fn note_holds_released(&mut self, n: u64) {
+        self.holds.released += n;
     }
 
     pub fn has_write(&self, key: &[u8]) -> bool {
@@ -207,16 +249,20 @@ impl Staging {
         Some(w)
     }
 
+    /// Takes `key`'s read staging out; holds it still has are dropped (no
+    /// `finish_read` will release them).
     pub fn take_read(&mut self, key: &[u8]) -> Option<PendingRead> {
         let r = self.reads.remove(key)?;
+        self.holds.dropped += r.holds;
         self.forget(key);
         Some(r)
     }
 
     /// The key left one map; by I1 it is in neither now.
-    fn forget(&self, key: &[u8]) {
+    fn forget(&mut self, key: &[u8]) {
         debug_assert!(!self.writes.contains_key(key) && !self.reads.contains_key(key));
         self.mirror.remove(key);
+        self.audit.unstaged(key);
     }
 
     /// Keys of the writes whose deadline is at or before `now`.
@@ -257,6 +303,13 @@ impl Staging {
         let reads: Vec<_> = self.reads.drain().collect();
         let writes: Vec<_> = self.writes.drain().collect();
         self.mirror.clear();
+        for (key, r) in &reads {
+            self.holds.dropped += r.holds;
+            self.audit.unstaged(key);
+        }
+        for (key, _) in &writes {
+            self.audit.unstaged(key);
+        }
         (reads, writes)
     }
 
@@ -364,6 +417,26 @@ impl Staging {
                 }
             }
         }
+        let staged: u64 = self.reads.values().map(|r| r.holds).sum();
+        let HoldLedger {
+            taken,
+            released,
+            dropped,
+        } = self.holds;
+        if released
+            .checked_add(dropped)
+            .and_then(|gone| taken.checked_sub(gone))
+            != Some(staged)
+        {
+            return Err(broken(
+                "I3",
+                &[],
+                format!(
+                    "{staged} holds staged, but the operations reported {taken} taken, \
+                     {released} released by finish_read and {dropped} dropped with their entries"
+                ),
+            ));
+        }
         let mut expected: HashMap<u64, u32> = HashMap::default();
         for key in self.writes.keys().chain(self.reads.keys()) {
             *expected.entry(self.mirror.hash(key)).or_insert(0) += 1;
@@ -386,6 +459,20 @@ impl Staging {
     pub fn insert_read_unchecked(&mut self, key: &[u8], r: PendingRead) {
         self.mirror.add(key);
         self.reads.insert(Box::from(key), r);
+    }
+
+    /// Test hook: `extra` holds on `key`'s read staging that no operation
+    /// reported (what an I3 bug looks like).
+    #[cfg(all(test, debug_assertions))]
+    pub fn add_unreported_holds(&mut self, key: &[u8], extra: u64) {
+        if let Some(r) = self.reads.get_mut(key) {
+            r.holds += extra;
+        }
+    }
+
+    /// Whether `key` is read-staged as a private temporary.
+    pub fn is_temporary_read(&self, key: &[u8]) -> bool {
+        self.reads.get(key).is_some_and(PendingRead::is_temporary)
     }
 }
 

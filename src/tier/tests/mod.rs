@@ -9,6 +9,9 @@
 //!   not need a fault; `faults.rs`: those that do.
 //! - `decisions.rs`: the decisions of `l1-tier.md` (argument errors,
 //!   re-entrancy, input order, usage without a round trip, close).
+//! - `invariants.rs`: the debug-build assertions of I3, I5, I6 and I7 fire
+//!   on the states a bug would leave.
+//! - `restart.rs`: held reads and registered keys across a server restart.
 //!
 //! Vocabulary of the reference, as these tests read it: "seed K" = a peer
 //! client registers K; "pins" = the directory's pin count (its stats);
@@ -19,6 +22,9 @@ mod conformance;
 mod decisions;
 #[cfg(feature = "fault-injection")]
 mod faults;
+#[cfg(debug_assertions)]
+mod invariants;
+mod restart;
 mod scenarios;
 
 use std::sync::Arc;
