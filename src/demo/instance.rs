@@ -121,8 +121,8 @@ pub fn run(cfg: InstanceConfig) -> anyhow::Result<()> {
     loop {
         let line = match commands.recv_timeout(COMMAND_TIMEOUT + cfg.duration) {
             Ok(Some(line)) => line,
-            Ok(None) => break,
-            Err(_) => anyhow::bail!(
+            Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => anyhow::bail!(
                 "no command from the coordinator within {} s",
                 (COMMAND_TIMEOUT + cfg.duration).as_secs()
             ),
@@ -144,7 +144,9 @@ pub fn run(cfg: InstanceConfig) -> anyhow::Result<()> {
                     ports.len(),
                     cfg.instances
                 );
-                engine.run(Peers::new(ports), &commands)?;
+                if engine.run(Peers::new(ports), &commands)? == Ran::Stopped {
+                    break;
+                }
                 let report = serde_json::to_string(&engine.report())?;
                 say(&format!("done {report}"))?;
             }
@@ -201,6 +203,15 @@ fn say(line: &str) -> anyhow::Result<()> {
     writeln!(out, "{line}")?;
     out.flush()?;
     Ok(())
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ran {
+    /// Its duration is over.
+    Completed,
+    /// The coordinator said `exit` or went away.
+    Stopped,
 }
 
 /// The engine's state across requests.
@@ -274,7 +285,7 @@ impl Engine {
         &mut self,
         mut peers: Peers,
         commands: &mpsc::Receiver<Option<String>>,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Ran> {
         let mut rng = Rng::new(0xC0FFEE ^ (u64::from(self.cfg.index) << 32));
         let start = Instant::now();
         let mut last_progress = start;
@@ -285,7 +296,7 @@ impl Engine {
                     cmd.is_none() || cmd.as_deref() == Some("exit"),
                     "unexpected command {cmd:?} during a run"
                 );
-                return Ok(());
+                return Ok(Ran::Stopped);
             }
             let document = rng.below(self.cfg.documents);
             let question = rng.below(QUESTIONS_PER_DOCUMENT);
@@ -309,7 +320,7 @@ impl Engine {
                 say(&format!("progress {} {} {}", r.requests, r.hits, r.misses))?;
             }
         }
-        Ok(())
+        Ok(Ran::Completed)
     }
 
     /// Reads a request's chunks in place; returns the misses.

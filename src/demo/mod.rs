@@ -97,7 +97,7 @@ impl DemoConfig {
         );
         anyhow::ensure!(
             (MIN_CHUNK_BYTES..=MAX_CHUNK_BYTES).contains(&self.chunk_size_bytes)
-                && self.chunk_size_bytes % MIN_CHUNK_BYTES == 0,
+                && self.chunk_size_bytes.is_multiple_of(MIN_CHUNK_BYTES),
             "--chunk-size {} must be a multiple of 4 KiB between 4 KiB and 64 MiB",
             self.chunk_size_bytes
         );
@@ -593,7 +593,11 @@ impl Report {
         )?;
         writeln!(
             out,
-            "   TCP = the writer sends the chunk, the reader receives it into its own buffer and reads it)"
+            "   TCP = the writer sends the chunk, the reader receives it into its own buffer and reads it;"
+        )?;
+        writeln!(
+            out,
+            "   TCP readers are told each chunk's writer for free: no lookup, a conservative baseline)"
         )?;
         writeln!(out, "leftover processes: {}", self.leftover_processes)
     }

@@ -72,7 +72,10 @@ impl ChunkId {
     /// Writes the chunk's bytes into `out` (whose length must be a multiple
     /// of 8: chunk sizes are multiples of 4 KiB).
     pub fn fill(&self, out: &mut [u8]) {
-        debug_assert_eq!(out.len() % 8, 0, "chunk sizes are multiples of 8");
+        debug_assert!(
+            out.len().is_multiple_of(8),
+            "chunk sizes are multiples of 8"
+        );
         let (a, b) = self.pattern();
         for (i, word) in out.chunks_exact_mut(8).enumerate() {
             let w = a.wrapping_add(b.wrapping_mul(i as u64));
@@ -83,7 +86,10 @@ impl ChunkId {
     /// [`checksum`] of the chunk's `len_bytes` bytes, without producing them:
     /// `n·a + b·n(n−1)/2` over `n` words, wrapping.
     pub fn expected_checksum(&self, len_bytes: usize) -> u64 {
-        debug_assert_eq!(len_bytes % 8, 0, "chunk sizes are multiples of 8");
+        debug_assert!(
+            len_bytes.is_multiple_of(8),
+            "chunk sizes are multiples of 8"
+        );
         let (a, b) = self.pattern();
         let n = (len_bytes / 8) as u128;
         let triangle = (n * n.saturating_sub(1) / 2) as u64;
