@@ -145,6 +145,7 @@ pub struct Report {
     pub chunk_size_bytes: u64,
     pub duration_s: f64,
     pub pool: PathBuf,
+    /// The pool file's size (0: a device, size not known here).
     pub pool_size_bytes: u64,
     /// Whether the pool was created for the run (and removed after it).
     pub pool_created: bool,
@@ -240,8 +241,13 @@ pub fn run(cfg: &DemoConfig, stop: &AtomicBool) -> anyhow::Result<Report> {
     })?;
     server.shutdown().context("stopping the server")?;
     let mut report = merge(cfg, &reports)?;
+    // An existing pool keeps its own size (a device reports 0 here).
+    report.pool_size_bytes = if pool_created {
+        pool_size_bytes
+    } else {
+        std::fs::metadata(&pool).map_or(0, |m| m.len())
+    };
     report.pool = pool;
-    report.pool_size_bytes = pool_size_bytes;
     report.pool_created = pool_created;
     report.leftover_processes = leftover_processes;
     Ok(report)
