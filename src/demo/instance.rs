@@ -8,9 +8,10 @@
 //! ```text
 //! instance -> coordinator          coordinator -> instance
 //! ready <tcp port>
-//!                                  prefill            (instance 0 only)
-//! prefilled
+//!                                  prefill            (instance 0)
+//! prefilled <InstanceReport as JSON>
 //!                                  run <port of instance 0> <port of 1> ...
+//!                                                     (the peers: 1, 2, ...)
 //! progress <requests> <hits> <misses>     (every PROGRESS_EVERY)
 //! done <InstanceReport as JSON>
 //!                                  exit               (or end of input)
@@ -131,7 +132,8 @@ pub fn run(cfg: InstanceConfig) -> anyhow::Result<()> {
         match words.next() {
             Some("prefill") => {
                 engine.prefill()?;
-                say("prefilled")?;
+                let report = serde_json::to_string(&engine.report())?;
+                say(&format!("prefilled {report}"))?;
             }
             Some("run") => {
                 let ports = words
@@ -270,7 +272,8 @@ impl Engine {
         r
     }
 
-    /// Writes every document's prefix (instance 0, before the others run).
+    /// Writes every document's prefix (instance 0, before the peers run;
+    /// it then only serves its chunks over TCP until it is told to exit).
     fn prefill(&mut self) -> anyhow::Result<()> {
         for document in 0..self.cfg.documents {
             let chunks: Vec<ChunkId> = workload::prefix(document).collect();

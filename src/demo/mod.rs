@@ -5,16 +5,18 @@
 //! pool file under `/dev/shm` (or `--pool`), then starts instance processes
 //! (the same binary, `cxlkv demo --instance <i>`; see [`instance`]) that
 //! behave like inference engines on a prefix-heavy workload ([`workload`]):
-//! instance 0 prefills the documents' shared prefixes, then every instance
-//! serves requests — hits are read in place from whichever instance wrote
-//! them, misses are written — and fetches the same shared chunks over
-//! loopback TCP from their writers as the transfer baseline ([`tcp`]).
+//! instance 0 prefills the documents' shared prefixes (disaggregated
+//! prefill), then the peer instances serve requests — hits are read in
+//! place from whichever instance wrote them, misses are written for the
+//! others — and fetch the same shared chunks over loopback TCP from their
+//! writers as the transfer baseline ([`tcp`]).
 //! It merges their measurements ([`meter`]) into a [`Report`].
 //!
 //! Why the server runs in process and not as a `cxlkv serve` child: it is
 //! one thing fewer to start, watch and kill, its shutdown removes the pool
-//! file, its state and its socket (`remove_pool_on_shutdown`), and it does
-//! no data-path work that could share a CPU with the coordinator's nothing.
+//! file, its state and its socket (`remove_pool_on_shutdown`), and the
+//! coordinator around it only waits on pipes, so it takes no CPU time from
+//! the server (which does no data-path work either).
 //! The instances must be processes of their own: sharing across processes
 //! is the point.
 //!
@@ -312,17 +314,26 @@ impl Plan<'_> {
         self.progress
             .message("instance 0 prefills every document's prefix");
         fleet.send(0, "prefill")?;
-        self.collect(fleet, "prefilled", &[0], PREFILL_TIMEOUT, None)?;
+        let prefilled = self.collect(fleet, "prefilled", &[0], PREFILL_TIMEOUT, None)?;
         let run = format!("run {}", ports.join(" "));
-        for i in 0..fleet.len() {
+        let peers: Vec<usize> = (1..fleet.len()).collect();
+        for &i in &peers {
             fleet.send(i, &run)?;
         }
         let started = Instant::now();
-        let done = self.collect(fleet, "done", &all, cfg.duration + RUN_GRACE, Some(started))?;
+        let done = self.collect(
+            fleet,
+            "done",
+            &peers,
+            cfg.duration + RUN_GRACE,
+            Some(started),
+        )?;
         for i in 0..fleet.len() {
             fleet.send(i, "exit")?;
         }
-        done.iter()
+        prefilled
+            .iter()
+            .chain(&done)
             .enumerate()
             .map(|(i, json)| {
                 serde_json::from_str::<InstanceReport>(json)
