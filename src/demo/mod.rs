@@ -530,9 +530,10 @@ impl Report {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         writeln!(
             out,
-            "cxlkv demo: {} instance processes (1 prefill + {} peers), {} documents, {} KiB chunks, {} s",
+            "cxlkv demo: {} instance processes (1 prefill + {} peer{}), {} documents, {} KiB chunks, {} s",
             self.instances,
             self.instances - 1,
+            if self.instances == 2 { "" } else { "s" },
             self.documents,
             self.chunk_size_bytes >> 10,
             self.duration_s
