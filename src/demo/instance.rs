@@ -49,6 +49,9 @@ use cxlkv_controlplane::proto::sections;
 pub const FINGERPRINT: u64 = 0xDE30_0001;
 /// How often a running instance reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_millis(200);
+/// How long a failed request waits for the coordinator's stop (the likely
+/// reason a peer's chunk server went away) before it counts as a failure.
+const STOP_NOTICE: Duration = Duration::from_secs(1);
 /// Longest wait for the coordinator's next command, beyond the run itself.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -304,16 +307,14 @@ impl Engine {
             let document = rng.below(self.cfg.documents);
             let question = rng.below(QUESTIONS_PER_DOCUMENT);
             let chunks = workload::request(document, question);
-            let tcp_first = n % 2 == 1;
-            if tcp_first {
-                self.tcp_read(&chunks, &mut peers)?;
-            }
-            let misses = self.pool_read(&chunks)?;
-            if !tcp_first {
-                self.tcp_read(&chunks, &mut peers)?;
-            }
-            if !misses.is_empty() {
-                self.store(&misses)?;
+            if let Err(e) = self.request(&chunks, n % 2 == 1, &mut peers) {
+                // Stopping instances close their chunk servers under the
+                // peers still fetching: not a failure once the stop is here.
+                return match commands.recv_timeout(STOP_NOTICE) {
+                    Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => Ok(Ran::Stopped),
+                    Ok(Some(cmd)) if cmd == "exit" => Ok(Ran::Stopped),
+                    _ => Err(e),
+                };
             }
             n += 1;
             self.report.requests = n;
@@ -324,6 +325,27 @@ impl Engine {
             }
         }
         Ok(Ran::Completed)
+    }
+
+    /// One request: in-place and TCP reads (in the given order), then the
+    /// misses stored.
+    fn request(
+        &mut self,
+        chunks: &[ChunkId],
+        tcp_first: bool,
+        peers: &mut Peers,
+    ) -> anyhow::Result<()> {
+        if tcp_first {
+            self.tcp_read(chunks, peers)?;
+        }
+        let misses = self.pool_read(chunks)?;
+        if !tcp_first {
+            self.tcp_read(chunks, peers)?;
+        }
+        if !misses.is_empty() {
+            self.store(&misses)?;
+        }
+        Ok(())
     }
 
     /// Reads a request's chunks in place; returns the misses.
