@@ -15,6 +15,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod demo;
 pub mod server;
 pub mod tier;
 

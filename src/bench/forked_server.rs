@@ -87,7 +87,7 @@ pub(super) const PEER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Checksum that reads every byte once: a wrapping sum of little-endian
 /// words (the tail, if any, as one zero-padded word).
-pub(super) fn checksum(bytes: &[u8]) -> u64 {
+pub(crate) fn checksum(bytes: &[u8]) -> u64 {
     let words = bytes.chunks_exact(8);
     let tail = words.remainder();
     let mut sum = words.fold(0u64, |acc, w| {

@@ -10,7 +10,7 @@
 pub mod alloc;
 pub mod copy;
 pub mod directory_memory;
-mod forked_server;
+pub(crate) mod forked_server;
 pub mod pool;
 pub mod rtt;
 mod rtt_get;

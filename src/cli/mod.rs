@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bench::Reporter;
 
+pub mod demo;
 pub mod pool;
 pub mod serve;
 pub mod stats;
@@ -29,6 +30,9 @@ struct Cli {
 enum Command {
     /// Run one benchmark scenario (bench contract: DESIGN §7).
     Bench(BenchArgs),
+    /// The main job on one machine, nothing to set up: instance processes
+    /// share KV chunks through a pool; report vs a TCP transfer.
+    Demo(demo::DemoArgs),
     /// Run the pool manager as a standalone daemon (several directories
     /// sharing one device).
     Pool(pool::PoolArgs),
@@ -76,6 +80,10 @@ pub fn main() -> ExitCode {
         Command::Bench(args) => {
             init_tracing("warn");
             run_bench(&args)
+        }
+        Command::Demo(args) => {
+            init_tracing("warn");
+            demo::run(&args)
         }
         Command::Pool(args) => {
             init_tracing("info");
