@@ -4,7 +4,7 @@
 //! **flags > environment > file > built-in defaults.**
 //!
 //! The file (`--config PATH`, or `$CXLKV_CONFIG`) has one table per section
-//! (`[pool]`, `[server]`, `[directory]`).
+//! (`[pool]`, `[server]`, `[directory]`, `[transport]`).
 //! Every key `k` of section `s` can be set from the environment as
 //! `CXLKV_<S>_<K>` (upper case; e.g. `CXLKV_POOL_GRACE_MS=5000`); the value
 //! is read as a TOML value when it parses as one (`5000`, `true`,
@@ -39,7 +39,7 @@ pub const ENV_PREFIX: &str = "CXLKV_";
 /// Environment variable naming the configuration file (like `--config`).
 pub const CONFIG_ENV: &str = "CXLKV_CONFIG";
 /// The sections the environment layer reads (`CXLKV_<SECTION>_<KEY>`).
-pub const SECTIONS: &[&str] = &["pool", "server", "directory"];
+pub const SECTIONS: &[&str] = &["pool", "server", "directory", "transport"];
 
 /// Name of the embedded default pool file, under [`DEFAULT_POOL_DIR`].
 pub const DEFAULT_POOL_FILE: &str = "cxlkv.pool";
@@ -96,6 +96,160 @@ pub struct Config {
     pub pool: PoolConfig,
     pub server: ServerSection,
     pub directory: DirectorySection,
+    pub transport: TransportSection,
+}
+
+/// `[transport]`: how the control plane's server event loop does its I/O,
+/// for `cxlkv serve` and `cxlkv pool` alike. The defaults are the measured
+/// ones (the `transport` module essay and `cxlkv bench rtt`); change them
+/// after measuring on the target machine.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransportSection {
+    /// `auto` (io_uring, else the epoll fallback with one log line),
+    /// `uring` (io_uring or fail), `fallback` (epoll). `CXLKV_IO` applies
+    /// under `auto`.
+    pub backend: String,
+    /// Polling without sleeping after the last event before blocking (µs).
+    /// Waking a sleeping vCPU costs tens of µs: a spin bridges short gaps.
+    pub spin_us: u32,
+    /// io_uring: a kernel thread polls the submission queue (costs a core
+    /// while busy).
+    pub sqpoll: bool,
+    /// io_uring: the SQPOLL thread sleeps after this much idle time.
+    pub sqpoll_idle_ms: u32,
+    /// io_uring task-work mode: `defer`, `coop` or `interrupt`.
+    pub taskrun: String,
+    /// io_uring submission-queue entries of the server ring.
+    pub ring_entries: u32,
+    /// io_uring provided receive buffers: bytes each ...
+    #[serde(deserialize_with = "de_bytes")]
+    pub recv_buffer_bytes: u64,
+    /// ... and how many (a power of two, at most 32768).
+    pub recv_buffer_count: u16,
+    /// Requests of one connection in the server and not answered yet; more
+    /// are rejected with `TooManyInFlight`.
+    pub max_inflight_per_conn: usize,
+    /// Bytes queued for one connection and not yet taken by its socket; a
+    /// peer that stops reading is disconnected beyond this.
+    #[serde(deserialize_with = "de_bytes")]
+    pub max_send_queue_bytes: u64,
+    /// A connection holding an incomplete frame this long is closed.
+    pub partial_frame_timeout_ms: u64,
+}
+
+impl Default for TransportSection {
+    fn default() -> Self {
+        let t = cxlkv_controlplane::transport::ServerConfig::default();
+        Self {
+            backend: "auto".to_owned(),
+            spin_us: t.io.spin_us,
+            sqpoll: t.io.sqpoll,
+            sqpoll_idle_ms: t.io.sqpoll_idle_ms,
+            taskrun: "defer".to_owned(),
+            ring_entries: t.io.ring_entries,
+            recv_buffer_bytes: u64::from(t.io.recv_buffer_bytes),
+            recv_buffer_count: t.io.recv_buffer_count,
+            max_inflight_per_conn: t.max_inflight_per_conn,
+            max_send_queue_bytes: t.max_send_queue_bytes as u64,
+            partial_frame_timeout_ms: t.partial_frame_timeout_ms,
+        }
+    }
+}
+
+impl TransportSection {
+    /// The transport server configuration these keys describe (connection
+    /// limits other than these keep the transport's defaults; `cxlkv serve`
+    /// sets `max_connections` from `[server]`).
+    pub fn server_config(
+        &self,
+    ) -> Result<cxlkv_controlplane::transport::ServerConfig, ConfigError> {
+        use cxlkv_controlplane::transport::{BackendChoice, TaskRun};
+        let invalid = |key: &'static str, reason: String| ConfigError::Value {
+            section: "transport",
+            key,
+            reason,
+        };
+        let mut t = cxlkv_controlplane::transport::ServerConfig::default();
+        t.io.backend = match self.backend.as_str() {
+            "auto" => BackendChoice::Auto,
+            "uring" => BackendChoice::Uring,
+            "fallback" => BackendChoice::Fallback,
+            other => {
+                return Err(invalid(
+                    "backend",
+                    format!("{other:?} is not auto, uring or fallback"),
+                ));
+            }
+        };
+        t.io.taskrun = match self.taskrun.as_str() {
+            "defer" => TaskRun::Defer,
+            "coop" => TaskRun::Coop,
+            "interrupt" => TaskRun::Interrupt,
+            other => {
+                return Err(invalid(
+                    "taskrun",
+                    format!("{other:?} is not defer, coop or interrupt"),
+                ));
+            }
+        };
+        t.io.spin_us = self.spin_us;
+        t.io.sqpoll = self.sqpoll;
+        t.io.sqpoll_idle_ms = self.sqpoll_idle_ms;
+        if !(1..=32_768).contains(&self.ring_entries) {
+            return Err(invalid(
+                "ring_entries",
+                format!("{} is not in 1..=32768", self.ring_entries),
+            ));
+        }
+        t.io.ring_entries = self.ring_entries;
+        t.io.recv_buffer_bytes = u32::try_from(self.recv_buffer_bytes)
+            .ok()
+            .filter(|b| (4096..=(16 << 20)).contains(b))
+            .ok_or_else(|| {
+                invalid(
+                    "recv_buffer_bytes",
+                    format!("{} is not between 4KiB and 16MiB", self.recv_buffer_bytes),
+                )
+            })?;
+        if !self.recv_buffer_count.is_power_of_two() || self.recv_buffer_count > 32_768 {
+            return Err(invalid(
+                "recv_buffer_count",
+                format!(
+                    "{} is not a power of two up to 32768",
+                    self.recv_buffer_count
+                ),
+            ));
+        }
+        t.io.recv_buffer_count = self.recv_buffer_count;
+        if self.max_inflight_per_conn == 0 {
+            return Err(invalid(
+                "max_inflight_per_conn",
+                "must be at least 1".into(),
+            ));
+        }
+        t.max_inflight_per_conn = self.max_inflight_per_conn;
+        let min_queue = cxlkv_controlplane::frame::MAX_FRAME_BYTES as u64;
+        if self.max_send_queue_bytes < min_queue {
+            return Err(invalid(
+                "max_send_queue_bytes",
+                format!(
+                    "{} is below one maximum frame ({min_queue} bytes)",
+                    self.max_send_queue_bytes
+                ),
+            ));
+        }
+        t.max_send_queue_bytes = usize::try_from(self.max_send_queue_bytes)
+            .map_err(|_| invalid("max_send_queue_bytes", "too large".into()))?;
+        if self.partial_frame_timeout_ms == 0 {
+            return Err(invalid(
+                "partial_frame_timeout_ms",
+                "must be at least 1".into(),
+            ));
+        }
+        t.partial_frame_timeout_ms = self.partial_frame_timeout_ms;
+        Ok(t)
+    }
 }
 
 /// `[pool]`: the pool manager (`cxlkv pool`, and the pool manager embedded
@@ -360,6 +514,11 @@ impl Config {
             ));
         }
         c.max_connections = s.max_connections;
+        let t = self.transport.server_config()?;
+        c.io = t.io;
+        c.max_inflight_per_conn = t.max_inflight_per_conn;
+        c.max_send_queue_bytes = t.max_send_queue_bytes;
+        c.partial_frame_timeout_ms = t.partial_frame_timeout_ms;
         c.directory_id = s.directory_id.clone();
         c.default_region_bytes = s.default_region_bytes;
         c.tick_ms = s.tick_ms;
@@ -923,6 +1082,56 @@ mod tests {
             Ok(cxlkv_controlplane::transport::Endpoint::Tcp(_))
         ));
         assert!(parse_endpoint("tcp:nowhere").is_err());
+    }
+
+    #[test]
+    fn transport_keys_reach_both_servers_and_bad_values_name_their_key() {
+        let f = file(
+            "[transport]\nbackend = \"fallback\"\nspin_us = 50\ntaskrun = \"coop\"\nrecv_buffer_bytes = \"64KiB\"\n",
+        );
+        let c = load(
+            Some(f.path()),
+            env(&[("CXLKV_TRANSPORT_MAX_INFLIGHT_PER_CONN", "16")]),
+            &[Override::new("transport", "partial_frame_timeout_ms", 500)],
+        )
+        .unwrap();
+        let t = c.transport.server_config().unwrap();
+        assert_eq!(
+            t.io.backend,
+            cxlkv_controlplane::transport::BackendChoice::Fallback
+        );
+        assert_eq!(t.io.taskrun, cxlkv_controlplane::transport::TaskRun::Coop);
+        assert_eq!((t.io.spin_us, t.io.recv_buffer_bytes), (50, 64 << 10));
+        assert_eq!(
+            (t.max_inflight_per_conn, t.partial_frame_timeout_ms),
+            (16, 500)
+        );
+        let server = c.server_config().unwrap();
+        assert_eq!(server.io, t.io);
+        assert_eq!(
+            (
+                server.max_inflight_per_conn,
+                server.partial_frame_timeout_ms
+            ),
+            (16, 500)
+        );
+        // The defaults are the transport's own.
+        let d = TransportSection::default().server_config().unwrap();
+        let t0 = cxlkv_controlplane::transport::ServerConfig::default();
+        assert_eq!(d.io, t0.io);
+        assert_eq!(d.max_send_queue_bytes, t0.max_send_queue_bytes);
+        for (key, value) in [
+            ("backend", toml::Value::from("io_uring")),
+            ("taskrun", toml::Value::from("sometimes")),
+            ("recv_buffer_count", toml::Value::from(100)),
+            ("recv_buffer_bytes", toml::Value::from(100)),
+            ("max_send_queue_bytes", toml::Value::from(4096)),
+            ("max_inflight_per_conn", toml::Value::from(0)),
+        ] {
+            let c = load(None, env(&[]), &[Override::new("transport", key, value)]).unwrap();
+            let e = c.transport.server_config().unwrap_err().to_string();
+            assert!(e.contains(&format!("[transport] {key}")), "{key}: {e}");
+        }
     }
 
     #[test]

@@ -107,6 +107,14 @@ fn svg_files(dir: &Path) -> Vec<PathBuf> {
 
 // --- hwbench.sh against the real binary ---------------------------------------
 
+/// The scenarios the end-to-end run covers: one data-plane, one allocator
+/// and one control-plane scenario through a real server. Every scenario
+/// through the debug binary takes minutes on a 2-vCPU machine; each one's
+/// own `--quick` form is exercised by `scripts/hwbench.sh --quick` on a
+/// release build (docs/benchmarks.md), and this test proves the script's
+/// plumbing, which does not depend on which scenarios run.
+const CI_SCENARIOS: [&str; 3] = ["alloc", "copy", "exists"];
+
 #[test]
 fn hwbench_quick_run_writes_a_contract_conforming_results_directory() {
     let tmp = tempfile::tempdir().expect("temporary directory");
@@ -117,6 +125,8 @@ fn hwbench_quick_run_writes_a_contract_conforming_results_directory() {
             "--quick",
             "--reps",
             "1",
+            "--scenarios",
+            &CI_SCENARIOS.join(","),
             "--binary",
             env!("CARGO_BIN_EXE_cxlkv"),
         ])
@@ -125,12 +135,18 @@ fn hwbench_quick_run_writes_a_contract_conforming_results_directory() {
     assert!(output.status.success(), "hwbench.sh --quick failed");
 
     let listed = run(Command::new(env!("CARGO_BIN_EXE_cxlkv")).args(["bench", "--list"]));
-    let mut scenarios: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+    let listed: Vec<String> = String::from_utf8_lossy(&listed.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
         .collect();
+    for name in CI_SCENARIOS {
+        assert!(
+            listed.iter().any(|l| l == name),
+            "cxlkv bench --list does not list {name}"
+        );
+    }
+    let mut scenarios: Vec<String> = CI_SCENARIOS.iter().map(|s| (*s).to_owned()).collect();
     scenarios.sort();
-    assert!(!scenarios.is_empty(), "cxlkv bench --list lists nothing");
 
     let records = contract_records(&out.join("results.jsonl"));
     let mut seen: Vec<String> = records

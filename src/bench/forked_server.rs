@@ -2,8 +2,12 @@
 //! must not share a process (its scheduler accounting, its allocator) with
 //! the server, as in a real deployment.
 
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use anyhow::Context;
 
 use super::rtt::{Child, fork_child};
 use crate::server::{PoolManagerConfig, Server, ServerConfig};
@@ -19,6 +23,9 @@ pub(super) struct ForkedServer {
     pool: PathBuf,
     /// The embedded pool manager's state (none with a remote one).
     state_dir: Option<PathBuf>,
+    /// What the child reported once listening.
+    backend: String,
+    tcp_addr: Option<SocketAddr>,
 }
 
 impl ForkedServer {
@@ -32,29 +39,79 @@ impl ForkedServer {
             PoolManagerConfig::Embedded(service) => Some(service.state_dir),
             _ => None,
         };
+        // The child reports "<backend> <tcp address or ->" on this pipe once
+        // it listens (or closes it having failed): the parent learns what it
+        // cannot see from its side of the fork, such as a port picked by the
+        // kernel.
+        let (reader, mut writer) = std::io::pipe().context("pipe to the forked server")?;
         let child = fork_child(move || match Server::start(cfg) {
-            Ok(_running) => loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            },
+            Ok(running) => {
+                let tcp = running
+                    .tcp_addr()
+                    .map_or_else(|| "-".to_owned(), |a| a.to_string());
+                let _ = writeln!(writer, "{} {tcp}", running.backend());
+                drop(writer);
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+            }
             Err(e) => eprintln!("forked server: {e}"),
         })?;
-        let server = Self {
+        let mut server = Self {
             child: Some(child),
             socket,
             pool,
             state_dir,
+            backend: String::new(),
+            tcp_addr: None,
         };
-        let deadline = Instant::now() + START_TIMEOUT;
-        while std::os::unix::net::UnixStream::connect(&server.socket).is_err() {
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "the forked server did not listen on {} within {} s",
-                server.socket.display(),
-                START_TIMEOUT.as_secs()
-            );
-            std::thread::sleep(Duration::from_millis(10));
+        // The write end lives on in the child only (it was moved into the
+        // closure, which this process dropped unrun): EOF means the child
+        // exited without reporting.
+        let mut line = String::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        // A reader thread bounds the wait; it is joined (by the channel's
+        // close) before this function returns, so the bench is
+        // single-threaded again for its next fork.
+        let reading = std::thread::spawn(move || {
+            let mut r = BufReader::new(reader);
+            let n = r.read_line(&mut line);
+            let _ = tx.send(n.map(|_| line));
+        });
+        let reported = rx.recv_timeout(START_TIMEOUT);
+        if reported.is_err() {
+            // Unblock the reader: killing the child closes the write end.
+            drop(server.child.take());
         }
+        let _ = reading.join();
+        let line = reported
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "the forked server did not start within {} s",
+                    START_TIMEOUT.as_secs()
+                )
+            })?
+            .context("read the forked server's report")?;
+        let mut fields = line.split_whitespace();
+        let (Some(backend), Some(tcp)) = (fields.next(), fields.next()) else {
+            anyhow::bail!("the forked server failed to start (see its error above)");
+        };
+        server.backend = backend.to_owned();
+        server.tcp_addr = match tcp {
+            "-" => None,
+            a => Some(a.parse().context("the forked server's TCP address")?),
+        };
         Ok(server)
+    }
+
+    /// The transport backend the server runs on.
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// Where it listens on TCP, if it does.
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp_addr
     }
 
     pub fn socket(&self) -> &Path {

@@ -1,20 +1,28 @@
-//! `cxlkv bench rtt`: control-plane round trip through the real transport
-//! (server event loop + pipelining client) against a raw busy-polling
-//! socket ping-pong of the same byte counts, measured in the same run.
+//! `cxlkv bench rtt`: control-plane round trip of a one-key request
+//! through the real directory server and the transport's pipelining client,
+//! against a raw busy-polling socket ping-pong of the same byte counts,
+//! measured in the same run.
 //!
-//! Byte counts are those of a one-key request: a 24-byte header plus a
-//! 150-byte payload (176 bytes on the wire) and a 100-byte reply payload
-//! (128 bytes on the wire). Until the directory exists the server's handler
-//! answers every request with a reply of that size (`handler=echo`).
+//! **Ours.** The directory server ([`crate::server::Server`], embedded pool
+//! manager) runs in a **forked child process**, as a real server does: on 2
+//! vCPUs, a server thread inside the bench process would share the process's
+//! scheduler accounting and allocator with the client and be easier to
+//! co-schedule than a real deployment allows. The bench opens a session
+//! (`Hello`), registers one 100-byte key, and times `Exists` of that key:
+//! encoded once beforehand (encoding is the client library's cost), sent with
+//! `RpcClient::call`, until the reply frame is in hand; the reply is checked
+//! (the key present) after the clock stops. The server decodes and validates
+//! the frame, looks the key up in the directory and encodes the reply: the
+//! whole server path of a read-only one-key request.
 //!
-//! Both servers run in a **forked child process**, as a real server does:
-//! on 2 vCPUs, a server thread inside the bench process would share the
-//! process's scheduler accounting and allocator with the client and be
-//! easier to co-schedule than a real deployment allows. The raw echo child
-//! busy-polls without pause, so it is started for its own measurement and
-//! killed after; ours sleeps after `spin_us` idle and stays up for the case.
-//! Reps alternate raw and ours; each rep's p50 is taken and the median over
-//! reps is reported.
+//! **Baseline.** A forked child that busy-polls a socket of the same kind and
+//! answers every request of our request's wire size with our reply's wire
+//! size; the bench busy-polls too. It is the transport floor: no framing, no
+//! decode, no directory. `ratio` = raw p50 ÷ our p50 (1 would be the floor).
+//! The raw child spins without pause, so it is started for its own
+//! measurement and killed after; ours sleeps after `spin_us` idle and stays
+//! up for the case. Reps alternate raw and ours; each rep's p50 is taken and
+//! the median over reps is reported.
 
 use std::io;
 use std::net::{TcpListener, TcpStream};
@@ -23,51 +31,27 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cxlkv_controlplane::frame::{Frame, FrameHeader};
+use cxlkv_controlplane::frame::{Frame, frame_len};
+use cxlkv_controlplane::proto::{self, Kind as MsgKind, RequestMeta};
 use cxlkv_controlplane::transport::{
-    Backend, BackendChoice, ClientConfig, ConnId, Endpoint, Handler, Rejection, Replies, RpcClient,
-    Server, ServerConfig, TaskRun, sys,
+    BackendChoice, ClientConfig, Endpoint, IoConfig, Reply, RpcClient, TaskRun, sys,
 };
 
+use super::forked_server::{ForkedServer, bench_config};
+use super::server::{Client as SessionClient, LAYOUT, key, payload, populate};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 
 const SCENARIO: &str = "rtt";
-const REQUEST_PAYLOAD_BYTES: usize = 150;
-const REPLY_PAYLOAD_BYTES: usize = 100;
-const REQUEST_WIRE_BYTES: usize = cxlkv_controlplane::frame::frame_len(REQUEST_PAYLOAD_BYTES);
-const REPLY_WIRE_BYTES: usize = cxlkv_controlplane::frame::frame_len(REPLY_PAYLOAD_BYTES);
-const KIND: u16 = 1;
+/// Wire sizes of a one-key request and its reply as the `op=get` case's
+/// baseline uses them (a 150-byte and a 100-byte payload).
+pub(super) const ONE_KEY_REQUEST_WIRE_BYTES: usize = frame_len(150);
+pub(super) const ONE_KEY_REPLY_WIRE_BYTES: usize = frame_len(100);
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on every raw-socket wait (the raw peers spin, so this is a hang guard).
 const RAW_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Answers every request with a reply of the one-key size.
-struct EchoHandler {
-    reply: Vec<u8>,
-}
-
-impl Handler for EchoHandler {
-    fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies) {
-        if let Err(e) = out.send(
-            conn,
-            frame.header.kind + 100,
-            frame.header.request_id,
-            &self.reply,
-        ) {
-            tracing::warn!(error = %e, "echo reply failed");
-        }
-    }
-    fn on_rejected(
-        &mut self,
-        conn: ConnId,
-        header: FrameHeader,
-        _why: Rejection,
-        out: &mut Replies,
-    ) {
-        let _ = out.send(conn, 999, header.request_id, b"rejected");
-    }
-}
+/// The pool of the forked server: room for the one region the bench takes.
+const POOL_BYTES: u64 = 256 << 20;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -75,8 +59,8 @@ pub(super) enum Kind {
     Tcp,
 }
 
-/// A change to both ends' configuration for one case.
-type Tweak = fn(&mut ServerConfig, &mut ClientConfig);
+/// A change to both ends' transport configuration for one case.
+type Tweak = fn(&mut IoConfig, &mut ClientConfig);
 
 struct Case {
     name: &'static str,
@@ -92,9 +76,9 @@ struct Case {
 
 impl Case {
     /// Both ends' configuration.
-    fn configs(&self) -> (ServerConfig, ClientConfig) {
-        let (mut s, mut c) = (ServerConfig::default(), ClientConfig::default());
-        s.io.backend = self.server;
+    fn configs(&self) -> (IoConfig, ClientConfig) {
+        let (mut s, mut c) = (IoConfig::default(), ClientConfig::default());
+        s.backend = self.server;
         c.io.backend = self.client;
         (self.tweak)(&mut s, &mut c);
         (s, c)
@@ -135,41 +119,80 @@ fn temp_socket_path(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("cxlkv-rtt-{}-{tag}.sock", std::process::id()))
 }
 
-/// Our server (in a child process) and a client connected to it.
+/// Our server (in a child process) and a client with a session on it.
 struct Ours {
-    _server: Child,
+    _server: ForkedServer,
     client: RpcClient,
-    server_backend: Backend,
+    server_backend: String,
+    /// `Exists` of the one registered key, encoded once.
+    request: Vec<u8>,
+    request_wire_bytes: usize,
+    reply_wire_bytes: usize,
 }
 
-/// Starts our server in a child process and connects a client.
+/// Starts the directory server in a child process, opens a session,
+/// registers one key, and measures the wire size of the timed exchange.
 fn start_ours(case: &Case) -> anyhow::Result<Ours> {
-    let (server_cfg, client_cfg) = case.configs();
+    let (io, client_cfg) = case.configs();
+    let mut cfg = bench_config("bench-rtt", POOL_BYTES);
+    cfg.io = io;
+    cfg.default_region_bytes = 64 << 20;
+    // The session is idle while the raw baseline runs, which on a loaded
+    // host can take longer than the default lease.
+    cfg.directory.session_lease = Duration::from_secs(3600);
+    if case.kind == Kind::Tcp {
+        cfg.tcp_listen = Some("127.0.0.1:0".parse()?);
+        // The bench's loopback client has no secret; the secret check is a
+        // comparison at Hello, outside the timed requests.
+        cfg.tcp_insecure_no_secret = true;
+    }
+    let server = ForkedServer::start(cfg)?;
     let ep = match case.kind {
-        Kind::Unix => {
-            let p = temp_socket_path("ours");
-            let _ = std::fs::remove_file(&p);
-            Endpoint::Unix(p)
-        }
-        Kind::Tcp => Endpoint::Tcp("127.0.0.1:0".parse()?),
+        Kind::Unix => Endpoint::Unix(server.socket().to_owned()),
+        Kind::Tcp => Endpoint::Tcp(
+            server
+                .tcp_addr()
+                .context("the server has no TCP listener")?,
+        ),
     };
-    let server = Server::bind(server_cfg, &[ep])?;
-    let ep = server.endpoints()[0].clone();
-    let server_backend = server.backend();
-    let reply = vec![0x5Au8; REPLY_PAYLOAD_BYTES];
-    let child = fork_child(move || {
-        if let Err(e) = server.run(EchoHandler { reply }) {
-            eprintln!("rtt server: {e}");
-        }
-    })?;
-    // The server child may still be starting its loop; connect is accepted
-    // by the kernel backlog either way.
-    let client = RpcClient::connect(&ep, client_cfg)?;
+    let mut session = SessionClient::connect(&ep, client_cfg)?;
+    populate(&mut session, 1)?;
+    let request = payload(
+        &mut Vec::new(),
+        &proto::Exists {
+            meta: RequestMeta::default(),
+            layout: LAYOUT,
+            keys: vec![key(0)],
+        },
+    )?;
+    let reply = session
+        .rpc
+        .call(MsgKind::Exists.as_u16(), &request, CALL_TIMEOUT)?;
+    check_present(&reply)?;
     Ok(Ours {
-        _server: child,
-        client,
-        server_backend,
+        server_backend: server.backend().to_owned(),
+        _server: server,
+        client: session.rpc,
+        request_wire_bytes: frame_len(request.len()),
+        reply_wire_bytes: frame_len(reply.payload().len()),
+        request,
     })
+}
+
+/// The reply says the one key is present.
+fn check_present(reply: &Reply) -> anyhow::Result<()> {
+    let frame = Frame {
+        header: reply.header,
+        payload: reply.payload(),
+    };
+    match proto::access_reply::<proto::ExistsReply>(frame)? {
+        Ok(r) => anyhow::ensure!(
+            r.present.iter().filter(|&p| p).count() == 1,
+            "the registered key is missing"
+        ),
+        Err(e) => anyhow::bail!("exists: {} (code {})", e.message(), e.code()),
+    }
+    Ok(())
 }
 
 /// A connected raw socket.
@@ -220,8 +243,9 @@ fn raw_recv(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> io::Result
     Ok(())
 }
 
-/// The raw echo peer: for every 176 bytes received, 128 bytes back; spins.
-fn raw_echo_server(kind: Kind) -> anyhow::Result<(Child, RawSock)> {
+/// The raw echo peer: for every `req` bytes received, `rep` bytes back;
+/// spins.
+fn raw_echo_server(kind: Kind, req: usize, rep: usize) -> anyhow::Result<(Child, RawSock)> {
     let (child, sock) = match kind {
         Kind::Unix => {
             let p = temp_socket_path("raw");
@@ -230,7 +254,7 @@ fn raw_echo_server(kind: Kind) -> anyhow::Result<(Child, RawSock)> {
             let child = fork_child(move || {
                 if let Ok((s, _)) = l.accept() {
                     let _ = s.set_nonblocking(true);
-                    raw_echo_loop(s.as_fd());
+                    raw_echo_loop(s.as_fd(), req, rep);
                 }
             })?;
             let s = UnixStream::connect(&p)?;
@@ -244,7 +268,7 @@ fn raw_echo_server(kind: Kind) -> anyhow::Result<(Child, RawSock)> {
                 if let Ok((s, _)) = l.accept() {
                     let _ = s.set_nodelay(true);
                     let _ = s.set_nonblocking(true);
-                    raw_echo_loop(s.as_fd());
+                    raw_echo_loop(s.as_fd(), req, rep);
                 }
             })?;
             let s = TcpStream::connect(addr)?;
@@ -259,8 +283,8 @@ fn raw_echo_server(kind: Kind) -> anyhow::Result<(Child, RawSock)> {
     Ok((child, sock))
 }
 
-fn raw_echo_loop(fd: BorrowedFd<'_>) {
-    let reply = vec![0x5Au8; REPLY_WIRE_BYTES];
+fn raw_echo_loop(fd: BorrowedFd<'_>, req: usize, rep: usize) {
+    let reply = vec![0x5Au8; rep];
     let mut buf = vec![0u8; 64 << 10];
     let mut pending = 0usize;
     loop {
@@ -268,8 +292,8 @@ fn raw_echo_loop(fd: BorrowedFd<'_>) {
             Ok(0) => return,
             Ok(n) => {
                 pending += n;
-                while pending >= REQUEST_WIRE_BYTES {
-                    pending -= REQUEST_WIRE_BYTES;
+                while pending >= req {
+                    pending -= req;
                     if raw_send(fd, &reply, Instant::now() + RAW_TIMEOUT).is_err() {
                         return;
                     }
@@ -281,14 +305,16 @@ fn raw_echo_loop(fd: BorrowedFd<'_>) {
     }
 }
 
+/// Raw round trips of `(request, reply)` wire bytes (µs each).
 pub(super) fn raw_latencies(
     kind: Kind,
+    (req_bytes, rep_bytes): (usize, usize),
     n: usize,
     gap: Option<Duration>,
 ) -> anyhow::Result<Vec<f64>> {
-    let (_child, sock) = raw_echo_server(kind)?;
-    let req = vec![0xA5u8; REQUEST_WIRE_BYTES];
-    let mut rep = vec![0u8; REPLY_WIRE_BYTES];
+    let (_child, sock) = raw_echo_server(kind, req_bytes, rep_bytes)?;
+    let req = vec![0xA5u8; req_bytes];
+    let mut rep = vec![0u8; rep_bytes];
     let mut out = Vec::with_capacity(n);
     for i in 0..n + n / 10 {
         if let Some(g) = gap {
@@ -304,17 +330,18 @@ pub(super) fn raw_latencies(
     Ok(out)
 }
 
-fn our_latencies(client: &RpcClient, n: usize, gap: Option<Duration>) -> anyhow::Result<Vec<f64>> {
-    let req = vec![0xA5u8; REQUEST_PAYLOAD_BYTES];
+fn our_latencies(ours: &Ours, n: usize, gap: Option<Duration>) -> anyhow::Result<Vec<f64>> {
     let mut out = Vec::with_capacity(n);
     for i in 0..n + n / 10 {
         if let Some(g) = gap {
             std::thread::sleep(g);
         }
         let t = Instant::now();
-        let r = client.call(KIND, &req, CALL_TIMEOUT)?;
+        let r = ours
+            .client
+            .call(MsgKind::Exists.as_u16(), &ours.request, CALL_TIMEOUT)?;
         let us = t.elapsed().as_secs_f64() * 1e6;
-        anyhow::ensure!(r.payload().len() == REPLY_PAYLOAD_BYTES, "wrong reply size");
+        check_present(&r)?;
         if i >= n / 10 {
             out.push(us);
         }
@@ -334,9 +361,10 @@ fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Resu
     let ours = start_ours(case)?;
     let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.reps {
-        let mut raw = raw_latencies(case.kind, n, case.idle_gap)?;
+        let sizes = (ours.request_wire_bytes, ours.reply_wire_bytes);
+        let mut raw = raw_latencies(case.kind, sizes, n, case.idle_gap)?;
         raw_p50.push(percentile(&mut raw, 50.0));
-        let mut ours = our_latencies(&ours.client, n, case.idle_gap)?;
+        let mut ours = our_latencies(&ours, n, case.idle_gap)?;
         ours_p50.push(percentile(&mut ours, 50.0));
         all_ours.extend(ours);
     }
@@ -348,14 +376,15 @@ fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Resu
         .with("raw_p50_us", base)
         .with("ratio_min", percentile(&mut ratios, 0.0))
         .with("ratio_max", percentile(&mut ratios, 100.0))
-        .with("handler", "echo")
+        .with("handler", "directory")
+        .with("request", "exists, one 100-byte key (present)")
         .with("server", "forked process")
-        .with("server_backend", ours.server_backend.to_string())
+        .with("server_backend", ours.server_backend.as_str())
         .with("client_backend", ours.client.backend().to_string())
         .with("round_trips_per_rep", n as u64)
         .with("reps", args.reps as u64)
-        .with("request_wire_bytes", REQUEST_WIRE_BYTES as u64)
-        .with("reply_wire_bytes", REPLY_WIRE_BYTES as u64);
+        .with("request_wire_bytes", ours.request_wire_bytes as u64)
+        .with("reply_wire_bytes", ours.reply_wire_bytes as u64);
     r.emit(&rec)?;
     Ok(())
 }
@@ -366,13 +395,13 @@ fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::R
     let rounds = if args.quick { 200 } else { 2_000 };
     let ours = start_ours(case)?;
     let client = &ours.client;
-    let req = vec![0xA5u8; REQUEST_PAYLOAD_BYTES];
+    let (req_bytes, rep_bytes) = (ours.request_wire_bytes, ours.reply_wire_bytes);
     let (mut ours_rate, mut raw_rate) = (Vec::new(), Vec::new());
     for _ in 0..args.reps {
         // Raw: 64 requests written back to back, then 64 replies read.
-        let (_child, sock) = raw_echo_server(case.kind)?;
-        let reqs = vec![0xA5u8; REQUEST_WIRE_BYTES * INFLIGHT];
-        let mut reps = vec![0u8; REPLY_WIRE_BYTES * INFLIGHT];
+        let (_child, sock) = raw_echo_server(case.kind, req_bytes, rep_bytes)?;
+        let reqs = vec![0xA5u8; req_bytes * INFLIGHT];
+        let mut reps = vec![0u8; rep_bytes * INFLIGHT];
         let t = Instant::now();
         for _ in 0..rounds {
             let dl = Instant::now() + RAW_TIMEOUT;
@@ -385,19 +414,20 @@ fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::R
         let t = Instant::now();
         for _ in 0..rounds {
             let calls = (0..INFLIGHT)
-                .map(|_| client.start(KIND, &req, CALL_TIMEOUT))
+                .map(|_| client.start(MsgKind::Exists.as_u16(), &ours.request, CALL_TIMEOUT))
                 .collect::<Result<Vec<_>, _>>()?;
             for c in calls {
-                c.wait()?;
+                check_present(&c.wait()?)?;
             }
         }
         ours_rate.push((rounds * INFLIGHT) as f64 / t.elapsed().as_secs_f64());
     }
     let (rate, base) = (median(&mut ours_rate), median(&mut raw_rate));
     let rec = Record::new(SCENARIO, case.name, rate, base, "req/s", Better::Higher)
-        .with("handler", "echo")
+        .with("handler", "directory")
+        .with("request", "exists, one 100-byte key (present)")
         .with("server", "forked process")
-        .with("server_backend", ours.server_backend.to_string())
+        .with("server_backend", ours.server_backend.as_str())
         .with("client_backend", client.backend().to_string())
         .with("inflight", INFLIGHT as u64)
         .with("reps", args.reps as u64);
@@ -405,7 +435,7 @@ fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::R
     Ok(())
 }
 
-fn no_tweak(_: &mut ServerConfig, _: &mut ClientConfig) {}
+fn no_tweak(_: &mut IoConfig, _: &mut ClientConfig) {}
 
 const GAP: Option<Duration> = Some(Duration::from_millis(1));
 /// Round trips per rep of the SQPOLL cases.
@@ -492,31 +522,31 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
             (
                 "transport=unix,backend=uring,sqpoll=on",
                 (Uring, Auto),
-                |s, _| s.io.sqpoll = true,
+                |s, _| s.sqpoll = true,
             ),
             (
                 "transport=unix,backend=uring,sqpoll=on,client=uring_sqpoll",
                 (Uring, Uring),
                 |s, c| {
-                    s.io.sqpoll = true;
+                    s.sqpoll = true;
                     c.io.sqpoll = true;
                 },
             ),
             (
                 "transport=unix,backend=uring,taskrun=coop",
                 (Uring, Auto),
-                |s, _| s.io.taskrun = TaskRun::Coop,
+                |s, _| s.taskrun = TaskRun::Coop,
             ),
             (
                 "transport=unix,backend=uring,taskrun=interrupt",
                 (Uring, Auto),
-                |s, _| s.io.taskrun = TaskRun::Interrupt,
+                |s, _| s.taskrun = TaskRun::Interrupt,
             ),
             (
                 "transport=unix,backend=uring,spin_us=0",
                 (Uring, Auto),
                 |s, c| {
-                    s.io.spin_us = 0;
+                    s.spin_us = 0;
                     c.io.spin_us = 0;
                 },
             ),
@@ -529,7 +559,7 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
                 "transport=unix,backend=default,spin_us=2000,idle_gap_ms=1",
                 (Auto, Auto),
                 |s, c| {
-                    s.io.spin_us = 2000;
+                    s.spin_us = 2000;
                     c.io.spin_us = 2000;
                 },
             ),

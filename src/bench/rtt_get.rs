@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use super::forked_server::{ForkedServer, bench_config};
-use super::rtt::{Kind, raw_latencies};
+use super::rtt::{Kind, ONE_KEY_REPLY_WIRE_BYTES, ONE_KEY_REQUEST_WIRE_BYTES, raw_latencies};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 use crate::client::{Client, ClientConfig};
@@ -28,7 +28,12 @@ pub(super) fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     let server = ForkedServer::start(bench_config("bench-rtt-get", 512 << 20))?;
     let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.reps {
-        let mut raw = raw_latencies(Kind::Unix, n, None)?;
+        let mut raw = raw_latencies(
+            Kind::Unix,
+            (ONE_KEY_REQUEST_WIRE_BYTES, ONE_KEY_REPLY_WIRE_BYTES),
+            n,
+            None,
+        )?;
         raw_p50.push(percentile(&mut raw, 50.0));
         let mut ours = our_latencies(&server, n)?;
         ours_p50.push(percentile(&mut ours, 50.0));

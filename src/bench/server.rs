@@ -43,14 +43,16 @@ use cxlkv_controlplane::frame::{Frame, HEADER_BYTES, frame_len};
 use cxlkv_controlplane::proto::{self, Kind, Layout, Message, RequestMeta};
 use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient, sys};
 
+use super::forked_server::ForkedServer;
+use super::rtt::fork_child;
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
-use crate::server::{Server, ServerConfig};
+use crate::server::ServerConfig;
 
 /// Keys registered for the scenario.
 const KEYS: usize = 64 << 10;
 const KEY_BYTES: usize = 100;
-const LAYOUT: Layout = Layout {
+pub(super) const LAYOUT: Layout = Layout {
     page_size_bytes: 4096,
     fingerprint: 0xbe4c,
 };
@@ -59,8 +61,6 @@ const BATCHES: [usize; 3] = [1, 64, 512];
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on every raw-socket wait (the raw peers spin; this is a hang guard).
 const RAW_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the child server may take to listen.
-const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Which operation a scenario times.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,94 +78,26 @@ impl Op {
     }
 }
 
-/// A forked child process, killed and reaped on drop.
-struct Child(libc::pid_t);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        // SAFETY: `self.0` is a child we forked and have not reaped yet.
-        unsafe {
-            libc::kill(self.0, libc::SIGKILL);
-            libc::waitpid(self.0, std::ptr::null_mut(), 0);
-        }
-    }
-}
-
-/// Runs `body` in a forked child that never returns into the bench.
-fn fork_child(body: impl FnOnce()) -> anyhow::Result<Child> {
-    // SAFETY: the bench is single-threaded whenever it forks (no client
-    // thread is alive: calls run on this thread), so the child's only thread
-    // is a copy of this one and no lock is held by a thread that does not
-    // exist in it.
-    let pid = unsafe { libc::fork() };
-    match pid {
-        -1 => Err(io::Error::last_os_error()).context("fork"),
-        0 => {
-            body();
-            // SAFETY: leave without running the parent's destructors.
-            unsafe { libc::_exit(0) }
-        }
-        pid => Ok(Child(pid)),
-    }
-}
-
-/// The server in a child process, and the files to remove after it.
-struct ServerChild {
-    _child: Child,
-    socket: std::path::PathBuf,
-    pool: std::path::PathBuf,
-}
-
-impl Drop for ServerChild {
-    fn drop(&mut self) {
-        // The child was killed first (field order): nobody removes these.
-        let _ = std::fs::remove_file(&self.socket);
-        let _ = std::fs::remove_file(&self.pool);
-    }
-}
-
-fn start_server() -> anyhow::Result<ServerChild> {
+fn start_server() -> anyhow::Result<ForkedServer> {
     let mut cfg = ServerConfig::ephemeral("bench");
     cfg.default_region_bytes = REGION_BYTES;
     cfg.pool_size_bytes = 512 << 20;
     // The session is idle while the raw baseline runs, which on a loaded
     // host can take longer than the default lease.
     cfg.directory.session_lease = Duration::from_secs(3600);
-    let (socket, pool) = (cfg.socket_path.clone(), cfg.pool_path.clone());
-    let child = fork_child(move || match Server::start(cfg) {
-        // Serves until the bench kills this process.
-        Ok(_serving) => loop {
-            std::thread::sleep(Duration::from_secs(3600));
-        },
-        Err(e) => eprintln!("bench server: {e}"),
-    })?;
-    let deadline = Instant::now() + START_TIMEOUT;
-    while UnixStream::connect(&socket).is_err() {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the server did not listen on {} within {} s",
-            socket.display(),
-            START_TIMEOUT.as_secs()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Ok(ServerChild {
-        _child: child,
-        socket,
-        pool,
-    })
+    ForkedServer::start(cfg)
 }
 
 /// The client side: a session, its sequence numbers, encoding scratch.
-struct Client {
-    rpc: RpcClient,
+pub(super) struct Client {
+    pub(super) rpc: RpcClient,
     next_seq: u64,
     buf: Vec<u8>,
 }
 
 /// An encoded request payload (8-aligned start not needed: the transport
 /// copies it into a frame).
-fn payload<M: Message>(buf: &mut Vec<u8>, msg: &M) -> anyhow::Result<Vec<u8>> {
+pub(super) fn payload<M: Message>(buf: &mut Vec<u8>, msg: &M) -> anyhow::Result<Vec<u8>> {
     buf.clear();
     proto::encode(0, msg, buf)?;
     let len = u32::from_le_bytes(buf[16..20].try_into()?) as usize;
@@ -173,8 +105,8 @@ fn payload<M: Message>(buf: &mut Vec<u8>, msg: &M) -> anyhow::Result<Vec<u8>> {
 }
 
 impl Client {
-    fn connect(socket: &std::path::Path) -> anyhow::Result<Client> {
-        let rpc = RpcClient::connect(&Endpoint::Unix(socket.to_owned()), ClientConfig::default())?;
+    pub(super) fn connect(ep: &Endpoint, cfg: ClientConfig) -> anyhow::Result<Client> {
+        let rpc = RpcClient::connect(ep, cfg)?;
         Ok(Client {
             rpc,
             next_seq: 1,
@@ -207,14 +139,14 @@ impl Client {
     }
 }
 
-fn key(i: usize) -> Vec<u8> {
+pub(super) fn key(i: usize) -> Vec<u8> {
     let mut k = format!("bench/layer-kv/chunk-{i:010}/").into_bytes();
     k.resize(KEY_BYTES, b'.');
     k
 }
 
-/// Hello, regions, and every key registered.
-fn populate(c: &mut Client) -> anyhow::Result<()> {
+/// Hello, regions, and keys `0..keys` registered.
+pub(super) fn populate(c: &mut Client, keys: usize) -> anyhow::Result<()> {
     let _: proto::Welcome = c.call(&proto::Hello {
         meta: RequestMeta::default(),
         protocol_min: proto::PROTOCOL_MIN,
@@ -225,14 +157,14 @@ fn populate(c: &mut Client) -> anyhow::Result<()> {
     })?;
     let pages_per_region = (REGION_BYTES / LAYOUT.page_size_bytes) as usize;
     let mut registered = 0;
-    while registered < KEYS {
+    while registered < keys {
         let meta = c.seq();
         let granted: proto::RegionGranted = c.call(&proto::RequestRegion {
             meta,
             layout: LAYOUT,
             len_bytes: REGION_BYTES,
         })?;
-        let in_region = pages_per_region.min(KEYS - registered);
+        let in_region = pages_per_region.min(keys - registered);
         for first in (0..in_region).step_by(proto::MAX_BATCH) {
             let n = proto::MAX_BATCH.min(in_region - first);
             let entries = (first..first + n)
@@ -475,8 +407,11 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         // A fresh server per case, so that its latency statistics are this
         // case's.
         let server = start_server()?;
-        let mut c = Client::connect(&server.socket)?;
-        populate(&mut c)?;
+        let mut c = Client::connect(
+            &Endpoint::Unix(server.socket().to_owned()),
+            ClientConfig::default(),
+        )?;
+        populate(&mut c, KEYS)?;
         let calls = calls_for(batch, args.quick);
         let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
         let (mut req_wire, mut rep_wire) = (0, 0);

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use cxlkv_controlplane::pool::service::PoolCore;
-use cxlkv_controlplane::transport::{Endpoint, ServerConfig};
+use cxlkv_controlplane::transport::Endpoint;
 
 use crate::config::{self, Override};
 
@@ -206,7 +206,7 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         endpoints.push(Endpoint::Tcp(addr));
     }
     let bound = core
-        .listen(&endpoints, ServerConfig::default())
+        .listen(&endpoints, cfg.transport.server_config()?)
         .context("cannot listen")?;
     let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
     println!("listening {}", shown.join(" "));

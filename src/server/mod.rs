@@ -144,15 +144,24 @@ pub struct ServerConfig {
     /// How often the directory's timers run (lease and grace expiry,
     /// eviction, free retries).
     pub tick_ms: u64,
-    /// Transport knobs (backend, spinning, in-flight limits).
+    /// Transport knobs (backend, spinning, io_uring setup).
     pub io: transport::IoConfig,
     /// Serve Prometheus metrics over HTTP at `http://<this>/metrics` (port
     /// 0 picks a free port). Off by default.
     pub metrics_listen: Option<SocketAddr>,
+    /// Requests of one connection in the server and not answered yet; more
+    /// are rejected with `TooManyInFlight`.
+    pub max_inflight_per_conn: usize,
+    /// Bytes queued for one connection and not yet taken by its socket; a
+    /// peer that stops reading is disconnected beyond this.
+    pub max_send_queue_bytes: usize,
+    /// A connection holding an incomplete frame this long is closed.
+    pub partial_frame_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
+        let transport_defaults = transport::ServerConfig::default();
         Self {
             socket_path: default_socket_path(),
             tcp_listen: None,
@@ -169,6 +178,9 @@ impl Default for ServerConfig {
             tick_ms: 100,
             io: transport::IoConfig::default(),
             metrics_listen: None,
+            max_inflight_per_conn: transport_defaults.max_inflight_per_conn,
+            max_send_queue_bytes: transport_defaults.max_send_queue_bytes,
+            partial_frame_timeout_ms: transport_defaults.partial_frame_timeout_ms,
         }
     }
 }
@@ -321,6 +333,8 @@ pub struct ServerHandle {
     pool_core: Option<PoolCore>,
     socket_path: PathBuf,
     tcp_addr: Option<SocketAddr>,
+    /// The transport backend the server runs on (io_uring or the fallback).
+    backend: transport::Backend,
     pool_paths: Vec<PathBuf>,
     /// Files and directories removed after shutdown (ephemeral servers).
     remove_after: Vec<PathBuf>,
@@ -436,6 +450,9 @@ impl Server {
             let tcfg = transport::ServerConfig {
                 io: config.io.clone(),
                 max_connections: config.max_connections,
+                max_inflight_per_conn: config.max_inflight_per_conn,
+                max_send_queue_bytes: config.max_send_queue_bytes,
+                partial_frame_timeout_ms: config.partial_frame_timeout_ms,
                 ..transport::ServerConfig::default()
             };
             let mut server = transport::Server::bind(tcfg.clone(), &endpoints)?;
@@ -498,6 +515,7 @@ impl Server {
                 pool_core,
                 socket_path: config.socket_path.clone(),
                 tcp_addr,
+                backend,
                 pool_paths,
                 remove_after: removable.clone(),
             })
@@ -662,6 +680,12 @@ impl ServerHandle {
     /// configured.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics.as_ref().map(MetricsEndpoint::addr)
+    }
+
+    /// The transport backend serving connections (io_uring, or the
+    /// fallback when io_uring is unavailable or was not chosen).
+    pub fn backend(&self) -> transport::Backend {
+        self.backend
     }
 
     /// The pools' paths on this host, in pool-index order.
