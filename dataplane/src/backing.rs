@@ -739,6 +739,66 @@ pub(crate) mod tests {
         assert_eq!(backing.path(), fake.device.0.as_path());
     }
 
+    /// The devdax path does not end at `open`: a region of the fake device
+    /// maps (eagerly, as an owned region, and lazily, as a peer's), takes a
+    /// write through a mutable page view, and the bytes read back through the
+    /// other mapping.
+    #[test]
+    fn a_fake_devdax_region_maps_eagerly_and_lazily_and_shares_bytes() {
+        use crate::ids::{PageIndex, RegionId};
+        use crate::map::{MapObservers, MappedRegion, Populate};
+
+        let fake = FakeDevDax::new(8 * MIB, Some("2097152\n"), None);
+        let backing = open(&fake.device.0, &fake.options()).expect("open fake devdax");
+        assert_eq!(backing.kind(), BackingKind::DevDax);
+        let observers = MapObservers::new();
+        let extent = Extent::new(2 * MIB, 4 * MIB);
+        let page_size = 64 * 1024;
+        // SAFETY: each page is written through one view at a time and read
+        // only after that view is gone; the fake device is not truncated
+        // while mapped.
+        let (owned, peer) = unsafe {
+            (
+                MappedRegion::map(&*backing, RegionId(7), extent, Populate::Eager, &observers)
+                    .expect("eager map of the fake device"),
+                MappedRegion::map(&*backing, RegionId(7), extent, Populate::Lazy, &observers)
+                    .expect("lazy map of the fake device"),
+            )
+        };
+        for region in [&owned, &peer] {
+            assert_eq!(region.kind(), BackingKind::DevDax);
+            assert_eq!(region.len_bytes(), 4 * MIB as usize);
+        }
+        assert_eq!(
+            owned.resident_pages().expect("mincore"),
+            (4 * MIB / 4096) as usize,
+            "the eager mapping is populated"
+        );
+        let last = PageIndex(owned.page_count(page_size).expect("pages") - 1);
+        for (writer, reader, index, value) in [
+            (&owned, &peer, PageIndex(0), 0x5a),
+            (&peer, &owned, last, 0xa5),
+        ] {
+            {
+                // SAFETY: this page is viewed by nothing else until the view
+                // is dropped at the end of the block.
+                let mut page =
+                    unsafe { writer.page_mut(page_size, index, page_size) }.expect("page");
+                page.fill(value);
+            }
+            let view = reader.page(page_size, index, page_size).expect("view");
+            assert!(view.iter().all(|&b| b == value), "{index}");
+        }
+        // And the bytes are in the device at the region's offset.
+        drop((owned, peer));
+        let raw = std::fs::read(&fake.device.0).expect("read fake device");
+        let start = (2 * MIB) as usize;
+        assert!(raw[start..start + page_size].iter().all(|&b| b == 0x5a));
+        let end = (6 * MIB) as usize;
+        assert!(raw[end - page_size..end].iter().all(|&b| b == 0xa5));
+        assert!(raw[..start].iter().all(|&b| b == 0), "outside the region");
+    }
+
     #[test]
     fn devdax_alignment_is_raised_to_the_device_align() {
         let gib = 1 << 30;

@@ -50,7 +50,10 @@
 //! - Raw pointers into the pool exist only inside [`map::MappedRegion`] (and
 //!   transiently in the copy and flush routines, derived from slices). A view
 //!   never outlives its mapping; a mapping is unmapped only after its
-//!   observers were told.
+//!   observers were told. The one deliberate exception: the base address
+//!   leaves as [`map::MapInfo::base_addr`] (for GPU registration by
+//!   observers) and [`map::MappedRegion::ffi_base_ptr`] (for the C ABI),
+//!   under the contract in [`map`]'s docs.
 //! - Region extents are multiples of the pool alignment and lie inside the
 //!   pool; page sizes are multiples of 4 KiB; violations are typed errors
 //!   ([`backing::LayoutError`]).

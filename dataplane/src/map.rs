@@ -42,9 +42,31 @@
 //! `on_map` on each observer registered at map time, after `mmap`, and
 //! `before_unmap` on exactly those observers, before `munmap` — so the calls
 //! pair up exactly once per observer and region, even if an observer is
-//! registered or unregistered while the region lives. [`MapInfo`] carries the
-//! base address for that purpose (and [`MappedRegion::ffi_base_ptr`] for the C
-//! ABI); nothing else exposes it.
+//! registered or unregistered while the region lives.
+//!
+//! **The one deliberate leak of the address.** The rule is that raw pointers
+//! into the pool live only in [`MappedRegion`] and the page views. Two exits
+//! break it on purpose, because their consumers cannot work with a borrowed
+//! slice: [`MapInfo::base_addr`] (observers register the whole range with a
+//! GPU driver, `cudaHostRegister`, which takes an address and a length) and
+//! [`MappedRegion::ffi_base_ptr`] (the C ABI hands engines a pointer they
+//! compute page addresses from). Both give a plain address — a `usize` and a
+//! `*const u8` — that Rust cannot tie to the mapping's lifetime, so the
+//! contract is the caller's:
+//!
+//! - the address is valid from `on_map` until `before_unmap` returns (the
+//!   observer), or while the `MappedRegion` lives (the FFI caller); a device
+//!   registration made in `on_map` must be undone in `before_unmap`, because
+//!   the range is unmapped right after;
+//! - bytes reached through it obey the same rules as views:
+//!   [`MappedRegion::map`]'s contract for reads, [`MappedRegion::page_mut`]'s
+//!   (the exclusive right to the page, from the allocator) for writes;
+//! - only bytes inside `base .. base + len_bytes` may be touched, and no Rust
+//!   reference may be made from it that outlives the mapping or overlaps a
+//!   live [`PageViewMut`].
+//!
+//! No other code in the workspace turns the address into a reference; safe
+//! Rust code reaches pool bytes only through views.
 
 use std::fmt;
 use std::io;
@@ -74,7 +96,8 @@ pub struct MapInfo {
     pub extent: Extent,
     /// Address of the first mapped byte, for registering the range with a
     /// device (e.g. `cudaHostRegister`). Valid from `on_map` until
-    /// `before_unmap` returns.
+    /// `before_unmap` returns; a deliberate exception to "raw pointers stay in
+    /// the map types", with the contract in the module docs.
     pub base_addr: usize,
     pub len_bytes: usize,
 }
@@ -375,9 +398,11 @@ impl MappedRegion {
         }
     }
 
-    /// The first mapped byte, for the C ABI and device registration only.
-    /// Valid while `self` lives; reading or writing through it is bound by the
-    /// same contracts as [`MappedRegion::map`] and [`MappedRegion::page_mut`].
+    /// The first mapped byte, for the C ABI and device registration only —
+    /// the deliberate exception to "raw pointers stay in the map types" (see
+    /// the module docs). Valid while `self` lives, for the `len_bytes` bytes
+    /// from it; reading or writing through it is bound by the same contracts
+    /// as [`MappedRegion::map`] and [`MappedRegion::page_mut`].
     pub fn ffi_base_ptr(&self) -> *const u8 {
         self.base.as_ptr()
     }

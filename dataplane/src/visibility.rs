@@ -31,6 +31,19 @@
 //! than x86-64, `Flush` degrades to a sequentially consistent fence and
 //! [`line_flush`] reports [`LineFlush::Unsupported`]: correct only where the
 //! platform is coherent, which callers can check and refuse otherwise.
+//!
+//! **Forcing a choice.** [`publish`] and [`acquire`] run the best instruction
+//! this CPU has, so on one machine only one of the fallbacks ever executes. A
+//! [`VisibilityOps`] fixes the instructions instead:
+//! [`VisibilityOps::for_mode`] is exactly what the two functions run,
+//! [`VisibilityOps::with_instruction`] forces one line instruction (`clwb`,
+//! `clflushopt`, `clflush`, or [`LineFlush::Unsupported`]: the `Flush` fences
+//! with no line instruction) and [`VisibilityOps::fence_only`] the `Coherent`
+//! fences. Forcing an instruction the CPU lacks is refused with
+//! [`VisibilityError::InstructionUnsupported`] rather than executed (it would
+//! raise `SIGILL`). Tests use this to run every path this CPU can run. What no
+//! test on one host can show is that a missing write-back loses data: one
+//! host's caches are coherent, so every choice reads back correctly there.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{Ordering, fence};
@@ -72,13 +85,197 @@ impl LineFlush {
     }
 }
 
+/// Why a forced instruction choice was refused.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum VisibilityError {
+    /// This CPU does not implement the instruction (`cpuid` says so), so
+    /// executing it would raise `SIGILL`.
+    #[error("this CPU does not support {}", instruction.as_str())]
+    InstructionUnsupported { instruction: LineFlush },
+}
+
+/// A fixed choice of what [`VisibilityOps::publish`] and
+/// [`VisibilityOps::acquire`] execute.
+///
+/// [`publish`] and [`acquire`] are `VisibilityOps::for_mode(mode)`'s methods;
+/// the other constructors force a choice (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct VisibilityOps {
+    kind: OpsKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum OpsKind {
+    /// `Coherent`: a release fence to publish, an acquire fence to acquire.
+    FenceOnly,
+    /// `Flush`: `write_back` per line + `sfence` to publish, `evict` per line
+    /// + `mfence` to acquire. Either may be `Unsupported` (fences only).
+    Lines {
+        write_back: LineFlush,
+        evict: LineFlush,
+    },
+}
+
+impl VisibilityOps {
+    /// What [`publish`] and [`acquire`] run for `mode` on this CPU.
+    pub fn for_mode(mode: Visibility) -> Self {
+        let kind = match mode {
+            Visibility::Coherent => OpsKind::FenceOnly,
+            Visibility::Flush => {
+                let ops = line_ops();
+                OpsKind::Lines {
+                    write_back: ops.write_back,
+                    evict: ops.evict,
+                }
+            }
+        };
+        Self { kind }
+    }
+
+    /// The `Coherent` fences, whatever the CPU.
+    pub fn fence_only() -> Self {
+        Self {
+            kind: OpsKind::FenceOnly,
+        }
+    }
+
+    /// `Flush` mode with `instruction` forced for every line of both calls —
+    /// except that `clwb` only writes back, so with [`LineFlush::Clwb`]
+    /// acquire evicts with this CPU's best evicting instruction.
+    /// [`LineFlush::Unsupported`] forces the `Flush` fences without any line
+    /// instruction (the portable fallback). Refused when the CPU lacks the
+    /// instruction.
+    pub fn with_instruction(instruction: LineFlush) -> Result<Self, VisibilityError> {
+        Self::with_instruction_on(line_ops().supported, instruction)
+    }
+
+    /// [`Self::with_instruction`] against a given feature set (tests present
+    /// CPUs this machine is not).
+    fn with_instruction_on(
+        supported: Supported,
+        instruction: LineFlush,
+    ) -> Result<Self, VisibilityError> {
+        if !supported.has(instruction) {
+            return Err(VisibilityError::InstructionUnsupported { instruction });
+        }
+        let evict = match instruction {
+            LineFlush::Clwb => supported.best_evict(),
+            other => other,
+        };
+        Ok(Self {
+            kind: OpsKind::Lines {
+                write_back: instruction,
+                evict,
+            },
+        })
+    }
+
+    /// The instruction publish runs per line (`None`: fences only).
+    pub fn write_back(&self) -> Option<LineFlush> {
+        match self.kind {
+            OpsKind::FenceOnly => None,
+            OpsKind::Lines { write_back, .. } => Some(write_back),
+        }
+    }
+
+    /// The instruction acquire runs per line (`None`: fences only).
+    pub fn evict(&self) -> Option<LineFlush> {
+        match self.kind {
+            OpsKind::FenceOnly => None,
+            OpsKind::Lines { evict, .. } => Some(evict),
+        }
+    }
+
+    /// Makes `bytes`, just written by this thread, visible to readers: call
+    /// after writing a page and before registering its key.
+    pub fn publish(&self, bytes: &[u8]) {
+        match self.kind {
+            // Release suffices: it keeps the page's stores before whatever
+            // publishes the key afterwards (an atomic store, or the syscall
+            // that sends the registration); later operations may move
+            // earlier, which exposes nothing unwritten.
+            OpsKind::FenceOnly => fence(Ordering::Release),
+            OpsKind::Lines { write_back, .. } => {
+                flush_range(write_back, bytes);
+                store_fence();
+            }
+        }
+    }
+
+    /// Makes the current contents of `bytes`, written by another host,
+    /// visible to this thread's reads: call after looking the key up and
+    /// before reading the page.
+    pub fn acquire(&self, bytes: &[u8]) {
+        match self.kind {
+            // Acquire suffices: it keeps the page's loads after whatever told
+            // us the key (the lookup reply); earlier operations may move
+            // later, which reads nothing early.
+            OpsKind::FenceOnly => fence(Ordering::Acquire),
+            OpsKind::Lines { evict, .. } => {
+                flush_range(evict, bytes);
+                full_fence();
+            }
+        }
+    }
+}
+
+/// Which line instructions a CPU implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Supported {
+    clwb: bool,
+    clflushopt: bool,
+    clflush: bool,
+}
+
+impl Supported {
+    fn has(self, instruction: LineFlush) -> bool {
+        match instruction {
+            LineFlush::Clwb => self.clwb,
+            LineFlush::Clflushopt => self.clflushopt,
+            LineFlush::Clflush => self.clflush,
+            // No instruction to execute: always available.
+            LineFlush::Unsupported => true,
+        }
+    }
+
+    fn best_evict(self) -> LineFlush {
+        if self.clflushopt {
+            LineFlush::Clflushopt
+        } else if self.clflush {
+            LineFlush::Clflush
+        } else {
+            LineFlush::Unsupported
+        }
+    }
+
+    fn best_write_back(self) -> LineFlush {
+        if self.clwb {
+            LineFlush::Clwb
+        } else {
+            self.best_evict()
+        }
+    }
+}
+
 /// The instructions this CPU offers, detected once.
 #[derive(Debug, Clone, Copy)]
 struct LineOps {
+    supported: Supported,
     /// Best instruction for publish (write back).
     write_back: LineFlush,
     /// Best instruction for acquire (evict).
     evict: LineFlush,
+}
+
+impl LineOps {
+    fn new(supported: Supported) -> Self {
+        Self {
+            supported,
+            write_back: supported.best_write_back(),
+            evict: supported.best_evict(),
+        }
+    }
 }
 
 fn line_ops() -> LineOps {
@@ -98,26 +295,20 @@ fn detect() -> LineOps {
     } else {
         0
     };
-    let clflush = leaf1.edx & (1 << 19) != 0;
-    let clflushopt = leaf7_ebx & (1 << 23) != 0;
-    let clwb = leaf7_ebx & (1 << 24) != 0;
-    let evict = if clflushopt {
-        LineFlush::Clflushopt
-    } else if clflush {
-        LineFlush::Clflush
-    } else {
-        LineFlush::Unsupported
-    };
-    let write_back = if clwb { LineFlush::Clwb } else { evict };
-    LineOps { write_back, evict }
+    LineOps::new(Supported {
+        clflush: leaf1.edx & (1 << 19) != 0,
+        clflushopt: leaf7_ebx & (1 << 23) != 0,
+        clwb: leaf7_ebx & (1 << 24) != 0,
+    })
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> LineOps {
-    LineOps {
-        write_back: LineFlush::Unsupported,
-        evict: LineFlush::Unsupported,
-    }
+    LineOps::new(Supported {
+        clwb: false,
+        clflushopt: false,
+        clflush: false,
+    })
 }
 
 /// The instruction [`publish`] uses in `Flush` mode on this CPU.
@@ -133,47 +324,38 @@ pub fn line_evict() -> LineFlush {
 /// Makes `bytes`, just written by this thread, visible to readers under
 /// `mode`: call after writing a page and before registering its key.
 pub fn publish(mode: Visibility, bytes: &[u8]) {
-    match mode {
-        // Release suffices: it keeps the page's stores before whatever
-        // publishes the key afterwards (an atomic store, or the syscall that
-        // sends the registration); later operations may move earlier, which
-        // exposes nothing unwritten.
-        Visibility::Coherent => fence(Ordering::Release),
-        Visibility::Flush => {
-            flush_range(line_ops().write_back, bytes);
-            store_fence();
-        }
-    }
+    VisibilityOps::for_mode(mode).publish(bytes);
 }
 
 /// Makes the current contents of `bytes`, written by another host, visible to
 /// this thread's reads under `mode`: call after looking the key up and before
 /// reading the page.
 pub fn acquire(mode: Visibility, bytes: &[u8]) {
-    match mode {
-        // Acquire suffices: it keeps the page's loads after whatever told us
-        // the key (the lookup reply); earlier operations may move later, which
-        // reads nothing early.
-        Visibility::Coherent => fence(Ordering::Acquire),
-        Visibility::Flush => {
-            flush_range(line_ops().evict, bytes);
-            full_fence();
-        }
-    }
+    VisibilityOps::for_mode(mode).acquire(bytes);
 }
 
 /// Applies `op` to every cache line that holds a byte of `bytes`.
 fn flush_range(op: LineFlush, bytes: &[u8]) {
-    if bytes.is_empty() {
+    if op == LineFlush::Unsupported {
         return;
     }
-    let start = bytes.as_ptr() as usize & !(CACHE_LINE_BYTES - 1);
-    let end = bytes.as_ptr() as usize + bytes.len();
-    let mut line = start;
-    while line < end {
+    for line in line_addresses(bytes) {
         flush_line(op, line);
-        line += CACHE_LINE_BYTES;
     }
+}
+
+/// The address of every 64-byte line holding a byte of `bytes`, in order:
+/// the partial first and last lines included, nothing outside — none for an
+/// empty slice, whose pointer may be dangling.
+fn line_addresses(bytes: &[u8]) -> impl Iterator<Item = usize> {
+    let address = bytes.as_ptr() as usize;
+    let start = address & !(CACHE_LINE_BYTES - 1);
+    let end = if bytes.is_empty() {
+        start
+    } else {
+        address + bytes.len()
+    };
+    (start..end).step_by(CACHE_LINE_BYTES)
 }
 
 /// Writes back (and, except `clwb`, evicts) the line at `addr`. The line
@@ -187,7 +369,8 @@ pub(crate) fn flush_line(op: LineFlush, addr: usize) {
         // SAFETY: the line is mapped (see above). The instruction changes no
         // memory contents, only cache state; the asm block is not `nomem`, so
         // the compiler keeps it after the stores it must write back. CPU
-        // support was checked by `detect` (the same holds for the arms below).
+        // support was checked by `detect`, or by `with_instruction` for a
+        // forced choice (the same holds for the arms below).
         LineFlush::Clwb => unsafe {
             std::arch::asm!("clwb [{p}]", p = in(reg) p, options(nostack, preserves_flags));
         },
@@ -249,13 +432,57 @@ mod tests {
         }
     }
 
+    /// Every choice a caller can force, with what `with_instruction` or
+    /// `fence_only` makes of it.
+    fn every_choice() -> Vec<(&'static str, Result<VisibilityOps, VisibilityError>)> {
+        vec![
+            ("clwb", VisibilityOps::with_instruction(LineFlush::Clwb)),
+            (
+                "clflushopt",
+                VisibilityOps::with_instruction(LineFlush::Clflushopt),
+            ),
+            (
+                "clflush",
+                VisibilityOps::with_instruction(LineFlush::Clflush),
+            ),
+            (
+                "flush fences, no line instruction",
+                VisibilityOps::with_instruction(LineFlush::Unsupported),
+            ),
+            ("fence only", Ok(VisibilityOps::fence_only())),
+            (
+                "Coherent mode",
+                Ok(VisibilityOps::for_mode(Visibility::Coherent)),
+            ),
+            ("Flush mode", Ok(VisibilityOps::for_mode(Visibility::Flush))),
+        ]
+    }
+
+    /// Publishes through one mapping with `ops` and acquires through another,
+    /// on an odd offset and length so the partial first and last lines count.
+    fn round_trip(writer: &MappedRegion, reader: &MappedRegion, ops: VisibilityOps, value: u8) {
+        let len = 64 * 1024 - 3;
+        {
+            // SAFETY: page 1 is written only here, and read after the view is
+            // gone.
+            let mut page = unsafe { writer.page_mut(64 * 1024, PageIndex(1), len) }.expect("page");
+            page.fill(value);
+            ops.publish(&page[1..]);
+            ops.publish(&[]);
+        }
+        let view = reader.page(64 * 1024, PageIndex(1), len).expect("view");
+        ops.acquire(&view[1..]);
+        ops.acquire(&[]);
+        assert!(view.iter().all(|&b| b == value), "{ops:?}");
+    }
+
     #[test]
-    fn publish_and_acquire_run_on_a_real_mapping_in_both_modes() {
+    fn publish_and_acquire_run_with_every_instruction_this_cpu_supports() {
         let path = ShmPath::new("visibility");
         let backing = open(&path.0, &OpenOptions::new().create_size_bytes(2 << 20)).expect("pool");
         let observers = MapObservers::new();
         let extent = Extent::new(0, 2 << 20);
-        // SAFETY: the writer view is dropped before either reader view exists.
+        // SAFETY: the writer view is dropped before any reader view exists.
         let (writer, reader) = unsafe {
             (
                 MappedRegion::map(&*backing, RegionId(1), extent, Populate::Eager, &observers)
@@ -264,26 +491,119 @@ mod tests {
                     .expect("reader map"),
             )
         };
-        for (i, mode) in [Visibility::Coherent, Visibility::Flush]
-            .into_iter()
-            .enumerate()
-        {
-            let value = i as u8 + 1;
-            // Odd offset and length: the partial first and last lines count.
-            let len = 64 * 1024 - 3;
-            {
-                // SAFETY: page 1 is written only here, and read after the view
-                // is gone.
-                let mut page =
-                    unsafe { writer.page_mut(64 * 1024, PageIndex(1), len) }.expect("page");
-                page.fill(value);
-                publish(mode, &page[1..]);
-                publish(mode, &[]);
+        let supported = line_ops().supported;
+        let mut ran = Vec::new();
+        for (value, (name, choice)) in (1u8..).zip(every_choice()) {
+            match choice {
+                Ok(ops) => {
+                    round_trip(&writer, &reader, ops, value);
+                    ran.push(name);
+                }
+                Err(VisibilityError::InstructionUnsupported { instruction }) => {
+                    assert!(!supported.has(instruction), "{name} refused but supported");
+                    eprintln!("{name}: not supported by this CPU, refused");
+                }
             }
-            let view = reader.page(64 * 1024, PageIndex(1), len).expect("view");
-            acquire(mode, &view[1..]);
-            acquire(mode, &[]);
-            assert!(view.iter().all(|&b| b == value), "mode {mode:?}");
         }
+        eprintln!("ran publish/acquire with: {ran:?}");
+        if cfg!(target_arch = "x86_64") {
+            assert!(ran.contains(&"clflush"), "clflush is x86-64 baseline");
+        }
+        // The free functions are the detected choice.
+        publish(Visibility::Flush, &[1]);
+        acquire(Visibility::Coherent, &[1]);
+    }
+
+    #[test]
+    fn forced_instructions_run_exactly_what_was_chosen() {
+        let all = Supported {
+            clwb: true,
+            clflushopt: true,
+            clflush: true,
+        };
+        for instruction in [
+            LineFlush::Clflushopt,
+            LineFlush::Clflush,
+            LineFlush::Unsupported,
+        ] {
+            let ops = VisibilityOps::with_instruction_on(all, instruction).expect("supported");
+            assert_eq!(
+                (ops.write_back(), ops.evict()),
+                (Some(instruction), Some(instruction))
+            );
+        }
+        // clwb cannot evict: acquire falls back to the best evicting instruction.
+        let ops = VisibilityOps::with_instruction_on(all, LineFlush::Clwb).expect("supported");
+        assert_eq!(
+            (ops.write_back(), ops.evict()),
+            (Some(LineFlush::Clwb), Some(LineFlush::Clflushopt))
+        );
+        let only_clwb_and_clflush = Supported {
+            clflushopt: false,
+            ..all
+        };
+        let ops = VisibilityOps::with_instruction_on(only_clwb_and_clflush, LineFlush::Clwb)
+            .expect("supported");
+        assert_eq!(ops.evict(), Some(LineFlush::Clflush));
+        let fences = VisibilityOps::fence_only();
+        assert_eq!((fences.write_back(), fences.evict()), (None, None));
+        assert_eq!(VisibilityOps::for_mode(Visibility::Coherent), fences);
+        assert_eq!(
+            VisibilityOps::for_mode(Visibility::Flush).write_back(),
+            Some(line_flush())
+        );
+    }
+
+    #[test]
+    fn forcing_an_instruction_the_cpu_lacks_is_refused() {
+        let old_cpu = Supported {
+            clwb: false,
+            clflushopt: false,
+            clflush: true,
+        };
+        for instruction in [LineFlush::Clwb, LineFlush::Clflushopt] {
+            let err = VisibilityOps::with_instruction_on(old_cpu, instruction)
+                .expect_err("missing instruction");
+            assert_eq!(err, VisibilityError::InstructionUnsupported { instruction });
+            assert!(err.to_string().contains(instruction.as_str()), "{err}");
+        }
+        assert!(VisibilityOps::with_instruction_on(old_cpu, LineFlush::Clflush).is_ok());
+        let no_lines = Supported {
+            clflush: false,
+            ..old_cpu
+        };
+        assert!(VisibilityOps::with_instruction_on(no_lines, LineFlush::Clflush).is_err());
+        // The fences-only fallback needs nothing.
+        assert!(VisibilityOps::with_instruction_on(no_lines, LineFlush::Unsupported).is_ok());
+        // And on this CPU: whatever it lacks is refused, never executed.
+        let here = line_ops().supported;
+        for instruction in [LineFlush::Clwb, LineFlush::Clflushopt, LineFlush::Clflush] {
+            assert_eq!(
+                VisibilityOps::with_instruction(instruction).is_ok(),
+                here.has(instruction)
+            );
+        }
+    }
+
+    #[test]
+    fn every_line_holding_a_byte_is_flushed_and_no_other() {
+        let buffer = vec![0u8; 4 * CACHE_LINE_BYTES];
+        let base = buffer.as_ptr() as usize;
+        let aligned = (base + CACHE_LINE_BYTES - 1) & !(CACHE_LINE_BYTES - 1);
+        let offset = aligned - base;
+        let lines = |from: usize, len: usize| -> Vec<usize> {
+            line_addresses(&buffer[offset + from..offset + from + len])
+                .map(|line| line - aligned)
+                .collect()
+        };
+        assert_eq!(lines(0, 0), Vec::<usize>::new());
+        assert_eq!(lines(5, 0), Vec::<usize>::new());
+        assert_eq!(lines(0, 1), vec![0]);
+        assert_eq!(lines(63, 1), vec![0]);
+        assert_eq!(lines(63, 2), vec![0, 64]);
+        assert_eq!(lines(0, 64), vec![0]);
+        assert_eq!(lines(0, 65), vec![0, 64]);
+        assert_eq!(lines(1, 128), vec![0, 64, 128]);
+        assert_eq!(lines(64, 128), vec![64, 128]);
     }
 }

@@ -2,15 +2,21 @@
 //! no page is ever handed out twice, the page count is conserved, and every
 //! stale, double or foreign free is rejected with the right error and counted.
 //!
-//! Single-threaded, so every free page is reachable from the calling thread
-//! (its own magazine or the shared stack) and `alloc` must fail exactly when
-//! the model has no free page.
+//! Two actors take turns: the test thread and a helper thread, driven one
+//! operation at a time over channels, each with its own magazine. Pages the
+//! helper frees stay cached in its magazine while the test thread allocates,
+//! so the test thread must steal them — and because the actors never run at
+//! the same time, every free page is reachable from whichever one allocates:
+//! `alloc` must fail exactly when the model has no free page, on either side
+//! (no false exhaustion), and `free_pages` must be exact after every step.
 
 use cxlkv_dataplane::alloc::{
     AllocManyError, AllocatorOptions, FreeError, MAX_MAGAZINE_PAGES, PageAllocator,
 };
 use cxlkv_dataplane::ids::{Generation, PageIndex};
 use proptest::prelude::*;
+use std::sync::Arc;
+use std::sync::mpsc;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -23,6 +29,12 @@ enum Op {
     /// Free an arbitrary (page, generation) pair, possibly foreign.
     FreeArbitrary(u32, u32),
     FlushLocal,
+    /// Run on the helper thread: allocate.
+    HelperAlloc,
+    /// Run on the helper thread: free the held grant at this position.
+    HelperFreeHeld(usize),
+    /// Run on the helper thread: flush its magazine.
+    HelperFlush,
 }
 
 fn op(page_count: u32) -> impl Strategy<Value = Op> {
@@ -33,6 +45,9 @@ fn op(page_count: u32) -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(Op::FreeRetired),
         1 => (0..page_count + 3, any::<u32>()).prop_map(|(p, g)| Op::FreeArbitrary(p, g)),
         1 => Just(Op::FlushLocal),
+        3 => Just(Op::HelperAlloc),
+        3 => any::<usize>().prop_map(Op::HelperFreeHeld),
+        1 => Just(Op::HelperFlush),
     ]
 }
 
@@ -96,6 +111,74 @@ impl Model {
     }
 }
 
+/// What the helper thread is asked to do, and what it answers.
+enum Job {
+    Alloc,
+    Free(PageIndex, Generation),
+    Flush,
+}
+
+enum Answer {
+    Alloc(Option<(PageIndex, Generation)>),
+    Free(Result<(), FreeError>),
+    Flushed,
+}
+
+/// A thread that runs one allocator operation per request, so the test
+/// thread and it never run at the same time.
+struct Helper {
+    jobs: Option<mpsc::Sender<Job>>,
+    answers: mpsc::Receiver<Answer>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Helper {
+    fn new(allocator: Arc<PageAllocator>) -> Self {
+        let (jobs, inbox) = mpsc::channel();
+        let (outbox, answers) = mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            for job in inbox {
+                let answer = match job {
+                    Job::Alloc => Answer::Alloc(allocator.alloc()),
+                    Job::Free(page, generation) => Answer::Free(allocator.free(page, generation)),
+                    Job::Flush => {
+                        allocator.flush_local();
+                        Answer::Flushed
+                    }
+                };
+                if outbox.send(answer).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            jobs: Some(jobs),
+            answers,
+            thread: Some(thread),
+        }
+    }
+
+    fn run(&self, job: Job) -> Answer {
+        self.jobs
+            .as_ref()
+            .expect("helper running")
+            .send(job)
+            .expect("helper alive");
+        self.answers.recv().expect("helper answers")
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        // Closing the channel ends the helper's loop; joining waits for its
+        // exit (its magazine stays cached under its released slot).
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 fn run(
     page_count: u32,
     magazine_pages: u32,
@@ -105,7 +188,8 @@ fn run(
     let options = AllocatorOptions::default()
         .magazine_pages(magazine_pages)
         .initial_generation(Generation(initial));
-    let allocator = PageAllocator::with_options(page_count, options).unwrap();
+    let allocator = Arc::new(PageAllocator::with_options(page_count, options).unwrap());
+    let helper = Helper::new(Arc::clone(&allocator));
     let mut model = Model {
         pages: vec![(initial, false); page_count as usize],
         held: Vec::new(),
@@ -169,7 +253,27 @@ fn run(
                 prop_assert_eq!(allocator.free(page, generation), expected);
             }
             Op::FlushLocal => allocator.flush_local(),
-            Op::FreeHeld(_) | Op::FreeRetired(_) => {}
+            Op::HelperAlloc => match helper.run(Job::Alloc) {
+                Answer::Alloc(Some(grant)) => model.issued(grant)?,
+                Answer::Alloc(None) => prop_assert_eq!(
+                    model.free_pages(),
+                    0,
+                    "helper's alloc failed with pages free"
+                ),
+                _ => prop_assert!(false, "helper answered another job"),
+            },
+            Op::HelperFreeHeld(i) if !model.held.is_empty() => {
+                let (page, generation) = model.held[i % model.held.len()];
+                prop_assert_eq!(model.free(page, generation), Ok(()));
+                match helper.run(Job::Free(page, generation)) {
+                    Answer::Free(result) => prop_assert_eq!(result, Ok(())),
+                    _ => prop_assert!(false, "helper answered another job"),
+                }
+            }
+            Op::HelperFlush => {
+                prop_assert!(matches!(helper.run(Job::Flush), Answer::Flushed));
+            }
+            Op::FreeHeld(_) | Op::FreeRetired(_) | Op::HelperFreeHeld(_) => {}
         }
         let stats = allocator.stats();
         prop_assert_eq!(
@@ -184,8 +288,10 @@ fn run(
             prop_assert!(allocator.is_allocated(page, generation));
         }
     }
-    // Everything not held can still be allocated, each page once: nothing
-    // was lost or duplicated.
+    // The helper exits with whatever it has cached. Everything not held can
+    // still be allocated, each page once: nothing was lost or duplicated.
+    drop(helper);
+    prop_assert_eq!(allocator.free_pages() as usize, model.free_pages());
     while let Some(grant) = allocator.alloc() {
         model.issued(grant)?;
     }

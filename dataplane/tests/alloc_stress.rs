@@ -6,9 +6,11 @@
 //!   marker, set by compare-and-swap from "nobody", so a page handed out twice
 //!   is caught the moment the second holder claims it;
 //! - nothing is lost: worker threads exit in waves while others still run
-//!   (their magazines must come back), and at the end every page of the region
+//!   (their cached pages must stay reachable), and at the end every page of the region
 //!   can be allocated again by one thread;
 //! - stale and double frees are rejected and counted exactly;
+//! - on an oversubscribed region, where allocations succeed by stealing from
+//!   other threads' magazines while their owners use them, the same holds;
 //! - the table hands a removed region back only when no reader can see it:
 //!   readers check, inside the read, that the region they hold has not been
 //!   dropped, and each removed region is dropped exactly once.
@@ -246,4 +248,74 @@ fn threads_on_one_region_never_share_a_page_and_lose_none_while_regions_churn() 
             assert_eq!(pages.len(), MAIN_PAGES as usize, "pages lost");
         })
         .expect("the main region is never removed");
+}
+
+/// Pages on a region where demand exceeds supply: each thread wants more
+/// pages than its share, so the shared stack runs dry all the time and
+/// allocations succeed only by stealing from the other threads' magazines
+/// (while their owners allocate and spill from them). Ownership markers
+/// catch any page handed out twice; at the end every page comes back.
+#[test]
+fn threads_on_an_oversubscribed_region_steal_from_each_other_and_never_share_a_page() {
+    const PAGES: u32 = 64;
+    const THREADS: u32 = 6;
+    const OPS: usize = 40_000;
+    /// Each thread holds up to this many: 6 × 16 = 96 wanted of 64.
+    const WANT: usize = 16;
+    let lives = Arc::new(Lives {
+        state: (0..1).map(|_| AtomicU32::new(0)).collect(),
+        drops: AtomicUsize::new(0),
+    });
+    let region = Region::new(MAIN, PAGES, &lives);
+    let misses = AtomicU64::new(0);
+    std::thread::scope(|scope| {
+        for me in 1..=THREADS {
+            let (region, misses) = (&region, &misses);
+            scope.spawn(move || {
+                let mut held: Vec<(PageIndex, Generation)> = Vec::new();
+                let mut rng = me.wrapping_mul(0x9E37_79B9) | 1;
+                for _ in 0..OPS {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 17;
+                    rng ^= rng << 5;
+                    // Mostly allocate until WANT, then mostly free: the
+                    // threads' combined demand keeps the region exhausted.
+                    let grow = held.len() < WANT && rng % 4 != 0;
+                    if grow {
+                        match region.allocator.alloc() {
+                            Some(grant) => {
+                                region.claim(grant.0, me);
+                                held.push(grant);
+                            }
+                            None => {
+                                misses.fetch_add(1, SeqCst);
+                            }
+                        }
+                    } else if !held.is_empty() {
+                        let grant = held.swap_remove(rng as usize % held.len());
+                        region.unclaim(grant.0, me);
+                        region.allocator.free(grant.0, grant.1).unwrap();
+                    }
+                }
+                for (page, generation) in held {
+                    region.unclaim(page, me);
+                    region.allocator.free(page, generation).unwrap();
+                }
+            });
+        }
+    });
+    let stats = region.allocator.stats();
+    assert!(
+        stats.steals > 0,
+        "the steal path never ran ({} misses)",
+        misses.load(SeqCst)
+    );
+    assert!(misses.load(SeqCst) > 0, "the region was never exhausted");
+    assert_eq!(stats.free_pages, PAGES, "page count conserved");
+    assert_eq!(stats.stale_frees + stats.double_frees, 0);
+    let mut pages = HashSet::new();
+    while let Some((page, _)) = region.allocator.alloc() {
+        assert!(pages.insert(page), "{page} handed out twice");
+    }
+    assert_eq!(pages.len(), PAGES as usize, "pages lost");
 }
