@@ -280,7 +280,11 @@ fn a_server_that_stops_answering_fails_calls_by_their_deadline_and_keeps_no_pins
         lat.max.as_millis(),
         per_call.as_millis()
     );
-    assert!(lat.max >= per_call, "every attempt was made");
+    assert!(
+        reader.stats().retries >= 2 * u64::from(MAX_RETRIES),
+        "every attempt was made: {:?}",
+        reader.stats()
+    );
     assert!(lat.max <= call_bound(), "{:?}", lat.max);
     script.clear();
 
