@@ -93,6 +93,19 @@ fn forged(g: &proto::RegionGranted) -> proto::OwnedRegion {
     }
 }
 
+/// Removes the pool file and its state directory when dropped, also when
+/// the test fails before the last server removed them.
+struct RemoveOnDrop(Vec<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+}
+
 /// The victim's key `k` is still there, at `at`.
 #[track_caller]
 fn still_there(c: &mut Raw, at: proto::Location) {
@@ -104,6 +117,10 @@ fn still_there(c: &mut Raw, at: proto::Location) {
 fn forged_and_replayed_region_tokens_claim_nothing_before_or_after_a_restart() {
     let mut cfg = ServerConfig::ephemeral("sec-token");
     cfg.remove_pool_on_shutdown = false;
+    let _cleanup = RemoveOnDrop(vec![
+        cfg.pool_path.clone(),
+        std::path::PathBuf::from(format!("{}.state", cfg.pool_path.display())),
+    ]);
     cfg.directory.instance_grace = Duration::from_secs(30);
     cfg.tick_ms = 20;
     let server = Server::start(cfg.clone()).unwrap();
