@@ -11,6 +11,7 @@ pub mod alloc;
 pub mod copy;
 pub mod directory_memory;
 pub(crate) mod forked_server;
+pub mod load;
 pub mod pool;
 pub mod rtt;
 mod rtt_get;

@@ -182,6 +182,11 @@ const SCENARIOS: &[Scenario] = &[
         "L1 tier reserve_read+finish_read keys/s (64-key batches) vs batch_get + explicit unpin flush",
         crate::bench::tier::run,
     ),
+    (
+        "load",
+        "64 client connections x put/get/exists/delete against one `cxlkv serve` vs the same mix from 1 connection; p99, server RSS",
+        crate::bench::load::run,
+    ),
 ];
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {

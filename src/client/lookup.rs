@@ -18,7 +18,7 @@ use cxlkv_dataplane::visibility;
 
 use super::error::ClientError;
 use super::layout::LayoutHandle;
-use super::read::ReadGuard;
+use super::read::{LivePins, ReadGuard};
 use super::rpc::{Fail, Mode};
 
 impl LayoutHandle {
@@ -72,8 +72,8 @@ impl LayoutHandle {
             pins: 1,
         };
         let n = keys.len();
-        let (locations, regions) = shared
-            .mutating_call::<_, LookupReply, _>("lookup", Mode::NORMAL, &mut msg, |reply| {
+        let reply =
+            shared.mutating_call::<_, LookupReply, _>("lookup", Mode::NORMAL, &mut msg, |reply| {
                 let locations: Vec<Option<Location>> = reply.locations().collect();
                 if locations.len() != n {
                     return Err(ClientError::BadReply {
@@ -86,17 +86,43 @@ impl LayoutHandle {
                     });
                 }
                 Ok((locations, reply.regions().collect::<Vec<RegionDesc>>()))
-            })
-            .map_err(Fail::into_error)?;
+            });
+        let (locations, regions) = match reply {
+            Ok(found) => found,
+            Err(Fail::Indeterminate(e)) => {
+                // The lookup may have run and taken pins that no reply told
+                // us about; they would last as long as the session. End it:
+                // its pins go with it, and the reattach takes the live
+                // guards' pins again (the same rule as `staged.rs`).
+                shared.end_session("a pinning lookup went unanswered");
+                return Err(e);
+            }
+            Err(f) => return Err(f.into_error()),
+        };
+        let served_by = super::staged::SERVED_BY.get();
         // Every pin taken is now owned by a guard-to-be: count them first, so
         // that any guard dropped below (or a failure) releases exactly them.
-        shared.live_pins.add(
-            self.state.ix,
-            keys.iter()
-                .zip(&locations)
-                .filter(|(_, l)| l.is_some())
-                .map(|(k, _)| k.as_ref()),
-        );
+        let raced = {
+            let mut ledger = shared.live_pins.lock();
+            LivePins::add(
+                &mut ledger,
+                self.state.ix,
+                keys.iter()
+                    .zip(&locations)
+                    .filter(|(_, l)| l.is_some())
+                    .map(|(k, _)| k.as_ref()),
+            );
+            // Under the ledger lock: a reattach that replaces the connection
+            // from now on re-pins these too.
+            shared.conn().map(|c| c.conn_no).ok() != Some(served_by)
+        };
+        if raced {
+            // The session that took these pins was replaced after the reply
+            // came, and its reattach may have re-pinned the ledger before
+            // they were in it: end the session once more so that the next
+            // reattach takes every ledger pin, these included.
+            shared.end_session("a reconnect raced a pinning lookup");
+        }
         let mut out = Vec::with_capacity(n);
         let mut failure = None;
         for (key, location) in keys.iter().zip(locations) {

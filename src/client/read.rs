@@ -138,9 +138,9 @@ impl LivePins {
         self.map.lock()
     }
 
-    /// Counts one more pin on each key (under one lock).
-    pub fn add<'k>(&self, layout_ix: u32, keys: impl Iterator<Item = &'k [u8]>) {
-        let mut map = self.map.lock();
+    /// Counts one more pin on each key, in the map the caller locked (with
+    /// whatever else must happen under the same lock).
+    pub fn add<'k>(map: &mut PinCounts, layout_ix: u32, keys: impl Iterator<Item = &'k [u8]>) {
         for key in keys {
             *map.entry((layout_ix, key.into())).or_insert(0) += 1;
         }
@@ -260,8 +260,8 @@ mod tests {
     #[test]
     fn live_pins_count_per_key_and_refuse_a_release_never_counted() {
         let pins = LivePins::default();
-        pins.add(0, [&b"a"[..], &b"a"[..], &b"b"[..]].into_iter());
         let mut map = pins.lock();
+        LivePins::add(&mut map, 0, [&b"a"[..], &b"a"[..], &b"b"[..]].into_iter());
         assert!(LivePins::remove(&mut map, 0, b"a"));
         assert!(LivePins::remove(&mut map, 0, b"a"));
         assert!(!LivePins::remove(&mut map, 0, b"a"));

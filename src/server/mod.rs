@@ -709,6 +709,12 @@ impl ServerHandle {
             .map_err(|_| ServerError::Stopped)
     }
 
+    /// The transport's counters (connections, frames, slow readers dropped,
+    /// faults applied); `None` once the server has stopped.
+    pub fn transport_stats(&self) -> Option<transport::ServerStatsSnapshot> {
+        self.transport.as_ref().map(|t| t.stats())
+    }
+
     /// Stops the server: every connection closed (their sessions end and
     /// release their pins), region frees in flight waited for (bounded), the
     /// socket file removed.
