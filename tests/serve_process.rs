@@ -1,5 +1,5 @@
 //! `cxlkv serve` as a process: it starts with no arguments, prints where it
-//! listens, serves, and shuts down cleanly on SIGTERM (exit 0, socket file
+//! listens, serves, and shuts down cleanly on SIGTERM or SIGINT (exit 0, socket file
 //! removed, the pool manager's state checkpointed). On both transport
 //! backends (`CXLKV_IO`).
 //!
@@ -43,8 +43,8 @@ fn remove(paths: &[&Path]) {
     }
 }
 
-fn serve_once(io: &str) {
-    let unique = format!("serve-{io}-{}", std::process::id());
+fn serve_once(io: &str, signal: libc::c_int) {
+    let unique = format!("serve-{io}-{signal}-{}", std::process::id());
     let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
     let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
     let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
@@ -91,13 +91,16 @@ fn serve_once(io: &str) {
 
     let pid = guard.0.as_ref().unwrap().id() as libc::pid_t;
     // SAFETY: `pid` is our child, not yet reaped (the guard owns it).
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
     let deadline = Instant::now() + STOP_TIMEOUT;
     let status = loop {
         if let Some(s) = guard.0.as_mut().unwrap().try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "{io}: no exit after SIGTERM");
+        assert!(
+            Instant::now() < deadline,
+            "{io}: no exit after signal {signal}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     guard.0 = None;
@@ -116,6 +119,11 @@ fn serve_once(io: &str) {
 
 #[test]
 fn serve_starts_with_no_arguments_and_stops_cleanly_on_sigterm() {
-    serve_once("auto");
-    serve_once("fallback");
+    serve_once("auto", libc::SIGTERM);
+    serve_once("fallback", libc::SIGTERM);
+}
+
+#[test]
+fn serve_stops_cleanly_on_sigint_too() {
+    serve_once("auto", libc::SIGINT);
 }

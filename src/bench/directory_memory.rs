@@ -11,12 +11,13 @@
 //! control bytes, growth slack that was touched, per-region page state — and
 //! nothing that was merely reserved. Keys are generated on the fly (never
 //! stored by the bench), and every buffer the bench itself uses is allocated
-//! before the first reading. `ours` = bytes_per_key, `baseline` = 96, the
-//! target from the issue, so `ratio ≥ 1` means the target is met. A naive
-//! `HashMap<Vec<u8>, Location>` holding the same keys is measured in the same
-//! run (field `naive_hashmap_bytes_per_key`) for context only: it keeps no
-//! pins, regions, page generations or LRU, so it is not a like-for-like
-//! baseline.
+//! before the first reading. `ours` = bytes_per_key; `baseline` = the same
+//! figure for a naive `HashMap<Vec<u8>, Location>` (std) holding the same
+//! keys, measured in the same run, so `ratio` = naive ÷ ours (> 1: the
+//! directory is the more compact, although it also keeps pins, regions,
+//! page generations and LRU links, which the naive map does not). The
+//! target (≤ 96 bytes per key) is checked on `bytes_per_key` itself
+//! (`target_bytes_per_key`, `target_met`).
 //!
 //! **CPU** (cases `op=…`): nanoseconds per key of `exists` and `lookup`
 //! batches against the same N-key directory, random existing keys, median of
@@ -222,12 +223,14 @@ pub fn run(args: &BenchArgs, out: &mut Reporter) -> anyhow::Result<()> {
             SCENARIO,
             format!("keys={n},key_bytes={KEY_BYTES}"),
             ours,
-            TARGET_BYTES_PER_KEY,
+            naive_per_key,
             "B/key",
             Better::Lower,
         )
         .with("bytes_per_key", ours)
         .with("naive_hashmap_bytes_per_key", naive_per_key)
+        .with("target_bytes_per_key", TARGET_BYTES_PER_KEY)
+        .with("target_met", ours <= TARGET_BYTES_PER_KEY)
         .with("rss_delta_bytes", after - before)
         .with("page_size_bytes", PAGE_SIZE_BYTES)
         .with("regions", regions.len())
