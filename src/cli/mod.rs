@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bench::Reporter;
 
+pub mod chaos;
 pub mod pool;
 pub mod serve;
 
@@ -27,6 +28,12 @@ struct Cli {
 enum Command {
     /// Run one benchmark scenario (bench contract: DESIGN §7).
     Bench(BenchArgs),
+    /// Kill instances, the server and the pool manager at random under a
+    /// workload, and check that nothing is lost, leaked or torn.
+    Chaos(chaos::ChaosArgs),
+    /// One instance process of `cxlkv chaos` (started by it).
+    #[command(hide = true)]
+    ChaosInstance(chaos::InstanceArgs),
     /// Run the pool manager as a standalone daemon (several directories
     /// sharing one device).
     Pool(pool::PoolArgs),
@@ -70,6 +77,18 @@ pub fn main() -> ExitCode {
         Command::Bench(args) => {
             init_tracing("warn");
             run_bench(&args)
+        }
+        Command::Chaos(args) => {
+            init_tracing("warn");
+            match chaos::run(&args) {
+                Ok(true) => Ok(()),
+                Ok(false) => return ExitCode::FAILURE,
+                Err(e) => Err(e),
+            }
+        }
+        Command::ChaosInstance(args) => {
+            init_tracing("warn");
+            chaos::run_instance(&args)
         }
         Command::Pool(args) => {
             init_tracing("info");
