@@ -60,6 +60,7 @@ fn short_chaos_run_loses_leaks_and_tears_nothing() {
         "torn_reads",
         "errors",
         "instance_crashes",
+        "daemon_crashes",
         "leftover_processes",
     ] {
         assert_eq!(report_u64(&report, zero), 0, "{zero}: {report:#}");

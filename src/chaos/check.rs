@@ -418,14 +418,13 @@ impl Checker {
             });
             // Keys missing by a rule need no second look.
             let now = ledger::now_ms();
-            let (excused, rest): (Vec<String>, Vec<String>) =
-                missing.into_iter().partition(|k| {
-                    KeyName::parse(k.as_bytes()).is_some_and(|n| {
-                        history.is_dead(n.slot, n.incarnation)
-                            && (history.died_before_a_restart(n.slot, n.incarnation, now)
-                                || self.tally.orphan_evictions > 0)
-                    })
-                });
+            let (excused, rest): (Vec<String>, Vec<String>) = missing.into_iter().partition(|k| {
+                KeyName::parse(k.as_bytes()).is_some_and(|n| {
+                    history.is_dead(n.slot, n.incarnation)
+                        && (history.died_before_a_restart(n.slot, n.incarnation, now)
+                            || self.tally.orphan_evictions > 0)
+                })
+            });
             for k in excused {
                 self.judge_missing(&k, now, history, "missing at a check");
             }
@@ -529,10 +528,8 @@ impl Checker {
             .filter(|s| s.done_at.is_none_or(|t| t >= asked_ms))
             .count() as u64;
         if dir.totals.keys > possible {
-            self.tally.unaccounted_keys = self
-                .tally
-                .unaccounted_keys
-                .max(dir.totals.keys - possible);
+            self.tally.unaccounted_keys =
+                self.tally.unaccounted_keys.max(dir.totals.keys - possible);
             self.tally.violation(format!(
                 "the directory holds {} keys; the ledgers account for at most {possible}",
                 dir.totals.keys

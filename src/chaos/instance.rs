@@ -134,7 +134,11 @@ fn die_with_parent() -> anyhow::Result<()> {
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and changes
     // only this process's death signal.
     let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
-    anyhow::ensure!(rc == 0, "prctl(PR_SET_PDEATHSIG): {}", std::io::Error::last_os_error());
+    anyhow::ensure!(
+        rc == 0,
+        "prctl(PR_SET_PDEATHSIG): {}",
+        std::io::Error::last_os_error()
+    );
     // The driver may have died before the prctl: then we were reparented.
     // SAFETY: getppid has no preconditions.
     anyhow::ensure!(unsafe { libc::getppid() } != 1, "the chaos driver is gone");
@@ -357,7 +361,10 @@ impl Workload {
             .iter()
             .map(|k| (k.render(), payload::payload(k)))
             .collect();
-        let intents: Vec<Record> = items.iter().map(|(k, _)| Record::Intent(k.clone())).collect();
+        let intents: Vec<Record> = items
+            .iter()
+            .map(|(k, _)| Record::Intent(k.clone()))
+            .collect();
         self.ledger.append(&intents)?;
         match self.layout.batch_put(&items) {
             Ok(outcomes) => {
@@ -391,8 +398,7 @@ impl Workload {
         };
         let keys: Vec<String> = names.iter().map(KeyName::render).collect();
         let len = names[0].len_bytes;
-        let pages = match tier.reserve_write(&keys, &vec![false; keys.len()], len, WriteMode::New)
-        {
+        let pages = match tier.reserve_write(&keys, &vec![false; keys.len()], len, WriteMode::New) {
             Ok(p) => p,
             Err(e) => return Err(e).context("reserve_write refused its arguments"),
         };
@@ -418,7 +424,9 @@ impl Workload {
         }
         let intents: Vec<Record> = staged.iter().map(|k| Record::Intent(k.clone())).collect();
         self.ledger.append(&intents)?;
-        let codes = tier.finish_write(&staged).context("finish_write refused its arguments")?;
+        let codes = tier
+            .finish_write(&staged)
+            .context("finish_write refused its arguments")?;
         let mut acks = Vec::new();
         for (key, code) in staged.into_iter().zip(codes) {
             if code == TierCode::Success {
@@ -431,7 +439,10 @@ impl Workload {
                 self.owned.push(key);
                 self.last_success = Instant::now();
             } else {
-                acks.push(Record::Error(format!("tier:finish_write:{}", code.as_str())));
+                acks.push(Record::Error(format!(
+                    "tier:finish_write:{}",
+                    code.as_str()
+                )));
             }
         }
         self.ledger.append(&acks)?;
@@ -444,7 +455,10 @@ impl Workload {
         if keys.is_empty() {
             return Ok(());
         }
-        let intents: Vec<Record> = keys.iter().map(|k| Record::DeleteIntent(k.clone())).collect();
+        let intents: Vec<Record> = keys
+            .iter()
+            .map(|k| Record::DeleteIntent(k.clone()))
+            .collect();
         self.ledger.append(&intents)?;
         let outcomes: Result<Vec<Option<bool>>, String> = match &self.tier {
             Some(tier) => tier

@@ -294,7 +294,9 @@ mod tests {
         let mut tail = LedgerTail::new(path.clone());
         assert_eq!(tail.poll().unwrap().len(), 1, "the partial line waits");
         let mut second = Ledger::open(&path, 2).unwrap();
-        second.append(&[Record::Deleted("k0.1.1.1".into())]).unwrap();
+        second
+            .append(&[Record::Deleted("k0.1.1.1".into())])
+            .unwrap();
         let got = tail.poll().unwrap();
         assert_eq!(tail.malformed_lines, 1);
         assert_eq!(got.len(), 1);

@@ -136,6 +136,8 @@ pub struct ChaosReport {
     pub pool_restarts: u64,
     pub pool_kills: u64,
     pub instance_crashes: u64,
+    /// The server or the pool manager exited without being told to.
+    pub daemon_crashes: u64,
     pub checks: u64,
     pub acknowledged_keys: u64,
     pub deleted_keys: u64,
@@ -189,6 +191,7 @@ impl ChaosReport {
             && self.torn_reads == 0
             && self.errors == 0
             && self.instance_crashes == 0
+            && self.daemon_crashes == 0
             && self.leftover_processes == 0
             && self.aborted.is_none()
     }
@@ -242,12 +245,12 @@ struct Driver<'a> {
 /// Runs a chaos soak (see the module essay). `stop_requested` is polled
 /// between and inside steps (Ctrl-C). Errors are returned only when the
 /// run cannot start; a failure later is reported in `aborted`.
-pub fn run(
-    cfg: &ChaosConfig,
-    stop_requested: &dyn Fn() -> bool,
-) -> anyhow::Result<ChaosReport> {
+pub fn run(cfg: &ChaosConfig, stop_requested: &dyn Fn() -> bool) -> anyhow::Result<ChaosReport> {
     anyhow::ensure!(cfg.instances >= 1, "--instances must be at least 1");
-    anyhow::ensure!(cfg.kill_interval_ms >= 1, "--kill-interval-ms must be at least 1");
+    anyhow::ensure!(
+        cfg.kill_interval_ms >= 1,
+        "--kill-interval-ms must be at least 1"
+    );
     let dir = tempfile::Builder::new()
         .prefix(&format!("cxlkv-chaos-{}-", cfg.seed))
         .tempdir_in("/dev/shm")
@@ -379,9 +382,7 @@ impl Driver<'_> {
     /// Records the death of slot `slot`'s current incarnation.
     fn died(&mut self, slot: u32) {
         let s = &self.slots[slot as usize];
-        self.history
-            .deaths
-            .insert((slot, s.incarnation), now_ms());
+        self.history.deaths.insert((slot, s.incarnation), now_ms());
         let id = instance::instance_id(s.role, slot, s.incarnation);
         self.recently_dead.push(id.clone());
         self.all_dead.push(id);
@@ -413,6 +414,7 @@ impl Driver<'_> {
                 break;
             }
             self.reap_crashed()?;
+            self.reap_crashed_daemons()?;
             let slot = self.rng.below(u64::from(self.cfg.instances)) as u32;
             if let Some(mut p) = self.slots[slot as usize].proc.take() {
                 p.stop(Stop::Kill);
@@ -422,12 +424,14 @@ impl Driver<'_> {
             self.start_instance(slot)?;
             self.report.steps += 1;
             let step = self.report.steps;
-            if self.cfg.server_restart_every > 0 && step % self.cfg.server_restart_every == 0 {
+            if self.cfg.server_restart_every > 0
+                && step.is_multiple_of(self.cfg.server_restart_every)
+            {
                 let how = if server_kill { Stop::Kill } else { Stop::Term };
                 server_kill = !server_kill;
                 self.restart_server(how)?;
             }
-            if self.cfg.pool_restart_every > 0 && step % self.cfg.pool_restart_every == 0 {
+            if self.cfg.pool_restart_every > 0 && step.is_multiple_of(self.cfg.pool_restart_every) {
                 let how = if pool_kill { Stop::Kill } else { Stop::Term };
                 pool_kill = !pool_kill;
                 self.restart_pool(how)?;
@@ -457,6 +461,27 @@ impl Driver<'_> {
                 self.died(slot);
                 self.start_instance(slot)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Restarts the server or the pool manager if it exited by itself.
+    fn reap_crashed_daemons(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.pool.as_mut().and_then(Proc::exited) {
+            self.pool = None;
+            self.report.daemon_crashes += 1;
+            self.checker
+                .tally
+                .violation(format!("the pool manager exited by itself ({status})"));
+            self.start_pool()?;
+        }
+        if let Some(status) = self.server.as_mut().and_then(Proc::exited) {
+            self.server = None;
+            self.report.daemon_crashes += 1;
+            self.checker
+                .tally
+                .violation(format!("the server exited by itself ({status})"));
+            self.start_server()?;
         }
         Ok(())
     }
@@ -593,7 +618,10 @@ impl Driver<'_> {
                 p.stop(Stop::Kill);
             }
         }
-        for (what, proc) in [("server", self.server.take()), ("pool manager", self.pool.take())] {
+        for (what, proc) in [
+            ("server", self.server.take()),
+            ("pool manager", self.pool.take()),
+        ] {
             if let Some(mut p) = proc {
                 let status = p.stop(Stop::Term);
                 if !status.is_some_and(|s| s.success()) {

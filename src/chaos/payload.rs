@@ -138,7 +138,13 @@ mod tests {
         };
         assert_eq!(k.render(), "k3.7.152.9000");
         assert_eq!(KeyName::parse(b"k3.7.152.9000"), Some(k));
-        for bad in [&b"k3.7.152"[..], b"x3.7.1.2", b"k3.7.1.0", b"k3.7.1.2.5", b"k\xff"] {
+        for bad in [
+            &b"k3.7.152"[..],
+            b"x3.7.1.2",
+            b"k3.7.1.0",
+            b"k3.7.1.2.5",
+            b"k\xff",
+        ] {
             assert_eq!(KeyName::parse(bad), None, "{bad:?}");
         }
     }

@@ -58,7 +58,10 @@ pub fn command(args: &[String], log: &Path) -> anyhow::Result<Command> {
         .stdin(Stdio::null())
         .stderr(Stdio::from(log))
         .env_remove("CXLKV_CONFIG")
-        .env("CXLKV_LOG", std::env::var("CXLKV_CHAOS_CHILD_LOG").unwrap_or("warn".into()))
+        .env(
+            "CXLKV_LOG",
+            std::env::var("CXLKV_CHAOS_CHILD_LOG").unwrap_or("warn".into()),
+        )
         .process_group(0);
     // SAFETY: the closure runs in the forked child before exec and calls
     // only prctl, which is async-signal-safe; it touches no memory of the
@@ -172,7 +175,11 @@ pub fn leftover_processes(run_dir: &Path) -> Vec<(u32, String)> {
     };
     let mut out = Vec::new();
     for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         if pid == me {
