@@ -618,3 +618,24 @@ fn region_mismatch(dir: &StatsReply, pool: &PoolStatsReply) -> Option<String> {
         )
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_writers_key_may_vanish_only_after_a_restart_that_followed_its_death() {
+        let mut h = History::default();
+        h.deaths.insert((0, 1), 1_000);
+        h.server_restarts.push(500);
+        assert!(h.is_dead(0, 1));
+        assert!(!h.is_dead(0, 2), "its successor is alive");
+        // The restart came before the death: the writer reattached.
+        assert!(!h.died_before_a_restart(0, 1, 5_000));
+        h.server_restarts.push(2_000);
+        // Observed before that restart: no rule explains it yet.
+        assert!(!h.died_before_a_restart(0, 1, 1_500));
+        assert!(h.died_before_a_restart(0, 1, 2_000));
+        assert!(!h.died_before_a_restart(0, 2, 9_000), "live writers never");
+    }
+}
