@@ -57,10 +57,12 @@ fn short_chaos_run_loses_leaks_and_tears_nothing() {
         "leaked_pages",
         "region_mismatches",
         "unaccounted_keys",
+        "resurrected_keys",
         "torn_reads",
         "errors",
         "instance_crashes",
         "daemon_crashes",
+        "reattach_failures",
         "leftover_processes",
     ] {
         assert_eq!(report_u64(&report, zero), 0, "{zero}: {report:#}");

@@ -92,6 +92,7 @@ pub struct Tally {
     pub leaked_pins: u64,
     pub region_mismatches: u64,
     pub unaccounted_keys: u64,
+    pub resurrected_keys: u64,
     pub orphan_evictions: u64,
     pub ledger_malformed_lines: u64,
     pub errors: BTreeMap<String, u64>,
@@ -137,6 +138,8 @@ pub struct Checker {
     tails: Vec<LedgerTail>,
     keys: HashMap<String, KeyState>,
     judged: HashSet<String>,
+    /// Keys whose delete was answered `Deleted` since the last check.
+    recently_deleted: Vec<String>,
     pins_reported: HashSet<String>,
     /// Highest `evictions_orphan` seen from the current server incarnation.
     evictions_seen: (u64, u64),
@@ -169,6 +172,7 @@ impl Checker {
                 .collect(),
             keys: HashMap::new(),
             judged: HashSet::new(),
+            recently_deleted: Vec::new(),
             pins_reported: HashSet::new(),
             evictions_seen: (0, 0),
             tally: Tally::default(),
@@ -289,7 +293,8 @@ impl Checker {
             }
             Record::Deleted(key) => {
                 self.tally.deleted_keys += 1;
-                self.keys.entry(key).or_default().done_at = Some(e.t_ms);
+                self.keys.entry(key.clone()).or_default().done_at = Some(e.t_ms);
+                self.recently_deleted.push(key);
             }
             Record::Missing(key) => {
                 let state = self.keys.entry(key.clone()).or_default();
@@ -448,6 +453,26 @@ impl Checker {
                 history,
                 &format!("missing at a check for {SETTLE_MS} ms"),
             );
+        }
+        Ok(())
+    }
+
+    /// Deleted keys stay deleted: keys are never registered twice, so a
+    /// key answered `Deleted` that exists again was registered again by
+    /// someone (e.g. a stale re-registration) — and names a page that may
+    /// hold another key's bytes by now.
+    pub fn check_resurrected(&mut self, history: &History) -> anyhow::Result<()> {
+        self.poll_ledgers(history)?;
+        let keys = std::mem::take(&mut self.recently_deleted);
+        for chunk in keys.chunks(BATCH_KEYS) {
+            let present = self.with_layout("exists", |_, l| l.batch_exists(chunk))?;
+            for (key, present) in chunk.iter().zip(present) {
+                if present {
+                    self.tally.resurrected_keys += 1;
+                    self.tally
+                        .violation(format!("{key}: exists again after it was deleted"));
+                }
+            }
         }
         Ok(())
     }

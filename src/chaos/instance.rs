@@ -554,7 +554,8 @@ impl Workload {
             // client: the documented limit of views held across one).
             if invalidated == invalidated_then {
                 let key = String::from_utf8_lossy(guard.key()).into_owned();
-                check_bytes(&key, guard.bytes(), &mut records, &mut verified);
+                let how = format!("held guard at {:?}", guard.location());
+                check_bytes(&key, guard.bytes(), &how, &mut records, &mut verified);
             }
         }
         let n = self.batch_len() * 2;
@@ -572,7 +573,8 @@ impl Workload {
                         // until the `finish_read` below, and a registered
                         // page is never written while pinned.
                         let bytes = unsafe { page.as_slice() };
-                        check_bytes(key, bytes, &mut records, &mut verified);
+                        let how = format!("tier read at {:?}", page.location());
+                        check_bytes(key, bytes, &how, &mut records, &mut verified);
                         hits.push(key.clone());
                     }
                 }
@@ -587,7 +589,8 @@ impl Workload {
                     self.last_success = Instant::now();
                     for (key, guard) in keys.iter().zip(guards) {
                         let Some(guard) = guard else { continue };
-                        check_bytes(key, guard.bytes(), &mut records, &mut verified);
+                        let how = format!("fresh guard at {:?}", guard.location());
+                        check_bytes(key, guard.bytes(), &how, &mut records, &mut verified);
                         if self.spec.role == Role::Reader && self.rng.chance(25) {
                             let hold = Duration::from_millis(self.rng.range(10, MAX_HOLD_MS));
                             self.held.push_back((now + hold, invalidated, guard));
@@ -616,14 +619,15 @@ fn outcome_name(o: &RegisterOutcome) -> &'static str {
     }
 }
 
-/// Checks one read chunk against its key's payload.
-fn check_bytes(key: &str, bytes: &[u8], records: &mut Vec<Record>, verified: &mut u64) {
+/// Checks one read chunk against its key's payload; `how` says which read
+/// it was (for the torn-read record).
+fn check_bytes(key: &str, bytes: &[u8], how: &str, records: &mut Vec<Record>, verified: &mut u64) {
     if payload::is_intact(key.as_bytes(), bytes) {
         *verified += 1;
     } else {
         records.push(Record::Torn {
             key: key.to_owned(),
-            detail: format!("{} bytes read", bytes.len()),
+            detail: format!("{how}: {} bytes read", bytes.len()),
         });
     }
 }

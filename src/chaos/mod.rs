@@ -138,6 +138,8 @@ pub struct ChaosReport {
     pub instance_crashes: u64,
     /// The server or the pool manager exited without being told to.
     pub daemon_crashes: u64,
+    /// Live instances that had not reattached 30 s after a server restart.
+    pub reattach_failures: u64,
     pub checks: u64,
     pub acknowledged_keys: u64,
     pub deleted_keys: u64,
@@ -160,6 +162,8 @@ pub struct ChaosReport {
     pub leaked_pages: u64,
     pub region_mismatches: u64,
     pub unaccounted_keys: u64,
+    /// Keys answered `Deleted` that existed again later.
+    pub resurrected_keys: u64,
     pub torn_reads: u64,
     /// Failed calls of unexpected kinds, and their kinds.
     pub errors: u64,
@@ -188,10 +192,12 @@ impl ChaosReport {
             && self.leaked_pages == 0
             && self.region_mismatches == 0
             && self.unaccounted_keys == 0
+            && self.resurrected_keys == 0
             && self.torn_reads == 0
             && self.errors == 0
             && self.instance_crashes == 0
             && self.daemon_crashes == 0
+            && self.reattach_failures == 0
             && self.leftover_processes == 0
             && self.aborted.is_none()
     }
@@ -531,6 +537,7 @@ impl Driver<'_> {
                     REATTACH_TIMEOUT.as_secs()
                 );
                 self.checker.tally.violation(msg);
+                self.report.reattach_failures += missing.len() as u64;
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -558,7 +565,8 @@ impl Driver<'_> {
         self.checker.check_dead_pins(&dead)?;
         self.checker.check_regions()?;
         self.checker.check_unaccounted(&self.history)?;
-        self.checker.check_keys(&self.history)
+        self.checker.check_keys(&self.history)?;
+        self.checker.check_resurrected(&self.history)
     }
 
     /// The end of the run: kill every instance, check once more, delete
@@ -575,6 +583,7 @@ impl Driver<'_> {
         self.checker.check_dead_pins(&all_dead)?;
         self.checker.check_regions()?;
         self.checker.check_keys(&self.history)?;
+        self.checker.check_resurrected(&self.history)?;
         let pinned = self.checker.delete_all(&self.history)?;
         if pinned > 0 {
             self.checker.tally.violation(format!(
@@ -647,6 +656,7 @@ impl Driver<'_> {
         r.leaked_pins += t.leaked_pins;
         r.region_mismatches = t.region_mismatches;
         r.unaccounted_keys = t.unaccounted_keys;
+        r.resurrected_keys = t.resurrected_keys;
         r.torn_reads = t.torn_reads;
         r.errors = t.errors.values().sum();
         r.error_kinds = t.errors;

@@ -88,15 +88,35 @@ impl LayoutHandle {
                 Ok((locations, reply.regions().collect::<Vec<RegionDesc>>()))
             })
             .map_err(Fail::into_error)?;
+        #[cfg(test)]
+        if RECONNECT_BEFORE_COUNTING.replace(false) {
+            shared.end_session("test: another thread reconnects here");
+        }
         // Every pin taken is now owned by a guard-to-be: count them first, so
         // that any guard dropped below (or a failure) releases exactly them.
-        shared.live_pins.add(
-            self.state.ix,
-            keys.iter()
-                .zip(&locations)
-                .filter(|(_, l)| l.is_some())
-                .map(|(k, _)| k.as_ref()),
-        );
+        let served_by = super::staged::SERVED_BY.get();
+        let raced = {
+            let mut ledger = shared.live_pins.lock();
+            for (key, location) in keys.iter().zip(&locations) {
+                if location.is_some() {
+                    *ledger
+                        .entry((self.state.ix, Box::from(key.as_ref())))
+                        .or_insert(0) += 1;
+                }
+            }
+            // Under the ledger lock: a reattach that replaces the connection
+            // from now on re-pins these too.
+            shared.conn().map(|c| c.conn_no).ok() != Some(served_by)
+        };
+        if raced {
+            // The session that took these pins was replaced after the reply
+            // came (another thread reconnected), and its reattach re-pinned
+            // the ledger before they were in it: the directory holds no pin
+            // for these views, so their pages could be freed and reused
+            // under them. End the session once more: the reattach takes
+            // every ledger pin again, these included.
+            shared.end_session("a reconnect raced a pinning lookup");
+        }
         let mut out = Vec::with_capacity(n);
         let mut failure = None;
         for (key, location) in keys.iter().zip(locations) {
@@ -219,5 +239,58 @@ impl LayoutHandle {
                 Ok(reply.outcomes.iter().map(DeleteOutcome::from).collect())
             })
             .map_err(Fail::into_error)
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test fail point: the next pinning `batch_get` on this thread has its
+    /// session replaced (ended and reattached, as a reconnect by another
+    /// thread would) after its reply came and before its pins are counted.
+    static RECONNECT_BEFORE_COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::{Client, ClientConfig, DeleteOutcome, LayoutOptions};
+    use crate::server::{Server, ServerConfig};
+
+    /// Found by `cxlkv chaos` (torn reads of held views after server
+    /// restarts): another thread's reconnect between a lookup's reply and
+    /// the counting of its pins re-pinned the old ledger, so the new
+    /// session held no pin for the new views and their key could be
+    /// deleted (and the page reused) under them.
+    #[test]
+    fn a_reconnect_between_a_lookup_reply_and_its_pin_count_still_protects_the_view() {
+        let mut cfg = ServerConfig::ephemeral("lookup-race");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let connect = || {
+            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+            let opts = LayoutOptions {
+                initial_reservation_bytes: 0,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            };
+            let l = c.layout_with(4096, 7, opts).expect("a layout");
+            (c, l)
+        };
+        let (_writer, wl) = connect();
+        let (reader, rl) = connect();
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        RECONNECT_BEFORE_COUNTING.set(true);
+        let guard = rl.get(b"k").unwrap().expect("found");
+        assert!(reader.stats().reconnects >= 1, "the fail point reconnected");
+        assert_eq!(
+            wl.delete(b"k").unwrap(),
+            DeleteOutcome::Pinned { pins: 1 },
+            "the view's pin is held by the reader's current session"
+        );
+        assert_eq!(guard.bytes(), b"the writer's bytes");
+        drop(guard);
+        reader.flush_unpins().unwrap();
+        assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
     }
 }

@@ -138,14 +138,6 @@ impl LivePins {
         self.map.lock()
     }
 
-    /// Counts one more pin on each key (under one lock).
-    pub fn add<'k>(&self, layout_ix: u32, keys: impl Iterator<Item = &'k [u8]>) {
-        let mut map = self.map.lock();
-        for key in keys {
-            *map.entry((layout_ix, key.into())).or_insert(0) += 1;
-        }
-    }
-
     /// Counts one pin fewer; false if none was counted (the pins were lost
     /// with a session and could not be taken again).
     pub fn remove(map: &mut PinCounts, layout_ix: u32, key: &[u8]) -> bool {
