@@ -132,7 +132,13 @@ wait "$consumer"
 
 if [ "$python" = 1 ]; then
     step "Python package: pip install into a venv, pytest"
-    python3 -m venv "$work/venv"
+    # ensurepip has been seen to fail once on a loaded machine; one retry
+    # from scratch, then the error stands.
+    if ! python3 -m venv "$work/venv"; then
+        echo "python3 -m venv failed; retrying once" >&2
+        rm -rf "$work/venv"
+        python3 -m venv "$work/venv"
+    fi
     "$work/venv/bin/pip" install -q --disable-pip-version-check pytest
     CXLKV_LIB="$prefix/lib/libcxlkv.so" "$work/venv/bin/pip" install -q --disable-pip-version-check ./python
     (

@@ -8,7 +8,7 @@
 //! ([`ServerConfig::ephemeral`]), and killed after the scenario. It is forked
 //! rather than exec'd as `cxlkv serve` so that the bench measures exactly the
 //! server code and needs neither a configuration nor the binary's path. The
-//! bench process registers [`KEYS`] 100-byte keys (4 KiB pages, 64 MiB
+//! bench process registers `KEYS` 100-byte keys (4 KiB pages, 64 MiB
 //! regions) through it once.
 //!
 //! **What is timed.** One call: `RpcClient::call` with a request encoded

@@ -5,7 +5,7 @@
 //! ## Threads
 //!
 //! - the transport's event loop (`cxlkv-transport`): owns every socket and
-//!   the [`Directory`](cxlkv_controlplane::directory::Directory); decodes,
+//!   the [`Directory`]; decodes,
 //!   validates, calls the directory, encodes replies (`handler.rs`);
 //! - a ticker (`cxlkv-ticker`): wakes the loop every `tick_ms` through the
 //!   transport's `Completer` so that the directory's `tick` (lease and grace

@@ -287,16 +287,21 @@ impl Harness {
         assert_eq!(outcome, crate::client::RegisterOutcome::Inserted);
     }
 
-    /// The peer's location of a key it seeded (a plain lookup).
+    /// The peer's location of a key it seeded (a plain lookup). The lookup's
+    /// pin is released before returning: a dropped guard's unpin is otherwise
+    /// deferred (up to `unpin_delay_us`), and the scenarios count pins.
     pub fn peer_location(&self, key: &[u8]) -> crate::client::Location {
-        self.peer
+        let location = self
+            .peer
             .get(key)
             .expect("peer get")
             .expect("the key exists")
-            .location()
+            .location();
+        self.peer.client.flush_unpins().expect("peer flush unpins");
+        location
     }
 
-    /// The peer holds `n` more pins on `key` (kept until `peer_release`).
+    /// The peer holds `n` more pins on `key` (for the rest of the test).
     pub fn peer_pin(&self, key: &[u8], n: usize) {
         let mut g = self.peer_guards.lock();
         for _ in 0..n {

@@ -1,7 +1,7 @@
 //! The server side: one event-loop thread owns every socket and calls a
 //! [`Handler`] for each connection event and each complete frame.
 //!
-//! Backend-independent logic lives here in [`Core`]: the connection table,
+//! Backend-independent logic lives here in `Core`: the connection table,
 //! frame delivery with its in-flight bound, routing of replies (including
 //! those posted by other threads through a [`Completer`]), the bounded send
 //! queue, close bookkeeping and the fault-injection hook. The two backends
