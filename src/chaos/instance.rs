@@ -554,7 +554,15 @@ impl Workload {
             // client: the documented limit of views held across one).
             if invalidated == invalidated_then {
                 let key = String::from_utf8_lossy(guard.key()).into_owned();
-                let how = format!("held guard at {:?}", guard.location());
+                let st = self.client.stats();
+                let how = format!(
+                    "held guard at {:?} (client: {} reconnects, {} directory restarts, {} views invalidated, {} unpins dropped)",
+                    guard.location(),
+                    st.reconnects,
+                    st.directory_restarts,
+                    st.views_invalidated,
+                    st.unpins_dropped
+                );
                 check_bytes(&key, guard.bytes(), &how, &mut records, &mut verified);
             }
         }

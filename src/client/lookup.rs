@@ -248,6 +248,9 @@ thread_local! {
     /// session replaced (ended and reattached, as a reconnect by another
     /// thread would) after its reply came and before its pins are counted.
     static RECONNECT_BEFORE_COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Test fail point: re-pinning after a reconnect on this thread finds
+    /// no key (as when a directory restart has not seen its owner yet).
+    pub(crate) static REPIN_FINDS_NOTHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[cfg(test)]
@@ -292,5 +295,61 @@ mod tests {
         drop(guard);
         reader.flush_unpins().unwrap();
         assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+    }
+
+    /// Found by `cxlkv chaos` (torn reads of held views after server
+    /// restarts): a view whose pin could not be taken again after a
+    /// reconnect, dropped after a newer view of the same key was taken,
+    /// released the newer view's pin, and the key was deleted (its page
+    /// reused) under the newer view.
+    #[test]
+    fn an_invalidated_views_release_does_not_unpin_a_newer_view_of_the_key() {
+        let mut cfg = ServerConfig::ephemeral("orphan-unpin");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let connect = || {
+            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+            let opts = LayoutOptions {
+                initial_reservation_bytes: 0,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            };
+            let l = c.layout_with(4096, 7, opts).expect("a layout");
+            (c, l)
+        };
+        let (_writer, wl) = connect();
+        let (reader, rl) = connect();
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let old = rl.get(b"k").unwrap().expect("found");
+        REPIN_FINDS_NOTHING.set(true);
+        rl.shared()
+            .end_session("test: a reconnect that cannot re-pin");
+        REPIN_FINDS_NOTHING.set(false);
+        assert_eq!(reader.stats().views_invalidated, 1);
+        let newer = rl.get(b"k").unwrap().expect("found");
+        // The replaced session still holds the old view's pin until the
+        // server sees its connection close; the current one holds the newer
+        // view's. Dropping the old view must not touch the current pin.
+        let pins_held = || {
+            let stats = reader.directory_stats(proto::sections::INSTANCES).unwrap();
+            let row = stats
+                .instances
+                .iter()
+                .find(|r| r.instance_id == reader.instance_id());
+            row.map_or(0, |r| r.pins)
+        };
+        let before = pins_held();
+        drop(old);
+        reader.flush_unpins().unwrap();
+        assert_eq!(pins_held(), before, "the orphan's release sent no unpin");
+        assert!(matches!(
+            wl.delete(b"k").unwrap(),
+            DeleteOutcome::Pinned { .. }
+        ));
+        assert_eq!(newer.bytes(), b"the writer's bytes");
+        drop(newer);
+        reader.flush_unpins().unwrap();
+        assert_eq!(pins_held(), before - 1, "the newer view's pin released");
     }
 }
