@@ -12,6 +12,7 @@
 //! The architecture is described in `docs/architecture.md`.
 
 pub mod bench;
+pub mod chaos;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bench::Reporter;
 
+pub mod chaos;
 pub mod demo;
 pub mod pool;
 pub mod serve;
@@ -33,6 +34,12 @@ enum Command {
     /// The main job on one machine, nothing to set up: instance processes
     /// share KV chunks through a pool; report vs a TCP transfer.
     Demo(demo::DemoArgs),
+    /// Kill instances, the server and the pool manager at random under a
+    /// workload, and check that nothing is lost, leaked or torn.
+    Chaos(chaos::ChaosArgs),
+    /// One instance process of `cxlkv chaos` (started by it).
+    #[command(hide = true)]
+    ChaosInstance(chaos::InstanceArgs),
     /// Run the pool manager as a standalone daemon (several directories
     /// sharing one device).
     Pool(pool::PoolArgs),
@@ -84,6 +91,18 @@ pub fn main() -> ExitCode {
         Command::Demo(args) => {
             init_tracing("warn");
             demo::run(&args)
+        }
+        Command::Chaos(args) => {
+            init_tracing("warn");
+            match chaos::run(&args) {
+                Ok(true) => Ok(()),
+                Ok(false) => return ExitCode::FAILURE,
+                Err(e) => Err(e),
+            }
+        }
+        Command::ChaosInstance(args) => {
+            init_tracing("warn");
+            chaos::run_instance(&args)
         }
         Command::Pool(args) => {
             init_tracing("info");

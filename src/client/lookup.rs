@@ -18,7 +18,7 @@ use cxlkv_dataplane::visibility;
 
 use super::error::ClientError;
 use super::layout::LayoutHandle;
-use super::read::{LivePins, ReadGuard};
+use super::read::ReadGuard;
 use super::rpc::{Fail, Mode};
 
 impl LayoutHandle {
@@ -99,28 +99,33 @@ impl LayoutHandle {
             }
             Err(f) => return Err(f.into_error()),
         };
-        let served_by = super::staged::SERVED_BY.get();
+        #[cfg(test)]
+        if RECONNECT_BEFORE_COUNTING.replace(false) {
+            shared.end_session("test: another thread reconnects here");
+        }
         // Every pin taken is now owned by a guard-to-be: count them first, so
         // that any guard dropped below (or a failure) releases exactly them.
+        let served_by = super::staged::SERVED_BY.get();
         let raced = {
             let mut ledger = shared.live_pins.lock();
-            LivePins::add(
-                &mut ledger,
-                self.state.ix,
-                keys.iter()
-                    .zip(&locations)
-                    .filter(|(_, l)| l.is_some())
-                    .map(|(k, _)| k.as_ref()),
-            );
+            for (key, location) in keys.iter().zip(&locations) {
+                if location.is_some() {
+                    *ledger
+                        .entry((self.state.ix, Box::from(key.as_ref())))
+                        .or_insert(0) += 1;
+                }
+            }
             // Under the ledger lock: a reattach that replaces the connection
             // from now on re-pins these too.
             shared.conn().map(|c| c.conn_no).ok() != Some(served_by)
         };
         if raced {
             // The session that took these pins was replaced after the reply
-            // came, and its reattach may have re-pinned the ledger before
-            // they were in it: end the session once more so that the next
-            // reattach takes every ledger pin, these included.
+            // came (another thread reconnected), and its reattach re-pinned
+            // the ledger before they were in it: the directory holds no pin
+            // for these views, so their pages could be freed and reused
+            // under them. End the session once more: the reattach takes
+            // every ledger pin again, these included.
             shared.end_session("a reconnect raced a pinning lookup");
         }
         let mut out = Vec::with_capacity(n);
@@ -245,5 +250,117 @@ impl LayoutHandle {
                 Ok(reply.outcomes.iter().map(DeleteOutcome::from).collect())
             })
             .map_err(Fail::into_error)
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test fail point: the next pinning `batch_get` on this thread has its
+    /// session replaced (ended and reattached, as a reconnect by another
+    /// thread would) after its reply came and before its pins are counted.
+    static RECONNECT_BEFORE_COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Test fail point: re-pinning after a reconnect on this thread finds
+    /// no key (as when a directory restart has not seen its owner yet).
+    pub(crate) static REPIN_FINDS_NOTHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::{Client, ClientConfig, DeleteOutcome, LayoutOptions};
+    use crate::server::{Server, ServerConfig};
+
+    /// Found by `cxlkv chaos` (torn reads of held views after server
+    /// restarts): another thread's reconnect between a lookup's reply and
+    /// the counting of its pins re-pinned the old ledger, so the new
+    /// session held no pin for the new views and their key could be
+    /// deleted (and the page reused) under them.
+    #[test]
+    fn a_reconnect_between_a_lookup_reply_and_its_pin_count_still_protects_the_view() {
+        let mut cfg = ServerConfig::ephemeral("lookup-race");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let connect = || {
+            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+            let opts = LayoutOptions {
+                initial_reservation_bytes: 0,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            };
+            let l = c.layout_with(4096, 7, opts).expect("a layout");
+            (c, l)
+        };
+        let (_writer, wl) = connect();
+        let (reader, rl) = connect();
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        RECONNECT_BEFORE_COUNTING.set(true);
+        let guard = rl.get(b"k").unwrap().expect("found");
+        assert!(reader.stats().reconnects >= 1, "the fail point reconnected");
+        assert_eq!(
+            wl.delete(b"k").unwrap(),
+            DeleteOutcome::Pinned { pins: 1 },
+            "the view's pin is held by the reader's current session"
+        );
+        assert_eq!(guard.bytes(), b"the writer's bytes");
+        drop(guard);
+        reader.flush_unpins().unwrap();
+        assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+    }
+
+    /// Found by `cxlkv chaos` (torn reads of held views after server
+    /// restarts): a view whose pin could not be taken again after a
+    /// reconnect, dropped after a newer view of the same key was taken,
+    /// released the newer view's pin, and the key was deleted (its page
+    /// reused) under the newer view.
+    #[test]
+    fn an_invalidated_views_release_does_not_unpin_a_newer_view_of_the_key() {
+        let mut cfg = ServerConfig::ephemeral("orphan-unpin");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let connect = || {
+            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+            let opts = LayoutOptions {
+                initial_reservation_bytes: 0,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            };
+            let l = c.layout_with(4096, 7, opts).expect("a layout");
+            (c, l)
+        };
+        let (_writer, wl) = connect();
+        let (reader, rl) = connect();
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let old = rl.get(b"k").unwrap().expect("found");
+        REPIN_FINDS_NOTHING.set(true);
+        rl.shared()
+            .end_session("test: a reconnect that cannot re-pin");
+        REPIN_FINDS_NOTHING.set(false);
+        assert_eq!(reader.stats().views_invalidated, 1);
+        let newer = rl.get(b"k").unwrap().expect("found");
+        // The replaced session still holds the old view's pin until the
+        // server sees its connection close; the current one holds the newer
+        // view's. Dropping the old view must not touch the current pin.
+        let pins_held = || {
+            let stats = reader.directory_stats(proto::sections::INSTANCES).unwrap();
+            let row = stats
+                .instances
+                .iter()
+                .find(|r| r.instance_id == reader.instance_id());
+            row.map_or(0, |r| r.pins)
+        };
+        let before = pins_held();
+        drop(old);
+        reader.flush_unpins().unwrap();
+        assert_eq!(pins_held(), before, "the orphan's release sent no unpin");
+        assert!(matches!(
+            wl.delete(b"k").unwrap(),
+            DeleteOutcome::Pinned { .. }
+        ));
+        assert_eq!(newer.bytes(), b"the writer's bytes");
+        drop(newer);
+        reader.flush_unpins().unwrap();
+        assert_eq!(pins_held(), before - 1, "the newer view's pin released");
     }
 }

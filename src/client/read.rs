@@ -127,40 +127,67 @@ impl Drop for ReadGuard {
 /// Pin counts by `(layout index, key)`.
 pub(crate) type PinCounts = HashMap<(u32, Box<[u8]>), u32>;
 
+/// The pin ledger: the pins the current session holds for live views
+/// (what it derefs to), and the live views whose pins were lost.
+#[derive(Debug, Default)]
+pub(crate) struct PinLedger {
+    held: PinCounts,
+    /// Live views per key whose pins died with a session and could not be
+    /// taken again (counted as invalidated). Their releases send no unpin:
+    /// one session's pins on one key are interchangeable, so such an unpin
+    /// would release the pin of a newer view of the same key.
+    pub orphans: PinCounts,
+}
+
+impl std::ops::Deref for PinLedger {
+    type Target = PinCounts;
+
+    fn deref(&self) -> &PinCounts {
+        &self.held
+    }
+}
+
+impl std::ops::DerefMut for PinLedger {
+    fn deref_mut(&mut self) -> &mut PinCounts {
+        &mut self.held
+    }
+}
+
+/// Takes up to `n` from `map[k]`, removing the entry at zero; returns how
+/// many were taken.
+pub(crate) fn take_count(map: &mut PinCounts, k: &(u32, Box<[u8]>), n: u64) -> u64 {
+    let Some(have) = map.get_mut(k) else {
+        return 0;
+    };
+    let take = n.min(u64::from(*have));
+    // `take` ≤ `*have`, a u32.
+    *have -= take as u32;
+    if *have == 0 {
+        map.remove(k);
+    }
+    take
+}
+
 /// Pins held by live guards, per `(layout, key)`.
 #[derive(Debug, Default)]
 pub(crate) struct LivePins {
-    map: Mutex<PinCounts>,
+    map: Mutex<PinLedger>,
 }
 
 impl LivePins {
-    pub fn lock(&self) -> MutexGuard<'_, PinCounts> {
+    pub fn lock(&self) -> MutexGuard<'_, PinLedger> {
         self.map.lock()
     }
 
-    /// Counts one more pin on each key, in the map the caller locked (with
-    /// whatever else must happen under the same lock).
-    pub fn add<'k>(map: &mut PinCounts, layout_ix: u32, keys: impl Iterator<Item = &'k [u8]>) {
-        for key in keys {
-            *map.entry((layout_ix, key.into())).or_insert(0) += 1;
-        }
-    }
-
-    /// Counts one pin fewer; false if none was counted (the pins were lost
-    /// with a session and could not be taken again).
-    pub fn remove(map: &mut PinCounts, layout_ix: u32, key: &[u8]) -> bool {
+    /// Counts one view's release; true when it held a pin of the current
+    /// session (an unpin is due), false when its pin was lost with a
+    /// session (an orphan, or a release never counted).
+    pub fn remove(ledger: &mut PinLedger, layout_ix: u32, key: &[u8]) -> bool {
         let k = (layout_ix, Box::<[u8]>::from(key));
-        match map.get_mut(&k) {
-            Some(n) if *n > 1 => {
-                *n -= 1;
-                true
-            }
-            Some(_) => {
-                map.remove(&k);
-                true
-            }
-            None => false,
+        if take_count(&mut ledger.orphans, &k, 1) == 1 {
+            return false;
         }
+        take_count(&mut ledger.held, &k, 1) == 1
     }
 }
 
@@ -261,12 +288,27 @@ mod tests {
     fn live_pins_count_per_key_and_refuse_a_release_never_counted() {
         let pins = LivePins::default();
         let mut map = pins.lock();
-        LivePins::add(&mut map, 0, [&b"a"[..], &b"a"[..], &b"b"[..]].into_iter());
+        for key in [&b"a"[..], &b"a"[..], &b"b"[..]] {
+            *map.entry((0, key.into())).or_insert(0) += 1;
+        }
         assert!(LivePins::remove(&mut map, 0, b"a"));
         assert!(LivePins::remove(&mut map, 0, b"a"));
         assert!(!LivePins::remove(&mut map, 0, b"a"));
         assert!(!LivePins::remove(&mut map, 1, b"b"));
         assert!(LivePins::remove(&mut map, 0, b"b"));
         assert!(map.is_empty());
+    }
+
+    #[test]
+    fn an_orphaned_views_release_sends_no_unpin_even_when_a_newer_view_holds_one() {
+        let pins = LivePins::default();
+        let mut map = pins.lock();
+        // One view whose pin was lost, one newer view with a pin.
+        map.orphans.insert((0, b"k".as_slice().into()), 1);
+        map.insert((0, b"k".as_slice().into()), 1);
+        assert!(!LivePins::remove(&mut map, 0, b"k"), "the orphan's release");
+        assert!(LivePins::remove(&mut map, 0, b"k"), "the pinned view's");
+        assert!(!LivePins::remove(&mut map, 0, b"k"), "nothing left");
+        assert!(map.is_empty() && map.orphans.is_empty());
     }
 }

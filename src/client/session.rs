@@ -430,19 +430,27 @@ impl Shared {
                     })
                     .map_err(Fail::into_error)?;
                 for (key, found) in batch.iter().zip(found) {
+                    #[cfg(test)]
+                    let found = found && !super::lookup::REPIN_FINDS_NOTHING.get();
                     let k = (ix, Box::<[u8]>::from(key.as_slice()));
-                    if !found {
-                        // The views stay readable but unprotected; their
-                        // drops must not release pins they no longer hold.
-                        if let Some(n) = pins.remove(&k) {
-                            self.stats.add(&self.stats.views_invalidated, u64::from(n));
-                        }
+                    // Views whose pins are not taken again stay readable but
+                    // unprotected; their drops must not release pins they no
+                    // longer hold — nor those of newer views of the key.
+                    let lost = if !found {
+                        pins.remove(&k).unwrap_or(0)
                     } else if let Some(n) = pins.get_mut(&k)
                         && *n > max_pins
                     {
-                        self.stats
-                            .add(&self.stats.views_invalidated, u64::from(*n - max_pins));
+                        let excess = *n - max_pins;
                         *n = max_pins;
+                        excess
+                    } else {
+                        0
+                    };
+                    if lost > 0 {
+                        self.stats
+                            .add(&self.stats.views_invalidated, u64::from(lost));
+                        *pins.orphans.entry(k).or_insert(0) += lost;
                     }
                 }
             }

@@ -278,16 +278,13 @@ impl LayoutHandle {
             let mut batches: Vec<(Vec<Vec<u8>>, Vec<u32>)> = Vec::new();
             for (key, wanted) in items {
                 let k = (self.state.ix, Box::<[u8]>::from(*key));
-                let held = ledger.get(&k).map_or(0, |&n| u64::from(n));
-                let take = (*wanted).min(held);
+                // Holds whose pins were lost release nothing (see
+                // `PinLedger::orphans`); the rest release pins held.
+                let orphaned = super::read::take_count(&mut ledger.orphans, &k, *wanted);
+                let take = super::read::take_count(&mut ledger, &k, wanted - orphaned);
                 report.lost_with_session += wanted - take;
                 if take == 0 {
                     continue;
-                }
-                if take == held {
-                    ledger.remove(&k);
-                } else if let Some(n) = ledger.get_mut(&k) {
-                    *n -= take as u32;
                 }
                 let mut left = take;
                 while left > 0 {

@@ -27,6 +27,12 @@ use super::{ServerError, wire};
 const POOL_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most pages of `ListRegions` read at start-up (16 M regions).
 const MAX_LIST_PAGES: usize = 4096;
+/// How long start-up retries a pool daemon that still binds this directory
+/// to its previous process (`instance_in_use`): a restart comes right after
+/// the old server exited, and the daemon notices a local directory
+/// process's death within its probe interval (at most 1 s).
+const ATTACHED_ELSEWHERE_RETRY_MS: u64 = 10_000;
+const ATTACHED_ELSEWHERE_PAUSE_MS: u64 = 50;
 
 /// Where the server's pool manager runs.
 #[derive(Debug, Clone)]
@@ -64,8 +70,21 @@ pub(crate) fn open(cfg: &PoolManagerConfig, directory_id: &str) -> Result<Opened
         PoolManagerConfig::Remote(remote) => {
             let mut remote = remote.clone();
             remote.directory_id = directory_id.to_owned();
-            let (pool, session) =
-                RemotePool::connect(remote).map_err(|e| ServerError::PoolService(e.to_string()))?;
+            let started = std::time::Instant::now();
+            let (pool, session) = loop {
+                match RemotePool::connect(remote.clone()) {
+                    Ok(opened) => break opened,
+                    Err(e)
+                        if e.error_code() == Some(ErrorCode::InstanceInUse)
+                            && started.elapsed()
+                                < Duration::from_millis(ATTACHED_ELSEWHERE_RETRY_MS) =>
+                    {
+                        tracing::info!(error = %e, "the pool daemon still binds this directory to its previous process; retrying");
+                        std::thread::sleep(Duration::from_millis(ATTACHED_ELSEWHERE_PAUSE_MS));
+                    }
+                    Err(e) => return Err(ServerError::PoolService(e.to_string())),
+                }
+            };
             Ok(OpenedPool {
                 service: Arc::new(pool),
                 session,

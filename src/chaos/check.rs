@@ -1,0 +1,666 @@
+//! The invariant checker: after every chaos step it compares what the
+//! ledgers say was acknowledged with what the server and the pool manager
+//! hold now.
+//!
+//! It has a client of its own (instance `checker`, the workload's layout,
+//! no regions) and a model of every key named in a ledger: intent,
+//! acknowledgement (with length and checksum), delete intent, outcome. The
+//! driver tells it which incarnations died when, and when the server was
+//! restarted; from that it decides, per key, whether a missing key is
+//! allowed to be missing (DESIGN §4, §8; `docs/operations.md`, "Restart"):
+//!
+//! - a delete of it was sent (a delete intent, or an outcome);
+//! - its writer died and the directory restarted after that death (keys
+//!   whose owner does not reattach are lost with a restart);
+//! - its writer died and the directory evicted orphaned keys (watermark
+//!   eviction; the run keeps the pool far below the watermark, so this is
+//!   reported when it happens).
+//!
+//! Anything else missing is lost: `lost_keys` when its writer is alive,
+//! `lost_orphan_keys` when the writer is dead (registered keys stay
+//! readable after their writer dies). A present key whose bytes are not
+//! its payload, or whose checksum differs from the ledger's, is corrupt. A
+//! missing key is looked up again for [`SETTLE_MS`] before it is judged,
+//! since live owners re-register their keys after a directory restart in
+//! the background.
+//!
+//! The other invariants: the pins and sessions of dead incarnations are
+//! gone ([`Checker::check_dead_pins`]); the regions the pool manager holds
+//! for the directory match the directory's own count and bytes
+//! ([`Checker::check_regions`]); the directory holds no more keys than the
+//! ledgers can account for.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use cxlkv_controlplane::proto::{self, PoolStats, PoolStatsReply, RequestMeta, StatsReply};
+use cxlkv_controlplane::transport::{self, Endpoint, RpcClient};
+
+use super::instance::{self, client_config, layout_options};
+use super::ledger::{self, LedgerTail, Record};
+use super::payload::{self, KeyName};
+use super::{DIRECTORY_ID, FINGERPRINT, PAGE_SIZE_BYTES};
+use crate::client::{Client, DeleteOutcome, LayoutHandle};
+
+/// How long a missing key is looked up again before it is judged.
+pub const SETTLE_MS: u64 = 15_000;
+/// How long dead sessions' pins and the region counts may take to settle.
+pub const PIN_SETTLE_MS: u64 = 10_000;
+pub const REGION_SETTLE_MS: u64 = 10_000;
+/// Keys per lookup or delete batch.
+const BATCH_KEYS: usize = 256;
+/// Most violation messages kept for the report.
+const MAX_VIOLATIONS: usize = 50;
+/// How long one call of the checker may take (connects included).
+const CALL_TIMEOUT_MS: u64 = 60_000;
+const POLL: Duration = Duration::from_millis(200);
+
+/// Error kinds that follow from the chaos itself (a server or pool manager
+/// being restarted under a call), not from a defect: counted apart.
+pub const EXPECTED_ERROR_KINDS: &[&str] = &[
+    "unanswered",
+    "indeterminate",
+    "reconnect_failed",
+    "tier:finish_write:KEY_IN_WRONG_STATE",
+];
+
+#[derive(Debug, Clone, Default)]
+struct KeyState {
+    acked: Option<(usize, u64)>,
+    /// A delete was sent (by some incarnation), outcome perhaps unknown.
+    delete_sent_by: Vec<u32>,
+    /// When a delete's outcome was recorded (`Deleted` or `Missing`).
+    done_at: Option<u64>,
+}
+
+/// The counters the report is made of.
+#[derive(Debug, Default, Clone)]
+pub struct Tally {
+    pub checks: u64,
+    pub acknowledged_keys: u64,
+    pub deleted_keys: u64,
+    pub keys_verified: u64,
+    pub reads_verified: u64,
+    pub lost_keys: u64,
+    pub lost_orphan_keys: u64,
+    pub corrupt_keys: u64,
+    pub keys_gone_by_restart: u64,
+    pub keys_gone_by_eviction: u64,
+    pub torn_reads: u64,
+    pub leaked_pins: u64,
+    pub region_mismatches: u64,
+    pub unaccounted_keys: u64,
+    pub resurrected_keys: u64,
+    pub orphan_evictions: u64,
+    pub ledger_malformed_lines: u64,
+    pub errors: BTreeMap<String, u64>,
+    pub expected_errors: BTreeMap<String, u64>,
+    pub violations: Vec<String>,
+}
+
+impl Tally {
+    pub fn violation(&mut self, msg: String) {
+        tracing::error!("chaos invariant violated: {msg}");
+        if self.violations.len() < MAX_VIOLATIONS {
+            self.violations.push(msg);
+        }
+    }
+}
+
+/// What the driver knows about deaths and restarts.
+#[derive(Debug, Default)]
+pub struct History {
+    /// Death time (ms since the epoch) of each dead incarnation, by
+    /// `(slot, incarnation)`.
+    pub deaths: HashMap<(u32, u32), u64>,
+    /// When each server restart began (ms since the epoch).
+    pub server_restarts: Vec<u64>,
+}
+
+impl History {
+    fn died_before_a_restart(&self, slot: u32, incarnation: u32, by_ms: u64) -> bool {
+        self.deaths
+            .get(&(slot, incarnation))
+            .is_some_and(|d| self.server_restarts.iter().any(|r| *d < *r && *r <= by_ms))
+    }
+
+    fn is_dead(&self, slot: u32, incarnation: u32) -> bool {
+        self.deaths.contains_key(&(slot, incarnation))
+    }
+}
+
+pub struct Checker {
+    socket: PathBuf,
+    pool_socket: PathBuf,
+    client: Option<(Client, LayoutHandle)>,
+    tails: Vec<LedgerTail>,
+    keys: HashMap<String, KeyState>,
+    judged: HashSet<String>,
+    /// Keys whose delete was answered `Deleted` since the last check.
+    recently_deleted: Vec<String>,
+    pins_reported: HashSet<String>,
+    /// Highest `evictions_orphan` seen from the current server incarnation.
+    evictions_seen: (u64, u64),
+    pub tally: Tally,
+}
+
+impl std::fmt::Debug for Checker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checker")
+            .field("keys", &self.keys.len())
+            .field("tally", &self.tally)
+            .finish()
+    }
+}
+
+enum Verdict {
+    Intact,
+    Corrupt(String),
+    Missing,
+}
+
+impl Checker {
+    pub fn new(run_dir: &Path, slots: u32, socket: PathBuf, pool_socket: PathBuf) -> Self {
+        Self {
+            socket,
+            pool_socket,
+            client: None,
+            tails: (0..slots)
+                .map(|s| LedgerTail::new(ledger::path_of(run_dir, s)))
+                .collect(),
+            keys: HashMap::new(),
+            judged: HashSet::new(),
+            recently_deleted: Vec::new(),
+            pins_reported: HashSet::new(),
+            evictions_seen: (0, 0),
+            tally: Tally::default(),
+        }
+    }
+
+    /// The checker's client and layout, connecting (again) when needed.
+    fn session(&mut self) -> anyhow::Result<(Client, LayoutHandle)> {
+        if let Some(s) = &self.client {
+            return Ok(s.clone());
+        }
+        let client = instance::connect(&client_config(&self.socket, "checker"), CALL_TIMEOUT_MS)?;
+        let layout = client.layout_with(PAGE_SIZE_BYTES, FINGERPRINT, layout_options())?;
+        self.client = Some((client.clone(), layout.clone()));
+        Ok((client, layout))
+    }
+
+    /// Runs `f` on the checker's layout; on failure reconnects once (the
+    /// server may have been restarted longer than the client's reconnect
+    /// window ago).
+    fn with_layout<T>(
+        &mut self,
+        what: &str,
+        mut f: impl FnMut(&Client, &LayoutHandle) -> Result<T, crate::client::ClientError>,
+    ) -> anyhow::Result<T> {
+        let (client, layout) = self.session()?;
+        match f(&client, &layout) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                tracing::warn!(error = %e, "checker: {what} failed; reconnecting");
+                self.close();
+                let (client, layout) = self.session()?;
+                f(&client, &layout).with_context(|| format!("checker: {what}"))
+            }
+        }
+    }
+
+    /// The directory's statistics (instances and regions tables).
+    pub fn directory_stats(&mut self) -> anyhow::Result<StatsReply> {
+        let stats = self.with_layout("stats", |c, _| {
+            c.directory_stats(proto::sections::INSTANCES | proto::sections::REGIONS)
+        })?;
+        // Counters restart with the server: track the running maximum per
+        // incarnation of the directory.
+        let evictions = stats.totals.evictions_orphan;
+        if self.evictions_seen.0 != stats.directory_epoch {
+            self.evictions_seen = (stats.directory_epoch, 0);
+        }
+        if evictions > self.evictions_seen.1 {
+            self.tally.orphan_evictions += evictions - self.evictions_seen.1;
+            self.evictions_seen.1 = evictions;
+        }
+        Ok(stats)
+    }
+
+    /// The pool manager's occupancy (no session needed).
+    pub fn pool_stats(&self) -> anyhow::Result<PoolStatsReply> {
+        let rpc = RpcClient::connect(
+            &Endpoint::Unix(self.pool_socket.clone()),
+            transport::ClientConfig::default(),
+        )
+        .context("cannot connect to the pool manager")?;
+        let mut frame = Vec::new();
+        proto::encode(
+            0,
+            &PoolStats {
+                meta: RequestMeta::default(),
+            },
+            &mut frame,
+        )?;
+        let payload = frame.split_off(cxlkv_controlplane::frame::HEADER_BYTES);
+        let reply = rpc.call(
+            <PoolStats as proto::Message>::KIND.as_u16(),
+            &payload,
+            Duration::from_millis(CALL_TIMEOUT_MS),
+        )?;
+        let frame = cxlkv_controlplane::frame::Frame {
+            header: reply.header,
+            payload: reply.payload(),
+        };
+        match proto::access_reply::<PoolStatsReply>(frame)? {
+            Ok(a) => Ok(proto::deserialize::<PoolStatsReply>(a)?),
+            Err(e) => anyhow::bail!("pool stats refused: {}", e.message()),
+        }
+    }
+
+    /// Reads what the ledgers gained since the last call.
+    fn poll_ledgers(&mut self, history: &History) -> anyhow::Result<()> {
+        for slot in 0..self.tails.len() {
+            let entries = self.tails[slot].poll().context("cannot read a ledger")?;
+            for e in entries {
+                self.apply(e, history);
+            }
+        }
+        self.tally.ledger_malformed_lines = self.tails.iter().map(|t| t.malformed_lines).sum();
+        Ok(())
+    }
+
+    fn apply(&mut self, e: ledger::Entry, history: &History) {
+        match e.record {
+            Record::Intent(key) => {
+                self.keys.entry(key).or_default();
+            }
+            Record::Ack {
+                key,
+                len_bytes,
+                checksum,
+            } => {
+                self.tally.acknowledged_keys += 1;
+                self.keys.entry(key).or_default().acked = Some((len_bytes, checksum));
+            }
+            Record::DeleteIntent(key) => {
+                self.keys
+                    .entry(key)
+                    .or_default()
+                    .delete_sent_by
+                    .push(e.incarnation);
+            }
+            Record::Deleted(key) => {
+                self.tally.deleted_keys += 1;
+                self.keys.entry(key.clone()).or_default().done_at = Some(e.t_ms);
+                self.recently_deleted.push(key);
+            }
+            Record::Missing(key) => {
+                let state = self.keys.entry(key.clone()).or_default();
+                state.done_at = Some(e.t_ms);
+                // An earlier delete whose outcome was never recorded (its
+                // sender died, or its reply was lost) may have done it.
+                let earlier_delete = state.delete_sent_by.len() > 1;
+                if state.acked.is_some() && !earlier_delete {
+                    self.judge_missing(&key, e.t_ms, history, "a delete found it missing");
+                }
+            }
+            Record::Torn { key, detail } => {
+                self.tally.torn_reads += 1;
+                self.tally.violation(format!(
+                    "torn read of {key} by incarnation {}: {detail}",
+                    e.incarnation
+                ));
+            }
+            Record::Error(kind) => {
+                let map = if EXPECTED_ERROR_KINDS.contains(&kind.as_str()) {
+                    &mut self.tally.expected_errors
+                } else {
+                    &mut self.tally.errors
+                };
+                *map.entry(kind).or_default() += 1;
+            }
+            Record::Verified(n) => self.tally.reads_verified += n,
+        }
+    }
+
+    /// A missing acknowledged key: allowed by a documented rule, or lost.
+    fn judge_missing(&mut self, key: &str, at_ms: u64, history: &History, how: &str) {
+        if !self.judged.insert(key.to_owned()) {
+            return;
+        }
+        let Some(name) = KeyName::parse(key.as_bytes()) else {
+            self.tally.lost_keys += 1;
+            self.tally
+                .violation(format!("{key}: not a chaos key ({how})"));
+            return;
+        };
+        let dead = history.is_dead(name.slot, name.incarnation);
+        if dead && history.died_before_a_restart(name.slot, name.incarnation, at_ms) {
+            self.tally.keys_gone_by_restart += 1;
+        } else if dead && self.tally.orphan_evictions > 0 {
+            self.tally.keys_gone_by_eviction += 1;
+        } else if dead {
+            self.tally.lost_orphan_keys += 1;
+            self.tally.violation(format!(
+                "{key}: its writer is dead, no restart or eviction since; {how}"
+            ));
+        } else {
+            self.tally.lost_keys += 1;
+            self.tally
+                .violation(format!("{key}: its writer is alive; {how}"));
+        }
+    }
+
+    /// Looks `keys` up (pinning, then releasing at once) and checks bytes.
+    fn lookup(&mut self, keys: &[String]) -> anyhow::Result<Vec<Verdict>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(BATCH_KEYS) {
+            let guards = self.with_layout("lookup", |_, l| l.batch_get(chunk))?;
+            for (key, guard) in chunk.iter().zip(guards) {
+                let verdict = match guard {
+                    None => Verdict::Missing,
+                    Some(g) => {
+                        let bytes = g.bytes();
+                        let expected = self.keys.get(key).and_then(|s| s.acked);
+                        if !payload::is_intact(key.as_bytes(), bytes) {
+                            Verdict::Corrupt(format!("{} bytes, not its payload", bytes.len()))
+                        } else if let Some((len, sum)) = expected
+                            && (len != bytes.len() || sum != payload::checksum(bytes))
+                        {
+                            Verdict::Corrupt("differs from the ledger's length or checksum".into())
+                        } else {
+                            Verdict::Intact
+                        }
+                    }
+                };
+                out.push(verdict);
+            }
+        }
+        if let Some((client, _)) = &self.client {
+            // Our pins must not make the workload's deletes answer Pinned.
+            let _ = client.flush_unpins();
+        }
+        Ok(out)
+    }
+
+    /// Every acknowledged key that no delete touched must be readable with
+    /// its exact bytes (or be missing by a documented rule).
+    pub fn check_keys(&mut self, history: &History) -> anyhow::Result<()> {
+        self.tally.checks += 1;
+        self.poll_ledgers(history)?;
+        let expected = |k: &String, s: &KeyState, judged: &HashSet<String>| {
+            s.acked.is_some() && s.done_at.is_none() && !judged.contains(k)
+        };
+        let candidates: Vec<String> = self
+            .keys
+            .iter()
+            .filter(|(k, s)| expected(k, s, &self.judged))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut missing = Vec::new();
+        for (key, verdict) in candidates.iter().zip(self.lookup(&candidates)?) {
+            match verdict {
+                Verdict::Intact => self.tally.keys_verified += 1,
+                Verdict::Corrupt(why) => {
+                    if self.judged.insert(key.clone()) {
+                        self.tally.corrupt_keys += 1;
+                        self.tally.violation(format!("{key}: corrupt: {why}"));
+                    }
+                }
+                Verdict::Missing => missing.push(key.clone()),
+            }
+        }
+        let deadline = Instant::now() + Duration::from_millis(SETTLE_MS);
+        loop {
+            // A delete may have been sent since the lookup.
+            self.poll_ledgers(history)?;
+            missing.retain(|k| {
+                self.keys
+                    .get(k)
+                    .is_some_and(|s| s.delete_sent_by.is_empty() && s.done_at.is_none())
+            });
+            // Keys missing by a rule need no second look.
+            let now = ledger::now_ms();
+            let (excused, rest): (Vec<String>, Vec<String>) = missing.into_iter().partition(|k| {
+                KeyName::parse(k.as_bytes()).is_some_and(|n| {
+                    history.is_dead(n.slot, n.incarnation)
+                        && (history.died_before_a_restart(n.slot, n.incarnation, now)
+                            || self.tally.orphan_evictions > 0)
+                })
+            });
+            for k in excused {
+                self.judge_missing(&k, now, history, "missing at a check");
+            }
+            missing = rest;
+            if missing.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(POLL * 2);
+            let verdicts = self.lookup(&missing)?;
+            missing = missing
+                .into_iter()
+                .zip(verdicts)
+                .filter_map(|(k, v)| matches!(v, Verdict::Missing).then_some(k))
+                .collect();
+        }
+        let now = ledger::now_ms();
+        for k in missing {
+            self.judge_missing(
+                &k,
+                now,
+                history,
+                &format!("missing at a check for {SETTLE_MS} ms"),
+            );
+        }
+        Ok(())
+    }
+
+    /// Deleted keys stay deleted: keys are never registered twice, so a
+    /// key answered `Deleted` that exists again was registered again by
+    /// someone (e.g. a stale re-registration) — and names a page that may
+    /// hold another key's bytes by now.
+    pub fn check_resurrected(&mut self, history: &History) -> anyhow::Result<()> {
+        self.poll_ledgers(history)?;
+        let keys = std::mem::take(&mut self.recently_deleted);
+        for chunk in keys.chunks(BATCH_KEYS) {
+            let present = self.with_layout("exists", |_, l| l.batch_exists(chunk))?;
+            for (key, present) in chunk.iter().zip(present) {
+                if present {
+                    self.tally.resurrected_keys += 1;
+                    self.tally
+                        .violation(format!("{key}: exists again after it was deleted"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The sessions and pins of dead incarnations are gone (waits up to
+    /// [`PIN_SETTLE_MS`] for the directory to notice a death), and the pin
+    /// total equals the sum over instances.
+    pub fn check_dead_pins(&mut self, dead_ids: &[String]) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_millis(PIN_SETTLE_MS);
+        loop {
+            let stats = self.directory_stats()?;
+            let holding: Vec<(String, u64, u32)> = stats
+                .instances
+                .iter()
+                .filter(|r| dead_ids.contains(&r.instance_id) && (r.pins > 0 || r.sessions > 0))
+                .map(|r| (r.instance_id.clone(), r.pins, r.sessions))
+                .collect();
+            let sum: u64 = stats.instances.iter().map(|r| r.pins).sum();
+            let consistent = stats.truncated || sum == stats.totals.pins;
+            if holding.is_empty() && consistent {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                for (id, pins, sessions) in holding {
+                    if self.pins_reported.insert(id.clone()) {
+                        self.tally.leaked_pins += pins;
+                        self.tally.violation(format!(
+                            "dead instance {id} still has {sessions} sessions and {pins} pins after {PIN_SETTLE_MS} ms"
+                        ));
+                    }
+                }
+                if !consistent {
+                    self.tally.violation(format!(
+                        "directory pins total {} but its instances hold {sum}",
+                        stats.totals.pins
+                    ));
+                }
+                return Ok(());
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// The pool manager holds exactly the directory's regions (count and
+    /// bytes), and its own free space adds up; waits up to
+    /// [`REGION_SETTLE_MS`] for requests in flight.
+    pub fn check_regions(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_millis(REGION_SETTLE_MS);
+        loop {
+            let dir = self.directory_stats()?;
+            let pool = self.pool_stats()?;
+            let problem = region_mismatch(&dir, &pool);
+            let Some(problem) = problem else {
+                return Ok(());
+            };
+            if Instant::now() >= deadline {
+                self.tally.region_mismatches += 1;
+                self.tally.violation(problem);
+                return Ok(());
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// The directory holds no key that no ledger names as intended and not
+    /// yet deleted (a page nobody can account for).
+    pub fn check_unaccounted(&mut self, history: &History) -> anyhow::Result<()> {
+        let asked_ms = ledger::now_ms();
+        let dir = self.directory_stats()?;
+        // Intents are written before registering, so reading the ledgers
+        // after the stats makes the set of possible keys a superset; a
+        // delete outcome counts only if it was recorded before the stats
+        // were asked for (the directory had executed it by then).
+        self.poll_ledgers(history)?;
+        let possible = self
+            .keys
+            .values()
+            .filter(|s| s.done_at.is_none_or(|t| t >= asked_ms))
+            .count() as u64;
+        if dir.totals.keys > possible {
+            self.tally.unaccounted_keys =
+                self.tally.unaccounted_keys.max(dir.totals.keys - possible);
+            self.tally.violation(format!(
+                "the directory holds {} keys; the ledgers account for at most {possible}",
+                dir.totals.keys
+            ));
+        }
+        Ok(())
+    }
+
+    /// Deletes every key any ledger names and no delete removed (the run's
+    /// end: no instance is alive). Returns keys that stayed pinned.
+    pub fn delete_all(&mut self, history: &History) -> anyhow::Result<u64> {
+        self.poll_ledgers(history)?;
+        let mut left: Vec<String> = self
+            .keys
+            .iter()
+            .filter(|(_, s)| s.done_at.is_none())
+            .map(|(k, _)| k.clone())
+            .collect();
+        left.sort();
+        let deadline = Instant::now() + Duration::from_millis(PIN_SETTLE_MS);
+        loop {
+            let mut pinned = Vec::new();
+            for chunk in left.chunks(BATCH_KEYS) {
+                let outcomes = self.with_layout("delete", |_, l| l.batch_delete(chunk))?;
+                for (key, o) in chunk.iter().zip(outcomes) {
+                    match o {
+                        DeleteOutcome::Deleted | DeleteOutcome::Missing => {
+                            if o == DeleteOutcome::Deleted {
+                                self.tally.deleted_keys += 1;
+                            }
+                            if let Some(s) = self.keys.get_mut(key) {
+                                s.done_at = Some(ledger::now_ms());
+                            }
+                        }
+                        DeleteOutcome::Pinned { .. } => pinned.push(key.clone()),
+                    }
+                }
+            }
+            if pinned.is_empty() || Instant::now() >= deadline {
+                return Ok(pinned.len() as u64);
+            }
+            left = pinned;
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Closes the checker's session.
+    pub fn close(&mut self) {
+        if let Some((client, layout)) = self.client.take() {
+            drop(layout);
+            let _ = client.close();
+        }
+    }
+}
+
+/// A description of how the pool manager's view of the directory's
+/// regions differs from the directory's, if it does.
+fn region_mismatch(dir: &StatsReply, pool: &PoolStatsReply) -> Option<String> {
+    let mut pool_regions = 0;
+    let mut pool_bytes = 0;
+    for p in &pool.pools {
+        let owners_bytes: u64 = p.owners.iter().map(|o| o.bytes).sum();
+        if p.total_bytes - p.free_bytes != owners_bytes {
+            return Some(format!(
+                "pool {}: {} bytes allocated but its owners hold {owners_bytes}",
+                p.pool,
+                p.total_bytes - p.free_bytes
+            ));
+        }
+        for o in p.owners.iter().filter(|o| o.directory_id == DIRECTORY_ID) {
+            pool_regions += o.regions;
+            pool_bytes += o.bytes;
+        }
+    }
+    let t = &dir.totals;
+    if t.pending_region_requests > 0 {
+        return Some(format!(
+            "{} region requests pending",
+            t.pending_region_requests
+        ));
+    }
+    (pool_regions != t.regions || pool_bytes != t.owned_bytes).then(|| {
+        format!(
+            "the pool manager holds {pool_regions} regions ({pool_bytes} bytes) for the directory, which holds {} ({} bytes)",
+            t.regions, t.owned_bytes
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_writers_key_may_vanish_only_after_a_restart_that_followed_its_death() {
+        let mut h = History::default();
+        h.deaths.insert((0, 1), 1_000);
+        h.server_restarts.push(500);
+        assert!(h.is_dead(0, 1));
+        assert!(!h.is_dead(0, 2), "its successor is alive");
+        // The restart came before the death: the writer reattached.
+        assert!(!h.died_before_a_restart(0, 1, 5_000));
+        h.server_restarts.push(2_000);
+        // Observed before that restart: no rule explains it yet.
+        assert!(!h.died_before_a_restart(0, 1, 1_500));
+        assert!(h.died_before_a_restart(0, 1, 2_000));
+        assert!(!h.died_before_a_restart(0, 2, 9_000), "live writers never");
+    }
+}

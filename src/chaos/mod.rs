@@ -1,0 +1,668 @@
+//! `cxlkv chaos`: a soak test that kills things and checks that nothing is
+//! lost, leaked or torn (DESIGN §8, issue 10).
+//!
+//! # Shape
+//!
+//! The driver ([`run`]) starts, under a fresh run directory in `/dev/shm`,
+//! a `cxlkv pool` daemon (the pool manager, with its own state directory),
+//! a `cxlkv serve` using it (`--pool-daemon`, so that each can be restarted
+//! without the other), and N instance processes (the hidden `cxlkv
+//! chaos-instance`, module [`instance`]): writers, readers and L1-tier
+//! users running a seeded random workload on one layout. Then, step by
+//! step until the duration is over:
+//!
+//! 1. wait a random time below `kill_interval_ms`, SIGKILL a random
+//!    instance — wherever it is: mid-register, mid-delete, holding pins —
+//!    and start its successor (a new incarnation, a new instance id, the
+//!    same ledger);
+//! 2. every `server_restart_every` steps restart the server, every
+//!    `pool_restart_every` steps the pool manager, alternating SIGKILL and
+//!    SIGTERM; after a server restart, wait for the live instances to
+//!    reattach;
+//! 3. check the invariants ([`check::Checker`]): dead incarnations hold no
+//!    session and no pin; the pool manager's regions for the directory
+//!    match the directory's; the directory holds no key the ledgers cannot
+//!    account for; every acknowledged key is readable with its exact bytes
+//!    unless a documented rule removed it.
+//!
+//! At the end every instance is killed, the checks run once more (keys of
+//! dead writers must still be there), every key is deleted, and the pool
+//! manager's free space must come back to its value before the first
+//! instance started, within the directory's grace period. Then the server
+//! and the pool manager are stopped with SIGTERM, the run directory is
+//! removed, and any process still mentioning it is reported.
+//!
+//! Every wait is bounded; a Ctrl-C (SIGINT) or SIGTERM ends the loop early
+//! and still runs the cleanup.
+
+pub mod check;
+pub mod instance;
+pub mod ledger;
+pub mod payload;
+mod procs;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+
+use check::{Checker, History};
+use ledger::now_ms;
+use payload::SplitMix64;
+use procs::{Proc, Stop, arg};
+
+/// The workload's layout: 16 KiB pages (a chunk is 1..=16 KiB), regions of
+/// 2 MiB (128 pages, the pool alignment).
+pub const PAGE_SIZE_BYTES: u64 = 16 << 10;
+pub const REGION_SIZE_BYTES: u64 = 2 << 20;
+pub const FINGERPRINT: u64 = 0xC4A0_5000_0000_0001;
+/// The directory id the chaos server uses at the pool manager.
+pub const DIRECTORY_ID: &str = "chaos";
+/// The pool: small enough for any CI machine's `/dev/shm`, large enough
+/// that the workload stays far below the orphan-eviction watermark.
+pub const POOL_SIZE_BYTES: u64 = 256 << 20;
+/// The pool manager keeps a gone directory's regions this long: longer
+/// than any server restart of the run.
+const POOL_GRACE_MS: u64 = 120_000;
+/// How long the live instances may take to reattach after a server restart.
+const REATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Slack over the directory's grace period for the final reclaim.
+const RECLAIM_SLACK: Duration = Duration::from_secs(60);
+
+/// What an instance does (module [`instance`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    Writer,
+    Reader,
+    Tier,
+}
+
+impl Role {
+    /// The first letter of its instance ids.
+    pub fn letter(self) -> char {
+        match self {
+            Role::Writer => 'w',
+            Role::Reader => 'r',
+            Role::Tier => 't',
+        }
+    }
+
+    /// Slot `slot`'s role: writer, reader, tier, writer, …
+    pub fn of_slot(slot: u32) -> Role {
+        match slot % 3 {
+            0 => Role::Writer,
+            1 => Role::Reader,
+            _ => Role::Tier,
+        }
+    }
+
+    fn as_arg(self) -> &'static str {
+        match self {
+            Role::Writer => "writer",
+            Role::Reader => "reader",
+            Role::Tier => "tier",
+        }
+    }
+}
+
+/// The knobs of a chaos run.
+#[derive(Debug, Clone)]
+pub struct ChaosConfig {
+    pub duration: Duration,
+    pub instances: u32,
+    pub seed: u64,
+    pub kill_interval_ms: u64,
+    /// Restart the server every this many steps (0: never).
+    pub server_restart_every: u64,
+    /// Restart the pool manager every this many steps (0: never).
+    pub pool_restart_every: u64,
+    /// The directory's instance grace period (`--grace-ms` of the server).
+    pub grace_ms: u64,
+    /// Keep the run directory (ledgers, logs) instead of removing it.
+    pub keep_run_dir: bool,
+}
+
+/// The result of a run: printed as one JSON object by `cxlkv chaos --json`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChaosReport {
+    pub seed: u64,
+    pub duration_s: f64,
+    pub instances: u32,
+    pub steps: u64,
+    pub kills: u64,
+    pub server_restarts: u64,
+    pub server_kills: u64,
+    pub pool_restarts: u64,
+    pub pool_kills: u64,
+    pub instance_crashes: u64,
+    /// The server or the pool manager exited without being told to.
+    pub daemon_crashes: u64,
+    /// Live instances that had not reattached 30 s after a server restart.
+    pub reattach_failures: u64,
+    pub checks: u64,
+    pub acknowledged_keys: u64,
+    pub deleted_keys: u64,
+    pub keys_verified: u64,
+    pub reads_verified: u64,
+    /// Acknowledged by a live instance and not readable intact.
+    pub lost_keys: u64,
+    /// Acknowledged by an instance since killed, missing with no rule to
+    /// explain it.
+    pub lost_orphan_keys: u64,
+    pub corrupt_keys: u64,
+    /// Keys of dead writers removed by a directory restart (documented).
+    pub keys_gone_by_restart: u64,
+    /// Keys of dead writers removed by orphan eviction (documented).
+    pub keys_gone_by_eviction: u64,
+    pub orphan_evictions: u64,
+    pub leaked_pins: u64,
+    /// Pages of pool space not back after everything was deleted, plus
+    /// keys the directory still held.
+    pub leaked_pages: u64,
+    pub region_mismatches: u64,
+    pub unaccounted_keys: u64,
+    /// Keys answered `Deleted` that existed again later.
+    pub resurrected_keys: u64,
+    pub torn_reads: u64,
+    /// Failed calls of unexpected kinds, and their kinds.
+    pub errors: u64,
+    pub error_kinds: std::collections::BTreeMap<String, u64>,
+    /// Failed calls of the kinds a restart under a call causes.
+    pub expected_errors: u64,
+    pub expected_error_kinds: std::collections::BTreeMap<String, u64>,
+    pub ledger_malformed_lines: u64,
+    pub baseline_free_bytes: u64,
+    pub final_free_bytes: u64,
+    pub leftover_processes: u64,
+    pub interrupted: bool,
+    /// The first violations, in words.
+    pub violations: Vec<String>,
+    /// Why the run stopped early, if it did.
+    pub aborted: Option<String>,
+}
+
+impl ChaosReport {
+    /// True when no invariant was violated and nothing was left behind.
+    pub fn passed(&self) -> bool {
+        self.lost_keys == 0
+            && self.lost_orphan_keys == 0
+            && self.corrupt_keys == 0
+            && self.leaked_pins == 0
+            && self.leaked_pages == 0
+            && self.region_mismatches == 0
+            && self.unaccounted_keys == 0
+            && self.resurrected_keys == 0
+            && self.torn_reads == 0
+            && self.errors == 0
+            && self.instance_crashes == 0
+            && self.daemon_crashes == 0
+            && self.reattach_failures == 0
+            && self.leftover_processes == 0
+            && self.aborted.is_none()
+    }
+}
+
+/// Paths of the run.
+struct Paths {
+    dir: PathBuf,
+    pool: PathBuf,
+    pool_state: PathBuf,
+    pool_socket: PathBuf,
+    socket: PathBuf,
+}
+
+impl Paths {
+    fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            pool: dir.join("pool"),
+            pool_state: dir.join("pool-state"),
+            pool_socket: dir.join("pool.sock"),
+            socket: dir.join("server.sock"),
+        }
+    }
+}
+
+/// One instance slot: its role, current incarnation and process.
+struct Slot {
+    role: Role,
+    incarnation: u32,
+    proc: Option<Proc>,
+}
+
+/// The driver's state.
+struct Driver<'a> {
+    cfg: &'a ChaosConfig,
+    paths: Paths,
+    rng: SplitMix64,
+    pool: Option<Proc>,
+    server: Option<Proc>,
+    slots: Vec<Slot>,
+    history: History,
+    checker: Checker,
+    report: ChaosReport,
+    /// Incarnations killed since the last pin check.
+    recently_dead: Vec<String>,
+    all_dead: Vec<String>,
+    log_serial: u64,
+}
+
+/// Runs a chaos soak (see the module essay). `stop_requested` is polled
+/// between and inside steps (Ctrl-C). Errors are returned only when the
+/// run cannot start; a failure later is reported in `aborted`.
+pub fn run(cfg: &ChaosConfig, stop_requested: &dyn Fn() -> bool) -> anyhow::Result<ChaosReport> {
+    anyhow::ensure!(cfg.instances >= 1, "--instances must be at least 1");
+    anyhow::ensure!(
+        cfg.kill_interval_ms >= 1,
+        "--kill-interval-ms must be at least 1"
+    );
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("cxlkv-chaos-{}-", cfg.seed))
+        .tempdir_in("/dev/shm")
+        .context("cannot create the run directory under /dev/shm")?;
+    let paths = Paths::new(dir.path());
+    let checker = Checker::new(
+        &paths.dir,
+        cfg.instances,
+        paths.socket.clone(),
+        paths.pool_socket.clone(),
+    );
+    let mut d = Driver {
+        cfg,
+        paths,
+        rng: SplitMix64::new(cfg.seed),
+        pool: None,
+        server: None,
+        slots: (0..cfg.instances)
+            .map(|s| Slot {
+                role: Role::of_slot(s),
+                incarnation: 0,
+                proc: None,
+            })
+            .collect(),
+        history: History::default(),
+        checker,
+        report: ChaosReport {
+            seed: cfg.seed,
+            instances: cfg.instances,
+            ..ChaosReport::default()
+        },
+        recently_dead: Vec::new(),
+        all_dead: Vec::new(),
+        log_serial: 0,
+    };
+    let started = Instant::now();
+    if let Err(e) = d.soak(stop_requested) {
+        d.report.aborted = Some(format!("{e:#}"));
+    }
+    d.report.interrupted = stop_requested();
+    d.cleanup();
+    d.report.duration_s = started.elapsed().as_secs_f64();
+    let leftovers = procs::leftover_processes(d.paths.dir.as_path());
+    for (pid, cmd) in &leftovers {
+        tracing::error!(pid, cmd, "process left behind");
+    }
+    d.report.leftover_processes = leftovers.len() as u64;
+    if cfg.keep_run_dir {
+        let kept = dir.keep();
+        tracing::warn!(dir = %kept.display(), "run directory kept");
+    }
+    Ok(d.report)
+}
+
+impl Driver<'_> {
+    fn log_path(&mut self, name: &str) -> PathBuf {
+        self.log_serial += 1;
+        self.paths
+            .dir
+            .join(format!("log-{:05}-{name}", self.log_serial))
+    }
+
+    fn start_pool(&mut self) -> anyhow::Result<()> {
+        let p = &self.paths;
+        let args = vec![
+            "pool".to_owned(),
+            "--pool".to_owned(),
+            format!("{},size={POOL_SIZE_BYTES}", p.pool.display()),
+            "--state-dir".to_owned(),
+            arg(&p.pool_state),
+            "--socket".to_owned(),
+            arg(&p.pool_socket),
+            "--grace-ms".to_owned(),
+            POOL_GRACE_MS.to_string(),
+        ];
+        let log = self.log_path("pool");
+        let cmd = procs::command(&args, &log)?;
+        self.pool = Some(Proc::spawn_daemon("the pool manager".into(), cmd)?);
+        Ok(())
+    }
+
+    fn start_server(&mut self) -> anyhow::Result<()> {
+        let p = &self.paths;
+        let args = vec![
+            "serve".to_owned(),
+            "--socket".to_owned(),
+            arg(&p.socket),
+            "--pool-daemon".to_owned(),
+            format!("unix:{}", p.pool_socket.display()),
+            "--directory-id".to_owned(),
+            DIRECTORY_ID.to_owned(),
+            "--grace-ms".to_owned(),
+            self.cfg.grace_ms.to_string(),
+        ];
+        let log = self.log_path("server");
+        let cmd = procs::command(&args, &log)?;
+        self.server = Some(Proc::spawn_daemon("the server".into(), cmd)?);
+        Ok(())
+    }
+
+    fn start_instance(&mut self, slot: u32) -> anyhow::Result<()> {
+        let s = &mut self.slots[slot as usize];
+        s.incarnation += 1;
+        let (role, incarnation) = (s.role, s.incarnation);
+        let args = vec![
+            "chaos-instance".to_owned(),
+            "--run-dir".to_owned(),
+            arg(&self.paths.dir),
+            "--socket".to_owned(),
+            arg(&self.paths.socket),
+            "--slots".to_owned(),
+            self.cfg.instances.to_string(),
+            "--slot".to_owned(),
+            slot.to_string(),
+            "--incarnation".to_owned(),
+            incarnation.to_string(),
+            "--role".to_owned(),
+            role.as_arg().to_owned(),
+            "--seed".to_owned(),
+            self.cfg.seed.to_string(),
+        ];
+        let id = instance::instance_id(role, slot, incarnation);
+        let log = self.log_path(&id);
+        let cmd = procs::command(&args, &log)?;
+        self.slots[slot as usize].proc = Some(Proc::spawn(id, cmd)?);
+        Ok(())
+    }
+
+    /// Records the death of slot `slot`'s current incarnation.
+    fn died(&mut self, slot: u32) {
+        let s = &self.slots[slot as usize];
+        self.history.deaths.insert((slot, s.incarnation), now_ms());
+        let id = instance::instance_id(s.role, slot, s.incarnation);
+        self.recently_dead.push(id.clone());
+        self.all_dead.push(id);
+    }
+
+    /// Sleeps `total`, in slices, unless a stop is requested.
+    fn sleep(&self, total: Duration, stop_requested: &dyn Fn() -> bool) {
+        let end = Instant::now() + total;
+        while Instant::now() < end && !stop_requested() {
+            std::thread::sleep(Duration::from_millis(20).min(end - Instant::now()));
+        }
+    }
+
+    fn soak(&mut self, stop_requested: &dyn Fn() -> bool) -> anyhow::Result<()> {
+        self.start_pool()?;
+        self.start_server()?;
+        let baseline = self.checker.pool_stats()?;
+        self.report.baseline_free_bytes = baseline.pools.iter().map(|p| p.free_bytes).sum();
+        for slot in 0..self.cfg.instances {
+            self.start_instance(slot)?;
+        }
+        let deadline = Instant::now() + self.cfg.duration;
+        let mut server_kill = true;
+        let mut pool_kill = true;
+        while Instant::now() < deadline && !stop_requested() {
+            let wait = self.rng.below(self.cfg.kill_interval_ms);
+            self.sleep(Duration::from_millis(wait), stop_requested);
+            if stop_requested() {
+                break;
+            }
+            self.reap_crashed()?;
+            self.reap_crashed_daemons()?;
+            let slot = self.rng.below(u64::from(self.cfg.instances)) as u32;
+            if let Some(mut p) = self.slots[slot as usize].proc.take() {
+                p.stop(Stop::Kill);
+            }
+            self.died(slot);
+            self.report.kills += 1;
+            self.start_instance(slot)?;
+            self.report.steps += 1;
+            let step = self.report.steps;
+            if self.cfg.server_restart_every > 0
+                && step.is_multiple_of(self.cfg.server_restart_every)
+            {
+                let how = if server_kill { Stop::Kill } else { Stop::Term };
+                server_kill = !server_kill;
+                self.restart_server(how)?;
+            }
+            if self.cfg.pool_restart_every > 0 && step.is_multiple_of(self.cfg.pool_restart_every) {
+                let how = if pool_kill { Stop::Kill } else { Stop::Term };
+                pool_kill = !pool_kill;
+                self.restart_pool(how)?;
+            }
+            self.check()?;
+        }
+        self.finish()
+    }
+
+    /// Restarts instances that exited by themselves (each is a crash).
+    fn reap_crashed(&mut self) -> anyhow::Result<()> {
+        for slot in 0..self.cfg.instances {
+            let exited = self.slots[slot as usize]
+                .proc
+                .as_mut()
+                .and_then(Proc::exited);
+            if let Some(status) = exited {
+                let name = self.slots[slot as usize]
+                    .proc
+                    .take()
+                    .map(|p| p.name)
+                    .unwrap_or_default();
+                self.report.instance_crashes += 1;
+                self.checker.tally.violation(format!(
+                    "instance {name} exited by itself ({status}); see its log"
+                ));
+                self.died(slot);
+                self.start_instance(slot)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Restarts the server or the pool manager if it exited by itself.
+    fn reap_crashed_daemons(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.pool.as_mut().and_then(Proc::exited) {
+            self.pool = None;
+            self.report.daemon_crashes += 1;
+            self.checker
+                .tally
+                .violation(format!("the pool manager exited by itself ({status})"));
+            self.start_pool()?;
+        }
+        if let Some(status) = self.server.as_mut().and_then(Proc::exited) {
+            self.server = None;
+            self.report.daemon_crashes += 1;
+            self.checker
+                .tally
+                .violation(format!("the server exited by itself ({status})"));
+            self.start_server()?;
+        }
+        Ok(())
+    }
+
+    /// Instance ids with a live session now.
+    fn attached_ids(&mut self) -> anyhow::Result<Vec<String>> {
+        let stats = self.checker.directory_stats()?;
+        Ok(stats
+            .instances
+            .iter()
+            .filter(|r| r.sessions > 0 && r.instance_id != "checker")
+            .map(|r| r.instance_id.clone())
+            .collect())
+    }
+
+    fn restart_server(&mut self, how: Stop) -> anyhow::Result<()> {
+        let before = self.attached_ids()?;
+        self.history.server_restarts.push(now_ms());
+        if let Some(mut s) = self.server.take() {
+            let status = s.stop(how);
+            if how == Stop::Term && !status.is_some_and(|s| s.success()) {
+                self.checker.tally.violation(format!(
+                    "the server's exit after SIGTERM was {status:?}, not success"
+                ));
+            }
+        }
+        self.report.server_restarts += 1;
+        if how == Stop::Kill {
+            self.report.server_kills += 1;
+        }
+        self.start_server()?;
+        // Live instances reattach and register their keys again; wait
+        // for every one that was attached (and is still alive).
+        let deadline = Instant::now() + REATTACH_TIMEOUT;
+        loop {
+            let now = self.attached_ids()?;
+            let missing: Vec<&String> = before
+                .iter()
+                .filter(|id| !now.contains(id) && !self.all_dead.contains(id))
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let msg = format!(
+                    "instances {missing:?} did not reattach within {} s of a server restart",
+                    REATTACH_TIMEOUT.as_secs()
+                );
+                self.checker.tally.violation(msg);
+                self.report.reattach_failures += missing.len() as u64;
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn restart_pool(&mut self, how: Stop) -> anyhow::Result<()> {
+        if let Some(mut p) = self.pool.take() {
+            let status = p.stop(how);
+            if how == Stop::Term && !status.is_some_and(|s| s.success()) {
+                self.checker.tally.violation(format!(
+                    "the pool manager's exit after SIGTERM was {status:?}, not success"
+                ));
+            }
+        }
+        self.report.pool_restarts += 1;
+        if how == Stop::Kill {
+            self.report.pool_kills += 1;
+        }
+        self.start_pool()
+    }
+
+    fn check(&mut self) -> anyhow::Result<()> {
+        let dead = std::mem::take(&mut self.recently_dead);
+        self.checker.check_dead_pins(&dead)?;
+        self.checker.check_regions()?;
+        self.checker.check_unaccounted(&self.history)?;
+        self.checker.check_keys(&self.history)?;
+        self.checker.check_resurrected(&self.history)
+    }
+
+    /// The end of the run: kill every instance, check once more, delete
+    /// everything, and wait for the pool to come back to its baseline.
+    fn finish(&mut self) -> anyhow::Result<()> {
+        for slot in 0..self.cfg.instances {
+            if let Some(mut p) = self.slots[slot as usize].proc.take() {
+                p.stop(Stop::Kill);
+                self.died(slot);
+            }
+        }
+        let all_dead = self.all_dead.clone();
+        self.recently_dead.clear();
+        self.checker.check_dead_pins(&all_dead)?;
+        self.checker.check_regions()?;
+        self.checker.check_keys(&self.history)?;
+        self.checker.check_resurrected(&self.history)?;
+        let pinned = self.checker.delete_all(&self.history)?;
+        if pinned > 0 {
+            self.checker.tally.violation(format!(
+                "{pinned} keys stayed pinned with no instance alive"
+            ));
+            self.report.leaked_pins += pinned;
+        }
+        self.checker.close();
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.grace_ms) + RECLAIM_SLACK;
+        loop {
+            let pool = self.checker.pool_stats()?;
+            let free: u64 = pool.pools.iter().map(|p| p.free_bytes).sum();
+            self.report.final_free_bytes = free;
+            let dir = self.checker.directory_stats()?;
+            let back = free == self.report.baseline_free_bytes
+                && dir.totals.keys == 0
+                && dir.totals.regions == 0;
+            if back || Instant::now() >= deadline {
+                let missing = self.report.baseline_free_bytes.saturating_sub(free);
+                self.report.leaked_pages = missing.div_ceil(PAGE_SIZE_BYTES) + dir.totals.keys;
+                if !back {
+                    self.checker.tally.violation(format!(
+                        "after deleting everything: {missing} bytes of the pool not free, {} keys and {} regions left in the directory",
+                        dir.totals.keys, dir.totals.regions
+                    ));
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        self.checker.close();
+        Ok(())
+    }
+
+    /// Stops everything (instances, then server and pool manager with
+    /// SIGTERM) and folds the checker's tally into the report.
+    fn cleanup(&mut self) {
+        self.checker.close();
+        for slot in &mut self.slots {
+            if let Some(mut p) = slot.proc.take() {
+                p.stop(Stop::Kill);
+            }
+        }
+        for (what, proc) in [
+            ("server", self.server.take()),
+            ("pool manager", self.pool.take()),
+        ] {
+            if let Some(mut p) = proc {
+                let status = p.stop(Stop::Term);
+                if !status.is_some_and(|s| s.success()) {
+                    self.checker.tally.violation(format!(
+                        "the {what}'s final exit after SIGTERM was {status:?}"
+                    ));
+                }
+            }
+        }
+        let t = std::mem::take(&mut self.checker.tally);
+        let r = &mut self.report;
+        r.checks = t.checks;
+        r.acknowledged_keys = t.acknowledged_keys;
+        r.deleted_keys = t.deleted_keys;
+        r.keys_verified = t.keys_verified;
+        r.reads_verified = t.reads_verified;
+        r.lost_keys = t.lost_keys;
+        r.lost_orphan_keys = t.lost_orphan_keys;
+        r.corrupt_keys = t.corrupt_keys;
+        r.keys_gone_by_restart = t.keys_gone_by_restart;
+        r.keys_gone_by_eviction = t.keys_gone_by_eviction;
+        r.orphan_evictions = t.orphan_evictions;
+        r.leaked_pins += t.leaked_pins;
+        r.region_mismatches = t.region_mismatches;
+        r.unaccounted_keys = t.unaccounted_keys;
+        r.resurrected_keys = t.resurrected_keys;
+        r.torn_reads = t.torn_reads;
+        r.errors = t.errors.values().sum();
+        r.error_kinds = t.errors;
+        r.expected_errors = t.expected_errors.values().sum();
+        r.expected_error_kinds = t.expected_errors;
+        r.ledger_malformed_lines = t.ledger_malformed_lines;
+        r.violations = t.violations;
+    }
+}
