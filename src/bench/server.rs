@@ -4,7 +4,7 @@
 //!
 //! **Setup.** The server runs in a **forked child process** (as deployed:
 //! its own scheduler accounting and allocator, not a thread of the bench),
-//! started with [`Server::start`] on a private socket and pool
+//! started with [`Server::start`](crate::server::Server::start) on a private socket and pool
 //! ([`ServerConfig::ephemeral`]), and killed after the scenario. It is forked
 //! rather than exec'd as `cxlkv serve` so that the bench measures exactly the
 //! server code and needs neither a configuration nor the binary's path. The

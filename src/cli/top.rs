@@ -15,7 +15,7 @@
 //!   the per-instance table, pins and evictions.
 //!
 //! The terminal is put in raw mode on the alternate screen by
-//! [`TerminalGuard`], whose drop (also on an error, and from the panic hook)
+//! `TerminalGuard`, whose drop (also on an error, and from the panic hook)
 //! restores it. `q`, `Esc` or Ctrl-C quit; `←`/`→` choose the operation
 //! whose latency is drawn.
 //!

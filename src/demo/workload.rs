@@ -12,7 +12,7 @@
 //!
 //! Every chunk's bytes are a function of its id: 64-bit words `a + b·i`
 //! (wrapping), with `a`, `b` mixed from the id. Their wrapping word sum
-//! (the same [`checksum`] the benches use, which reads every byte) has a
+//! (the same `checksum` the benches use, which reads every byte) has a
 //! closed form, so a reader verifies a chunk against the bytes its writer
 //! wrote without keeping a copy: a torn, stale or foreign page sums to
 //! something else.
@@ -83,7 +83,7 @@ impl ChunkId {
         }
     }
 
-    /// [`checksum`] of the chunk's `len_bytes` bytes, without producing them:
+    /// `checksum` of the chunk's `len_bytes` bytes, without producing them:
     /// `n·a + b·n(n−1)/2` over `n` words, wrapping.
     pub fn expected_checksum(&self, len_bytes: usize) -> u64 {
         debug_assert!(
