@@ -5,8 +5,8 @@
 
 use cxlkv_controlplane::sim::{Scale, replay_command, run_seed};
 
-/// Seeds per `cargo test` run: sized for about a minute on two cores in a
-/// debug build (measured in docs/reliability.md).
+/// Seeds per `cargo test` run: 306 s on two idle cores in a debug build
+/// (measured in a fresh-clone `.ci/run`, 2026-11-29; docs/reliability.md).
 const DEFAULT_SEEDS: u64 = 2_000;
 
 fn env_u64(name: &str, default: u64) -> u64 {
