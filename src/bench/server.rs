@@ -33,18 +33,15 @@
 //! `keys_per_s` is `batch / p50`: what one caller gets at the typical call
 //! time (a mean would mostly measure the other processes of a busy host).
 
-use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use cxlkv_controlplane::frame::{Frame, HEADER_BYTES, frame_len};
 use cxlkv_controlplane::proto::{self, Kind, Layout, Message, RequestMeta};
-use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient, sys};
+use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient};
 
 use super::forked_server::ForkedServer;
-use super::rtt::fork_child;
+use super::rtt::{Kind as Transport, raw_latencies};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 use crate::server::ServerConfig;
@@ -59,8 +56,6 @@ pub(super) const LAYOUT: Layout = Layout {
 const REGION_BYTES: u64 = 64 << 20;
 const BATCHES: [usize; 3] = [1, 64, 512];
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// Bound on every raw-socket wait (the raw peers spin; this is a hang guard).
-const RAW_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Which operation a scenario times.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -290,90 +285,6 @@ fn check_reply(
     Ok(())
 }
 
-/// Busy-polling: sends all of `buf`.
-fn raw_send(fd: BorrowedFd<'_>, buf: &[u8], deadline: Instant) -> io::Result<()> {
-    let mut off = 0;
-    while off < buf.len() {
-        match sys::send(fd, &buf[off..]) {
-            Ok(n) => off += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-        if Instant::now() > deadline {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-    }
-    Ok(())
-}
-
-/// Busy-polling: receives exactly `buf.len()` bytes.
-fn raw_recv(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut off = 0;
-    while off < buf.len() {
-        match sys::recv(fd, &mut buf[off..]) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => off += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-        if Instant::now() > deadline {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-    }
-    Ok(())
-}
-
-/// The raw peer: for every `req` bytes received, `rep` bytes back; spins.
-fn raw_echo_loop(fd: BorrowedFd<'_>, req: usize, rep: usize) {
-    let reply = vec![0x5Au8; rep];
-    let mut buf = vec![0u8; 256 << 10];
-    let mut pending = 0usize;
-    loop {
-        match sys::recv(fd, &mut buf) {
-            Ok(0) => return,
-            Ok(n) => {
-                pending += n;
-                while pending >= req {
-                    pending -= req;
-                    if raw_send(fd, &reply, Instant::now() + RAW_TIMEOUT).is_err() {
-                        return;
-                    }
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
-            Err(_) => return,
-        }
-    }
-}
-
-/// Raw round trips of `req` bytes out and `rep` bytes back (µs each).
-fn raw(req: usize, rep: usize, calls: usize) -> anyhow::Result<Vec<f64>> {
-    let path = std::env::temp_dir().join(format!("cxlkv-bench-raw-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let l = UnixListener::bind(&path)?;
-    let _child = fork_child(move || {
-        if let Ok((s, _)) = l.accept() {
-            let _ = s.set_nonblocking(true);
-            raw_echo_loop(s.as_fd(), req, rep);
-        }
-    })?;
-    let s = UnixStream::connect(&path)?;
-    let _ = std::fs::remove_file(&path);
-    s.set_nonblocking(true)?;
-    let out = vec![0xA5u8; req];
-    let mut back = vec![0u8; rep];
-    let mut lat = Vec::with_capacity(calls);
-    for i in 0..calls + calls / 10 {
-        let t = Instant::now();
-        raw_send(s.as_fd(), &out, t + RAW_TIMEOUT)?;
-        raw_recv(s.as_fd(), &mut back, t + RAW_TIMEOUT)?;
-        if i >= calls / 10 {
-            lat.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
-    Ok(lat)
-}
-
 fn calls_for(batch: usize, quick: bool) -> usize {
     let full = match batch {
         1 => 20_000,
@@ -420,7 +331,7 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
             (req_wire, rep_wire) = (q, p);
             ours_p50.push(percentile(&mut lat, 50.0));
             all_ours.extend(lat);
-            let mut raw_lat = raw(req_wire, rep_wire, calls)?;
+            let mut raw_lat = raw_latencies(Transport::Unix, (req_wire, rep_wire), calls, None)?;
             raw_p50.push(percentile(&mut raw_lat, 50.0));
         }
         let kind = match op {
