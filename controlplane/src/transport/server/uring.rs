@@ -8,8 +8,13 @@
 //! contiguous and 8-aligned) and the buffer goes straight back to the ring.
 //! Sends are `SENDMSG` operations, at most one in flight per connection (that
 //! keeps bytes in order), each owning the frames it writes until its
-//! completion arrives. A read on the wake eventfd is always armed, so a
-//! `Completer` can wake a sleeping loop.
+//! completion arrives — except a lone reply with no send in flight (one
+//! request, one reply: the latency case), which is first written with one
+//! non-blocking `send(2)`; only what the socket does not take goes through
+//! the ring. The ring's send costs an `io_uring_enter` anyway (the loop
+//! submits at once), plus a completion to reap and a turn of the loop, for
+//! the same copy into the socket. A read on the wake eventfd is always
+//! armed, so a `Completer` can wake a sleeping loop.
 //!
 //! Waiting: the loop reaps the completion queue without a system call;
 //! with `COOP_TASKRUN | TASKRUN_FLAG` the kernel raises a flag in the
@@ -611,6 +616,32 @@ impl Driver {
         if conn.state == ConnState::Dead || conn.sendq.is_empty() {
             return Ok(());
         }
+        // A lone reply and no send in flight (the common case: one request,
+        // one reply): one non-blocking `send` now. It completes inline
+        // unless the socket buffer is full, and spares the submission, its
+        // completion and a turn of the loop between the reply and the wire
+        // (module docs). What it leaves goes through the ring.
+        let mut done = 0;
+        if let Some(bytes) = conn.sendq.lone_frame() {
+            debug_assert_eq!(bytes.len(), conn.sendq.bytes(), "nothing partly written");
+            match sys::send(conn.fd.as_fd(), bytes) {
+                Ok(n) if n == bytes.len() => {
+                    conn.sendq.advance(n);
+                    core.on_flushed(slot);
+                    return Ok(());
+                }
+                Ok(n) => done = n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => {
+                    core.close(slot, DisconnectReason::Io(e.kind()));
+                    return Ok(());
+                }
+            }
+        }
         let mut op = self.io[slot as usize]
             .spare
             .take()
@@ -618,7 +649,7 @@ impl Driver {
         debug_assert!(op.frames.is_empty());
         conn.sendq.pop_batch(&mut op.frames);
         op.total = op.frames.iter().map(|f| f.bytes.len()).sum();
-        op.done = 0;
+        op.done = done;
         self.start_send(core, slot, op)
     }
 
