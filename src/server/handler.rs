@@ -36,6 +36,7 @@ use cxlkv_controlplane::transport::{
     Rejection, Replies,
 };
 use cxlkv_dataplane::ids::RegionId;
+use foldhash::fast::FixedState;
 use parking_lot::Mutex;
 
 use cxlkv_controlplane::pool::service::{PoolReply, PoolRequest, PoolService, PoolServiceError};
@@ -176,9 +177,11 @@ pub(crate) struct DirectoryHandler {
     origin: Instant,
     tcp_secret: Option<Vec<u8>>,
     server_uid: u32,
-    conns: HashMap<ConnId, Conn>,
-    sessions: HashMap<SessionId, ConnId>,
-    pending: HashMap<DeferredId, PendingReply>,
+    // Keys the server assigns (no peer chooses them): a fixed fast hash;
+    // `conns` is probed on every request.
+    conns: HashMap<ConnId, Conn, FixedState>,
+    sessions: HashMap<SessionId, ConnId, FixedState>,
+    pending: HashMap<DeferredId, PendingReply, FixedState>,
     /// Every region the directory holds (for the stats' region table):
     /// added when granted, confirmed or recovered, removed when freed.
     regions: BTreeSet<RegionId>,
@@ -236,9 +239,9 @@ impl DirectoryHandler {
             origin: p.origin,
             tcp_secret: p.tcp_secret,
             server_uid: p.server_uid,
-            conns: HashMap::new(),
-            sessions: HashMap::new(),
-            pending: HashMap::new(),
+            conns: HashMap::default(),
+            sessions: HashMap::default(),
+            pending: HashMap::default(),
             regions: p.recovered_regions.into_iter().collect(),
             free_retries: Vec::new(),
             latencies: OpLatencies::default(),

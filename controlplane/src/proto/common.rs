@@ -426,17 +426,24 @@ impl KeyBitmap {
 }
 
 impl FromIterator<bool> for KeyBitmap {
+    /// Word by word (the server builds one per `Exists` reply, up to a
+    /// batch of keys: a bounds-checked `set` per key showed in its profile).
     fn from_iter<I: IntoIterator<Item = bool>>(iter: I) -> Self {
-        let mut bitmap = Self::default();
+        let iter = iter.into_iter();
+        let mut words = Vec::with_capacity(iter.size_hint().0.div_ceil(64));
+        let (mut len, mut word) = (0u32, 0u64);
         for present in iter {
-            if bitmap.len % 64 == 0 {
-                bitmap.words.push(0);
+            word |= u64::from(present) << (len % 64);
+            len += 1;
+            if len % 64 == 0 {
+                words.push(word);
+                word = 0;
             }
-            let i = bitmap.len;
-            bitmap.len += 1;
-            bitmap.set(i, present);
         }
-        bitmap
+        if len % 64 != 0 {
+            words.push(word);
+        }
+        Self { len, words }
     }
 }
 

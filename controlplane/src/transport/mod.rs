@@ -11,9 +11,11 @@
 //! matching replies by request id, each with its own deadline.
 //!
 //! **Backends.** The server: io_uring (multishot accept, multishot receive
-//! into a provided-buffer ring, batched submissions; a reply is one `SEND`,
-//! or a `SENDMSG` when it carries descriptors or several frames go
-//! together) or an epoll fallback. The client (`client/`): a *syscall wire*
+//! into a provided-buffer ring, batched submissions; a lone reply with no
+//! send in flight is written at once with one non-blocking `send`, and
+//! whatever the socket does not take — or a batch, or a frame carrying
+//! descriptors — goes through the ring as a `SEND` or `SENDMSG`) or an
+//! epoll fallback. The client (`client/`): a *syscall wire*
 //! (`recvmsg`/`recv`, `poll` to sleep) or an *io_uring wire* (one receive at
 //! a time into the decoder, armed by the thread that currently reads).
 //! Each end takes [`IoConfig::backend`], else `CXLKV_IO=uring|fallback`,

@@ -634,7 +634,10 @@ pub(crate) struct Conn {
     pub decoder: FrameDecoder,
     pub sendq: SendQueue,
     pub state: ConnState,
-    inflight: HashMap<u64, InFlight>,
+    /// Keyed by the client's request ids: a randomly seeded hash (a peer
+    /// cannot aim collisions at it), foldhash rather than std's SipHash
+    /// because it is probed twice per request.
+    inflight: HashMap<u64, InFlight, foldhash::fast::RandomState>,
     partial_since: Option<Instant>,
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     frames_in: u64,
@@ -742,7 +745,7 @@ impl<H: Handler> Core<H> {
             decoder: FrameDecoder::new(),
             sendq: SendQueue::default(),
             state: ConnState::Open,
-            inflight: HashMap::new(),
+            inflight: HashMap::default(),
             partial_since: None,
             frames_in: 0,
             #[cfg(feature = "fault-injection")]
