@@ -74,3 +74,16 @@ fn seeds_where_a_late_copy_of_a_tagged_allocation_leaked_a_region_now_pass() {
         }
     }
 }
+
+/// Seed 84,170 once wedged: an attach sent by a directory incarnation that
+/// then died reached the restarted pool manager after its liveness probe had
+/// found that process gone, bound the dead caller, and every rejoin of the
+/// next incarnation was refused. A dead end's messages now die with its
+/// connection.
+#[test]
+fn a_dead_directory_incarnations_late_attach_does_not_wedge_its_successor() {
+    let seed = 84_170;
+    if let Err(f) = run_seed(seed, Scale::Short, false) {
+        panic!("{f}\n  replay: {}", replay_command(seed, Scale::Short));
+    }
+}

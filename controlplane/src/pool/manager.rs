@@ -479,7 +479,8 @@ impl PoolManager {
 
     /// Handles one client request from `caller` at `now`. On `Ok`, records
     /// pushed into `sink` must be durable before the reply is sent; on `Err`
-    /// nothing was pushed and nothing changed.
+    /// nothing was pushed and nothing durable changed (a tagged allocation's
+    /// refusal is remembered, for its copies).
     pub fn handle(
         &mut self,
         caller: &Caller,

@@ -16,8 +16,8 @@
 //! messages on one may be lost, delayed, duplicated and reordered, but a
 //! message sent to one incarnation of a process never reaches the next. A
 //! client's requests name their connection; the directory's requests to the
-//! pool manager name the pool-manager incarnation its connection leads to,
-//! and the directory ignores answers from an incarnation it has left. (The
+//! pool manager name both ends' incarnations, are dropped when either has
+//! died, and the directory ignores answers from an incarnation it has left. (The
 //! pool manager's exactly-once answers to tagged allocations rely on this;
 //! see `pool::tag_answers`.)
 //!

@@ -966,8 +966,12 @@ impl World {
                 id,
                 request,
             } => {
-                if pool_incarnation != self.pool.incarnation {
-                    // Its connection closed when that process died.
+                if pool_incarnation != self.pool.incarnation
+                    || directory_incarnation != self.dirn.incarnation
+                {
+                    // Its connection closed when one of its ends died. (A
+                    // dead directory's attach must not bind its caller after
+                    // the pool manager's probe found the process gone.)
                     return Ok(());
                 }
                 self.pool
