@@ -18,7 +18,7 @@ use cxlkv::client::{Client, DeleteOutcome, RegisterOutcome};
 use cxlkv::server::Server;
 use cxlkv_controlplane::proto::Kind;
 use cxlkv_controlplane::transport::fault::{
-    FaultPlan, ReplyFault, ReplyInfo, RequestFault, RequestInfo,
+    FaultPlan, FaultScript, ReplyFault, ReplyInfo, ReplyMatch, RequestFault, RequestInfo,
 };
 
 /// Deterministic chaos on the key operations' replies, and two connection
@@ -241,4 +241,100 @@ fn an_instance_that_expired_while_disconnected_gets_its_regions_revoked() {
     let b = Client::connect(client_config(&server)).unwrap();
     let bl = b.layout(PAGE, FINGERPRINT).unwrap();
     assert_eq!(&bl.get(b"kept").unwrap().unwrap()[..], &chunk(1, 100)[..]);
+}
+
+/// The defect of docs/reliability.md ("Defects found", 4): a region grant
+/// whose reply is lost (dropped on the first server), then a directory
+/// restart. The restarted directory recovers the granted region for the
+/// instance, which holds no token for it, and refuses its token-less
+/// reattach with `OwnershipNotProven`. The client waits out the grace
+/// period instead of giving up, reattaches as a fresh instance, and its
+/// put and get succeed; the lost region goes back to the pool, and once
+/// the key is deleted and the client gone the pool manager holds nothing
+/// for this directory (a third start recovers no region, and the free space
+/// is the baseline's).
+#[test]
+fn an_instance_whose_first_region_grant_was_lost_in_a_directory_restart_reattaches_and_leaks_nothing()
+ {
+    let mut cfg = server_config("faults-lost-grant");
+    cfg.remove_pool_on_shutdown = false;
+    cfg.directory.instance_grace = Duration::from_secs(1);
+    let _cleanup = RemoveOnDrop(server_files(&cfg));
+    let script =
+        FaultScript::new().drop_reply(ReplyMatch::request_kind(Kind::RequestRegion.as_u16()));
+    let server = Server::start_with_faults(cfg.clone(), Box::new(script.clone())).unwrap();
+    let baseline_free_bytes = server.directory_stats().unwrap().per_pool[0].estimated_free_bytes;
+    assert!(
+        baseline_free_bytes > 0,
+        "the pool manager reported its space"
+    );
+
+    let mut client_cfg = client_config(&server);
+    client_cfg.request_timeout_ms = 250;
+    client_cfg.max_retries = 40;
+    client_cfg.reconnect_timeout_ms = 10_000;
+    let client = Client::connect(client_cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let value = chunk(7, 3000);
+    let restarted = std::thread::scope(|s| {
+        // The first put asks for the layout's first region; every reply to
+        // that request is dropped, so the put is still retrying when the
+        // server goes away.
+        let put = s.spawn(|| layout.put(b"k", &value));
+        assert!(
+            wait_until(Duration::from_secs(20), || script.fired(0) >= 1),
+            "the region was granted and its reply dropped"
+        );
+        assert_eq!(server.directory_stats().unwrap().regions, 1);
+        server.shutdown().unwrap();
+        let restarted = Server::start(cfg.clone()).unwrap();
+        let recovered = restarted.directory_stats().unwrap();
+        assert_eq!(
+            recovered
+                .per_instance
+                .iter()
+                .map(|i| i.awaiting_reattach)
+                .collect::<Vec<_>>(),
+            vec![true],
+            "the restarted directory recovered the lost grant for the instance"
+        );
+        let outcome = put.join().expect("the put thread does not panic");
+        assert_eq!(outcome.unwrap(), RegisterOutcome::Inserted);
+        restarted
+    });
+    let stats = client.stats();
+    assert!(stats.reattaches_awaiting_grace >= 1, "{stats:?}");
+    assert_eq!(stats.directory_restarts, 1, "{stats:?}");
+    assert_eq!(&layout.get(b"k").unwrap().unwrap()[..], &value[..]);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            restarted.directory_stats().unwrap().outcomes.regions_freed == 1
+        }),
+        "the lost grant went back to the pool"
+    );
+    let dir = restarted.directory_stats().unwrap();
+    assert_eq!((dir.keys, dir.regions), (1, 1), "one new region, one key");
+
+    assert_eq!(layout.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+    drop(layout);
+    drop(client);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            let d = restarted.directory_stats().unwrap();
+            (d.instances, d.regions) == (0, 0)
+        }),
+        "the closed client's instance and region are gone after its grace"
+    );
+    assert_eq!(restarted.shutdown().unwrap().frees_unconfirmed, 0);
+
+    cfg.remove_pool_on_shutdown = true;
+    let last = Server::start(cfg).unwrap();
+    let after = last.directory_stats().unwrap();
+    assert!(
+        after.per_instance.is_empty(),
+        "the pool manager holds no region for this directory: {:?}",
+        after.per_instance
+    );
+    assert_eq!(after.per_pool[0].estimated_free_bytes, baseline_free_bytes);
+    last.shutdown().unwrap();
 }

@@ -212,7 +212,11 @@ fn forged_and_replayed_region_tokens_claim_nothing_before_or_after_a_restart() {
     server.shutdown().unwrap();
 
     // After a restart the directory has no instance secrets: ownership of
-    // a recovered region is proven by its token alone.
+    // a recovered region is proven by its token alone. Every attempt
+    // without a valid token is refused with its own code,
+    // `OwnershipNotProven` (an honest client holding no token waits out the
+    // grace period on it; one with a wrong secret could not), and claims
+    // nothing.
     cfg.remove_pool_on_shutdown = true;
     let server = Server::start(cfg).unwrap();
     unchanged(
@@ -238,7 +242,7 @@ fn forged_and_replayed_region_tokens_claim_nothing_before_or_after_a_restart() {
                     presented,
                     1,
                 )),
-                ErrorCode::AuthenticationFailed,
+                ErrorCode::OwnershipNotProven,
             );
             assert!(e.message.contains("victim"), "{what}: {e:?}");
         });

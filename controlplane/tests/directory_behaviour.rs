@@ -1462,6 +1462,59 @@ fn after_a_restart_owners_reattach_with_tokens_and_reregister_and_strays_are_fre
     w.dir.check_invariants().unwrap();
 }
 
+/// The rule the client relies on when a region grant's reply was lost in a
+/// restart (docs/reliability.md, defect 4): holding no token, it cannot
+/// claim the recovered region and nothing moves; once the grace period has
+/// returned the region to the pool, the same token-less reattach starts the
+/// instance afresh, owning nothing.
+#[test]
+fn a_token_less_reattach_is_refused_until_the_grace_period_frees_the_recovered_regions() {
+    let mut w = World::new();
+    let mut lost = w.hello("lost");
+    let granted = w.region(&mut lost, L);
+    // The grant's reply never reached the client: it knows no token.
+    lost.regions.clear();
+    let recovered = vec![RecoveredRegion {
+        handle: w.pool.live[&granted],
+        owner: InstanceId::new("lost").unwrap(),
+    }];
+    w.dir = Directory::recover(DirectoryConfig::default(), [8; 32], w.now, recovered).unwrap();
+    let token_less = |w: &mut World| {
+        w.dir.reattach(
+            Reattach {
+                instance: "lost",
+                secret: lost.secret,
+                regions: &[],
+                next_seq: lost.next_seq,
+                notice_ack: 0,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+    };
+    let before = w.dir.state_digest();
+    assert!(matches!(
+        token_less(&mut w),
+        Err(DirectoryError::OwnershipNotProven { .. })
+    ));
+    assert_eq!(
+        w.dir.state_digest(),
+        before,
+        "nothing claimed, nothing freed"
+    );
+    assert!(w.pool.freed.is_empty());
+
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.pool.freed, vec![granted], "the grace period freed it");
+    let back = token_less(&mut w).unwrap();
+    assert_eq!(back.kind, ReattachKind::Recovered);
+    assert!(back.regions.is_empty());
+    assert_eq!(back.oldest_accepted_seq, lost.next_seq);
+    assert_eq!(back.usage.owned_bytes, 0);
+    w.dir.check_invariants().unwrap();
+}
+
 #[test]
 fn reattach_with_a_wrong_secret_is_refused_and_changes_nothing() {
     let mut w = World::new();

@@ -8,16 +8,19 @@
 //! step: the same answer (the whole `Result`), the same regions, the same
 //! free space per pool, the same directory states, every invariant holds, a
 //! failed request pushed no record, and replaying every record pushed so far
-//! into an empty ledger gives the manager's state.
+//! into an empty ledger gives the manager's state. Tags are drawn from a few
+//! values, so tagged allocations are often copies of earlier ones: the model
+//! remembers each directory's last tagged answers as the manager must.
 
 mod pool_support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use cxlkv_controlplane::pool::ledger::Ledger;
 use cxlkv_controlplane::pool::{
     AllocTag, Caller, DirectoryId, Handle, InstanceId, ManagerConfig, MonotonicMs, OwnerLabel,
-    PoolError, PoolId, PoolManager, PoolTarget, Record, Reply, Request, Secret, Token,
+    PoolError, PoolId, PoolManager, PoolTarget, Record, RegionId, Reply, Request, Secret,
+    TAG_ANSWERS_PER_DIRECTORY, Token,
 };
 use pool_support::{KIB, fresh_header, online};
 use proptest::prelude::*;
@@ -135,6 +138,8 @@ struct Model {
     pending: BTreeMap<u64, u64>,
     now: u64,
     next_connection: u64,
+    /// Per directory, oldest first: (tag, region id allocated or refusal).
+    answers: [VecDeque<(u64, Result<u64, PoolError>)>; DIRS],
 }
 
 impl Model {
@@ -174,6 +179,15 @@ impl Model {
         self.pools[r.handle.pool.0 as usize].release(r.handle.offset_bytes, r.handle.len_bytes);
         self.freed.push(r.handle);
         r
+    }
+
+    /// A directory with no caller and no regions is forgotten, answers too.
+    fn forget_untracked_directories(&mut self) {
+        for dir in 0..DIRS {
+            if self.callers[dir].is_none() && self.dir_regions(dir).next().is_none() {
+                self.answers[dir].clear();
+            }
+        }
     }
 
     fn unconfirmed(&self, dir: usize) -> (u64, Option<u64>) {
@@ -221,6 +235,7 @@ fn setup() -> (PoolManager, Model, Vec<Record>) {
         pending: BTreeMap::new(),
         now: 0,
         next_connection: 0,
+        answers: Default::default(),
     };
     (m, model, records)
 }
@@ -253,6 +268,38 @@ fn expected_alloc(
             })
         };
     }
+    let Some(t) = tag else {
+        return expected_fresh_alloc(model, dir, target, len, instance, None);
+    };
+    if let Some((_, answer)) = model.answers[dir].iter().find(|(x, _)| *x == t) {
+        return match answer {
+            Ok(id) => Err(PoolError::RegionAlreadyFreed {
+                region: RegionId(*id),
+            }),
+            Err(e) => Err(e.clone()),
+        };
+    }
+    let result = expected_fresh_alloc(model, dir, target, len, instance, tag);
+    if model.answers[dir].len() == TAG_ANSWERS_PER_DIRECTORY {
+        model.answers[dir].pop_front();
+    }
+    let answer = match &result {
+        Ok(Reply::Allocated(h)) => Ok(h.region.0),
+        Ok(other) => unreachable!("an allocation answered {other:?}"),
+        Err(e) => Err(e.clone()),
+    };
+    model.answers[dir].push_back((t, answer));
+    result
+}
+
+fn expected_fresh_alloc(
+    model: &mut Model,
+    dir: usize,
+    target: Option<usize>,
+    len: u64,
+    instance: u64,
+    tag: Option<u64>,
+) -> Result<Reply, PoolError> {
     if len == 0 {
         return Err(PoolError::ZeroLength);
     }
@@ -317,7 +364,7 @@ fn expected_alloc(
         directory: DirectoryId(dir as u64),
         instance: InstanceId(instance),
     };
-    let region = cxlkv_controlplane::pool::RegionId(id);
+    let region = RegionId(id);
     let handle = Handle {
         region,
         pool: PoolId(pool as u32),
@@ -531,6 +578,7 @@ fn step(
                 online(m, records, &fresh_header(uuid, size, alignment));
             }
             model.callers = [None; DIRS];
+            model.answers = Default::default();
             let ids: Vec<u64> = model.regions.keys().copied().collect();
             model.pending = ids
                 .into_iter()
@@ -623,6 +671,7 @@ proptest! {
         let (mut m, mut model, mut records) = setup();
         for op in &ops {
             step(&mut m, &mut model, &mut records, op)?;
+            model.forget_untracked_directories();
         }
     }
 }

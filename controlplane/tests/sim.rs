@@ -61,3 +61,29 @@ fn a_seed_replays_exactly() {
         assert_eq!(a, b, "seed {seed}");
     }
 }
+
+/// Seeds 23,819 and 55,862 once leaked a region: a copy of a tagged pool
+/// allocation ran again after the first copy had been answered — refused
+/// for space (23,819) or allocated and since freed (55,862) — and its
+/// answer was lost. Each must now pass, back to the empty baseline.
+#[test]
+fn seeds_where_a_late_copy_of_a_tagged_allocation_leaked_a_region_now_pass() {
+    for seed in [23_819, 55_862] {
+        if let Err(f) = run_seed(seed, Scale::Short, false) {
+            panic!("{f}\n  replay: {}", replay_command(seed, Scale::Short));
+        }
+    }
+}
+
+/// Seed 84,170 once wedged: an attach sent by a directory incarnation that
+/// then died reached the restarted pool manager after its liveness probe had
+/// found that process gone, bound the dead caller, and every rejoin of the
+/// next incarnation was refused. A dead end's messages now die with its
+/// connection.
+#[test]
+fn a_dead_directory_incarnations_late_attach_does_not_wedge_its_successor() {
+    let seed = 84_170;
+    if let Err(f) = run_seed(seed, Scale::Short, false) {
+        panic!("{f}\n  replay: {}", replay_command(seed, Scale::Short));
+    }
+}

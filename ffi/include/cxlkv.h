@@ -137,6 +137,7 @@ enum cxlkv_status
     CXLKV_STATUS_SERVER_REPLY_EVICTED = 124,
     CXLKV_STATUS_SERVER_PINS_HELD_BY_OTHER_SESSION = 125,
     CXLKV_STATUS_SERVER_REGION_NOT_EMPTY = 126,
+    CXLKV_STATUS_SERVER_OWNERSHIP_NOT_PROVEN = 127,
     // A key appears twice in one tier call.
     CXLKV_STATUS_TIER_DUPLICATE_KEY = 200,
     // Per-key argument arrays of different lengths.

@@ -24,9 +24,26 @@
 //!   for it are dropped and the pins of live read guards are taken again
 //!   (keys that cannot be pinned any more are counted as invalidated views).
 //!
+//! **A grant lost in a directory restart.** A `RequestRegion` the pool
+//! manager granted but whose reply never arrived (the directory restarted
+//! in between) leaves the restarted directory holding a region for this
+//! instance that the client has no token for. The directory gives recovered
+//! regions only to a reattach presenting one of their tokens, so it refuses
+//! a client holding no token with `OwnershipNotProven`. Such a client owns
+//! no region and therefore no key: it keeps retrying (a `Retry`, bounded by
+//! `reconnect_timeout_ms` per call like any other). When the instance's
+//! grace period expires the directory returns the unclaimed regions to the
+//! pool and forgets the instance; the next reattach then creates it afresh
+//! (`Recovered`, same secret, same sequence and notice numbers) and the
+//! call that lost its grant asks again. The directory accepts nothing
+//! without a token, so nobody else can claim or free the instance's regions
+//! early (docs/security.md).
+//!
 //! **Fatal.** An instance whose grace period expired (`InstanceGone`), a
-//! refused secret, or pools that changed identity cannot be resumed: the
-//! client records the reason and every later call fails with it.
+//! refused secret (`AuthenticationFailed`), the tokens of regions the
+//! client holds all refused (`OwnershipNotProven`), or pools that changed
+//! identity cannot be resumed: the client records the reason and every
+//! later call fails with it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -226,6 +243,7 @@ impl Shared {
         let rpc = RpcClient::connect(&self.cfg.server.endpoint(), self.cfg.transport.clone())
             .map_err(|e| Attempt::Retry(ClientError::Connect(e)))?;
         let regions = self.owned_regions();
+        let holds_no_region = regions.is_empty();
         if regions.len() > proto::MAX_REATTACH_REGIONS {
             return Err(Attempt::Fatal(ClientError::BatchTooLarge {
                 len: regions.len(),
@@ -253,21 +271,27 @@ impl Shared {
             .map_err(|e| Attempt::Retry(ClientError::Connect(e)))?;
         // New pool descriptors may ride along; the pools opened at connect
         // stay in use (their identity is checked below).
-        let r: Reattached = decode_opening(&reply, "reattach").map_err(|e| {
-            let fatal = matches!(
-                e.code(),
-                Some(
-                    ErrorCode::InstanceGone
-                        | ErrorCode::AuthenticationFailed
-                        | ErrorCode::AuthenticationRequired
-                        | ErrorCode::UnsupportedVersion
-                )
-            );
-            if fatal {
-                Attempt::Fatal(e)
-            } else {
+        let r: Reattached = decode_opening(&reply, "reattach").map_err(|e| match e.code() {
+            Some(
+                ErrorCode::InstanceGone
+                | ErrorCode::AuthenticationFailed
+                | ErrorCode::AuthenticationRequired
+                | ErrorCode::UnsupportedVersion,
+            ) => Attempt::Fatal(e),
+            // The restarted directory holds regions for this instance that
+            // it never told us about: a grant whose reply was lost. We own
+            // no region, hence no key, so nothing here is ours to keep;
+            // waiting until the instance's grace period returns those
+            // regions to the pool turns the next reattach into a fresh
+            // start (see the module docs). With regions of our own, their
+            // tokens were all refused: they were freed under us, and that
+            // is not something a retry explains.
+            Some(ErrorCode::OwnershipNotProven) if holds_no_region => {
+                self.stats.bump(&self.stats.reattaches_awaiting_grace);
                 Attempt::Retry(e)
             }
+            Some(ErrorCode::OwnershipNotProven) => Attempt::Fatal(e),
+            _ => Attempt::Retry(e),
         })?;
         let same_pools = r.welcome.pools.len() == self.pools.len()
             && r.welcome

@@ -46,6 +46,10 @@ counters!(
     keys_lost_with_regions,
     /// Regions the directory refused at reattach.
     regions_refused,
+    /// Reattaches refused because the restarted directory holds regions of
+    /// this instance the client never received (a grant whose reply was
+    /// lost); retried until the instance's grace period frees them.
+    reattaches_awaiting_grace,
     /// Regions taken from the directory.
     regions_acquired,
     /// Idle regions given back.

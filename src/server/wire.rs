@@ -139,7 +139,8 @@ pub(crate) fn directory_error_code(e: &DirectoryError) -> (ErrorCode, u64) {
         D::TcpSecretRequired => (C::AuthenticationRequired, 0),
         D::InvalidInstanceId { max_bytes, .. } => (C::InvalidArgument, n(*max_bytes)),
         D::InstanceIdInUse { .. } => (C::InstanceInUse, 0),
-        D::SecretMismatch { .. } | D::OwnershipNotProven { .. } => (C::AuthenticationFailed, 0),
+        D::SecretMismatch { .. } => (C::AuthenticationFailed, 0),
+        D::OwnershipNotProven { .. } => (C::OwnershipNotProven, 0),
         D::TooManySessions { max }
         | D::TooManyInstanceSessions { max, .. }
         | D::TooManyInstances { max } => (C::Busy, n(*max)),

@@ -13,7 +13,8 @@
 //! records durable before it sends the reply** — that is the deferred reply:
 //! the manager has already applied the change in memory, and the reply is
 //! held until the journal commit that covers it. A request that fails pushes
-//! no record and changes nothing (not even volatile state).
+//! no record and changes nothing durable; the one volatile trace a failure
+//! leaves is the answer of a tagged allocation (see *Retried allocations*).
 //!
 //! The release rule, for group commit: **a reply — any reply, with records or
 //! without, success or error — is released only once every record pushed
@@ -47,15 +48,23 @@
 //! Only online pools serve allocations; frees work on any pool.
 //!
 //! Retried allocations. An `Alloc` may carry an [`AllocTag`] chosen by the
-//! directory (unique among its live regions). The tag is journaled with the
-//! region, so a retry after a lost reply — even across a manager crash —
-//! returns the region already allocated instead of leaking a second one, and
-//! keeps it (a retry after a restart confirms it as an attach would). A
-//! retried `Free` is answered [`PoolError::RegionAlreadyFreed`]: region ids
-//! are never reused, so a valid token for a missing region proves it is gone.
+//! directory: one tag per logical allocation, reused only by its retries.
+//! The tag is journaled with the region, so a retry after a lost reply —
+//! even across a manager crash — returns the region already allocated
+//! instead of leaking a second one, and keeps it (a retry after a restart
+//! confirms it as an attach would). That alone covers a copy only while the
+//! region lives: a copy arriving after the first one failed, or after its
+//! region was freed, would allocate again. So the answers of each
+//! directory's last [`TAG_ANSWERS_PER_DIRECTORY`] tagged allocations are
+//! kept in memory and replayed (`tag_answers` explains the bound and why
+//! they need no journal). A retried `Free` is answered
+//! [`PoolError::RegionAlreadyFreed`]: region ids are never reused, so a
+//! valid token for a missing region proves it is gone.
 //!
-//! Complexity, n live regions: alloc O(p + log n) for p pools (first fit in
-//! each pool's extent tree is O(log n)); free O(log n); attach
+//! Complexity, n live regions: alloc O(p + log n + W) for p pools (first
+//! fit in each pool's extent tree is O(log n)) and W =
+//! [`TAG_ANSWERS_PER_DIRECTORY`] (a tagged allocation scans the directory's
+//! answers); free O(log n); attach
 //! O(h log n + r) for h handles and the directory's r regions; reaping
 //! O(log n) per region; a directory going away O(r log n).
 
@@ -67,6 +76,8 @@ use super::ledger::{
     check_geometry,
 };
 use super::record::Record;
+pub use super::tag_answers::TAG_ANSWERS_PER_DIRECTORY;
+use super::tag_answers::{TagAnswer, TagAnswers};
 use super::token::Secret;
 use super::types::{
     AllocTag, Caller, DirectoryId, Handle, InstanceId, ManagerId, MonotonicMs, OwnerLabel, PoolId,
@@ -129,7 +140,11 @@ pub enum Request<'a> {
     },
     /// Allocate one region of `len_bytes` (a multiple of the pool alignment)
     /// for `instance` of the attached directory. A retry with the same
-    /// non-zero `tag` returns the region already allocated under it.
+    /// non-zero `tag` returns the region already allocated under it while
+    /// that region lives; within the directory's last
+    /// [`TAG_ANSWERS_PER_DIRECTORY`] tagged allocations, a retry of one that
+    /// failed gets the same error, and of one whose region is gone
+    /// [`PoolError::RegionAlreadyFreed`] — never a second region.
     Alloc {
         target: PoolTarget,
         len_bytes: u64,
@@ -366,6 +381,8 @@ struct DirectoryEntry {
     /// The caller speaking for the directory; `None` = gone.
     caller: Option<Caller>,
     regions: BTreeSet<RegionId>,
+    /// Answers of its last tagged allocations (volatile; see `tag_answers`).
+    tag_answers: TagAnswers,
 }
 
 /// The pool-manager state machine. See the module essay.
@@ -422,6 +439,7 @@ impl PoolManager {
                 .or_insert_with(|| DirectoryEntry {
                     caller: None,
                     regions: BTreeSet::new(),
+                    tag_answers: TagAnswers::default(),
                 })
                 .regions
                 .insert(r.id);
@@ -461,7 +479,8 @@ impl PoolManager {
 
     /// Handles one client request from `caller` at `now`. On `Ok`, records
     /// pushed into `sink` must be durable before the reply is sent; on `Err`
-    /// nothing was pushed and nothing changed.
+    /// nothing was pushed and nothing durable changed (a tagged allocation's
+    /// refusal is remembered, for its copies).
     pub fn handle(
         &mut self,
         caller: &Caller,
@@ -527,6 +546,7 @@ impl PoolManager {
             .or_insert_with(|| DirectoryEntry {
                 caller: None,
                 regions: BTreeSet::new(),
+                tag_answers: TagAnswers::default(),
             });
         entry.caller = Some(*caller);
         self.callers.insert(*caller, directory);
@@ -618,6 +638,46 @@ impl PoolManager {
             }
             return Ok(self.handle_for(&r));
         }
+        if tag != AllocTag::NONE {
+            let entry = self
+                .directories
+                .get(&directory)
+                .expect("a bound caller's directory has an entry");
+            match entry.tag_answers.get(tag) {
+                Some(TagAnswer::Refused(e)) => return Err(e.clone()),
+                // Not live (the ledger was asked first): freed or reclaimed.
+                Some(&TagAnswer::Allocated(region)) => {
+                    return Err(PoolError::RegionAlreadyFreed { region });
+                }
+                None => {}
+            }
+        }
+        let result = self.alloc_new(directory, target, len_bytes, instance, tag, sink);
+        if tag != AllocTag::NONE {
+            let answer = match &result {
+                Ok(h) => TagAnswer::Allocated(h.region),
+                Err(e) => TagAnswer::Refused(e.clone()),
+            };
+            self.directories
+                .get_mut(&directory)
+                .expect("a bound caller's directory has an entry")
+                .tag_answers
+                .remember(tag, answer);
+        }
+        result
+    }
+
+    /// Allocates a fresh region (no live region or remembered answer for the
+    /// tag).
+    fn alloc_new(
+        &mut self,
+        directory: DirectoryId,
+        target: PoolTarget,
+        len_bytes: u64,
+        instance: InstanceId,
+        tag: AllocTag,
+        sink: &mut impl RecordSink,
+    ) -> Result<Handle, PoolError> {
         if len_bytes == 0 {
             return Err(PoolError::ZeroLength);
         }

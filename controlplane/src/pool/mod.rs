@@ -17,6 +17,7 @@
 //! |---|---|---|
 //! | [`manager`] | [`PoolManager`]: requests, directories, reaper, pools | none |
 //! | [`ledger`] | the durable state and [`Record`] application; invariants | none |
+//! | `tag_answers` | answers of each directory's recent tagged allocations (exactly-once retries) | none |
 //! | [`extents`] | free extents with O(log n) first fit | none |
 //! | [`record`], [`checkpoint`], [`header`] | byte codecs: journal records, checkpoint images, pool identity header | none |
 //! | [`token`] | keyed-BLAKE3 region tokens | none |
@@ -41,7 +42,9 @@
 //! ```
 //!
 //! Invariants the whole module keeps: a reply is released only after every
-//! record pushed before it is durable; a failed request changes nothing; the
+//! record pushed before it is durable; a failed request changes nothing
+//! durable (a tagged allocation's answer is remembered, in memory, so that
+//! its retries get the same one); the
 //! ledger only changes through [`Record`]s, identically live and in replay;
 //! recovery yields exactly the committed prefix of the journal on top of the
 //! last installed checkpoint, or refuses to start with a message naming the
@@ -59,6 +62,7 @@ pub mod record;
 pub mod service;
 pub mod store;
 pub mod sys;
+mod tag_answers;
 pub mod token;
 pub mod types;
 
@@ -67,7 +71,7 @@ pub use journal::{CommitReport, Journal, JournalError};
 pub use ledger::{InvariantError, LedgerError, PoolInfo, Snapshot};
 pub use manager::{
     AttachReport, DirectoryStatus, ManagerConfig, OpenedPool, PoolError, PoolManager, PoolStats,
-    PoolTarget, ReapReport, RecordSink, Reply, Request, StatsReport,
+    PoolTarget, ReapReport, RecordSink, Reply, Request, StatsReport, TAG_ANSWERS_PER_DIRECTORY,
 };
 pub use record::Record;
 pub use store::{PoolStore, Recovered, RecoveryReport, StoreConfig, StoreError, SyncPolicy};

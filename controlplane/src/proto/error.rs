@@ -86,11 +86,19 @@ pub enum ErrorCode {
     /// `ReturnRegion` of a region that still has registered keys. `limit`:
     /// the number of keys.
     RegionNotEmpty = 26,
+    /// `Reattach` of an instance the directory recovered from the pool
+    /// manager after a restart, presenting none of its recovered regions'
+    /// tokens. Nothing was claimed. A client that presented no token at all
+    /// owns nothing there (a region grant whose reply was lost): it retries
+    /// until the instance's grace period frees those regions, and the
+    /// reattach then starts the instance afresh. Distinct from
+    /// `AuthenticationFailed` (a wrong secret), which no retry can fix.
+    OwnershipNotProven = 27,
 }
 
 impl ErrorCode {
     /// Every code, in number order.
-    pub const ALL: [ErrorCode; 26] = [
+    pub const ALL: [ErrorCode; 27] = [
         Self::Malformed,
         Self::UnsupportedVersion,
         Self::FrameTooLarge,
@@ -117,6 +125,7 @@ impl ErrorCode {
         Self::ReplyEvicted,
         Self::PinsHeldByOtherSession,
         Self::RegionNotEmpty,
+        Self::OwnershipNotProven,
     ];
 
     pub const fn as_u16(self) -> u16 {
@@ -158,6 +167,7 @@ impl ErrorCode {
             Self::ReplyEvicted => "reply_evicted",
             Self::PinsHeldByOtherSession => "pins_held_by_other_session",
             Self::RegionNotEmpty => "region_not_empty",
+            Self::OwnershipNotProven => "ownership_not_proven",
         }
     }
 
@@ -192,6 +202,9 @@ impl ErrorCode {
                 "the retried lookup's pins belong to another session: look up again"
             }
             Self::RegionNotEmpty => "region still has registered keys",
+            Self::OwnershipNotProven => {
+                "no token of the recovered instance's regions presented: present one, or reattach after its grace period"
+            }
         }
     }
 

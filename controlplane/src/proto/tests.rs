@@ -389,7 +389,7 @@ fn error_codes_are_stable_numbered_and_named() {
     let numbers: Vec<u16> = ErrorCode::ALL.iter().map(|c| c.as_u16()).collect();
     assert_eq!(
         numbers,
-        (1..=26).collect::<Vec<u16>>(),
+        (1..=27).collect::<Vec<u16>>(),
         "codes are 1.. in order, never renumbered"
     );
     let pinned = [
@@ -419,6 +419,7 @@ fn error_codes_are_stable_numbered_and_named() {
         (ErrorCode::ReplyEvicted, 24),
         (ErrorCode::PinsHeldByOtherSession, 25),
         (ErrorCode::RegionNotEmpty, 26),
+        (ErrorCode::OwnershipNotProven, 27),
     ];
     for (code, number) in pinned {
         assert_eq!(code.as_u16(), number);

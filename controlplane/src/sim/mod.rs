@@ -12,6 +12,15 @@
 //! simulated world, so a seed replays exactly: a failing seed is a
 //! reproducer.
 //!
+//! Links are connections, as the real transports' stream sockets are:
+//! messages on one may be lost, delayed, duplicated and reordered, but a
+//! message sent to one incarnation of a process never reaches the next. A
+//! client's requests name their connection; the directory's requests to the
+//! pool manager name both ends' incarnations, are dropped when either has
+//! died, and the directory ignores answers from an incarnation it has left. (The
+//! pool manager's exactly-once answers to tagged allocations rely on this;
+//! see `pool::tag_answers`.)
+//!
 //! ## A run
 //!
 //! 1. *Run*: the clients work (write and register, look up with and
@@ -38,8 +47,10 @@
 //! the pool manager holds for it and the directory grants it, on a page no
 //! key occupies; every freed-page notice a client applies answers exactly
 //! one deletion of its page, with no number skipped; every reply to a
-//! retried request equals the first; a pool-manager restart recovers
-//! exactly the records that reached the disk whole.
+//! retried request equals the first, and a late copy's answer to a pool
+//! allocation names the region the request was resolved with; a
+//! pool-manager restart recovers exactly the records that reached the disk
+//! whole.
 //!
 //! ## Running it
 //!

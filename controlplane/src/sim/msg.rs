@@ -145,6 +145,10 @@ pub(crate) enum Message {
     },
     ToPool {
         directory_incarnation: u32,
+        /// The pool-manager process the directory's connection leads to: a
+        /// request dies with its connection, as on a real stream socket, so
+        /// it never reaches a later incarnation.
+        pool_incarnation: u32,
         id: u64,
         request: PoolRequest,
     },

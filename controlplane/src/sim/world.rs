@@ -74,9 +74,6 @@ pub struct Report {
     pub keys_deleted: u64,
     pub notices_checked: u64,
     pub retries_compared: u64,
-    /// Allocations answered after their request was resolved, freed by the
-    /// driver (see `pool_reply`).
-    pub late_allocations_freed: u64,
     /// A digest of the run's trajectory: equal for equal seeds.
     pub trajectory: u64,
 }
@@ -162,6 +159,9 @@ struct DirNode {
     attached_to: Option<u32>,
     attach: Option<(u64, u64)>,
     next_pool_id: u64,
+    /// How each allocation it resolved was answered (the region, or `None`
+    /// for a refusal): a late copy's answer must repeat it.
+    allocs_resolved: BTreeMap<u64, Option<RegionId>>,
 }
 
 /// A client instance's life at the directory: from the `hello` (or the
@@ -341,6 +341,7 @@ impl World {
                 attached_to: None,
                 attach: None,
                 next_pool_id: 1,
+                allocs_resolved: BTreeMap::new(),
             },
             pool,
             oracle: Oracle {
@@ -727,6 +728,7 @@ impl World {
             attached_to: None,
             attach: None,
             next_pool_id: 1,
+            allocs_resolved: BTreeMap::new(),
         };
         let sessions: Vec<SessionId> = self.oracle.sessions.keys().copied().collect();
         for s in sessions {
@@ -757,9 +759,12 @@ impl World {
         Ok(())
     }
 
+    /// Sends on the directory's connection to the pool manager: the one it
+    /// is attached through, or else a new one to the process now serving.
     fn send_pool(&mut self, id: u64, request: PoolRequest) {
         let msg = Message::ToPool {
             directory_incarnation: self.dirn.incarnation,
+            pool_incarnation: self.dirn.attached_to.unwrap_or(self.pool.incarnation),
             id,
             request,
         };
@@ -957,9 +962,18 @@ impl World {
             }
             Message::ToPool {
                 directory_incarnation,
+                pool_incarnation,
                 id,
                 request,
             } => {
+                if pool_incarnation != self.pool.incarnation
+                    || directory_incarnation != self.dirn.incarnation
+                {
+                    // Its connection closed when one of its ends died. (A
+                    // dead directory's attach must not bind its caller after
+                    // the pool manager's probe found the process gone.)
+                    return Ok(());
+                }
                 self.pool
                     .handle(&mut self.ctx, directory_incarnation, id, request);
                 if self.pool.crash_due() {
@@ -984,6 +998,10 @@ impl World {
     }
 
     fn pool_reply(&mut self, pool_inc: u32, id: u64, reply: PoolReply) -> Result<(), String> {
+        // A reply from a process that has died since ends with its
+        // connection: a stream delivers the reply, then the close. The reset
+        // event may overtake the reply here, so the close is applied now.
+        let link_open = pool_inc == self.pool.incarnation;
         if let DirState::Starting { rejoin, .. } = self.dirn.state {
             if id != rejoin {
                 return Ok(());
@@ -1024,12 +1042,16 @@ impl World {
             });
             self.dirn.dir = Some(dir);
             self.dirn.state = DirState::Up;
-            self.dirn.attached_to = Some(pool_inc);
+            self.dirn.attached_to = link_open.then_some(pool_inc);
             self.usage(&reply);
             return self.check_lives();
         }
-        self.usage(&reply);
         if self.dirn.attach.is_some_and(|(a, _)| a == id) {
+            if !link_open {
+                // Sent again, on a new connection, when its retry is due.
+                return Ok(());
+            }
+            self.usage(&reply);
             match reply.result {
                 Ok(PoolReplyBody::Attached(report)) => {
                     for (v, h) in report.verdicts.iter().zip(self.dirn.handles.values()) {
@@ -1052,15 +1074,24 @@ impl World {
             }
             return Ok(());
         }
+        if self.dirn.attached_to != Some(pool_inc) {
+            // An answer on a connection the directory has left: a copy of
+            // the request was (or will be) resent on the new one.
+            return Ok(());
+        }
+        self.usage(&reply);
         let Some(out) = self.dirn.pool_out.get(&id) else {
-            // A late answer to an allocation already resolved (an earlier
-            // attempt failed, a retry with the same tag succeeded): nobody
-            // will ever use or free that region unless the driver does.
-            if let Ok(PoolReplyBody::Allocated(h)) = reply.result
-                && !self.dirn.handles.contains_key(&h.region)
-            {
-                self.report.late_allocations_freed += 1;
-                self.queue_pool_work(PoolWork::Free { handle: h });
+            // A late copy's answer to a request already resolved. Exactly
+            // once: an allocation it reports must be the one the request was
+            // resolved with, else nothing will ever free it (a leak).
+            if let Ok(PoolReplyBody::Allocated(h)) = reply.result {
+                let first = self.dirn.allocs_resolved.get(&id).copied().flatten();
+                if first != Some(h.region) {
+                    return Err(format!(
+                        "a late copy of pool request {id} allocated region {}; the request was resolved with {first:?}",
+                        h.region
+                    ));
+                }
             }
             return Ok(());
         };
@@ -1071,6 +1102,7 @@ impl World {
             (PoolWork::Alloc { request, .. }, Ok(PoolReplyBody::Allocated(h))) => {
                 let request = *request;
                 self.dirn.pool_out.remove(&id);
+                self.dirn.allocs_resolved.insert(id, Some(h.region));
                 self.dirn.handles.insert(h.region, h);
                 let completions = match self.dirn.dir.as_mut() {
                     Some(dir) => dir.region_allocated(request, Ok(dir_handle(&h))),
@@ -1085,6 +1117,7 @@ impl World {
                 }
                 let request = *request;
                 self.dirn.pool_out.remove(&id);
+                self.dirn.allocs_resolved.insert(id, None);
                 let completions = match self.dirn.dir.as_mut() {
                     Some(dir) => dir.region_allocated(request, Err(e.to_string())),
                     None => Vec::new(),

@@ -116,6 +116,9 @@ pub const REPLY_CACHE_LEN: usize = 256;
 /// Requests one pool connection may have in flight (the transport rejects
 /// more with `Busy`).
 pub const MAX_INFLIGHT_PER_CONN: usize = 256;
+// Every copy of a request that can still arrive is within the manager's
+// window of tagged-allocation answers (see `pool::tag_answers`).
+const _: () = assert!(super::TAG_ANSWERS_PER_DIRECTORY >= MAX_INFLIGHT_PER_CONN);
 /// Requests queued for the core from all front ends together; more get
 /// `Busy` at once (not cached, `seq` not consumed).
 pub const MAX_QUEUED_REQUESTS: usize = 8192;
