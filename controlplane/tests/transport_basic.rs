@@ -183,6 +183,34 @@ fn a_descriptor_sent_with_a_reply_reaches_the_client() {
 }
 
 #[test]
+fn after_declining_descriptors_replies_arrive_intact_and_descriptors_are_not_delivered() {
+    for backend in backends() {
+        let f = start(backend, server_config(backend));
+        let c = f.client(&f.unix);
+        // Accepted before the client declines them (the opening reply).
+        let mut first = c.call(SEND_FD, b"opening", LONG).unwrap();
+        assert_eq!(first.fds.len(), 1, "{backend:?}");
+        drop(first.fds.pop());
+        c.decline_fds();
+        for round in 0..3 {
+            let a = c.start(ECHO, b"before", LONG).unwrap();
+            let b = c
+                .start(SEND_FD, format!("late {round}").as_bytes(), LONG)
+                .unwrap();
+            let d = c.start(ECHO, b"after", LONG).unwrap();
+            assert_eq!(a.wait().unwrap().payload(), b"before", "{backend:?}");
+            let r = b.wait().unwrap();
+            assert_eq!(r.payload(), b"fd attached", "{backend:?}");
+            assert!(
+                r.fds.is_empty(),
+                "{backend:?}: a declined descriptor was delivered"
+            );
+            assert_eq!(d.wait().unwrap().payload(), b"after", "{backend:?}");
+        }
+    }
+}
+
+#[test]
 fn the_handler_can_close_a_connection_after_its_reply() {
     for backend in backends() {
         let f = start(backend, server_config(backend));

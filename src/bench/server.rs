@@ -150,6 +150,9 @@ pub(super) fn populate(c: &mut Client, keys: usize) -> anyhow::Result<()> {
         client_name: "cxlkv bench".into(),
         client_secret: None,
     })?;
+    // As the client library does after its welcome (the timed calls then
+    // read replies with `recv`, as a real client's do).
+    c.rpc.decline_fds();
     let pages_per_region = (REGION_BYTES / LAYOUT.page_size_bytes) as usize;
     let mut registered = 0;
     while registered < keys {

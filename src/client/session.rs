@@ -126,6 +126,9 @@ pub(crate) fn connect(
         .map_err(ClientError::Connect)?;
     let fds = std::mem::take(&mut reply.fds);
     let welcome: Welcome = decode_opening(&reply, "hello")?;
+    // The pools' descriptors came with the welcome; nothing later carries
+    // any, so replies are read with the cheaper `recv` from here on.
+    rpc.decline_fds();
     let pools: Vec<Pool> = if welcome.fds_passed > 0 {
         pools::from_fds(&welcome.pools, fds, cfg.visibility)?
     } else {
@@ -293,6 +296,8 @@ impl Shared {
             Some(ErrorCode::OwnershipNotProven) => Attempt::Fatal(e),
             _ => Attempt::Retry(e),
         })?;
+        // As after `Hello`: the opening reply was the last with descriptors.
+        rpc.decline_fds();
         let same_pools = r.welcome.pools.len() == self.pools.len()
             && r.welcome
                 .pools

@@ -136,6 +136,8 @@ fn hello(client: &RpcClient, cfg: &RemoteConfig) -> Result<PoolSession, PoolServ
         .map_err(|e| client_error(&e))?;
     let welcome: PoolWelcome = decode(&reply)?;
     let fds = std::mem::take(&mut reply.fds);
+    // Only the welcome carries descriptors (RpcClient::decline_fds).
+    client.decline_fds();
     if fds.len() != welcome.fds_passed as usize {
         return Err(PoolServiceError::new(
             ErrorCode::Malformed,

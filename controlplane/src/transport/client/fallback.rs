@@ -1,5 +1,6 @@
-//! The client's syscall wire: non-blocking `recvmsg` (Unix sockets, which
-//! may carry descriptors) or `recv` (TCP) into the decoder, `poll` to sleep.
+//! The client's syscall wire: non-blocking `recvmsg` (Unix sockets, while
+//! replies may still carry descriptors) or `recv` (TCP, and Unix sockets
+//! once the caller declined descriptors) into the decoder, `poll` to sleep.
 
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -22,9 +23,16 @@ impl SyscallWire {
         }
     }
 
-    pub(super) fn read(&mut self, sock: BorrowedFd<'_>, fds: &mut Vec<OwnedFd>) -> Read {
+    /// One non-blocking receive; `accept_fds` false reads with `recv`
+    /// (see [`RpcClient::decline_fds`](super::RpcClient::decline_fds)).
+    pub(super) fn read(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        fds: &mut Vec<OwnedFd>,
+        accept_fds: bool,
+    ) -> Read {
         let spare = self.decoder.spare(READ_CHUNK_BYTES);
-        let res = if self.with_fds {
+        let res = if self.with_fds && accept_fds {
             sys::recv_with_fds(sock, spare, fds)
         } else {
             sys::recv(sock, spare).map(|bytes| sys::Received {

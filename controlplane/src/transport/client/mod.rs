@@ -305,10 +305,10 @@ enum Wire {
 
 impl Wire {
     /// One attempt to read without sleeping.
-    fn read(&mut self, sock: BorrowedFd<'_>, fds: &mut Vec<OwnedFd>) -> Read {
+    fn read(&mut self, sock: BorrowedFd<'_>, fds: &mut Vec<OwnedFd>, accept_fds: bool) -> Read {
         match self {
-            Wire::Syscall(w) => w.read(sock, fds),
-            Wire::Uring(w) => w.read(fds),
+            Wire::Syscall(w) => w.read(sock, fds, accept_fds),
+            Wire::Uring(w) => w.read(fds, accept_fds),
         }
     }
 
@@ -373,6 +373,8 @@ struct Inner {
     /// Waiters registered to be unparked (entries with `waiter` set).
     parked: AtomicUsize,
     closed: AtomicBool,
+    /// Replies may still carry descriptors (see [`RpcClient::decline_fds`]).
+    accept_fds: AtomicBool,
     close_cause: Mutex<Option<(String, Option<Box<Reply>>)>>,
     last_notice: Mutex<Option<Reply>>,
     stats: ClientStats,
@@ -480,6 +482,7 @@ impl RpcClient {
                 done,
                 parked: AtomicUsize::new(0),
                 closed: AtomicBool::new(false),
+                accept_fds: AtomicBool::new(true),
                 close_cause: Mutex::new(None),
                 last_notice: Mutex::new(None),
                 stats: ClientStats::default(),
@@ -508,6 +511,22 @@ impl RpcClient {
             .lock()
             .as_ref()
             .map(|r| (r.header, r.payload().to_vec()))
+    }
+
+    /// Declares that no later reply on this connection carries descriptors
+    /// (the directory and the pool manager send them only with the reply
+    /// that opens a session: `Welcome`, `Reattached`, `PoolWelcome`).
+    /// From then on replies are read with `recv` instead of `recvmsg`: the
+    /// leader polls with `recv` between replies, and a `recvmsg` costs
+    /// ~100 ns more per call here (copying the message header and iovec in,
+    /// the control buffer out) — a fifth of the client's polling time in a
+    /// profile of the one-key round trip. Descriptors a peer still attaches
+    /// are closed by the kernel, never delivered (`MSG_CTRUNC`); the frame
+    /// itself arrives intact. Call it after the opening reply was received;
+    /// calling it earlier loses that reply's descriptors. No-op on TCP.
+    pub fn decline_fds(&self) {
+        // Relaxed: see the load in `lead`.
+        self.inner.accept_fds.store(false, Ordering::Relaxed);
     }
 
     /// Sends a request and waits for its reply (at most `timeout`).
@@ -837,7 +856,14 @@ impl Inner {
         let mut spinner = Spinner::default();
         let mut active_until = Instant::now() + spin;
         while !self.closed.load(Ordering::Acquire) {
-            let read = reader.wire.read(self.sock.fd(), &mut reader.fds);
+            // Relaxed: `decline_fds` is called by the thread that received
+            // the last descriptor-carrying reply, after it did (its own
+            // program order); another reader may see the change a read late,
+            // which only costs a `recvmsg` instead of a `recv`.
+            let accept_fds = self.accept_fds.load(Ordering::Relaxed);
+            let read = reader
+                .wire
+                .read(self.sock.fd(), &mut reader.fds, accept_fds);
             let got = self.absorb(reader, read);
             if self.is_done(id) || self.closed.load(Ordering::Acquire) {
                 break;

@@ -65,6 +65,9 @@ pub(super) struct UringWire {
     decoder: FrameDecoder,
     fd: RawFd,
     with_fds: bool,
+    /// The receive in flight (or last reaped) is a `RECVMSG` whose control
+    /// buffer `finish` must read.
+    armed_with_fds: bool,
     /// A receive is in the kernel (see the module invariant).
     armed: bool,
 }
@@ -94,6 +97,7 @@ impl UringWire {
             decoder: FrameDecoder::new(),
             fd: sock.as_raw_fd(),
             with_fds,
+            armed_with_fds: false,
             armed: false,
         })
     }
@@ -105,13 +109,13 @@ impl UringWire {
 
     /// Reaps a finished receive, or arms one, or lets the kernel run the
     /// receive work it flagged; never sleeps.
-    pub(super) fn read(&mut self, fds: &mut Vec<OwnedFd>) -> Read {
+    pub(super) fn read(&mut self, fds: &mut Vec<OwnedFd>, accept_fds: bool) -> Read {
         if let Some(r) = self.reap(fds) {
             return r;
         }
         let kicked = if !self.armed {
             // The submission tries the receive at once (data may be there).
-            self.arm()
+            self.arm(accept_fds)
         } else if ring::needs_task_run(&mut self.ring) {
             ring::run_task_work(&self.ring)
         } else {
@@ -164,14 +168,16 @@ impl UringWire {
         }
     }
 
-    /// Submits a receive into the decoder's free space.
-    fn arm(&mut self) -> io::Result<()> {
+    /// Submits a receive into the decoder's free space: a `RECVMSG` while
+    /// descriptors are accepted, else a `RECV`.
+    fn arm(&mut self, accept_fds: bool) -> io::Result<()> {
         debug_assert!(!self.armed);
         let spare = self.decoder.spare(READ_CHUNK_BYTES);
         let len = u32::try_from(spare.len()).unwrap_or(u32::MAX);
         let buf = spare.as_mut_ptr();
         let fd = types::Fd(self.fd);
-        let sqe = if self.with_fds {
+        self.armed_with_fds = self.with_fds && accept_fds;
+        let sqe = if self.armed_with_fds {
             let op = &mut *self.op;
             op.iov = libc::iovec {
                 iov_base: buf.cast(),
@@ -221,7 +227,7 @@ impl UringWire {
     fn finish(&mut self, res: i32, fds: &mut Vec<OwnedFd>) -> Read {
         if res > 0 {
             let n = res as usize;
-            let fds_truncated = self.with_fds && {
+            let fds_truncated = self.armed_with_fds && {
                 // SAFETY: this is the completion of the RECVMSG armed with
                 // `op.msg`, which succeeded: the kernel wrote its control
                 // length and flags back, and the descriptors in `op.cmsg`
