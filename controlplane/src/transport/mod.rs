@@ -23,8 +23,10 @@
 //! probe ([`probe_uring`]: a real multishot receive) succeeds, else the
 //! fallback with one `warn!` line per process; the client takes the
 //! syscall wire, which measured faster (below): a reply costs it one
-//! `recvmsg`, while the io_uring wire arms a poll per reply and completes
-//! it through kernel task work. Client sends are plain `send` calls on
+//! `recvmsg` — one `recv` once the caller has declined descriptors after
+//! the session's opening reply ([`RpcClient::decline_fds`]) — while the
+//! io_uring wire arms a poll per reply and completes it through kernel
+//! task work. Client sends are plain `send` calls on
 //! both wires (one system call per frame either way).
 //!
 //! **Waiting.** Both ends poll without sleeping for `spin_us` (default 200)
