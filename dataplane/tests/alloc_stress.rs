@@ -262,48 +262,63 @@ fn threads_on_an_oversubscribed_region_steal_from_each_other_and_never_share_a_p
     const OPS: usize = 40_000;
     /// Each thread holds up to this many: 6 × 16 = 96 wanted of 64.
     const WANT: usize = 16;
+    /// Most repetitions of the whole round (see below).
+    const ROUNDS: usize = 20;
     let lives = Arc::new(Lives {
         state: (0..1).map(|_| AtomicU32::new(0)).collect(),
         drops: AtomicUsize::new(0),
     });
     let region = Region::new(MAIN, PAGES, &lives);
     let misses = AtomicU64::new(0);
-    std::thread::scope(|scope| {
-        for me in 1..=THREADS {
-            let (region, misses) = (&region, &misses);
-            scope.spawn(move || {
-                let mut held: Vec<(PageIndex, Generation)> = Vec::new();
-                let mut rng = me.wrapping_mul(0x9E37_79B9) | 1;
-                for _ in 0..OPS {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 17;
-                    rng ^= rng << 5;
-                    // Mostly allocate until WANT, then mostly free: the
-                    // threads' combined demand keeps the region exhausted.
-                    let grow = held.len() < WANT && rng % 4 != 0;
-                    if grow {
-                        match region.allocator.alloc() {
-                            Some(grant) => {
-                                region.claim(grant.0, me);
-                                held.push(grant);
+    // Whether the threads overlap enough to exhaust the region is up to the
+    // scheduler: on two vCPUs a thread can finish its operations within one
+    // time slice, before the next one starts (CI saw a run with no miss at
+    // all). The threads start together at a barrier, and the whole round is
+    // repeated (bounded) until the steal path has run; every round checks
+    // the same invariants and ends with every page freed.
+    let barrier = std::sync::Barrier::new(THREADS as usize);
+    for _round in 0..ROUNDS {
+        std::thread::scope(|scope| {
+            for me in 1..=THREADS {
+                let (region, misses, barrier) = (&region, &misses, &barrier);
+                scope.spawn(move || {
+                    barrier.wait();
+                    let mut held: Vec<(PageIndex, Generation)> = Vec::new();
+                    let mut rng = me.wrapping_mul(0x9E37_79B9) | 1;
+                    for _ in 0..OPS {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 17;
+                        rng ^= rng << 5;
+                        // Mostly allocate until WANT, then mostly free: the
+                        // threads' combined demand keeps the region exhausted.
+                        let grow = held.len() < WANT && rng % 4 != 0;
+                        if grow {
+                            match region.allocator.alloc() {
+                                Some(grant) => {
+                                    region.claim(grant.0, me);
+                                    held.push(grant);
+                                }
+                                None => {
+                                    misses.fetch_add(1, SeqCst);
+                                }
                             }
-                            None => {
-                                misses.fetch_add(1, SeqCst);
-                            }
+                        } else if !held.is_empty() {
+                            let grant = held.swap_remove(rng as usize % held.len());
+                            region.unclaim(grant.0, me);
+                            region.allocator.free(grant.0, grant.1).unwrap();
                         }
-                    } else if !held.is_empty() {
-                        let grant = held.swap_remove(rng as usize % held.len());
-                        region.unclaim(grant.0, me);
-                        region.allocator.free(grant.0, grant.1).unwrap();
                     }
-                }
-                for (page, generation) in held {
-                    region.unclaim(page, me);
-                    region.allocator.free(page, generation).unwrap();
-                }
-            });
+                    for (page, generation) in held {
+                        region.unclaim(page, me);
+                        region.allocator.free(page, generation).unwrap();
+                    }
+                });
+            }
+        });
+        if region.allocator.stats().steals > 0 && misses.load(SeqCst) > 0 {
+            break;
         }
-    });
+    }
     let stats = region.allocator.stats();
     assert!(
         stats.steals > 0,
