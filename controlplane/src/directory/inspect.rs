@@ -37,6 +37,14 @@ pub struct RegionInfo {
     pub keys: u32,
 }
 
+/// Keys, pins and regions, as [`Directory::stats`] counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirectoryTotals {
+    pub keys: u64,
+    pub pins: u64,
+    pub regions: u64,
+}
+
 /// A broken invariant, with what was found.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("directory invariant violated: {0}")]
@@ -181,6 +189,17 @@ impl Directory {
         }
     }
 
+    /// The three totals the simulation compares after every event, read
+    /// from the same fields [`Directory::stats`] reports (without building
+    /// the rest of the snapshot or counting a call).
+    pub fn totals(&self) -> DirectoryTotals {
+        DirectoryTotals {
+            keys: self.keys.len() as u64,
+            pins: self.totals.pins,
+            regions: self.regions.len() as u64,
+        }
+    }
+
     /// One key, read without a session and without touching anything (admin
     /// tools, tests, the simulation).
     pub fn inspect_key(&self, layout: &Layout, key: &[u8]) -> Option<KeyInfo> {
@@ -190,6 +209,17 @@ impl Directory {
             location: self.location_of(es),
             pins: self.keys.get(es).pins,
         })
+    }
+
+    /// The owner of one region, borrowed: `None` if the region is unknown
+    /// or its owner is gone (what [`RegionInfo::owner`] says, without the
+    /// copies [`Directory::inspect_region`] makes).
+    pub fn region_owner(&self, region: RegionId) -> Option<&InstanceId> {
+        let r = self.regions.get(self.regions.slot_of(region)?);
+        match r.owner {
+            Owner::Present(o) => Some(&self.instance(o).id),
+            Owner::Gone { .. } => None,
+        }
     }
 
     /// One region, read without touching anything.
@@ -211,7 +241,7 @@ impl Directory {
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         // Keys, their regions and pages.
         let mut live = 0usize;
-        let mut per_region: HashMap<u32, u32> = HashMap::new();
+        let mut per_region: HashMap<u32, u32, FixedState> = HashMap::default();
         let (mut page_bytes, mut value_bytes, mut key_bytes) = (0u64, 0u64, 0u64);
         for (es, e) in self.keys.iter() {
             live += 1;
@@ -223,12 +253,7 @@ impl Directory {
                 self.keys.find(e.layout, &e.key, e.hash) == Some(es),
                 "entry {es}: not found through the table"
             );
-            let Some(region) = self
-                .regions
-                .iter()
-                .find(|(rs, _)| *rs == e.region)
-                .map(|(_, r)| r)
-            else {
+            let Some(region) = self.regions.try_get(e.region) else {
                 return Err(InvariantViolation(format!(
                     "entry {es} points into freed region slot {}",
                     e.region
@@ -355,7 +380,7 @@ impl Directory {
         }
 
         // Pins.
-        let mut pins_by_entry: HashMap<u32, u64> = HashMap::new();
+        let mut pins_by_entry: HashMap<u32, u64, FixedState> = HashMap::default();
         let mut pin_total = 0u64;
         for (sid, s) in &self.sessions {
             let mut sum = 0u64;

@@ -121,7 +121,7 @@ pub use config::{
     PAGE_SIZE_ALIGN_BYTES,
 };
 pub use error::{DirectoryError, RejectReason};
-pub use inspect::{InvariantViolation, KeyInfo, RegionInfo};
+pub use inspect::{DirectoryTotals, InvariantViolation, KeyInfo, RegionInfo};
 pub use stats::{
     DirectoryStats, EvictionCounters, InstanceStats, LatencySummary, LongHeldPin, LongHeldPins,
     OpCounters, OpStats, OutcomeCounters, PoolStats,

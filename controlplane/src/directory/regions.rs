@@ -221,6 +221,11 @@ impl RegionTable {
             .expect("invariant: slot names a live region")
     }
 
+    /// The region in `slot`, if the slot is live.
+    pub fn try_get(&self, slot: u32) -> Option<&Region> {
+        self.slots.get(slot as usize).and_then(|r| r.as_ref())
+    }
+
     /// The region in `slot`, if that slot still holds region `id`.
     pub fn get_if(&self, slot: u32, id: RegionId) -> Option<&Region> {
         self.slots

@@ -300,6 +300,10 @@ pub(crate) struct World {
     reply_from: Option<u32>,
     report: Report,
     max_events: u64,
+    /// Stamps (`Ledger::stamp`) of the last verified pool-manager and durable
+    /// ledgers: a ledger no event changed is not verified again (0 is never
+    /// a stamp).
+    verified_stamps: [u64; 2],
 }
 
 impl World {
@@ -353,6 +357,7 @@ impl World {
             next_conn: 1,
             conn_incarnation: BTreeMap::new(),
             reply_from: None,
+            verified_stamps: [0; 2],
             report: Report {
                 seed,
                 clients: params.clients,
@@ -1671,11 +1676,17 @@ impl World {
     fn check(&mut self) -> Result<(), String> {
         self.report.checks += 1;
         if let Some(m) = self.pool.manager.as_ref() {
-            m.check_invariants()
+            if m.ledger().stamp() != self.verified_stamps[0] {
+                m.ledger()
+                    .verify()
+                    .map_err(|e| format!("pool manager: {e}"))?;
+                self.verified_stamps[0] = m.ledger().stamp();
+            }
+            m.check_bookkeeping()
                 .map_err(|e| format!("pool manager: {e}"))?;
             let stats = m.stats();
             let p = stats.pools.first().ok_or("the pool vanished")?;
-            let allocated: u64 = m.snapshot().regions.iter().map(|r| r.len_bytes).sum();
+            let allocated: u64 = m.regions().map(|r| r.len_bytes).sum();
             if p.free_bytes + allocated != p.capacity_bytes {
                 return Err(format!(
                     "pool: free {} + allocated {allocated} != capacity {}",
@@ -1683,10 +1694,13 @@ impl World {
                 ));
             }
         }
-        self.pool
-            .durable
-            .verify()
-            .map_err(|e| format!("durable ledger: {e}"))?;
+        if self.pool.durable.stamp() != self.verified_stamps[1] {
+            self.pool
+                .durable
+                .verify()
+                .map_err(|e| format!("durable ledger: {e}"))?;
+            self.verified_stamps[1] = self.pool.durable.stamp();
+        }
         if self.dirn.state != DirState::Up {
             return Ok(());
         }
@@ -1703,6 +1717,12 @@ impl World {
         let mut per_region: BTreeMap<RegionId, u32> = BTreeMap::new();
         let mut registered: BTreeSet<(RegionId, u32)> = BTreeSet::new();
         let mut gone = Vec::new();
+        // Pins the live sessions took, summed per key once (not per key
+        // over every pin: this runs after every event).
+        let mut pins_of: BTreeMap<(usize, &[u8]), u32> = BTreeMap::new();
+        for ((_, lix, key), n) in &self.oracle.pins {
+            *pins_of.entry((*lix, key.as_slice())).or_default() += *n;
+        }
         for ((lix, key), k) in &self.oracle.keys {
             if k.incarnation != incarnation {
                 continue;
@@ -1718,13 +1738,7 @@ impl World {
                     }
                     *per_region.entry(info.location.region).or_default() += 1;
                     registered.insert((info.location.region, info.location.page.0));
-                    let pins: u32 = self
-                        .oracle
-                        .pins
-                        .iter()
-                        .filter(|((_, l, kk), _)| l == lix && kk == key)
-                        .map(|(_, n)| *n)
-                        .sum();
+                    let pins = pins_of.get(&(*lix, key.as_slice())).copied().unwrap_or(0);
                     if info.pins != pins {
                         return Err(format!(
                             "key {key:?} holds {} pins, live sessions took {pins}",
@@ -1748,13 +1762,8 @@ impl World {
         for k in gone {
             self.oracle.keys.remove(&k);
         }
-        let stats = self
-            .dirn
-            .dir
-            .as_mut()
-            .expect("up")
-            .stats(Time::from_nanos(self.ctx.now));
         let dir = self.dirn.dir.as_ref().expect("up");
+        let stats = dir.totals();
         if stats.keys != present {
             return Err(format!(
                 "the directory holds {} keys, {present} acknowledged",
@@ -1819,8 +1828,7 @@ impl World {
             }
             for (&id, r) in &client.regions {
                 let owned = dir
-                    .inspect_region(id)
-                    .and_then(|i| i.owner)
+                    .region_owner(id)
                     .is_some_and(|o| o.as_str() == client.name);
                 if !owned {
                     continue;
