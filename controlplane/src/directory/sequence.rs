@@ -36,7 +36,7 @@
 //! a bitmap for the whole window regardless, so a retry of a number whose body
 //! was dropped gets `ReplyEvicted` — never a second execution.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 
 use super::MAX_SEQUENCE;
 use super::error::DirectoryError;
@@ -105,8 +105,76 @@ pub(crate) struct ReplyWindow {
     width: u64,
     /// Ring bitmap over `seq % width`: set iff `seq` (within the window) ran.
     executed: Box<[u64]>,
-    cache: BTreeMap<u64, CachedReply>,
+    cache: ReplyCache,
     cache_bytes: usize,
+}
+
+/// Cached replies by ascending sequence number. A ring rather than a
+/// `BTreeMap`: a client that acknowledges its replies as it goes keeps one
+/// or two bodies cached, so every mutating request would otherwise allocate
+/// a tree node on insert and free it when the previous reply is dropped.
+/// Numbers mostly arrive in order (an append); a pipelined client's
+/// overtaken numbers are inserted in place, within a window of bounded width.
+/// A ring's capacity that is never given back (entries).
+const SHRINK_ABOVE: usize = 64;
+
+#[derive(Debug, Default)]
+struct ReplyCache(VecDeque<(u64, CachedReply)>);
+
+impl ReplyCache {
+    fn position(&self, seq: u64) -> Result<usize, usize> {
+        self.0.binary_search_by_key(&seq, |(s, _)| *s)
+    }
+
+    fn get(&self, seq: u64) -> Option<&CachedReply> {
+        self.position(seq).ok().map(|i| &self.0[i].1)
+    }
+
+    fn get_mut(&mut self, seq: u64) -> Option<&mut CachedReply> {
+        self.position(seq).ok().map(|i| &mut self.0[i].1)
+    }
+
+    /// Inserts or replaces; returns the replaced reply.
+    fn insert(&mut self, seq: u64, reply: CachedReply) -> Option<CachedReply> {
+        if self.0.back().is_none_or(|(last, _)| *last < seq) {
+            self.0.push_back((seq, reply));
+            return None;
+        }
+        match self.position(seq) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, reply)),
+            Err(i) => {
+                self.0.insert(i, (seq, reply));
+                None
+            }
+        }
+    }
+
+    fn remove(&mut self, seq: u64) -> Option<CachedReply> {
+        let i = self.position(seq).ok()?;
+        self.0.remove(i).map(|(_, r)| r)
+    }
+
+    fn first(&self) -> Option<(u64, &CachedReply)> {
+        self.0.front().map(|(s, r)| (*s, r))
+    }
+
+    fn pop_first(&mut self) -> Option<CachedReply> {
+        let first = self.0.pop_front().map(|(_, r)| r);
+        // Keep the ring's memory near what the instance uses: a burst of
+        // pipelined requests may have grown it to the window's width.
+        if self.0.capacity() > SHRINK_ABOVE && self.0.len() < self.0.capacity() / 8 {
+            self.0.shrink_to(self.0.len() * 2);
+        }
+        first
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0.iter().map(|(s, _)| *s)
+    }
 }
 
 impl ReplyWindow {
@@ -120,7 +188,7 @@ impl ReplyWindow {
             high: floor - 1,
             width,
             executed: vec![0u64; (width / 64) as usize].into_boxed_slice(),
-            cache: BTreeMap::new(),
+            cache: ReplyCache::default(),
             cache_bytes: 0,
         }
     }
@@ -158,7 +226,7 @@ impl ReplyWindow {
         if seq > self.high || !self.ran(seq) {
             return Ok(SeqCheck::Fresh);
         }
-        Ok(match self.cache.get(&seq) {
+        Ok(match self.cache.get(seq) {
             Some(reply) => SeqCheck::Executed(reply),
             None => SeqCheck::Evicted,
         })
@@ -178,11 +246,13 @@ impl ReplyWindow {
             }
             self.high = seq;
             let oldest = self.oldest_accepted();
-            while let Some(entry) = self.cache.first_entry() {
-                if *entry.key() >= oldest {
+            while let Some((first, _)) = self.cache.first() {
+                if first >= oldest {
                     break;
                 }
-                self.cache_bytes -= entry.remove().approx_bytes();
+                if let Some(old) = self.cache.pop_first() {
+                    self.cache_bytes -= old.approx_bytes();
+                }
             }
         }
         let (word, mask) = self.bit(seq);
@@ -192,7 +262,7 @@ impl ReplyWindow {
             self.cache_bytes -= old.approx_bytes();
         }
         while self.cache_bytes > byte_limit && self.cache.len() > 1 {
-            if let Some((_, old)) = self.cache.pop_first() {
+            if let Some(old) = self.cache.pop_first() {
                 self.cache_bytes -= old.approx_bytes();
             }
         }
@@ -206,14 +276,14 @@ impl ReplyWindow {
         }
         let (word, mask) = self.bit(seq);
         self.executed[word] &= !mask;
-        if let Some(old) = self.cache.remove(&seq) {
+        if let Some(old) = self.cache.remove(seq) {
             self.cache_bytes -= old.approx_bytes();
         }
     }
 
     /// Replaces the cached body of `seq`, if still cached.
     pub fn replace_body(&mut self, seq: u64, body: CachedBody) {
-        if let Some(reply) = self.cache.get_mut(&seq) {
+        if let Some(reply) = self.cache.get_mut(seq) {
             let before = reply.approx_bytes();
             reply.body = body;
             self.cache_bytes = self.cache_bytes - before + reply.approx_bytes();
@@ -223,11 +293,13 @@ impl ReplyWindow {
     /// The client received every reply below `below`: drop those bodies
     /// (pending ones stay: they have not been sent).
     pub fn replies_received_below(&mut self, below: u64) {
-        while let Some(entry) = self.cache.first_entry() {
-            if *entry.key() >= below || matches!(entry.get().body, CachedBody::RegionPending(_)) {
+        while let Some((first, reply)) = self.cache.first() {
+            if first >= below || matches!(reply.body, CachedBody::RegionPending(_)) {
                 break;
             }
-            self.cache_bytes -= entry.remove().approx_bytes();
+            if let Some(old) = self.cache.pop_first() {
+                self.cache_bytes -= old.approx_bytes();
+            }
         }
     }
 
@@ -242,7 +314,7 @@ impl ReplyWindow {
     }
 
     pub fn cached_seqs(&self) -> impl Iterator<Item = u64> + '_ {
-        self.cache.keys().copied()
+        self.cache.seqs()
     }
 }
 
@@ -256,6 +328,76 @@ mod tests {
             session: SessionId(1),
             body: CachedBody::Delete(vec![DeleteOutcome::Deleted; n]),
         }
+    }
+
+    #[test]
+    fn the_reply_ring_answers_as_an_ordered_map_would() {
+        use std::collections::BTreeMap;
+        let mut ring = ReplyCache::default();
+        let mut model: BTreeMap<u64, CachedReply> = BTreeMap::new();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut base = 0u64;
+        let (mut grew, mut shrunk) = (false, false);
+        for step in 0..20_000 {
+            // Mostly in-order appends, some overtaken numbers, bursts that
+            // grow the ring and drains that shrink it.
+            let burst = step % 2_000 < 300;
+            let op = next(10);
+            match if burst { 0 } else { op } {
+                0..=1 => {
+                    base += 1;
+                    let seq = if next(4) == 0 {
+                        base.saturating_sub(next(40))
+                    } else {
+                        base
+                    };
+                    let r = reply(next(3) as usize);
+                    assert_eq!(
+                        ring.insert(seq, r.clone()).map(|o| o.fingerprint),
+                        model.insert(seq, r).map(|o| o.fingerprint)
+                    );
+                }
+                2..=5 => {
+                    let before = ring.0.capacity();
+                    assert_eq!(
+                        ring.pop_first().map(|r| r.fingerprint),
+                        model.pop_first().map(|(_, r)| r.fingerprint)
+                    );
+                    let cap = ring.0.capacity();
+                    assert!(
+                        cap <= SHRINK_ABOVE || ring.len() >= cap / 8,
+                        "a drained ring keeps {cap} entries for {}",
+                        ring.len()
+                    );
+                    shrunk |= cap < before;
+                }
+                6 => {
+                    let seq = base.saturating_sub(next(50));
+                    assert_eq!(
+                        ring.remove(seq).map(|r| r.fingerprint),
+                        model.remove(&seq).map(|r| r.fingerprint)
+                    );
+                }
+                _ => {
+                    let seq = base.saturating_sub(next(50));
+                    assert_eq!(ring.get(seq), model.get(&seq));
+                }
+            }
+            assert_eq!(ring.len(), model.len());
+            assert_eq!(ring.first().map(|(s, _)| s), model.keys().next().copied());
+            grew |= ring.0.capacity() > SHRINK_ABOVE;
+        }
+        assert!(ring.seqs().eq(model.keys().copied()));
+        assert!(
+            grew && shrunk,
+            "the bursts grew the ring and the drains shrank it"
+        );
     }
 
     #[test]
