@@ -282,6 +282,11 @@ fn pool_handle(h: &RegionHandle, instance: u64) -> Handle {
     }
 }
 
+/// Every this many checks, the check also builds the directory's full
+/// statistics snapshot (the totals it compares every time come from the
+/// same fields; the snapshot's other work is what this keeps exercised).
+const STATS_EVERY: u64 = 64;
+
 /// The world of one seed.
 #[derive(Debug)]
 pub(crate) struct World {
@@ -1761,6 +1766,19 @@ impl World {
         }
         for k in gone {
             self.oracle.keys.remove(&k);
+        }
+        if self.report.checks % STATS_EVERY == 0 {
+            // The full snapshot (it counts a call, so it takes `&mut`):
+            // it must agree with the totals compared below.
+            let dir = self.dirn.dir.as_mut().expect("up");
+            let full = dir.stats(Time::from_nanos(self.ctx.now));
+            let totals = dir.totals();
+            if (full.keys, full.pins, full.regions) != (totals.keys, totals.pins, totals.regions) {
+                return Err(format!(
+                    "statistics report {} keys, {} pins, {} regions; totals {totals:?}",
+                    full.keys, full.pins, full.regions
+                ));
+            }
         }
         let dir = self.dirn.dir.as_ref().expect("up");
         let stats = dir.totals();
