@@ -1767,7 +1767,7 @@ impl World {
         for k in gone {
             self.oracle.keys.remove(&k);
         }
-        if self.report.checks % STATS_EVERY == 0 {
+        if self.report.checks.is_multiple_of(STATS_EVERY) {
             // The full snapshot (it counts a call, so it takes `&mut`):
             // it must agree with the totals compared below.
             let dir = self.dirn.dir.as_mut().expect("up");
