@@ -369,6 +369,14 @@ for name in "${SCENARIOS[@]}"; do
     "${RUNNER[@]}" "${cmd[@]}" >"$OUT/scenarios/$name.jsonl" 2>"$OUT/scenarios/$name.stderr" </dev/null
     status=$?
     set -e
+    # A scenario that ends with SIGINT's status was interrupted with us.
+    # Bash runs our trap only if its child *died* of the signal; a child
+    # that caught it and exited 130 (a shell between two commands, or
+    # timeout(1) reporting its child's death) would otherwise let the run
+    # go on to the next scenario.
+    if (( status == 130 )); then
+        INTERRUPTED=1
+    fi
     end_ns="$(date +%s%N)"
     seconds="$(( (end_ns - start_ns) / 1000000 ))"
     seconds="$((seconds / 1000)).$(printf '%03d' $((seconds % 1000)))"

@@ -217,7 +217,7 @@ if [[ "$1" == --version ]]; then echo "cxlkv 0.0.0-fake"; exit 0; fi
 [[ "$1" == bench ]] || exit 64
 shift
 case "$1" in
-    --list) printf 'copy      records, one below its target\nbroken    exits 3\ngarbled   one good line, then a progress line\nsilent    prints nothing\nslow      hangs\n'; exit 0 ;;
+    --list) printf 'copy      records, one below its target\nbroken    exits 3\ngarbled   one good line, then a progress line\nsilent    prints nothing\nslow      hangs\ncaught    exits 130, as a scenario that caught SIGINT\n'; exit 0 ;;
     --help) printf 'Options:\n      --threads <THREADS>  threads\n      --json  JSON Lines\n'; exit 0 ;;
 esac
 echo "$1 argv=[$*] threads=${CXLKV_BENCH_THREADS:-unset} chunks=${CXLKV_BENCH_CHUNK_SIZES:-unset}" >>"$FAKE_LOG"
@@ -230,6 +230,7 @@ case "$1" in
     garbled) echo '{"scenario":"garbled","case":"x","ours":1,"baseline":1,"unit":"us","ratio":1}'; echo 'progress 50%' ;;
     silent) ;;
     slow) exec sleep 60 ;;
+    caught) exit 130 ;;
 esac
 "#;
 
@@ -383,6 +384,45 @@ fn hwbench_stops_a_hung_scenario_at_its_time_limit_and_goes_on() {
     assert!(summary.contains("| copy | ok | 3 |"), "{summary}");
 }
 
+/// Whether a process named `comm` runs in process group `pgid`.
+fn group_runs(pgid: i32, comm: &str) -> bool {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten().any(|e| {
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            return false;
+        };
+        // "pid (comm) state ppid pgrp ...": comm may hold spaces, so split
+        // after its closing parenthesis.
+        let Some((head, rest)) = stat.rsplit_once(") ") else {
+            return false;
+        };
+        let name = head.split_once(" (").map(|(_, n)| n);
+        let group = rest
+            .split_whitespace()
+            .nth(2)
+            .and_then(|g| g.parse::<i32>().ok());
+        name == Some(comm) && group == Some(pgid)
+    })
+}
+
+#[test]
+fn hwbench_stops_when_a_scenario_exits_with_the_interrupt_status() {
+    let fake = Fake::new();
+    let out = fake.tmp.path().join("run");
+    let output = run(&mut fake.hwbench(&out, &["--scenarios", "copy,caught,broken"]));
+    assert_eq!(output.status.code(), Some(130));
+    assert!(
+        !read(&fake.log).contains("broken argv"),
+        "ran on after the interrupted scenario"
+    );
+    assert!(read(&out.join("run-info.txt")).contains("interrupted: yes"));
+    let summary = read(&out.join("summary.md"));
+    assert!(summary.contains("| copy | ok | 3 |"), "{summary}");
+    assert!(summary.contains("| caught | **FAILED** |"), "{summary}");
+}
+
 #[test]
 fn hwbench_interrupted_writes_the_report_for_what_ran_and_exits_130() {
     let fake = Fake::new();
@@ -397,13 +437,17 @@ fn hwbench_interrupted_writes_the_report_for_what_ran_and_exits_130() {
         .process_group(0)
         .spawn()
         .expect("start hwbench.sh");
+    let pgid = i32::try_from(child.id()).expect("pid fits in pid_t");
+    // Interrupt the scenario once it is `sleep` (the fake's `exec` done), not
+    // while the fake shell is still between logging and `exec`: a loaded
+    // host can hold it there for longer than any fixed pause.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !fs::read_to_string(&fake.log).is_ok_and(|l| l.contains("slow argv")) {
+    while !(fs::read_to_string(&fake.log).is_ok_and(|l| l.contains("slow argv"))
+        && group_runs(pgid, "sleep"))
+    {
         assert!(Instant::now() < deadline, "the slow scenario never started");
         std::thread::sleep(Duration::from_millis(50));
     }
-    std::thread::sleep(Duration::from_millis(200));
-    let pgid = i32::try_from(child.id()).expect("pid fits in pid_t");
     // SAFETY: kill() takes no pointers; the group is the one just created
     // for this child, which has not been reaped yet (we still hold `child`).
     let rc = unsafe { libc::kill(-pgid, libc::SIGINT) };
