@@ -2,7 +2,7 @@
 //! when the first one failed, or when the region it allocated is gone —
 //! within the directory's window of remembered answers. Without this, a late
 //! copy allocates a region that no answer the directory waits for names (the
-//! leak the simulation found on seeds 23,819 and 55,862).
+//! leak the simulation found on seeds 23,819, 55,862 and 1,184,000).
 
 mod pool_support;
 
@@ -149,4 +149,85 @@ fn a_directory_forgotten_when_its_caller_left_forgets_its_answers() {
         .expect("attach");
     let got = m.handle(&c2, alloc_req(BLOCK, 9), MonotonicMs(3), &mut records);
     assert!(matches!(got, Ok(Reply::Allocated(_))), "{got:?}");
+}
+
+#[test]
+fn a_retry_answered_from_the_journal_after_a_restart_is_remembered_once_its_region_is_freed() {
+    // Simulation seed 1,184,000: the first answer was lost in a restart, the
+    // retry found the region through the journal's tag index, the directory
+    // freed it, and a late copy then allocated a second region.
+    let (mut m, mut records) = manager();
+    let h = alloc(&mut m, &mut records, 2 * BLOCK, 7);
+
+    let mut m = PoolManager::restore(
+        &m.snapshot(),
+        Secret::from_bytes([3; 32]),
+        ManagerConfig { grace_ms: 5_000 },
+        MonotonicMs(1_000),
+    )
+    .expect("restore");
+    online(&mut m, &mut records, &fresh_header(1, 64 * MIB, BLOCK));
+    let c2 = Caller::Remote { connection: 2 };
+    let attach = Request::Attach {
+        directory: DIR,
+        handles: &[],
+    };
+    m.handle(&c2, attach, MonotonicMs(1_000), &mut records)
+        .expect("attach");
+    let retry = m.handle(
+        &c2,
+        alloc_req(2 * BLOCK, 7),
+        MonotonicMs(1_001),
+        &mut records,
+    );
+    assert_eq!(retry, Ok(Reply::Allocated(h)), "the retry gets the region");
+    let freed = m.handle(
+        &c2,
+        Request::Free { handle: h },
+        MonotonicMs(1_002),
+        &mut records,
+    );
+    assert!(matches!(freed, Ok(Reply::Freed { .. })), "{freed:?}");
+    let n = records.len();
+
+    let late = m.handle(
+        &c2,
+        alloc_req(2 * BLOCK, 7),
+        MonotonicMs(1_003),
+        &mut records,
+    );
+    assert_eq!(
+        late,
+        Err(PoolError::RegionAlreadyFreed { region: h.region }),
+        "a late copy gets the freed region's answer, not a new region"
+    );
+    assert_eq!(records.len(), n, "nothing journaled");
+    assert!(m.snapshot().regions.is_empty(), "nothing allocated");
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn copies_of_a_live_tagged_alloc_take_one_place_in_the_window() {
+    let (mut m, mut records) = manager();
+    let h = alloc(&mut m, &mut records, BLOCK, 1);
+    // Copies while the region lives must not push other answers out.
+    for _ in 0..2 * TAG_ANSWERS_PER_DIRECTORY {
+        assert_eq!(alloc(&mut m, &mut records, BLOCK, 1), h);
+    }
+    let refused = m.handle(&C, alloc_req(0, 2), MonotonicMs(0), &mut records);
+    assert_eq!(refused, Err(PoolError::ZeroLength));
+    for tag in 3..=TAG_ANSWERS_PER_DIRECTORY as u64 {
+        let got = m.handle(&C, alloc_req(64 * MIB, tag), MonotonicMs(0), &mut records);
+        assert!(matches!(got, Err(PoolError::NoSpace { .. })), "{got:?}");
+    }
+    // Tags 1..=N fill the window exactly once each: tag 2 is still in it.
+    let copy = m.handle(&C, alloc_req(BLOCK, 2), MonotonicMs(0), &mut records);
+    assert_eq!(copy, Err(PoolError::ZeroLength));
+    free(&mut m, &mut records, h);
+    let late = m.handle(&C, alloc_req(BLOCK, 1), MonotonicMs(0), &mut records);
+    assert_eq!(
+        late,
+        Err(PoolError::RegionAlreadyFreed { region: h.region })
+    );
+    m.check_invariants().unwrap();
 }

@@ -62,13 +62,15 @@ fn a_seed_replays_exactly() {
     }
 }
 
-/// Seeds 23,819 and 55,862 once leaked a region: a copy of a tagged pool
-/// allocation ran again after the first copy had been answered — refused
-/// for space (23,819) or allocated and since freed (55,862) — and its
-/// answer was lost. Each must now pass, back to the empty baseline.
+/// Seeds 23,819, 55,862 and 1,184,000 once leaked a region: a copy of a
+/// tagged pool allocation ran again after the first copy had been answered
+/// — refused for space (23,819), allocated and since freed (55,862), or
+/// answered after a pool-manager restart from the journal's tag index alone
+/// and since freed (1,184,000) — and its answer was lost. Each must now
+/// pass, back to the empty baseline.
 #[test]
 fn seeds_where_a_late_copy_of_a_tagged_allocation_leaked_a_region_now_pass() {
-    for seed in [23_819, 55_862] {
+    for seed in [23_819, 55_862, 1_184_000] {
         if let Err(f) = run_seed(seed, Scale::Short, false) {
             panic!("{f}\n  replay: {}", replay_command(seed, Scale::Short));
         }

@@ -636,6 +636,19 @@ impl PoolManager {
             if let Some(deadline) = self.pending.remove(&r.id) {
                 self.reap_queue.remove(&(deadline, r.id));
             }
+            // Remembered as if allocated now, unless it already is: after a
+            // restart the answer comes from the journal's tag index alone,
+            // and once the region is freed a late copy must get
+            // `RegionAlreadyFreed`, not a new region (simulation seed
+            // 1,184,000).
+            let answers = &mut self
+                .directories
+                .get_mut(&directory)
+                .expect("a bound caller's directory has an entry")
+                .tag_answers;
+            if answers.get(tag).is_none() {
+                answers.remember(tag, TagAnswer::Allocated(r.id));
+            }
             return Ok(self.handle_for(&r));
         }
         if tag != AllocTag::NONE {
