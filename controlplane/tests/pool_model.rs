@@ -260,6 +260,14 @@ fn expected_alloc(
             && target.is_none_or(|p| r.handle.pool == PoolId(p as u32));
         return if same {
             model.pending.remove(&r.handle.region.0);
+            // Remembered unless it already is (after a restart only the
+            // journal knew it): a copy after the free must not allocate.
+            if !model.answers[dir].iter().any(|(x, _)| *x == t) {
+                if model.answers[dir].len() == TAG_ANSWERS_PER_DIRECTORY {
+                    model.answers[dir].pop_front();
+                }
+                model.answers[dir].push_back((t, Ok(r.handle.region.0)));
+            }
             Ok(Reply::Allocated(r.handle))
         } else {
             Err(PoolError::TagReused {
