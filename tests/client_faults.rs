@@ -182,6 +182,64 @@ fn a_reconnected_client_takes_its_live_guards_pins_again() {
     assert_eq!(a.owned_keys(), 1);
 }
 
+/// Resets the connection instead of delivering the next `Lookup` reply
+/// after `arm()` (the lookup has run: its pins are taken).
+struct ResetLookupReply {
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FaultPlan for ResetLookupReply {
+    fn on_reply(&mut self, reply: &ReplyInfo) -> ReplyFault {
+        if reply.request_kind == Some(Kind::Lookup.as_u16())
+            && self.armed.swap(false, Ordering::Relaxed)
+        {
+            ReplyFault::Reset
+        } else {
+            ReplyFault::Deliver
+        }
+    }
+}
+
+/// A pinning lookup that ran but whose reply was lost with its connection
+/// holds its pins on a session that is gone: retried under the same number
+/// on the new session it could only be refused (`PinsHeldByOtherSession`).
+/// The client renews the number as it reconnects, so one retry is enough,
+/// and the dead session's pin is released with it.
+#[test]
+fn a_pinning_lookup_whose_reply_died_with_its_connection_runs_again_with_one_retry() {
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let plan = ResetLookupReply {
+        armed: Arc::clone(&armed),
+    };
+    let server =
+        Server::start_with_faults(server_config("faults-relookup"), Box::new(plan)).unwrap();
+    let mut cfg = client_config(&server);
+    cfg.max_retries = 1;
+    let a = Client::connect(cfg).unwrap();
+    let al = a.layout(PAGE, FINGERPRINT).unwrap();
+    al.put(b"k", &chunk(1, 100)).unwrap();
+    let session = a.session_id();
+
+    armed.store(true, Ordering::Relaxed);
+    let guard = al.get(b"k").unwrap().expect("present");
+    assert_eq!(&guard[..], &chunk(1, 100)[..]);
+    assert_ne!(a.session_id(), session, "a new session");
+    let stats = a.stats();
+    assert_eq!((stats.reconnects, stats.retries), (1, 1), "{stats:?}");
+    assert!(
+        wait_until(Duration::from_secs(10), || server
+            .directory_stats()
+            .unwrap()
+            .pins
+            == 1),
+        "only the live guard's pin is held: {:?}",
+        server.directory_stats().unwrap()
+    );
+    drop(guard);
+    a.flush_unpins().unwrap();
+    assert_eq!(server.directory_stats().unwrap().pins, 0);
+}
+
 /// Resets every connection that sends a request while armed.
 struct ResetWhileArmed {
     armed: Arc<std::sync::atomic::AtomicBool>,

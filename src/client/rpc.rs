@@ -12,10 +12,12 @@
 //! **Retries** keep the sequence number (DESIGN §4): a deadline that passed,
 //! a transient refusal (`Busy`, `Timeout`) or a broken connection (after a
 //! reconnect and reattach) sends the same request again, at most
-//! `max_retries` times. Two refusals change the number instead: a ticket
+//! `max_retries` times. Two cases change the number instead: a ticket
 //! from before a directory restart is void (`SequenceTooOld` after a
-//! `Recovered` reattach), and a pinning lookup whose pins belong to a
-//! session that is gone (`PinsHeldByOtherSession`) must look up afresh.
+//! `Recovered` reattach), and a pinning lookup's pins belong to the session
+//! that ran it, so after a reconnect (a new session) it looks up afresh
+//! under a new number rather than spend an attempt on the refusal
+//! (`PinsHeldByOtherSession`) its old number would get.
 //!
 //! **Outcomes.** A request that got an answer — or an error reply, which
 //! by the protocol changed nothing — is *definite*. A mutating request whose
@@ -27,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::frame::{Frame, HEADER_BYTES};
 use cxlkv_controlplane::proto::{
-    self, Archived, ArchivedDirectoryReply, Delete, ErrorCode, Exists, Heartbeat, Lookup,
+    self, Archived, ArchivedDirectoryReply, Delete, ErrorCode, Exists, Heartbeat, Kind, Lookup,
     MapRegion, Message, Register, RequestMeta, RequestRegion, ReturnRegion, Stats, Unpin,
     UnpinOutcome, UnpinReply,
 };
@@ -212,6 +214,7 @@ impl Shared {
                 if let Err(e) = self.reconnect(conn.conn_no) {
                     return Err(give_up(sent, e));
                 }
+                self.renew_if_session_bound::<Q>(ticket.as_deref_mut(), timeout)?;
                 continue;
             }
             if let Some(t) = ticket.as_deref_mut()
@@ -269,6 +272,7 @@ impl Shared {
                     if let Err(e) = self.reconnect(conn.conn_no) {
                         return Err(give_up(sent, e));
                     }
+                    self.renew_if_session_bound::<Q>(ticket.as_deref_mut(), timeout)?;
                     continue;
                 }
                 Err(e) => {
@@ -400,6 +404,26 @@ impl Shared {
             .map_err(|full| ClientError::TooManyInFlight {
                 window: full.window,
             })?;
+        Ok(())
+    }
+
+    /// After a reconnect, which always opens a new session: a pinning
+    /// lookup's pins belong to the session that ran it, so its old number
+    /// could only be refused (`PinsHeldByOtherSession`, had it run — its
+    /// pins die with the old session) or run fresh (had it not). A new
+    /// number now runs it on the new session either way, without spending
+    /// an attempt on the refusal. Other requests keep their number: their
+    /// retries must be answered from the directory's reply cache.
+    fn renew_if_session_bound<Q: Message>(
+        &self,
+        ticket: Option<&mut SeqTicket>,
+        timeout: Duration,
+    ) -> Result<(), Fail> {
+        if Q::KIND == Kind::Lookup
+            && let Some(t) = ticket
+        {
+            self.renew(t, timeout).map_err(Fail::Definite)?;
+        }
         Ok(())
     }
 
