@@ -210,6 +210,7 @@ impl Shared {
                     }));
                 }
                 attempts += 1;
+                last = String::from("the connection broke");
                 self.stats.bump(&self.stats.retries);
                 if let Err(e) = self.reconnect(conn.conn_no) {
                     return Err(give_up(sent, e));
