@@ -18,20 +18,35 @@ const C: Caller = Caller::Remote { connection: 1 };
 const BLOCK: u64 = 2 * MIB;
 const BLOCKS: u64 = 31;
 
+const CONFIG: ManagerConfig = ManagerConfig { grace_ms: 5_000 };
+
+fn secret() -> Secret {
+    Secret::from_bytes([3; 32])
+}
+
 fn manager() -> (PoolManager, Vec<Record>) {
-    let mut m = PoolManager::new(
-        Secret::from_bytes([3; 32]),
-        ManagerConfig { grace_ms: 5_000 },
-    );
+    let mut m = PoolManager::new(secret(), CONFIG);
     let mut records = Vec::new();
     online(&mut m, &mut records, &fresh_header(1, 64 * MIB, BLOCK));
+    attach(&mut m, &mut records, &C, 0);
+    (m, records)
+}
+
+/// The manager restarted from its state at `now_ms`, its pool online again.
+fn restarted(m: &PoolManager, records: &mut Vec<Record>, now_ms: u64) -> PoolManager {
+    let mut m = PoolManager::restore(&m.snapshot(), secret(), CONFIG, MonotonicMs(now_ms))
+        .expect("restore");
+    online(&mut m, records, &fresh_header(1, 64 * MIB, BLOCK));
+    m
+}
+
+fn attach(m: &mut PoolManager, records: &mut Vec<Record>, caller: &Caller, now_ms: u64) {
     let attach = Request::Attach {
         directory: DIR,
         handles: &[],
     };
-    m.handle(&C, attach, MonotonicMs(0), &mut records)
+    m.handle(caller, attach, MonotonicMs(now_ms), records)
         .expect("attach");
-    (m, records)
 }
 
 fn alloc_req(len_bytes: u64, tag: u64) -> Request<'static> {
@@ -141,12 +156,7 @@ fn a_directory_forgotten_when_its_caller_left_forgets_its_answers() {
     // and a copy sent on that connection can no longer arrive.
     assert_eq!(m.caller_gone(&C, MonotonicMs(1)), Some(DIR));
     let c2 = Caller::Remote { connection: 2 };
-    let attach = Request::Attach {
-        directory: DIR,
-        handles: &[],
-    };
-    m.handle(&c2, attach, MonotonicMs(2), &mut records)
-        .expect("attach");
+    attach(&mut m, &mut records, &c2, 2);
     let got = m.handle(&c2, alloc_req(BLOCK, 9), MonotonicMs(3), &mut records);
     assert!(matches!(got, Ok(Reply::Allocated(_))), "{got:?}");
 }
@@ -159,21 +169,9 @@ fn a_retry_answered_from_the_journal_after_a_restart_is_remembered_once_its_regi
     let (mut m, mut records) = manager();
     let h = alloc(&mut m, &mut records, 2 * BLOCK, 7);
 
-    let mut m = PoolManager::restore(
-        &m.snapshot(),
-        Secret::from_bytes([3; 32]),
-        ManagerConfig { grace_ms: 5_000 },
-        MonotonicMs(1_000),
-    )
-    .expect("restore");
-    online(&mut m, &mut records, &fresh_header(1, 64 * MIB, BLOCK));
+    let mut m = restarted(&m, &mut records, 1_000);
     let c2 = Caller::Remote { connection: 2 };
-    let attach = Request::Attach {
-        directory: DIR,
-        handles: &[],
-    };
-    m.handle(&c2, attach, MonotonicMs(1_000), &mut records)
-        .expect("attach");
+    attach(&mut m, &mut records, &c2, 1_000);
     let retry = m.handle(
         &c2,
         alloc_req(2 * BLOCK, 7),
