@@ -156,6 +156,19 @@ fn hwbench_quick_run_writes_a_contract_conforming_results_directory() {
     seen.sort();
     seen.dedup();
     assert_eq!(seen, scenarios, "every listed scenario reports records");
+    // `exists` splits each case's time: the floor (same frames, no key
+    // probed) beside the full call, each against its own raw exchange.
+    for rec in records.iter().filter(|r| r["scenario"] == "exists") {
+        for field in ["p50_us", "floor_p50_us", "floor_raw_p50_us", "floor_ratio"] {
+            let v = rec[field].as_f64();
+            assert!(
+                v.is_some_and(|v| v.is_finite() && v > 0.0),
+                "exists {}: {field} = {:?}",
+                rec["case"],
+                rec[field]
+            );
+        }
+    }
 
     let summary = read(&out.join("summary.md"));
     for name in &scenarios {

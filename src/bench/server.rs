@@ -32,6 +32,16 @@
 //! fresh server): the rest of a call is the transport and the client.
 //! `keys_per_s` is `batch / p50`: what one caller gets at the typical call
 //! time (a mean would mostly measure the other processes of a busy host).
+//!
+//! **Floor (`exists` only).** Each rep also times the same calls under a
+//! layout nobody registered (`FLOOR_LAYOUT`): the request and reply have
+//! the same wire sizes and go through the same transport, framing, checked
+//! access and key checks, but the directory answers "absent" without
+//! hashing or probing a key. `floor_p50_us` is that call's p50 (median over
+//! reps) and `floor_ratio` = raw p50 ÷ floor p50: the best `ratio` the
+//! framework around the key index allows on this host, so that a miss can
+//! be split into transport and framing (`floor_p50_us − raw_p50_us`) and
+//! the index's own work (`p50_us − floor_p50_us`).
 
 use std::time::{Duration, Instant};
 
@@ -52,6 +62,12 @@ const KEY_BYTES: usize = 100;
 pub(super) const LAYOUT: Layout = Layout {
     page_size_bytes: 4096,
     fingerprint: 0xbe4c,
+};
+/// A layout with no keys: `exists` under it is the floor (module docs). Same
+/// encoded size as `LAYOUT`.
+const FLOOR_LAYOUT: Layout = Layout {
+    page_size_bytes: 4096,
+    fingerprint: 0xf100,
 };
 const REGION_BYTES: u64 = 64 << 20;
 const BATCHES: [usize; 3] = [1, 64, 512];
@@ -201,11 +217,12 @@ fn window(i: usize, batch: usize) -> Vec<Vec<u8>> {
     (start..start + batch).map(key).collect()
 }
 
-/// Our calls: returns the latency of each (µs) and the wire sizes of the
-/// request and reply frames.
+/// Our calls under `layout`: returns the latency of each (µs) and the wire
+/// sizes of the request and reply frames.
 fn ours(
     c: &mut Client,
     op: Op,
+    layout: Layout,
     batch: usize,
     calls: usize,
 ) -> anyhow::Result<(Vec<f64>, usize, usize)> {
@@ -221,7 +238,7 @@ fn ours(
                     &mut c.buf,
                     &proto::Exists {
                         meta: RequestMeta::default(),
-                        layout: LAYOUT,
+                        layout,
                         keys: keys.clone(),
                     },
                 )?,
@@ -234,7 +251,7 @@ fn ours(
                         &mut c.buf,
                         &proto::Lookup {
                             meta,
-                            layout: LAYOUT,
+                            layout,
                             keys: keys.clone(),
                             pins: 1,
                         },
@@ -247,12 +264,13 @@ fn ours(
         let us = t.elapsed().as_secs_f64() * 1e6;
         req_wire = frame_len(p.len());
         rep_wire = frame_len(reply.payload().len());
-        check_reply(op, batch, &reply)?;
+        let expected = if layout == LAYOUT { batch } else { 0 };
+        check_reply(op, expected, &reply)?;
         if op == Op::Lookup {
             let meta = c.seq();
             let _: proto::UnpinReply = c.call(&proto::Unpin {
                 meta,
-                layout: LAYOUT,
+                layout,
                 counts: vec![1; keys.len()],
                 keys,
             })?;
@@ -264,10 +282,10 @@ fn ours(
     Ok((lat, req_wire, rep_wire))
 }
 
-/// Every key was found (outside the timed section).
+/// Exactly `expected` keys were found (outside the timed section).
 fn check_reply(
     op: Op,
-    batch: usize,
+    expected: usize,
     reply: &cxlkv_controlplane::transport::Reply,
 ) -> anyhow::Result<()> {
     let frame = Frame {
@@ -284,7 +302,7 @@ fn check_reply(
             Err(e) => anyhow::bail!("lookup: {}", e.message()),
         },
     };
-    anyhow::ensure!(found == batch, "{found} of {batch} keys found");
+    anyhow::ensure!(found == expected, "{found} keys found, {expected} expected");
     Ok(())
 }
 
@@ -330,7 +348,7 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
         let (mut req_wire, mut rep_wire) = (0, 0);
         for _ in 0..args.reps {
-            let (mut lat, q, p) = ours(&mut c, op, batch, calls)?;
+            let (mut lat, q, p) = ours(&mut c, op, LAYOUT, batch, calls)?;
             (req_wire, rep_wire) = (q, p);
             ours_p50.push(percentile(&mut lat, 50.0));
             all_ours.extend(lat);
@@ -341,7 +359,18 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
             Op::Exists => Kind::Exists,
             Op::Lookup => Kind::Lookup,
         };
+        // Read before the floor runs, whose calls the server counts too.
         let (server_p50, server_p99) = server_latency(&mut c, kind)?;
+        let floor = match op {
+            Op::Exists => Some(floor(
+                &mut c,
+                batch,
+                calls,
+                args.reps,
+                (req_wire, rep_wire),
+            )?),
+            Op::Lookup => None,
+        };
         drop(c);
         drop(server);
         let (p50, base) = (median(&mut ours_p50), median(&mut raw_p50));
@@ -368,9 +397,42 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         .with("reps", args.reps as u64)
         .with("request_wire_bytes", req_wire as u64)
         .with("reply_wire_bytes", rep_wire as u64);
+        let rec = match floor {
+            Some((floor_p50, floor_raw_p50)) => rec
+                .with("floor_p50_us", floor_p50)
+                .with("floor_raw_p50_us", floor_raw_p50)
+                .with("floor_ratio", floor_raw_p50 / floor_p50),
+            None => rec,
+        };
         r.emit(&rec)?;
     }
     Ok(())
+}
+
+/// The floor of an `exists` case (module docs): `Exists` under
+/// `FLOOR_LAYOUT`, each rep alternating with a raw exchange of the same
+/// sizes. Returns the medians over reps of the floor's p50 and the raw p50.
+fn floor(
+    c: &mut Client,
+    batch: usize,
+    calls: usize,
+    reps: usize,
+    wire: (usize, usize),
+) -> anyhow::Result<(f64, f64)> {
+    let (mut floor_p50, mut raw_p50) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let (mut lat, q, p) = ours(c, Op::Exists, FLOOR_LAYOUT, batch, calls)?;
+        anyhow::ensure!(
+            (q, p) == wire,
+            "the floor's frames ({q}, {p} bytes) differ from the case's ({}, {} bytes)",
+            wire.0,
+            wire.1
+        );
+        floor_p50.push(percentile(&mut lat, 50.0));
+        let mut raw_lat = raw_latencies(Transport::Unix, wire, calls, None)?;
+        raw_p50.push(percentile(&mut raw_lat, 50.0));
+    }
+    Ok((median(&mut floor_p50), median(&mut raw_p50)))
 }
 
 /// `cxlkv bench exists` (registered in `cli::SCENARIOS`).
