@@ -1065,7 +1065,14 @@ impl<H: Handler> Core<H> {
     pub fn run_completions(&mut self, now: Instant) {
         // Acquire pairs with the SeqCst store in `notify`: seeing the flag
         // means the queue push before it is visible under the lock anyway.
-        if !self.shared.has_work.swap(false, Ordering::AcqRel) {
+        // A plain load first: the loop calls this on every poll, and a swap
+        // is a locked read-modify-write that takes the flag's cache line
+        // exclusive (from the posting thread's core) even when it is false.
+        // A `notify` racing past the load is seen on the next poll, as one
+        // racing past the swap would be.
+        if !self.shared.has_work.load(Ordering::Acquire)
+            || !self.shared.has_work.swap(false, Ordering::AcqRel)
+        {
             return;
         }
         let mut out = std::mem::take(&mut self.scratch);
