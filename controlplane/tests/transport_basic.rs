@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use cxlkv_controlplane::frame::MAX_PAYLOAD_BYTES;
-use cxlkv_controlplane::transport::{ClientError, Endpoint};
+use cxlkv_controlplane::transport::{BackendChoice, ClientError, Endpoint};
 use transport_common::*;
 
 #[test]
@@ -240,5 +240,51 @@ fn a_server_that_shuts_down_fails_pending_calls() {
             unreachable!()
         };
         assert!(!path.exists(), "the socket file is removed on shutdown");
+    }
+}
+
+/// The io_uring server starts with a small live set of receive buffers
+/// (16) and grows it when a receive finds them all in use. Large frames
+/// from several connections at once exhaust the set: every byte must still
+/// arrive once and in order, and the growth shows in the statistics.
+#[test]
+fn concurrent_large_frames_outgrow_the_live_receive_buffers_without_losing_a_byte() {
+    const CONNECTIONS: usize = 6;
+    const CALLS: usize = 8;
+    const LEN: usize = 600 << 10;
+    for backend in backends() {
+        let mut cfg = server_config(backend);
+        // 16 live buffers of 4 KiB (64 KiB) against 600 KiB frames.
+        cfg.io.recv_buffer_bytes = 4096;
+        cfg.io.recv_buffer_count = 1024;
+        let f = start(backend, cfg);
+        std::thread::scope(|s| {
+            for t in 0..CONNECTIONS {
+                let c = f.client(&f.unix);
+                s.spawn(move || {
+                    for call in 0..CALLS {
+                        let seed = t * CALLS + call;
+                        let payload: Vec<u8> =
+                            (0..LEN).map(|i| ((i * 31 + seed) % 251) as u8).collect();
+                        let r = c.call(ECHO, &payload, LONG).unwrap();
+                        assert!(
+                            r.payload() == payload.as_slice(),
+                            "{backend:?}: connection {t} call {call} came back altered"
+                        );
+                    }
+                });
+            }
+        });
+        let exhausted = f.server.stats().recv_buffers_exhausted;
+        match backend.server {
+            BackendChoice::Uring => assert!(
+                exhausted > 0,
+                "{backend:?}: 600 KiB frames never exhausted 64 KiB of live buffers"
+            ),
+            _ => assert_eq!(
+                exhausted, 0,
+                "{backend:?}: only io_uring uses provided buffers"
+            ),
+        }
     }
 }

@@ -111,7 +111,10 @@ pub struct IoConfig {
     /// io_uring provided receive buffers of the server: bytes each (a
     /// receive completes with at most this many bytes) ...
     pub recv_buffer_bytes: u32,
-    /// ... and how many (a power of two, ≤ 32768).
+    /// ... and at most how many (a power of two, ≤ 32768). The server
+    /// starts with 16 in circulation, so that receives land in memory that
+    /// is still in cache, and doubles that each time a receive finds them
+    /// all in use (counted in `ServerStats::recv_buffers_exhausted`).
     pub recv_buffer_count: u16,
 }
 

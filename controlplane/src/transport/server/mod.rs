@@ -449,6 +449,9 @@ pub struct ServerStats {
     /// Replies the fault plan dropped, delayed, duplicated or held back, and
     /// connections it reset.
     pub faults_applied: AtomicU64,
+    /// io_uring: receives that found every live provided buffer in use
+    /// (each grows the live set, up to `recv_buffer_count`, and re-arms).
+    pub recv_buffers_exhausted: AtomicU64,
 }
 
 /// A plain copy of [`ServerStats`].
@@ -464,6 +467,7 @@ pub struct ServerStatsSnapshot {
     pub slow_reader_drops: u64,
     pub protocol_drops: u64,
     pub faults_applied: u64,
+    pub recv_buffers_exhausted: u64,
 }
 
 impl ServerStats {
@@ -485,6 +489,7 @@ impl ServerStats {
             slow_reader_drops: l(&self.slow_reader_drops),
             protocol_drops: l(&self.protocol_drops),
             faults_applied: l(&self.faults_applied),
+            recv_buffers_exhausted: l(&self.recv_buffers_exhausted),
         }
     }
 }
