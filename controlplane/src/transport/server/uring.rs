@@ -158,10 +158,12 @@ const INITIAL_LIVE_BUFFERS: u16 = 16;
 /// we give each back at the tail as soon as its bytes are copied out, so
 /// receives cycle through every buffer ever published. Publishing all
 /// `count` at once (4 MiB by default) made every receive land in memory
-/// not touched since many requests ago — cold lines that also pushed the
-/// directory's index out of the core's cache: a 512-key `Exists` (55 KB)
-/// took ~5 µs more at the transport floor (`cxlkv bench exists`,
-/// `floor_p50_us`) than with 16 buffers. So only `live` buffers circulate,
+/// not touched since many requests ago — cold lines that also push the
+/// directory's index out of the core's cache. Measured on the 2-vCPU VM
+/// (`cxlkv bench exists`, `floor_p50_us` of `batch=512`, a 55 KB request;
+/// runs alternated): 33–37 µs with all 256 buffers against 28–30 µs with
+/// 16 in one experiment, 29–36 against 27–32 µs in another; the spread
+/// between runs is as large as the gain. So only `live` buffers circulate,
 /// starting at [`INITIAL_LIVE_BUFFERS`]; a receive that finds none (one
 /// turn of the loop received more than `live` buffers' worth before we
 /// recycled them: many connections, or large frames) completes with
