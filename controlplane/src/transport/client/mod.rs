@@ -78,7 +78,7 @@ mod uring;
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::io;
+use std::io::{self, IoSlice};
 use std::net::TcpStream;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -93,7 +93,9 @@ use super::config::{Backend, BackendChoice, ClientConfig, Endpoint, IoConfig};
 use super::ring::{self, Role};
 use super::spin::Spinner;
 use super::{TransportError, sys};
-use crate::frame::{Decoded, FrameDecoder, FrameError, FrameHeader, encode_frame, frame_len};
+use crate::frame::{
+    Decoded, FRAME_ALIGN, FrameDecoder, FrameError, FrameHeader, encode_frame, frame_len, padding,
+};
 
 /// Bytes asked of the decoder per receive.
 const READ_CHUNK_BYTES: usize = 64 << 10;
@@ -104,6 +106,13 @@ const MAX_DRAIN_READS: usize = 64;
 pub const MAX_CLIENT_INFLIGHT: usize = 1 << 16;
 /// A send buffer that a large request grew past this is released after it.
 const SEND_BUFFER_KEEP_BYTES: usize = 256 << 10;
+/// Payloads at least this large go out from the caller's slice, with the
+/// header and padding beside it in one vectored `sendmsg`, instead of being
+/// copied into the send buffer first: the copy (~2 µs for a 55 KB 512-key
+/// request on this VM) would sit on the call's critical path. Smaller
+/// frames take the copy and a plain `send`, which is cheaper than building
+/// a message header.
+const VECTORED_SEND_MIN_BYTES: usize = 16 << 10;
 
 /// What went wrong with a call.
 #[derive(Debug, thiserror::Error)]
@@ -589,30 +598,63 @@ impl RpcClient {
             request_id,
             timeout_ms: timeout.as_millis() as u64,
         };
+        // Held until the whole frame is written: frames stay whole on the
+        // stream.
         let Some(mut buf) = inner.send_buf.try_lock_until(deadline) else {
             return Err(timeout_err());
         };
+        if payload.len() >= VECTORED_SEND_MIN_BYTES {
+            let header = FrameHeader::new(kind, request_id, payload.len())?.encode();
+            let pad = [0u8; FRAME_ALIGN];
+            let parts = [&header[..], payload, &pad[..padding(payload.len())]];
+            return self.write_all(&parts, deadline, timeout_err);
+        }
         buf.clear();
         encode_frame(&mut buf, kind, request_id, payload)?;
-        let result = self.write_all(&buf, deadline, timeout_err);
+        let result = self.write_all(&[&buf], deadline, timeout_err);
         if buf.capacity() > SEND_BUFFER_KEEP_BYTES {
             *buf = Vec::new();
         }
         result
     }
 
-    /// Writes `bytes` (the caller holds the send lock) before `deadline`.
+    /// Writes `parts`, in order, as one stretch of the stream before
+    /// `deadline` (the caller holds the send lock): one `send` for a single
+    /// part, a vectored `sendmsg` for several.
     fn write_all(
         &self,
-        bytes: &[u8],
+        parts: &[&[u8]],
         deadline: Instant,
         timeout_err: impl Fn() -> ClientError,
     ) -> Result<(), ClientError> {
+        const MAX_PARTS: usize = 3;
+        debug_assert!(
+            parts.len() <= MAX_PARTS,
+            "frames are sent in at most 3 parts"
+        );
         let inner = &self.inner;
+        let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut written = 0;
-        while written < bytes.len() {
+        while written < total {
             self.check_open()?;
-            match sys::send(inner.sock.fd(), &bytes[written..]) {
+            // What is left: the parts after `written`, the first cut.
+            let mut left = [IoSlice::new(&[]); MAX_PARTS];
+            let mut n = 0;
+            let mut skip = written;
+            for part in parts {
+                if skip >= part.len() {
+                    skip -= part.len();
+                    continue;
+                }
+                left[n] = IoSlice::new(&part[skip..]);
+                skip = 0;
+                n += 1;
+            }
+            let sent = match &left[..n] {
+                [one] => sys::send(inner.sock.fd(), one),
+                several => sys::send_with_fds(inner.sock.fd(), several, &[]),
+            };
+            match sent {
                 Ok(n) => written += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
