@@ -26,8 +26,9 @@
 //! `recvmsg` — one `recv` once the caller has declined descriptors after
 //! the session's opening reply ([`RpcClient::decline_fds`]) — while the
 //! io_uring wire arms a poll per reply and completes it through kernel
-//! task work. Client sends are plain `send` calls on
-//! both wires (one system call per frame either way).
+//! task work. Client sends are plain non-blocking system calls on both
+//! wires (one per frame either way: `send`, or a vectored `sendmsg` that
+//! spares copying a payload of 16 KiB or more).
 //!
 //! **Waiting.** Both ends poll without sleeping for `spin_us` (default 200)
 //! after their last event, then block in the kernel (`epoll_wait`,

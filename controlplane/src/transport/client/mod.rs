@@ -24,9 +24,12 @@
 //! never outlives a leader's turn: without SQPOLL the kernel runs a
 //! receive's completion work in the thread that *submitted* it, so a
 //! receive left armed by a thread that went on to other work would stall
-//! the next leader. Sends are plain non-blocking `send` calls on both wires
-//! (one system call per frame either way, made by the calling thread under
-//! the send lock, which keeps frames whole on the stream).
+//! the next leader. Sends are plain non-blocking system calls on both wires
+//! (one per frame while the socket takes it, made by the calling thread
+//! under the send lock, which keeps frames whole on the stream): a `send` of
+//! the frame copied into the send buffer, or, for payloads of 16 KiB and
+//! more, a vectored `sendmsg` of header, the caller's payload and padding,
+//! which spares the copy.
 //!
 //! The syscall wire is the default (`BackendChoice::Auto`): a reply costs
 //! it one `recvmsg`, while the io_uring wire arms a poll per reply and
