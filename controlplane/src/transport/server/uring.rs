@@ -236,12 +236,9 @@ impl BufRing {
         self.live = self.live.max(target);
     }
 
-    /// A receive found no buffer: doubles the live set. False if every
-    /// buffer is already live.
-    fn grow(&mut self) -> bool {
-        let before = self.live;
-        self.grow_to(before.saturating_mul(2).max(1));
-        self.live > before
+    /// A receive found no buffer: doubles the live set (up to `count`).
+    fn grow(&mut self) {
+        self.grow_to(self.live.saturating_mul(2).max(1));
     }
 
     /// The first `len` bytes of buffer `bid`.
