@@ -650,8 +650,14 @@ fn setup_hugepages_reserve_without_root_fails_clearly_and_changes_nothing() {
     // A state path the unprivileged user could write, so only the root check
     // can stop it.
     fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o777)).expect("chmod");
+    // The script runs from a copy beside it: the unprivileged user may not be
+    // able to reach the checkout (a clone under a `mktemp -d` directory is
+    // 0700 root), and the script needs no file of its own directory.
+    let copy = tmp.path().join("setup-hugepages.sh");
+    fs::copy(script("setup-hugepages.sh"), &copy).expect("copy the script");
+    fs::set_permissions(&copy, fs::Permissions::from_mode(0o755)).expect("chmod");
     let output = run(cmd
-        .arg(script("setup-hugepages.sh"))
+        .arg(&copy)
         .args(["reserve", "1", "--no-mount"])
         .env("CXLKV_HUGEPAGES_STATE", tmp.path().join("state"))
         .env("CXLKV_HUGEPAGES_LOCK", tmp.path().join("lock")));
