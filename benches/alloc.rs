@@ -1,7 +1,8 @@
 //! Criterion bench of the page allocator: alloc+free pairs against a
 //! `parking_lot::Mutex<Vec<u32>>` free list of the same pages, in one group,
-//! on one thread and on two threads sharing the region. Runs the same code as
-//! `cxlkv bench alloc` (`cxlkv::bench::alloc`).
+//! on one thread and on two threads sharing the region; `ours_asymmetric` is
+//! the allocator with `AllocatorOptions::asymmetric_fences`. Runs the same
+//! code as `cxlkv bench alloc` (`cxlkv::bench::alloc`).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -18,6 +19,10 @@ fn pairs(c: &mut Criterion) {
             (
                 "ours",
                 Subject::ours(PAGE_COUNT).expect("a valid page count"),
+            ),
+            (
+                "ours_asymmetric",
+                Subject::ours_asymmetric(PAGE_COUNT).expect("a valid page count"),
             ),
             ("mutex_vec", Subject::mutex(PAGE_COUNT)),
         ];

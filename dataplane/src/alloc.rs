@@ -63,15 +63,17 @@
 //! Three layers, each with one job:
 //!
 //! - **Page states**, one `AtomicU64` per page: the generation, and where the
-//!   page is — allocated, on the shared stack, or cached in the magazine of
-//!   thread slot `s`. This word is the ground truth, and every transition that
-//!   two threads could attempt at once is a compare-and-swap on it: `free` is
-//!   one CAS from `(g, allocated)` to `(g, free)`, so two racing frees of one
-//!   allocation cannot both win; taking a page out of a magazine — by its
-//!   owner or by a thief — is one CAS from `(g, cached by s)` to
+//!   page is — allocated (by thread slot `s`, or by a thread without one), on
+//!   the shared stack, or cached in the magazine of slot `s`. This word is the
+//!   ground truth. Every transition that two threads could attempt at once is
+//!   decided on it: `free` moves `(g, allocated by s)` to `(g, free)`, so two
+//!   racing frees of one allocation cannot both win; taking a page out of a
+//!   magazine — by its owner or by a thief — moves `(g, cached by s)` to
 //!   `(g + 1, allocated)`, so the owner and a thief cannot both win either.
-//!   Only a page popped off the shared stack, which the popper holds
-//!   exclusively, changes state with a plain store.
+//!   These moves are compare-and-swaps — except, in the opt-in mode of *The
+//!   owner's fast path*, the slot's own thread's, which are plain loads and
+//!   stores made sound by a handshake. A page popped off the shared stack is
+//!   held exclusively by the popper and changes state with a plain store.
 //! - **A shared free list**: an index-linked Treiber stack (`next[page]`
 //!   links) with a 64-bit head of 24 bits of top index and a 40-bit ABA tag
 //!   bumped by every push and pop. Pops and pushes move whole chains, so a
@@ -85,14 +87,15 @@
 //!   (one of [`MAX_THREAD_SLOTS`], process-wide); each allocator holds one
 //!   magazine (a small array of `(page, generation)` entries) per slot, whose
 //!   array and length only the slot's owner writes, with plain relaxed loads
-//!   and stores. An entry is a claim to check, not a page owned: the CAS on
-//!   the page state decides (see *Stealing*). In steady state an alloc+free
-//!   pair is a thread-local load (the slot index), the magazine accesses and
-//!   two uncontended CAS on a page-state word the thread has in its cache
-//!   (alloc's and free's): against four locked instructions for a
-//!   `Mutex<Vec<u32>>` free list (lock and unlock around each of alloc and
-//!   free) and three for the Treiber stack alone (pop, state CAS, push), all
-//!   on lines every thread writes. An empty magazine refills half its
+//!   and stores. An entry is a claim to check, not a page owned: the page
+//!   state decides (see *Stealing*). In steady state an alloc+free pair is a
+//!   thread-local load (the slot index), the magazine accesses and two
+//!   uncontended CAS on a page-state word the thread has in its cache
+//!   (alloc's and free's; plain loads and stores instead with asymmetric
+//!   fences), against four locked instructions for a `Mutex<Vec<u32>>` free
+//!   list (lock and unlock around each of alloc and free) and three for the
+//!   Treiber stack alone (pop, state CAS, push), all on lines every thread
+//!   writes. An empty magazine refills half its
 //!   capacity from the shared stack in one CAS; a full one spills its older
 //!   half in one CAS (plus one CAS per spilled page state). The fast paths of
 //!   `alloc` and `free` inline into the caller; everything else is out of
@@ -105,6 +108,78 @@
 //! RMW per alloc and per free, and it cannot hand out pages in LIFO order
 //! (the most recently freed, cache-warm page first).
 //!
+//! # The owner's fast path: asymmetric fences (opt-in)
+//!
+//! A locked instruction costs ~11 ns on the machine this was measured on
+//! (≈ 25 cycles, a full barrier that drains the store buffer), more than
+//! everything else in an alloc+free pair together. Two of them per pair
+//! (alloc's take and free's release, both racing other threads) put a pair at
+//! ~23 ns. They are there for rare events — a thief emptying a magazine when
+//! the region looks exhausted, a free of a page another thread allocated (a
+//! freed-page notice applied on another thread, or a duplicate of one). With
+//! [`AllocatorOptions::asymmetric_fences`] the cost moves onto those events,
+//! with the pattern of `membarrier(2)` (liburcu's `urcu-memb`, folly's
+//! asymmetric barriers; see `sync::asymmetric` in this crate's source). It is off
+//! by default because the rare events then make a system call, and the
+//! default promises that `alloc` and `free` never do:
+//!
+//! - The **owner** of slot `s` changes a page state that names `s` with a
+//!   plain load, compare and store, bracketed like this: a take first removes
+//!   the entry from the magazine (a store of the length); a free first stores
+//!   its intent, `free_intent(page, g)`, in the magazine's `busy` word. Then
+//!   a compiler fence (`light`), then a load of the magazine's `remote`
+//!   count. If it is zero, the plain load and store; otherwise a CAS, as
+//!   before. A free then stores `busy = IDLE`.
+//! - A **remote** — a thief scanning `s`'s magazine, or a free of a page
+//!   allocated by `s` on another thread — first adds one to `s`'s `remote`,
+//!   then runs the heavy barrier (`membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`),
+//!   then reads the owner's side: a thief reads the magazine length and
+//!   entries, a remote free reads `busy`. It changes the page state by CAS
+//!   only, and takes its one off `remote` (Release) afterwards.
+//!
+//! The heavy barrier turns every `light` into a full fence with respect to
+//! it, so the store-then-load pairs cannot both miss: for any owner
+//! operation, either the owner sees `remote > 0` and uses a CAS — CAS
+//! against CAS is safe — or the remote sees the owner's store. A thief that
+//! sees the shorter length never considers the page being taken. A remote
+//! free that sees `busy == free_intent(page, g)` for its own grant knows the
+//! owner is freeing the same grant right now and refuses its own free as the
+//! double free; a `busy` naming anything else means the owner's in-flight
+//! free touches another page, and the owner's later operations see the
+//! announcement. A stale intent read after the owner finished is harmless:
+//! the grant it names is then free already, so refusing is right. Once a
+//! remote has taken its one back, an owner that reads the lower count
+//! (Acquire, against the Release decrement) also sees the remote's CAS, so
+//! its plain load cannot miss it. The loom models check exactly this, with
+//! both fences modelled as `fence(SeqCst)` — which is the ordering
+//! `membarrier` provides — and fail when any one of the four fences, the
+//! announcement or the intent check is removed; the stress test
+//! `an_owners_lock_free_frees_racing_remote_frees_of_the_same_grants_succeed_once_each`
+//! fails on real hardware when the remote free's barrier is removed.
+//!
+//! Measured (`cxlkv bench alloc`, `asymmetric_*` fields against `ours` in the
+//! same run): ~6–10 ns per pair against ~21–24 ns; see
+//! `docs/architecture.md`. Costs and limits of the trade:
+//! - A free of a page another thread allocated costs a `membarrier` call:
+//!   ~0.2 µs when no other thread of the process is running, ~3 µs when one
+//!   is (an inter-processor interrupt to every CPU running one — which also
+//!   disturbs those threads for a moment; measured on a 2-vCPU VM). So does
+//!   a steal scan, once per scan. [`AllocatorStats::remote_frees`] counts the
+//!   former. The mode suits an embedder whose threads mostly free what they
+//!   allocated; the client does not turn it on (its frees of noticed pages
+//!   run on whichever thread reads the notice, and its allocations are far
+//!   from dominated by the allocator).
+//! - Where `membarrier` is missing or forbidden (old kernels, seccomp
+//!   profiles), [`PageAllocator::with_options`] finds out once per process
+//!   and builds the default, locked allocator instead;
+//!   [`PageAllocator::has_asymmetric_fences`] says which one it built.
+//! - A child forked after the parent registered for membarrier is
+//!   registered again on its first heavy barrier. If the call fails after it
+//!   had worked (a seccomp filter installed later), the process aborts with
+//!   a message: going on could hand one page to two holders.
+//! - `busy` and `remote` share the magazine's cache line, which only the
+//!   owner writes in steady state; remotes write `remote`, rarely.
+//!
 //! # Stealing: how a magazine's pages stay reachable
 //!
 //! A page is always in exactly one place, which its state word names:
@@ -116,14 +191,19 @@
 //! other slots' magazines (bounded: [`MAX_THREAD_SLOTS`] magazines of at most
 //! [`MAX_MAGAZINE_PAGES`] entries) and takes a page directly:
 //!
-//! 1. read the victim magazine's length and entries with relaxed loads — they
+//! 1. with asymmetric fences only: announce itself to every slot whose
+//!    magazine is not empty and run one heavy barrier (see *The owner's fast
+//!    path*);
+//! 2. read the victim magazine's length and entries with relaxed loads — they
 //!    may be changing under the owner's hands, and may be stale;
-//! 2. for an entry `(p, g)` of slot `s`, CAS `p`'s state from
+//! 3. for an entry `(p, g)` of slot `s`, CAS `p`'s state from
 //!    `(g, cached by s)` to `(g + 1, allocated)`. Success means the page was
 //!    cached in exactly that magazine at exactly that generation, and is now
 //!    the thief's, with no other thread able to take it: the owner's own
-//!    alloc and its spill CAS from the same value and fail;
-//! 3. count the theft in the victim magazine's `stolen` counter.
+//!    alloc — a CAS from the same value, or a plain take of an entry the
+//!    thief no longer counts — and its spill CAS fail;
+//! 4. count the theft in the victim magazine's `stolen` counter, and take
+//!    back any announcements.
 //!
 //! The owner does not learn of the theft until it reaches the entry: its CAS
 //! fails, it drops the entry and takes one off `stolen`. So a magazine holds
@@ -144,12 +224,14 @@
 //! can both succeed, a successful thief CAS always corresponds to one entry,
 //! and the owner finds that entry stale exactly once.
 //!
-//! Orderings. `free`'s CAS is Release and a refill's cached-state store is
-//! Release; the thief's CAS and the owner's magazine CAS are Acquire. Each of
-//! the two takes a value written by one of those two stores (nothing else
-//! writes a cached state), so the previous holder's writes to the page —
-//! before its free, or before the stack push that the refill's Acquire pop
-//! saw — happen-before the new holder's. The spill's CAS to the stack state
+//! Orderings. `free`'s change (plain store or CAS) is Release and a refill's
+//! cached-state store is Release; the thief's CAS and the owner's magazine
+//! CAS are Acquire. Each of the two takes a value written by one of those two
+//! stores (nothing else writes a cached state), so the previous holder's
+//! writes to the page — before its free, or before the stack push that the
+//! refill's Acquire pop saw — happen-before the new holder's. The owner's
+//! plain take needs no Acquire: every writer of "cached by s" is the slot's
+//! own thread (or its previous owner, see *Thread slots*). The spill's CAS to the stack state
 //! is Relaxed: the stack push's Release CAS publishes it and the links
 //! together, as for every page pushed. Entries, lengths and `stolen` are read
 //! Relaxed by thieves: they only nominate candidates and count; the CAS
@@ -176,9 +258,11 @@
 //!
 //! # Costs and limits
 //!
-//! alloc and free never block, never make a system call, never take a lock
-//! and never allocate memory: page arrays (12 bytes per page) and magazines
-//! (24 KiB per allocator when on: 64 slots × 384 bytes) are allocated once, in
+//! alloc and free never block, never take a lock and never allocate memory;
+//! they make no system call (with asymmetric fences: except the heavy barrier
+//! of a steal scan or of a free of a page another thread allocated). Page
+//! arrays (12 bytes per page) and magazines (24 KiB per allocator when
+//! on: 64 slots × 384 bytes) are allocated once, in
 //! [`PageAllocator::with_options`]. The one exception is a thread's first
 //! touch of its slot: the thread-local that releases the slot at exit is
 //! registered with std's thread-local destructor list, which may allocate
@@ -193,7 +277,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use crossbeam_utils::CachePadded;
 
 use crate::ids::{Generation, PageIndex};
-use crate::sync::{AtomicI64, AtomicU32, AtomicU64};
+use crate::sync::{AtomicI64, AtomicU32, AtomicU64, asymmetric};
 
 /// Bits of the stack head that hold the top page index; the rest is the tag.
 const INDEX_BITS: u32 = 24;
@@ -220,13 +304,23 @@ pub const MAX_SLOT_CLAIM_ATTEMPTS: usize = 2 * MAX_THREAD_SLOTS;
 const _: () = assert!(MAX_THREAD_SLOTS <= 64);
 
 /// Page state word: the generation in the low 32 bits; bit 32 "allocated";
-/// bits 40.. "cached in the magazine of slot (field - 1)" (0: not cached).
-/// A free page not cached is on the shared stack.
+/// bits 40.. a thread slot + 1 (0: none). For a free page the slot is the
+/// one whose magazine caches it; a free page with no slot is on the shared
+/// stack. For an allocated page it is the slot of the thread that allocated
+/// it, which may free it without a locked instruction (see *The owner's
+/// fast path*); 0 when a thread without a slot allocated it.
 const ALLOCATED: u64 = 1 << 32;
-const CACHED_SHIFT: u32 = 40;
+const SLOT_SHIFT: u32 = 40;
 
-const fn allocated(generation: u32) -> u64 {
-    generation as u64 | ALLOCATED
+const fn slot_field(slot: Option<usize>) -> u64 {
+    match slot {
+        Some(slot) => (slot as u64 + 1) << SLOT_SHIFT,
+        None => 0,
+    }
+}
+
+const fn allocated(generation: u32, by: Option<usize>) -> u64 {
+    generation as u64 | ALLOCATED | slot_field(by)
 }
 
 const fn on_stack(generation: u32) -> u64 {
@@ -234,11 +328,34 @@ const fn on_stack(generation: u32) -> u64 {
 }
 
 const fn cached(generation: u32, slot: usize) -> u64 {
-    generation as u64 | ((slot as u64 + 1) << CACHED_SHIFT)
+    generation as u64 | slot_field(Some(slot))
 }
 
 const fn state_generation(word: u64) -> u32 {
     word as u32
+}
+
+/// The slot a state names (the caching or the allocating thread's).
+const fn state_slot(word: u64) -> Option<usize> {
+    match word >> SLOT_SHIFT {
+        0 => None,
+        field => Some(field as usize - 1),
+    }
+}
+
+/// True if `word` says "allocated at `generation`", by whichever thread.
+const fn is_allocated_at(word: u64, generation: u32) -> bool {
+    word & (ALLOCATED | u32::MAX as u64) == allocated(generation, None)
+}
+
+/// `Magazine::busy` values: the free the slot's owner is making without a
+/// locked instruction, if any — the page (low 24 bits) and the generation
+/// (the 32 bits above), with a flag bit so that no intent is `IDLE`.
+const IDLE: u64 = 0;
+const INTENT_FREE: u64 = 1 << 63;
+
+const fn free_intent(page: u32, generation: u32) -> u64 {
+    INTENT_FREE | (generation as u64) << INDEX_BITS | page as u64
 }
 
 /// The generation after `g`; 0 is never issued.
@@ -330,6 +447,7 @@ pub enum AllocManyError {
 pub struct AllocatorOptions {
     magazine_pages: Option<u32>,
     initial_generation: Option<Generation>,
+    asymmetric_fences: bool,
 }
 
 impl AllocatorOptions {
@@ -344,6 +462,21 @@ impl AllocatorOptions {
     /// issues the next one). Default: a per-allocator pseudo-random value.
     pub fn initial_generation(mut self, generation: Generation) -> Self {
         self.initial_generation = Some(generation);
+        self
+    }
+
+    /// Lets each thread change the states of its own pages with plain loads
+    /// and stores instead of a locked compare-and-swap, paid for by a
+    /// `membarrier(2)` system call on two rare paths: a free of a page
+    /// another thread allocated, and a steal scan (see *The owner's fast
+    /// path* in the module docs). An alloc+free pair then has no locked
+    /// instruction. This gives up the default guarantee that `alloc` and
+    /// `free` never make a system call, so it is off by default. Ignored
+    /// (the allocator stays locked) without magazines or where the kernel
+    /// or a seccomp policy refuses `membarrier`; see
+    /// [`PageAllocator::has_asymmetric_fences`].
+    pub fn asymmetric_fences(mut self, on: bool) -> Self {
+        self.asymmetric_fences = on;
         self
     }
 }
@@ -365,6 +498,10 @@ pub struct AllocatorStats {
     /// Pages an `alloc` took out of another thread's magazine (the region
     /// looked exhausted from the allocating thread).
     pub steals: u64,
+    /// Successful frees of a page that another thread allocated while
+    /// asymmetric fences are on: each paid for a heavy barrier (a
+    /// `membarrier` system call).
+    pub remote_frees: u64,
 }
 
 /// The lock-free page allocator of one region. See the module docs for the
@@ -396,13 +533,23 @@ struct Stack {
     len: AtomicI64,
 }
 
-/// A thread slot's cache of free pages. Only the slot's owner writes `len`
-/// and `pages`; other threads read them to steal (see the module docs).
+/// A thread slot's cache of free pages, and the slot's side of the
+/// asymmetric handshake. Only the slot's owner writes `len`, `pages` and
+/// `busy`; other threads read them to steal or to free a page the owner
+/// allocated, and announce themselves in `remote` (see the module docs).
 struct Magazine {
     len: AtomicU32,
     /// Entries in `pages[..len]` whose page a thief took: thieves add one
     /// per theft, the owner subtracts one per stale entry it drops.
     stolen: AtomicI64,
+    /// The free the owner is making right now, `free_intent(page,
+    /// generation)`, or `IDLE`.
+    busy: AtomicU64,
+    /// With asymmetric fences: other threads about to change a page state
+    /// this slot names (a thief, or a free of a page the owner allocated).
+    /// Each adds one before its heavy barrier and takes it back after its
+    /// CAS; while it is non-zero the owner uses CAS too. Unused otherwise.
+    remote: AtomicU32,
     /// `entry(page, generation)`; only `pages[..len]` are live, and those may
     /// be stale.
     pages: [AtomicU64; MAX_MAGAZINE_PAGES as usize],
@@ -413,6 +560,8 @@ impl Magazine {
         Self {
             len: AtomicU32::new(0),
             stolen: AtomicI64::new(0),
+            busy: AtomicU64::new(IDLE),
+            remote: AtomicU32::new(0),
             pages: std::array::from_fn(|_| AtomicU64::new(entry(NIL, 0))),
         }
     }
@@ -423,14 +572,19 @@ struct Counters {
     double_frees: AtomicU64,
     foreign_frees: AtomicU64,
     steals: AtomicU64,
+    remote_frees: AtomicU64,
 }
 
 struct Shared {
     page_count: u32,
     /// Magazine capacity; 0 means magazines are off and `magazines` is empty.
     magazine_pages: u32,
+    /// Owners change page states with plain stores, paid for by a heavy
+    /// barrier on the other side (see *The owner's fast path*): asked for
+    /// in the options, magazines on and `membarrier` available.
+    asymmetric: bool,
     stack: CachePadded<Stack>,
-    /// Per page: `allocated(g)`, `on_stack(g)` or `cached(g, slot)`.
+    /// Per page: `allocated(g, by)`, `on_stack(g)` or `cached(g, slot)`.
     states: Box<[AtomicU64]>,
     /// Per page: the next page on the shared stack (meaningful only while the
     /// page is on it). Always a page index or `NIL`.
@@ -480,6 +634,7 @@ impl PageAllocator {
         let next = (0..page_count)
             .map(|page| AtomicU32::new(if page + 1 < page_count { page + 1 } else { NIL }))
             .collect();
+        let asymmetric = magazine_pages > 0 && options.asymmetric_fences && asymmetric::available();
         let magazines = if magazine_pages == 0 {
             Box::default()
         } else {
@@ -490,6 +645,7 @@ impl PageAllocator {
         let shared = Box::new(Shared {
             page_count,
             magazine_pages,
+            asymmetric,
             stack: CachePadded::new(Stack {
                 // Tag 0, page 0 on top.
                 head: AtomicU64::new(0),
@@ -503,9 +659,17 @@ impl PageAllocator {
                 double_frees: AtomicU64::new(0),
                 foreign_frees: AtomicU64::new(0),
                 steals: AtomicU64::new(0),
+                remote_frees: AtomicU64::new(0),
             }),
         });
         Ok(Self { shared })
+    }
+
+    /// True if owners change page states without locked instructions:
+    /// [`AllocatorOptions::asymmetric_fences`] was asked for, magazines are
+    /// on and this process can use `membarrier`.
+    pub fn has_asymmetric_fences(&self) -> bool {
+        self.shared.asymmetric
     }
 
     /// Pages in the region.
@@ -532,7 +696,7 @@ impl PageAllocator {
             if len > 0 {
                 let top = magazine.pages[len as usize - 1].load(Relaxed);
                 magazine.len.store(len - 1, Relaxed);
-                if let Some(grant) = shared.take_cached(slot, top) {
+                if let Some(grant) = shared.take_own(slot, magazine, top) {
                     return Some(grant);
                 }
                 shared.forget_stolen(magazine);
@@ -577,40 +741,40 @@ impl PageAllocator {
 
     /// Returns `page` if `generation` is its current, allocated generation;
     /// otherwise rejects the free (and counts it) without changing anything.
-    #[inline]
+    ///
+    /// One uncontended CAS when the calling thread allocated the page; no
+    /// locked instruction at all with asymmetric fences, where a page another
+    /// thread allocated costs a heavy barrier instead (a `membarrier` system
+    /// call of ~0.2–3 µs; see *The owner's fast path*).
+    #[inline(always)]
     pub fn free(&self, page: PageIndex, generation: Generation) -> Result<(), FreeError> {
         let shared = &*self.shared;
         let Some(word) = shared.states.get(page.0 as usize) else {
             return Err(shared.reject_foreign(page));
         };
-        let mine = shared.my_magazine();
-        let freed = match mine {
-            Some((slot, _)) => cached(generation.0, slot),
-            None => on_stack(generation.0),
+        let Some((slot, magazine)) = shared.my_magazine() else {
+            return shared.free_slow(page, generation, None);
         };
-        // Release on success: a thief may take the page straight out of our
-        // magazine with an Acquire CAS that reads this value, and must see
-        // what the holder wrote to the page before this free (for a page
-        // bound for the stack the push's Release does it as well). Relaxed on
-        // failure: nothing is read through a rejected free. The CAS's
-        // atomicity alone decides between racing frees.
-        if let Err(actual) = word.compare_exchange(allocated(generation.0), freed, Release, Relaxed)
-        {
-            return Err(shared.reject(page, generation, actual));
+        // Fast path, inlined into the caller: a page this slot allocated,
+        // back into its magazine.
+        let done = shared.owner_free(
+            magazine,
+            word,
+            page.0,
+            generation.0,
+            allocated(generation.0, Some(slot)),
+            cached(generation.0, slot),
+        );
+        if !done {
+            return shared.free_slow(page, generation, Some((slot, magazine)));
         }
-        match mine {
-            Some((slot, magazine)) => {
-                // Fast path, inlined into the caller: room in the magazine.
-                // Relaxed: only this thread writes its magazine.
-                let len = magazine.len.load(Relaxed);
-                if len < shared.magazine_pages {
-                    magazine.pages[len as usize].store(entry(page.0, generation.0), Relaxed);
-                    magazine.len.store(len + 1, Relaxed);
-                } else {
-                    shared.magazine_push_full(slot, magazine, page.0, generation.0);
-                }
-            }
-            None => shared.stack_push_one(page.0),
+        // Relaxed: only this thread writes its magazine.
+        let len = magazine.len.load(Relaxed);
+        if len < shared.magazine_pages {
+            magazine.pages[len as usize].store(entry(page.0, generation.0), Relaxed);
+            magazine.len.store(len + 1, Relaxed);
+        } else {
+            shared.magazine_push_full(slot, magazine, page.0, generation.0);
         }
         Ok(())
     }
@@ -623,7 +787,7 @@ impl PageAllocator {
             .get(page.0 as usize)
             // Relaxed: advisory; callers that need an ordering get it from
             // however they learned of the grant.
-            .is_some_and(|word| word.load(Relaxed) == allocated(generation.0))
+            .is_some_and(|word| is_allocated_at(word.load(Relaxed), generation.0))
     }
 
     /// Moves the calling thread's magazine of this allocator onto the shared
@@ -672,6 +836,7 @@ impl PageAllocator {
             double_frees: counters.double_frees.load(Relaxed),
             foreign_frees: counters.foreign_frees.load(Relaxed),
             steals: counters.steals.load(Relaxed),
+            remote_frees: counters.remote_frees.load(Relaxed),
         }
     }
 }
@@ -709,24 +874,141 @@ impl Shared {
         slots::current().map(|slot| (slot, &*self.magazines[slot]))
     }
 
-    /// Takes the page of `entry` out of `slot`'s magazine if it is still
-    /// cached there at the entry's generation — for the owner and for a
-    /// thief alike — marking it allocated at the next generation.
-    #[inline]
-    fn take_cached(&self, slot: usize, entry: u64) -> Option<(PageIndex, Generation)> {
+    /// The owner of `magazine` moves `word` from `expected` (allocated by
+    /// its slot at `generation`) to `freed` (cached by its slot); false if
+    /// the page was not in that state. Release on success: a thief may take
+    /// the page out of the magazine with an Acquire CAS that reads this value,
+    /// and must see what the holder wrote to the page before this free.
+    #[inline(always)]
+    fn owner_free(
+        &self,
+        magazine: &Magazine,
+        word: &AtomicU64,
+        page: u32,
+        generation: u32,
+        expected: u64,
+        freed: u64,
+    ) -> bool {
+        if !self.asymmetric {
+            // Relaxed on failure: nothing is read through a rejected free.
+            // The CAS's atomicity alone decides between racing frees.
+            return word
+                .compare_exchange(expected, freed, Release, Relaxed)
+                .is_ok();
+        }
+        // Release: a remote free that reads this intent (or a later value)
+        // with Acquire also sees our earlier page-state changes.
+        magazine.busy.store(free_intent(page, generation), Release);
+        // Store-then-load: the light half of the handshake whose heavy half a
+        // remote free runs between announcing itself and reading `busy`.
+        asymmetric::light();
+        // Acquire: a remote that finished took its announcement back with a
+        // Release decrement after its CAS; seeing that decrement means seeing
+        // the CAS.
+        let done = if magazine.remote.load(Acquire) == 0 {
+            // Relaxed load: every writer of `expected` is this slot (our
+            // alloc, or the slot's previous owner, whose exit happens-before
+            // our claim), and no other thread changes it while no remote free
+            // is announced (see *The owner's fast path*).
+            let ours = word.load(Relaxed) == expected;
+            if ours {
+                word.store(freed, Release);
+            }
+            ours
+        } else {
+            word.compare_exchange(expected, freed, Release, Relaxed)
+                .is_ok()
+        };
+        // Release: as for the intent; an operation that happens-before a
+        // remote free is never mistaken for one in flight.
+        magazine.busy.store(IDLE, Release);
+        done
+    }
+
+    /// The owner of `slot` takes the page of its own magazine entry `entry`
+    /// if it is still cached there at the entry's generation, marking it
+    /// allocated by `slot` at the next generation. The caller has just
+    /// removed the entry (stored the magazine's length without it); with
+    /// asymmetric fences that store is this take's half of the handshake
+    /// with thieves (see *The owner's fast path*).
+    #[inline(always)]
+    fn take_own(
+        &self,
+        slot: usize,
+        magazine: &Magazine,
+        entry: u64,
+    ) -> Option<(PageIndex, Generation)> {
+        let page = entry_page(entry);
+        let word = self.states.get(page as usize)?;
+        let generation = entry_generation(entry);
+        let next = next_generation(generation);
+        let expected = cached(generation, slot);
+        let taken = allocated(next, Some(slot));
+        let done = if self.asymmetric {
+            self.owner_take(magazine, word, expected, taken)
+        } else {
+            // Acquire on success: as in `take_cached`.
+            word.compare_exchange(expected, taken, Acquire, Relaxed)
+                .is_ok()
+        };
+        done.then_some((PageIndex(page), Generation(next)))
+    }
+
+    /// `take_own` with asymmetric fences.
+    #[inline(always)]
+    fn owner_take(&self, magazine: &Magazine, word: &AtomicU64, expected: u64, taken: u64) -> bool {
+        // Store-then-load: a thief announces itself, runs the heavy barrier
+        // and then reads the length. Either it sees the entry gone, or we
+        // see its announcement here and race it with a CAS.
+        asymmetric::light();
+        // Acquire: a thief that finished took its announcement back with a
+        // Release decrement after its CAS; seeing that decrement means
+        // seeing the CAS.
+        if magazine.remote.load(Acquire) == 0 {
+            // Relaxed: every writer of `expected` is this slot — our own
+            // free, our refill after its Acquire pop, or the slot's previous
+            // owner, whose exit happens-before our claim — so the previous
+            // holder's writes to the page already happen-before ours.
+            let ours = word.load(Relaxed) == expected;
+            if ours {
+                word.store(taken, Relaxed);
+            }
+            ours
+        } else {
+            // Acquire on success: as in `take_cached`.
+            word.compare_exchange(expected, taken, Acquire, Relaxed)
+                .is_ok()
+        }
+    }
+
+    /// A thief (`me`, if it has a slot) takes the page of `entry` out of
+    /// `slot`'s magazine if it is still cached there at the entry's
+    /// generation, marking it allocated by `me` at the next generation. The
+    /// caller has announced itself to `slot` (see `steal`).
+    fn take_cached(
+        &self,
+        slot: usize,
+        entry: u64,
+        me: Option<usize>,
+    ) -> Option<(PageIndex, Generation)> {
         let page = entry_page(entry);
         // Out of range only for the initial `NIL` entries a thief may read.
         let word = self.states.get(page as usize)?;
         let generation = entry_generation(entry);
         let next = next_generation(generation);
-        // Acquire on success: the value read was written by the Release CAS
-        // of the free that cached the page, or by the Release store of the
-        // refill that did; either way the previous holder's writes to the
-        // page happen-before ours. Relaxed on failure: a failed take reads
-        // nothing through the page.
-        word.compare_exchange(cached(generation, slot), allocated(next), Acquire, Relaxed)
-            .ok()
-            .map(|_| (PageIndex(page), Generation(next)))
+        // Acquire on success: the value read was written by the Release
+        // change of the free that cached the page, or by the Release store
+        // of the refill that did; either way the previous holder's writes to
+        // the page happen-before ours. Relaxed on failure: a failed take
+        // reads nothing through the page.
+        word.compare_exchange(
+            cached(generation, slot),
+            allocated(next, me),
+            Acquire,
+            Relaxed,
+        )
+        .ok()
+        .map(|_| (PageIndex(page), Generation(next)))
     }
 
     /// The owner met an entry whose page was stolen: one stolen entry fewer.
@@ -747,7 +1029,7 @@ impl Shared {
         for _ in 0..EXHAUSTION_ROUNDS {
             let taken = match mine {
                 Some((slot, magazine)) => self.magazine_pop(slot, magazine),
-                None => self.stack_pop_one().map(|page| self.hand_out(page)),
+                None => self.stack_pop_one().map(|page| self.hand_out(page, None)),
             };
             if taken.is_some() {
                 return taken;
@@ -763,11 +1045,82 @@ impl Shared {
         None
     }
 
-    /// `free`'s last step when the magazine is absent.
+    /// `free` when the fast path did not apply: the caller has no slot, or
+    /// the page is not allocated by its slot at `generation` — allocated by
+    /// another thread (a remote free), or not allocated at that generation
+    /// at all (rejected).
     #[cold]
     #[inline(never)]
-    fn stack_push_one(&self, page: u32) {
-        self.stack_push_chain(page, page, 1);
+    fn free_slow(
+        &self,
+        page: PageIndex,
+        generation: Generation,
+        mine: Option<(usize, &Magazine)>,
+    ) -> Result<(), FreeError> {
+        let word = &self.states[page.0 as usize];
+        let g = generation.0;
+        // Relaxed: which path to take; the CAS below decides.
+        let seen = word.load(Relaxed);
+        if !is_allocated_at(seen, g) {
+            return Err(self.reject(page, generation, seen));
+        }
+        let by = state_slot(seen);
+        let freed = match mine {
+            Some((slot, _)) => cached(g, slot),
+            None => on_stack(g),
+        };
+        // Release on success, as in `free`; Relaxed on failure: nothing is
+        // read through a rejected free. The CAS's atomicity decides between
+        // racing remote frees.
+        let result = match by {
+            // A page another slot allocated, with asymmetric fences: its
+            // owner may be freeing it with a plain store, so announce
+            // ourselves first.
+            Some(owner) if self.asymmetric => {
+                let victim = &*self.magazines[owner];
+                // Relaxed: ordered before the `busy` load by the heavy barrier.
+                victim.remote.fetch_add(1, Relaxed);
+                asymmetric::heavy();
+                // Acquire: pairs with the owner's Release stores of `busy`, so
+                // an operation we see as finished happened-before our CAS.
+                let result = if victim.busy.load(Acquire) == free_intent(page.0, g) {
+                    // The owner is freeing this very grant without a lock
+                    // (or did, a moment ago): its free wins, ours is the
+                    // double free.
+                    Err(allocated(g, by))
+                } else {
+                    word.compare_exchange(allocated(g, by), freed, Release, Relaxed)
+                };
+                // Release: a later owner operation that sees the count drop
+                // sees our CAS.
+                victim.remote.fetch_sub(1, Release);
+                if result.is_ok() {
+                    // Relaxed: a statistic.
+                    self.counters.remote_frees.fetch_add(1, Relaxed);
+                }
+                result
+            }
+            // Without asymmetric fences, or allocated by a thread without a
+            // slot: nobody changes it without a CAS.
+            _ => word.compare_exchange(allocated(g, by), freed, Release, Relaxed),
+        };
+        if let Err(actual) = result {
+            return Err(self.reject(page, generation, actual));
+        }
+        match mine {
+            Some((slot, magazine)) => {
+                // Relaxed: only this thread writes its magazine.
+                let len = magazine.len.load(Relaxed);
+                if len < self.magazine_pages {
+                    magazine.pages[len as usize].store(entry(page.0, g), Relaxed);
+                    magazine.len.store(len + 1, Relaxed);
+                } else {
+                    self.magazine_push_full(slot, magazine, page.0, g);
+                }
+            }
+            None => self.stack_push_chain(page.0, page.0, 1),
+        }
+        Ok(())
     }
 
     #[cold]
@@ -781,14 +1134,15 @@ impl Shared {
         }
     }
 
-    /// Classifies a free whose CAS found `actual` instead of `(generation,
-    /// allocated)`, and counts it.
+    /// Classifies a free that found `actual` instead of `(generation,
+    /// allocated)` — or lost to the owner's free of the same grant, in which
+    /// case `actual` says allocated at `generation` — and counts it.
     #[cold]
     #[inline(never)]
     fn reject(&self, page: PageIndex, generation: Generation, actual: u64) -> FreeError {
         // Relaxed: statistics; nothing is ordered by them.
         if state_generation(actual) == generation.0 {
-            // Same generation and not allocated (else the CAS had won).
+            // Same generation: free already, or being freed by its owner.
             self.counters.double_frees.fetch_add(1, Relaxed);
             FreeError::DoubleFree { page, generation }
         } else {
@@ -802,8 +1156,8 @@ impl Shared {
     }
 
     /// Marks `page`, just popped off the shared stack (so held exclusively),
-    /// allocated at its next generation.
-    fn hand_out(&self, page: u32) -> (PageIndex, Generation) {
+    /// allocated by `by` at its next generation.
+    fn hand_out(&self, page: u32, by: Option<usize>) -> (PageIndex, Generation) {
         let word = &self.states[page as usize];
         // Relaxed load and store, no RMW: while a page is on the stack its
         // state is only ever changed by the thread that popped it — us (`free`
@@ -819,7 +1173,7 @@ impl Shared {
             "page {page} popped off the stack is not in the stack state"
         );
         let generation = next_generation(state_generation(current));
-        word.store(allocated(generation), Relaxed);
+        word.store(allocated(generation, by), Relaxed);
         (PageIndex(page), Generation(generation))
     }
 
@@ -841,7 +1195,7 @@ impl Shared {
             }
             let top = magazine.pages[len as usize - 1].load(Relaxed);
             magazine.len.store(len - 1, Relaxed);
-            if let Some(grant) = self.take_cached(slot, top) {
+            if let Some(grant) = self.take_own(slot, magazine, top) {
                 return Some(grant);
             }
             self.forget_stolen(magazine);
@@ -946,16 +1300,45 @@ impl Shared {
     }
 
     /// Takes a page cached in another slot's magazine (`me` is skipped).
-    /// Bounded: one pass over every slot's live entries.
+    /// Bounded: one pass over every slot's live entries, after one heavy
+    /// barrier for all of them.
     #[cold]
     #[inline(never)]
     fn steal(&self, me: Option<usize>) -> Option<(PageIndex, Generation)> {
+        // Look at every slot with entries (a slot that gets some only later
+        // is missed this round, like any page that moves during the look).
+        // With asymmetric fences, announce ourselves to each first; then one
+        // heavy barrier covers them all.
+        let mut announced = 0u64;
         for (slot, magazine) in self.magazines.iter().enumerate() {
-            if Some(slot) == me {
-                continue;
+            // Relaxed: the length only nominates slots; the CAS decides.
+            if Some(slot) != me && magazine.len.load(Relaxed) > 0 {
+                if self.asymmetric {
+                    // Relaxed: ordered before the length loads below by the
+                    // heavy barrier.
+                    magazine.remote.fetch_add(1, Relaxed);
+                }
+                announced |= 1 << slot;
             }
+        }
+        if announced == 0 {
+            return None;
+        }
+        if self.asymmetric {
+            asymmetric::heavy();
+        }
+        let mut taken = None;
+        let mut remaining = announced;
+        while remaining != 0 && taken.is_none() {
+            let slot = remaining.trailing_zeros() as usize;
+            remaining &= remaining - 1;
+            let magazine = &*self.magazines[slot];
             // Relaxed: the length and entries only nominate candidates; the
-            // CAS in `take_cached` decides (see the module docs).
+            // CAS in `take_cached` decides (see the module docs). The owner
+            // may be taking a page with a plain load and store right now: it
+            // removed the page's entry before its light fence, so after our
+            // heavy barrier either this load no longer counts that entry or
+            // the owner saw our announcement and takes by CAS.
             let len = magazine.len.load(Relaxed).min(self.magazine_pages);
             for i in (0..len as usize).rev() {
                 let candidate = magazine.pages[i].load(Relaxed);
@@ -970,15 +1353,24 @@ impl Shared {
                 if !still_cached {
                     continue;
                 }
-                if let Some(grant) = self.take_cached(slot, candidate) {
+                if let Some(grant) = self.take_cached(slot, candidate, me) {
                     // Relaxed: statistics (see `Magazine::stolen`).
                     magazine.stolen.fetch_add(1, Relaxed);
                     self.counters.steals.fetch_add(1, Relaxed);
-                    return Some(grant);
+                    taken = Some(grant);
+                    break;
                 }
             }
         }
-        None
+        let mut remaining = if self.asymmetric { announced } else { 0 };
+        while remaining != 0 {
+            let slot = remaining.trailing_zeros() as usize;
+            remaining &= remaining - 1;
+            // Release: a later owner operation that sees the count drop sees
+            // our CAS.
+            self.magazines[slot].remote.fetch_sub(1, Release);
+        }
+        taken
     }
 
     fn stack_pop_one(&self) -> Option<u32> {
@@ -1319,6 +1711,90 @@ mod tests {
     }
 
     #[test]
+    fn a_page_another_thread_allocated_is_freed_remotely_once_and_then_refused_to_its_owner() {
+        for asymmetric in [false, true] {
+            let allocator =
+                PageAllocator::with_options(64, options(4).asymmetric_fences(asymmetric)).unwrap();
+            assert_eq!(
+                allocator.has_asymmetric_fences(),
+                asymmetric && asymmetric::available()
+            );
+            let (page, generation) = allocator.alloc().unwrap();
+            let remote = std::thread::scope(|scope| {
+                scope
+                    .spawn(|| {
+                        let first = allocator.free(page, generation);
+                        let second = allocator.free(page, generation);
+                        (first, second)
+                    })
+                    .join()
+                    .unwrap()
+            });
+            assert_eq!(remote.0, Ok(()), "asymmetric {asymmetric}");
+            assert_eq!(
+                remote.1,
+                Err(FreeError::DoubleFree { page, generation }),
+                "asymmetric {asymmetric}"
+            );
+            // The owner's own free of the same grant takes its fast path's
+            // check and falls to the slow path, which refuses it.
+            assert_eq!(
+                allocator.free(page, generation),
+                Err(FreeError::DoubleFree { page, generation }),
+                "asymmetric {asymmetric}"
+            );
+            let stats = allocator.stats();
+            let remote = u64::from(allocator.has_asymmetric_fences());
+            assert_eq!((stats.remote_frees, stats.double_frees), (remote, 2));
+            assert_eq!(stats.free_pages, 64);
+            // The page sits in the (exited) remote thread's magazine and is
+            // reachable: every page can be allocated once more.
+            let pages: HashSet<u32> = (0..64).map(|_| allocator.alloc().unwrap().0.0).collect();
+            assert_eq!(pages.len(), 64);
+        }
+    }
+
+    #[test]
+    fn the_asymmetric_fast_path_hands_out_and_refuses_exactly_what_the_locked_one_does() {
+        // One thread, a fixed mix of allocs, frees, double and stale frees:
+        // both fast paths must produce the same grants and the same errors.
+        let run = |asymmetric: bool| {
+            let allocator =
+                PageAllocator::with_options(16, options(4).asymmetric_fences(asymmetric)).unwrap();
+            let mut held = Vec::new();
+            let mut freed = Vec::new();
+            let mut log = Vec::new();
+            for step in 0u32..400 {
+                match step % 7 {
+                    0 | 1 | 3 | 5 => match allocator.alloc() {
+                        Some(grant) => {
+                            log.push(format!("alloc {grant:?}"));
+                            held.push(grant);
+                        }
+                        None => log.push("exhausted".to_owned()),
+                    },
+                    4 if !freed.is_empty() => {
+                        let (page, generation) = freed[step as usize % freed.len()];
+                        log.push(format!("again {:?}", allocator.free(page, generation)));
+                    }
+                    _ if !held.is_empty() => {
+                        let (page, generation) = held.remove(step as usize % held.len());
+                        log.push(format!("free {:?}", allocator.free(page, generation)));
+                        freed.push((page, generation));
+                    }
+                    _ => {}
+                }
+            }
+            (log, allocator.stats())
+        };
+        let (asymmetric_log, asymmetric_stats) = run(true);
+        let (locked_log, locked_stats) = run(false);
+        assert_eq!(asymmetric_log, locked_log);
+        assert_eq!(asymmetric_stats, locked_stats);
+        assert!(asymmetric_stats.double_frees + asymmetric_stats.stale_frees > 0);
+    }
+
+    #[test]
     fn alloc_many_is_all_or_nothing_and_names_what_it_gave_back() {
         let allocator = PageAllocator::with_options(8, options(4)).unwrap();
         let held: Vec<_> = (0..3).map(|_| allocator.alloc().unwrap()).collect();
@@ -1600,13 +2076,16 @@ mod loom_models {
 
     impl Pool {
         fn new(page_count: u32) -> Arc<Self> {
-            Self::with_magazines(page_count, 0)
+            Self::with_magazines(page_count, 0, false)
         }
 
-        fn with_magazines(page_count: u32, magazine_pages: u32) -> Arc<Self> {
+        /// `asymmetric`: the owner's fast path uses plain loads and stores
+        /// and the asymmetric handshake instead of CAS.
+        fn with_magazines(page_count: u32, magazine_pages: u32, asymmetric: bool) -> Arc<Self> {
             let options = AllocatorOptions::default()
                 .magazine_pages(magazine_pages)
-                .initial_generation(Generation(0));
+                .initial_generation(Generation(0))
+                .asymmetric_fences(asymmetric);
             Arc::new(Self {
                 allocator: PageAllocator::with_options(page_count, options).unwrap(),
                 bytes: (0..page_count).map(|_| UnsafeCell::new(0)).collect(),
@@ -1742,10 +2221,21 @@ mod loom_models {
     /// between them they get both pages (no false exhaustion).
     #[test]
     fn loom_an_owner_and_a_thief_racing_for_a_cached_page_never_share_it() {
-        loom::model(|| {
+        owner_and_thief_race(false);
+    }
+
+    /// The same race where the owner takes with a plain load and store and
+    /// the thief runs the asymmetric handshake.
+    #[test]
+    fn loom_an_owners_unlocked_take_and_a_thief_never_share_a_page() {
+        owner_and_thief_race(true);
+    }
+
+    fn owner_and_thief_race(asymmetric: bool) {
+        loom::model(move || {
             // Magazines of 2 refill 1 page at a time: after the take and free
             // below, page 0 is cached by this thread and page 1 is on the stack.
-            let pool = Pool::with_magazines(2, 2);
+            let pool = Pool::with_magazines(2, 2, asymmetric);
             let (page, generation) = pool.take(0).unwrap();
             pool.allocator.free(page, generation).unwrap();
             let thief = {
@@ -1761,13 +2251,95 @@ mod loom_models {
         });
     }
 
+    /// The owner frees a grant it allocated — with plain loads and stores —
+    /// while another thread frees the same grant (a duplicated notice): the
+    /// remote free announces itself and runs the heavy barrier, and exactly
+    /// one of the two succeeds. The winner's page is then allocated again by
+    /// the owner, so a lost update would show up as a page handed out twice
+    /// or lost.
+    #[test]
+    fn loom_an_owners_unlocked_free_racing_a_remote_free_of_the_grant_succeeds_once() {
+        owner_and_remote_free_race(true);
+    }
+
+    #[test]
+    fn loom_an_owners_locked_free_racing_a_remote_free_of_the_grant_succeeds_once() {
+        owner_and_remote_free_race(false);
+    }
+
+    fn owner_and_remote_free_race(asymmetric: bool) {
+        loom::model(move || {
+            let pool = Pool::with_magazines(2, 2, asymmetric);
+            let (page, generation) = pool.take(0).unwrap();
+            let remote = {
+                let pool = Arc::clone(&pool);
+                thread::spawn(move || pool.allocator.free(page, generation))
+            };
+            let mine = pool.allocator.free(page, generation);
+            // The owner keeps working on its magazine while the remote runs.
+            let again = pool.take(0);
+            let theirs = remote.join().unwrap();
+            assert_eq!(
+                usize::from(mine.is_ok()) + usize::from(theirs.is_ok()),
+                1,
+                "{mine:?} {theirs:?}"
+            );
+            // Stale when the owner already took the page again.
+            let loser = mine.err().or(theirs.err()).unwrap();
+            assert!(
+                matches!(
+                    loser,
+                    FreeError::DoubleFree { .. } | FreeError::StaleGeneration { .. }
+                ),
+                "{loser:?}"
+            );
+            free_all(&pool, [again]);
+            pool.assert_all_free();
+        });
+    }
+
+    /// A remote free of one page the owner allocated, while the owner
+    /// allocates and frees other pages on its fast path: the remote's CAS
+    /// and the owner's plain stores touch different pages, the handshake
+    /// orders them, and every page ends in exactly one place.
+    #[test]
+    fn loom_a_remote_free_beside_the_owners_unlocked_traffic_keeps_every_page() {
+        loom::model(|| {
+            let pool = Pool::with_magazines(3, 2, true);
+            let (page, generation) = pool.take(0).unwrap();
+            let remote = {
+                let pool = Arc::clone(&pool);
+                thread::spawn(move || {
+                    pool.allocator.free(page, generation).unwrap();
+                    // The remote's own slot now caches the page: take it
+                    // back and return it.
+                    free_all(&pool, [pool.take(1)]);
+                })
+            };
+            let held = pool.take(0);
+            free_all(&pool, [held]);
+            remote.join().unwrap();
+            assert_eq!(pool.allocator.stats().remote_frees, 1);
+            pool.assert_all_free();
+        });
+    }
+
     /// The owner frees into a full magazine, which spills its older entry onto
     /// the stack (a CAS per page state), while a thief steals from the same
     /// magazine: each page ends up in exactly one place.
     #[test]
     fn loom_a_spill_racing_a_steal_moves_every_page_exactly_once() {
-        loom::model(|| {
-            let pool = Pool::with_magazines(3, 2);
+        spill_and_steal_race(false);
+    }
+
+    #[test]
+    fn loom_a_spill_racing_an_announced_steal_moves_every_page_exactly_once() {
+        spill_and_steal_race(true);
+    }
+
+    fn spill_and_steal_race(asymmetric: bool) {
+        loom::model(move || {
+            let pool = Pool::with_magazines(3, 2, asymmetric);
             let held = [pool.take(0), pool.take(0), pool.take(0)];
             let [first, second, third] = held.map(|grant| grant.unwrap());
             // The magazine is now full: [first, second].
@@ -1795,8 +2367,17 @@ mod loom_models {
     /// every page, each once: a steal never misses a page nobody holds.
     #[test]
     fn loom_pages_cached_by_a_finished_thread_are_all_reachable_by_racing_allocators() {
-        loom::model(|| {
-            let pool = Pool::with_magazines(2, 2);
+        finished_thread_pages_race(false);
+    }
+
+    #[test]
+    fn loom_pages_cached_by_a_finished_thread_are_all_reachable_by_announced_thieves() {
+        finished_thread_pages_race(true);
+    }
+
+    fn finished_thread_pages_race(asymmetric: bool) {
+        loom::model(move || {
+            let pool = Pool::with_magazines(2, 2, asymmetric);
             {
                 let pool = Arc::clone(&pool);
                 thread::spawn(move || {

@@ -123,3 +123,115 @@ pub(crate) mod epoch {
         }
     }
 }
+
+/// Asymmetric fences: a free one for the frequent side of a store-then-load
+/// handshake and an expensive one for the rare side, which together order
+/// the handshake as two full fences would (the pattern of Linux's
+/// `membarrier(2)`, folly's `asymmetricLightBarrier`/`asymmetricHeavyBarrier`
+/// and liburcu's `urcu-memb` flavour).
+///
+/// The guarantee, for a light side `W(x); light(); R(y)` on one thread and a
+/// heavy side `W(y); heavy(); R(x)` on another: at least one of the two
+/// loads sees the other thread's store. `heavy` is
+/// `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, which executes a full
+/// memory barrier on every CPU running a thread of this process (and relies
+/// on the scheduler's barriers for the threads not running), so every
+/// `light()` — a compiler fence, free at run time — is upgraded to a full
+/// fence with respect to it. Under `cfg(loom)` both are `fence(SeqCst)`,
+/// which is exactly the ordering the upgrade provides, so the models check
+/// the protocol built on them.
+///
+/// [`available`] registers the process for expedited membarriers once;
+/// where the kernel lacks the command or a seccomp policy forbids the call
+/// it returns false and callers must not rely on `light` (the allocator then
+/// takes its locked path on every operation).
+pub(crate) mod asymmetric {
+    /// The frequent side: orders this thread's earlier accesses before its
+    /// later ones against a concurrent [`heavy`] (and nothing else).
+    #[inline(always)]
+    pub(crate) fn light() {
+        #[cfg(not(loom))]
+        std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+        #[cfg(loom)]
+        loom::sync::atomic::fence(loom::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The rare side: a full fence on this thread and, in effect, on every
+    /// thread of the process at the point where it happens to be.
+    ///
+    /// Costs a system call: ~0.2 µs when no other thread of the process is
+    /// running, a few µs when some are (an inter-processor interrupt each).
+    /// Call only after [`available`] returned true.
+    #[cfg(not(loom))]
+    pub(crate) fn heavy() {
+        if membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0 {
+            return;
+        }
+        // EPERM: this process is not registered — a child forked after the
+        // parent registered (registration is per address space). Register
+        // and retry once.
+        if membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0
+            && membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0
+        {
+            return;
+        }
+        // `available` succeeded earlier, so only a seccomp filter installed
+        // since can get here. Going on would let a plain store race a CAS on
+        // a page state, which can hand one page to two holders; stopping is
+        // the only safe choice left.
+        let error = std::io::Error::last_os_error();
+        eprintln!(
+            "cxlkv: membarrier(PRIVATE_EXPEDITED) failed after it had worked ({error}); \
+             the page allocator cannot order its lock-free fast path any more, aborting"
+        );
+        std::process::abort();
+    }
+
+    #[cfg(loom)]
+    pub(crate) fn heavy() {
+        loom::sync::atomic::fence(loom::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether [`heavy`] can be used: the kernel supports expedited private
+    /// membarriers and this process registered for them. Decided once per
+    /// process (the first call registers).
+    #[cfg(not(loom))]
+    pub(crate) fn available() -> bool {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            let supported = membarrier(MEMBARRIER_CMD_QUERY);
+            supported >= 0
+                && supported & i64::from(MEMBARRIER_CMD_PRIVATE_EXPEDITED) != 0
+                && membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0
+                && membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0
+        })
+    }
+
+    #[cfg(loom)]
+    pub(crate) fn available() -> bool {
+        true
+    }
+
+    // From `linux/membarrier.h` (the libc crate has them only in its
+    // unstable `new` module).
+    #[cfg(not(loom))]
+    const MEMBARRIER_CMD_QUERY: libc::c_int = 0;
+    #[cfg(not(loom))]
+    const MEMBARRIER_CMD_PRIVATE_EXPEDITED: libc::c_int = 1 << 3;
+    #[cfg(not(loom))]
+    const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: libc::c_int = 1 << 4;
+
+    #[cfg(not(loom))]
+    fn membarrier(cmd: libc::c_int) -> i64 {
+        // SAFETY: membarrier(cmd, flags = 0, cpu_id = 0) reads and writes no
+        // memory of ours; an unsupported command fails with EINVAL.
+        unsafe {
+            libc::syscall(
+                libc::SYS_membarrier,
+                cmd,
+                0 as libc::c_uint,
+                0 as libc::c_int,
+            )
+        }
+    }
+}

@@ -11,6 +11,9 @@
 //! - stale and double frees are rejected and counted exactly;
 //! - on an oversubscribed region, where allocations succeed by stealing from
 //!   other threads' magazines while their owners use them, the same holds;
+//! - two frees of one grant on two threads — the owner's lock-free fast path
+//!   against a remote free behind a heavy barrier — succeed exactly once
+//!   (this test fails at once if the remote side's barrier is removed);
 //! - the table hands a removed region back only when no reader can see it:
 //!   readers check, inside the read, that the region they hold has not been
 //!   dropped, and each removed region is dropped exactly once.
@@ -18,6 +21,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::mpsc::{Receiver, channel};
 
 use cxlkv_dataplane::alloc::{AllocatorOptions, FreeError, PageAllocator};
 use cxlkv_dataplane::ids::{Generation, PageIndex, RegionId};
@@ -48,7 +52,15 @@ struct Region {
 
 impl Region {
     fn new(id: RegionId, pages: u32, lives: &Arc<Lives>) -> Self {
-        let options = AllocatorOptions::default().magazine_pages(8);
+        Self::with_fences(id, pages, lives, false)
+    }
+
+    /// `asymmetric`: the allocator's owners change page states without
+    /// locked instructions (see `AllocatorOptions::asymmetric_fences`).
+    fn with_fences(id: RegionId, pages: u32, lives: &Arc<Lives>, asymmetric: bool) -> Self {
+        let options = AllocatorOptions::default()
+            .magazine_pages(8)
+            .asymmetric_fences(asymmetric);
         let previous = lives.state[id.0 as usize].swap(1, SeqCst);
         assert_eq!(previous, 0, "region {id} created twice");
         Self {
@@ -257,6 +269,17 @@ fn threads_on_one_region_never_share_a_page_and_lose_none_while_regions_churn() 
 /// catch any page handed out twice; at the end every page comes back.
 #[test]
 fn threads_on_an_oversubscribed_region_steal_from_each_other_and_never_share_a_page() {
+    oversubscribed(false);
+}
+
+/// The same with asymmetric fences: owners take and free with plain stores,
+/// thieves announce themselves and run the heavy barrier.
+#[test]
+fn threads_on_an_oversubscribed_region_steal_without_locks_and_never_share_a_page() {
+    oversubscribed(true);
+}
+
+fn oversubscribed(asymmetric: bool) {
     const PAGES: u32 = 64;
     const THREADS: u32 = 6;
     const OPS: usize = 40_000;
@@ -268,14 +291,14 @@ fn threads_on_an_oversubscribed_region_steal_from_each_other_and_never_share_a_p
         state: (0..1).map(|_| AtomicU32::new(0)).collect(),
         drops: AtomicUsize::new(0),
     });
-    let region = Region::new(MAIN, PAGES, &lives);
+    let region = Region::with_fences(MAIN, PAGES, &lives, asymmetric);
     let misses = AtomicU64::new(0);
-    // Whether the threads overlap enough to exhaust the region is up to the
-    // scheduler: on two vCPUs a thread can finish its operations within one
-    // time slice, before the next one starts (CI saw a run with no miss at
-    // all). The threads start together at a barrier, and the whole round is
-    // repeated (bounded) until the steal path has run; every round checks
-    // the same invariants and ends with every page freed.
+    // The threads fill up to their share behind a barrier, so the region is
+    // exhausted (and pages freed into one magazine are wanted by another)
+    // however the scheduler interleaves them. Whether a steal happens in a
+    // round still depends on the interleaving of the mixed phase, so the
+    // whole round is repeated (bounded) until the steal path has run; every
+    // round checks the same invariants and ends with every page freed.
     let barrier = std::sync::Barrier::new(THREADS as usize);
     for _round in 0..ROUNDS {
         std::thread::scope(|scope| {
@@ -283,7 +306,20 @@ fn threads_on_an_oversubscribed_region_steal_from_each_other_and_never_share_a_p
                 let (region, misses, barrier) = (&region, &misses, &barrier);
                 scope.spawn(move || {
                     barrier.wait();
+                    // Every thread takes its share before any starts the
+                    // mixed phase: with 6 × 16 wanted of 64, the region is
+                    // exhausted from the start, whether or not the
+                    // scheduler runs the threads side by side.
                     let mut held: Vec<(PageIndex, Generation)> = Vec::new();
+                    while held.len() < WANT {
+                        let Some(grant) = region.allocator.alloc() else {
+                            misses.fetch_add(1, SeqCst);
+                            break;
+                        };
+                        region.claim(grant.0, me);
+                        held.push(grant);
+                    }
+                    barrier.wait();
                     let mut rng = me.wrapping_mul(0x9E37_79B9) | 1;
                     for _ in 0..OPS {
                         rng ^= rng << 13;
@@ -325,9 +361,130 @@ fn threads_on_an_oversubscribed_region_steal_from_each_other_and_never_share_a_p
         "the steal path never ran ({} misses)",
         misses.load(SeqCst)
     );
-    assert!(misses.load(SeqCst) > 0, "the region was never exhausted");
+    assert!(
+        misses.load(SeqCst) > 0,
+        "the region was never exhausted: {stats:?}"
+    );
     assert_eq!(stats.free_pages, PAGES, "page count conserved");
     assert_eq!(stats.stale_frees + stats.double_frees, 0);
+    let mut pages = HashSet::new();
+    while let Some((page, _)) = region.allocator.alloc() {
+        assert!(pages.insert(page), "{page} handed out twice");
+    }
+    assert_eq!(pages.len(), PAGES as usize, "pages lost");
+}
+
+/// Two threads free every grant twice at once: each thread allocates,
+/// releases its claim, hands the grant to the other thread and frees it
+/// itself, while the other frees what it was handed (a duplicated notice, on
+/// another thread). The owner's free runs its lock-free fast path, the other
+/// a remote free with a heavy barrier. Exactly one of each pair succeeds,
+/// the loser is refused as a double or stale free, and ownership markers
+/// catch any page handed out twice after a lost update.
+#[test]
+fn an_owners_lock_free_frees_racing_remote_frees_of_the_same_grants_succeed_once_each() {
+    racing_double_frees(true);
+}
+
+/// The same with both frees deciding by CAS (the default).
+#[test]
+fn racing_frees_of_the_same_grants_on_two_threads_succeed_once_each() {
+    racing_double_frees(false);
+}
+
+fn racing_double_frees(asymmetric: bool) {
+    const PAGES: u32 = 128;
+    const GRANTS_PER_THREAD: u64 = 20_000;
+    let lives = Arc::new(Lives {
+        state: (0..1).map(|_| AtomicU32::new(0)).collect(),
+        drops: AtomicUsize::new(0),
+    });
+    let region = Region::with_fences(MAIN, PAGES, &lives, asymmetric);
+    if asymmetric && !region.allocator.has_asymmetric_fences() {
+        eprintln!("skipped: membarrier(2) is unavailable here, so are asymmetric fences");
+        return;
+    }
+    let successes = AtomicU64::new(0);
+    let (to_b, from_a) = channel::<((PageIndex, Generation), u64)>();
+    let (to_a, from_b) = channel::<((PageIndex, Generation), u64)>();
+    let done = AtomicUsize::new(0);
+    // `handled[t % 2]`: the last sequence number of thread `t`'s grants that
+    // the other thread has freed.
+    let handled = [AtomicU64::new(0), AtomicU64::new(0)];
+    std::thread::scope(|scope| {
+        for (me, to_other, from_other) in [(1u32, to_b, from_b), (2, to_a, from_a)] {
+            let (region, successes, done, handled) = (&region, &successes, &done, &handled);
+            scope.spawn(move || {
+                let free = |grant: (PageIndex, Generation)| match region
+                    .allocator
+                    .free(grant.0, grant.1)
+                {
+                    Ok(()) => {
+                        successes.fetch_add(1, SeqCst);
+                    }
+                    Err(FreeError::DoubleFree { .. } | FreeError::StaleGeneration { .. }) => {}
+                    Err(other) => panic!("unexpected {other:?}"),
+                };
+                // Frees what the other thread handed over, and tells it
+                // how far we got (its `handled` counter).
+                let drain = |from_other: &Receiver<((PageIndex, Generation), u64)>| {
+                    while let Ok((theirs, seq)) = from_other.try_recv() {
+                        free(theirs);
+                        handled[(me as usize + 1) % 2].store(seq, SeqCst);
+                    }
+                };
+                let mut rng = me.wrapping_mul(0x9E37_79B9) | 1;
+                for seq in 1..=GRANTS_PER_THREAD {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 17;
+                    rng ^= rng << 5;
+                    let grant = region.allocator.alloc().expect("pages are never all held");
+                    region.claim(grant.0, me);
+                    region.unclaim(grant.0, me);
+                    to_other.send((grant, seq)).unwrap();
+                    if rng % 8 == 0 {
+                        // Let the other thread's remote free go first (and
+                        // win), serving our own mailbox meanwhile so that
+                        // two waiting threads cannot deadlock.
+                        while handled[me as usize % 2].load(SeqCst) < seq {
+                            drain(&from_other);
+                            std::hint::spin_loop();
+                        }
+                    } else {
+                        // Race it: free after a short random pause.
+                        for _ in 0..rng % 256 {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    free(grant);
+                    drain(&from_other);
+                }
+                done.fetch_add(1, SeqCst);
+                drop(to_other);
+                // Drain what the other thread still sends, until it hangs up.
+                for (theirs, seq) in from_other {
+                    free(theirs);
+                    handled[(me as usize + 1) % 2].store(seq, SeqCst);
+                }
+            });
+        }
+    });
+    assert_eq!(done.load(SeqCst), 2);
+    let stats = region.allocator.stats();
+    assert_eq!(
+        successes.load(SeqCst),
+        2 * GRANTS_PER_THREAD,
+        "one success per grant"
+    );
+    assert_eq!(
+        stats.double_frees + stats.stale_frees,
+        2 * GRANTS_PER_THREAD,
+        "one refusal per grant"
+    );
+    if asymmetric {
+        assert!(stats.remote_frees > 0, "no remote free ever won: {stats:?}");
+    }
+    assert_eq!(stats.free_pages, PAGES, "page count conserved");
     let mut pages = HashSet::new();
     while let Some((page, _)) = region.allocator.alloc() {
         assert!(pages.insert(page), "{page} handed out twice");

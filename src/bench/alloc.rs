@@ -21,6 +21,18 @@
 //! states, three locked instructions per pair — in the same run: the
 //! difference to `ours` is what the per-thread magazines buy.
 //!
+//! `ours` is the allocator as the client builds it: each alloc+free pair
+//! makes two uncontended locked instructions (a CAS each), and `alloc` and
+//! `free` never make a system call. `asymmetric_*` measure the opt-in mode
+//! `AllocatorOptions::asymmetric_fences` in the same run: no locked
+//! instruction per pair, paid for by a `membarrier` call on the rare remote
+//! free and steal paths (see the allocator's module docs).
+//! `asymmetric_ns_per_pair` and `asymmetric_cpu_ns_per_pair` are its wall and
+//! CPU time per pair, `asymmetric_ratio` its throughput over the baseline's;
+//! `asymmetric_fences` is 1 if it really ran without locks (0 where the
+//! kernel or a seccomp policy refuses `membarrier`, and then the figures are
+//! the locked path's again).
+//!
 //! The baseline does less work than ours: it tracks no generations and
 //! detects no double free. Targets (issue 2): `threads=1` at most 10 ns per
 //! pair and ratio ≥ 0.9; `threads=2` ratio ≥ 1.5.
@@ -61,6 +73,16 @@ impl Subject {
         Ok(Self::Ours(allocator))
     }
 
+    /// Our allocator with asymmetric fences: owners change page states
+    /// without locked instructions (what that buys is the difference to
+    /// `ours`).
+    pub fn ours_asymmetric(page_count: u32) -> anyhow::Result<Self> {
+        let options = AllocatorOptions::default().asymmetric_fences(true);
+        let allocator = PageAllocator::with_options(page_count, options)
+            .with_context(|| format!("allocator of {page_count} pages"))?;
+        Ok(Self::Ours(allocator))
+    }
+
     /// Our allocator with magazines off: the Treiber stack and the page
     /// states alone (what magazines buy is the difference to `ours`).
     pub fn ours_without_magazines(page_count: u32) -> anyhow::Result<Self> {
@@ -78,15 +100,7 @@ impl Subject {
     /// Runs `pairs` alloc+free pairs on the calling thread.
     pub fn pairs(&self, pairs: u64) -> anyhow::Result<()> {
         match self {
-            Self::Ours(allocator) => {
-                for _ in 0..pairs {
-                    let (page, generation) = allocator
-                        .alloc()
-                        .context("allocator exhausted during the bench")?;
-                    black_box(page);
-                    allocator.free(page, generation)?;
-                }
-            }
+            Self::Ours(allocator) => ours_pairs(allocator, pairs)?,
             Self::Mutex(free) => {
                 for _ in 0..pairs {
                     let page = free
@@ -100,6 +114,20 @@ impl Subject {
         }
         Ok(())
     }
+}
+
+/// The measured loop for our allocator, out of line so that its code is laid
+/// out the same whichever subject ran before it.
+#[inline(never)]
+fn ours_pairs(allocator: &PageAllocator, pairs: u64) -> anyhow::Result<()> {
+    for _ in 0..pairs {
+        let (page, generation) = allocator
+            .alloc()
+            .context("allocator exhausted during the bench")?;
+        black_box(page);
+        allocator.free(page, generation)?;
+    }
+    Ok(())
 }
 
 /// How long a run took.
@@ -202,6 +230,11 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
             Subject::Ours(allocator) => allocator.magazine_pages(),
             Subject::Mutex(_) => 0,
         };
+        let asymmetric_subject = Subject::ours_asymmetric(PAGE_COUNT)?;
+        let asymmetric = match &asymmetric_subject {
+            Subject::Ours(allocator) => allocator.has_asymmetric_fences(),
+            Subject::Mutex(_) => false,
+        };
         let mut subjects = [
             (ours, Samples::with_capacity(args.reps)),
             (
@@ -212,12 +245,13 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
                 Subject::ours_without_magazines(PAGE_COUNT)?,
                 Samples::with_capacity(args.reps),
             ),
+            (asymmetric_subject, Samples::with_capacity(args.reps)),
         ];
         for rep in 0..args.reps {
             // Rotate the order so that no subject always runs on the warmer
             // (or more disturbed) part of the repetition.
             for turn in 0..subjects.len() {
-                let (subject, samples) = &mut subjects[(rep + turn) % 3];
+                let (subject, samples) = &mut subjects[(rep + turn) % 4];
                 let timing = timed_pairs(subject, threads, pairs)?;
                 samples
                     .mpairs_per_s
@@ -228,21 +262,24 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
                     .push(timing.cpu.as_secs_f64() * 1e9 / total_pairs);
             }
         }
-        let [(_, ours), (_, baseline), (_, no_magazines)] = &mut subjects;
+        let [(_, ours), (_, baseline), (_, no_magazines), (_, unlocked)] = &mut subjects;
         let spread = |samples: &[f64]| {
             let min = samples.iter().copied().fold(f64::INFINITY, f64::min);
             let max = samples.iter().copied().fold(0.0, f64::max);
             format!("{min:.1}..{max:.1}")
         };
         reporter.note(&format!(
-            "alloc threads={threads}: Mpairs/s over {} reps: ours {}, mutex {}, no magazines {}",
+            "alloc threads={threads}: Mpairs/s over {} reps: ours {}, mutex {}, no magazines {}, \
+             asymmetric fences {}",
             args.reps,
             spread(&ours.mpairs_per_s),
             spread(&baseline.mpairs_per_s),
             spread(&no_magazines.mpairs_per_s),
+            spread(&unlocked.mpairs_per_s),
         ));
         let ours_median = median(&mut ours.mpairs_per_s);
         let baseline_median = median(&mut baseline.mpairs_per_s);
+        let unlocked_median = median(&mut unlocked.mpairs_per_s);
         let ns_per_pair = |mpairs: f64| threads as f64 * 1e3 / mpairs;
         let record = Record::new(
             "alloc",
@@ -267,6 +304,14 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
             "no_magazines_cpu_ns_per_pair",
             median(&mut no_magazines.cpu_ns_per_pair),
         )
+        .with("asymmetric_mpairs_per_s", unlocked_median)
+        .with("asymmetric_ns_per_pair", ns_per_pair(unlocked_median))
+        .with(
+            "asymmetric_cpu_ns_per_pair",
+            median(&mut unlocked.cpu_ns_per_pair),
+        )
+        .with("asymmetric_ratio", unlocked_median / baseline_median)
+        .with("asymmetric_fences", u64::from(asymmetric))
         .with("page_count", PAGE_COUNT)
         .with("magazine_pages", magazine_pages)
         .with("pairs_per_thread", pairs)
@@ -285,6 +330,7 @@ mod tests {
         for subject in [
             Subject::ours(64).unwrap(),
             Subject::ours_without_magazines(64).unwrap(),
+            Subject::ours_asymmetric(64).unwrap(),
             Subject::mutex(64),
         ] {
             timed_pairs(&subject, 2, 1_000).unwrap();
