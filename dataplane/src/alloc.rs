@@ -63,8 +63,9 @@
 //! Three layers, each with one job:
 //!
 //! - **Page states**, one `AtomicU64` per page: the generation, and where the
-//!   page is — allocated (by thread slot `s`, or by a thread without one), on
-//!   the shared stack, or cached in the magazine of slot `s`. This word is the
+//!   page is — allocated (with asymmetric fences: by thread slot `s`, or by a
+//!   thread without one), on the shared stack, or cached in the magazine of
+//!   slot `s`. This word is the
 //!   ground truth. Every transition that two threads could attempt at once is
 //!   decided on it: `free` moves `(g, allocated by s)` to `(g, free)`, so two
 //!   racing frees of one allocation cannot both win; taking a page out of a
@@ -140,8 +141,12 @@
 //! The heavy barrier turns every `light` into a full fence with respect to
 //! it, so the store-then-load pairs cannot both miss: for any owner
 //! operation, either the owner sees `remote > 0` and uses a CAS — CAS
-//! against CAS is safe — or the remote sees the owner's store. A thief that
-//! sees the shorter length never considers the page being taken. A remote
+//! against CAS is safe — or the remote sees the owner's store (or a later
+//! one). A thief that sees the shorter length never considers the page being
+//! taken. A thief that sees a later length — a free that reused the index
+//! after the take finished — sees the take's state store too, because the
+//! owner stores lengths with Release and the thief loads them with Acquire;
+//! its CAS on a stale entry for the taken page then fails. A remote
 //! free that sees `busy == free_intent(page, g)` for its own grant knows the
 //! owner is freeing the same grant right now and refuses its own free as the
 //! double free; a `busy` naming anything else means the owner's in-flight
@@ -174,9 +179,10 @@
 //!   and builds the default, locked allocator instead;
 //!   [`PageAllocator::has_asymmetric_fences`] says which one it built.
 //! - A child forked after the parent registered for membarrier is
-//!   registered again on its first heavy barrier. If the call fails after it
-//!   had worked (a seccomp filter installed later), the process aborts with
-//!   a message: going on could hand one page to two holders.
+//!   registered again on its first heavy barrier; a transient ENOMEM is
+//!   retried. If the call keeps failing after it had worked (a seccomp
+//!   filter installed later), the process aborts with a message: going on
+//!   could hand one page to two holders.
 //! - `busy` and `remote` share the magazine's cache line, which only the
 //!   owner writes in steady state; remotes write `remote`, rarely.
 //!
@@ -259,8 +265,9 @@
 //! # Costs and limits
 //!
 //! alloc and free never block, never take a lock and never allocate memory;
-//! they make no system call (with asymmetric fences: except the heavy barrier
-//! of a steal scan or of a free of a page another thread allocated). Page
+//! they make no system call. (With asymmetric fences, a steal scan and a free
+//! of a page another thread allocated make one `membarrier` call, which the
+//! kernel serialises per process, so it can wait briefly in the kernel.) Page
 //! arrays (12 bytes per page) and magazines (24 KiB per allocator when
 //! on: 64 slots × 384 bytes) are allocated once, in
 //! [`PageAllocator::with_options`]. The one exception is a thread's first
@@ -306,9 +313,10 @@ const _: () = assert!(MAX_THREAD_SLOTS <= 64);
 /// Page state word: the generation in the low 32 bits; bit 32 "allocated";
 /// bits 40.. a thread slot + 1 (0: none). For a free page the slot is the
 /// one whose magazine caches it; a free page with no slot is on the shared
-/// stack. For an allocated page it is the slot of the thread that allocated
-/// it, which may free it without a locked instruction (see *The owner's
-/// fast path*); 0 when a thread without a slot allocated it.
+/// stack. For an allocated page, with asymmetric fences, it is the slot of
+/// the thread that allocated it, which may free it without a locked
+/// instruction (see *The owner's fast path*); 0 when a thread without a slot
+/// allocated it, and always 0 without asymmetric fences (`Shared::holder`).
 const ALLOCATED: u64 = 1 << 32;
 const SLOT_SHIFT: u32 = 40;
 
@@ -538,6 +546,10 @@ struct Stack {
 /// `busy`; other threads read them to steal or to free a page the owner
 /// allocated, and announce themselves in `remote` (see the module docs).
 struct Magazine {
+    /// Live entries, `pages[..len]`. Stored by the owner with Release and
+    /// read by thieves with Acquire, so that a thief that sees a length also
+    /// sees the page-state changes the owner made before writing it (see
+    /// `steal`).
     len: AtomicU32,
     /// Entries in `pages[..len]` whose page a thief took: thieves add one
     /// per theft, the owner subtracts one per stale entry it drops.
@@ -691,11 +703,12 @@ impl PageAllocator {
         // Fast path, inlined into the caller: a non-empty magazine whose top
         // entry was not stolen.
         if let Some((slot, magazine)) = shared.my_magazine() {
-            // Relaxed: only this thread writes its magazine (see `Magazine`).
+            // Relaxed loads: only this thread writes its magazine (see
+            // `Magazine`; the length store is Release for thieves).
             let len = magazine.len.load(Relaxed);
             if len > 0 {
                 let top = magazine.pages[len as usize - 1].load(Relaxed);
-                magazine.len.store(len - 1, Relaxed);
+                magazine.len.store(len - 1, Release);
                 if let Some(grant) = shared.take_own(slot, magazine, top) {
                     return Some(grant);
                 }
@@ -762,17 +775,18 @@ impl PageAllocator {
             word,
             page.0,
             generation.0,
-            allocated(generation.0, Some(slot)),
+            allocated(generation.0, shared.holder(Some(slot))),
             cached(generation.0, slot),
         );
         if !done {
             return shared.free_slow(page, generation, Some((slot, magazine)));
         }
-        // Relaxed: only this thread writes its magazine.
+        // Relaxed loads: only this thread writes its magazine (the length
+        // store is Release for thieves, see `Magazine::len`).
         let len = magazine.len.load(Relaxed);
         if len < shared.magazine_pages {
             magazine.pages[len as usize].store(entry(page.0, generation.0), Relaxed);
-            magazine.len.store(len + 1, Relaxed);
+            magazine.len.store(len + 1, Release);
         } else {
             shared.magazine_push_full(slot, magazine, page.0, generation.0);
         }
@@ -864,6 +878,15 @@ fn seeded_initial_generation() -> Generation {
 }
 
 impl Shared {
+    /// The slot an allocated state records for a page allocated by `slot`:
+    /// with asymmetric fences that slot, which may then free the page
+    /// without a locked instruction; otherwise none, so that every free,
+    /// from whichever thread, is one CAS from the same value.
+    #[inline(always)]
+    fn holder(&self, slot: Option<usize>) -> Option<usize> {
+        if self.asymmetric { slot } else { None }
+    }
+
     /// This thread's slot and magazine, if magazines are on and the thread
     /// has a slot.
     #[inline]
@@ -943,7 +966,7 @@ impl Shared {
         let generation = entry_generation(entry);
         let next = next_generation(generation);
         let expected = cached(generation, slot);
-        let taken = allocated(next, Some(slot));
+        let taken = allocated(next, self.holder(Some(slot)));
         let done = if self.asymmetric {
             self.owner_take(magazine, word, expected, taken)
         } else {
@@ -1003,7 +1026,7 @@ impl Shared {
         // reads nothing through the page.
         word.compare_exchange(
             cached(generation, slot),
-            allocated(next, me),
+            allocated(next, self.holder(me)),
             Acquire,
             Relaxed,
         )
@@ -1109,11 +1132,12 @@ impl Shared {
         }
         match mine {
             Some((slot, magazine)) => {
-                // Relaxed: only this thread writes its magazine.
+                // Relaxed loads: only this thread writes its magazine (the
+                // length store is Release for thieves).
                 let len = magazine.len.load(Relaxed);
                 if len < self.magazine_pages {
                     magazine.pages[len as usize].store(entry(page.0, g), Relaxed);
-                    magazine.len.store(len + 1, Relaxed);
+                    magazine.len.store(len + 1, Release);
                 } else {
                     self.magazine_push_full(slot, magazine, page.0, g);
                 }
@@ -1184,7 +1208,8 @@ impl Shared {
         // Bounded: each turn consumes an entry or refills, and at most
         // `magazine_pages` entries exist before and after the one refill.
         loop {
-            // Relaxed on the magazine: only this thread writes it.
+            // Relaxed loads of the magazine: only this thread writes it
+            // (length stores are Release for thieves).
             let len = magazine.len.load(Relaxed);
             if len == 0 {
                 if refilled || self.refill(slot, magazine) == 0 {
@@ -1194,7 +1219,7 @@ impl Shared {
                 continue;
             }
             let top = magazine.pages[len as usize - 1].load(Relaxed);
-            magazine.len.store(len - 1, Relaxed);
+            magazine.len.store(len - 1, Release);
             if let Some(grant) = self.take_own(slot, magazine, top) {
                 return Some(grant);
             }
@@ -1225,7 +1250,7 @@ impl Shared {
             word.store(cached(generation, slot), Release);
             magazine.pages[i].store(entry(page, generation), Relaxed);
         }
-        magazine.len.store(count, Relaxed);
+        magazine.len.store(count, Release);
         count
     }
 
@@ -1234,7 +1259,8 @@ impl Shared {
     #[cold]
     #[inline(never)]
     fn magazine_push_full(&self, slot: usize, magazine: &Magazine, page: u32, generation: u32) {
-        // Relaxed on the magazine: owner-only data, as in `magazine_pop`.
+        // Relaxed loads of the magazine: owner-only data, as in
+        // `magazine_pop`.
         let len = magazine.len.load(Relaxed);
         debug_assert_eq!(len, self.magazine_pages);
         let spill = (self.magazine_pages / 2).max(1);
@@ -1245,17 +1271,17 @@ impl Shared {
         }
         let len = len - spill;
         magazine.pages[len as usize].store(entry(page, generation), Relaxed);
-        magazine.len.store(len + 1, Relaxed);
+        magazine.len.store(len + 1, Release);
     }
 
     /// Moves the whole magazine of `slot` onto the shared stack. Called by
     /// the slot's owner only.
     fn magazine_flush(&self, slot: usize, magazine: &Magazine) {
-        // Relaxed: owner-only data, as in `magazine_pop`.
+        // Relaxed load: owner-only data, as in `magazine_pop`.
         let len = magazine.len.load(Relaxed);
         if len > 0 {
             self.spill_prefix(slot, magazine, len);
-            magazine.len.store(0, Relaxed);
+            magazine.len.store(0, Release);
         }
     }
 
@@ -1333,13 +1359,17 @@ impl Shared {
             let slot = remaining.trailing_zeros() as usize;
             remaining &= remaining - 1;
             let magazine = &*self.magazines[slot];
-            // Relaxed: the length and entries only nominate candidates; the
-            // CAS in `take_cached` decides (see the module docs). The owner
-            // may be taking a page with a plain load and store right now: it
-            // removed the page's entry before its light fence, so after our
-            // heavy barrier either this load no longer counts that entry or
-            // the owner saw our announcement and takes by CAS.
-            let len = magazine.len.load(Relaxed).min(self.magazine_pages);
+            // The length and entries only nominate candidates; the CAS in
+            // `take_cached` decides (see the module docs). With asymmetric
+            // fences the owner may be taking a page with a plain load and
+            // store right now: it removed the page's entry before its light
+            // fence, so after our heavy barrier either this load no longer
+            // counts that entry or the owner saw our announcement and takes
+            // by CAS. Acquire, against the owner's Release length stores: a
+            // length written after a finished plain take (by a later free
+            // that reuses the index) brings that take's state store with it,
+            // so a stale entry for the taken page fails our CAS.
+            let len = magazine.len.load(Acquire).min(self.magazine_pages);
             for i in (0..len as usize).rev() {
                 let candidate = magazine.pages[i].load(Relaxed);
                 let still_cached = self
@@ -2294,6 +2324,39 @@ mod loom_models {
                 "{loser:?}"
             );
             free_all(&pool, [again]);
+            pool.assert_all_free();
+        });
+    }
+
+    /// The owner takes the only entry of its magazine with a plain store and
+    /// at once frees another page into the same index, while a thief scans
+    /// the magazine: whichever length the thief reads, it never gets the
+    /// page the owner just took (it may get that page before the owner
+    /// does, or the one just freed). Loom cannot catch the ordering this
+    /// relies on being too weak (Relaxed lengths pass here too: its
+    /// read-modify-writes always read the newest value); the argument for
+    /// the Release/Acquire lengths is in `steal`. The model checks the
+    /// sequence itself.
+    #[test]
+    fn loom_a_thief_reading_a_regrown_length_never_takes_the_page_just_taken() {
+        loom::model(|| {
+            let pool = Pool::with_magazines(3, 2, true);
+            let [a, b, c] = [pool.take(0), pool.take(0), pool.take(0)].map(Option::unwrap);
+            // The magazine holds [a]; b and c are held; the stack is empty.
+            pool.allocator.free(a.0, a.1).unwrap();
+            let thief = {
+                let pool = Arc::clone(&pool);
+                thread::spawn(move || pool.take(1))
+            };
+            // `None` if the thief stole `a` first.
+            let again = pool.take(0);
+            pool.allocator.free(b.0, b.1).unwrap();
+            let stolen = thief.join().unwrap();
+            if let Some((page, _)) = again {
+                assert_eq!(page, a.0);
+                assert_ne!(stolen.map(|grant| grant.0), Some(a.0));
+            }
+            free_all(&pool, [again, stolen, Some(c)]);
             pool.assert_all_free();
         });
     }

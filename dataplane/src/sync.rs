@@ -161,31 +161,50 @@ pub(crate) mod asymmetric {
     ///
     /// Costs a system call: ~0.2 µs when no other thread of the process is
     /// running, a few µs when some are (an inter-processor interrupt each).
-    /// Call only after [`available`] returned true.
+    /// The kernel serialises expedited membarriers of a process, so a call
+    /// can wait briefly for another one. Call only after [`available`]
+    /// returned true.
     #[cfg(not(loom))]
     pub(crate) fn heavy() {
-        if membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0 {
-            return;
-        }
-        // EPERM: this process is not registered — a child forked after the
-        // parent registered (registration is per address space). Register
-        // and retry once.
-        if membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0
-            && membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0
-        {
-            return;
+        // Bounded: ENOMEM (the kernel could not allocate the CPU mask) is
+        // transient and retried; EPERM means this process is not registered
+        // — a child forked after the parent registered (registration is per
+        // address space) — and is fixed by registering. Anything else, or a
+        // failure that persists, cannot be worked around.
+        let mut last = None;
+        for _ in 0..HEAVY_ATTEMPTS {
+            if membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0 {
+                return;
+            }
+            let error = std::io::Error::last_os_error();
+            match error.raw_os_error() {
+                Some(libc::ENOMEM) => std::thread::yield_now(),
+                Some(libc::EPERM) => {
+                    membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED);
+                }
+                _ => {
+                    last = Some(error);
+                    break;
+                }
+            }
+            last = Some(error);
         }
         // `available` succeeded earlier, so only a seccomp filter installed
-        // since can get here. Going on would let a plain store race a CAS on
-        // a page state, which can hand one page to two holders; stopping is
-        // the only safe choice left.
-        let error = std::io::Error::last_os_error();
+        // since (or a kernel that keeps running out of memory) gets here.
+        // Going on would let a plain store race a CAS on a page state, which
+        // can hand one page to two holders; stopping is the only safe choice
+        // left.
         eprintln!(
-            "cxlkv: membarrier(PRIVATE_EXPEDITED) failed after it had worked ({error}); \
-             the page allocator cannot order its lock-free fast path any more, aborting"
+            "cxlkv: membarrier(PRIVATE_EXPEDITED) failed after it had worked ({}); \
+             the page allocator cannot order its lock-free fast path any more, aborting",
+            last.map_or_else(|| "no error".to_owned(), |e| e.to_string())
         );
         std::process::abort();
     }
+
+    /// How often [`heavy`] tries before it gives up.
+    #[cfg(not(loom))]
+    const HEAVY_ATTEMPTS: usize = 16;
 
     #[cfg(loom)]
     pub(crate) fn heavy() {
@@ -201,7 +220,7 @@ pub(crate) mod asymmetric {
         *AVAILABLE.get_or_init(|| {
             let supported = membarrier(MEMBARRIER_CMD_QUERY);
             supported >= 0
-                && supported & i64::from(MEMBARRIER_CMD_PRIVATE_EXPEDITED) != 0
+                && supported & libc::c_long::from(MEMBARRIER_CMD_PRIVATE_EXPEDITED) != 0
                 && membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0
                 && membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0
         })
@@ -222,7 +241,7 @@ pub(crate) mod asymmetric {
     const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: libc::c_int = 1 << 4;
 
     #[cfg(not(loom))]
-    fn membarrier(cmd: libc::c_int) -> i64 {
+    fn membarrier(cmd: libc::c_int) -> libc::c_long {
         // SAFETY: membarrier(cmd, flags = 0, cpu_id = 0) reads and writes no
         // memory of ours; an unsupported command fails with EINVAL.
         unsafe {

@@ -446,9 +446,17 @@ fn racing_double_frees(asymmetric: bool) {
                         // Let the other thread's remote free go first (and
                         // win), serving our own mailbox meanwhile so that
                         // two waiting threads cannot deadlock.
+                        let mut spins = 0u32;
                         while handled[me as usize % 2].load(SeqCst) < seq {
                             drain(&from_other);
-                            std::hint::spin_loop();
+                            spins += 1;
+                            if spins.is_multiple_of(64) {
+                                // Lets the other thread run if it shares our
+                                // CPU.
+                                std::thread::yield_now();
+                            } else {
+                                std::hint::spin_loop();
+                            }
                         }
                     } else {
                         // Race it: free after a short random pause.
