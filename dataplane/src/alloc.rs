@@ -87,8 +87,9 @@
 //! - **Per-thread magazines**: a thread that allocates or frees gets a slot
 //!   (one of [`MAX_THREAD_SLOTS`], process-wide); each allocator holds one
 //!   magazine (a small array of `(page, generation)` entries) per slot, whose
-//!   array and length only the slot's owner writes, with plain relaxed loads
-//!   and stores. An entry is a claim to check, not a page owned: the page
+//!   array and length only the slot's owner writes, with plain loads and
+//!   stores (the length stores Release, for thieves). An entry is a claim to
+//!   check, not a page owned: the page
 //!   state decides (see *Stealing*). In steady state an alloc+free pair is a
 //!   thread-local load (the slot index), the magazine accesses and two
 //!   uncontended CAS on a page-state word the thread has in its cache
@@ -155,7 +156,7 @@
 //! the grant it names is then free already, so refusing is right. Once a
 //! remote has taken its one back, an owner that reads the lower count
 //! (Acquire, against the Release decrement) also sees the remote's CAS, so
-//! its plain load cannot miss it. The loom models check exactly this, with
+//! its plain load cannot miss it. The loom models check the handshake, with
 //! both fences modelled as `fence(SeqCst)` — which is the ordering
 //! `membarrier` provides — and fail when any one of the four fences, the
 //! announcement or the intent check is removed; the stress test
@@ -200,8 +201,8 @@
 //! 1. with asymmetric fences only: announce itself to every slot whose
 //!    magazine is not empty and run one heavy barrier (see *The owner's fast
 //!    path*);
-//! 2. read the victim magazine's length and entries with relaxed loads — they
-//!    may be changing under the owner's hands, and may be stale;
+//! 2. read the victim magazine's length (Acquire) and entries (Relaxed) —
+//!    they may be changing under the owner's hands, and may be stale;
 //! 3. for an entry `(p, g)` of slot `s`, CAS `p`'s state from
 //!    `(g, cached by s)` to `(g + 1, allocated)`. Success means the page was
 //!    cached in exactly that magazine at exactly that generation, and is now
@@ -239,9 +240,11 @@
 //! plain take needs no Acquire: every writer of "cached by s" is the slot's
 //! own thread (or its previous owner, see *Thread slots*). The spill's CAS to the stack state
 //! is Relaxed: the stack push's Release CAS publishes it and the links
-//! together, as for every page pushed. Entries, lengths and `stolen` are read
-//! Relaxed by thieves: they only nominate candidates and count; the CAS
-//! decides.
+//! together, as for every page pushed. Entries and `stolen` are read Relaxed
+//! by thieves: they only nominate candidates and count; the CAS decides. The
+//! length a thief scans by is read Acquire, against the owner's Release
+//! length stores: with asymmetric fences a length written after a plain take
+//! must bring that take's state store with it (see `steal`).
 //!
 //! # Thread slots, and thread exit
 //!
@@ -266,8 +269,9 @@
 //!
 //! alloc and free never block, never take a lock and never allocate memory;
 //! they make no system call. (With asymmetric fences, a steal scan and a free
-//! of a page another thread allocated make one `membarrier` call, which the
-//! kernel serialises per process, so it can wait briefly in the kernel.) Page
+//! of a page another thread allocated make one `membarrier` call, which Linux
+//! 6.8 and later (and stable backports) serialise system-wide, so it can wait
+//! briefly in the kernel for other processes' calls.) Page
 //! arrays (12 bytes per page) and magazines (24 KiB per allocator when
 //! on: 64 slots × 384 bytes) are allocated once, in
 //! [`PageAllocator::with_options`]. The one exception is a thread's first
@@ -755,9 +759,9 @@ impl PageAllocator {
     /// Returns `page` if `generation` is its current, allocated generation;
     /// otherwise rejects the free (and counts it) without changing anything.
     ///
-    /// One uncontended CAS when the calling thread allocated the page; no
-    /// locked instruction at all with asymmetric fences, where a page another
-    /// thread allocated costs a heavy barrier instead (a `membarrier` system
+    /// One uncontended CAS by default; with asymmetric fences no locked
+    /// instruction at all when the calling thread allocated the page, while
+    /// a page another thread allocated costs a heavy barrier instead (a `membarrier` system
     /// call of ~0.2–3 µs; see *The owner's fast path*).
     #[inline(always)]
     pub fn free(&self, page: PageIndex, generation: Generation) -> Result<(), FreeError> {

@@ -161,8 +161,9 @@ pub(crate) mod asymmetric {
     ///
     /// Costs a system call: ~0.2 µs when no other thread of the process is
     /// running, a few µs when some are (an inter-processor interrupt each).
-    /// The kernel serialises expedited membarriers of a process, so a call
-    /// can wait briefly for another one. Call only after [`available`]
+    /// Linux 6.8 and later (and stable backports) serialise expedited
+    /// membarriers system-wide, so a call can wait briefly for another
+    /// process's. Call only after [`available`]
     /// returned true.
     #[cfg(not(loom))]
     pub(crate) fn heavy() {

@@ -449,7 +449,7 @@ fn racing_double_frees(asymmetric: bool) {
                         let mut spins = 0u32;
                         while handled[me as usize % 2].load(SeqCst) < seq {
                             drain(&from_other);
-                            spins += 1;
+                            spins = spins.wrapping_add(1);
                             if spins.is_multiple_of(64) {
                                 // Lets the other thread run if it shares our
                                 // CPU.
