@@ -163,8 +163,7 @@ pub(crate) mod asymmetric {
     /// running, a few µs when some are (an inter-processor interrupt each).
     /// Linux 6.8 and later (and stable backports) serialise expedited
     /// membarriers system-wide, so a call can wait briefly for another
-    /// process's. Call only after [`available`]
-    /// returned true.
+    /// process's. Call only after [`available`] returned true.
     #[cfg(not(loom))]
     pub(crate) fn heavy() {
         // Bounded: ENOMEM (the kernel could not allocate the CPU mask) is

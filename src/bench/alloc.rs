@@ -251,7 +251,8 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
             // Rotate the order so that no subject always runs on the warmer
             // (or more disturbed) part of the repetition.
             for turn in 0..subjects.len() {
-                let (subject, samples) = &mut subjects[(rep + turn) % 4];
+                let count = subjects.len();
+                let (subject, samples) = &mut subjects[(rep + turn) % count];
                 let timing = timed_pairs(subject, threads, pairs)?;
                 samples
                     .mpairs_per_s
