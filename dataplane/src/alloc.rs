@@ -785,15 +785,7 @@ impl PageAllocator {
         if !done {
             return shared.free_slow(page, generation, Some((slot, magazine)));
         }
-        // Relaxed loads: only this thread writes its magazine (the length
-        // store is Release for thieves, see `Magazine::len`).
-        let len = magazine.len.load(Relaxed);
-        if len < shared.magazine_pages {
-            magazine.pages[len as usize].store(entry(page.0, generation.0), Relaxed);
-            magazine.len.store(len + 1, Release);
-        } else {
-            shared.magazine_push_full(slot, magazine, page.0, generation.0);
-        }
+        shared.magazine_push(slot, magazine, page.0, generation.0);
         Ok(())
     }
 
@@ -1135,17 +1127,7 @@ impl Shared {
             return Err(self.reject(page, generation, actual));
         }
         match mine {
-            Some((slot, magazine)) => {
-                // Relaxed loads: only this thread writes its magazine (the
-                // length store is Release for thieves).
-                let len = magazine.len.load(Relaxed);
-                if len < self.magazine_pages {
-                    magazine.pages[len as usize].store(entry(page.0, g), Relaxed);
-                    magazine.len.store(len + 1, Release);
-                } else {
-                    self.magazine_push_full(slot, magazine, page.0, g);
-                }
-            }
+            Some((slot, magazine)) => self.magazine_push(slot, magazine, page.0, g),
             None => self.stack_push_chain(page.0, page.0, 1),
         }
         Ok(())
@@ -1256,6 +1238,21 @@ impl Shared {
         }
         magazine.len.store(count, Release);
         count
+    }
+
+    /// Records a page just cached under `slot` (its state already says so)
+    /// in the slot's magazine, spilling the older half first when it is full.
+    #[inline(always)]
+    fn magazine_push(&self, slot: usize, magazine: &Magazine, page: u32, generation: u32) {
+        // Relaxed loads: only this thread writes its magazine (the length
+        // store is Release for thieves, see `Magazine::len`).
+        let len = magazine.len.load(Relaxed);
+        if len < self.magazine_pages {
+            magazine.pages[len as usize].store(entry(page, generation), Relaxed);
+            magazine.len.store(len + 1, Release);
+        } else {
+            self.magazine_push_full(slot, magazine, page, generation);
+        }
     }
 
     /// `free` of a page already cached under `slot` when the magazine is

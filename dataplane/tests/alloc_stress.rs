@@ -22,6 +22,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
 
 use cxlkv_dataplane::alloc::{AllocatorOptions, FreeError, PageAllocator};
 use cxlkv_dataplane::ids::{Generation, PageIndex, RegionId};
@@ -40,6 +41,16 @@ struct Lives {
     /// 0 = never created, 1 = live, 2 = dropped.
     state: Vec<AtomicU32>,
     drops: AtomicUsize,
+}
+
+impl Lives {
+    /// Room for regions `0..regions`, none created yet.
+    fn new(regions: usize) -> Arc<Self> {
+        Arc::new(Self {
+            state: (0..regions).map(|_| AtomicU32::new(0)).collect(),
+            drops: AtomicUsize::new(0),
+        })
+    }
 }
 
 struct Region {
@@ -161,10 +172,7 @@ fn worker(table: &RegionTable<Region>, me: u32, rejected: &AtomicU64) {
 
 #[test]
 fn threads_on_one_region_never_share_a_page_and_lose_none_while_regions_churn() {
-    let lives = Arc::new(Lives {
-        state: (0..=CHURN_REGIONS).map(|_| AtomicU32::new(0)).collect(),
-        drops: AtomicUsize::new(0),
-    });
+    let lives = Lives::new(CHURN_REGIONS as usize + 1);
     let table = RegionTable::new();
     assert!(
         table
@@ -287,10 +295,7 @@ fn oversubscribed(asymmetric: bool) {
     const WANT: usize = 16;
     /// Most repetitions of the whole round (see below).
     const ROUNDS: usize = 20;
-    let lives = Arc::new(Lives {
-        state: (0..1).map(|_| AtomicU32::new(0)).collect(),
-        drops: AtomicUsize::new(0),
-    });
+    let lives = Lives::new(1);
     let region = Region::with_fences(MAIN, PAGES, &lives, asymmetric);
     let misses = AtomicU64::new(0);
     // The threads fill up to their share behind a barrier, so the region is
@@ -395,10 +400,7 @@ fn racing_frees_of_the_same_grants_on_two_threads_succeed_once_each() {
 fn racing_double_frees(asymmetric: bool) {
     const PAGES: u32 = 128;
     const GRANTS_PER_THREAD: u64 = 20_000;
-    let lives = Arc::new(Lives {
-        state: (0..1).map(|_| AtomicU32::new(0)).collect(),
-        drops: AtomicUsize::new(0),
-    });
+    let lives = Lives::new(1);
     let region = Region::with_fences(MAIN, PAGES, &lives, asymmetric);
     if asymmetric && !region.allocator.has_asymmetric_fences() {
         eprintln!("skipped: membarrier(2) is unavailable here, so are asymmetric fences");
@@ -446,8 +448,15 @@ fn racing_double_frees(asymmetric: bool) {
                         // Let the other thread's remote free go first (and
                         // win), serving our own mailbox meanwhile so that
                         // two waiting threads cannot deadlock.
+                        // Bounded: a peer that died (panicked) stops
+                        // serving, and this test must fail, not hang.
+                        let deadline = Instant::now() + Duration::from_secs(60);
                         let mut spins = 0u32;
                         while handled[me as usize % 2].load(SeqCst) < seq {
+                            assert!(
+                                Instant::now() < deadline,
+                                "the other thread stopped freeing what it was handed"
+                            );
                             drain(&from_other);
                             spins = spins.wrapping_add(1);
                             if spins.is_multiple_of(64) {
