@@ -126,12 +126,18 @@ pub(crate) fn run<H: Handler>(
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
     let spin = Duration::from_micros(u64::from(core.cfg.io.spin_us));
     let mut last_activity = Instant::now();
+    // The last turn did work: the spin window starts at this turn's clock
+    // reading, after that work (a long request does not shorten it).
+    let mut busy = false;
     let mut spinner = Spinner::default();
     loop {
         if stop_requested(&core.shared) {
             break;
         }
         let now = Instant::now();
+        if busy {
+            last_activity = now;
+        }
         let asleep = now.duration_since(last_activity) >= spin && core.prepare_sleep();
         let timeout = if asleep {
             core.next_timer().map(|t| t.saturating_duration_since(now))
@@ -161,9 +167,8 @@ pub(crate) fn run<H: Handler>(
         }
         let flushed = driver.flush_dirty(core);
         driver.teardown(core);
-        if n > 0 || had_work || flushed {
-            last_activity = now;
-        } else if !asleep {
+        busy = n > 0 || had_work || flushed;
+        if !busy && !asleep {
             spinner.pause(now);
         }
     }

@@ -350,6 +350,9 @@ pub(crate) fn run<H: Handler>(
     d.arm_wake(core)?;
     let spin = Duration::from_micros(u64::from(io_cfg.spin_us));
     let mut last_activity = Instant::now();
+    // The last turn did work: the spin window starts at this turn's clock
+    // reading, after that work (a long request does not shorten it).
+    let mut busy = false;
     let mut spinner = Spinner::default();
     let mut cqes: Vec<cqueue::Entry> = Vec::with_capacity(io_cfg.ring_entries as usize * 2);
     loop {
@@ -359,6 +362,9 @@ pub(crate) fn run<H: Handler>(
         cqes.clear();
         cqes.extend(d.ring.completion());
         let now = Instant::now();
+        if busy {
+            last_activity = now;
+        }
         for cqe in &cqes {
             d.on_cqe(core, listeners, cqe, now)?;
         }
@@ -372,8 +378,8 @@ pub(crate) fn run<H: Handler>(
         if !d.ring.submission().is_empty() {
             d.submit()?;
         }
-        if !cqes.is_empty() || had_work || sent {
-            last_activity = now;
+        busy = !cqes.is_empty() || had_work || sent;
+        if busy {
             continue;
         }
         if now.duration_since(last_activity) < spin {
