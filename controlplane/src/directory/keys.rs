@@ -142,17 +142,20 @@ impl KeyIndex {
 
     /// [`find`](Self::find) for a batch of keys of one layout (`hashes[i]`
     /// is key `i`'s hash): pushes each key's slot, or [`NIL`], onto `out`
-    /// (cleared first). The same answers, in three passes so that the cache
+    /// (cleared first). The same answers, in four passes so that the cache
     /// misses of a batch overlap instead of following one another: each
-    /// key's first candidate bucket, its entry prefetched; the cached hashes
-    /// checked, the key bytes prefetched; the key bytes compared. A key whose
-    /// first candidate is not it (a 7-bit tag collision) takes the plain
-    /// `find`.
+    /// key's first candidate bucket (control bytes), its slot number
+    /// prefetched; the slot numbers read, each entry prefetched; the cached
+    /// hashes checked, the key bytes prefetched; the key bytes compared. A
+    /// key whose first candidate is not it (a 7-bit tag collision) takes the
+    /// plain `find`.
     ///
-    /// Why: a key costs several dependent cache misses (bucket, entry, key
-    /// bytes) once the index outgrows the caches and requests come in
-    /// another order than registrations; one key after another they
-    /// dominated `exists` and `lookup`.
+    /// Why: a key costs several dependent cache misses (control bytes, slot
+    /// number, entry, key bytes) once the index outgrows the caches and
+    /// requests come in another order than registrations; one key after
+    /// another they dominated `exists` and `lookup`. The slot number's miss
+    /// was the hottest instruction of the server's batched probe until it
+    /// got a pass of its own (`docs/benchmarks.md`, session 8).
     pub fn find_batch<'k>(
         &self,
         layout: u32,
@@ -166,14 +169,20 @@ impl KeyIndex {
         out.clear();
         for hs in hashes.chunks(WINDOW) {
             let base = out.len();
-            for &h in hs {
-                // The first bucket with the key's tag (what `find` would
-                // compare first), its entry prefetched.
-                let c = self
-                    .table
-                    .find(table_hash(h), |_| true)
-                    .copied()
-                    .unwrap_or(NIL);
+            // The first bucket with each key's tag (what `find` would
+            // compare first): the table's control bytes say which, and the
+            // slot number it holds is prefetched, not read (the closure
+            // ignores it), so that these misses overlap too.
+            let mut first: [Option<&u32>; WINDOW] = [None; WINDOW];
+            for (f, &h) in first.iter_mut().zip(hs) {
+                *f = self.table.find(table_hash(h), |_| true);
+                if let Some(slot) = *f {
+                    prefetch(slot);
+                }
+            }
+            // The slot numbers, each one's entry prefetched.
+            for f in &first[..hs.len()] {
+                let c = f.copied().unwrap_or(NIL);
                 if c != NIL {
                     prefetch(&self.entries[c as usize]);
                 }
