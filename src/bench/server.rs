@@ -19,11 +19,10 @@
 //! ours, like the raw baseline's server, is still polling when the next
 //! call arrives instead of having gone to sleep (`Windows`). `lookup` takes
 //! one pin per key; the matching `Unpin` follows each call **outside** the
-//! timed section, so every
-//! timed lookup starts from the same state (no pins held) and pays for
-//! taking its pins, as a reader that pins, reads and unpins does. Mutating
-//! requests say `replies_received_below = seq`, as a client that has all its
-//! replies does, so the reply cache stays small.
+//! timed section, so every timed lookup starts from the same state (no pins
+//! held) and pays for taking its pins, as a reader that pins, reads and
+//! unpins does. Mutating requests say `replies_received_below = seq`, as a
+//! client that has all its replies does, so the reply cache stays small.
 //!
 //! **Baseline.** A forked child that busy-polls a Unix socket and answers
 //! every request of our request's wire size with our reply's wire size; the
@@ -217,10 +216,12 @@ pub(super) fn populate(c: &mut Client, keys: usize) -> anyhow::Result<()> {
 
 /// The keys of every call's window, built before any call is timed: call
 /// `i` asks for keys `start..start + batch` with `start = i * batch mod
-/// (KEYS - batch)`, which repeats after `period` calls. Building a window's
-/// 512 keys takes ~150 µs, which between two calls would leave the server
-/// idle past its spin window (`IoConfig::spin_us`) so that every call paid
-/// its wake-up, while the raw baseline's server never sleeps (module docs).
+/// (KEYS - batch)`, which repeats after `(KEYS - batch) / gcd(batch, KEYS -
+/// batch)` calls. Building a window's 512 keys takes ~150 µs, which between
+/// two calls left the server idle past its spin window
+/// (`IoConfig::spin_us`), so that most calls paid its wake-up, while the
+/// raw baseline's server never sleeps (module docs; `docs/benchmarks.md`,
+/// session 8).
 struct Windows {
     keys: Vec<Vec<Vec<u8>>>,
 }
