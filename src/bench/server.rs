@@ -481,3 +481,30 @@ pub fn run_exists(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
 pub fn run_lookup(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     run_op(args, r, Op::Lookup)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_call_gets_its_own_window_of_keys_and_lending_them_loses_none() {
+        for batch in BATCHES {
+            let span = KEYS - batch;
+            let mut windows = Windows::new(batch);
+            // Two full periods and a bit: every call's keys are the range
+            // the call number names, whichever window serves it.
+            for i in 0..2 * windows.keys.len() + 3 {
+                let keys = windows.take(i);
+                let start = i * batch % span;
+                assert_eq!(keys.len(), batch, "batch {batch}, call {i}");
+                assert_eq!(keys[0], key(start), "batch {batch}, call {i}");
+                assert_eq!(
+                    keys[batch - 1],
+                    key(start + batch - 1),
+                    "batch {batch}, call {i}"
+                );
+                windows.put_back(i, keys);
+            }
+        }
+    }
+}
