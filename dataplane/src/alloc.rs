@@ -65,16 +65,16 @@
 //! - **Page states**, one `AtomicU64` per page: the generation, and where the
 //!   page is — allocated (with asymmetric fences: by thread slot `s`, or by a
 //!   thread without one), on the shared stack, or cached in the magazine of
-//!   slot `s`. This word is the
-//!   ground truth. Every transition that two threads could attempt at once is
-//!   decided on it: `free` moves `(g, allocated by s)` to `(g, free)`, so two
-//!   racing frees of one allocation cannot both win; taking a page out of a
-//!   magazine — by its owner or by a thief — moves `(g, cached by s)` to
-//!   `(g + 1, allocated)`, so the owner and a thief cannot both win either.
-//!   These moves are compare-and-swaps — except, in the opt-in mode of *The
-//!   owner's fast path*, the slot's own thread's, which are plain loads and
-//!   stores made sound by a handshake. A page popped off the shared stack is
-//!   held exclusively by the popper and changes state with a plain store.
+//!   slot `s`. This word is the ground truth. Every transition that two
+//!   threads could attempt at once is decided on it: `free` moves
+//!   `(g, allocated by s)` to `(g, free)`, so two racing frees of one
+//!   allocation cannot both win; taking a page out of a magazine — by its
+//!   owner or by a thief — moves `(g, cached by s)` to `(g + 1, allocated)`, so the owner
+//!   and a thief cannot both win either. These moves are compare-and-swaps —
+//!   except, in the opt-in mode of *The owner's fast path*, the slot's own
+//!   thread's, which are plain loads and stores made sound by a handshake. A
+//!   page popped off the shared stack is held exclusively by the popper and
+//!   changes state with a plain store.
 //! - **A shared free list**: an index-linked Treiber stack (`next[page]`
 //!   links) with a 64-bit head of 24 bits of top index and a 40-bit ABA tag
 //!   bumped by every push and pop. Pops and pushes move whole chains, so a
@@ -89,15 +89,14 @@
 //!   magazine (a small array of `(page, generation)` entries) per slot, whose
 //!   array and length only the slot's owner writes, with plain loads and
 //!   stores (the length stores Release, for thieves). An entry is a claim to
-//!   check, not a page owned: the page
-//!   state decides (see *Stealing*). In steady state an alloc+free pair is a
-//!   thread-local load (the slot index), the magazine accesses and two
-//!   uncontended CAS on a page-state word the thread has in its cache
-//!   (alloc's and free's; plain loads and stores instead with asymmetric
-//!   fences), against four locked instructions for a `Mutex<Vec<u32>>` free
-//!   list (lock and unlock around each of alloc and free) and three for the
-//!   Treiber stack alone (pop, state CAS, push), all on lines every thread
-//!   writes. An empty magazine refills half its
+//!   check, not a page owned: the page state decides (see *Stealing*). In
+//!   steady state an alloc+free pair is a thread-local load (the slot index),
+//!   the magazine accesses and two uncontended CAS on a page-state word the
+//!   thread has in its cache (alloc's and free's; plain loads and stores
+//!   instead with asymmetric fences), against four locked instructions for a
+//!   `Mutex<Vec<u32>>` free list (lock and unlock around each of alloc and
+//!   free) and three for the Treiber stack alone (pop, state CAS, push), all
+//!   on lines every thread writes. An empty magazine refills half its
 //!   capacity from the shared stack in one CAS; a full one spills its older
 //!   half in one CAS (plus one CAS per spilled page state). The fast paths of
 //!   `alloc` and `free` inline into the caller; everything else is out of
@@ -271,9 +270,9 @@
 //! they make no system call. (With asymmetric fences, a steal scan and a free
 //! of a page another thread allocated make one `membarrier` call, which Linux
 //! 6.8 and later (and stable backports) serialise system-wide, so it can wait
-//! briefly in the kernel for other processes' calls.) Page
-//! arrays (12 bytes per page) and magazines (24 KiB per allocator when
-//! on: 64 slots × 384 bytes) are allocated once, in
+//! briefly in the kernel for other processes' calls.) Page arrays (12 bytes
+//! per page) and magazines (24 KiB per allocator when on: 64 slots × 384
+//! bytes) are allocated once, in
 //! [`PageAllocator::with_options`]. The one exception is a thread's first
 //! touch of its slot: the thread-local that releases the slot at exit is
 //! registered with std's thread-local destructor list, which may allocate
@@ -761,8 +760,8 @@ impl PageAllocator {
     ///
     /// One uncontended CAS by default; with asymmetric fences no locked
     /// instruction at all when the calling thread allocated the page, while
-    /// a page another thread allocated costs a heavy barrier instead (a `membarrier` system
-    /// call of ~0.2–3 µs; see *The owner's fast path*).
+    /// a page another thread allocated costs a heavy barrier instead (a
+    /// `membarrier` system call of ~0.2–3 µs; see *The owner's fast path*).
     #[inline(always)]
     pub fn free(&self, page: PageIndex, generation: Generation) -> Result<(), FreeError> {
         let shared = &*self.shared;

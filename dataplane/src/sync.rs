@@ -177,17 +177,15 @@ pub(crate) mod asymmetric {
                 return;
             }
             let error = std::io::Error::last_os_error();
-            match error.raw_os_error() {
+            let code = error.raw_os_error();
+            last = Some(error);
+            match code {
                 Some(libc::ENOMEM) => std::thread::yield_now(),
                 Some(libc::EPERM) => {
                     membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED);
                 }
-                _ => {
-                    last = Some(error);
-                    break;
-                }
+                _ => break,
             }
-            last = Some(error);
         }
         // `available` succeeded earlier, so only a seccomp filter installed
         // since (or a kernel that keeps running out of memory) gets here.
