@@ -11,6 +11,7 @@ use cxlkv_dataplane::ids::{Generation, PageIndex};
 
 use super::error::DirectoryError;
 use super::keys::{Entry, KeyIndex, NIL};
+use super::lru::Lru;
 use super::regions::Owner;
 use super::sequence::{CachedBody, CachedReply, SeqCheck};
 use super::sessions::HeldPin;
@@ -18,7 +19,7 @@ use super::types::{
     Caller, DeleteOutcome, Layout, Location, LookupReply, OpKind, RegisterEntry, RegisterOutcome,
     Reply, Sequence, Time, UnpinEntry, UnpinOutcome,
 };
-use super::{Directory, Fingerprint, MAX_KEY_BYTES, MAX_PINS_PER_KEY};
+use super::{Directory, Fingerprint, MAX_KEY_BYTES, MAX_PINS_PER_KEY, Totals};
 
 impl Directory {
     /// Registers keys at locations in the caller's regions. Per entry:
@@ -495,31 +496,39 @@ impl Directory {
         }
 
         let mut outcomes = Vec::with_capacity(n);
-        for (i, e) in entries.enumerate() {
-            let es = self.scratch_slots[i];
-            let session = self
-                .sessions
-                .get_mut(&caller.session)
-                .expect("invariant: enter() checked the session");
-            let held = (es != NIL).then(|| session.pins.get_mut(&es)).flatten();
-            let outcome = match held {
-                Some(held) if held.count >= e.count => {
-                    held.count -= e.count;
-                    if held.count == 0 {
-                        session.pins.remove(&es);
-                    }
-                    session.pin_total -= u64::from(e.count);
-                    self.release_pins(es, e.count);
-                    self.counters.outcomes.unpinned += 1;
-                    UnpinOutcome::Unpinned
-                }
-                _ => {
-                    self.counters.outcomes.not_pinned += 1;
-                    UnpinOutcome::NotPinned
-                }
+        // Looked up once for the batch, not once per key.
+        let session = self
+            .sessions
+            .get_mut(&caller.session)
+            .expect("invariant: enter() checked the session");
+        let (mut unpinned, mut not_pinned) = (0u64, 0u64);
+        for (&es, e) in self.scratch_slots.iter().zip(entries) {
+            let held = (es != NIL)
+                .then(|| session.pins.get_mut(&es))
+                .flatten()
+                .filter(|held| held.count >= e.count);
+            let Some(held) = held else {
+                not_pinned += 1;
+                outcomes.push(UnpinOutcome::NotPinned);
+                continue;
             };
-            outcomes.push(outcome);
+            held.count -= e.count;
+            if held.count == 0 {
+                session.pins.remove(&es);
+            }
+            session.pin_total -= u64::from(e.count);
+            drop_pins(
+                self.keys.get_mut(es),
+                es,
+                e.count,
+                &mut self.totals,
+                &mut self.lru,
+            );
+            unpinned += 1;
+            outcomes.push(UnpinOutcome::Unpinned);
         }
+        self.counters.outcomes.unpinned += unpinned;
+        self.counters.outcomes.not_pinned += not_pinned;
         self.record(slot, caller, seq, fp, CachedBody::Unpin(outcomes.clone()));
         Ok(self.reply(slot, outcomes))
     }
@@ -708,16 +717,13 @@ impl Directory {
     /// Drops `count` pins from an entry's total (the caller already took them
     /// out of a session's ledger).
     pub(super) fn release_pins(&mut self, es: u32, count: u32) {
-        let entry = self.keys.get_mut(es);
-        debug_assert!(entry.pins >= count, "pin total below a session's share");
-        entry.pins -= count;
-        self.totals.pins -= u64::from(count);
-        if entry.pins == 0 {
-            self.totals.pinned_keys -= 1;
-            if let Some(lru) = &mut self.lru {
-                lru.link_front(es);
-            }
-        }
+        drop_pins(
+            self.keys.get_mut(es),
+            es,
+            count,
+            &mut self.totals,
+            &mut self.lru,
+        );
     }
 
     pub(super) fn location_of(&self, es: u32) -> Location {
@@ -817,5 +823,21 @@ impl Directory {
             },
             limit,
         );
+    }
+}
+
+/// Takes `count` pins off entry `es`'s total, which a session just gave up;
+/// an entry left with none can be evicted again. (A function of the fields
+/// it touches, so that a caller can hold a session's ledger meanwhile.)
+#[inline]
+fn drop_pins(entry: &mut Entry, es: u32, count: u32, totals: &mut Totals, lru: &mut Option<Lru>) {
+    debug_assert!(entry.pins >= count, "pin total below a session's share");
+    entry.pins -= count;
+    totals.pins -= u64::from(count);
+    if entry.pins == 0 {
+        totals.pinned_keys -= 1;
+        if let Some(lru) = lru {
+            lru.link_front(es);
+        }
     }
 }
