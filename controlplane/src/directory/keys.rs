@@ -38,6 +38,14 @@ pub(crate) const NIL: u32 = u32::MAX;
 const RETRY: u32 = u32::MAX - 1;
 const _: () = assert!(super::config::MAX_KEYS_CEILING <= RETRY as usize);
 
+/// Keys [`KeyIndex::find_batch`] has in flight: enough misses to overlap,
+/// few enough that their lines stay in L1 until used (64 keys touch ~320
+/// lines, 20 KiB). Measured in one process, windows alternating call by
+/// call over 512-key calls (`docs/benchmarks.md`, session 9): windows of
+/// 16, 32, 64 and 128 keys took 100, 92, 90 and 89 % of the time with
+/// 64 Ki keys registered, 100, 89, 85 and 84 % with 1 Mi.
+const FIND_WINDOW: usize = 64;
+
 /// Asks the CPU to start loading the cache line at `p` (a hint: no effect
 /// on what the program computes, and no fault for any address).
 #[inline(always)]
@@ -163,17 +171,14 @@ impl KeyIndex {
         hashes: &[u32],
         out: &mut Vec<u32>,
     ) {
-        /// Keys in flight: enough misses to overlap, few enough that their
-        /// lines stay in L1 until used.
-        const WINDOW: usize = 16;
         out.clear();
-        for hs in hashes.chunks(WINDOW) {
+        for hs in hashes.chunks(FIND_WINDOW) {
             let base = out.len();
             // The first bucket with each key's tag (what `find` would
             // compare first): the table's control bytes say which, and the
             // slot number it holds is prefetched, not read (the closure
             // ignores it), so that these misses overlap too.
-            let mut first: [Option<&u32>; WINDOW] = [None; WINDOW];
+            let mut first: [Option<&u32>; FIND_WINDOW] = [None; FIND_WINDOW];
             for (f, &h) in first.iter_mut().zip(hs) {
                 *f = self.table.find(table_hash(h), |_| true);
                 if let Some(slot) = *f {
@@ -392,7 +397,8 @@ mod tests {
         // every length around the window.
         for layout in [0, 1, 2] {
             let hashes: Vec<u32> = keys.iter().map(|k| ix.hash(layout, k)).collect();
-            for len in [0, 1, 15, 16, 17, 33, keys.len()] {
+            let w = FIND_WINDOW;
+            for len in [0, 1, w - 1, w, w + 1, 2 * w + 1, keys.len()] {
                 let mut out = Vec::new();
                 ix.find_batch(
                     layout,
@@ -414,7 +420,9 @@ mod tests {
         // Forced collisions: every key's 32-bit hash is the same, so the
         // first candidate is usually another key and `find` must decide.
         let mut ix = KeyIndex::new([7, 8]);
-        let keys: Vec<Vec<u8>> = (0..64u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        // More than two windows, the last one partial.
+        let n = 2 * FIND_WINDOW as u32 + 7;
+        let keys: Vec<Vec<u8>> = (0..n).map(|i| i.to_le_bytes().to_vec()).collect();
         for k in keys.iter().step_by(2) {
             let mut e = entry(&ix, 0, k);
             e.hash = 42;

@@ -1,0 +1,243 @@
+//! The directory's batch operations in one process, no transport: per-call
+//! latency of `exists`, `lookup` (no pin), `lookup` with one pin, and the
+//! `unpin` that follows it, over windows of consecutive registered keys.
+//!
+//! For A/B comparisons of the index and the registry that the end-to-end
+//! benches (`cxlkv bench exists|lookup`) cannot resolve on a noisy host:
+//! build both versions, run them alternately, compare the percentiles. Also
+//! a steady target for `perf record`.
+//!
+//! ```sh
+//! cargo run --release -p cxlkv-controlplane --example directory_batch -- \
+//!     [--keys 65536] [--batch 512] [--calls 4000] [--op all|exists|lookup|lookup_pin] \
+//!     [--pollute BYTES]
+//! ```
+//!
+//! Keys are 100 bytes, registered in regions of 64 MiB with 4 KiB pages;
+//! call `i` takes keys `i × batch … i × batch + batch` (mod the key count).
+//! `--pollute` writes that many bytes of other memory before each call (a
+//! stand-in for the server's receive buffers and replies). Prints p10, p50
+//! and p90 in µs per operation. With `--op all` the operations take turns
+//! on the same window, so the later ones find its keys in cache: compare
+//! one `--op` at a time.
+
+use std::time::Instant;
+
+use cxlkv_controlplane::directory::{
+    Caller, Directory, DirectoryConfig, Effect, Hello, Layout, Location, Peer, RegionHandle,
+    RegionToken, RegisterEntry, Sequence, Time, UnpinEntry,
+};
+use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
+
+const LAYOUT: Layout = Layout {
+    page_size_bytes: 4096,
+    fingerprint: 7,
+};
+const REGION_BYTES: u64 = 64 << 20;
+const KEY_BYTES: usize = 100;
+const OPS: [&str; 3] = ["exists", "lookup", "lookup_pin"];
+
+struct Args {
+    keys: usize,
+    batch: usize,
+    calls: usize,
+    op: String,
+    pollute: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        keys: 64 << 10,
+        batch: 512,
+        calls: 4000,
+        op: "all".into(),
+        pollute: 0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or(format!("{flag} needs a value"))?;
+        let number = || {
+            value
+                .parse::<usize>()
+                .map_err(|e| format!("{flag} {value}: {e}"))
+        };
+        match flag.as_str() {
+            "--keys" => a.keys = number()?,
+            "--batch" => a.batch = number()?,
+            "--calls" => a.calls = number()?,
+            "--pollute" => a.pollute = number()?,
+            "--op" => a.op = value.clone(),
+            _ => return Err(format!("unknown flag {flag}")),
+        }
+    }
+    if a.batch == 0 || a.batch >= a.keys || a.calls == 0 {
+        return Err("need 0 < batch < keys and calls > 0".into());
+    }
+    if a.op != "all" && !OPS.contains(&a.op.as_str()) {
+        return Err(format!("--op: one of all, {}", OPS.join(", ")));
+    }
+    Ok(a)
+}
+
+fn key(i: usize) -> Vec<u8> {
+    let mut k = format!("bench-key-{i:010}-").into_bytes();
+    k.resize(KEY_BYTES, b'x');
+    k
+}
+
+/// A directory with one session and `n` keys registered.
+fn populate(
+    n: usize,
+) -> Result<(Directory, Caller, u64, Vec<Vec<u8>>), Box<dyn std::error::Error>> {
+    let mut dir = Directory::new(DirectoryConfig::default(), [0x42; 32])?;
+    let welcome = dir.hello(
+        Hello {
+            instance: "batch",
+            quota_bytes: None,
+        },
+        Peer::Unix {
+            pid: std::process::id(),
+            uid: 0,
+            gid: 0,
+        },
+        Time::ZERO,
+    )?;
+    let caller = Caller {
+        session: welcome.session,
+        notice_ack: 0,
+    };
+    let mut seq = 0;
+    let mut next = || {
+        seq += 1;
+        Sequence {
+            seq,
+            replies_received_below: seq,
+        }
+    };
+    let pages_per_region = (REGION_BYTES / LAYOUT.page_size_bytes) as usize;
+    let mut regions = Vec::new();
+    while regions.len() < n.div_ceil(pages_per_region) {
+        dir.request_region(&caller, next(), LAYOUT, REGION_BYTES, Time::ZERO)?;
+        let effects: Vec<Effect> = dir.drain_effects().collect();
+        for effect in effects {
+            if let Effect::AllocateRegion {
+                request, len_bytes, ..
+            } = effect
+            {
+                let id = RegionId(regions.len() as u64 + 1);
+                let handle = RegionHandle {
+                    region: id,
+                    pool: PoolId(0),
+                    offset_bytes: id.0 * REGION_BYTES,
+                    len_bytes,
+                    token: RegionToken([id.0 as u8; 32]),
+                };
+                for done in dir.region_allocated(request, Ok(handle)) {
+                    done.result?;
+                }
+                regions.push(id);
+            }
+        }
+    }
+    let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
+    for start in (0..n).step_by(4096) {
+        let entries = (start..(start + 4096).min(n)).map(|i| RegisterEntry {
+            key: &keys[i][..],
+            location: Location {
+                region: regions[i / pages_per_region],
+                page: PageIndex((i % pages_per_region) as u32),
+                generation: Generation(1),
+                len_bytes: 4096,
+            },
+        });
+        dir.register(&caller, next(), LAYOUT, entries, Time::ZERO)?;
+    }
+    Ok((dir, caller, seq, keys))
+}
+
+fn percentiles(name: &str, v: &mut [f64]) {
+    v.sort_by(f64::total_cmp);
+    let at = |q: usize| v[(v.len() * q / 100).min(v.len() - 1)];
+    println!(
+        "{name:<10} p10 {:>8.2} µs   p50 {:>8.2} µs   p90 {:>8.2} µs",
+        at(10),
+        at(50),
+        at(90)
+    );
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse_args().map_err(|e| format!("directory_batch: {e}"))?;
+    let (mut dir, caller, mut seq, keys) = populate(args.keys)?;
+    let mut next = || {
+        seq += 1;
+        Sequence {
+            seq,
+            replies_received_below: seq,
+        }
+    };
+    let mut junk = vec![0u8; args.pollute];
+    let mut times: Vec<(&str, Vec<f64>)> = OPS
+        .iter()
+        .filter(|op| args.op == "all" || args.op == **op)
+        .map(|op| (*op, Vec::with_capacity(args.calls)))
+        .collect();
+    let mut unpin_times = Vec::with_capacity(args.calls);
+    let span = args.keys - args.batch;
+    for call in 0..args.calls {
+        let start = (call * args.batch) % span;
+        let window = &keys[start..start + args.batch];
+        for (op, t) in &mut times {
+            junk.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+            std::hint::black_box(&junk);
+            let window_keys = window.iter().map(|k| &k[..]);
+            let began = Instant::now();
+            match *op {
+                "exists" => {
+                    std::hint::black_box(dir.exists(&caller, LAYOUT, window_keys, Time::ZERO)?);
+                }
+                "lookup" => {
+                    std::hint::black_box(dir.lookup(
+                        &caller,
+                        None,
+                        LAYOUT,
+                        window_keys,
+                        0,
+                        Time::ZERO,
+                    )?);
+                }
+                _ => {
+                    std::hint::black_box(dir.lookup(
+                        &caller,
+                        Some(next()),
+                        LAYOUT,
+                        window_keys,
+                        1,
+                        Time::ZERO,
+                    )?);
+                }
+            }
+            t.push(began.elapsed().as_secs_f64() * 1e6);
+            if *op == "lookup_pin" {
+                let entries = window.iter().map(|k| UnpinEntry {
+                    key: &k[..],
+                    count: 1,
+                });
+                let began = Instant::now();
+                std::hint::black_box(dir.unpin(&caller, next(), LAYOUT, entries, Time::ZERO)?);
+                unpin_times.push(began.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    println!(
+        "{} keys of {KEY_BYTES} bytes, {} calls of {} keys, {} bytes of other writes per call",
+        args.keys, args.calls, args.batch, args.pollute
+    );
+    for (op, t) in &mut times {
+        percentiles(op, t);
+    }
+    if !unpin_times.is_empty() {
+        percentiles("unpin", &mut unpin_times);
+    }
+    Ok(())
+}
