@@ -85,10 +85,17 @@ fn key(i: usize) -> Vec<u8> {
     k
 }
 
+/// A directory with one session and keys registered by it.
+struct Populated {
+    dir: Directory,
+    caller: Caller,
+    /// The session's last sequence number.
+    seq: u64,
+    keys: Vec<Vec<u8>>,
+}
+
 /// A directory with one session and `n` keys registered.
-fn populate(
-    n: usize,
-) -> Result<(Directory, Caller, u64, Vec<Vec<u8>>), Box<dyn std::error::Error>> {
+fn populate(n: usize) -> Result<Populated, Box<dyn std::error::Error>> {
     let mut dir = Directory::new(DirectoryConfig::default(), [0x42; 32])?;
     let welcome = dir.hello(
         Hello {
@@ -152,7 +159,12 @@ fn populate(
         });
         dir.register(&caller, next(), LAYOUT, entries, Time::ZERO)?;
     }
-    Ok((dir, caller, seq, keys))
+    Ok(Populated {
+        dir,
+        caller,
+        seq,
+        keys,
+    })
 }
 
 fn percentiles(name: &str, v: &mut [f64]) {
@@ -168,7 +180,12 @@ fn percentiles(name: &str, v: &mut [f64]) {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args().map_err(|e| format!("directory_batch: {e}"))?;
-    let (mut dir, caller, mut seq, keys) = populate(args.keys)?;
+    let Populated {
+        mut dir,
+        caller,
+        mut seq,
+        keys,
+    } = populate(args.keys)?;
     let mut next = || {
         seq += 1;
         Sequence {
