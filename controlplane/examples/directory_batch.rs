@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Keys are 100 bytes, registered in regions of 64 MiB with 4 KiB pages;
-//! call `i` takes keys `i × batch … i × batch + batch` (mod the key count).
+//! call `i` takes the `batch` keys from `(i × batch) mod (keys − batch)` on.
 //! `--pollute` writes that many bytes of other memory before each call (a
 //! stand-in for the server's receive buffers and replies). Prints p10, p50
 //! and p90 in µs per operation. With `--op all` the operations take turns
