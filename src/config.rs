@@ -856,17 +856,7 @@ fn default_state_dir(first_pool: &Path) -> PathBuf {
 }
 
 fn default_socket() -> PathBuf {
-    if is_root() {
-        return PathBuf::from("/run/cxlkv/pool.sock");
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) => Path::new(&d).join("cxlkv/pool.sock"),
-        None => {
-            // SAFETY: getuid has no preconditions and cannot fail.
-            let uid = unsafe { libc::getuid() };
-            PathBuf::from(format!("/tmp/cxlkv-{uid}/pool.sock"))
-        }
-    }
+    crate::server::runtime_socket_path("pool.sock")
 }
 
 /// Reads a secret file: at most 256 bytes, not readable by group or others;

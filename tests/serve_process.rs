@@ -1,7 +1,8 @@
 //! `cxlkv serve` as a process: it starts with no arguments, prints where it
 //! listens, serves, and shuts down cleanly on SIGTERM or SIGINT (exit 0, socket file
-//! removed, the pool manager's state checkpointed). On both transport
-//! backends (`CXLKV_IO`).
+//! removed, the pool manager's state kept), and a second start finds the
+//! region granted before the signal (the instance reattaches with its
+//! token). On both transport backends (`CXLKV_IO`).
 //!
 //! The environment points the socket and the pool at private paths (same
 //! 2 GiB default size), so that the test never meets a real server or pool
@@ -16,7 +17,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use cxlkv_controlplane::proto::RegisterOutcome;
+use cxlkv_controlplane::proto::{self, RegisterOutcome};
 
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -43,15 +44,13 @@ fn remove(paths: &[&Path]) {
     }
 }
 
-fn serve_once(io: &str, signal: libc::c_int) {
-    let unique = format!("serve-{io}-{signal}-{}", std::process::id());
-    let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
-    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
-    let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
-    remove(&[&socket, &pool, &state]);
+/// Starts `cxlkv serve` with no arguments, its socket and pool pointed at
+/// the test's paths by the environment; returns once it printed where it
+/// listens.
+fn start(io: &str, socket: &Path, pool: &Path) -> Guard {
     let child = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
         .arg("serve")
-        .env("CXLKV_SERVER_SOCKET", &socket)
+        .env("CXLKV_SERVER_SOCKET", socket)
         .env(
             "CXLKV_POOL_POOLS",
             format!("[{{path = \"{}\", size_bytes = \"2GiB\"}}]", pool.display()),
@@ -78,17 +77,11 @@ fn serve_once(io: &str, signal: libc::c_int) {
         .expect("a line on stdout")
         .unwrap();
     assert_eq!(line, format!("listening unix:{}", socket.display()), "{io}");
+    guard
+}
 
-    let mut c = Raw::connect_unix(&socket);
-    let (welcome, fds) = c.hello("proc");
-    let welcome = welcome.unwrap();
-    assert_eq!(fds.len(), 1, "{io}: the pool descriptor");
-    assert_eq!(welcome.pools[0].size_bytes, 2 << 30);
-    assert_eq!(Path::new(&welcome.pools[0].path), pool);
-    let region = c.request_region(0).unwrap().desc.region;
-    let reply = c.register(vec![(b"k".to_vec(), loc(region, 0))]).unwrap();
-    assert_eq!(reply.outcomes, vec![RegisterOutcome::Inserted]);
-
+/// Sends `signal` and waits (bounded) for a successful exit.
+fn stop(mut guard: Guard, io: &str, signal: libc::c_int) {
     let pid = guard.0.as_ref().unwrap().id() as libc::pid_t;
     // SAFETY: `pid` is our child, not yet reaped (the guard owns it).
     assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
@@ -105,15 +98,65 @@ fn serve_once(io: &str, signal: libc::c_int) {
     };
     guard.0 = None;
     assert!(status.success(), "{io}: exit status {status}");
+}
+
+fn serve_once(io: &str, signal: libc::c_int) {
+    let unique = format!("serve-{io}-{signal}-{}", std::process::id());
+    let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
+    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
+    let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
+    remove(&[&socket, &pool, &state]);
+    let server = start(io, &socket, &pool);
+
+    let mut c = Raw::connect_unix(&socket);
+    let (welcome, fds) = c.hello("proc");
+    let welcome = welcome.unwrap();
+    assert_eq!(fds.len(), 1, "{io}: the pool descriptor");
+    assert_eq!(welcome.pools[0].size_bytes, 2 << 30);
+    assert_eq!(Path::new(&welcome.pools[0].path), pool);
+    let granted = c.request_region(0).unwrap();
+    let region = granted.desc.region;
+    let reply = c.register(vec![(b"k".to_vec(), loc(region, 0))]).unwrap();
+    assert_eq!(reply.outcomes, vec![RegisterOutcome::Inserted]);
+
+    stop(server, io, signal);
     assert!(wait_until(Duration::from_secs(5), || c.rpc.is_closed()
-        || c.try_call::<_, cxlkv_controlplane::proto::HeartbeatReply>(
-            &cxlkv_controlplane::proto::Heartbeat { meta: c.ro() },
+        || c.try_call::<_, proto::HeartbeatReply>(
+            &proto::Heartbeat { meta: c.ro() },
             Duration::from_secs(1)
         )
         .is_none()));
     assert!(!socket.exists(), "{io}: the socket file is removed");
     assert!(pool.exists(), "{io}: the pool outlives the server");
     assert!(state.is_dir(), "{io}: the pool manager's state is kept");
+
+    // What the pool manager committed before the signal is what the next
+    // start finds: the instance reattaches with its region's token.
+    let server = start(io, &socket, &pool);
+    let mut c = Raw::connect_unix(&socket);
+    c.next_seq = 100;
+    let back: proto::Reattached = c
+        .call(&proto::Reattach {
+            meta: c.ro(),
+            protocol_min: 1,
+            protocol_max: 1,
+            instance_id: "proc".into(),
+            instance_secret: welcome.instance_secret,
+            client_name: "test".into(),
+            client_secret: None,
+            regions: vec![proto::OwnedRegion {
+                desc: granted.desc,
+                layout: LAYOUT,
+                token: granted.token,
+            }],
+            next_seq: c.next_seq,
+        })
+        .unwrap();
+    assert!(!back.resumed, "{io}: a restart is not a resume");
+    assert_eq!(back.accepted, vec![region], "{io}: the region survived");
+    let again = c.register(vec![(b"k".to_vec(), loc(region, 0))]).unwrap();
+    assert_eq!(again.outcomes, vec![RegisterOutcome::Inserted], "{io}");
+    stop(server, io, libc::SIGTERM);
     remove(&[&socket, &pool, &state]);
 }
 

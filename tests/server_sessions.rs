@@ -141,6 +141,32 @@ fn an_admin_can_end_a_session_which_releases_its_pins() {
     );
 }
 
+#[test]
+fn shutdown_closes_every_live_session_and_counts_them() {
+    for backend in backends() {
+        let server = Server::start(config_on("shutdown", backend)).unwrap();
+        let (mut owner, region) = session_with_region(&server, "owner");
+        owner
+            .register(vec![(b"k".to_vec(), loc(region, 0))])
+            .unwrap();
+        let mut reader = Raw::connect_unix(server.socket_path());
+        reader.hello("reader").0.unwrap();
+        reader.lookup(&[b"k"], 1).unwrap();
+        // A connection without a session is closed too, but is no session.
+        let _anonymous = Raw::connect_unix(server.socket_path());
+        assert!(wait_until(WAIT, || server
+            .transport_stats()
+            .is_some_and(|s| s.accepted - s.disconnected == 3)));
+        let report = server.shutdown().unwrap();
+        assert_eq!(report.sessions_closed, 2, "{backend:?}");
+        assert_eq!(report.frees_unconfirmed, 0, "{backend:?}");
+        assert!(
+            wait_until(WAIT, || gone(&owner) && gone(&reader)),
+            "{backend:?}: the clients see their connections closed"
+        );
+    }
+}
+
 /// The server closed the connection, or refuses the session.
 fn gone(c: &Raw) -> bool {
     if c.rpc.is_closed() {

@@ -625,6 +625,69 @@ fn long_held_pins_are_reported_in_stats() {
 }
 
 #[test]
+fn a_pin_has_no_expiry_while_its_session_lives_and_eviction_never_takes_it() {
+    // LRU eviction on and the pool above its high watermark: neither time
+    // nor memory pressure takes a pin or the key it holds.
+    let mut w = eviction_world(true);
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    let keys: Vec<Vec<u8>> = (0..62u32).map(|i| i.to_le_bytes().to_vec()).collect();
+    for (i, k) in keys.iter().enumerate() {
+        w.put(&mut a, k, loc(ra, i as u32, 1));
+    }
+    w.lookup_pin(&mut a, &[&keys[0]], 2);
+    w.keep_alive(&a);
+    w.dir.pool_usage(POOL, REGION_BYTES, 0);
+    let held = DirectoryConfig::default().long_held_pin * 10;
+    w.advance(held);
+    let stats = w.dir.stats(w.now);
+    assert!(stats.evictions.lru_keys > 0, "eviction ran meanwhile");
+    assert_eq!(w.dir.inspect_key(&L, &keys[0]).unwrap().pins, 2);
+    assert_eq!(stats.long_held_pins.count, 1);
+    assert_eq!(stats.long_held_pins.oldest[0].held_for, held);
+    assert_eq!(w.delete(&mut a, &[&keys[0]]), vec![DeleteOutcome::Pinned]);
+    assert_eq!(
+        w.unpin(&mut a, &[(&keys[0], 2)]),
+        vec![UnpinOutcome::Unpinned]
+    );
+    assert_eq!(w.delete(&mut a, &[&keys[0]]), vec![DeleteOutcome::Deleted]);
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn a_retry_whose_reply_left_the_bounded_cache_is_refused_and_never_runs_again() {
+    // A byte limit so small that only the newest reply stays cached.
+    let mut w = World::with(DirectoryConfig {
+        reply_cache_bytes_per_instance: 1,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    let first = a.seq();
+    let first_entries = [(&b"k1"[..], loc(ra, 0, 1)), (&b"k2"[..], loc(ra, 1, 1))];
+    let r1 = w.register_seq(&a, first, L, &first_entries).unwrap();
+    assert_eq!(r1.body, vec![RegisterOutcome::Inserted; 2]);
+    let second = a.seq();
+    let second_entries = [(&b"k3"[..], loc(ra, 2, 1))];
+    let r2 = w.register_seq(&a, second, L, &second_entries).unwrap();
+
+    let before = w.dir.state_digest();
+    assert_eq!(
+        w.register_seq(&a, first, L, &first_entries).unwrap_err(),
+        DirectoryError::ReplyEvicted { seq: first.seq }
+    );
+    assert_eq!(w.dir.state_digest(), before, "nothing ran again");
+    let again = w.register_seq(&a, second, L, &second_entries).unwrap();
+    assert_eq!(again.body, r2.body, "the newest reply is still cached");
+    let o = w.dir.stats(w.now).outcomes;
+    assert_eq!(
+        (o.inserted, o.replies_evicted, o.retries_answered),
+        (3, 1, 1)
+    );
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
 fn hello_takes_over_an_instance_without_sessions_only_for_the_same_user() {
     let mut w = World::new();
     let mut a = w.hello("a");
@@ -1184,10 +1247,11 @@ fn the_quota_counts_region_bytes_owned_and_pending() {
     w.dir
         .request_region(&q.caller(), seq, L, REGION_BYTES, w.now)
         .unwrap();
-    let seq = q.seq();
+    let refused = q.seq();
+    let before = w.dir.state_digest();
     assert_eq!(
         w.dir
-            .request_region(&q.caller(), seq, L, REGION_BYTES, w.now)
+            .request_region(&q.caller(), refused, L, REGION_BYTES, w.now)
             .unwrap_err(),
         DirectoryError::QuotaExceeded {
             quota_bytes: REGION_BYTES * 2,
@@ -1195,13 +1259,25 @@ fn the_quota_counts_region_bytes_owned_and_pending() {
             requested_bytes: REGION_BYTES
         }
     );
-    w.pool.service(&mut w.dir);
+    assert_eq!(w.dir.state_digest(), before, "a refusal changes nothing");
+    assert_eq!(
+        w.pool.service(&mut w.dir).0.len(),
+        1,
+        "only the pending request reaches the pool manager"
+    );
     let r = q.regions[0].handle.region;
     let seq = q.seq();
     w.dir.return_region(&q.caller(), seq, r, w.now).unwrap();
     w.pool.service(&mut w.dir);
     assert_eq!(w.pool.freed, vec![r]);
-    w.region(&mut q, L);
+    // The refused number did not run: retried now that there is room, it runs.
+    let reply = w
+        .dir
+        .request_region(&q.caller(), refused, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert!(matches!(reply.body, RegionReply::Deferred(_)));
+    let (done, _) = w.pool.service(&mut w.dir);
+    assert!(done[0].result.is_ok());
     w.dir.check_invariants().unwrap();
 }
 
@@ -1308,7 +1384,16 @@ fn orphaned_keys_are_evicted_above_the_watermark_but_never_a_pinned_one() {
     w.dir.pool_usage(POOL, 10 * REGION_BYTES, 0);
     w.advance(Duration::from_millis(100));
     assert_eq!(w.dir.stats(w.now).evictions.orphan_keys, 3);
-    assert_eq!(w.exists(&b, &[b"o\x02"]), vec![true]);
+    assert_eq!(
+        w.exists(&b, &[b"o\x00", b"o\x01", b"o\x02", b"o\x03"]),
+        vec![false, false, true, false],
+        "the first tick empties the oldest orphaned region but for its pinned key"
+    );
+    assert_eq!(
+        w.exists(&b, &[b"y\x00", b"y\x01", b"y\x02", b"y\x03"]),
+        vec![true; 4],
+        "the younger region waits its turn"
+    );
     w.advance(Duration::from_millis(100));
     w.advance(Duration::from_millis(100));
     let stats = w.dir.stats(w.now);

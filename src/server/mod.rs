@@ -85,14 +85,36 @@ pub const SOCKET_FILE: &str = "cxlkv.sock";
 /// without `XDG_RUNTIME_DIR` — the same directories as `cxlkv pool`'s
 /// socket.
 pub fn default_socket_path() -> PathBuf {
+    runtime_socket_path(SOCKET_FILE)
+}
+
+/// `file` in cxlkv's runtime directory for this process: `/run/cxlkv` as
+/// root (effective uid 0), else `$XDG_RUNTIME_DIR/cxlkv`, else
+/// `/tmp/cxlkv-<uid>`. Where both daemons put their sockets by default.
+pub(crate) fn runtime_socket_path(file: &str) -> PathBuf {
     // SAFETY: geteuid and getuid have no preconditions and cannot fail.
     let (euid, uid) = unsafe { (libc::geteuid(), libc::getuid()) };
-    if euid == 0 {
-        return Path::new("/run/cxlkv").join(SOCKET_FILE);
+    socket_path_in_runtime_dir(
+        file,
+        euid == 0,
+        std::env::var_os("XDG_RUNTIME_DIR").as_deref(),
+        uid,
+    )
+}
+
+/// [`runtime_socket_path`] for a given identity and environment.
+fn socket_path_in_runtime_dir(
+    file: &str,
+    root: bool,
+    xdg_runtime_dir: Option<&std::ffi::OsStr>,
+    uid: u32,
+) -> PathBuf {
+    if root {
+        return Path::new("/run/cxlkv").join(file);
     }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) => Path::new(&d).join("cxlkv").join(SOCKET_FILE),
-        None => PathBuf::from(format!("/tmp/cxlkv-{uid}")).join(SOCKET_FILE),
+    match xdg_runtime_dir {
+        Some(d) => Path::new(d).join("cxlkv").join(file),
+        None => PathBuf::from(format!("/tmp/cxlkv-{uid}")).join(file),
     }
 }
 
@@ -776,5 +798,36 @@ impl Drop for ServerHandle {
         {
             tracing::warn!(error = %e, "server shutdown failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+    use std::path::Path;
+
+    use super::socket_path_in_runtime_dir as path;
+
+    #[test]
+    fn the_default_socket_is_in_run_for_root_then_the_runtime_dir_then_tmp() {
+        let xdg = Some(OsStr::new("/run/user/1000"));
+        assert_eq!(
+            path("cxlkv.sock", true, xdg, 0),
+            Path::new("/run/cxlkv/cxlkv.sock"),
+            "root ignores XDG_RUNTIME_DIR"
+        );
+        assert_eq!(
+            path("cxlkv.sock", false, xdg, 1000),
+            Path::new("/run/user/1000/cxlkv/cxlkv.sock")
+        );
+        assert_eq!(
+            path("cxlkv.sock", false, None, 1000),
+            Path::new("/tmp/cxlkv-1000/cxlkv.sock")
+        );
+        assert_eq!(
+            path("pool.sock", false, None, 1000),
+            Path::new("/tmp/cxlkv-1000/pool.sock"),
+            "the pool manager's socket sits beside it"
+        );
     }
 }
