@@ -122,7 +122,10 @@ pub struct TransportSection {
     pub taskrun: String,
     /// io_uring submission-queue entries of the server ring.
     pub ring_entries: u32,
-    /// io_uring provided receive buffers: bytes each ...
+    /// io_uring receive: `direct` (into each connection's decoder) or
+    /// `provided` (multishot into a shared ring of buffers).
+    pub recv: String,
+    /// io_uring provided receive buffers (`recv = "provided"`): bytes each ...
     #[serde(deserialize_with = "de_bytes")]
     pub recv_buffer_bytes: u64,
     /// ... and how many (a power of two, at most 32768).
@@ -148,6 +151,7 @@ impl Default for TransportSection {
             sqpoll_idle_ms: t.io.sqpoll_idle_ms,
             taskrun: "defer".to_owned(),
             ring_entries: t.io.ring_entries,
+            recv: "direct".to_owned(),
             recv_buffer_bytes: u64::from(t.io.recv_buffer_bytes),
             recv_buffer_count: t.io.recv_buffer_count,
             max_inflight_per_conn: t.max_inflight_per_conn,
@@ -164,7 +168,7 @@ impl TransportSection {
     pub fn server_config(
         &self,
     ) -> Result<cxlkv_controlplane::transport::ServerConfig, ConfigError> {
-        use cxlkv_controlplane::transport::{BackendChoice, TaskRun};
+        use cxlkv_controlplane::transport::{BackendChoice, RecvMode, TaskRun};
         let invalid = |key: &'static str, reason: String| ConfigError::Value {
             section: "transport",
             key,
@@ -190,6 +194,16 @@ impl TransportSection {
                 return Err(invalid(
                     "taskrun",
                     format!("{other:?} is not defer, coop or interrupt"),
+                ));
+            }
+        };
+        t.io.recv = match self.recv.as_str() {
+            "direct" => RecvMode::Direct,
+            "provided" => RecvMode::Provided,
+            other => {
+                return Err(invalid(
+                    "recv",
+                    format!("{other:?} is not direct or provided"),
                 ));
             }
         };
@@ -1077,7 +1091,7 @@ mod tests {
     #[test]
     fn transport_keys_reach_both_servers_and_bad_values_name_their_key() {
         let f = file(
-            "[transport]\nbackend = \"fallback\"\nspin_us = 50\ntaskrun = \"coop\"\nrecv_buffer_bytes = \"64KiB\"\n",
+            "[transport]\nbackend = \"fallback\"\nspin_us = 50\ntaskrun = \"coop\"\nrecv = \"provided\"\nrecv_buffer_bytes = \"64KiB\"\n",
         );
         let c = load(
             Some(f.path()),
@@ -1091,6 +1105,7 @@ mod tests {
             cxlkv_controlplane::transport::BackendChoice::Fallback
         );
         assert_eq!(t.io.taskrun, cxlkv_controlplane::transport::TaskRun::Coop);
+        assert_eq!(t.io.recv, cxlkv_controlplane::transport::RecvMode::Provided);
         assert_eq!((t.io.spin_us, t.io.recv_buffer_bytes), (50, 64 << 10));
         assert_eq!(
             (t.max_inflight_per_conn, t.partial_frame_timeout_ms),
@@ -1113,6 +1128,7 @@ mod tests {
         for (key, value) in [
             ("backend", toml::Value::from("io_uring")),
             ("taskrun", toml::Value::from("sometimes")),
+            ("recv", toml::Value::from("zero-copy")),
             ("recv_buffer_count", toml::Value::from(100)),
             ("recv_buffer_bytes", toml::Value::from(100)),
             ("max_send_queue_bytes", toml::Value::from(4096)),

@@ -223,6 +223,10 @@ pub struct FrameDecoder {
     skip: usize,
     /// Bytes received since the decoder was created (stream offset of `end`).
     received_total: u64,
+    /// A receive is writing into the spare bytes (between
+    /// [`FrameDecoder::begin_receive`] and [`FrameDecoder::end_receive`]):
+    /// nothing may move them or reference them meanwhile.
+    receiving: bool,
 }
 
 impl fmt::Debug for FrameDecoder {
@@ -253,14 +257,8 @@ impl FrameDecoder {
             end: 0,
             skip: 0,
             received_total: 0,
+            receiving: false,
         }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        let words: &[u64] = &self.buf;
-        // SAFETY: `u64` has no padding and every bit pattern is a valid `u8`;
-        // the byte slice covers exactly the words' memory and borrows `self`.
-        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 8) }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
@@ -277,7 +275,12 @@ impl FrameDecoder {
 
     /// Free space to receive into (at least `min_bytes`, if that much can be
     /// made available by compacting or growing within the frame limit).
+    ///
+    /// # Panics
+    /// While a receive is pending ([`FrameDecoder::begin_receive`]): making
+    /// room may move the bytes it is writing into.
     pub fn spare(&mut self, min_bytes: usize) -> &mut [u8] {
+        assert!(!self.receiving, "spare() while a receive is pending");
         let cap = self.buf.len() * 8;
         if cap - self.end < min_bytes {
             // Compact: move the undecoded bytes to the front, keeping each
@@ -311,6 +314,50 @@ impl FrameDecoder {
         );
         self.end += n;
         self.received_total += n as u64;
+    }
+
+    /// Starts a receive that another party — the kernel, for an io_uring
+    /// receive — writes straight into the decoder: returns where to write
+    /// and how many bytes at most (the [`FrameDecoder::spare`] bytes for
+    /// `min_bytes`). Until [`FrameDecoder::end_receive`], those bytes stay
+    /// where they are (a decoder left empty by [`FrameDecoder::decode`] does
+    /// not rewind onto them, [`FrameDecoder::spare`] and
+    /// [`FrameDecoder::push`] panic) and the decoder creates no reference to
+    /// them, so the writer may fill them while the decoder keeps decoding
+    /// what was received before.
+    ///
+    /// # Panics
+    /// If a receive is already pending.
+    pub fn begin_receive(&mut self, min_bytes: usize) -> (*mut u8, usize) {
+        assert!(!self.receiving, "one receive at a time");
+        let spare = self.spare(min_bytes);
+        let (at, len) = (spare.as_mut_ptr(), spare.len());
+        self.receiving = true;
+        (at, len)
+    }
+
+    /// Ends the pending receive: its first `n` bytes were written (`0` for a
+    /// receive that failed or was cancelled).
+    ///
+    /// # Panics
+    /// If no receive is pending, or `n` exceeds what it was given.
+    pub fn end_receive(&mut self, n: usize) {
+        assert!(self.receiving, "end_receive() without a pending receive");
+        self.receiving = false;
+        self.filled(n);
+    }
+
+    /// Received, undecoded bytes `a..b` (`b <= end`), without forming a
+    /// reference to the rest of the buffer, which a pending receive may be
+    /// writing.
+    fn received(&self, a: usize, b: usize) -> &[u8] {
+        assert!(a <= b && b <= self.end, "beyond the received bytes");
+        // SAFETY: `a..b` lies within the buffer (`end` never exceeds its
+        // length in bytes); those bytes were written before `filled` counted
+        // them and nothing writes below `end` (a pending receive writes at
+        // `end` and beyond); `u64` words have no padding, so every byte is
+        // initialised; the slice borrows `self`.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<u8>().add(a), b - a) }
     }
 
     /// Stream offset (bytes since the start of the stream) at which the next
@@ -351,7 +398,7 @@ impl FrameDecoder {
             return Ok(None);
         }
         let mut raw = [0u8; HEADER_BYTES];
-        raw.copy_from_slice(&self.bytes()[self.start..self.start + HEADER_BYTES]);
+        raw.copy_from_slice(self.received(self.start, self.start + HEADER_BYTES));
         let header = FrameHeader::decode(&raw)?;
         let payload_len = header.payload_len as usize;
         let on_wire = frame_len(payload_len);
@@ -380,7 +427,7 @@ impl FrameDecoder {
         }
         let payload_at = self.start + HEADER_BYTES;
         self.start += on_wire;
-        let payload = &self.bytes()[payload_at..payload_at + payload_len];
+        let payload = self.received(payload_at, payload_at + payload_len);
         debug_assert_eq!(
             payload.as_ptr() as usize % FRAME_ALIGN,
             0,
@@ -390,7 +437,8 @@ impl FrameDecoder {
     }
 
     fn reset_if_empty(&mut self) {
-        if self.start == self.end {
+        // Not under a pending receive: its bytes land at `end`.
+        if self.start == self.end && !self.receiving {
             // The next byte to arrive has stream offset `received_total`;
             // keep position ≡ offset (mod FRAME_ALIGN), see `spare`.
             let phase = (self.received_total % FRAME_ALIGN as u64) as usize;
@@ -595,6 +643,87 @@ mod tests {
         let err = encode_frame(&mut out, 1, 1, &vec![0; MAX_PAYLOAD_BYTES + 1]).unwrap_err();
         assert!(matches!(err, FrameError::Oversized { .. }));
         assert!(out.is_empty());
+    }
+
+    /// Writes `data` where a pending receive was told to, as the kernel does.
+    fn receive_into(d: &mut FrameDecoder, data: &[u8]) {
+        let (at, len) = d.begin_receive(data.len());
+        assert!(len >= data.len());
+        // SAFETY: `at..at + len` is the decoder's spare capacity, reserved
+        // for this receive until `end_receive`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) };
+        d.end_receive(data.len());
+    }
+
+    #[test]
+    fn a_pending_receive_keeps_its_place_while_earlier_frames_are_decoded() {
+        let (a, b) = (frame(1, 1, b"first"), frame(2, 2, &[7u8; 300]));
+        let mut d = FrameDecoder::new();
+        d.push(&a[..a.len() - 3]);
+        // The receive that brings the rest of `a` and all of `b` starts...
+        let (at, len) = d.begin_receive(1);
+        let rest: Vec<u8> = a[a.len() - 3..].iter().chain(&b).copied().collect();
+        assert!(len >= rest.len());
+        // ... nothing decodes yet, and an emptied decoder would rewind: it
+        // must not, since the receive writes at the old end.
+        assert!(d.decode().unwrap().is_none());
+        // SAFETY: the pending receive's spare bytes, as the kernel would.
+        unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), at, rest.len()) };
+        d.end_receive(rest.len());
+        assert_eq!(
+            expect_frame(&mut d),
+            (FrameHeader::new(1, 1, 5).unwrap(), b"first".to_vec())
+        );
+        assert_eq!(expect_frame(&mut d).1, vec![7u8; 300]);
+        assert!(d.decode().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_receive_pending_on_an_emptied_decoder_lands_where_it_was_told() {
+        let mut d = FrameDecoder::new();
+        d.push(&frame(1, 1, b"whole"));
+        let (at, _) = d.begin_receive(64);
+        // Decoding the whole frame empties the decoder while the receive is
+        // pending: `reset_if_empty` must leave `end` where the receive writes.
+        assert_eq!(expect_frame(&mut d).1, b"whole".to_vec());
+        assert!(d.decode().unwrap().is_none());
+        let next = frame(3, 9, b"next");
+        // SAFETY: the pending receive's spare bytes.
+        unsafe { std::ptr::copy_nonoverlapping(next.as_ptr(), at, next.len()) };
+        d.end_receive(next.len());
+        assert_eq!(
+            expect_frame(&mut d),
+            (FrameHeader::new(3, 9, 4).unwrap(), b"next".to_vec())
+        );
+        // And after it, the decoder rewinds and reuses its buffer as before.
+        receive_into(&mut d, &frame(4, 10, b"again"));
+        assert_eq!(expect_frame(&mut d).1, b"again".to_vec());
+    }
+
+    #[test]
+    fn a_failed_receive_adds_nothing() {
+        let mut d = FrameDecoder::new();
+        d.push(&frame(1, 1, b"x")[..10]);
+        let _ = d.begin_receive(1);
+        d.end_receive(0);
+        assert_eq!(d.buffered(), 10);
+        assert!(d.decode().unwrap().is_none());
+    }
+
+    #[test]
+    #[should_panic(expected = "spare() while a receive is pending")]
+    fn making_room_while_a_receive_is_pending_panics() {
+        let mut d = FrameDecoder::new();
+        let _ = d.begin_receive(1);
+        d.push(b"would move the receive's bytes");
+    }
+
+    #[test]
+    #[should_panic(expected = "one receive at a time")]
+    fn a_second_pending_receive_panics() {
+        let mut d = FrameDecoder::new();
+        let _ = d.begin_receive(1);
+        let _ = d.begin_receive(1);
     }
 
     proptest::proptest! {

@@ -121,10 +121,7 @@ fn auto_falls_back_to_epoll_with_one_warning_when_seccomp_forbids_io_uring() {
             cfg.io.backend = BackendChoice::Auto;
             let mut backend = None;
             let f = start_with(
-                Backends {
-                    server: BackendChoice::Auto,
-                    client: BackendChoice::Fallback,
-                },
+                Backends::of(BackendChoice::Auto, BackendChoice::Fallback),
                 cfg,
                 |s| backend = Some(s.backend()),
             );

@@ -87,6 +87,22 @@ pub enum TaskRun {
     Interrupt,
 }
 
+/// How the io_uring server receives ([`IoConfig::recv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum RecvMode {
+    /// One receive at a time per connection, straight into the connection's
+    /// frame decoder, re-armed after each completion: the bytes are copied
+    /// once, by the kernel, as the epoll backend's `recv` does.
+    #[default]
+    Direct,
+    /// One multishot receive per connection into buffers provided from a
+    /// ring shared by all connections (`recv_buffer_bytes`,
+    /// `recv_buffer_count`), each copied into the decoder and handed back:
+    /// no re-arm per receive, but every byte is copied twice.
+    Provided,
+}
+
 /// Knobs shared by the server loop and the client's reader.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IoConfig {
@@ -108,8 +124,13 @@ pub struct IoConfig {
     /// completion queue is twice this). A client ring has a fixed 4: it
     /// holds at most a receive and its cancellation.
     pub ring_entries: u32,
-    /// io_uring provided receive buffers of the server: bytes each (a
-    /// receive completes with at most this many bytes) ...
+    /// io_uring: how the server receives. `Direct` by default: measured
+    /// against `Provided` with two forked servers and one client alternating
+    /// between them (`docs/benchmarks.md`, session 10), a 55 KB request's
+    /// round trip took 5–6 µs less, a one-key round trip the same or less.
+    pub recv: RecvMode,
+    /// io_uring provided receive buffers of the server ([`RecvMode::Provided`]
+    /// only): bytes each (a receive completes with at most this many bytes) ...
     pub recv_buffer_bytes: u32,
     /// ... and at most how many (a power of two, ≤ 32768). The server
     /// starts with 16 in circulation, so that receives land in memory that
@@ -127,6 +148,7 @@ impl Default for IoConfig {
             sqpoll_idle_ms: 10,
             taskrun: TaskRun::Defer,
             ring_entries: 256,
+            recv: RecvMode::Direct,
             recv_buffer_bytes: 16 << 10,
             recv_buffer_count: 256,
         }

@@ -10,8 +10,10 @@
 //! [`RpcClient`] pipelines requests from many threads over one connection,
 //! matching replies by request id, each with its own deadline.
 //!
-//! **Backends.** The server: io_uring (multishot accept, multishot receive
-//! into a provided-buffer ring, batched submissions; a lone reply with no
+//! **Backends.** The server: io_uring (multishot accept; by default one
+//! receive per connection straight into its frame decoder, re-armed after
+//! each completion, or a multishot receive into a provided-buffer ring
+//! with [`RecvMode::Provided`]; batched submissions; a lone reply with no
 //! send in flight is written at once with one non-blocking `send`, and
 //! whatever the socket does not take — or a batch, or a frame carrying
 //! descriptors — goes through the ring as a `SEND` or `SENDMSG`) or an
@@ -130,7 +132,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use client::{ClientError, ClientStats, MAX_CLIENT_INFLIGHT, PendingCall, Reply, RpcClient};
 pub use config::{
-    Backend, BackendChoice, ClientConfig, Endpoint, IO_ENV, IoConfig, ServerConfig, TaskRun,
+    Backend, BackendChoice, ClientConfig, Endpoint, IO_ENV, IoConfig, RecvMode, ServerConfig,
+    TaskRun,
 };
 pub use server::{
     Admit, Completer, ConnId, DisconnectReason, Handler, PeerInfo, Refusal, RefuseReason,

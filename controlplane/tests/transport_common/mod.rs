@@ -13,8 +13,8 @@ use std::time::Duration;
 use cxlkv_controlplane::frame::{Frame, FrameHeader};
 use cxlkv_controlplane::transport::{
     Admit, Backend, BackendChoice, ClientConfig, ConnId, DisconnectReason, Endpoint, Handler,
-    IoConfig, PeerInfo, Refusal, RefuseReason, Rejection, Replies, RpcClient, Server, ServerConfig,
-    ServerHandle, probe_uring,
+    IoConfig, PeerInfo, RecvMode, Refusal, RefuseReason, Rejection, Replies, RpcClient, Server,
+    ServerConfig, ServerHandle, probe_uring,
 };
 use parking_lot::Mutex;
 
@@ -136,16 +136,29 @@ pub fn memfd_with(bytes: &[u8]) -> OwnedFd {
     f.into()
 }
 
-/// The backends of one run of a test: the server's and the client's.
+/// The backends of one run of a test: the server's (and, for an io_uring
+/// server, how it receives) and the client's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backends {
     pub server: BackendChoice,
     pub client: BackendChoice,
+    pub recv: RecvMode,
+}
+
+impl Backends {
+    /// `server` and `client` with the default receive mode.
+    pub fn of(server: BackendChoice, client: BackendChoice) -> Self {
+        Self {
+            server,
+            client,
+            recv: RecvMode::default(),
+        }
+    }
 }
 
 /// Every pairing of server and client backend each test runs on: io_uring
 /// when this kernel allows it (the test says so when it does not), and the
-/// fallback always.
+/// fallback always; an io_uring server in both receive modes.
 pub fn backends() -> Vec<Backends> {
     let mut ends = vec![BackendChoice::Fallback];
     let uring = IoConfig {
@@ -159,7 +172,13 @@ pub fn backends() -> Vec<Backends> {
     let mut pairs = Vec::new();
     for &server in &ends {
         for &client in &ends {
-            pairs.push(Backends { server, client });
+            pairs.push(Backends::of(server, client));
+            if server == BackendChoice::Uring {
+                pairs.push(Backends {
+                    recv: RecvMode::Provided,
+                    ..Backends::of(server, client)
+                });
+            }
         }
     }
     pairs
@@ -191,6 +210,7 @@ pub struct Fixture {
 pub fn server_config(backend: Backends) -> ServerConfig {
     let mut cfg = ServerConfig::default();
     cfg.io.backend = backend.server;
+    cfg.io.recv = backend.recv;
     cfg
 }
 

@@ -449,8 +449,9 @@ pub struct ServerStats {
     /// Replies the fault plan dropped, delayed, duplicated or held back, and
     /// connections it reset.
     pub faults_applied: AtomicU64,
-    /// io_uring: receives that found every live provided buffer in use
-    /// (each grows the live set, up to `recv_buffer_count`, and re-arms).
+    /// io_uring with provided buffers (`RecvMode::Provided`): receives that
+    /// found every live provided buffer in use (each grows the live set, up
+    /// to `recv_buffer_count`, and re-arms). Always 0 with direct receives.
     pub recv_buffers_exhausted: AtomicU64,
 }
 

@@ -1,11 +1,19 @@
 //! The io_uring server backend.
 //!
-//! One ring on the loop thread. Listeners use multishot accept; every
+//! One ring on the loop thread. Listeners use multishot accept. Receives
+//! ([`RecvMode`]): by default every connection has one receive at a time in
+//! the kernel, straight into the spare bytes of its `FrameDecoder` (which
+//! keeps them in place until the completion: `begin_receive`), re-armed
+//! after each completion. The kernel's copy is the only one, as with the
+//! epoll backend's `recv`; the re-arm is submitted after the turn's replies
+//! are written, off the round trip. With `RecvMode::Provided`, every
 //! connection has one multishot receive that takes buffers from a provided
-//! buffer ring (`buf_ring`) shared by all connections, so memory for
-//! receives does not grow with the number of idle connections; received
-//! bytes are copied into the connection's `FrameDecoder` (which needs them
-//! contiguous and 8-aligned) and the buffer goes straight back to the ring.
+//! buffer ring (`BufRing`) shared by all connections, and received bytes are
+//! copied into the decoder (which needs them contiguous and 8-aligned)
+//! before the buffer goes back to the ring: no re-arm, but a second copy,
+//! and a large request spans several buffers and completions. Measured
+//! against each other (`docs/benchmarks.md`, session 10), a 55 KB
+//! request's round trip took 5–6 µs less with direct receives.
 //! Sends are `SENDMSG` operations, at most one in flight per connection (that
 //! keeps bytes in order), each owning the frames it writes until its
 //! completion arrives — except a lone reply with no send in flight (one
@@ -40,7 +48,7 @@ use super::{
     ConnState, Core, DisconnectReason, Handler, Listener, OutFrame, ServerStats, stop_requested,
 };
 use crate::transport::TransportError;
-use crate::transport::config::{IoConfig, TaskRun};
+use crate::transport::config::{IoConfig, RecvMode, TaskRun};
 use crate::transport::ring::{self, Role};
 use crate::transport::spin::Spinner;
 use crate::transport::sys::{self, CmsgBuf};
@@ -50,6 +58,11 @@ const PROBE_WAIT: Duration = Duration::from_secs(1);
 
 /// Buffer group id of the receive buffer ring.
 const BGID: u16 = 1;
+
+/// A direct receive asks the decoder for at least this much room (as the
+/// epoll backend's reads do), so that a 512-key request arrives in one or
+/// two completions.
+const DIRECT_RECV_MIN_BYTES: usize = 64 << 10;
 
 // user_data layout: op (8 bits) | generation (24 bits) | slot (32 bits).
 const OP_ACCEPT: u64 = 1;
@@ -318,9 +331,12 @@ struct ConnIo {
 
 struct Driver {
     // Field order matters: the ring is dropped before the buffers its
-    // operations point into.
+    // operations point into (and `run` returns, dropping the ring, before
+    // its caller drops the connections' decoders).
     ring: IoUring,
-    bufs: BufRing,
+    recv_mode: RecvMode,
+    /// The provided-buffer ring (`RecvMode::Provided` only).
+    bufs: Option<BufRing>,
     io: Vec<ConnIo>,
     closing: Vec<u32>,
     wake_buf: Box<u64>,
@@ -334,10 +350,16 @@ pub(crate) fn run<H: Handler>(
     let io_cfg = core.cfg.io.clone();
     let ring = ring::build_ring(&io_cfg, Role::Server, io_cfg.ring_entries)
         .map_err(TransportError::Setup)?;
-    let bufs = BufRing::new(&ring, io_cfg.recv_buffer_count, io_cfg.recv_buffer_bytes)
-        .map_err(TransportError::Setup)?;
+    let bufs = match io_cfg.recv {
+        RecvMode::Direct => None,
+        RecvMode::Provided => Some(
+            BufRing::new(&ring, io_cfg.recv_buffer_count, io_cfg.recv_buffer_bytes)
+                .map_err(TransportError::Setup)?,
+        ),
+    };
     let mut d = Driver {
         ring,
+        recv_mode: io_cfg.recv,
         bufs,
         io: Vec::new(),
         closing: Vec::new(),
@@ -407,9 +429,13 @@ impl Driver {
     fn push(&mut self, sqe: &squeue::Entry) -> Result<(), TransportError> {
         loop {
             // SAFETY: every entry built by this driver points only at memory
-            // the driver keeps alive until the operation's completion (send
-            // ops own their frames, receives use `bufs`, the wake read uses
-            // `wake_buf`) or until the ring is dropped.
+            // kept alive and in place until the operation's completion or
+            // until the ring is dropped: send ops own their frames; a direct
+            // receive writes into its connection's decoder, which
+            // `begin_receive` keeps from moving those bytes and which the
+            // core keeps until `teardown` has seen the receive complete (and
+            // after the ring, which `run` drops first); a multishot receive
+            // uses `bufs`; the wake read uses `wake_buf`.
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
@@ -454,11 +480,28 @@ impl Driver {
         self.push(&sqe)
     }
 
-    fn arm_recv(&mut self, fd: i32, slot: u32, generation: u32) -> Result<(), TransportError> {
-        let sqe = opcode::RecvMulti::new(types::Fd(fd), BGID)
-            .build()
-            .user_data(user_data(OP_RECV, generation, slot));
-        self.io[slot as usize].recv_armed = true;
+    /// Arms the connection's receive: a direct one into its decoder, or a
+    /// multishot one from the provided buffers.
+    fn arm_recv<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        slot: u32,
+        generation: u32,
+    ) -> Result<(), TransportError> {
+        let Some(conn) = core.conn_mut(slot) else {
+            return Ok(());
+        };
+        let fd = types::Fd(conn.fd.as_raw_fd());
+        let sqe = match self.recv_mode {
+            RecvMode::Direct => {
+                let (at, len) = conn.decoder.begin_receive(DIRECT_RECV_MIN_BYTES);
+                let len = u32::try_from(len).unwrap_or(u32::MAX);
+                opcode::Recv::new(fd, at, len).build()
+            }
+            RecvMode::Provided => opcode::RecvMulti::new(fd, BGID).build(),
+        };
+        let sqe = sqe.user_data(user_data(OP_RECV, generation, slot));
+        self.io_mut(slot).recv_armed = true;
         self.push(&sqe)
     }
 
@@ -523,7 +566,6 @@ impl Driver {
                 return Ok(());
             }
         };
-        let raw = fd.as_raw_fd();
         if let Some(slot) = core.admit(fd, peer) {
             let generation = core.conns[slot as usize]
                 .as_ref()
@@ -531,7 +573,7 @@ impl Driver {
             let io = self.io_mut(slot);
             debug_assert!(!io.recv_armed && io.send.is_none());
             io.closing = false;
-            self.arm_recv(raw, slot, generation)?;
+            self.arm_recv(core, slot, generation)?;
         }
         Ok(())
     }
@@ -545,25 +587,40 @@ impl Driver {
         now: Instant,
     ) -> Result<(), TransportError> {
         let res = cqe.result();
-        let bid = cqueue::buffer_select(cqe.flags());
         let current = core.conns.get(slot as usize).and_then(Option::as_ref);
         let ours = current.is_some_and(|c| c.id.generation() & 0xFF_FFFF == generation);
-        if res > 0 {
-            let bid = bid.expect("a successful provided-buffer receive names its buffer");
-            if ours
-                && let Some(conn) = core.conn_mut(slot)
-                && conn.state == ConnState::Open
-            {
-                let data = self.bufs.get(bid, res as usize);
-                conn.decoder.spare(data.len())[..data.len()].copy_from_slice(data);
-                conn.decoder.filled(data.len());
-                self.bufs.recycle(bid);
-                core.process_input(slot, now);
-            } else {
-                self.bufs.recycle(bid);
+        match &mut self.bufs {
+            None => {
+                // A direct receive: the connection keeps its slot (and its
+                // decoder) until this completion, so it is always ours.
+                debug_assert!(ours, "a direct receive outlived its connection");
+                if ours && let Some(conn) = core.conn_mut(slot) {
+                    conn.decoder.end_receive(usize::try_from(res).unwrap_or(0));
+                    if res > 0 && conn.state == ConnState::Open {
+                        core.process_input(slot, now);
+                    }
+                }
             }
-        } else if let Some(bid) = bid {
-            self.bufs.recycle(bid);
+            Some(bufs) => {
+                let bid = cqueue::buffer_select(cqe.flags());
+                if res > 0 {
+                    let bid = bid.expect("a successful provided-buffer receive names its buffer");
+                    if ours
+                        && let Some(conn) = core.conn_mut(slot)
+                        && conn.state == ConnState::Open
+                    {
+                        let data = bufs.get(bid, res as usize);
+                        conn.decoder.spare(data.len())[..data.len()].copy_from_slice(data);
+                        conn.decoder.filled(data.len());
+                        bufs.recycle(bid);
+                        core.process_input(slot, now);
+                    } else {
+                        bufs.recycle(bid);
+                    }
+                } else if let Some(bid) = bid {
+                    bufs.recycle(bid);
+                }
+            }
         }
         if !ours {
             return Ok(());
@@ -575,12 +632,11 @@ impl Driver {
                 // Every live buffer was in use; they are recycled by now,
                 // and the live set grows so that the next burst fits.
                 ServerStats::bump(&core.shared.stats.recv_buffers_exhausted);
-                self.bufs.grow();
+                if let Some(bufs) = &mut self.bufs {
+                    bufs.grow();
+                }
                 if !armed && !self.io[slot as usize].closing {
-                    let fd = core.conns[slot as usize].as_ref().map(|c| c.fd.as_raw_fd());
-                    if let Some(fd) = fd {
-                        self.arm_recv(fd, slot, generation)?;
-                    }
+                    self.arm_recv(core, slot, generation)?;
                 }
             }
             r if r < 0 && r != -libc::ECANCELED => core.close(
@@ -592,10 +648,7 @@ impl Driver {
                     .as_ref()
                     .is_some_and(|c| c.state == ConnState::Open);
                 if !armed && open && !self.io[slot as usize].closing {
-                    let fd = core.conns[slot as usize].as_ref().map(|c| c.fd.as_raw_fd());
-                    if let Some(fd) = fd {
-                        self.arm_recv(fd, slot, generation)?;
-                    }
+                    self.arm_recv(core, slot, generation)?;
                 }
             }
         }
