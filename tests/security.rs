@@ -57,33 +57,6 @@ const OTHER_LAYOUT: Layout = Layout {
     fingerprint: 0xbad,
 };
 
-fn reattach_msg(
-    instance: &str,
-    secret: proto::InstanceSecret,
-    regions: Vec<proto::OwnedRegion>,
-    next_seq: u64,
-) -> proto::Reattach {
-    proto::Reattach {
-        meta: proto::RequestMeta::default(),
-        protocol_min: 1,
-        protocol_max: 1,
-        instance_id: instance.into(),
-        instance_secret: secret,
-        client_name: "test".into(),
-        client_secret: None,
-        regions,
-        next_seq,
-    }
-}
-
-fn owned(g: &proto::RegionGranted) -> proto::OwnedRegion {
-    proto::OwnedRegion {
-        desc: g.desc,
-        layout: g.layout,
-        token: g.token,
-    }
-}
-
 fn forged(g: &proto::RegionGranted) -> proto::OwnedRegion {
     let mut token = g.token.0;
     token[0] ^= 1;

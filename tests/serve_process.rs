@@ -136,21 +136,12 @@ fn serve_once(io: &str, signal: libc::c_int) {
     let mut c = Raw::connect_unix(&socket);
     c.next_seq = 100;
     let back: proto::Reattached = c
-        .call(&proto::Reattach {
-            meta: c.ro(),
-            protocol_min: 1,
-            protocol_max: 1,
-            instance_id: "proc".into(),
-            instance_secret: welcome.instance_secret,
-            client_name: "test".into(),
-            client_secret: None,
-            regions: vec![proto::OwnedRegion {
-                desc: granted.desc,
-                layout: LAYOUT,
-                token: granted.token,
-            }],
-            next_seq: c.next_seq,
-        })
+        .call(&reattach_msg(
+            "proc",
+            welcome.instance_secret,
+            vec![owned(&granted)],
+            c.next_seq,
+        ))
         .unwrap();
     assert!(!back.resumed, "{io}: a restart is not a resume");
     assert_eq!(back.accepted, vec![region], "{io}: the region survived");

@@ -155,21 +155,12 @@ fn a_reset_connection_ends_its_session_and_a_reattach_gets_the_cached_reply() {
     // A new connection of the same instance, then the same request again.
     let c2 = Raw::connect_unix(server.socket_path());
     let reattached: proto::Reattached = c2
-        .call(&proto::Reattach {
-            meta: c2.ro(),
-            protocol_min: 1,
-            protocol_max: 1,
-            instance_id: "resumer".into(),
-            instance_secret: welcome.instance_secret,
-            client_name: "test".into(),
-            client_secret: None,
-            regions: vec![proto::OwnedRegion {
-                desc: granted.desc,
-                layout: LAYOUT,
-                token: granted.token,
-            }],
-            next_seq: c.next_seq,
-        })
+        .call(&reattach_msg(
+            "resumer",
+            welcome.instance_secret,
+            vec![owned(&granted)],
+            c.next_seq,
+        ))
         .unwrap();
     assert!(reattached.resumed);
     assert_eq!(reattached.accepted, vec![region]);

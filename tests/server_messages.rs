@@ -115,17 +115,12 @@ fn every_directory_message_kind_round_trips_through_the_server_on_both_backends(
         // Reattach → Reattached, on a second connection of the instance.
         let c2 = Raw::connect_unix(server.socket_path());
         let reattached: proto::Reattached = c2
-            .call(&proto::Reattach {
-                meta: c2.ro(),
-                protocol_min: 1,
-                protocol_max: 1,
-                instance_id: "every-kind".into(),
-                instance_secret: welcome.instance_secret,
-                client_name: "test".into(),
-                client_secret: None,
-                regions: vec![],
-                next_seq: c.next_seq,
-            })
+            .call(&reattach_msg(
+                "every-kind",
+                welcome.instance_secret,
+                vec![],
+                c.next_seq,
+            ))
             .expect("reattach");
         assert!(reattached.resumed, "{backend:?}: the instance resumed");
         seen.push(Kind::Reattach);

@@ -42,21 +42,12 @@ fn a_restarted_server_recovers_regions_for_instances_that_reattach() {
     let mut a2 = Raw::connect_unix(server.socket_path());
     a2.next_seq = 100;
     let back: proto::Reattached = a2
-        .call(&proto::Reattach {
-            meta: a2.ro(),
-            protocol_min: 1,
-            protocol_max: 1,
-            instance_id: "alive".into(),
-            instance_secret: welcome.instance_secret,
-            client_name: "test".into(),
-            client_secret: None,
-            regions: vec![proto::OwnedRegion {
-                desc: granted.desc,
-                layout: LAYOUT,
-                token: granted.token,
-            }],
-            next_seq: a2.next_seq,
-        })
+        .call(&reattach_msg(
+            "alive",
+            welcome.instance_secret,
+            vec![owned(&granted)],
+            a2.next_seq,
+        ))
         .unwrap();
     assert!(!back.resumed, "a restart is not a resume");
     assert_eq!(back.accepted, vec![region]);

@@ -17,13 +17,7 @@ const WAIT: Duration = Duration::from_secs(10);
 fn a_closed_connection_releases_its_pins() {
     for backend in backends() {
         let server = Server::start(config_on("closepins", backend)).unwrap();
-        let (mut owner, region) = session_with_region(&server, "owner");
-        owner
-            .register(vec![(b"k".to_vec(), loc(region, 0))])
-            .unwrap();
-        let mut reader = Raw::connect_unix(server.socket_path());
-        reader.hello("reader").0.unwrap();
-        reader.lookup(&[b"k"], 2).unwrap();
+        let (mut owner, reader) = owner_and_reader(&server, 2);
         assert_eq!(
             owner.delete(&[b"k"]).unwrap().outcomes,
             vec![DeleteOutcome::Pinned { pins: 2 }]
@@ -145,13 +139,7 @@ fn an_admin_can_end_a_session_which_releases_its_pins() {
 fn shutdown_closes_every_live_session_and_counts_them() {
     for backend in backends() {
         let server = Server::start(config_on("shutdown", backend)).unwrap();
-        let (mut owner, region) = session_with_region(&server, "owner");
-        owner
-            .register(vec![(b"k".to_vec(), loc(region, 0))])
-            .unwrap();
-        let mut reader = Raw::connect_unix(server.socket_path());
-        reader.hello("reader").0.unwrap();
-        reader.lookup(&[b"k"], 1).unwrap();
+        let (owner, reader) = owner_and_reader(&server, 1);
         // A connection without a session is closed too, but is no session.
         let _anonymous = Raw::connect_unix(server.socket_path());
         assert!(wait_until(WAIT, || server
@@ -165,6 +153,18 @@ fn shutdown_closes_every_live_session_and_counts_them() {
             "{backend:?}: the clients see their connections closed"
         );
     }
+}
+
+/// Two sessions: `owner` registered key `k`, `reader` holds `pins` on it.
+fn owner_and_reader(server: &cxlkv::server::ServerHandle, pins: u32) -> (Raw, Raw) {
+    let (mut owner, region) = session_with_region(server, "owner");
+    owner
+        .register(vec![(b"k".to_vec(), loc(region, 0))])
+        .unwrap();
+    let mut reader = Raw::connect_unix(server.socket_path());
+    reader.hello("reader").0.unwrap();
+    reader.lookup(&[b"k"], pins).unwrap();
+    (owner, reader)
 }
 
 /// The server closed the connection, or refuses the session.

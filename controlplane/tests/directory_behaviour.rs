@@ -268,6 +268,17 @@ impl World {
             .body
     }
 
+    /// A new region of `c`'s, 62 of its 64 pages registered (> 95 % full):
+    /// the keys, in page order.
+    fn fill_a_region(&mut self, c: &mut Client) -> Vec<Vec<u8>> {
+        let r = self.region(c, L);
+        let keys: Vec<Vec<u8>> = (0..62u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        for (i, k) in keys.iter().enumerate() {
+            self.put(c, k, loc(r, i as u32, 1));
+        }
+        keys
+    }
+
     fn keep_alive(&mut self, c: &Client) {
         self.kept_alive.push(c.session);
     }
@@ -630,11 +641,7 @@ fn a_pin_has_no_expiry_while_its_session_lives_and_eviction_never_takes_it() {
     // nor memory pressure takes a pin or the key it holds.
     let mut w = eviction_world(true);
     let mut a = w.hello("a");
-    let ra = w.region(&mut a, L);
-    let keys: Vec<Vec<u8>> = (0..62u32).map(|i| i.to_le_bytes().to_vec()).collect();
-    for (i, k) in keys.iter().enumerate() {
-        w.put(&mut a, k, loc(ra, i as u32, 1));
-    }
+    let keys = w.fill_a_region(&mut a);
     w.lookup_pin(&mut a, &[&keys[0]], 2);
     w.keep_alive(&a);
     w.dir.pool_usage(POOL, REGION_BYTES, 0);
@@ -1417,12 +1424,7 @@ fn orphaned_keys_are_evicted_above_the_watermark_but_never_a_pinned_one() {
 fn lru_eviction_takes_the_least_recent_unpinned_keys_and_notifies_owners() {
     let mut w = eviction_world(true);
     let mut a = w.hello("a");
-    let ra = w.region(&mut a, L);
-    // 64 pages; fill 62 (> 95 %).
-    let keys: Vec<Vec<u8>> = (0..62u32).map(|i| i.to_le_bytes().to_vec()).collect();
-    for (i, k) in keys.iter().enumerate() {
-        w.put(&mut a, k, loc(ra, i as u32, 1));
-    }
+    let keys = w.fill_a_region(&mut a);
     // Key 0 is pinned, key 1 recently used: neither may go first.
     w.lookup_pin(&mut a, &[&keys[0]], 1);
     w.dir

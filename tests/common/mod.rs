@@ -203,6 +203,35 @@ impl Raw {
 use cxlkv_controlplane::transport::Reply;
 
 /// A location on page `page` of `region`, generation 1, one byte.
+/// A `Reattach` of `instance` with its secret, presenting `regions`.
+pub fn reattach_msg(
+    instance: &str,
+    secret: proto::InstanceSecret,
+    regions: Vec<proto::OwnedRegion>,
+    next_seq: u64,
+) -> proto::Reattach {
+    proto::Reattach {
+        meta: proto::RequestMeta::default(),
+        protocol_min: 1,
+        protocol_max: 1,
+        instance_id: instance.into(),
+        instance_secret: secret,
+        client_name: "test".into(),
+        client_secret: None,
+        regions,
+        next_seq,
+    }
+}
+
+/// A granted region as its owner presents it when reattaching.
+pub fn owned(g: &proto::RegionGranted) -> proto::OwnedRegion {
+    proto::OwnedRegion {
+        desc: g.desc,
+        layout: g.layout,
+        token: g.token,
+    }
+}
+
 pub fn loc(region: u64, page: u32) -> proto::Location {
     proto::Location {
         region,
