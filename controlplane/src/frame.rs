@@ -263,8 +263,10 @@ impl FrameDecoder {
 
     fn bytes_mut(&mut self) -> &mut [u8] {
         let words: &mut [u64] = &mut self.buf;
-        // SAFETY: as in `bytes`; any byte written leaves a valid `u64`, and
-        // the unique borrow of `self` rules out aliasing.
+        // SAFETY: `u64` has no padding and every bit pattern is a valid
+        // `u8`; the byte slice covers exactly the words' memory; any byte
+        // written leaves a valid `u64`, and the unique borrow of `self` rules
+        // out aliasing (callers assert that no receive is pending).
         unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) }
     }
 
@@ -664,8 +666,8 @@ mod tests {
         let (at, len) = d.begin_receive(1);
         let rest: Vec<u8> = a[a.len() - 3..].iter().chain(&b).copied().collect();
         assert!(len >= rest.len());
-        // ... nothing decodes yet, and an emptied decoder would rewind: it
-        // must not, since the receive writes at the old end.
+        // ... and decoding meanwhile (only part of `a` is in) finds nothing
+        // and leaves the receive's bytes alone.
         assert!(d.decode().unwrap().is_none());
         // SAFETY: the pending receive's spare bytes, as the kernel would.
         unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), at, rest.len()) };
