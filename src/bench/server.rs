@@ -35,6 +35,9 @@
 //! fresh server): the rest of a call is the transport and the client.
 //! `keys_per_s` is `batch / p50`: what one caller gets at the typical call
 //! time (a mean would mostly measure the other processes of a busy host).
+//! `server_backend` is the transport the forked server runs on (`uring`
+//! unless io_uring is unavailable or `CXLKV_IO=fallback`), since the two
+//! measure differently on large requests.
 //!
 //! **Floor (`exists` only).** Each rep also times the same calls under a
 //! layout nobody registered (`FLOOR_LAYOUT`): the request and reply have
@@ -373,6 +376,7 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         // A fresh server per case, so that its latency statistics are this
         // case's.
         let server = start_server()?;
+        let server_backend = server.backend().to_owned();
         let mut c = Client::connect(
             &Endpoint::Unix(server.socket().to_owned()),
             ClientConfig::default(),
@@ -429,6 +433,7 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         .with("key_bytes", KEY_BYTES as u64)
         .with("pins", u64::from(op == Op::Lookup))
         .with("server", "forked process")
+        .with("server_backend", server_backend.as_str())
         .with("calls_per_rep", calls as u64)
         .with("reps", args.reps as u64)
         .with("request_wire_bytes", req_wire as u64)
