@@ -329,14 +329,20 @@ struct ConnIo {
     closing: bool,
 }
 
+/// How the driver receives ([`RecvMode`]), with what that mode needs.
+enum Receives {
+    /// Straight into each connection's decoder.
+    Direct,
+    /// Multishot, from this ring of provided buffers.
+    Provided(BufRing),
+}
+
 struct Driver {
     // Field order matters: the ring is dropped before the buffers its
     // operations point into (and `run` returns, dropping the ring, before
     // its caller drops the connections' decoders).
     ring: IoUring,
-    recv_mode: RecvMode,
-    /// The provided-buffer ring (`RecvMode::Provided` only).
-    bufs: Option<BufRing>,
+    recv: Receives,
     io: Vec<ConnIo>,
     closing: Vec<u32>,
     wake_buf: Box<u64>,
@@ -350,17 +356,16 @@ pub(crate) fn run<H: Handler>(
     let io_cfg = core.cfg.io.clone();
     let ring = ring::build_ring(&io_cfg, Role::Server, io_cfg.ring_entries)
         .map_err(TransportError::Setup)?;
-    let bufs = match io_cfg.recv {
-        RecvMode::Direct => None,
-        RecvMode::Provided => Some(
+    let recv = match io_cfg.recv {
+        RecvMode::Direct => Receives::Direct,
+        RecvMode::Provided => Receives::Provided(
             BufRing::new(&ring, io_cfg.recv_buffer_count, io_cfg.recv_buffer_bytes)
                 .map_err(TransportError::Setup)?,
         ),
     };
     let mut d = Driver {
         ring,
-        recv_mode: io_cfg.recv,
-        bufs,
+        recv,
         io: Vec::new(),
         closing: Vec::new(),
         wake_buf: Box::new(0),
@@ -435,7 +440,8 @@ impl Driver {
             // `begin_receive` keeps from moving those bytes and which the
             // core keeps until `teardown` has seen the receive complete (and
             // after the ring, which `run` drops first); a multishot receive
-            // uses `bufs`; the wake read uses `wake_buf`.
+            // uses the provided buffers of `recv`; the wake read uses
+            // `wake_buf`.
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
@@ -492,13 +498,13 @@ impl Driver {
             return Ok(());
         };
         let fd = types::Fd(conn.fd.as_raw_fd());
-        let sqe = match self.recv_mode {
-            RecvMode::Direct => {
+        let sqe = match self.recv {
+            Receives::Direct => {
                 let (at, len) = conn.decoder.begin_receive(DIRECT_RECV_MIN_BYTES);
                 let len = u32::try_from(len).unwrap_or(u32::MAX);
                 opcode::Recv::new(fd, at, len).build()
             }
-            RecvMode::Provided => opcode::RecvMulti::new(fd, BGID).build(),
+            Receives::Provided(_) => opcode::RecvMulti::new(fd, BGID).build(),
         };
         let sqe = sqe.user_data(user_data(OP_RECV, generation, slot));
         self.io_mut(slot).recv_armed = true;
@@ -589,8 +595,8 @@ impl Driver {
         let res = cqe.result();
         let current = core.conns.get(slot as usize).and_then(Option::as_ref);
         let ours = current.is_some_and(|c| c.id.generation() & 0xFF_FFFF == generation);
-        match &mut self.bufs {
-            None => {
+        match &mut self.recv {
+            Receives::Direct => {
                 // A direct receive: the connection keeps its slot (and its
                 // decoder) until this completion, so it is always ours.
                 debug_assert!(ours, "a direct receive outlived its connection");
@@ -601,7 +607,7 @@ impl Driver {
                     }
                 }
             }
-            Some(bufs) => {
+            Receives::Provided(bufs) => {
                 let bid = cqueue::buffer_select(cqe.flags());
                 if res > 0 {
                     let bid = bid.expect("a successful provided-buffer receive names its buffer");
@@ -632,7 +638,7 @@ impl Driver {
                 // Every live buffer was in use; they are recycled by now,
                 // and the live set grows so that the next burst fits.
                 ServerStats::bump(&core.shared.stats.recv_buffers_exhausted);
-                if let Some(bufs) = &mut self.bufs {
+                if let Receives::Provided(bufs) = &mut self.recv {
                     bufs.grow();
                 }
                 if !armed && !self.io[slot as usize].closing {
