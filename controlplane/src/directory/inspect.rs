@@ -138,7 +138,7 @@ impl Directory {
         let mut long: Vec<LongHeldPin> = Vec::new();
         let mut count = 0u64;
         for (&session, s) in &self.sessions {
-            for held in s.pins.values() {
+            for (_, held) in s.pins.iter() {
                 let held_for = now.saturating_since(held.since);
                 if held_for >= threshold {
                     count += 1;
@@ -384,7 +384,7 @@ impl Directory {
         let mut pin_total = 0u64;
         for (sid, s) in &self.sessions {
             let mut sum = 0u64;
-            for (&es, held) in &s.pins {
+            for (es, held) in s.pins.iter() {
                 ensure!(held.count > 0, "session {sid}: empty ledger entry");
                 ensure!(
                     self.keys.is_live(es),
@@ -582,7 +582,7 @@ impl Directory {
             }));
         }
         for (sid, sess) in &self.sessions {
-            let mut pins: Vec<(u32, u32)> = sess.pins.iter().map(|(&k, v)| (k, v.count)).collect();
+            let mut pins: Vec<(u32, u32)> = sess.pins.iter().map(|(k, v)| (k, v.count)).collect();
             pins.sort_unstable();
             add(h(&|s| {
                 (4u8, sid, sess.instance, sess.pin_total, &pins).hash(&mut HashWrap(s))

@@ -452,8 +452,8 @@ impl Directory {
             .sessions
             .remove(&id)
             .expect("invariant: kill_session is called for live sessions");
-        for (slot, held) in &session.pins {
-            self.release_pins(*slot, held.count);
+        for (slot, held) in session.pins.iter() {
+            self.release_pins(slot, held.count);
         }
         let inst = self.instance_mut(session.instance);
         inst.sessions.retain(|s| *s != id);

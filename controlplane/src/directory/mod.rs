@@ -102,6 +102,7 @@ mod keys;
 mod lifecycle;
 mod lru;
 mod notices;
+mod pin_ledger;
 mod regions;
 mod registry;
 mod rng;

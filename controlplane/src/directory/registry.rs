@@ -14,7 +14,6 @@ use super::keys::{Entry, KeyIndex, NIL};
 use super::lru::Lru;
 use super::regions::Owner;
 use super::sequence::{CachedBody, CachedReply, SeqCheck};
-use super::sessions::HeldPin;
 use super::types::{
     Caller, DeleteOutcome, Layout, Location, LookupReply, OpKind, RegisterEntry, RegisterOutcome,
     Reply, Sequence, Time, UnpinEntry, UnpinOutcome,
@@ -296,14 +295,7 @@ impl Directory {
                 }
             }
             entry.pins += pins;
-            session
-                .pins
-                .entry(es)
-                .and_modify(|h| h.count += pins)
-                .or_insert(HeldPin {
-                    count: pins,
-                    since: now,
-                });
+            session.pins.take(es, pins, now);
             session.pin_total += u64::from(pins);
             let region = self.regions.get_mut(entry.region);
             if region.stamp != stamp {
@@ -503,18 +495,10 @@ impl Directory {
             .expect("invariant: enter() checked the session");
         let (mut unpinned, mut not_pinned) = (0u64, 0u64);
         for (&es, e) in self.scratch_slots.iter().zip(entries) {
-            let held = (es != NIL)
-                .then(|| session.pins.get_mut(&es))
-                .flatten()
-                .filter(|held| held.count >= e.count);
-            let Some(held) = held else {
+            if es == NIL || !session.pins.release(es, e.count) {
                 not_pinned += 1;
                 outcomes.push(UnpinOutcome::NotPinned);
                 continue;
-            };
-            held.count -= e.count;
-            if held.count == 0 {
-                session.pins.remove(&es);
             }
             session.pin_total -= u64::from(e.count);
             drop_pins(

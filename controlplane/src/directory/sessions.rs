@@ -3,35 +3,25 @@
 //! An *instance* outlives connections: it owns regions, a freed-page notice
 //! queue and the exactly-once reply window. A *session* is one connection of
 //! an instance and owns pins. Each session keeps a ledger `entry slot →
-//! (count, since)` of the pins it holds, and each entry keeps only the total,
-//! so pins cost memory per pinned key per session, never per registered key.
+//! (count, since)` of the pins it holds ([`PinLedger`]), and each entry keeps
+//! only the total, so pins cost memory per pinned key per session, never per
+//! registered key.
 //!
 //! Invariants: an entry's pin total equals the sum of its counts over all
 //! live sessions' ledgers; a pinned entry is never removed, so ledger slots
 //! always name live entries; an instance has `absent_since` set iff it has no
 //! sessions.
 
-use std::collections::HashMap;
-
-use foldhash::fast::FixedState;
-
 use super::notices::NoticeQueue;
+use super::pin_ledger::PinLedger;
 use super::sequence::ReplyWindow;
 use super::types::{InstanceId, InstanceSecret, Principal, RegionHandle, SessionId, Time};
-
-/// Pins one session holds on one key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct HeldPin {
-    pub count: u32,
-    /// When the session went from no pins to some pins on this key.
-    pub since: Time,
-}
 
 #[derive(Debug)]
 pub(crate) struct Session {
     pub instance: u32,
     pub last_seen: Time,
-    pub pins: HashMap<u32, HeldPin, FixedState>,
+    pub pins: PinLedger,
     /// Sum of `pins[..].count`.
     pub pin_total: u64,
 }
@@ -41,7 +31,7 @@ impl Session {
         Self {
             instance,
             last_seen: now,
-            pins: HashMap::with_hasher(FixedState::with_seed(seed)),
+            pins: PinLedger::new(seed),
             pin_total: 0,
         }
     }
