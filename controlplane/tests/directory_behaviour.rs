@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use cxlkv_controlplane::directory::{
     Caller, DeleteOutcome, Directory, DirectoryConfig, DirectoryError, Effect, EvictionConfig,
-    Hello, InstanceId, Layout, Location, MAX_SEQUENCE, OpKind, Peer, PresentedRegion, Reattach,
-    ReattachKind, RecoveredRegion, RegionHandle, RegionReply, RegionStatus, RegionToken,
-    RegisterEntry, RegisterOutcome, RejectReason, Reply, Sequence, SessionEndReason, SessionId,
-    Time, UnpinEntry, UnpinOutcome,
+    Hello, InstanceId, Layout, Location, MAX_BATCH_CEILING, MAX_PINS_PER_KEY, MAX_SEQUENCE, OpKind,
+    Peer, PresentedRegion, Reattach, ReattachKind, RecoveredRegion, RegionHandle, RegionReply,
+    RegionStatus, RegionToken, RegisterEntry, RegisterOutcome, RejectReason, Reply, Sequence,
+    SessionEndReason, SessionId, Time, UnpinEntry, UnpinOutcome,
 };
 use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
 
@@ -495,6 +495,47 @@ fn lookup_pins_atomically_and_lists_each_region_once() {
     assert!(reply.regions.iter().all(|d| d.page_size_bytes == 4096));
     let stats = w.dir.stats(w.now);
     assert_eq!((stats.pins, stats.pinned_keys), (6, 3));
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
+fn a_key_at_the_pin_limit_refuses_a_lookup_naming_it_and_nothing_is_pinned() {
+    let per_call = MAX_PINS_PER_KEY / MAX_BATCH_CEILING as u32;
+    let mut w = World::with(DirectoryConfig {
+        max_pins_per_call: per_call,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let r = w.region(&mut a, L);
+    w.put(&mut a, b"full", loc(r, 0, 1));
+    w.put(&mut a, b"free", loc(r, 1, 1));
+    // One key named 1024 times a call: 64 calls take it to the limit.
+    let batch: Vec<&[u8]> = vec![b"full"; 1024];
+    let calls = MAX_PINS_PER_KEY / (per_call * 1024);
+    for _ in 0..calls {
+        w.lookup_pin(&mut a, &batch, per_call);
+    }
+    assert_eq!(w.dir.stats(w.now).pins, u64::from(MAX_PINS_PER_KEY));
+    // The total leaves no room, so each key is checked: `free` has room.
+    assert_eq!(
+        w.lookup_pin(&mut a, &[b"free"], 1),
+        vec![Some(loc(r, 1, 1))]
+    );
+    let seq = a.seq();
+    let err = w
+        .dir
+        .lookup(&a.caller(), Some(seq), L, [&b"free"[..], b"full"], 1, w.now)
+        .unwrap_err();
+    assert!(
+        matches!(err, DirectoryError::PinLimit { index: 1, max } if max == MAX_PINS_PER_KEY),
+        "{err:?}"
+    );
+    let stats = w.dir.stats(w.now);
+    assert_eq!(
+        stats.pins,
+        u64::from(MAX_PINS_PER_KEY) + 1,
+        "the refused lookup pinned nothing, not even the key before the full one"
+    );
     w.dir.check_invariants().unwrap();
 }
 

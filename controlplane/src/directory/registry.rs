@@ -260,12 +260,18 @@ impl Directory {
             });
         }
         let most = u64::from(pins) * n as u64;
-        for (index, &es) in self.scratch_slots.iter().enumerate() {
-            if es != NIL && u64::from(self.keys.get(es).pins) + most > u64::from(MAX_PINS_PER_KEY) {
-                return Err(DirectoryError::PinLimit {
-                    index,
-                    max: MAX_PINS_PER_KEY,
-                });
+        // No key holds more pins than all keys together: when even the
+        // total leaves room, the per-key pass (one more read of every
+        // entry found) is skipped.
+        let room = |held: u64| held + most <= u64::from(MAX_PINS_PER_KEY);
+        if !room(self.totals.pins) {
+            for (index, &es) in self.scratch_slots.iter().enumerate() {
+                if es != NIL && !room(u64::from(self.keys.get(es).pins)) {
+                    return Err(DirectoryError::PinLimit {
+                        index,
+                        max: MAX_PINS_PER_KEY,
+                    });
+                }
             }
         }
 
@@ -761,7 +767,7 @@ impl Directory {
         let body = match replies.check(seq.seq) {
             Ok(SeqCheck::Fresh) => return Ok(None),
             Ok(SeqCheck::Executed(cached)) => {
-                if cached.fingerprint != fp.0 {
+                if cached.fingerprint != fp.value() {
                     Err(DirectoryError::SequenceReused { seq: seq.seq })
                 } else if matches!(cached.body, CachedBody::PinnedLookup(_))
                     && cached.session != caller.session
@@ -801,7 +807,7 @@ impl Directory {
         self.instance_mut(slot).replies.record(
             seq.seq,
             CachedReply {
-                fingerprint: fp.0,
+                fingerprint: fp.value(),
                 session: caller.session,
                 body,
             },
