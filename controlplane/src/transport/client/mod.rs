@@ -151,16 +151,21 @@ pub struct Reply {
 
 impl Reply {
     fn new(header: FrameHeader, payload: &[u8], fds: Vec<OwnedFd>) -> Self {
-        let mut words = vec![0u64; payload.len().div_ceil(8)];
-        // SAFETY: `words` holds at least `payload.len()` bytes; u8 has no
-        // alignment requirement and any byte pattern is a valid u64.
+        // Not zeroed first: a 16 KiB reply is written once, not twice.
+        let n = payload.len().div_ceil(8);
+        let mut words: Vec<u64> = Vec::with_capacity(n);
+        // SAFETY: the allocation holds `n` words, at least `payload.len()`
+        // bytes; u8 has no alignment requirement and any byte pattern is a
+        // valid u64. The copy initialises the first `payload.len()` bytes and
+        // the tail write the rest of the last word (the `n * 8 -
+        // payload.len() < 8` padding bytes), so all `n` words are initialised
+        // before `set_len`.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                payload.as_ptr(),
-                words.as_mut_ptr().cast::<u8>(),
-                payload.len(),
-            )
-        };
+            let bytes = words.as_mut_ptr().cast::<u8>();
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), bytes, payload.len());
+            std::ptr::write_bytes(bytes.add(payload.len()), 0, n * 8 - payload.len());
+            words.set_len(n);
+        }
         Self { header, words, fds }
     }
 
