@@ -18,6 +18,12 @@
 //! choose slots that all land in one run. The load stays at most 1/2: an
 //! insert probes 1.5 buckets on average, a miss 2.5.
 //!
+//! Memory: 16 bytes per bucket, so 32–64 bytes per key pinned at the
+//! session's peak. Like the map it replaced, a ledger keeps its largest size
+//! until the session ends (shrinking as it empties would make a session that
+//! pins and unpins whole batches rebuild it on every call); the session's
+//! pinned-key limit (`max_pinned_keys_per_session`) bounds it.
+//!
 //! Measured in one process (`examples/directory_batch --op lookup_pin`,
 //! 64 Ki keys, `docs/benchmarks.md` session 11): a lookup taking one pin on
 //! each of 512 keys 22.2 → 19.3 µs, the unpin that follows 20.4 → 16.9 µs.
