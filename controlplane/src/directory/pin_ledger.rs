@@ -13,9 +13,10 @@
 //!   cache line); counts and times sit in parallel arrays read only at the
 //!   bucket found.
 //!
-//! The bucket of a slot is a multiply-shift hash keyed by a per-session
-//! random odd multiplier, so a client choosing which keys to pin cannot
-//! choose slots that all land in one run. The load stays at most 1/2: an
+//! The bucket of a slot is a multiply-shift hash by an odd multiplier drawn
+//! at random when the directory starts. Slot numbers never leave the
+//! directory, and the multiplier is secret, so a client choosing which keys
+//! to pin cannot choose slots that all land in one run. The load stays at most 1/2: an
 //! insert probes 1.5 buckets on average, a miss 2.5.
 //!
 //! Memory: 16 bytes per bucket, so 32–64 bytes per key pinned at the
