@@ -46,6 +46,24 @@ fn frames_of_several_kinds_and_sizes_round_trip() {
     }
 }
 
+/// A reply the handler encoded itself and handed over whole (no copy in
+/// the transport) arrives exactly as the copied kind does.
+#[test]
+fn a_frame_handed_over_whole_arrives_like_a_copied_one() {
+    for backend in backends() {
+        let f = start(backend, server_config(backend));
+        for ep in f.endpoints() {
+            let c = f.client(ep);
+            for len in [0usize, 5, 8, 4096, 16_464, 65_537] {
+                let payload: Vec<u8> = (0..len).map(|i| (i * 13 % 256) as u8).collect();
+                let r = c.call(WHOLE_FRAME, &payload, LONG).unwrap();
+                assert_eq!(r.kind(), WHOLE_FRAME + REPLY_OFFSET, "{backend:?} {ep}");
+                assert_eq!(r.payload(), payload.as_slice(), "{backend:?} {ep} {len}");
+            }
+        }
+    }
+}
+
 #[test]
 fn pipelined_requests_complete_out_of_order_through_the_completer() {
     for backend in backends() {

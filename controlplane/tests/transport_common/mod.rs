@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cxlkv_controlplane::frame::{Frame, FrameHeader};
+use cxlkv_controlplane::frame::{Frame, FrameHeader, encode_frame};
 use cxlkv_controlplane::transport::{
     Admit, Backend, BackendChoice, ClientConfig, ConnId, DisconnectReason, Endpoint, Handler,
     IoConfig, PeerInfo, RecvMode, Refusal, RefuseReason, Rejection, Replies, RpcClient, Server,
@@ -24,6 +24,8 @@ pub const SEND_FD: u16 = 3;
 pub const CLOSE_ME: u16 = 4;
 pub const SIZED: u16 = 5;
 pub const WHO_AM_I: u16 = 6;
+/// Echoes through [`Replies::send_frame`]: the handler encodes the frame.
+pub const WHOLE_FRAME: u16 = 7;
 pub const REPLY_OFFSET: u16 = 100;
 pub const ERROR_REPLY: u16 = 999;
 pub const REFUSED: u16 = 998;
@@ -81,6 +83,11 @@ impl Handler for TestHandler {
                 let len = u32::from_le_bytes(frame.payload[..4].try_into().unwrap()) as usize;
                 let body: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
                 out.send(conn, reply, h.request_id, &body).unwrap();
+            }
+            WHOLE_FRAME => {
+                let mut whole = Vec::new();
+                encode_frame(&mut whole, reply, h.request_id, frame.payload).unwrap();
+                out.send_frame(conn, whole, Vec::new()).unwrap();
             }
             WHO_AM_I => {
                 let text = match self.seen.peers.lock().iter().find(|(c, _)| *c == conn) {

@@ -39,7 +39,10 @@ use parking_lot::Mutex;
 use super::TransportError;
 use super::config::{Backend, Endpoint, ServerConfig};
 use super::sys::{self, MAX_FDS_PER_FRAME, PeerCred};
-use crate::frame::{Decoded, Frame, FrameDecoder, FrameError, FrameHeader, encode_frame};
+use crate::frame::{
+    Decoded, Frame, FrameDecoder, FrameError, FrameHeader, HEADER_BYTES, PROTOCOL_VERSION,
+    encode_frame, frame_len,
+};
 
 #[cfg(feature = "fault-injection")]
 use super::fault::{FaultPlan, ReplyFault, ReplyInfo, RequestFault, RequestInfo};
@@ -213,6 +216,11 @@ pub enum ReplyError {
     Frame(#[from] FrameError),
     #[error("{count} descriptors on one frame (at most {MAX_FDS_PER_FRAME})")]
     TooManyFds { count: usize },
+    /// A frame handed over whole ([`Replies::send_frame`]) is not one: its
+    /// length disagrees with its header, or its header is of another
+    /// protocol version.
+    #[error("a {len}-byte frame does not match its header: {detail}")]
+    NotAFrame { len: usize, detail: String },
     #[error("the server is shutting down")]
     Stopped,
     #[error("{limit} completions already pending")]
@@ -240,6 +248,35 @@ fn encode(kind: u16, request_id: u64, payload: &[u8]) -> Result<Vec<u8>, FrameEr
     let mut bytes = Vec::new();
     encode_frame(&mut bytes, kind, request_id, payload)?;
     Ok(bytes)
+}
+
+/// The header of `frame` if it is one whole frame of this protocol version.
+fn check_frame(frame: &[u8]) -> Result<FrameHeader, ReplyError> {
+    let not_a_frame = |detail: String| ReplyError::NotAFrame {
+        len: frame.len(),
+        detail,
+    };
+    let Some(head) = frame.first_chunk::<HEADER_BYTES>() else {
+        return Err(not_a_frame(format!(
+            "shorter than a {HEADER_BYTES}-byte header"
+        )));
+    };
+    let header = FrameHeader::decode(head)?;
+    if header.version != PROTOCOL_VERSION {
+        return Err(FrameError::UnsupportedVersion {
+            found: header.version,
+        }
+        .into());
+    }
+    // Checks the size limit too.
+    FrameHeader::new(header.kind, header.request_id, header.payload_len as usize)?;
+    let expected = frame_len(header.payload_len as usize);
+    if frame.len() != expected {
+        return Err(not_a_frame(format!(
+            "its header announces a {expected}-byte frame"
+        )));
+    }
+    Ok(header)
 }
 
 impl Replies {
@@ -282,6 +319,31 @@ impl Replies {
             conn,
             request_id,
             bytes,
+            fds,
+            faulted: false,
+        }));
+        Ok(())
+    }
+
+    /// Queues a whole frame the handler encoded itself (header, payload,
+    /// padding, as [`encode_frame`] lays them out) without copying it: for
+    /// large replies, which would otherwise be encoded once by the handler
+    /// and copied into a new frame here. The header is checked (magic,
+    /// version, length against the frame's); the payload is the handler's.
+    pub fn send_frame(
+        &mut self,
+        conn: ConnId,
+        frame: Vec<u8>,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(), ReplyError> {
+        if fds.len() > MAX_FDS_PER_FRAME {
+            return Err(ReplyError::TooManyFds { count: fds.len() });
+        }
+        let header = check_frame(&frame)?;
+        self.actions.push(Action::Send(OutFrame {
+            conn,
+            request_id: header.request_id,
+            bytes: frame,
             fds,
             faulted: false,
         }));
@@ -1437,4 +1499,57 @@ impl<H> Drop for ServerHandle<H> {
 /// Shared by both backends: the loop stops when asked.
 pub(crate) fn stop_requested(shared: &Shared) -> bool {
     shared.stop.load(Ordering::Acquire)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole_frame() -> Vec<u8> {
+        let mut whole = Vec::new();
+        encode_frame(&mut whole, 7, 9, b"twelve bytes").unwrap();
+        whole
+    }
+
+    /// `send_frame` queues only whole frames of this protocol: a frame cut
+    /// short, one with bytes after its end, one without a whole header, or
+    /// one of another version is refused and nothing is queued.
+    #[test]
+    fn a_handed_over_frame_that_disagrees_with_its_header_is_refused() {
+        let conn = ConnId::new(1, 1);
+        let whole = whole_frame();
+        let mut long = whole.clone();
+        long.extend_from_slice(&[0; 8]);
+        let mut other_version = whole.clone();
+        other_version[4] = 0xEE;
+        let mut out = Replies::default();
+        for (bad, what) in [
+            (whole[..whole.len() - 8].to_vec(), "cut short"),
+            (long, "bytes after its end"),
+            (whole[..HEADER_BYTES - 1].to_vec(), "no whole header"),
+            (other_version, "another version"),
+        ] {
+            match out.send_frame(conn, bad, Vec::new()) {
+                Err(ReplyError::NotAFrame { .. } | ReplyError::Frame(_)) => {}
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        assert!(out.is_empty());
+    }
+
+    /// A whole frame is queued as it is, under the request id its header
+    /// names.
+    #[test]
+    fn a_whole_frame_is_queued_unchanged() {
+        let conn = ConnId::new(1, 1);
+        let mut out = Replies::default();
+        out.send_frame(conn, whole_frame(), Vec::new()).unwrap();
+        match out.actions.as_slice() {
+            [Action::Send(f)] => {
+                assert_eq!((f.conn, f.request_id), (conn, 9));
+                assert_eq!(f.bytes, whole_frame());
+            }
+            _ => panic!("expected one send"),
+        }
+    }
 }
