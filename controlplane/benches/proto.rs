@@ -200,5 +200,52 @@ fn codec(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, codec);
+/// A 512-key lookup's reply as the server encodes it: the locations taken
+/// from its own list (a stand-in for the directory's), written through
+/// `LookupReplyFrom`, against the baseline of collecting them into a
+/// `LookupReply` and encoding that with rkyv's derived serializer (what
+/// the server did before).
+fn lookup_reply(c: &mut Criterion) {
+    let source: Vec<Option<(u64, u32, u32, u32)>> = (0..512u32)
+        .map(|i| (i % 16 != 5).then_some((u64::from(i / 64), i, 3, 4096)))
+        .collect();
+    let location = |l: &Option<(u64, u32, u32, u32)>| {
+        l.map(|(region, page, generation, len_bytes)| proto::Location {
+            region,
+            page,
+            generation,
+            len_bytes,
+        })
+    };
+    let mut group = c.benchmark_group("lookup_reply_512");
+    group.throughput(Throughput::Elements(512));
+    let mut out = Vec::with_capacity(64 << 10);
+    group.bench_function("baseline_collect_then_encode", |b| {
+        b.iter(|| {
+            out.clear();
+            let reply = proto::LookupReply {
+                meta: proto::ReplyMeta::default(),
+                locations: source.iter().map(location).collect(),
+                regions: Vec::new(),
+            };
+            proto::encode(1, &reply, &mut out).expect("encodes");
+            black_box(out.len())
+        })
+    });
+    group.bench_function("ours_from_iterator", |b| {
+        b.iter(|| {
+            out.clear();
+            let reply = proto::LookupReplyFrom {
+                meta: proto::ReplyMeta::default(),
+                locations: source.iter().map(location),
+                regions: Vec::new(),
+            };
+            proto::encode_as::<proto::LookupReply, _>(1, &reply, &mut out).expect("encodes");
+            black_box(out.len())
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, codec, lookup_reply);
 criterion_main!(benches);

@@ -141,6 +141,13 @@ const FREE_RETRY_FIRST: Duration = Duration::from_millis(100);
 const FREE_RETRY_MAX: Duration = Duration::from_secs(5);
 /// How often the pools' fill levels are asked for.
 const POOL_STATS_EVERY: Duration = Duration::from_secs(1);
+/// Capacity of the buffer replies are encoded in (64 KiB: below glibc's
+/// `mmap` threshold, so a fresh one is warm heap memory, not page faults).
+const REPLY_BUFFER_BYTES: usize = 64 << 10;
+/// Replies at least this long are handed to the transport in the buffer
+/// they were encoded in ([`Replies::send_frame`]); shorter ones are copied,
+/// which costs less than allocating the next buffer.
+const HANDOFF_MIN_BYTES: usize = 4 << 10;
 
 /// What the handler needs besides the directory.
 pub(crate) struct HandlerParts {
@@ -251,7 +258,7 @@ impl DirectoryHandler {
             next_pool_stats: now + POOL_STATS_EVERY,
             anon_instances: 0,
             shutdown_closed: 0,
-            buf: Vec::with_capacity(64 << 10),
+            buf: Vec::with_capacity(REPLY_BUFFER_BYTES),
         }
     }
 
@@ -320,23 +327,55 @@ impl DirectoryHandler {
         fds: Vec<OwnedFd>,
     ) {
         self.buf.clear();
-        let payload_len = match proto::encode(request_id, msg, &mut self.buf) {
-            Ok(_) => {
-                let mut len = [0u8; 4];
-                len.copy_from_slice(&self.buf[16..20]);
-                u32::from_le_bytes(len) as usize
-            }
-            Err(e) => {
-                tracing::error!(error = %e, kind = ?M::KIND, "reply does not encode");
-                let reply = ErrorReply::new(ErrorCode::Internal, e.to_string(), 0);
-                return self.send_error(out, conn, request_id, &reply);
-            }
-        };
-        let payload = &self.buf[HEADER_BYTES..HEADER_BYTES + payload_len];
-        let sent = if fds.is_empty() {
-            out.send(conn, M::KIND.as_u16(), request_id, payload)
+        let encoded = proto::encode(request_id, msg, &mut self.buf);
+        self.queue_encoded(out, conn, request_id, M::KIND, encoded, fds);
+    }
+
+    /// [`send`](Self::send) for a value that archives as `M` (see
+    /// [`proto::encode_as`]).
+    fn send_as<M: Message, T: proto::EncodesAs<M>>(
+        &mut self,
+        out: &mut Replies,
+        conn: ConnId,
+        request_id: u64,
+        value: &T,
+    ) {
+        self.buf.clear();
+        let encoded = proto::encode_as::<M, T>(request_id, value, &mut self.buf);
+        self.queue_encoded(out, conn, request_id, M::KIND, encoded, Vec::new());
+    }
+
+    /// Queues the frame `self.buf` holds (the result of encoding it), or an
+    /// `Internal` error reply if it did not encode.
+    fn queue_encoded(
+        &mut self,
+        out: &mut Replies,
+        conn: ConnId,
+        request_id: u64,
+        kind: Kind,
+        encoded: Result<usize, ProtoError>,
+        fds: Vec<OwnedFd>,
+    ) {
+        if let Err(e) = encoded {
+            tracing::error!(error = %e, kind = ?kind, "reply does not encode");
+            let reply = ErrorReply::new(ErrorCode::Internal, e.to_string(), 0);
+            return self.send_error(out, conn, request_id, &reply);
+        }
+        let sent = if self.buf.len() >= HANDOFF_MIN_BYTES {
+            // A large reply (a 512-key lookup's is 16 KiB) goes to the
+            // transport as encoded, not copied into a new frame there.
+            let frame = std::mem::replace(&mut self.buf, Vec::with_capacity(REPLY_BUFFER_BYTES));
+            out.send_frame(conn, frame, fds)
         } else {
-            out.send_with_fds(conn, M::KIND.as_u16(), request_id, payload, fds)
+            let mut len = [0u8; 4];
+            len.copy_from_slice(&self.buf[16..20]);
+            let payload_len = u32::from_le_bytes(len) as usize;
+            let payload = &self.buf[HEADER_BYTES..HEADER_BYTES + payload_len];
+            if fds.is_empty() {
+                out.send(conn, kind.as_u16(), request_id, payload)
+            } else {
+                out.send_with_fds(conn, kind.as_u16(), request_id, payload, fds)
+            }
         };
         if let Err(e) = sent {
             tracing::error!(error = %e, conn = %conn, "reply could not be queued");
@@ -706,17 +745,16 @@ impl DirectoryHandler {
                         now,
                     )
                     .map(|r| {
-                        let reply = proto::LookupReply {
+                        let reply = proto::LookupReplyFrom {
                             meta: self.meta(&s, &r.notices, &r.usage),
                             locations: r
                                 .body
                                 .locations
                                 .iter()
-                                .map(|l| l.as_ref().map(wire::wire_location))
-                                .collect(),
+                                .map(|l| l.as_ref().map(wire::wire_location)),
                             regions: r.body.regions.iter().map(wire::wire_desc).collect(),
                         };
-                        self.send(out, conn, request_id, &reply);
+                        self.send_as::<proto::LookupReply, _>(out, conn, request_id, &reply);
                     })
             }
             AnyRequest::Exists(e) => self

@@ -63,6 +63,44 @@ pub fn encode<M: Message>(
     msg: &M,
     out: &mut Vec<u8>,
 ) -> Result<usize, ProtoError> {
+    encode_kind(M::KIND, request_id, msg, out)
+}
+
+/// [`encode`] for a value that is not `M` but archives exactly as `M` does
+/// (`T::Archived` is `M`'s archived type, so the frame is a valid `M`
+/// frame): a reply serialized straight from the server's own data, such as
+/// [`LookupReplyFrom`], with no `M` built first.
+pub fn encode_as<M, T>(request_id: u64, value: &T, out: &mut Vec<u8>) -> Result<usize, ProtoError>
+where
+    M: Message,
+    T: EncodesAs<M>,
+{
+    encode_kind(M::KIND, request_id, value, out)
+}
+
+/// A value whose frame is a valid frame of message `M`: it archives as `M`
+/// does and serializes with [`encode`]'s serializer ([`encode_as`]).
+pub trait EncodesAs<M: Message>:
+    Archive<Archived = Archived<M>> + for<'a, 'b> Serialize<Encoder<'a, 'b>>
+{
+}
+
+impl<M, T> EncodesAs<M> for T
+where
+    M: Message,
+    T: Archive<Archived = Archived<M>> + for<'a, 'b> Serialize<Encoder<'a, 'b>>,
+{
+}
+
+fn encode_kind<T>(
+    kind: Kind,
+    request_id: u64,
+    msg: &T,
+    out: &mut Vec<u8>,
+) -> Result<usize, ProtoError>
+where
+    T: for<'a, 'b> Serialize<Encoder<'a, 'b>>,
+{
     let frame_start = out.len();
     assert_eq!(
         frame_start % FRAME_ALIGN,
@@ -82,17 +120,17 @@ pub fn encode<M: Message>(
     if let Err(e) = serialized {
         out.truncate(frame_start);
         return Err(ProtoError::Encode {
-            kind: M::KIND,
+            kind,
             detail: e.to_string(),
         });
     }
     let payload_len = out.len() - payload_start;
-    let header = match FrameHeader::new(M::KIND.as_u16(), request_id, payload_len) {
+    let header = match FrameHeader::new(kind.as_u16(), request_id, payload_len) {
         Ok(header) => header,
         Err(_) => {
             out.truncate(frame_start);
             return Err(ProtoError::PayloadTooLarge {
-                kind: M::KIND,
+                kind,
                 len_bytes: payload_len,
                 max: MAX_PAYLOAD_BYTES,
             });

@@ -10,8 +10,8 @@
 use rkyv::{Archive, Deserialize, Serialize};
 
 use super::common::{
-    InstanceSecret, KeyBitmap, Layout, Limits, Location, PoolInfo, RefusedRegion, RegionDesc,
-    RegionToken, ReplyMeta, RequestMeta,
+    ArchivedLocation, InstanceSecret, KeyBitmap, Layout, Limits, Location, PoolInfo, RefusedRegion,
+    RegionDesc, RegionToken, ReplyMeta, RequestMeta,
 };
 
 /// First request on a connection: opens a session of a new instance (or of
@@ -325,6 +325,113 @@ pub struct LookupReply {
     /// Every distinct region named by `locations`, so a reader can map a
     /// peer region it has not seen without a second round trip.
     pub regions: Vec<RegionDesc>,
+}
+
+/// A [`LookupReply`] serialized from the server's own data: it archives as
+/// [`ArchivedLookupReply`] (encode it with
+/// [`encode_as::<LookupReply, _>`](super::encode_as)), but its locations
+/// come from an iterator, so the server writes them into the frame without
+/// first collecting them into a `Vec<Option<Location>>`, and writes them
+/// whole rather than through rkyv's per-element serializer.
+#[derive(Debug)]
+pub struct LookupReplyFrom<L> {
+    pub meta: ReplyMeta,
+    /// Iterated when the reply is serialized (`Clone`: serializing takes
+    /// `&self`).
+    pub locations: L,
+    pub regions: Vec<RegionDesc>,
+}
+
+impl<L> Archive for LookupReplyFrom<L>
+where
+    L: ExactSizeIterator<Item = Option<Location>> + Clone,
+{
+    type Archived = ArchivedLookupReply;
+    type Resolver = (
+        rkyv::Resolver<ReplyMeta>,
+        rkyv::vec::VecResolver,
+        rkyv::vec::VecResolver,
+    );
+
+    fn resolve(&self, resolver: Self::Resolver, out: rkyv::Place<Self::Archived>) {
+        rkyv::munge::munge!(let ArchivedLookupReply { meta, locations, regions } = out);
+        self.meta.resolve(resolver.0, meta);
+        rkyv::vec::ArchivedVec::resolve_from_len(self.locations.len(), resolver.1, locations);
+        rkyv::vec::ArchivedVec::resolve_from_len(self.regions.len(), resolver.2, regions);
+    }
+}
+
+impl<L, S> Serialize<S> for LookupReplyFrom<L>
+where
+    L: ExactSizeIterator<Item = Option<Location>> + Clone,
+    S: rkyv::rancor::Fallible + rkyv::ser::Allocator + rkyv::ser::Writer + ?Sized,
+{
+    fn serialize(&self, serializer: &mut S) -> Result<Self::Resolver, S::Error> {
+        use rkyv::ser::WriterExt;
+        let meta = self.meta.serialize(serializer)?;
+        // A location has no out-of-line parts: its elements are written
+        // whole, a chunk of them at a time, as rkyv would lay them out
+        // (`write_location_slot`) but without its per-element resolver calls.
+        let pos = serializer.align_for::<ArchivedSlot>()?;
+        let mut chunk = [0u8; SLOTS_PER_WRITE * SLOT_BYTES];
+        let mut locations = self.locations.clone();
+        loop {
+            let mut filled = 0;
+            for (dst, l) in chunk.chunks_exact_mut(SLOT_BYTES).zip(&mut locations) {
+                write_location_slot(dst, l);
+                filled += SLOT_BYTES;
+            }
+            if filled == 0 {
+                break;
+            }
+            serializer.write(&chunk[..filled])?;
+        }
+        let locations = rkyv::vec::VecResolver::from_pos(pos);
+        let regions = rkyv::vec::ArchivedVec::serialize_from_slice(&self.regions, serializer)?;
+        Ok((meta, locations, regions))
+    }
+}
+
+/// One element of an archived `Vec<Option<Location>>`.
+type ArchivedSlot = rkyv::option::ArchivedOption<ArchivedLocation>;
+const SLOT_BYTES: usize = std::mem::size_of::<ArchivedSlot>();
+/// Elements per `write` of [`LookupReplyFrom`]'s serializer (a 2 KiB chunk
+/// on the stack).
+const SLOTS_PER_WRITE: usize = 64;
+/// Where `Some`'s location starts in a slot: `ArchivedOption` is a
+/// `#[repr(u8)]` enum, laid out as a `#[repr(C)]` union of `(u8 tag,
+/// payload)` structs, so the payload follows the tag at its alignment.
+const SLOT_PAYLOAD: usize = std::mem::align_of::<ArchivedLocation>();
+// The layout `write_location_slot` writes. The byte-for-byte test against rkyv's
+// own encoding (`proto::tests`) checks the rest: tag values, zeroed padding.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(SLOT_BYTES == 32 && align_of::<ArchivedSlot>() == 8);
+    assert!(size_of::<ArchivedLocation>() == 24 && SLOT_PAYLOAD == 8);
+    assert!(offset_of!(ArchivedLocation, region) == 0);
+    assert!(offset_of!(ArchivedLocation, page) == 8);
+    assert!(offset_of!(ArchivedLocation, generation) == 12);
+    assert!(offset_of!(ArchivedLocation, len_bytes) == 16);
+};
+
+/// Writes the archived bytes of one `Option<Location>` into `dst`: tag 0
+/// (`None`) or 1 (`Some`), the location's fields little-endian, padding
+/// zero. As four 8-byte words: a slot assembled byte by byte on the stack
+/// and then copied stalled on store forwarding (6.6 µs for 512, not 1).
+#[inline]
+fn write_location_slot(dst: &mut [u8], l: Option<Location>) {
+    let words: [u64; 4] = match l {
+        None => [0; 4],
+        Some(l) => [
+            1,
+            l.region,
+            u64::from(l.page) | u64::from(l.generation) << 32,
+            u64::from(l.len_bytes),
+        ],
+    };
+    for (d, w) in dst.chunks_exact_mut(8).zip(words) {
+        d.copy_from_slice(&w.to_le_bytes());
+    }
 }
 
 /// Tests keys for presence (read-only).

@@ -81,7 +81,8 @@ mod tests;
 
 pub use codec::{
     AnyReply, AnyRequest, Archived, ArchivedDirectoryReply, ArchivedRequest, Deserializer, Encoder,
-    Message, access, access_reply, decode_reply, decode_request, deserialize, encode, negotiate,
+    EncodesAs, Message, access, access_reply, decode_reply, decode_request, deserialize, encode,
+    encode_as, negotiate,
 };
 pub use common::*;
 pub use directory::*;

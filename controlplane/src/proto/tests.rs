@@ -1617,3 +1617,43 @@ fn committed_fuzz_seeds_are_the_current_sample_frames() {
         );
     }
 }
+
+/// `LookupReplyFrom` (locations from an iterator, what the server sends) is
+/// the same frame, byte for byte, as the `LookupReply` it stands for, so a
+/// client cannot tell which one the server encoded.
+#[test]
+fn a_lookup_reply_from_an_iterator_encodes_byte_for_byte_as_the_owned_reply() {
+    let sample = samples::lookup_reply();
+    let many = LookupReply {
+        locations: (0..MAX_BATCH as u32)
+            .map(|i| {
+                (i % 3 != 1).then_some(Location {
+                    region: u64::from(i / 7),
+                    page: i,
+                    generation: i.wrapping_mul(2_654_435_761),
+                    len_bytes: 4096 - i,
+                })
+            })
+            .collect(),
+        ..samples::lookup_reply()
+    };
+    let empty = LookupReply {
+        locations: Vec::new(),
+        regions: Vec::new(),
+        ..samples::lookup_reply()
+    };
+    for reply in [sample, many, empty] {
+        let from = LookupReplyFrom {
+            meta: reply.meta.clone(),
+            locations: reply.locations.iter().copied(),
+            regions: reply.regions.clone(),
+        };
+        let mut ours = Vec::new();
+        encode_as::<LookupReply, _>(9, &from, &mut ours).unwrap();
+        assert_eq!(ours, encoded(&reply), "{} locations", reply.locations.len());
+        with_frame(&ours, |frame| {
+            let archived = access::<LookupReply>(frame).unwrap();
+            assert_eq!(archived.locations().collect::<Vec<_>>(), reply.locations);
+        });
+    }
+}
