@@ -1834,6 +1834,60 @@ fn bad_input_is_refused_with_its_error_and_changes_no_state() {
     assert_eq!(errors, 10);
 }
 
+/// A key of bad length is found in the pass that hashes the keys, on every
+/// path that takes keys: under a layout in use and one never used, with and
+/// without pins. The error names the first bad key, and the keys before it
+/// (good, one of them registered) leave no trace.
+#[test]
+fn a_bad_key_is_refused_on_every_key_path_naming_the_first_bad_one() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let before = w.dir.state_digest();
+    let c = a.caller();
+    let s = Sequence {
+        seq: a.next_seq,
+        replies_received_below: 0,
+    };
+    let long = vec![7u8; 513];
+    let keys: [&[u8]; 4] = [b"k", b"j", &long, b""];
+    let too_long = || DirectoryError::KeyLength {
+        index: 2,
+        len_bytes: 513,
+        max_bytes: 512,
+    };
+    let unpins = keys.map(|key| UnpinEntry { key, count: 1 });
+    for layout in [L, OTHER] {
+        let d = &mut w.dir;
+        let now = w.now;
+        let got = [
+            ("exists", d.exists(&c, layout, keys, now).map(drop)),
+            ("lookup", d.lookup(&c, None, layout, keys, 0, now).map(drop)),
+            (
+                "pinned lookup",
+                d.lookup(&c, Some(s), layout, keys, 1, now).map(drop),
+            ),
+            ("unpin", d.unpin(&c, s, layout, unpins, now).map(drop)),
+            ("delete", d.delete(&c, s, layout, keys, now).map(drop)),
+        ];
+        for (what, got) in got {
+            assert_eq!(got, Err(too_long()), "{what} under {layout:?}");
+        }
+    }
+    assert!(w.dir.drain_effects().next().is_none());
+    assert_eq!(
+        w.dir.state_digest(),
+        before,
+        "a refused request changed state"
+    );
+    let r = w.dir.lookup(&c, None, L, [&b"k"[..]], 0, w.now).unwrap();
+    assert!(
+        r.body.locations[0].is_some(),
+        "the registered key is intact"
+    );
+}
+
 #[test]
 fn every_reply_carries_the_callers_usage() {
     let mut w = World::new();

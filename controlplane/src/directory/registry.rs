@@ -225,7 +225,6 @@ impl Directory {
         let n = keys.len();
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
-        Self::check_keys(keys.clone())?;
         if pins > self.config.max_pins_per_call {
             return Err(DirectoryError::InvalidPinCount {
                 pins,
@@ -234,14 +233,14 @@ impl Directory {
         }
         let lix = self.layout_ix.get(&layout).copied();
         if pins == 0 {
-            let reply = self.lookup_unpinned(lix, keys);
+            let reply = self.lookup_unpinned(lix, keys)?;
             return Ok(self.reply(slot, reply));
         }
         let seq = seq.ok_or(DirectoryError::MissingSequence { op: OpKind::Lookup })?;
 
         let mut fp = Fingerprint::new(OpKind::Lookup, Some(&layout));
         fp.add(u64::from(pins));
-        self.probe_all(lix, keys, &mut fp);
+        self.probe_all(lix, keys, &mut fp)?;
         let session_id = caller.session;
         let retried = self.replay(slot, caller, seq, fp, |body| match body {
             CachedBody::PinnedLookup(r) => Some(r.clone()),
@@ -338,19 +337,22 @@ impl Directory {
         &mut self,
         lix: Option<u32>,
         keys: impl ExactSizeIterator<Item = &'k [u8]> + Clone,
-    ) -> LookupReply {
+    ) -> Result<LookupReply, DirectoryError> {
         let n = keys.len();
         let mut reply = LookupReply {
             locations: Vec::with_capacity(n),
             regions: Vec::new(),
         };
         let Some(lix) = lix else {
+            Self::check_keys(keys)?;
             reply.locations.resize(n, None);
             self.counters.outcomes.lookup_misses += n as u64;
-            return reply;
+            return Ok(reply);
         };
+        // The keys are checked in the hashing pass, before anything changes.
         self.scratch_hashes.clear();
-        for key in keys.clone() {
+        for (index, key) in keys.clone().enumerate() {
+            Self::check_key(index, key)?;
             self.scratch_hashes.push(self.keys.hash(lix, key));
         }
         self.keys
@@ -387,7 +389,7 @@ impl Directory {
         let o = &mut self.counters.outcomes;
         o.lookup_hits += hits;
         o.lookup_misses += n as u64 - hits;
-        reply
+        Ok(reply)
     }
 
     /// Whether each key is registered under `layout` (no pins, no LRU touch).
@@ -420,13 +422,18 @@ impl Directory {
         let n = keys.len();
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
-        Self::check_keys(keys.clone())?;
         let mut found = Vec::with_capacity(n);
         match self.layout_ix.get(&layout).copied() {
-            None => found.resize(n, false),
+            None => {
+                Self::check_keys(keys)?;
+                found.resize(n, false);
+            }
             Some(lix) => {
+                // The keys are checked in the hashing pass, not one of
+                // their own: nothing has changed when one is refused.
                 self.scratch_hashes.clear();
-                for key in keys.clone() {
+                for (index, key) in keys.clone().enumerate() {
+                    Self::check_key(index, key)?;
                     self.scratch_hashes.push(self.keys.hash(lix, key));
                 }
                 self.keys
@@ -475,13 +482,12 @@ impl Directory {
         let n = entries.len();
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
-        Self::check_keys(entries.clone().map(|e| e.key))?;
         if let Some(index) = entries.clone().position(|e| e.count == 0) {
             return Err(DirectoryError::InvalidUnpinCount { index });
         }
         let lix = self.layout_ix.get(&layout).copied();
         let mut fp = Fingerprint::new(OpKind::Unpin, Some(&layout));
-        self.probe_all(lix, entries.clone().map(|e| e.key), &mut fp);
+        self.probe_all(lix, entries.clone().map(|e| e.key), &mut fp)?;
         for e in entries.clone() {
             fp.add(u64::from(e.count));
         }
@@ -559,10 +565,9 @@ impl Directory {
         let n = keys.len();
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
-        Self::check_keys(keys.clone())?;
         let lix = self.layout_ix.get(&layout).copied();
         let mut fp = Fingerprint::new(OpKind::Delete, Some(&layout));
-        self.probe_all(lix, keys, &mut fp);
+        self.probe_all(lix, keys, &mut fp)?;
         let retried = self.replay(slot, caller, seq, fp, |body| match body {
             CachedBody::Delete(v) => Some(v.clone()),
             _ => None,
@@ -629,9 +634,11 @@ impl Directory {
 
     // --- shared internals -------------------------------------------------
 
-    /// Probes every key under the interned layout `lix` (a layout never
-    /// interned has no keys) into `scratch_slots` (`NIL`: absent), folding
-    /// the keys into the request fingerprint. All keys are hashed first and
+    /// Checks every key's length (`KeyLength` for the first bad one, with
+    /// nothing changed) and probes every key under the interned layout
+    /// `lix` (a layout never interned has no keys) into `scratch_slots`
+    /// (`NIL`: absent), folding the keys into the request fingerprint. The
+    /// check rides the hashing pass rather than a pass of its own. All keys are hashed first and
     /// probed after: with a short probe loop the CPU overlaps the table,
     /// entry and key-byte cache misses of consecutive keys (measured ~30 %
     /// faster on a 100 k-key table than hashing and probing in one loop).
@@ -640,9 +647,10 @@ impl Directory {
         lix: Option<u32>,
         keys: impl Iterator<Item = &'k [u8]> + Clone,
         fp: &mut Fingerprint,
-    ) {
+    ) -> Result<(), DirectoryError> {
         self.scratch_key_hashes.clear();
-        for key in keys.clone() {
+        for (index, key) in keys.clone().enumerate() {
+            Self::check_key(index, key)?;
             let kh = self.keys.key_hash(key);
             fp.add(kh);
             self.scratch_key_hashes.push(kh);
@@ -663,6 +671,7 @@ impl Directory {
                     .find_batch(l, keys, &self.scratch_hashes, &mut self.scratch_slots);
             }
         }
+        Ok(())
     }
 
     /// Removes an unpinned entry: its page is released, its owner (if
@@ -738,13 +747,20 @@ impl Directory {
 
     fn check_keys<'k>(keys: impl Iterator<Item = &'k [u8]>) -> Result<(), DirectoryError> {
         for (index, key) in keys.enumerate() {
-            if key.is_empty() || key.len() > MAX_KEY_BYTES {
-                return Err(DirectoryError::KeyLength {
-                    index,
-                    len_bytes: key.len(),
-                    max_bytes: MAX_KEY_BYTES,
-                });
-            }
+            Self::check_key(index, key)?;
+        }
+        Ok(())
+    }
+
+    /// Key `index` of a request is 1 to `MAX_KEY_BYTES` bytes long.
+    #[inline]
+    fn check_key(index: usize, key: &[u8]) -> Result<(), DirectoryError> {
+        if key.is_empty() || key.len() > MAX_KEY_BYTES {
+            return Err(DirectoryError::KeyLength {
+                index,
+                len_bytes: key.len(),
+                max_bytes: MAX_KEY_BYTES,
+            });
         }
         Ok(())
     }
