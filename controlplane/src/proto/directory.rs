@@ -347,16 +347,20 @@ where
     L: ExactSizeIterator<Item = Option<Location>> + Clone,
 {
     type Archived = ArchivedLookupReply;
+    /// The meta's; where the locations start and how many were written
+    /// (the count serializing saw, not `len()`: the archive stays whole
+    /// even under an iterator that miscounts); the regions'.
     type Resolver = (
         rkyv::Resolver<ReplyMeta>,
-        rkyv::vec::VecResolver,
+        (rkyv::vec::VecResolver, usize),
         rkyv::vec::VecResolver,
     );
 
     fn resolve(&self, resolver: Self::Resolver, out: rkyv::Place<Self::Archived>) {
         rkyv::munge::munge!(let ArchivedLookupReply { meta, locations, regions } = out);
         self.meta.resolve(resolver.0, meta);
-        rkyv::vec::ArchivedVec::resolve_from_len(self.locations.len(), resolver.1, locations);
+        let (at, written) = resolver.1;
+        rkyv::vec::ArchivedVec::resolve_from_len(written, at, locations);
         rkyv::vec::ArchivedVec::resolve_from_len(self.regions.len(), resolver.2, regions);
     }
 }
@@ -375,6 +379,7 @@ where
         let pos = serializer.align_for::<ArchivedSlot>()?;
         let mut chunk = [0u8; SLOTS_PER_WRITE * SLOT_BYTES];
         let mut locations = self.locations.clone();
+        let mut written = 0;
         loop {
             let mut filled = 0;
             for (dst, l) in chunk.chunks_exact_mut(SLOT_BYTES).zip(&mut locations) {
@@ -385,8 +390,10 @@ where
                 break;
             }
             serializer.write(&chunk[..filled])?;
+            written += filled / SLOT_BYTES;
         }
-        let locations = rkyv::vec::VecResolver::from_pos(pos);
+        debug_assert_eq!(written, self.locations.len(), "an exact-size iterator");
+        let locations = (rkyv::vec::VecResolver::from_pos(pos), written);
         let regions = rkyv::vec::ArchivedVec::serialize_from_slice(&self.regions, serializer)?;
         Ok((meta, locations, regions))
     }
@@ -416,8 +423,9 @@ const _: () = {
 
 /// Writes the archived bytes of one `Option<Location>` into `dst`: tag 0
 /// (`None`) or 1 (`Some`), the location's fields little-endian, padding
-/// zero. As four 8-byte words: a slot assembled byte by byte on the stack
-/// and then copied stalled on store forwarding (6.6 µs for 512, not 1).
+/// zero. As four 8-byte words: a first version that assembled each slot
+/// byte by byte on the stack and then copied it stalled on store
+/// forwarding (6.6 µs per 512 locations against 0.74).
 #[inline]
 fn write_location_slot(dst: &mut [u8], l: Option<Location>) {
     let words: [u64; 4] = match l {

@@ -330,16 +330,20 @@ impl Replies {
     /// large replies, which would otherwise be encoded once by the handler
     /// and copied into a new frame here. The header is checked (magic,
     /// version, length against the frame's); the payload is the handler's.
+    /// The buffer is shrunk to the frame (in place, no copy, with glibc):
+    /// send queues are bounded by the bytes they hold, so a queued frame
+    /// must not keep a larger allocation alive.
     pub fn send_frame(
         &mut self,
         conn: ConnId,
-        frame: Vec<u8>,
+        mut frame: Vec<u8>,
         fds: Vec<OwnedFd>,
     ) -> Result<(), ReplyError> {
         if fds.len() > MAX_FDS_PER_FRAME {
             return Err(ReplyError::TooManyFds { count: fds.len() });
         }
         let header = check_frame(&frame)?;
+        frame.shrink_to_fit();
         self.actions.push(Action::Send(OutFrame {
             conn,
             request_id: header.request_id,
@@ -1538,16 +1542,24 @@ mod tests {
     }
 
     /// A whole frame is queued as it is, under the request id its header
-    /// names.
+    /// names, in an allocation no larger than it (send queues are bounded
+    /// by the bytes they hold).
     #[test]
-    fn a_whole_frame_is_queued_unchanged() {
+    fn a_whole_frame_is_queued_unchanged_and_without_spare_capacity() {
         let conn = ConnId::new(1, 1);
         let mut out = Replies::default();
-        out.send_frame(conn, whole_frame(), Vec::new()).unwrap();
+        let mut roomy = Vec::with_capacity(64 << 10);
+        roomy.extend_from_slice(&whole_frame());
+        out.send_frame(conn, roomy, Vec::new()).unwrap();
         match out.actions.as_slice() {
             [Action::Send(f)] => {
                 assert_eq!((f.conn, f.request_id), (conn, 9));
                 assert_eq!(f.bytes, whole_frame());
+                assert!(
+                    f.bytes.capacity() < 2 * f.bytes.len(),
+                    "{}",
+                    f.bytes.capacity()
+                );
             }
             _ => panic!("expected one send"),
         }
