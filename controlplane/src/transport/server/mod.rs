@@ -216,9 +216,9 @@ pub enum ReplyError {
     Frame(#[from] FrameError),
     #[error("{count} descriptors on one frame (at most {MAX_FDS_PER_FRAME})")]
     TooManyFds { count: usize },
-    /// A frame handed over whole ([`Replies::send_frame`]) is not one: its
-    /// length disagrees with its header, or its header is of another
-    /// protocol version.
+    /// A frame handed over whole ([`Replies::send_frame`]) is not one: it
+    /// is shorter than a header, or its length disagrees with its header's
+    /// (a header that is corrupt or of another version is `Frame`).
     #[error("a {len}-byte frame does not match its header: {detail}")]
     NotAFrame { len: usize, detail: String },
     #[error("the server is shutting down")]
