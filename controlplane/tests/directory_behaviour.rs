@@ -1672,21 +1672,33 @@ fn reattach_with_a_wrong_secret_is_refused_and_changes_nothing() {
 
 // --- bad input --------------------------------------------------------------------
 
-#[test]
-fn bad_input_is_refused_with_its_error_and_changes_no_state() {
-    let mut w = World::with(DirectoryConfig {
-        max_batch: 8,
-        ..DirectoryConfig::default()
-    });
+/// The bad-input tests' world: client "a" with a region under `L` and key
+/// `k` registered in its page 0.
+fn one_key_world(config: DirectoryConfig) -> (World, Client, RegionId) {
+    let mut w = World::with(config);
     let mut a = w.hello("a");
     let ra = w.region(&mut a, L);
     w.put(&mut a, b"k", loc(ra, 0, 1));
-    let before = w.dir.state_digest();
-    let c = a.caller();
-    let s = Sequence {
+    (w, a, ra)
+}
+
+/// `a`'s next sequence number, not consumed (a refused request must leave
+/// it usable).
+fn unused_seq(a: &Client) -> Sequence {
+    Sequence {
         seq: a.next_seq,
         replies_received_below: 0,
-    };
+    }
+}
+
+#[test]
+fn bad_input_is_refused_with_its_error_and_changes_no_state() {
+    let (mut w, a, ra) = one_key_world(DirectoryConfig {
+        max_batch: 8,
+        ..DirectoryConfig::default()
+    });
+    let before = w.dir.state_digest();
+    let (c, s) = (a.caller(), unused_seq(&a));
     let long = vec![0u8; 513];
     let nine: Vec<&[u8]> = vec![b"k"; 9];
     let bad_layout = Layout {
@@ -1840,16 +1852,9 @@ fn bad_input_is_refused_with_its_error_and_changes_no_state() {
 /// (good, one of them registered) leave no trace.
 #[test]
 fn a_bad_key_is_refused_on_every_key_path_naming_the_first_bad_one() {
-    let mut w = World::new();
-    let mut a = w.hello("a");
-    let ra = w.region(&mut a, L);
-    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let (mut w, a, _) = one_key_world(DirectoryConfig::default());
     let before = w.dir.state_digest();
-    let c = a.caller();
-    let s = Sequence {
-        seq: a.next_seq,
-        replies_received_below: 0,
-    };
+    let (c, s) = (a.caller(), unused_seq(&a));
     let long = vec![7u8; 513];
     let keys: [&[u8]; 4] = [b"k", b"j", &long, b""];
     let too_long = || DirectoryError::KeyLength {
