@@ -1,27 +1,28 @@
 //! The key index: `(layout, key) → entry`, the directory's hot path.
 //!
 //! Entries live in a slab (`Vec<Option<Entry>>`, slots reused through a free
-//! list) and are named everywhere by their `u32` slot. A SwissTable
-//! ([`hashbrown::HashTable`]) holds only slots; the key bytes are stored once,
-//! in the entry (a `Box<[u8]>`: one allocation of exactly the key's length).
-//! A probe is one hash of the key, one table probe, and one comparison of the
-//! cached 32-bit hash before the key bytes are compared.
+//! list) and are named everywhere by their `u32` slot. A table of
+//! `(entry hash, slot)` words ([`HashSlots`]) finds them; the key bytes are
+//! stored once, in the entry (a `Box<[u8]>`: one allocation of exactly the
+//! key's length). A probe is one hash of the key, one scan of the table for
+//! the cached 32-bit hash, and one comparison of the key bytes.
 //!
 //! The hash is foldhash keyed with seeds drawn from the directory's random
 //! source at start: a peer cannot predict which keys collide without
 //! recovering the seed, so it cannot cheaply build a colliding key set.
-//! Table hashes are derived from the 32-bit hash cached in each entry, so a
-//! table resize rehashes from the entries without reading a key.
+//! The table keeps each key's 32-bit hash beside its slot, so a resize
+//! places every word again without reading an entry or a key.
 //!
 //! Memory (checked by `cxlkv bench directory-memory`): 56 bytes of entry, the
 //! allocator's header and rounding on the key box (about 12 bytes for a 100-byte
-//! key), and 5 bytes per table bucket at a load of 44–88 %.
+//! key), and 8 bytes per table bucket at a load of 37.5–75 %.
 
 use std::hash::Hasher;
 
 use foldhash::SharedSeed;
 use foldhash::fast::FoldHasher;
-use hashbrown::HashTable;
+
+use super::hash_slots::HashSlots;
 
 /// A cheap bijective integer mixer (splitmix64's finaliser).
 #[inline]
@@ -33,23 +34,22 @@ pub(crate) fn mix(mut x: u64) -> u64 {
 
 /// "No slot": ends an intrusive list.
 pub(crate) const NIL: u32 = u32::MAX;
-/// `find_batch`'s mark for a key whose first candidate bucket is not it
+/// `find_batch`'s mark for a key whose first candidate is not it
 /// (slots stay below `MAX_KEYS_CEILING`, so it names none).
 const RETRY: u32 = u32::MAX - 1;
 const _: () = assert!(super::config::MAX_KEYS_CEILING <= RETRY as usize);
 
-/// Keys [`KeyIndex::find_batch`] has in flight: enough misses to overlap,
-/// few enough that their lines stay in L1 until used (64 keys touch ~320
-/// lines, 20 KiB). Measured in one process, windows alternating call by
-/// call over 512-key calls (`docs/benchmarks.md`, session 9): windows of
-/// 16, 32, 64 and 128 keys took 100, 92, 90 and 89 % of the time with
-/// 64 Ki keys registered, 100, 89, 85 and 84 % with 1 Mi.
-const FIND_WINDOW: usize = 64;
+/// Keys between two stages of [`KeyIndex::find_batch`]'s pipeline: how far
+/// ahead of its use each line is prefetched. Measured in one process with
+/// 64 Ki keys registered, 512-key calls alternating call by call
+/// (`docs/benchmarks.md`, session 13): distances of 8, 12, 16 and 24 keys
+/// all within 2 % of each other.
+const PIPELINE_DISTANCE: usize = 16;
 
 /// Asks the CPU to start loading the cache line at `p` (a hint: no effect
 /// on what the program computes, and no fault for any address).
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
+pub(crate) fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch never faults and changes no program state, whatever
     // the address; SSE (which provides it) is part of the x86_64 baseline.
@@ -85,17 +85,9 @@ const _: () = assert!(
     "entry layout grew: check the memory budget (bench directory-memory)"
 );
 
-/// Spreads a 32-bit hash over the 64 bits hashbrown reads (low bits pick the
-/// bucket, the top 7 bits are the control tag). Multiplication by an odd
-/// constant is a bijection, so distinct 32-bit hashes stay distinct.
-#[inline]
-fn table_hash(h: u32) -> u64 {
-    u64::from(h).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-}
-
 #[derive(Debug)]
 pub(crate) struct KeyIndex {
-    table: HashTable<u32>,
+    table: HashSlots,
     entries: Vec<Option<Entry>>,
     free: Vec<u32>,
     shared_seed: SharedSeed,
@@ -105,7 +97,7 @@ pub(crate) struct KeyIndex {
 impl KeyIndex {
     pub fn new(seed: [u64; 2]) -> Self {
         Self {
-            table: HashTable::new(),
+            table: HashSlots::new(),
             entries: Vec::new(),
             free: Vec::new(),
             shared_seed: SharedSeed::from_u64(seed[0]),
@@ -150,31 +142,37 @@ impl KeyIndex {
     /// The slot of `(layout, key)`, whose hash is `hash`.
     #[inline]
     pub fn find(&self, layout: u32, key: &[u8], hash: u32) -> Option<u32> {
-        let entries = &self.entries;
-        self.table
-            .find(table_hash(hash), |&slot| match &entries[slot as usize] {
-                Some(e) => e.hash == hash && e.layout == layout && *e.key == *key,
-                None => false,
-            })
-            .copied()
+        self.table.candidates(hash).find(|&slot| {
+            let e = self.get(slot);
+            e.layout == layout && *e.key == *key
+        })
     }
 
     /// [`find`](Self::find) for a batch of keys of one layout (`hashes[i]`
     /// is key `i`'s hash): pushes each key's slot, or [`NIL`], onto `out`
-    /// (cleared first). The same answers, in four passes so that the cache
-    /// misses of a batch overlap instead of following one another: each
-    /// key's first candidate bucket (control bytes), its slot number
-    /// prefetched; the slot numbers read, each entry prefetched; the cached
-    /// hashes checked, the key bytes prefetched; the key bytes compared. A
-    /// key whose first candidate is not it (a 7-bit tag collision) takes the
-    /// plain `find`.
+    /// (cleared first). The same answers, computed as a software pipeline
+    /// so that the cache misses of a batch overlap instead of following one
+    /// another. A key passes through four stages, each [`PIPELINE_DISTANCE`]
+    /// keys behind the one before:
     ///
-    /// Why: a key costs several dependent cache misses (control bytes, slot
-    /// number, entry, key bytes) once the index outgrows the caches and
-    /// requests come in another order than registrations; one key after
-    /// another they dominated `exists` and `lookup`. The slot number's miss
-    /// was the hottest instruction of the server's batched probe until it
-    /// got a pass of its own (`docs/benchmarks.md`, session 8).
+    /// 1. its table line prefetched;
+    /// 2. the table scanned for its first candidate (the first word with
+    ///    its 32-bit hash), that entry's lines prefetched;
+    /// 3. the entry's layout checked, the key bytes' lines prefetched;
+    /// 4. the key bytes compared.
+    ///
+    /// Every load but the first is of a line prefetched a stage earlier. A
+    /// key whose first candidate is not it (another key with the same
+    /// 32-bit hash, or the same hash under another layout) takes the plain
+    /// `find`.
+    ///
+    /// Why: a key costs three dependent cache misses (table, entry, key
+    /// bytes) once the index outgrows the caches and requests come in
+    /// another order than registrations; one key after another they
+    /// dominated `exists` and `lookup`. Passes over windows of 64 keys
+    /// (each pass's misses overlapping, the first load of every pass
+    /// waiting) took 20–25 % longer than this pipeline with 64 Ki and 1 Mi
+    /// keys registered (`docs/benchmarks.md`, session 13).
     pub fn find_batch<'k>(
         &self,
         layout: u32,
@@ -182,55 +180,56 @@ impl KeyIndex {
         hashes: &[u32],
         out: &mut Vec<u32>,
     ) {
+        const D: usize = PIPELINE_DISTANCE;
+        let n = hashes.len();
         out.clear();
-        for hs in hashes.chunks(FIND_WINDOW) {
-            let base = out.len();
-            // The first bucket with each key's tag (what `find` would
-            // compare first): the table's control bytes say which, and the
-            // slot number it holds is prefetched, not read (the closure
-            // ignores it), so that these misses overlap too.
-            let mut first: [Option<&u32>; FIND_WINDOW] = [None; FIND_WINDOW];
-            for (f, &h) in first.iter_mut().zip(hs) {
-                *f = self.table.find(table_hash(h), |_| true);
-                if let Some(slot) = *f {
-                    prefetch(slot);
-                }
+        out.resize(n, NIL);
+        for t in 0..n + 3 * D {
+            if t < n {
+                self.table.prefetch_home(hashes[t]);
             }
-            // The slot numbers, each one's entry prefetched.
-            for f in &first[..hs.len()] {
-                let c = f.copied().unwrap_or(NIL);
+            if t >= D && t - D < n {
+                let i = t - D;
+                let c = self.table.first(hashes[i]);
                 if c != NIL {
-                    prefetch(&self.entries[c as usize]);
+                    let e: *const Option<Entry> = &self.entries[c as usize];
+                    // An entry may straddle two lines: both.
+                    prefetch(e);
+                    prefetch(e.cast::<u8>().wrapping_add(size_of::<Option<Entry>>() - 1));
                 }
-                out.push(c);
+                out[i] = c;
             }
-            for (c, &h) in out[base..].iter_mut().zip(hs) {
-                if *c == NIL {
-                    continue;
-                }
-                match &self.entries[*c as usize] {
-                    Some(e) if e.hash == h && e.layout == layout => {
-                        // A key spans up to `MAX_KEY_BYTES`: its first and
-                        // last lines (the middle ones of the longest keys
-                        // follow by the hardware's own prefetch).
-                        prefetch(e.key.as_ptr());
-                        prefetch(e.key.as_ptr().wrapping_add(e.key.len().saturating_sub(1)));
+            if t >= 2 * D && t - 2 * D < n {
+                let i = t - 2 * D;
+                if out[i] != NIL {
+                    let e = self.get(out[i]);
+                    if e.layout == layout {
+                        // Every line of the key, the last one included.
+                        let (p, len) = (e.key.as_ptr(), e.key.len());
+                        let mut off = 0;
+                        while off < len {
+                            prefetch(p.wrapping_add(off));
+                            off += 64;
+                        }
+                        prefetch(p.wrapping_add(len.saturating_sub(1)));
+                    } else {
+                        out[i] = RETRY;
                     }
-                    _ => *c = RETRY,
                 }
             }
-            for (c, &h) in out[base..].iter_mut().zip(hs) {
+            if t >= 3 * D && t - 3 * D < n {
+                let i = t - 3 * D;
                 let Some(key) = keys.next() else {
                     debug_assert!(false, "one key per hash");
                     return;
                 };
-                let retry = match *c {
+                let retry = match out[i] {
                     NIL => false,
                     RETRY => true,
                     slot => *self.get(slot).key != *key,
                 };
                 if retry {
-                    *c = self.find(layout, key, h).unwrap_or(NIL);
+                    out[i] = self.find(layout, key, hashes[i]).unwrap_or(NIL);
                 }
             }
         }
@@ -253,27 +252,14 @@ impl KeyIndex {
                 slot
             }
         };
-        let entries = &self.entries;
-        self.table.insert_unique(table_hash(hash), slot, |&s| {
-            table_hash(
-                entries[s as usize]
-                    .as_ref()
-                    .expect("invariant: the table names live slots only")
-                    .hash,
-            )
-        });
+        self.table.insert(hash, slot);
         slot
     }
 
     /// Removes the entry in `slot` from the table and the slab.
     pub fn remove(&mut self, slot: u32) -> Entry {
-        let hash = self.get(slot).hash;
-        match self.table.find_entry(table_hash(hash), |&s| s == slot) {
-            Ok(found) => {
-                found.remove();
-            }
-            Err(_) => unreachable!("invariant: every live slot is in the table"),
-        }
+        let removed = self.table.remove(self.get(slot).hash, slot);
+        assert!(removed, "invariant: every live slot is in the table");
         let entry = self.entries[slot as usize]
             .take()
             .expect("invariant: removing a live slot");
@@ -405,11 +391,21 @@ mod tests {
         }
         ix.insert(entry(&ix, 1, &keys[1]));
         // Present, absent, and another layout's keys, mixed; batches of
-        // every length around the window.
+        // every length around the pipeline's stage boundaries.
         for layout in [0, 1, 2] {
             let hashes: Vec<u32> = keys.iter().map(|k| ix.hash(layout, k)).collect();
-            let w = FIND_WINDOW;
-            for len in [0, 1, w - 1, w, w + 1, 2 * w + 1, keys.len()] {
+            let d = PIPELINE_DISTANCE;
+            for len in [
+                0,
+                1,
+                d - 1,
+                d,
+                d + 1,
+                3 * d - 1,
+                3 * d,
+                3 * d + 1,
+                keys.len(),
+            ] {
                 let mut out = Vec::new();
                 ix.find_batch(
                     layout,
@@ -427,12 +423,12 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_find_resolves_tag_collisions() {
+    fn a_batch_find_resolves_full_hash_collisions() {
         // Forced collisions: every key's 32-bit hash is the same, so the
         // first candidate is usually another key and `find` must decide.
         let mut ix = KeyIndex::new([7, 8]);
-        // More than two windows, the last one partial.
-        let n = 2 * FIND_WINDOW as u32 + 7;
+        // Longer than the pipeline, so every stage runs beside the others.
+        let n = 4 * PIPELINE_DISTANCE as u32 + 7;
         let keys: Vec<Vec<u8>> = (0..n).map(|i| i.to_le_bytes().to_vec()).collect();
         for k in keys.iter().step_by(2) {
             let mut e = entry(&ix, 0, k);
@@ -445,6 +441,25 @@ mod tests {
         for (i, k) in keys.iter().enumerate() {
             assert_eq!(out[i], ix.find(0, k, 42).unwrap_or(NIL), "key {i}");
             assert_eq!(out[i] != NIL, i % 2 == 0, "key {i}");
+        }
+    }
+
+    #[test]
+    fn a_batch_find_passes_over_the_same_key_under_another_layout() {
+        // The same bytes and the same 32-bit hash under two layouts, the
+        // other layout's entry first in the probe.
+        let mut ix = KeyIndex::new([9, 10]);
+        let mut e = entry(&ix, 1, b"k");
+        e.hash = 42;
+        let other = ix.insert(e);
+        let mut e = entry(&ix, 0, b"k");
+        e.hash = 42;
+        let ours = ix.insert(e);
+        assert_eq!(ix.table.first(42), other, "the other layout's comes first");
+        let mut out = Vec::new();
+        for (layout, expected) in [(0, ours), (1, other), (2, NIL)] {
+            ix.find_batch(layout, [&b"k"[..]].into_iter(), &[42], &mut out);
+            assert_eq!(out, vec![expected], "layout {layout}");
         }
     }
 

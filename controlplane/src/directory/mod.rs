@@ -97,6 +97,7 @@
 mod capacity;
 mod config;
 mod error;
+mod hash_slots;
 mod inspect;
 mod keys;
 mod lifecycle;
