@@ -176,20 +176,42 @@ impl KeyIndex {
     pub fn find_batch<'k>(
         &self,
         layout: u32,
-        mut keys: impl Iterator<Item = &'k [u8]>,
+        keys: impl Iterator<Item = &'k [u8]>,
         hashes: &[u32],
         out: &mut Vec<u32>,
     ) {
-        const D: usize = PIPELINE_DISTANCE;
-        let n = hashes.len();
         out.clear();
-        out.resize(n, NIL);
-        for t in 0..n + 3 * D {
+        out.resize(hashes.len(), NIL);
+        // A batch shorter than the distance has all its keys in flight at
+        // once anyway: stages `n` apart take `4n` steps instead of `n + 48`
+        // (a one-key lookup would otherwise idle through 48 of 49). The
+        // full distance is a constant in its own copy of the loop.
+        match hashes.len() {
+            n if n >= PIPELINE_DISTANCE => {
+                self.find_pipelined(layout, keys, hashes, out, PIPELINE_DISTANCE);
+            }
+            n => self.find_pipelined(layout, keys, hashes, out, n.max(1)),
+        }
+    }
+
+    /// [`find_batch`](Self::find_batch)'s pipeline, stages `d` keys apart
+    /// (`out` holds one [`NIL`] per hash).
+    #[inline(always)]
+    fn find_pipelined<'k>(
+        &self,
+        layout: u32,
+        mut keys: impl Iterator<Item = &'k [u8]>,
+        hashes: &[u32],
+        out: &mut [u32],
+        d: usize,
+    ) {
+        let n = hashes.len();
+        for t in 0..n + 3 * d {
             if t < n {
                 self.table.prefetch_home(hashes[t]);
             }
-            if t >= D && t - D < n {
-                let i = t - D;
+            if t >= d && t - d < n {
+                let i = t - d;
                 let c = self.table.first(hashes[i]);
                 if c != NIL {
                     let e: *const Option<Entry> = &self.entries[c as usize];
@@ -199,8 +221,8 @@ impl KeyIndex {
                 }
                 out[i] = c;
             }
-            if t >= 2 * D && t - 2 * D < n {
-                let i = t - 2 * D;
+            if t >= 2 * d && t - 2 * d < n {
+                let i = t - 2 * d;
                 if out[i] != NIL {
                     let e = self.get(out[i]);
                     if e.layout == layout {
@@ -217,8 +239,8 @@ impl KeyIndex {
                     }
                 }
             }
-            if t >= 3 * D && t - 3 * D < n {
-                let i = t - 3 * D;
+            if t >= 3 * d && t - 3 * d < n {
+                let i = t - 3 * d;
                 let Some(key) = keys.next() else {
                     debug_assert!(false, "one key per hash");
                     return;
