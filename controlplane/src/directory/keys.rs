@@ -169,10 +169,11 @@ impl KeyIndex {
     /// Why: a key costs three dependent cache misses (table, entry, key
     /// bytes) once the index outgrows the caches and requests come in
     /// another order than registrations; one key after another they
-    /// dominated `exists` and `lookup`. Passes over windows of 64 keys
-    /// (each pass's misses overlapping, the first load of every pass
-    /// waiting) took 20–25 % longer than this pipeline with 64 Ki and 1 Mi
-    /// keys registered (`docs/benchmarks.md`, session 13).
+    /// dominated `exists` and `lookup`. The four passes over windows of
+    /// 64 keys that this replaced (each pass's misses overlapping, the
+    /// first load of every pass waiting for them) took 20–39 % longer with
+    /// 64 Ki and 1 M keys registered, the same with 1 Ki
+    /// (`docs/benchmarks.md`, session 13).
     pub fn find_batch<'k>(
         &self,
         layout: u32,
