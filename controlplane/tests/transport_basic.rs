@@ -132,6 +132,11 @@ fn an_expired_deadline_times_out_and_the_late_reply_is_dropped() {
                 .call(DEFER, b"late", Duration::from_millis(50))
                 .unwrap_err();
             assert!(matches!(err, ClientError::Timeout { .. }), "{err:?}");
+            // The deadline is the client's: on a loaded host the server
+            // may read the request only after it has passed.
+            f.wait_until("the request reached the handler", |s| {
+                !s.deferred.lock().is_empty()
+            });
             let (conn, rid, payload) = f
                 .seen
                 .deferred

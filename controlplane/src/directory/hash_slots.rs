@@ -9,9 +9,10 @@
 //! Here the word that matches is the slot number, and a full 32-bit hash
 //! matches another key only about once in 2^32 comparisons, so:
 //!
-//! - a probe is one array, usually one cache line, whose line the hashing
-//!   pass can prefetch as soon as the key's hash is known
-//!   ([`prefetch_home`](HashSlots::prefetch_home));
+//! - a probe reads one array, usually one cache line, whose address follows
+//!   from the hash alone, so it can be prefetched a stage ahead of the probe
+//!   ([`prefetch_home`](HashSlots::prefetch_home), used by
+//!   `KeyIndex::find_batch`'s pipeline);
 //! - a resize places every word again from the word alone, reading no entry
 //!   and no key.
 //!
