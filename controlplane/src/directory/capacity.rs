@@ -346,7 +346,7 @@ impl Directory {
                         let next = self.keys.get(cur).region_next;
                         if self.keys.get(cur).pins == 0 {
                             let last = self.regions.get(rs).keys == 1;
-                            self.remove_entry(cur);
+                            self.remove_entry(cur, self.keys.hash_of(cur));
                             budget -= 1;
                             self.counters.evictions.orphan_keys += 1;
                             if last {
@@ -387,7 +387,7 @@ impl Directory {
                         self.counters.evictions.lru_skipped += 1;
                         continue;
                     }
-                    self.remove_entry(es);
+                    self.remove_entry(es, self.keys.hash_of(es));
                     self.counters.evictions.lru_keys += 1;
                 }
                 if self.region_fill() <= cfg.lru_low_fill

@@ -246,12 +246,10 @@ impl Directory {
         for (es, e) in self.keys.iter() {
             live += 1;
             ensure!(
-                e.hash == self.keys.hash(e.layout, &e.key),
-                "entry {es}: stale cached hash"
-            );
-            ensure!(
-                self.keys.find(e.layout, &e.key, e.hash) == Some(es),
-                "entry {es}: not found through the table"
+                self.keys
+                    .find(e.layout, &e.key, self.keys.hash(e.layout, &e.key))
+                    == Some(es),
+                "entry {es}: not found through the table under its hash"
             );
             let Some(region) = self.regions.try_get(e.region) else {
                 return Err(InvariantViolation(format!(

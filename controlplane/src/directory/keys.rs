@@ -11,9 +11,11 @@
 //! source at start: a peer cannot predict which keys collide without
 //! recovering the seed, so it cannot cheaply build a colliding key set.
 //! The table keeps each key's 32-bit hash beside its slot, so a resize
-//! places every word again without reading an entry or a key.
+//! places every word again without reading an entry or a key; the entry
+//! does not keep it too (a removal takes it from the caller, which hashed
+//! the key to find it, or hashes the key again).
 //!
-//! Memory (checked by `cxlkv bench directory-memory`): 56 bytes of entry, the
+//! Memory (checked by `cxlkv bench directory-memory`): 48 bytes of entry, the
 //! allocator's header and rounding on the key box (about 12 bytes for a 100-byte
 //! key), and 8 bytes per table bucket at a load of 37.5–75 %.
 
@@ -71,8 +73,6 @@ pub(crate) struct Entry {
     pub len_bytes: u32,
     /// Interned layout index.
     pub layout: u32,
-    /// Cached key hash (see the module docs).
-    pub hash: u32,
     /// Pins summed over all sessions (each session's share is in its ledger).
     pub pins: u32,
     /// Intrusive list of the keys registered in the same region.
@@ -81,7 +81,7 @@ pub(crate) struct Entry {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<Option<Entry>>() == 56,
+    std::mem::size_of::<Option<Entry>>() == 48,
     "entry layout grew: check the memory budget (bench directory-memory)"
 );
 
@@ -258,10 +258,11 @@ impl KeyIndex {
         }
     }
 
-    /// Inserts an entry whose `(layout, key)` is known to be absent.
-    pub fn insert(&mut self, entry: Entry) -> u32 {
-        debug_assert!(self.find(entry.layout, &entry.key, entry.hash).is_none());
-        let hash = entry.hash;
+    /// Inserts an entry whose `(layout, key)` is known to be absent, under
+    /// `hash`: [`hash`](Self::hash) of its layout and key (only tests force
+    /// another, to make keys collide; such an entry cannot be removed).
+    pub fn insert(&mut self, entry: Entry, hash: u32) -> u32 {
+        debug_assert!(self.find(entry.layout, &entry.key, hash).is_none());
         let slot = match self.free.pop() {
             Some(slot) => {
                 debug_assert!(self.entries[slot as usize].is_none());
@@ -279,9 +280,18 @@ impl KeyIndex {
         slot
     }
 
-    /// Removes the entry in `slot` from the table and the slab.
-    pub fn remove(&mut self, slot: u32) -> Entry {
-        let removed = self.table.remove(self.get(slot).hash, slot);
+    /// The hash the entry in `slot` is stored under (its key hashed again:
+    /// for callers that do not have it at hand).
+    pub fn hash_of(&self, slot: u32) -> u32 {
+        let e = self.get(slot);
+        self.hash(e.layout, &e.key)
+    }
+
+    /// Removes the entry in `slot`, stored under `hash`, from the table and
+    /// the slab.
+    pub fn remove(&mut self, slot: u32, hash: u32) -> Entry {
+        debug_assert_eq!(hash, self.hash_of(slot), "the entry's own hash");
+        let removed = self.table.remove(hash, slot);
         assert!(removed, "invariant: every live slot is in the table");
         let entry = self.entries[slot as usize]
             .take()
@@ -362,7 +372,7 @@ impl KeyIndex {
 mod tests {
     use super::*;
 
-    fn entry(ix: &KeyIndex, layout: u32, key: &[u8]) -> Entry {
+    fn entry(layout: u32, key: &[u8]) -> Entry {
         Entry {
             key: key.into(),
             region: 0,
@@ -370,18 +380,23 @@ mod tests {
             generation: 0,
             len_bytes: 1,
             layout,
-            hash: ix.hash(layout, key),
             pins: 0,
             region_prev: NIL,
             region_next: NIL,
         }
     }
 
+    /// Inserts `key` under `layout` with its true hash.
+    fn add(ix: &mut KeyIndex, layout: u32, key: &[u8]) -> u32 {
+        let hash = ix.hash(layout, key);
+        ix.insert(entry(layout, key), hash)
+    }
+
     #[test]
     fn the_same_key_under_two_layouts_is_two_keys() {
         let mut ix = KeyIndex::new([1, 2]);
-        let a = ix.insert(entry(&ix, 0, b"k"));
-        let b = ix.insert(entry(&ix, 1, b"k"));
+        let a = add(&mut ix, 0, b"k");
+        let b = add(&mut ix, 1, b"k");
         assert_ne!(a, b);
         assert_eq!(ix.find(0, b"k", ix.hash(0, b"k")), Some(a));
         assert_eq!(ix.find(1, b"k", ix.hash(1, b"k")), Some(b));
@@ -392,12 +407,13 @@ mod tests {
     fn removed_slots_are_reused_and_survive_table_growth() {
         let mut ix = KeyIndex::new([3, 4]);
         let keys: Vec<Vec<u8>> = (0..10_000u32).map(|i| i.to_le_bytes().to_vec()).collect();
-        let slots: Vec<u32> = keys.iter().map(|k| ix.insert(entry(&ix, 0, k))).collect();
+        let slots: Vec<u32> = keys.iter().map(|k| add(&mut ix, 0, k)).collect();
         for (k, &s) in keys.iter().zip(&slots).step_by(2) {
-            assert_eq!(&*ix.remove(s).key, k.as_slice());
+            let hash = ix.hash(0, k);
+            assert_eq!(&*ix.remove(s, hash).key, k.as_slice());
         }
         assert_eq!(ix.len(), 5_000);
-        let again = ix.insert(entry(&ix, 0, b"new"));
+        let again = add(&mut ix, 0, b"new");
         assert!(slots.contains(&again), "a freed slot is reused");
         for (i, k) in keys.iter().enumerate() {
             let found = ix.find(0, k, ix.hash(0, k));
@@ -410,9 +426,9 @@ mod tests {
         let mut ix = KeyIndex::new([5, 6]);
         let keys: Vec<Vec<u8>> = (0..20_000u32).map(|i| i.to_le_bytes().to_vec()).collect();
         for k in keys.iter().step_by(2) {
-            ix.insert(entry(&ix, 0, k));
+            add(&mut ix, 0, k);
         }
-        ix.insert(entry(&ix, 1, &keys[1]));
+        add(&mut ix, 1, &keys[1]);
         // Present, absent, and another layout's keys, mixed; batches of
         // every length around the pipeline's stage boundaries.
         for layout in [0, 1, 2] {
@@ -454,9 +470,7 @@ mod tests {
         let n = 4 * PIPELINE_DISTANCE as u32 + 7;
         let keys: Vec<Vec<u8>> = (0..n).map(|i| i.to_le_bytes().to_vec()).collect();
         for k in keys.iter().step_by(2) {
-            let mut e = entry(&ix, 0, k);
-            e.hash = 42;
-            ix.insert(e);
+            ix.insert(entry(0, k), 42);
         }
         let hashes = vec![42u32; keys.len()];
         let mut out = Vec::new();
@@ -472,12 +486,8 @@ mod tests {
         // The same bytes and the same 32-bit hash under two layouts, the
         // other layout's entry first in the probe.
         let mut ix = KeyIndex::new([9, 10]);
-        let mut e = entry(&ix, 1, b"k");
-        e.hash = 42;
-        let other = ix.insert(e);
-        let mut e = entry(&ix, 0, b"k");
-        e.hash = 42;
-        let ours = ix.insert(e);
+        let other = ix.insert(entry(1, b"k"), 42);
+        let ours = ix.insert(entry(0, b"k"), 42);
         assert_eq!(ix.table.first(42), other, "the other layout's comes first");
         let mut out = Vec::new();
         for (layout, expected) in [(0, ours), (1, other), (2, NIL)] {

@@ -159,18 +159,20 @@ impl Directory {
         if let Err(reason) = region.page_states.check(loc.page.0, loc.generation.0) {
             return RegisterOutcome::Rejected(reason);
         }
-        let es = self.keys.insert(Entry {
-            key: e.key.into(),
-            region: rs,
-            page: loc.page.0,
-            generation: loc.generation.0,
-            len_bytes: loc.len_bytes,
-            layout: lix,
+        let es = self.keys.insert(
+            Entry {
+                key: e.key.into(),
+                region: rs,
+                page: loc.page.0,
+                generation: loc.generation.0,
+                len_bytes: loc.len_bytes,
+                layout: lix,
+                pins: 0,
+                region_prev: NIL,
+                region_next: NIL,
+            },
             hash,
-            pins: 0,
-            region_prev: NIL,
-            region_next: NIL,
-        });
+        );
         let region = self.regions.get_mut(rs);
         self.keys.region_list_push(&mut region.key_head, es);
         region.keys += 1;
@@ -587,7 +589,8 @@ impl Directory {
                 self.counters.outcomes.delete_pinned += 1;
                 DeleteOutcome::Pinned
             } else {
-                self.remove_entry(es);
+                // Found under the layout in use, so `probe_all` hashed it.
+                self.remove_entry(es, self.scratch_hashes[i]);
                 self.counters.outcomes.deleted += 1;
                 DeleteOutcome::Deleted
             };
@@ -675,10 +678,10 @@ impl Directory {
         Ok(())
     }
 
-    /// Removes an unpinned entry: its page is released, its owner (if
-    /// present) gets a freed-page notice, and an orphaned region losing its
-    /// last key is freed.
-    pub(super) fn remove_entry(&mut self, es: u32) {
+    /// Removes an unpinned entry, stored under `hash` (its key's entry
+    /// hash): its page is released, its owner (if present) gets a freed-page
+    /// notice, and an orphaned region losing its last key is freed.
+    pub(super) fn remove_entry(&mut self, es: u32, hash: u32) {
         let rs = self.keys.get(es).region;
         debug_assert_eq!(self.keys.get(es).pins, 0, "a pinned key is never removed");
         let region = self.regions.get_mut(rs);
@@ -686,7 +689,7 @@ impl Directory {
         if let Some(lru) = &mut self.lru {
             lru.unlink(es);
         }
-        let entry = self.keys.remove(es);
+        let entry = self.keys.remove(es, hash);
         region.keys -= 1;
         region.page_states.release(entry.page);
         let page_size_bytes = region.page_size_bytes;
