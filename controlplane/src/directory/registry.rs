@@ -351,12 +351,7 @@ impl Directory {
             self.counters.outcomes.lookup_misses += n as u64;
             return Ok(reply);
         };
-        // The keys are checked in the hashing pass, before anything changes.
-        self.scratch_hashes.clear();
-        for (index, key) in keys.clone().enumerate() {
-            Self::check_key(index, key)?;
-            self.scratch_hashes.push(self.keys.hash(lix, key));
-        }
+        self.hash_keys(lix, keys.clone())?;
         self.keys
             .find_batch(lix, keys, &self.scratch_hashes, &mut self.scratch_slots);
         self.lookup_stamp += 1;
@@ -431,13 +426,7 @@ impl Directory {
                 found.resize(n, false);
             }
             Some(lix) => {
-                // The keys are checked in the hashing pass, not one of
-                // their own: nothing has changed when one is refused.
-                self.scratch_hashes.clear();
-                for (index, key) in keys.clone().enumerate() {
-                    Self::check_key(index, key)?;
-                    self.scratch_hashes.push(self.keys.hash(lix, key));
-                }
+                self.hash_keys(lix, keys.clone())?;
                 self.keys
                     .find_batch(lix, keys, &self.scratch_hashes, &mut self.scratch_slots);
                 found.extend(self.scratch_slots.iter().map(|&es| es != NIL));
@@ -636,6 +625,23 @@ impl Directory {
     }
 
     // --- shared internals -------------------------------------------------
+
+    /// Checks every key's length (`KeyLength` for the first bad one) and
+    /// hashes every key under the interned layout `lix` into
+    /// `scratch_hashes`. The check rides the hashing pass rather than a pass
+    /// of its own; nothing has changed when a key is refused.
+    fn hash_keys<'k>(
+        &mut self,
+        lix: u32,
+        keys: impl Iterator<Item = &'k [u8]>,
+    ) -> Result<(), DirectoryError> {
+        self.scratch_hashes.clear();
+        for (index, key) in keys.enumerate() {
+            Self::check_key(index, key)?;
+            self.scratch_hashes.push(self.keys.hash(lix, key));
+        }
+        Ok(())
+    }
 
     /// Checks every key's length (`KeyLength` for the first bad one, with
     /// nothing changed) and probes every key under the interned layout
