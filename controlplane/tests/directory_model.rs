@@ -19,11 +19,24 @@
 //!
 //! Each simulated client keeps its own page allocator (free, allocated,
 //! registered, with generations) and applies freed-page notices from the
-//! replies it receives — replies may be dropped, and notices are re-sent. At
-//! the end of each case the clients drain their notices and every page a
-//! client believes registered must be exactly a key the directory holds in
-//! that client's regions: a notice lost or applied twice would show up as a
-//! leaked or double-freed page.
+//! replies it receives — replies may be dropped, and notices are re-sent. The
+//! model owes a notice `(region, page, generation)` to an instance for every
+//! key removed (deleted or evicted) from a region it owns; the debt is
+//! dropped with the instance (gone, taken over) or the directory (restart).
+//! Every freed-page notice is applied exactly once:
+//! - whenever a client receives notices, one numbered at or below the highest
+//!   it applied must equal the notice it applied under that number; the next
+//!   new one must be numbered exactly one above, be owed to the client by the
+//!   model (not owed yet, or owed and already paid, fails), and free a page
+//!   the client holds in a region of its current incarnation at the notice's
+//!   generation — `Registered`, or `Allocated` when the register reply has
+//!   not arrived yet. No notice is ignored: any other region or page state
+//!   (unknown region, free, already freed in flight, another generation)
+//!   fails at once, naming client, number, region, page, generation and state;
+//! - at the end of each case the clients drain their notices; then nothing is
+//!   owed to them, the directory holds no unacknowledged notice for them, and
+//!   every page a client believes registered is exactly a key the directory
+//!   holds in that client's regions (no leaked, no double-freed page).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -164,6 +177,11 @@ struct Model {
     pending: BTreeMap<PoolRequestId, (Option<&'static str>, u8)>,
     requests: BTreeMap<(&'static str, u64), MRegionRequest>,
     expect_free: BTreeSet<RegionId>,
+    /// Freed-page notices owed to each live instance and not applied yet:
+    /// (region, page, generation) of every key removed from a region it owns.
+    /// A page's generations only grow while its region lives, and region ids
+    /// are never reused, so each notice is unique.
+    owed: BTreeMap<&'static str, BTreeSet<(RegionId, u32, u32)>>,
 }
 
 impl Model {
@@ -215,6 +233,8 @@ impl Model {
             }
         }
         self.requests.retain(|(n, _), _| *n != name);
+        // Its notice queue dies with it (its regions' pages die with them).
+        self.owed.remove(name);
     }
 
     fn register(
@@ -319,8 +339,19 @@ impl Model {
             .remove(&(layout, k.to_vec()))
             .expect("model: key present");
         let r = &self.regions[&loc.region];
-        if r.owner.is_none() && self.keys_in(loc.region) == 0 {
-            self.expect_free.insert(loc.region);
+        match r.owner {
+            Some(owner) => {
+                let fresh = self.owed.entry(owner).or_default().insert((
+                    loc.region,
+                    loc.page.0,
+                    loc.generation.0,
+                ));
+                assert!(fresh, "model: a notice owed twice for {loc:?}");
+            }
+            None if self.keys_in(loc.region) == 0 => {
+                self.expect_free.insert(loc.region);
+            }
+            None => {}
         }
     }
 
@@ -425,6 +456,8 @@ struct Client {
     secret: Option<InstanceSecret>,
     next_seq: u64,
     applied: u64,
+    /// Every notice this incarnation applied, by number (1..=`applied`).
+    history: BTreeMap<u64, FreedPageNotice>,
     regions: BTreeMap<RegionId, CRegion>,
     index: BTreeMap<(u8, Vec<u8>), Location>,
     pins: BTreeMap<(u8, Vec<u8>), u32>,
@@ -440,6 +473,7 @@ impl Client {
             secret: None,
             next_seq: 1,
             applied: 0,
+            history: BTreeMap::new(),
             regions: BTreeMap::new(),
             index: BTreeMap::new(),
             pins: BTreeMap::new(),
@@ -506,31 +540,68 @@ impl Client {
             .get_mut(loc.page.0 as usize)
     }
 
-    /// Applies the notices of a received reply, each exactly once, in order.
-    fn apply_notices(&mut self, notices: &[FreedPageNotice]) {
+    /// Applies the notices of a received reply, each exactly once, in order,
+    /// and strictly: a number already applied must be a re-send of the same
+    /// notice; a new number must come next, be owed by the model to this
+    /// instance, and free a page this client holds at the notice's generation
+    /// (`Registered`, or `Allocated` if the register reply is still missing).
+    /// Nothing is ignored: a client only tracks regions granted to its current
+    /// incarnation, and notices are only issued to that incarnation for keys
+    /// in those regions (see `World::hello`, `World::reattach`).
+    fn apply_notices(&mut self, notices: &[FreedPageNotice], model: &mut Model) {
+        let name = self.name;
         for n in notices {
-            if n.seq <= self.applied {
+            let (seq, region, page, g) = (n.seq, n.region, n.page, n.generation.0);
+            if seq <= self.applied {
+                assert_eq!(
+                    self.history.get(&seq),
+                    Some(n),
+                    "{name}: notice seq {seq} re-sent with different content"
+                );
                 continue;
             }
             assert_eq!(
-                n.seq,
+                seq,
                 self.applied + 1,
-                "{}: notices arrive in order, gap-free",
-                self.name
+                "{name}: notices arrive in order, gap-free"
             );
-            self.applied = n.seq;
-            let Some(r) = self.regions.get_mut(&n.region) else {
-                continue;
+            self.applied = seq;
+            self.history.insert(seq, *n);
+            let describe = |what: &str| {
+                format!(
+                    "{name}: notice seq {seq} (region {region}, page {}, generation {g}) \
+                     applied to {what}",
+                    page.0
+                )
             };
-            let page = &mut r.pages[n.page.0 as usize];
-            if *page == Page::Allocated(n.generation.0) {
-                *page = Page::FreedInFlight(n.generation.0);
-            } else if *page == Page::Registered(n.generation.0) {
-                *page = Page::Free(n.generation.0);
-                let (region, p) = (n.region, n.page);
-                self.index
-                    .retain(|_, l| !(l.region == region && l.page == p));
+            let Some(r) = self.regions.get_mut(&region) else {
+                panic!("{}", describe("a region the client does not hold"));
+            };
+            let Some(state) = r.pages.get_mut(page.0 as usize) else {
+                panic!("{}", describe("a page beyond the region's end"));
+            };
+            let before = *state;
+            match before {
+                Page::Allocated(x) if x == g => *state = Page::FreedInFlight(g),
+                Page::Registered(x) if x == g => {
+                    *state = Page::Free(g);
+                    self.index
+                        .retain(|_, l| !(l.region == region && l.page == page));
+                }
+                other => panic!("{}", describe(&format!("a page in state {other:?}"))),
             }
+            let owed = model
+                .owed
+                .get_mut(name)
+                .is_some_and(|o| o.remove(&(region, page.0, g)));
+            assert!(
+                owed,
+                "{}",
+                describe(&format!(
+                    "a page in state {before:?} whose key the model did not remove \
+                     (or whose notice was applied already)"
+                ))
+            );
         }
     }
 
@@ -770,7 +841,7 @@ impl World {
                         layout: p.layout,
                         pages: vec![Page::Free(0); PAGES as usize],
                     });
-                    c.apply_notices(&reply.notices);
+                    c.apply_notices(&reply.notices, &mut self.model);
                 }
                 Err(DirectoryError::RegionAllocationFailed { .. }) => {
                     c.pending.remove(ix);
@@ -793,6 +864,10 @@ impl World {
     fn hello(&mut self, ci: usize) {
         self.close(ci);
         let name = self.clients[ci].name;
+        // A restarted client starts blank. The instance it creates (or takes
+        // over) numbers its notices from 1 again and owns no region yet; the
+        // previous incarnation's regions are orphaned or freed, and notices
+        // are never issued for those.
         self.clients[ci] = Client::new(name);
         let r = self.dir.hello(
             Hello {
@@ -961,7 +1036,12 @@ impl World {
         let c = &mut self.clients[ci];
         c.session = Some(back.session);
         c.pins.clear();
-        c.apply_notices(&back.notices);
+        c.apply_notices(&back.notices, &mut self.model);
+        // Regions not confirmed are dropped (after the notices are applied)
+        // without leaving a notice behind: a returned region had no keys, and
+        // the client returns a region only when every page is free locally;
+        // a gone instance's regions are orphaned and its notice queue died
+        // with it; a restarted directory queues no notice before the reattach.
         for (p, v) in presented.iter().zip(&verdicts) {
             if *v == RegionStatus::NotOwned {
                 c.regions.remove(&p.handle.region);
@@ -1026,7 +1106,7 @@ impl World {
             let expected = self.model.register(me, layout, &entries);
             assert_eq!(r.body, expected, "re-registration");
             let c = &mut self.clients[ci];
-            c.apply_notices(&r.notices);
+            c.apply_notices(&r.notices, &mut self.model);
             for ((k, loc), o) in entries.iter().zip(&r.body) {
                 if !matches!(o, RegisterOutcome::Inserted) {
                     c.index.remove(&(layout, k.clone()));
@@ -1066,7 +1146,7 @@ impl World {
         let prior = self.model.requests.get(&(name, seq)).cloned();
         self.service();
         let c = &mut self.clients[ci];
-        c.apply_notices(&r.notices);
+        c.apply_notices(&r.notices, &mut self.model);
         let ix = c.pending.iter().position(|p| p.seq == seq).unwrap();
         match (prior, r.body) {
             (Some(MRegionRequest::Granted(h, l)), RegionReply::Granted(g)) => {
@@ -1186,7 +1266,7 @@ impl World {
         } else {
             let (body, notices) = got.expect("a retry is answered");
             assert_eq!(body, last.body, "a retry got a different reply");
-            c.apply_notices(&notices);
+            c.apply_notices(&notices, &mut self.model);
             if last.unanswered {
                 c.learn(&last.req, &body, last.session == caller.session);
             }
@@ -1210,7 +1290,7 @@ impl World {
         let c = &mut self.clients[ci];
         let session = c.session.unwrap();
         if !dropped {
-            c.apply_notices(notices);
+            c.apply_notices(notices, &mut self.model);
             c.learn(&req, &body, true);
         }
         c.last = Some(Last {
@@ -1273,7 +1353,7 @@ impl World {
                 let RegionReply::Deferred(d) = r.body else {
                     panic!("a fresh request is deferred")
                 };
-                c.apply_notices(&r.notices);
+                c.apply_notices(&r.notices, &mut self.model);
                 c.pending.push(PendingRegion {
                     seq,
                     layout,
@@ -1503,7 +1583,7 @@ impl World {
                         &r.notices,
                         dropped,
                     ),
-                    None => self.clients[ci].apply_notices(&r.notices),
+                    None => self.clients[ci].apply_notices(&r.notices, &mut self.model),
                 }
             }
             Op::Exists(c, l, keys) => {
@@ -1529,7 +1609,7 @@ impl World {
                     .map(|k| self.model.keys.contains_key(&(layout, k.clone())))
                     .collect();
                 assert_eq!(r.body, expected, "exists");
-                c.apply_notices(&r.notices);
+                c.apply_notices(&r.notices, &mut self.model);
             }
             Op::Unpin(c, l, entries, dropped) => {
                 let ci = c as usize;
@@ -1679,7 +1759,7 @@ impl World {
                     .expect("heartbeat");
                 self.model.touch(c.session.unwrap(), self.now);
                 if !dropped {
-                    c.apply_notices(&r.notices);
+                    c.apply_notices(&r.notices, &mut self.model);
                 }
             }
             Op::Advance(units) => self.advance(Duration::from_millis(u64::from(units) * 100)),
@@ -1866,9 +1946,26 @@ impl World {
                 if r.notices.is_empty() {
                     break;
                 }
-                c.apply_notices(&r.notices);
+                c.apply_notices(&r.notices, &mut self.model);
             }
+            // Every notice issued to this incarnation was applied (none lost)
+            // and acknowledged.
             let c = &self.clients[ci];
+            assert_eq!(
+                self.model.owed.get(c.name).map(BTreeSet::len).unwrap_or(0),
+                0,
+                "{}: notices never delivered: {:?}",
+                c.name,
+                self.model.owed.get(c.name)
+            );
+            let pending = self
+                .dir
+                .stats(self.now)
+                .per_instance
+                .iter()
+                .find(|i| i.instance.as_str() == c.name)
+                .map(|i| i.notices_pending);
+            assert_eq!(pending, Some(0), "{}: notices left unacknowledged", c.name);
             for (id, region) in &c.regions {
                 for (p, page) in region.pages.iter().enumerate() {
                     let key_here = self
