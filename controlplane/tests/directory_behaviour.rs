@@ -798,6 +798,7 @@ fn tcp_peers_need_the_client_secret_unless_disabled() {
         DirectoryError::TcpSecretRequired
     );
     assert_eq!(w.dir.state_digest(), before);
+    assert_eq!(w.dir.stats(w.now).sessions, 0);
     w.dir
         .hello(
             Hello {
@@ -809,7 +810,9 @@ fn tcp_peers_need_the_client_secret_unless_disabled() {
             },
             w.now,
         )
-        .unwrap();
+        .expect("a TCP peer with the secret is welcome");
+    let stats = w.dir.stats(w.now);
+    assert_eq!((stats.instances, stats.sessions), (1, 1));
     let mut open = World::with(DirectoryConfig {
         tcp_requires_secret: false,
         ..DirectoryConfig::default()
@@ -825,7 +828,9 @@ fn tcp_peers_need_the_client_secret_unless_disabled() {
             },
             open.now,
         )
-        .unwrap();
+        .expect("with the requirement disabled, a TCP peer needs no secret");
+    let stats = open.dir.stats(open.now);
+    assert_eq!((stats.instances, stats.sessions), (1, 1));
 }
 
 // --- exactly-once -------------------------------------------------------------
@@ -1701,6 +1706,7 @@ fn bad_input_is_refused_with_its_error_and_changes_no_state() {
     let (c, s) = (a.caller(), unused_seq(&a));
     let long = vec![0u8; 513];
     let nine: Vec<&[u8]> = vec![b"k"; 9];
+    let nine_keys: Vec<Vec<u8>> = (0..9).map(|i| format!("new-{i}").into_bytes()).collect();
     let bad_layout = Layout {
         page_size_bytes: 1000,
         fingerprint: 0,
@@ -1743,6 +1749,38 @@ fn bad_input_is_refused_with_its_error_and_changes_no_state() {
             "batch over limit",
             DirectoryError::BatchTooLarge { len: 9, max: 8 },
             w.dir.exists(&c, L, nine.iter().copied(), w.now).map(drop),
+        ),
+        // The same limit on the requests that change state: refused before
+        // any entry is applied (a register of nine good entries, a pinning
+        // lookup and a delete of nine keys, one of them registered).
+        (
+            "register batch over limit",
+            DirectoryError::BatchTooLarge { len: 9, max: 8 },
+            w.register_seq(
+                &a,
+                s,
+                L,
+                &nine_keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| (&k[..], loc(ra, i as u32 + 1, 1)))
+                    .collect::<Vec<_>>(),
+            )
+            .map(drop),
+        ),
+        (
+            "pinning lookup batch over limit",
+            DirectoryError::BatchTooLarge { len: 9, max: 8 },
+            w.dir
+                .lookup(&c, Some(s), L, nine.iter().copied(), 1, w.now)
+                .map(drop),
+        ),
+        (
+            "delete batch over limit",
+            DirectoryError::BatchTooLarge { len: 9, max: 8 },
+            w.dir
+                .delete(&c, s, L, nine.iter().copied(), w.now)
+                .map(drop),
         ),
         (
             "invalid layout",
@@ -1843,7 +1881,7 @@ fn bad_input_is_refused_with_its_error_and_changes_no_state() {
     );
     let stats = w.dir.stats(w.now);
     let errors: u64 = stats.ops.iter().map(|o| o.counters.errors).sum();
-    assert_eq!(errors, 10);
+    assert_eq!(errors, 13);
 }
 
 /// A key of bad length is found in the pass that hashes the keys, on every
