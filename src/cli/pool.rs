@@ -190,6 +190,15 @@ pub(crate) fn wait_signal(set: &libc::sigset_t) -> Option<i32> {
     (sig > 0).then_some(sig)
 }
 
+/// How the logs name a stop signal.
+pub(crate) fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGINT => "SIGINT".into(),
+        other => format!("signal {other}"),
+    }
+}
+
 /// Runs the daemon until SIGTERM/SIGINT (see the module essay).
 pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
     let signals = block_stop_signals()?;
@@ -228,7 +237,10 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         let _ = core.shutdown();
         anyhow::bail!("the pool manager stopped: {failure}");
     }
-    tracing::info!(signal = ?stopped_by, "stopping");
+    match stopped_by {
+        Some(sig) => tracing::info!(signal = %signal_name(sig), "stopping"),
+        None => tracing::info!("stopping: the pool manager's core stopped by itself"),
+    }
     let report = core.shutdown().context("graceful shutdown failed")?;
     tracing::info!(
         committed_seq = report.committed_seq,

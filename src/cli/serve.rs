@@ -186,14 +186,14 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     );
     let stopped_by = loop {
         if let Some(sig) = super::pool::wait_signal(&signals) {
-            break Some(sig);
+            break sig;
         }
         if let Some(failure) = server.pool_failure() {
             let _ = server.shutdown();
             anyhow::bail!("the embedded pool manager stopped: {failure}");
         }
     };
-    tracing::info!(signal = ?stopped_by, "stopping");
+    tracing::info!(signal = %super::pool::signal_name(stopped_by), "stopping");
     let report = server.shutdown().context("graceful shutdown failed")?;
     tracing::info!(
         sessions_closed = report.sessions_closed,
