@@ -6,7 +6,12 @@
 //!
 //! The environment points the socket and the pool at private paths (same
 //! 2 GiB default size), so that the test never meets a real server or pool
-//! manager of this host; there are no flags.
+//! manager of this host; there are no flags. What the defaults themselves
+//! resolve to, with nothing set, is read from `--print-config` (starting on
+//! them would meet this host's real server). The pool manager's journal is
+//! synced per record by default and in groups when configured
+//! (`CXLKV_POOL_SYNC=group`); both must leave the region granted before
+//! the signal for the next start.
 
 mod common;
 
@@ -47,19 +52,25 @@ fn remove(paths: &[&Path]) {
 /// Starts `cxlkv serve` with no arguments, its socket and pool pointed at
 /// the test's paths by the environment; returns once it printed where it
 /// listens.
-fn start(io: &str, socket: &Path, pool: &Path) -> Guard {
+fn start(io: &str, sync: &str, socket: &Path, pool: &Path) -> Guard {
+    start_with(io, sync, socket, pool, "warn", Stdio::inherit())
+}
+
+/// [`start`] with the log filter `log` and standard error going to `stderr`.
+fn start_with(io: &str, sync: &str, socket: &Path, pool: &Path, log: &str, stderr: Stdio) -> Guard {
     let child = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
         .arg("serve")
         .env("CXLKV_SERVER_SOCKET", socket)
+        .env("CXLKV_POOL_SYNC", sync)
         .env(
             "CXLKV_POOL_POOLS",
             format!("[{{path = \"{}\", size_bytes = \"2GiB\"}}]", pool.display()),
         )
         .env("CXLKV_IO", io)
-        .env("CXLKV_LOG", "warn")
+        .env("CXLKV_LOG", log)
         .env_remove("CXLKV_CONFIG")
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .expect("cxlkv serve starts");
     let mut guard = Guard(Some(child));
@@ -100,13 +111,13 @@ fn stop(mut guard: Guard, io: &str, signal: libc::c_int) {
     assert!(status.success(), "{io}: exit status {status}");
 }
 
-fn serve_once(io: &str, signal: libc::c_int) {
-    let unique = format!("serve-{io}-{signal}-{}", std::process::id());
+fn serve_once(io: &str, sync: &str, signal: libc::c_int) {
+    let unique = format!("serve-{io}-{sync}-{signal}-{}", std::process::id());
     let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
     let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
     let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
     remove(&[&socket, &pool, &state]);
-    let server = start(io, &socket, &pool);
+    let server = start(io, sync, &socket, &pool);
 
     let mut c = Raw::connect_unix(&socket);
     let (welcome, fds) = c.hello("proc");
@@ -132,7 +143,7 @@ fn serve_once(io: &str, signal: libc::c_int) {
 
     // What the pool manager committed before the signal is what the next
     // start finds: the instance reattaches with its region's token.
-    let server = start(io, &socket, &pool);
+    let server = start(io, sync, &socket, &pool);
     let mut c = Raw::connect_unix(&socket);
     c.next_seq = 100;
     let back: proto::Reattached = c
@@ -153,11 +164,99 @@ fn serve_once(io: &str, signal: libc::c_int) {
 
 #[test]
 fn serve_starts_with_no_arguments_and_stops_cleanly_on_sigterm() {
-    serve_once("auto", libc::SIGTERM);
-    serve_once("fallback", libc::SIGTERM);
+    serve_once("auto", "per-record", libc::SIGTERM);
+    serve_once("fallback", "per-record", libc::SIGTERM);
 }
 
 #[test]
 fn serve_stops_cleanly_on_sigint_too() {
-    serve_once("auto", libc::SIGINT);
+    serve_once("auto", "per-record", libc::SIGINT);
+}
+
+#[test]
+fn serve_with_group_sync_keeps_what_it_granted_across_a_restart() {
+    serve_once("auto", "group", libc::SIGTERM);
+}
+
+/// With no argument, no file and no `CXLKV_*` variable, `serve` resolves to
+/// the embedded default: a 2 GiB pool file `/dev/shm/cxlkv.pool`, its pool
+/// manager's state next to it, and the default socket (`/run/cxlkv` as
+/// root, else under `$XDG_RUNTIME_DIR`).
+#[test]
+fn serve_with_nothing_set_resolves_to_the_embedded_default_pool_and_socket() {
+    let runtime = tempfile::tempdir().expect("temporary directory");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    cmd.args(["serve", "--print-config"])
+        .env("XDG_RUNTIME_DIR", runtime.path());
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("CXLKV_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = cmd.output().expect("cxlkv serve --print-config");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let socket = if root {
+        PathBuf::from("/run/cxlkv/cxlkv.sock")
+    } else {
+        runtime.path().join("cxlkv/cxlkv.sock")
+    };
+    for needle in [
+        format!("socket_path: {:?}", socket.display().to_string()),
+        "pool_path: \"/dev/shm/cxlkv.pool\"".to_owned(),
+        format!("pool_size_bytes: {}", 2u64 << 30),
+        "state_dir: \"/dev/shm/cxlkv.pool.state\"".to_owned(),
+        "tcp_listen: None".to_owned(),
+    ] {
+        assert!(text.contains(&needle), "{needle} not in:\n{text}");
+    }
+}
+
+/// `serve` logs with `tracing` to standard error (`CXLKV_LOG`): where it
+/// serves, the signal that stops it, and a graceful end in which the
+/// embedded pool manager checkpoints what its journal committed (a region
+/// was granted, so there is something to checkpoint) before the server
+/// reports itself stopped.
+#[test]
+fn serve_logs_its_start_the_signal_and_a_checkpointed_stop() {
+    let unique = format!("serve-log-{}", std::process::id());
+    let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
+    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
+    let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
+    remove(&[&socket, &pool, &state]);
+    let log = tempfile::NamedTempFile::new().expect("log file");
+    let server = start_with(
+        "auto",
+        "per-record",
+        &socket,
+        &pool,
+        "info",
+        Stdio::from(log.reopen().expect("log file")),
+    );
+    let mut c = Raw::connect_unix(&socket);
+    c.hello("logged").0.unwrap();
+    c.request_region(0).unwrap();
+    stop(server, "auto", libc::SIGTERM);
+    let text = std::fs::read_to_string(log.path()).expect("read the log");
+    // In order: each needle after the previous one.
+    let mut rest = text.as_str();
+    for needle in [
+        "cxlkv serve: serving",
+        "stopping signal=SIGTERM",
+        "checkpointed=true",
+        "pool manager stopped",
+        "server stopped",
+    ] {
+        let at = rest
+            .find(needle)
+            .unwrap_or_else(|| panic!("{needle:?} not logged (in order) in:\n{text}"));
+        rest = &rest[at + needle.len()..];
+    }
+    remove(&[&socket, &pool, &state]);
 }
