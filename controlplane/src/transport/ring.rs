@@ -49,6 +49,7 @@ pub(crate) fn build_ring(cfg: &IoConfig, role: Role, entries: u32) -> io::Result
     let mut b = IoUring::builder();
     b.setup_cqsize(entries * 2);
     if cfg.sqpoll {
+        warn_if_sqpoll_starved();
         b.setup_sqpoll(cfg.sqpoll_idle_ms);
     } else {
         match effective_taskrun(cfg, role) {
@@ -64,6 +65,37 @@ pub(crate) fn build_ring(cfg: &IoConfig, role: Role, entries: u32) -> io::Result
         }
     }
     b.build(entries)
+}
+
+/// Below this many CPUs an SQPOLL ring's kernel thread has no core of its
+/// own: it spins on one that the loop, the client and the peer need.
+/// `cxlkv bench rtt` on 2 vCPUs: a one-key round trip took 8.5 µs with the
+/// server's SQPOLL against 6.5 without, and milliseconds with both ends'
+/// (`docs/benchmarks.md`).
+const SQPOLL_MIN_CPUS: usize = 4;
+
+/// Whether `cpus` CPUs are too few for SQPOLL to pay (see
+/// [`SQPOLL_MIN_CPUS`]).
+fn sqpoll_starved(cpus: usize) -> bool {
+    cpus < SQPOLL_MIN_CPUS
+}
+
+/// Warns once per process when SQPOLL is asked for on a machine too small
+/// for it: it still works, only slower, so it is not refused.
+fn warn_if_sqpoll_starved() {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    if sqpoll_starved(cpus) {
+        WARNED.call_once(|| {
+            tracing::warn!(
+                cpus,
+                min_cpus = SQPOLL_MIN_CPUS,
+                "io_uring SQPOLL is on with fewer CPUs than it needs: its kernel thread \
+                 spins on a CPU the loop and its peers need, and round trips get slower \
+                 (milliseconds on 2 vCPUs with both ends polling); set sqpoll = false here"
+            );
+        });
+    }
 }
 
 /// True when completions wait for this thread to run kernel work (the
@@ -124,4 +156,19 @@ fn transient(e: &io::Error) -> bool {
         e.raw_os_error(),
         Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqpoll_is_flagged_on_machines_without_a_spare_core() {
+        // The CI and development VMs have 2 vCPUs: the case measured.
+        assert!(sqpoll_starved(1));
+        assert!(sqpoll_starved(2));
+        assert!(sqpoll_starved(3));
+        assert!(!sqpoll_starved(4));
+        assert!(!sqpoll_starved(128));
+    }
 }
