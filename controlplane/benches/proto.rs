@@ -247,5 +247,46 @@ fn lookup_reply(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, codec, lookup_reply);
+/// A 512-key `Exists` as the client library builds it from the caller's
+/// `&[K]`, into a fresh buffer per request as `Encoded` does: ours borrows
+/// the keys (`ExistsFrom`, the buffer sized up front), against the baseline
+/// of copying each key into the owned message and encoding that into a
+/// buffer grown as it fills (what the client did before). 100-byte keys,
+/// the size `cxlkv bench exists` uses.
+fn client_request(c: &mut Criterion) {
+    let caller_keys: Vec<String> = (0..512)
+        .map(|i| format!("llama-8b@tp1@rank0@chunk-{i:08}@{}", "#".repeat(66)))
+        .collect();
+    assert!(caller_keys.iter().all(|k| k.len() == 100));
+    let mut group = c.benchmark_group("client_exists_512");
+    group.throughput(Throughput::Elements(512));
+    group.bench_function("baseline_copy_keys_then_encode", |b| {
+        b.iter(|| {
+            let msg = Exists {
+                meta: RequestMeta::default(),
+                layout: LAYOUT,
+                keys: caller_keys.iter().map(|k| k.as_bytes().to_vec()).collect(),
+            };
+            let mut out = Vec::new();
+            proto::encode(1, &msg, &mut out).expect("encodes");
+            black_box(out.len())
+        })
+    });
+    group.bench_function("ours_borrowed_keys", |b| {
+        b.iter(|| {
+            let msg = proto::ExistsFrom {
+                meta: RequestMeta::default(),
+                layout: LAYOUT,
+                keys: &caller_keys[..],
+            };
+            let key_bytes: usize = caller_keys.iter().map(String::len).sum();
+            let mut out = Vec::with_capacity(HEADER_BYTES + key_bytes + 8 * 512 + 128);
+            proto::encode_as::<Exists, _>(1, &msg, &mut out).expect("encodes");
+            black_box(out.len())
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, codec, lookup_reply, client_request);
 criterion_main!(benches);

@@ -11,8 +11,8 @@
 use std::sync::Arc;
 
 use cxlkv_controlplane::proto::{
-    self, Delete, DeleteOutcome, DeleteReply, Exists, ExistsReply, Location, Lookup, LookupReply,
-    RegionDesc,
+    self, DeleteFrom, DeleteOutcome, DeleteReply, ExistsFrom, ExistsReply, Location, LookupFrom,
+    LookupReply, RegionDesc,
 };
 use cxlkv_dataplane::visibility;
 
@@ -46,10 +46,6 @@ impl LayoutHandle {
         Ok(())
     }
 
-    fn key_vec<K: AsRef<[u8]>>(keys: &[K]) -> Vec<Vec<u8>> {
-        keys.iter().map(|k| k.as_ref().to_vec()).collect()
-    }
-
     /// The chunk under `key`, pinned and in place; `None` if absent.
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<ReadGuard>, ClientError> {
         let mut out = self.batch_get(&[key])?;
@@ -65,10 +61,10 @@ impl LayoutHandle {
         let shared = self.shared();
         shared.check_open()?;
         self.check_keys(keys)?;
-        let mut msg = Lookup {
+        let mut msg = LookupFrom {
             meta: Default::default(),
             layout: self.state.layout,
-            keys: Self::key_vec(keys),
+            keys,
             pins: 1,
         };
         let n = keys.len();
@@ -191,10 +187,10 @@ impl LayoutHandle {
         let shared = self.shared();
         shared.check_open()?;
         self.check_keys(keys)?;
-        let mut msg = Exists {
+        let mut msg = ExistsFrom {
             meta: Default::default(),
             layout: self.state.layout,
-            keys: Self::key_vec(keys),
+            keys,
         };
         let n = keys.len();
         shared.read_call::<_, ExistsReply, _>("exists", &mut msg, |reply| {
@@ -229,10 +225,10 @@ impl LayoutHandle {
         let shared = self.shared();
         shared.check_open()?;
         self.check_keys(keys)?;
-        let mut msg = Delete {
+        let mut msg = DeleteFrom {
             meta: Default::default(),
             layout: self.state.layout,
-            keys: Self::key_vec(keys),
+            keys,
         };
         let n = keys.len();
         shared

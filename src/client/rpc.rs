@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::frame::{Frame, HEADER_BYTES};
 use cxlkv_controlplane::proto::{
-    self, Archived, ArchivedDirectoryReply, Delete, ErrorCode, Exists, Heartbeat, Kind, Lookup,
-    MapRegion, Message, Register, RequestMeta, RequestRegion, ReturnRegion, Stats, Unpin,
+    self, Archived, ArchivedDirectoryReply, Delete, EncodesAs, ErrorCode, Exists, Heartbeat, Kind,
+    Lookup, MapRegion, Message, Register, RequestMeta, RequestRegion, ReturnRegion, Stats, Unpin,
     UnpinOutcome, UnpinReply,
 };
 use cxlkv_controlplane::transport::{ClientError as TransportError, PendingCall};
@@ -101,20 +101,50 @@ impl Mode {
 }
 
 /// A request whose metadata the exchange fills in per attempt (sequence
-/// number, notice acknowledgement, `replies_received_below`).
-pub(crate) trait WithMeta: Message {
+/// number, notice acknowledgement, `replies_received_below`): a message, or
+/// a borrowed form that encodes as one ([`proto::EncodesAs`]).
+pub(crate) trait WithMeta {
+    /// The message this request's frames are.
+    type Msg: Message;
     fn set_meta(&mut self, meta: RequestMeta);
+    /// This request's frame, as of its current metadata.
+    fn encode(&self) -> Result<Encoded, ClientError>;
 }
 
 macro_rules! with_meta {
     ($($t:ty),* $(,)?) => {
         $(impl WithMeta for $t {
+            type Msg = $t;
             fn set_meta(&mut self, meta: RequestMeta) {
                 self.meta = meta;
+            }
+            fn encode(&self) -> Result<Encoded, ClientError> {
+                Encoded::new(self)
             }
         })*
     };
 }
+
+/// The key-batch requests over the caller's own keys (no copy of them,
+/// `proto::ExistsFrom` and its kin), their frames sized up front: every
+/// key's bytes plus its 8-byte (pointer, length) pair and the alignment
+/// padding between keys and vector.
+macro_rules! with_meta_borrowed {
+    ($($from:ident => $msg:ty),* $(,)?) => {
+        $(impl<K: AsRef<[u8]>> WithMeta for proto::$from<'_, K> {
+            type Msg = $msg;
+            fn set_meta(&mut self, meta: RequestMeta) {
+                self.meta = meta;
+            }
+            fn encode(&self) -> Result<Encoded, ClientError> {
+                let key_bytes: usize = self.keys.iter().map(|k| k.as_ref().len()).sum();
+                Encoded::encode_as::<$msg, _>(self, key_bytes + 8 * self.keys.len() + 128)
+            }
+        })*
+    };
+}
+
+with_meta_borrowed!(ExistsFrom => Exists, LookupFrom => Lookup, DeleteFrom => Delete);
 
 with_meta!(
     Heartbeat,
@@ -137,12 +167,23 @@ pub(crate) struct Encoded {
 
 impl Encoded {
     pub fn new<M: Message>(msg: &M) -> Result<Self, ClientError> {
-        let mut buf = Vec::new();
-        let frame_len =
-            proto::encode(0, msg, &mut buf).map_err(|source| ClientError::BadReply {
+        Self::encode_as::<M, M>(msg, 0)
+    }
+
+    /// The frame of `value`, which encodes as message `M`, in a buffer
+    /// that starts with room for `payload_hint` payload bytes (a buffer
+    /// grown by doubling copies a 55 KB request about twice over).
+    pub fn encode_as<M: Message, T: EncodesAs<M>>(
+        value: &T,
+        payload_hint: usize,
+    ) -> Result<Self, ClientError> {
+        let mut buf = Vec::with_capacity(HEADER_BYTES + payload_hint);
+        let frame_len = proto::encode_as::<M, T>(0, value, &mut buf).map_err(|source| {
+            ClientError::BadReply {
                 op: "encode",
                 source,
-            })?;
+            }
+        })?;
         debug_assert_eq!(frame_len, buf.len());
         let mut len = [0u8; 4];
         len.copy_from_slice(&buf[16..20]);
@@ -186,6 +227,7 @@ impl Shared {
         R: Message,
         Archived<R>: ArchivedDirectoryReply,
     {
+        let kind = <Q::Msg as Message>::KIND;
         let timeout = self.request_timeout();
         let mutating = ticket.is_some();
         let mut attempts = 0u32;
@@ -215,7 +257,7 @@ impl Shared {
                 if let Err(e) = self.reconnect(conn.conn_no) {
                     return Err(give_up(sent, e));
                 }
-                self.renew_if_session_bound::<Q>(ticket.as_deref_mut(), timeout)?;
+                self.renew_if_session_bound(kind, ticket.as_deref_mut(), timeout)?;
                 continue;
             }
             if let Some(t) = ticket.as_deref_mut()
@@ -240,12 +282,12 @@ impl Shared {
                     0
                 },
             });
-            let encoded = Encoded::new(msg).map_err(Fail::Definite)?;
+            let encoded = msg.encode().map_err(Fail::Definite)?;
             self.note_sent();
             if attempts > 0 {
                 self.stats.bump(&self.stats.retries);
             }
-            let result = conn.rpc.call(Q::KIND.as_u16(), encoded.payload(), timeout);
+            let result = conn.rpc.call(kind.as_u16(), encoded.payload(), timeout);
             sent = true;
             if let Some(unpins) = unpins {
                 self.finish_unpins(&conn, unpins);
@@ -273,7 +315,7 @@ impl Shared {
                     if let Err(e) = self.reconnect(conn.conn_no) {
                         return Err(give_up(sent, e));
                     }
-                    self.renew_if_session_bound::<Q>(ticket.as_deref_mut(), timeout)?;
+                    self.renew_if_session_bound(kind, ticket.as_deref_mut(), timeout)?;
                     continue;
                 }
                 Err(e) => {
@@ -415,12 +457,13 @@ impl Shared {
     /// number now runs it on the new session either way, without spending
     /// an attempt on the refusal. Other requests keep their number: their
     /// retries must be answered from the directory's reply cache.
-    fn renew_if_session_bound<Q: Message>(
+    fn renew_if_session_bound(
         &self,
+        kind: Kind,
         ticket: Option<&mut SeqTicket>,
         timeout: Duration,
     ) -> Result<(), Fail> {
-        if Q::KIND == Kind::Lookup
+        if kind == Kind::Lookup
             && let Some(t) = ticket
         {
             self.renew(t, timeout).map_err(Fail::Definite)?;

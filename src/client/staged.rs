@@ -47,7 +47,7 @@ use std::sync::atomic::Ordering;
 
 use cxlkv_controlplane::frame::Frame;
 use cxlkv_controlplane::proto::{
-    self, ArchivedDirectoryReply, ErrorCode, Location, Lookup, LookupReply, Message, RegionDesc,
+    self, ArchivedDirectoryReply, ErrorCode, Location, LookupReply, Message, RegionDesc,
     RequestMeta, Unpin, UnpinOutcome, UnpinReply,
 };
 use cxlkv_controlplane::transport::{ClientError as TransportError, PendingCall};
@@ -138,10 +138,10 @@ impl LayoutHandle {
                 reason: format!("{pins} is not in 1..={}", proto::MAX_PINS_PER_KEY),
             });
         }
-        let mut msg = Lookup {
+        let mut msg = proto::LookupFrom {
             meta: Default::default(),
             layout: self.state.layout,
-            keys: keys.iter().map(|k| k.as_ref().to_vec()).collect(),
+            keys,
             pins,
         };
         let n = keys.len();

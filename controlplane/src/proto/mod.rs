@@ -68,6 +68,7 @@ mod codec;
 mod common;
 pub mod directory;
 mod error;
+mod keys_from;
 mod kind;
 pub mod pool;
 pub mod stats;
@@ -87,6 +88,7 @@ pub use codec::{
 pub use common::*;
 pub use directory::*;
 pub use error::{ArchivedErrorReply, ErrorCode, ErrorReply, ProtoError};
+pub use keys_from::{DeleteFrom, ExistsFrom, LookupFrom};
 pub use kind::{Kind, Service};
 pub use pool::*;
 pub use stats::*;
