@@ -127,8 +127,8 @@ macro_rules! with_meta {
 
 /// The key-batch requests over the caller's own keys (no copy of them,
 /// `proto::ExistsFrom` and its kin), their frames sized up front: every
-/// key's bytes plus its 8-byte (pointer, length) pair and the alignment
-/// padding between keys and vector.
+/// key's bytes, its 8-byte (pointer, length) pair and an unpin's 4-byte
+/// count, plus room for the fixed fields and the alignment padding.
 macro_rules! with_meta_borrowed {
     ($($from:ident => $msg:ty),* $(,)?) => {
         $(impl<K: AsRef<[u8]>> WithMeta for proto::$from<'_, K> {
@@ -138,13 +138,18 @@ macro_rules! with_meta_borrowed {
             }
             fn encode(&self) -> Result<Encoded, ClientError> {
                 let key_bytes: usize = self.keys.iter().map(|k| k.as_ref().len()).sum();
-                Encoded::encode_as::<$msg, _>(self, key_bytes + 8 * self.keys.len() + 128)
+                Encoded::encode_as::<$msg, _>(self, key_bytes + 12 * self.keys.len() + 128)
             }
         })*
     };
 }
 
-with_meta_borrowed!(ExistsFrom => Exists, LookupFrom => Lookup, DeleteFrom => Delete);
+with_meta_borrowed!(
+    ExistsFrom => Exists,
+    LookupFrom => Lookup,
+    DeleteFrom => Delete,
+    UnpinFrom => Unpin,
+);
 
 with_meta!(
     Heartbeat,
@@ -503,17 +508,17 @@ impl Shared {
                         .add(&self.stats.unpins_dropped, keys.len() as u64);
                     continue;
                 };
-                let msg = Unpin {
+                let msg = proto::UnpinFrom {
                     meta: RequestMeta {
                         seq: ticket.seq,
                         notice_ack: self.notice_ack(),
                         replies_received_below: self.seqs.received_below(),
                     },
                     layout,
-                    keys: keys.to_vec(),
-                    counts: counts.to_vec(),
+                    keys,
+                    counts,
                 };
-                let Ok(encoded) = Encoded::new(&msg) else {
+                let Ok(encoded) = msg.encode() else {
                     self.seqs.release(ticket);
                     continue;
                 };

@@ -88,7 +88,7 @@ pub use codec::{
 pub use common::*;
 pub use directory::*;
 pub use error::{ArchivedErrorReply, ErrorCode, ErrorReply, ProtoError};
-pub use keys_from::{DeleteFrom, ExistsFrom, LookupFrom};
+pub use keys_from::{DeleteFrom, ExistsFrom, LookupFrom, UnpinFrom};
 pub use kind::{Kind, Service};
 pub use pool::*;
 pub use stats::*;

@@ -1658,7 +1658,7 @@ fn a_lookup_reply_from_an_iterator_encodes_byte_for_byte_as_the_owned_reply() {
     }
 }
 
-/// `ExistsFrom`, `LookupFrom` and `DeleteFrom` (keys borrowed from the
+/// `ExistsFrom`, `LookupFrom`, `DeleteFrom` and `UnpinFrom` (keys borrowed from the
 /// caller, what the client sends) encode byte for byte as the owned
 /// messages they stand for, whatever the keys' lengths (odd ones leave the
 /// key vector's alignment padding to the serializer); with `read_back`
@@ -1716,6 +1716,38 @@ fn check_keys_from_encodings(keys: &[Vec<u8>], pins: u32, read_back: bool) {
         with_frame(&ours, |frame| {
             let archived = access::<Delete>(frame).unwrap();
             assert!(archived.keys().eq(keys.iter().map(Vec::as_slice)));
+        });
+    }
+
+    ours.clear();
+    let counts: Vec<u32> = (0..keys.len() as u32)
+        .map(|i| 1 + i % MAX_PINS_PER_KEY as u32)
+        .collect();
+    let unpin = Unpin {
+        meta: mutating,
+        layout,
+        keys: keys.to_vec(),
+        counts: counts.clone(),
+    };
+    let from = UnpinFrom {
+        meta: mutating,
+        layout,
+        keys,
+        counts: &counts,
+    };
+    encode_as::<Unpin, _>(9, &from, &mut ours).unwrap();
+    assert_eq!(ours, encoded(&unpin), "unpin, {} keys", keys.len());
+    if read_back {
+        with_frame(&ours, |frame| {
+            let archived = access::<Unpin>(frame).unwrap();
+            assert!(archived.keys().eq(keys.iter().map(Vec::as_slice)));
+            assert!(
+                archived
+                    .counts
+                    .iter()
+                    .map(|c| c.to_native())
+                    .eq(counts.iter().copied())
+            );
         });
     }
 
