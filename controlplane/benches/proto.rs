@@ -6,6 +6,11 @@
 //! reference system, Maru, speaks) encoding the same fields and decoding them
 //! zero-copy (keys borrowed as byte slices), then touching every key.
 //!
+//! Two groups compare our encoders with what they replaced instead:
+//! `lookup_reply_512` (the server's reply written from its own list) and
+//! `client_exists_512` (the client's request written from the caller's
+//! keys, against copying them into the owned message first).
+//!
 //! ```text
 //! cargo bench -p cxlkv-controlplane --bench proto
 //! ```

@@ -1,17 +1,15 @@
 //! Key-batch requests serialized straight from the caller's keys.
 //!
 //! [`Exists`], [`Lookup`], [`Delete`] and [`Unpin`] own their keys
-//! (`Vec<Vec<u8>>`),
-//! so a client holding `&[K]` had to copy every key into its own
-//! allocation before encoding, then free them all: 13.6 µs for 512 keys of
-//! 100 bytes on the development VM, about what the server spends on the
-//! same `Exists`. [`ExistsFrom`], [`LookupFrom`], [`DeleteFrom`] and
-//! [`UnpinFrom`] borrow
-//! the keys instead and archive exactly as the owned messages do (their
-//! `Archived` types are the owned ones'), so they encode with
-//! [`encode_as`](super::encode_as) into frames that are valid frames of the
-//! owned message, byte for byte the ones [`encode`](super::encode) writes
-//! (a test in `proto::tests` compares them).
+//! (`Vec<Vec<u8>>`), so a client holding `&[K]` had to copy every key into
+//! an allocation of its own before encoding, then free them all: 13.6 µs
+//! for 512 keys of 100 bytes on the development VM, on the order of the
+//! server's whole share of the same `Exists`. [`ExistsFrom`],
+//! [`LookupFrom`], [`DeleteFrom`] and [`UnpinFrom`] borrow the keys instead
+//! and archive exactly as the owned messages do (their `Archived` types
+//! are the owned ones'), so they encode with [`encode_as`](super::encode_as)
+//! into valid frames of the owned message, byte for byte the ones
+//! [`encode`](super::encode) writes (tests in `proto::tests` compare them).
 
 use rkyv::rancor::{Fallible, Source};
 use rkyv::ser::{Allocator, Writer, WriterExt};

@@ -1658,12 +1658,12 @@ fn a_lookup_reply_from_an_iterator_encodes_byte_for_byte_as_the_owned_reply() {
     }
 }
 
-/// `ExistsFrom`, `LookupFrom`, `DeleteFrom` and `UnpinFrom` (keys borrowed from the
-/// caller, what the client sends) encode byte for byte as the owned
-/// messages they stand for, whatever the keys' lengths (odd ones leave the
-/// key vector's alignment padding to the serializer); with `read_back`
-/// (keys and pins within the protocol's limits) the frames also pass
-/// checked access and give back the same keys.
+/// `ExistsFrom`, `LookupFrom`, `DeleteFrom` and `UnpinFrom` (keys borrowed
+/// from the caller, what the client sends) encode byte for byte as the
+/// owned messages they stand for, whatever the keys' lengths (odd ones
+/// leave the key vector's alignment padding to the serializer); with
+/// `read_back` (keys and pins within the protocol's limits) the frames
+/// also pass checked access and give back the same keys and counts.
 fn check_keys_from_encodings(keys: &[Vec<u8>], pins: u32, read_back: bool) {
     let read_only = RequestMeta {
         seq: 0,
