@@ -73,6 +73,13 @@ fn exists_and_lookup_report_the_issue_fields_for_batches_of_1_64_and_512() {
                 close(num(r, "ratio"), raw / p50),
                 "{scenario} {batch}: ratio"
             );
+            // With one rep its own ratio is the case's; with more, the
+            // median ratio lies between the reps' extremes.
+            let (lo, hi) = (num(r, "ratio_min"), num(r, "ratio_max"));
+            assert!(
+                close(lo, num(r, "ratio")) && close(hi, num(r, "ratio")),
+                "{scenario} {batch}: one rep's ratio_min {lo} and ratio_max {hi}"
+            );
             assert!(
                 close(num(r, "keys_per_s"), batch as f64 / (p50 * 1e-6)),
                 "{scenario} {batch}: keys_per_s is batch / p50"

@@ -30,6 +30,10 @@
 //! directory. `ratio` = raw p50 ÷ our p50 (higher is better, 1 would be the
 //! floor). Reps alternate raw and ours; each rep's p50 is taken and the
 //! median over reps is reported, with `p99_us` over all our calls.
+//! `ratio_min`/`ratio_max` are the lowest and highest of the reps' own
+//! ratios (each rep's raw p50 ÷ its p50): on a shared host the raw exchange
+//! drifts between phases, and the spread shows how far one run's ratio can
+//! be trusted (`cxlkv bench rtt` reports the same pair).
 //! `server_p50_us`/`server_p99_us` are the server's own time per call (frame
 //! received → reply queued, from its statistics; each case runs against a
 //! fresh server): the rest of a call is the transport and the client.
@@ -413,6 +417,9 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         };
         drop(c);
         drop(server);
+        // Each rep's own ratio (its raw exchange against its calls), before
+        // the medians reorder the p50s.
+        let mut ratios: Vec<f64> = raw_p50.iter().zip(&ours_p50).map(|(r, o)| r / o).collect();
         let (p50, base) = (median(&mut ours_p50), median(&mut raw_p50));
         let keys_per_s = batch as f64 / (p50 * 1e-6);
         let rec = Record::new(
@@ -428,6 +435,8 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         .with("p50_us", p50)
         .with("p99_us", percentile(&mut all_ours, 99.0))
         .with("raw_p50_us", base)
+        .with("ratio_min", percentile(&mut ratios, 0.0))
+        .with("ratio_max", percentile(&mut ratios, 100.0))
         .with("server_p50_us", server_p50)
         .with("server_p99_us", server_p99)
         .with("key_bytes", KEY_BYTES as u64)
