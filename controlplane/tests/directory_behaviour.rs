@@ -964,6 +964,43 @@ fn a_region_request_retried_while_pending_or_after_the_grant_gets_the_same_regio
 }
 
 #[test]
+fn a_pending_region_request_outlives_the_reply_cache_limit_so_its_grant_reaches_a_retry() {
+    // Only the newest reply fits the cache, as in the test above.
+    let mut w = World::with(DirectoryConfig {
+        reply_cache_bytes_per_instance: 1,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    // A second region asked for; the pool manager has not answered yet.
+    let pending = a.seq();
+    let first = w
+        .dir
+        .request_region(&a.caller(), pending, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert!(matches!(first.body, RegionReply::Deferred(_)));
+    // Meanwhile the client pipelines registrations, whose replies overflow
+    // the cache many times over.
+    for page in 0..8u32 {
+        let key = page.to_le_bytes();
+        w.put(&mut a, &key, loc(ra, page, 1));
+    }
+    // The grant completes, but its reply is lost on the way (the completion
+    // is dropped here, as a broken connection would).
+    let (done, _) = w.pool.service(&mut w.dir);
+    let granted = done[0].result.clone().unwrap().body;
+    // The retry under the same number gets the region that was granted: no
+    // `ReplyEvicted`, no region assigned that the client cannot name.
+    let retry = w
+        .dir
+        .request_region(&a.caller(), pending, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert_eq!(retry.body, RegionReply::Granted(granted));
+    assert_eq!(w.pool.live.len(), 2, "no third region allocated");
+    w.dir.check_invariants().unwrap();
+}
+
+#[test]
 fn a_failed_region_request_does_not_consume_its_sequence_number() {
     let mut w = World::new();
     let mut a = w.hello("a");

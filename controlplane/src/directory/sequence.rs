@@ -32,7 +32,11 @@
 //!
 //! Cached bodies are dropped when they leave the window, when the client says
 //! it received them (`replies_received_below`), or, oldest first, when the
-//! instance's cache exceeds its byte limit. Whether a number *ran* is kept in
+//! instance's cache exceeds its byte limit — a region request still waiting
+//! for the pool manager excepted: its body is what hands the grant to a
+//! retry whose first reply was lost, so only the window (which a client
+//! keeping the contract above never moves past a request awaiting its
+//! reply) or a failed allocation (`forget`) removes it. Whether a number *ran* is kept in
 //! a bitmap for the whole window regardless, so a retry of a number whose body
 //! was dropped gets `ReplyEvicted` — never a second execution.
 
@@ -154,6 +158,18 @@ impl ReplyCache {
         self.0.remove(i).map(|(_, r)| r)
     }
 
+    /// Removes the oldest reply for which `may_go(seq, reply)` holds.
+    fn remove_oldest_where(
+        &mut self,
+        may_go: impl Fn(u64, &CachedReply) -> bool,
+    ) -> Option<CachedReply> {
+        let i = self.0.iter().position(|(s, r)| may_go(*s, r))?;
+        if i == 0 {
+            return self.pop_first();
+        }
+        self.0.remove(i).map(|(_, r)| r)
+    }
+
     fn first(&self) -> Option<(u64, &CachedReply)> {
         self.0.front().map(|(s, r)| (*s, r))
     }
@@ -261,10 +277,20 @@ impl ReplyWindow {
         if let Some(old) = self.cache.insert(seq, reply) {
             self.cache_bytes -= old.approx_bytes();
         }
-        while self.cache_bytes > byte_limit && self.cache.len() > 1 {
-            if let Some(old) = self.cache.pop_first() {
-                self.cache_bytes -= old.approx_bytes();
-            }
+        // Over the limit: the oldest bodies go first, except the one just
+        // recorded and region requests still pending. A pending body is the
+        // only record of a deferred grant: were it dropped, a retry after a
+        // lost completion would get `ReplyEvicted` and the granted region
+        // would stay assigned with no client knowing its id until the
+        // instance is gone. Pending bodies are few (at most
+        // `max_pending_region_requests_per_instance`) and small.
+        while self.cache_bytes > byte_limit {
+            let Some(old) = self.cache.remove_oldest_where(|s, r| {
+                s != seq && !matches!(r.body, CachedBody::RegionPending(_))
+            }) else {
+                break;
+            };
+            self.cache_bytes -= old.approx_bytes();
         }
     }
 
@@ -451,6 +477,39 @@ mod tests {
         w.replies_received_below(3);
         assert!(matches!(w.check(2), Ok(SeqCheck::Evicted)));
         assert_eq!(w.cached(), (0, 0));
+    }
+
+    #[test]
+    fn the_byte_limit_keeps_a_pending_region_request_and_the_reply_just_recorded() {
+        let mut w = ReplyWindow::new(1, 64);
+        let pending = CachedReply {
+            fingerprint: 1,
+            session: SessionId(1),
+            body: CachedBody::RegionPending(PoolRequestId(9)),
+        };
+        // Room for the pending body and one other.
+        let limit = pending.approx_bytes() + reply(10).approx_bytes();
+        w.record(1, pending, limit);
+        w.record(2, reply(10), limit);
+        w.record(3, reply(10), limit);
+        // 2 went (the oldest that may); the pending 1 stayed, and so did 3.
+        assert!(matches!(w.check(2), Ok(SeqCheck::Evicted)));
+        match w.check(1) {
+            Ok(SeqCheck::Executed(r)) => {
+                assert_eq!(r.body, CachedBody::RegionPending(PoolRequestId(9)));
+            }
+            other => panic!("the pending body was dropped: {other:?}"),
+        }
+        assert!(matches!(w.check(3), Ok(SeqCheck::Executed(_))));
+        // A reply larger than the limit by itself is kept until the next.
+        w.record(4, reply(1000), limit);
+        assert!(matches!(w.check(4), Ok(SeqCheck::Executed(_))));
+        assert!(matches!(w.check(3), Ok(SeqCheck::Evicted)));
+        assert!(matches!(w.check(1), Ok(SeqCheck::Executed(_))));
+        // Granted, the body is an ordinary reply again, and goes oldest first.
+        w.replace_body(1, CachedBody::RegionReturned);
+        w.record(5, reply(10), limit);
+        assert!(matches!(w.check(1), Ok(SeqCheck::Evicted)));
     }
 
     #[test]
