@@ -44,6 +44,12 @@ pub const SECTIONS: &[&str] = &["pool", "server", "directory", "transport"];
 /// Name of the embedded default pool file, under [`DEFAULT_POOL_DIR`].
 pub const DEFAULT_POOL_FILE: &str = "cxlkv.pool";
 
+/// Why a TCP listener's `tcp_secret_file` and `tcp_insecure` may not both
+/// be set: whichever won, the other would be silently ignored, and one of
+/// them would turn authentication off.
+const SECRET_AND_INSECURE: &str =
+    "tcp_insecure = true and tcp_secret_file contradict each other: set one of them";
+
 /// What went wrong loading the configuration; each variant names the source
 /// (file, variable or flag) and the key.
 #[derive(Debug, thiserror::Error)]
@@ -515,6 +521,9 @@ impl Config {
                     invalid("metrics_addr", format!("{a:?} is not host:port ({e})"))
                 })?),
             };
+        if s.tcp_insecure && s.tcp_secret_file.is_some() {
+            return Err(invalid("tcp_insecure", SECRET_AND_INSECURE.into()));
+        }
         c.tcp_secret = match &s.tcp_secret_file {
             Some(path) => Some(read_secret(path).map_err(|r| invalid("tcp_secret_file", r))?),
             None => None,
@@ -540,7 +549,14 @@ impl Config {
         c.pool_manager = Some(match &s.pool_daemon {
             None => {
                 let resolved = self.pool.resolve()?;
-                c.pool_path = resolved.service.pools[0].path.clone();
+                // What the embedded pool manager will open, also in the
+                // fields that describe the embedded pool without one, so
+                // that a printed configuration shows the real pool.
+                let first = &resolved.service.pools[0];
+                c.pool_path = first.path.clone();
+                if let Some(size) = first.create_size_bytes {
+                    c.pool_size_bytes = size;
+                }
                 PoolManagerConfig::Embedded(resolved.service)
             }
             Some(ep) => {
@@ -823,7 +839,10 @@ impl PoolConfig {
             ),
         };
         let tcp_auth = match (&tcp, &self.tcp_secret_file, self.tcp_insecure) {
-            (_, Some(path), _) => {
+            (_, Some(_), true) => {
+                return Err(invalid("tcp_insecure", SECRET_AND_INSECURE.into()));
+            }
+            (_, Some(path), false) => {
                 TcpAuth::Secret(read_secret(path).map_err(|r| invalid("tcp_secret_file", r))?)
             }
             (Some(_), None, false) => {
@@ -1041,6 +1060,67 @@ mod tests {
         );
         c.server.tcp_insecure = true;
         assert!(c.server_config().unwrap().tcp_insecure_no_secret);
+    }
+
+    #[test]
+    fn a_tcp_secret_file_and_tcp_insecure_together_are_refused() {
+        let secret = file("s3cret-bytes");
+        let mut c = Config::default();
+        c.server.tcp = Some("127.0.0.1:0".into());
+        c.server.tcp_secret_file = Some(secret.path().to_owned());
+        c.server.tcp_insecure = true;
+        let e = c.server_config().unwrap_err().to_string();
+        assert!(e.contains("contradict"), "{e}");
+        c.server.tcp_insecure = false;
+        assert!(!c.server_config().unwrap().tcp_insecure_no_secret);
+        let mut p = PoolConfig {
+            tcp: Some("127.0.0.1:0".into()),
+            tcp_secret_file: Some(secret.path().to_owned()),
+            tcp_insecure: true,
+            ..PoolConfig::default()
+        };
+        let e = p.resolve().unwrap_err().to_string();
+        assert!(e.contains("contradict"), "{e}");
+        p.tcp_insecure = false;
+        assert!(matches!(
+            p.resolve().unwrap().service.tcp_auth,
+            TcpAuth::Secret(_)
+        ));
+    }
+
+    #[test]
+    fn a_printed_server_config_says_whether_a_secret_is_set_never_what_it_is() {
+        let secret = file("s3cret-bytes");
+        let mut c = Config::default();
+        c.server.tcp = Some("127.0.0.1:0".into());
+        let printed = |c: &Config| format!("{:#?}", c.server_config().unwrap());
+        c.server.tcp_insecure = true;
+        assert!(printed(&c).contains("tcp_secret: None"));
+        c.server.tcp_insecure = false;
+        c.server.tcp_secret_file = Some(secret.path().to_owned());
+        let text = printed(&c);
+        assert!(
+            text.contains("tcp_secret: Some(\n        <redacted>,"),
+            "{text}"
+        );
+        let bytes = format!("{:?}", b"s3cret-bytes".to_vec());
+        let first = &bytes[..bytes.find(',').unwrap()];
+        assert!(!text.contains("s3cret") && !text.contains(first), "{text}");
+        // The other fields are still there.
+        assert!(text.contains("tcp_listen: Some(") && text.contains("directory_id:"));
+    }
+
+    #[test]
+    fn a_printed_server_config_shows_the_pool_size_that_will_be_created() {
+        let f = file("[[pool.pools]]\npath = \"/dev/shm/other.pool\"\nsize_bytes = \"8GiB\"\n");
+        let c = load(Some(f.path()), env(&[]), &[]).unwrap();
+        let s = c.server_config().unwrap();
+        assert_eq!(s.pool_path, Path::new("/dev/shm/other.pool"));
+        assert_eq!(s.pool_size_bytes, 8 << 30);
+        let Some(crate::server::PoolManagerConfig::Embedded(service)) = &s.pool_manager else {
+            panic!("the embedded pool manager")
+        };
+        assert_eq!(service.pools[0].create_size_bytes, Some(8 << 30));
     }
 
     #[test]

@@ -76,8 +76,9 @@ impl Default for LayoutOptions {
     }
 }
 
-/// Everything [`crate::Client::connect`] needs.
-#[derive(Debug, Clone)]
+/// Everything [`crate::Client::connect`] needs. Its `Debug` form says
+/// whether a client secret is set, never what it is.
+#[derive(Clone)]
 pub struct ClientConfig {
     pub server: ServerAddr,
     /// The TCP listener's pre-shared secret (at most 256 bytes; not sent on
@@ -129,6 +130,55 @@ pub struct ClientConfig {
     /// The transport's own knobs (spin time, in-flight bound, connect
     /// timeout).
     pub transport: transport::ClientConfig,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured whole, so that a new field cannot be left out.
+        let Self {
+            server,
+            client_secret,
+            instance_id,
+            client_name,
+            pool_paths,
+            visibility,
+            eager_map,
+            layout,
+            quota_bytes,
+            idle_region_return_ms,
+            request_timeout_ms,
+            max_retries,
+            reconnect_timeout_ms,
+            reconnect_backoff_min_ms,
+            reconnect_backoff_max_ms,
+            unpin_delay_us,
+            max_peer_mappings,
+            transport,
+        } = self;
+        f.debug_struct("ClientConfig")
+            .field("server", server)
+            .field(
+                "client_secret",
+                &client_secret.as_ref().map(|_| cxlkv_controlplane::Redacted),
+            )
+            .field("instance_id", instance_id)
+            .field("client_name", client_name)
+            .field("pool_paths", pool_paths)
+            .field("visibility", visibility)
+            .field("eager_map", eager_map)
+            .field("layout", layout)
+            .field("quota_bytes", quota_bytes)
+            .field("idle_region_return_ms", idle_region_return_ms)
+            .field("request_timeout_ms", request_timeout_ms)
+            .field("max_retries", max_retries)
+            .field("reconnect_timeout_ms", reconnect_timeout_ms)
+            .field("reconnect_backoff_min_ms", reconnect_backoff_min_ms)
+            .field("reconnect_backoff_max_ms", reconnect_backoff_max_ms)
+            .field("unpin_delay_us", unpin_delay_us)
+            .field("max_peer_mappings", max_peer_mappings)
+            .field("transport", transport)
+            .finish()
+    }
 }
 
 impl ClientConfig {
@@ -262,6 +312,20 @@ mod tests {
             let err = c.validate().unwrap_err();
             assert!(err.to_string().contains(field), "{field}: {err}");
         }
+    }
+
+    #[test]
+    fn debug_says_whether_a_client_secret_is_set_never_what_it_is() {
+        let mut c = ClientConfig::tcp("127.0.0.1:7411".parse().unwrap());
+        assert!(format!("{c:?}").contains("client_secret: None"));
+        c.client_secret = Some(b"s3cret-bytes".to_vec());
+        let text = format!("{c:?}");
+        assert!(text.contains("client_secret: Some(<redacted>)"), "{text}");
+        assert!(
+            !text.contains("s3cret") && !text.contains("[115, 51"),
+            "{text}"
+        );
+        assert!(text.contains("server: Tcp(127.0.0.1:7411)"), "{text}");
     }
 
     #[test]

@@ -133,7 +133,9 @@ pub const METRICS_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Everything a server needs to start. `ServerConfig::default()` is what
 /// `cxlkv serve` runs with no arguments; fields may be changed one by one
 /// (the struct is `#[non_exhaustive]`: new fields come with defaults).
-#[derive(Debug, Clone)]
+/// Its `Debug` form (`cxlkv serve --print-config`) says whether a TCP
+/// secret is set, never what it is.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct ServerConfig {
     /// Unix socket to listen on. A stale socket file (nobody listening) is
@@ -179,6 +181,55 @@ pub struct ServerConfig {
     pub max_send_queue_bytes: usize,
     /// A connection holding an incomplete frame this long is closed.
     pub partial_frame_timeout_ms: u64,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured whole, so that a new field cannot be left out.
+        let Self {
+            socket_path,
+            tcp_listen,
+            tcp_secret,
+            tcp_insecure_no_secret,
+            max_connections,
+            directory_id,
+            directory,
+            pool_path,
+            pool_size_bytes,
+            pool_manager,
+            remove_pool_on_shutdown,
+            default_region_bytes,
+            tick_ms,
+            io,
+            metrics_listen,
+            max_inflight_per_conn,
+            max_send_queue_bytes,
+            partial_frame_timeout_ms,
+        } = self;
+        f.debug_struct("ServerConfig")
+            .field("socket_path", socket_path)
+            .field("tcp_listen", tcp_listen)
+            .field(
+                "tcp_secret",
+                &tcp_secret.as_ref().map(|_| cxlkv_controlplane::Redacted),
+            )
+            .field("tcp_insecure_no_secret", tcp_insecure_no_secret)
+            .field("max_connections", max_connections)
+            .field("directory_id", directory_id)
+            .field("directory", directory)
+            .field("pool_path", pool_path)
+            .field("pool_size_bytes", pool_size_bytes)
+            .field("pool_manager", pool_manager)
+            .field("remove_pool_on_shutdown", remove_pool_on_shutdown)
+            .field("default_region_bytes", default_region_bytes)
+            .field("tick_ms", tick_ms)
+            .field("io", io)
+            .field("metrics_listen", metrics_listen)
+            .field("max_inflight_per_conn", max_inflight_per_conn)
+            .field("max_send_queue_bytes", max_send_queue_bytes)
+            .field("partial_frame_timeout_ms", partial_frame_timeout_ms)
+            .finish()
+    }
 }
 
 impl Default for ServerConfig {

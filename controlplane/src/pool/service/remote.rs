@@ -44,8 +44,9 @@ use crate::proto::{
 };
 use crate::transport::{ClientConfig, ClientError, Endpoint, PendingCall, RpcClient};
 
-/// How to reach the daemon and how hard to try.
-#[derive(Debug, Clone)]
+/// How to reach the daemon and how hard to try. Its `Debug` form says
+/// whether a secret is set, never what it is.
+#[derive(Clone)]
 pub struct RemoteConfig {
     pub endpoint: Endpoint,
     /// This directory's stable name (`PoolHello.directory_id`).
@@ -64,6 +65,34 @@ pub struct RemoteConfig {
     pub max_queued: usize,
     /// Requests on the wire at once.
     pub max_inflight: usize,
+}
+
+impl std::fmt::Debug for RemoteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured whole, so that a new field cannot be left out.
+        let Self {
+            endpoint,
+            directory_id,
+            secret,
+            client,
+            request_timeout_ms,
+            retry_window_ms,
+            reconnect_backoff_ms,
+            max_queued,
+            max_inflight,
+        } = self;
+        f.debug_struct("RemoteConfig")
+            .field("endpoint", endpoint)
+            .field("directory_id", directory_id)
+            .field("secret", &secret.as_ref().map(|_| crate::Redacted))
+            .field("client", client)
+            .field("request_timeout_ms", request_timeout_ms)
+            .field("retry_window_ms", retry_window_ms)
+            .field("reconnect_backoff_ms", reconnect_backoff_ms)
+            .field("max_queued", max_queued)
+            .field("max_inflight", max_inflight)
+            .finish()
+    }
 }
 
 impl RemoteConfig {
@@ -619,5 +648,24 @@ impl Driver {
             Err(e) if e.is_transient() => Outcome::Resend { after_busy: true },
             other => Outcome::Done(other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_says_whether_a_secret_is_set_never_what_it_is() {
+        let mut c = RemoteConfig::new(Endpoint::Tcp("127.0.0.1:7412".parse().unwrap()), "dir-a");
+        assert!(format!("{c:?}").contains("secret: None"));
+        c.secret = Some(b"s3cret-bytes".to_vec());
+        let text = format!("{c:?}");
+        assert!(text.contains("secret: Some(<redacted>)"), "{text}");
+        assert!(
+            !text.contains("s3cret") && !text.contains("[115, 51"),
+            "{text}"
+        );
+        assert!(text.contains("directory_id: \"dir-a\""), "{text}");
     }
 }
