@@ -239,6 +239,43 @@ fn forged_and_replayed_region_tokens_claim_nothing_before_or_after_a_restart() {
     server.shutdown().unwrap();
 }
 
+/// A server never binds its socket where another local user could swap it
+/// for their own (and hand local clients their pool descriptors): a
+/// directory writable by group or others without the sticky bit, or one
+/// owned by another user, is refused at start, naming why; nothing is left
+/// listening. Nor does the pool daemon (the same check,
+/// `transport::check_socket_dir`).
+#[test]
+fn a_socket_directory_another_user_could_write_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = ServerConfig::ephemeral("sec-sockdir");
+    cfg.socket_path = dir.path().join("cxlkv.sock");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = Server::start(cfg.clone())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("writable by group or others"), "{e}");
+    assert!(!cfg.socket_path.exists(), "nothing bound");
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::chown(dir.path(), Some(4242), None).unwrap();
+        let e = Server::start(cfg.clone())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("belongs to uid 4242"), "{e}");
+        std::os::unix::fs::chown(dir.path(), Some(0), None).unwrap();
+    } else {
+        eprintln!("not root: the other-owner case is checked by the unit test only");
+    }
+    // The same directory made safe: the server starts in it.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let server = Server::start(cfg).unwrap();
+    drop(server);
+}
+
 #[test]
 fn locations_outside_ones_own_regions_are_rejected_key_by_key() {
     let server = Server::start(ServerConfig::ephemeral("sec-loc")).unwrap();

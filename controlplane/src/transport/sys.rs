@@ -355,11 +355,89 @@ pub unsafe fn own_fd(raw: RawFd) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(raw) }
 }
 
+/// Whether `dir` is a safe place for a listening socket: owned by this
+/// process's effective user or by root, and not writable by group or
+/// others unless sticky (as `/tmp` is). Otherwise another local user could
+/// remove the socket after it is bound and put their own in its place, and
+/// local clients would take their pool descriptors from that user's
+/// server: the default `/tmp/cxlkv-<uid>` directory of a user without
+/// `XDG_RUNTIME_DIR` can be created first by anyone. `PermissionDenied`
+/// naming the owner or the mode otherwise. Follows symbolic links (what
+/// matters is the directory the socket lands in).
+pub fn check_socket_dir(dir: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir)?;
+    if !meta.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotADirectory,
+            format!("{} is not a directory", dir.display()),
+        ));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if meta.uid() != euid && meta.uid() != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "socket directory {} belongs to uid {}, not to this user (uid {euid}) or root: \
+                 another user could replace the socket",
+                dir.display(),
+                meta.uid()
+            ),
+        ));
+    }
+    let mode = meta.mode();
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "socket directory {} is writable by group or others (mode {:o}) and not sticky: \
+                 another user could replace the socket",
+                dir.display(),
+                mode & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn a_socket_directory_must_be_ours_or_roots_and_not_writable_by_others_unless_sticky() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let set = |mode: u32| {
+            std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        for ok in [0o700, 0o755, 0o1777] {
+            set(ok);
+            check_socket_dir(d.path()).unwrap_or_else(|e| panic!("{ok:o}: {e}"));
+        }
+        for bad in [0o777, 0o775, 0o757] {
+            set(bad);
+            let e = check_socket_dir(d.path()).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{bad:o}");
+            assert!(e.to_string().contains("writable by group or others"), "{e}");
+        }
+        set(0o755);
+        // Another user's directory: only root can make one to try.
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(d.path(), Some(4242), None).unwrap();
+            let e = check_socket_dir(d.path()).unwrap_err();
+            assert!(e.to_string().contains("belongs to uid 4242"), "{e}");
+        } else {
+            eprintln!("not root: the other-owner case is not checked");
+        }
+        let f = d.path().join("file");
+        std::fs::write(&f, b"").unwrap();
+        assert!(check_socket_dir(&f).is_err(), "a file is not a directory");
+    }
 
     #[test]
     fn descriptors_cross_a_socketpair_with_their_bytes() {
