@@ -3,9 +3,11 @@
 //!
 //! Quotas count the bytes of regions an instance owns plus those it has
 //! requested and not yet received. Eviction runs from `tick` with a bounded
-//! budget per call: orphaned regions first (oldest orphan first, all unpinned
-//! keys of a region together, so that the region can be freed), then — if
-//! enabled — the least recently used unpinned keys anywhere.
+//! budget per call: orphaned regions first (oldest orphan first, all keys of
+//! a region together, so that the region can be freed; a region with a
+//! pinned key is passed over until it has none, since its bytes could not
+//! be freed anyway), then — if enabled — the least recently used unpinned
+//! keys anywhere.
 
 use cxlkv_dataplane::ids::{PoolId, RegionId};
 
@@ -340,11 +342,17 @@ impl Directory {
                         self.regions.get_if(rs, id).is_some(),
                         "orphan queue is current"
                     );
+                    // A region with a pinned key waits: its bytes cannot
+                    // come back before the pin does (`Region::pinned_keys`).
+                    // Otherwise every key in it is unpinned, and each one
+                    // walked is one evicted: the work of a tick is its
+                    // budget, however many keys are pinned elsewhere.
                     let mut freed = false;
-                    let mut cur = self.regions.get(rs).key_head;
-                    while cur != NIL && budget > 0 {
-                        let next = self.keys.get(cur).region_next;
-                        if self.keys.get(cur).pins == 0 {
+                    if self.regions.get(rs).pinned_keys == 0 {
+                        let mut cur = self.regions.get(rs).key_head;
+                        while cur != NIL && budget > 0 {
+                            let next = self.keys.get(cur).region_next;
+                            debug_assert_eq!(self.keys.get(cur).pins, 0, "region counts no pin");
                             let last = self.regions.get(rs).keys == 1;
                             self.remove_entry(cur, self.keys.hash_of(cur));
                             budget -= 1;
@@ -353,8 +361,8 @@ impl Directory {
                                 freed = true;
                                 break;
                             }
+                            cur = next;
                         }
-                        cur = next;
                     }
                     if !freed {
                         self.orphans.push_back((rs, id));

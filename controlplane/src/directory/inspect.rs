@@ -310,7 +310,7 @@ impl Directory {
                 "region {}: registered pages differ from keys",
                 r.handle.region
             );
-            let mut n = 0u32;
+            let (mut n, mut pinned) = (0u32, 0u32);
             let mut cur = r.key_head;
             while cur != NIL {
                 ensure!(
@@ -324,6 +324,7 @@ impl Directory {
                     r.handle.region
                 );
                 n += 1;
+                pinned += u32::from(self.keys.get(cur).pins > 0);
                 ensure!(
                     n <= r.keys,
                     "region {}: key list longer than refcount",
@@ -335,6 +336,12 @@ impl Directory {
                 n == r.keys,
                 "region {}: key list shorter than refcount",
                 r.handle.region
+            );
+            ensure!(
+                pinned == r.pinned_keys,
+                "region {}: {} pinned keys counted, {pinned} in its list",
+                r.handle.region,
+                r.pinned_keys
             );
             match r.owner {
                 Owner::Present(o) => {

@@ -129,6 +129,11 @@ pub(crate) struct Region {
     /// The owner label (kept after the owner is gone, for the free).
     pub owner_id: InstanceId,
     pub keys: u32,
+    /// Its keys with at least one pin. Orphan eviction passes a region
+    /// while any is pinned: its bytes cannot go back to the pool before the
+    /// pin does, so evicting its other keys would lose readable data and
+    /// free nothing (and walking them would cost a tick the whole list).
+    pub pinned_keys: u32,
     /// Head of the intrusive list of its keys.
     pub key_head: u32,
     /// Last lookup that listed this region (dedupes descriptors per reply).
@@ -153,6 +158,7 @@ impl Region {
             owner: Owner::Present(owner),
             owner_id,
             keys: 0,
+            pinned_keys: 0,
             key_head: NIL,
             stamp: 0,
             page_states: PageStates::new(pages),

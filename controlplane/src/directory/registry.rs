@@ -12,7 +12,7 @@ use cxlkv_dataplane::ids::{Generation, PageIndex};
 use super::error::DirectoryError;
 use super::keys::{Entry, KeyIndex, NIL};
 use super::lru::Lru;
-use super::regions::Owner;
+use super::regions::{Owner, RegionTable};
 use super::sequence::{CachedBody, CachedReply, SeqCheck};
 use super::types::{
     Caller, DeleteOutcome, Layout, Location, LookupReply, OpKind, RegisterEntry, RegisterOutcome,
@@ -295,7 +295,8 @@ impl Directory {
             }
             hits += 1;
             let entry = self.keys.get_mut(es);
-            if entry.pins == 0 {
+            let first_pin = entry.pins == 0;
+            if first_pin {
                 self.totals.pinned_keys += 1;
                 if let Some(lru) = &mut self.lru {
                     lru.unlink(es);
@@ -305,6 +306,7 @@ impl Directory {
             session.pins.take(es, pins, now);
             session.pin_total += u64::from(pins);
             let region = self.regions.get_mut(entry.region);
+            region.pinned_keys += u32::from(first_pin);
             if region.stamp != stamp {
                 region.stamp = stamp;
                 reply
@@ -510,6 +512,7 @@ impl Directory {
                 e.count,
                 &mut self.totals,
                 &mut self.lru,
+                &mut self.regions,
             );
             unpinned += 1;
             outcomes.push(UnpinOutcome::Unpinned);
@@ -732,6 +735,7 @@ impl Directory {
             count,
             &mut self.totals,
             &mut self.lru,
+            &mut self.regions,
         );
     }
 
@@ -846,12 +850,20 @@ impl Directory {
 /// an entry left with none can be evicted again. (A function of the fields
 /// it touches, so that a caller can hold a session's ledger meanwhile.)
 #[inline]
-fn drop_pins(entry: &mut Entry, es: u32, count: u32, totals: &mut Totals, lru: &mut Option<Lru>) {
+fn drop_pins(
+    entry: &mut Entry,
+    es: u32,
+    count: u32,
+    totals: &mut Totals,
+    lru: &mut Option<Lru>,
+    regions: &mut RegionTable,
+) {
     debug_assert!(entry.pins >= count, "pin total below a session's share");
     entry.pins -= count;
     totals.pins -= u64::from(count);
     if entry.pins == 0 {
         totals.pinned_keys -= 1;
+        regions.get_mut(entry.region).pinned_keys -= 1;
         if let Some(lru) = lru {
             lru.link_front(es);
         }
