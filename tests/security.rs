@@ -985,6 +985,59 @@ fn identity_is_what_so_peercred_says_not_what_the_peer_claims() {
     server.shutdown().unwrap();
 }
 
+/// An instance whose connection broke while its process still runs keeps
+/// its name for its grace period: that process has the instance's regions
+/// mapped and may still write their pages, so another process of the same
+/// user is refused (`InstanceInUse`, nothing freed) until it exits; then
+/// the takeover is immediate (a restarted engine reusing its configured
+/// instance id). The kernel's pid decides (`SO_PEERCRED`, checked in
+/// `/proc`), not anything the peer says.
+#[test]
+fn a_live_holder_keeps_its_instance_from_another_process_until_it_exits() {
+    let mut cfg = ServerConfig::ephemeral("sec-holder");
+    cfg.directory.instance_grace = Duration::from_secs(60);
+    let server = Server::start(cfg).unwrap();
+    let admin = Raw::connect_unix(server.socket_path());
+    admin.hello("admin").0.unwrap();
+    // A child process holds "held" and keeps running.
+    let run = forked_peer(
+        server.socket_path(),
+        None,
+        &[frame_of(1, &hello_as("held", "the holder"))],
+    );
+    let replies = run.replies.as_ref().expect("the child connects");
+    assert!(error_in(&replies[0]).is_none(), "the child holds its name");
+    // Its session ends (as when its connection breaks); it is in its grace
+    // period, and its process lives.
+    let held = sessions(&admin)
+        .into_iter()
+        .find(|s| s.instance_id == "held")
+        .expect("the child's session");
+    assert_eq!(held.pid, run.pid);
+    let mut ender = Raw::connect_unix(server.socket_path());
+    ender.hello("ender").0.unwrap();
+    let meta = ender.rw();
+    let _: proto::SessionEnded = ender
+        .call(&proto::EndSession {
+            meta,
+            session_id: held.session_id,
+        })
+        .expect("the server's user may end a session");
+    let claimant = Raw::connect_unix(server.socket_path());
+    let e = unchanged(&server, "a claim while the holder runs", || {
+        claimant.hello("held").0.unwrap_err()
+    });
+    assert_eq!(e.error_code(), Some(ErrorCode::InstanceInUse), "{e:?}");
+    // The holder exits: the same claim takes the instance over at once.
+    run.finish();
+    let retry = Raw::connect_unix(server.socket_path());
+    retry
+        .hello("held")
+        .0
+        .expect("every holder exited: the takeover is immediate");
+    server.shutdown().unwrap();
+}
+
 fn admin_session(admin: &Raw) -> u64 {
     sessions(admin)
         .into_iter()

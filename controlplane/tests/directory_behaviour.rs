@@ -778,6 +778,132 @@ fn hello_takes_over_an_instance_without_sessions_only_for_the_same_user() {
     w.dir.check_invariants().unwrap();
 }
 
+/// The probe a server installs says which processes may still run; here:
+/// only pid 100 (`UNIX`'s).
+fn only_pid_100_runs(pid: u32) -> bool {
+    pid == 100
+}
+
+fn only_pid_200_runs(pid: u32) -> bool {
+    pid == 200
+}
+
+fn nobody_runs(_pid: u32) -> bool {
+    false
+}
+
+#[test]
+fn with_a_holder_probe_hello_takes_over_only_once_every_other_holder_has_exited() {
+    let hello = |w: &mut World, peer: Peer| {
+        w.dir.hello(
+            Hello {
+                instance: "a",
+                quota_bytes: None,
+            },
+            peer,
+            w.now,
+        )
+    };
+    let sibling = Peer::Unix {
+        pid: 200,
+        uid: 1000,
+        gid: 1000,
+    };
+    // Held by pid 100, which still runs: its connection broke, but its
+    // regions are mapped and its pages may still be written. Another
+    // process of the same user is refused until the grace period ends.
+    let mut w = World::new();
+    w.dir.set_holder_probe(only_pid_100_runs);
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    w.dir.session_closed(a.session, w.now);
+    let before = w.dir.state_digest();
+    assert!(matches!(
+        hello(&mut w, sibling),
+        Err(DirectoryError::InstanceIdInUse { .. })
+    ));
+    assert_eq!(w.dir.state_digest(), before, "refused, nothing changed");
+    assert_eq!(w.pool.freed, vec![], "its region is not touched");
+    // The holder itself may start over.
+    let again = hello(&mut w, UNIX).expect("the holder's own process");
+    assert_ne!(again.secret, a.secret);
+    w.dir.check_invariants().unwrap();
+
+    // Once every holder has exited, the sibling takes over at once.
+    let mut w = World::new();
+    w.dir.set_holder_probe(nobody_runs);
+    let mut a = w.hello("a");
+    w.region(&mut a, L);
+    w.dir.session_closed(a.session, w.now);
+    hello(&mut w, sibling).expect("the holder exited");
+    w.pool.service(&mut w.dir);
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 0, "returned, no keys");
+    w.dir.check_invariants().unwrap();
+
+    // Every process that held a session counts: pid 100 held it and
+    // exited, 200 reattached and runs.
+    let mut w = World::new();
+    w.dir.set_holder_probe(only_pid_200_runs);
+    let a = w.hello("a");
+    let reattached = w
+        .dir
+        .reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                quota_bytes: None,
+                next_seq: 1,
+                notice_ack: 0,
+                regions: &[],
+            },
+            sibling,
+            w.now,
+        )
+        .unwrap();
+    w.dir.session_closed(a.session, w.now);
+    w.dir.session_closed(reattached.session, w.now);
+    let third = Peer::Unix {
+        pid: 300,
+        uid: 1000,
+        gid: 1000,
+    };
+    assert!(matches!(
+        hello(&mut w, third),
+        Err(DirectoryError::InstanceIdInUse { .. })
+    ));
+}
+
+#[test]
+fn with_a_holder_probe_an_instance_held_over_tcp_waits_out_its_grace_period() {
+    let mut w = World::new();
+    w.dir.set_holder_probe(nobody_runs);
+    let tcp = Peer::Tcp {
+        secret_matched: true,
+    };
+    let hello = |w: &mut World| {
+        w.dir.hello(
+            Hello {
+                instance: "t",
+                quota_bytes: None,
+            },
+            tcp,
+            w.now,
+        )
+    };
+    let first = hello(&mut w).unwrap();
+    w.dir.session_closed(first.session, w.now);
+    // No process to check on another host: refused within the grace period.
+    assert!(matches!(
+        hello(&mut w),
+        Err(DirectoryError::InstanceIdInUse { .. })
+    ));
+    w.advance(Duration::from_secs(31));
+    let second = hello(&mut w).expect("gone after its grace period: a new instance");
+    assert_ne!(second.secret, first.secret);
+    w.dir.check_invariants().unwrap();
+}
+
 #[test]
 fn tcp_peers_need_the_client_secret_unless_disabled() {
     let mut w = World::new();

@@ -506,6 +506,9 @@ impl Server {
             let recovered_regions = recovered.iter().map(|r| r.handle.region).collect();
             let mut directory =
                 Directory::recover(directory_cfg.clone(), seed, dir_time(origin), recovered)?;
+            // A `Hello` takes over an instance in its grace period only when
+            // every process that held it has exited (DESIGN §4).
+            directory.set_holder_probe(cxlkv_controlplane::pool::liveness::may_run);
             for p in usage {
                 directory.pool_usage(PoolId(p.pool), p.total_bytes, p.free_bytes);
             }

@@ -17,10 +17,15 @@ use super::types::{
 };
 use super::{Directory, Hello, MAX_SEQUENCE, Reattach};
 
+/// Most processes an instance remembers as holders
+/// (`Instance::holder_pids`); beyond them it cannot be taken over early.
+const MAX_HOLDER_PIDS: usize = 16;
+
 impl Directory {
     /// First contact of an instance: creates it (or takes over an instance of
-    /// the same name that has no session, from the same principal) with a
-    /// fresh secret, and opens its first session.
+    /// the same name that has no session, from the same principal, whose
+    /// last holder has exited: `set_holder_probe`) with a fresh secret, and
+    /// opens its first session.
     pub fn hello(
         &mut self,
         req: Hello<'_>,
@@ -47,6 +52,7 @@ impl Directory {
                 if inst.is_present()
                     || inst.secret.is_none()
                     || inst.principal != Some(peer.principal())
+                    || self.holder_may_live(inst, &peer)
                 {
                     return Err(DirectoryError::InstanceIdInUse { instance: id });
                 }
@@ -74,6 +80,7 @@ impl Directory {
             window,
             now,
         ));
+        self.note_holder(slot, &peer);
         let session = self.open_session(slot, now);
         Ok(Welcome {
             session,
@@ -155,7 +162,7 @@ impl Directory {
                     now,
                 ));
                 let verdicts = vec![RegionStatus::NotOwned; req.regions.len()];
-                Ok(self.reattached(slot, ReattachKind::Recovered, verdicts, now))
+                Ok(self.reattached(slot, &peer, ReattachKind::Recovered, verdicts, now))
             }
         }
     }
@@ -211,7 +218,7 @@ impl Directory {
             .ack(req.notice_ack)
             .expect("invariant: the acknowledgement was checked above");
         inst.principal = Some(peer.principal());
-        Ok(self.reattached(slot, ReattachKind::Resumed, verdicts, now))
+        Ok(self.reattached(slot, &peer, ReattachKind::Resumed, verdicts, now))
     }
 
     fn claim_recovered(
@@ -282,16 +289,18 @@ impl Directory {
             }
         }
         tracing::info!(instance = %owner_id, regions = claimed.len(), "instance recovered");
-        Ok(self.reattached(slot, ReattachKind::Recovered, verdicts, now))
+        Ok(self.reattached(slot, &peer, ReattachKind::Recovered, verdicts, now))
     }
 
     fn reattached(
         &mut self,
         slot: u32,
+        peer: &Peer,
         kind: ReattachKind,
         regions: Vec<RegionStatus>,
         now: Time,
     ) -> Reattached {
+        self.note_holder(slot, peer);
         let session = self.open_session(slot, now);
         let Reply { notices, usage, .. } = self.reply(slot, ());
         let inst = self.instance(slot);
@@ -391,6 +400,52 @@ impl Directory {
             DirectoryError::SessionEnded { session }
         } else {
             DirectoryError::UnknownSession { session }
+        }
+    }
+
+    /// Whether a process that held `inst`, other than `requester`'s own,
+    /// may still run, so that a `Hello` must not take the instance over
+    /// before its grace period ends (DESIGN §4: an instance is gone when it
+    /// did not reattach within it). A live holder whose connection merely
+    /// broke still has the instance's regions mapped and may write their
+    /// pages; were they freed and granted to someone else, it would write
+    /// into another instance's data. (The requester itself may start over:
+    /// its mappings are its own to drop.) With no probe installed
+    /// (`set_holder_probe`) takeover needs only the same principal; with
+    /// one, every other Unix holder must be known to have exited, and a TCP
+    /// holder (no process to check) is never taken over early.
+    fn holder_may_live(&self, inst: &super::sessions::Instance, requester: &Peer) -> bool {
+        let Some(probe) = self.holder_probe else {
+            return false;
+        };
+        let own = requester.pid();
+        inst.holder_unchecked
+            || inst
+                .holder_pids
+                .iter()
+                .any(|&pid| Some(pid) != own && probe(pid))
+    }
+
+    /// Records the process behind a session of instance `slot`.
+    fn note_holder(&mut self, slot: u32, peer: &Peer) {
+        let probe = self.holder_probe;
+        let inst = self.instance_mut(slot);
+        let Some(pid) = peer.pid() else {
+            inst.holder_unchecked = true;
+            return;
+        };
+        if inst.holder_pids.contains(&pid) {
+            return;
+        }
+        if inst.holder_pids.len() >= MAX_HOLDER_PIDS
+            && let Some(probe) = probe
+        {
+            inst.holder_pids.retain(|&p| probe(p));
+        }
+        if inst.holder_pids.len() >= MAX_HOLDER_PIDS {
+            inst.holder_unchecked = true;
+        } else {
+            inst.holder_pids.push(pid);
         }
     }
 

@@ -32,8 +32,11 @@
 //!   `session_lease` dies, and an instance with no session for
 //!   `instance_grace` is gone. TCP peers need the pre-shared secret unless
 //!   `tcp_requires_secret` is off. A `hello` naming an instance that has no
-//!   session, from the same principal (Unix uid, or TCP), takes it over: the
-//!   old incarnation is declared gone on the spot.
+//!   session, from the same principal (Unix uid, or TCP), takes it over (the
+//!   old incarnation is declared gone on the spot) — with a holder probe
+//!   installed (`set_holder_probe`, as the server does) only once every
+//!   other process that held it has exited, since a live one still has its
+//!   regions mapped; an instance held over TCP then waits out its grace.
 //! - **Exactly-once.** Per-instance sequence numbers, a window of
 //!   `reply_window` numbers, cached replies (see *Exactly-once window* below).
 //! - **Registry.** `register` → per entry `Inserted | Duplicate(winner) |
@@ -233,6 +236,8 @@ pub struct Directory {
     config: DirectoryConfig,
     epoch: u64,
     rng: Rng,
+    /// Whether a process id may still run (`set_holder_probe`).
+    holder_probe: Option<fn(u32) -> bool>,
     /// Seed for the small id-keyed maps.
     map_seed: u64,
     keys: KeyIndex,
@@ -309,8 +314,22 @@ impl Directory {
             next_deferred: 1,
             next_pool_request: 1,
             rng,
+            holder_probe: None,
             config,
         })
+    }
+
+    /// Tells the directory how to check whether a process may still run
+    /// (the server: `/proc`, `pool::liveness::may_run`). With it, a `Hello`
+    /// takes over an instance without sessions only when every other
+    /// process that held a session of it is known to have exited (a
+    /// restarted engine reusing its configured instance id); an instance
+    /// held over TCP, or by a process that may run, is refused with
+    /// `InstanceIdInUse` until its grace period ends or it reattaches. Without one (a directory driven
+    /// in a test or the simulation, which have no processes), the same
+    /// principal suffices.
+    pub fn set_holder_probe(&mut self, probe: fn(u32) -> bool) {
+        self.holder_probe = Some(probe);
     }
 
     /// A directory restarting: `regions` are the regions the pool manager

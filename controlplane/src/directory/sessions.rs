@@ -45,6 +45,15 @@ pub(crate) struct Instance {
     /// and sets the secret it presents.
     pub secret: Option<InstanceSecret>,
     pub principal: Option<Principal>,
+    /// Every process that has held a session of it (`SO_PEERCRED`'s pids,
+    /// at most `MAX_HOLDER_PIDS`, exited ones dropped when it fills): any of
+    /// them may have its regions mapped. A `Hello` may take the instance
+    /// over only once all are known to have exited
+    /// (`Directory::set_holder_probe`).
+    pub holder_pids: Vec<u32>,
+    /// A holder that cannot be checked: a TCP peer, or more processes than
+    /// `holder_pids` keeps.
+    pub holder_unchecked: bool,
     pub sessions: Vec<SessionId>,
     /// When the last session ended (`None` while it has sessions).
     pub absent_since: Option<Time>,
@@ -79,6 +88,8 @@ impl Instance {
             id,
             secret,
             principal,
+            holder_pids: Vec::new(),
+            holder_unchecked: false,
             sessions: Vec::new(),
             absent_since: Some(now),
             quota_bytes,

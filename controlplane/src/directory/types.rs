@@ -231,6 +231,14 @@ pub enum Principal {
 }
 
 impl Peer {
+    /// The peer's process id, for a Unix peer.
+    pub fn pid(&self) -> Option<u32> {
+        match *self {
+            Peer::Unix { pid, .. } => Some(pid),
+            Peer::Tcp { .. } => None,
+        }
+    }
+
     pub fn principal(&self) -> Principal {
         match *self {
             Peer::Unix { uid, .. } => Principal::Uid(uid),

@@ -112,6 +112,23 @@ pub fn identify(pid: u32) -> io::Result<Option<ProcessIdentity>> {
     Ok(read_process(pid)?.and_then(|(id, f)| is_running(f.state).then_some(id)))
 }
 
+/// Whether a process with `pid` may still run: `false` only when `/proc`
+/// shows no such process, or a zombie. Pid 0 (what `SO_PEERCRED` reports
+/// for a peer outside this pid namespace) and unreadable entries count as
+/// running, and so does an unrelated process that reused the pid: callers
+/// use it to decide that something is safe to take away, so every doubt
+/// answers "may run". (The directory's `Directory::set_holder_probe`.)
+pub fn may_run(pid: u32) -> bool {
+    if pid == 0 {
+        return true;
+    }
+    match read_process(pid) {
+        Ok(Some((_, f))) => is_running(f.state),
+        Ok(None) => false,
+        Err(_) => true,
+    }
+}
+
 fn is_running(state: u8) -> bool {
     !matches!(state, b'Z' | b'X' | b'x')
 }
@@ -201,6 +218,27 @@ mod tests {
             ..me
         };
         assert!(matches!(probe(&other).unwrap(), Liveness::Replaced { .. }));
+    }
+
+    #[test]
+    fn may_run_is_false_only_for_a_process_known_to_be_gone() {
+        assert!(may_run(std::process::id()));
+        assert!(may_run(0), "a peer outside the pid namespace");
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        assert!(may_run(pid));
+        child.kill().unwrap();
+        // A zombie until waited for, then no process at all: gone either way.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while may_run(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!may_run(pid), "a zombie");
+        child.wait().unwrap();
+        assert!(!may_run(pid), "reaped");
     }
 
     #[test]
