@@ -141,6 +141,9 @@ const FREE_RETRY_FIRST: Duration = Duration::from_millis(100);
 const FREE_RETRY_MAX: Duration = Duration::from_secs(5);
 /// How often the pools' fill levels are asked for.
 const POOL_STATS_EVERY: Duration = Duration::from_secs(1);
+/// Pins held past `long_held_pin` are looked for (a walk of every pin) and
+/// logged once per that threshold, and never more often than this.
+const LONG_PIN_REPORT_MIN_EVERY: Duration = Duration::from_secs(1);
 /// Capacity of the buffer replies are encoded in (64 KiB: below glibc's
 /// `mmap` threshold, so a fresh one is warm heap memory, not page faults).
 const REPLY_BUFFER_BYTES: usize = 64 << 10;
@@ -203,6 +206,8 @@ pub(crate) struct DirectoryHandler {
     tick_every: Duration,
     next_tick: Instant,
     next_pool_stats: Instant,
+    /// When pins held past the threshold are next looked for and logged.
+    next_pin_report: Instant,
     anon_instances: u64,
     shutdown_closed: usize,
     /// Encoding scratch, reused across replies.
@@ -258,6 +263,7 @@ impl DirectoryHandler {
             tick_every: p.tick_every,
             next_tick: now + p.tick_every,
             next_pool_stats: now + POOL_STATS_EVERY,
+            next_pin_report: now + LONG_PIN_REPORT_MIN_EVERY,
             anon_instances: 0,
             shutdown_closed: 0,
             buf: Vec::with_capacity(REPLY_BUFFER_BYTES),
@@ -1354,6 +1360,11 @@ impl DirectoryHandler {
             let t = self.now();
             self.dir.tick(t);
         }
+        if now >= self.next_pin_report {
+            let threshold = self.dir.config().long_held_pin;
+            self.next_pin_report = now + threshold.max(LONG_PIN_REPORT_MIN_EVERY);
+            self.report_long_held_pins();
+        }
         if now >= self.next_pool_stats {
             self.next_pool_stats = now + POOL_STATS_EVERY;
             let mailbox = Arc::clone(&self.mailbox);
@@ -1370,6 +1381,26 @@ impl DirectoryHandler {
             );
         }
         self.apply_effects(out);
+    }
+
+    /// Logs the pins held past the threshold, if any (DESIGN §4: long-held
+    /// pins are reported in the stats and the log): a reader that never
+    /// unpins keeps its pages from being freed, and only an operator can
+    /// end its session.
+    fn report_long_held_pins(&mut self) {
+        let long = self.dir.long_held_pins(self.now());
+        let Some(oldest) = long.oldest.first() else {
+            return;
+        };
+        tracing::warn!(
+            pins = long.count,
+            threshold_s = long.threshold.as_secs(),
+            oldest_session = oldest.session.0,
+            oldest_instance = %oldest.instance,
+            oldest_held_s = oldest.held_for.as_secs(),
+            "keys pinned longer than the threshold: their pages cannot be freed \
+             (`cxlkv stats` lists them; ending a session releases its pins)"
+        );
     }
 
     fn complete_region(

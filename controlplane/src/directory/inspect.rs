@@ -134,25 +134,7 @@ impl Directory {
             }
         }
 
-        let threshold = self.config.long_held_pin;
-        let mut long: Vec<LongHeldPin> = Vec::new();
-        let mut count = 0u64;
-        for (&session, s) in &self.sessions {
-            for (_, held) in s.pins.iter() {
-                let held_for = now.saturating_since(held.since);
-                if held_for >= threshold {
-                    count += 1;
-                    long.push(LongHeldPin {
-                        session,
-                        instance: self.instance(s.instance).id.clone(),
-                        pins: held.count,
-                        held_for,
-                    });
-                }
-            }
-        }
-        long.sort_by(|a, b| b.held_for.cmp(&a.held_for).then(a.session.cmp(&b.session)));
-        long.truncate(self.config.long_held_pins_listed);
+        let long_held_pins = self.long_held_pins(now);
 
         DirectoryStats {
             directory_epoch: self.epoch,
@@ -181,11 +163,37 @@ impl Directory {
                 .collect(),
             outcomes: self.counters.outcomes,
             evictions: self.counters.evictions,
-            long_held_pins: LongHeldPins {
-                threshold,
-                count,
-                oldest: long,
-            },
+            long_held_pins,
+        }
+    }
+
+    /// Pins held longer than `long_held_pin`: every one counted, the
+    /// `long_held_pins_listed` oldest listed (part of [`stats`](Self::stats);
+    /// the server also logs them periodically). Walks every pin held.
+    pub fn long_held_pins(&self, now: Time) -> LongHeldPins {
+        let threshold = self.config.long_held_pin;
+        let mut long: Vec<LongHeldPin> = Vec::new();
+        let mut count = 0u64;
+        for (&session, s) in &self.sessions {
+            for (_, held) in s.pins.iter() {
+                let held_for = now.saturating_since(held.since);
+                if held_for >= threshold {
+                    count += 1;
+                    long.push(LongHeldPin {
+                        session,
+                        instance: self.instance(s.instance).id.clone(),
+                        pins: held.count,
+                        held_for,
+                    });
+                }
+            }
+        }
+        long.sort_by(|a, b| b.held_for.cmp(&a.held_for).then(a.session.cmp(&b.session)));
+        long.truncate(self.config.long_held_pins_listed);
+        LongHeldPins {
+            threshold,
+            count,
+            oldest: long,
         }
     }
 
