@@ -509,18 +509,12 @@ impl Config {
         }
         c.tcp_listen = match &s.tcp {
             None => None,
-            Some(t) => Some(
-                t.parse::<SocketAddr>()
-                    .map_err(|e| invalid("tcp", format!("{t:?} is not host:port ({e})")))?,
-            ),
+            Some(t) => Some(host_port(t).map_err(|r| invalid("tcp", r))?),
         };
-        c.metrics_listen =
-            match &s.metrics_addr {
-                None => None,
-                Some(a) => Some(a.parse::<SocketAddr>().map_err(|e| {
-                    invalid("metrics_addr", format!("{a:?} is not host:port ({e})"))
-                })?),
-            };
+        c.metrics_listen = match &s.metrics_addr {
+            None => None,
+            Some(a) => Some(host_port(a).map_err(|r| invalid("metrics_addr", r))?),
+        };
         if s.tcp_insecure && s.tcp_secret_file.is_some() {
             return Err(invalid("tcp_insecure", SECRET_AND_INSECURE.into()));
         }
@@ -584,16 +578,31 @@ impl Config {
 fn parse_endpoint(s: &str) -> Result<cxlkv_controlplane::transport::Endpoint, String> {
     use cxlkv_controlplane::transport::Endpoint;
     if let Some(addr) = s.strip_prefix("tcp:") {
-        return addr
-            .parse::<SocketAddr>()
+        return host_port(addr)
             .map(Endpoint::Tcp)
-            .map_err(|e| format!("{s:?}: {addr:?} is not host:port ({e})"));
+            .map_err(|r| format!("{s:?}: {r}"));
     }
     let path = s.strip_prefix("unix:").unwrap_or(s);
     if path.is_empty() {
         return Err(format!("{s:?}: empty socket path"));
     }
     Ok(Endpoint::Unix(PathBuf::from(path)))
+}
+
+/// `HOST:PORT` as a socket address: an IP address (`127.0.0.1:7411`,
+/// `[::1]:7411`) as it is, a host name (`localhost:7411`) resolved once,
+/// now, to its first address.
+fn host_port(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let mut addrs = s
+        .to_socket_addrs()
+        .map_err(|e| format!("{s:?} is not host:port, or the host does not resolve ({e})"))?;
+    addrs
+        .next()
+        .ok_or_else(|| format!("{s:?}: the host resolves to no address"))
 }
 
 fn de_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -833,10 +842,7 @@ impl PoolConfig {
         };
         let tcp = match &self.tcp {
             None => None,
-            Some(s) => Some(
-                s.parse::<SocketAddr>()
-                    .map_err(|e| invalid("tcp", format!("{s:?} is not host:port ({e})")))?,
-            ),
+            Some(s) => Some(host_port(s).map_err(|r| invalid("tcp", r))?),
         };
         let tcp_auth = match (&tcp, &self.tcp_secret_file, self.tcp_insecure) {
             (_, Some(_), true) => {
@@ -1121,6 +1127,36 @@ mod tests {
             panic!("the embedded pool manager")
         };
         assert_eq!(service.pools[0].create_size_bytes, Some(8 << 30));
+    }
+
+    #[test]
+    fn tcp_addresses_take_a_host_name_or_an_ip_address() {
+        assert_eq!(
+            host_port("127.0.0.1:7411").unwrap(),
+            "127.0.0.1:7411".parse::<SocketAddr>().unwrap()
+        );
+        assert_eq!(
+            host_port("[::1]:7411").unwrap(),
+            "[::1]:7411".parse::<SocketAddr>().unwrap()
+        );
+        let local = host_port("localhost:7411").unwrap();
+        assert!(local.ip().is_loopback() && local.port() == 7411, "{local}");
+        for bad in ["localhost", "7411", "localhost:port", ""] {
+            assert!(host_port(bad).is_err(), "{bad:?}");
+        }
+        let mut c = Config::default();
+        c.server.tcp = Some("localhost:0".into());
+        c.server.tcp_insecure = true;
+        assert!(
+            c.server_config()
+                .unwrap()
+                .tcp_listen
+                .unwrap()
+                .ip()
+                .is_loopback()
+        );
+        let e = parse_endpoint("tcp:localhost:7412").unwrap();
+        assert!(matches!(e, cxlkv_controlplane::transport::Endpoint::Tcp(a) if a.port() == 7412));
     }
 
     #[test]
