@@ -212,9 +212,12 @@ impl Client {
     }
 
     /// Sends the unpins of dropped guards now (they are otherwise sent
-    /// within `unpin_delay_us`, or before this client's next request).
+    /// within `unpin_delay_us`, or before this client's next request) and
+    /// waits until the directory has answered them, and any this client's
+    /// other threads had sent: when it returns, every guard dropped before
+    /// the call is released (or its unpin was given up: `unpins_dropped`).
     pub fn flush_unpins(&self) -> Result<(), ClientError> {
-        self.inner.shared.flush_unpins()
+        self.inner.shared.flush_unpins_and_wait()
     }
 
     /// The directory's statistics (`sections`: bits of
@@ -306,7 +309,7 @@ impl Client {
     /// mappings until they drop. Other clones of this client fail with
     /// `Closed` afterwards.
     pub fn close(self) -> Result<(), ClientError> {
-        let flushed = self.inner.shared.flush_unpins();
+        let flushed = self.inner.shared.flush_unpins_and_wait();
         self.inner.shutdown();
         flushed
     }

@@ -196,6 +196,9 @@ impl LivePins {
 pub(crate) struct UnpinQueue {
     /// Entries queued and not yet on the wire; lowered only after the send.
     pending: AtomicUsize,
+    /// `Unpin` requests on the wire whose replies are not handled yet (a
+    /// flush waits for those another thread sent, too).
+    unanswered: AtomicUsize,
     queue: Mutex<Vec<(u32, Box<[u8]>)>>,
 }
 
@@ -222,10 +225,28 @@ impl UnpinQueue {
         self.queue.lock()
     }
 
-    /// `n` entries taken by a flush are on the wire (or were dropped).
-    pub fn sent(&self, n: usize) {
+    /// `n` entries taken by a flush are on the wire (or were dropped), in
+    /// `requests` requests whose replies are awaited
+    /// ([`answered`](Self::answered) each).
+    pub fn sent(&self, n: usize, requests: usize) {
+        // Before `pending` falls: a flusher that sees nothing pending sees
+        // these as unanswered.
+        self.unanswered.fetch_add(requests, Ordering::Relaxed);
         // Release: see `has_pending`.
         self.pending.fetch_sub(n, Ordering::Release);
+    }
+
+    /// The reply of one `Unpin` sent under [`sent`](Self::sent) was handled
+    /// (or the request given up).
+    pub fn answered(&self) {
+        self.unanswered.fetch_sub(1, Ordering::Release);
+    }
+
+    /// `Unpin` requests on the wire whose replies are not handled yet.
+    pub fn unanswered(&self) -> usize {
+        // Acquire: pairs with `answered`, so that what that reply changed
+        // is seen by a caller that reads 0.
+        self.unanswered.load(Ordering::Acquire)
     }
 }
 
@@ -279,9 +300,13 @@ mod tests {
         let mut locked = q.lock();
         let taken = std::mem::take(&mut *locked);
         assert!(q.has_pending(), "taken but not yet sent");
-        q.sent(taken.len());
+        assert_eq!(q.unanswered(), 0);
+        q.sent(taken.len(), 1);
         drop(locked);
         assert!(!q.has_pending());
+        assert_eq!(q.unanswered(), 1, "one request on the wire");
+        q.answered();
+        assert_eq!(q.unanswered(), 0);
     }
 
     #[test]

@@ -533,7 +533,7 @@ impl Shared {
             }
         }
         drop(layouts);
-        self.unpins.sent(n);
+        self.unpins.sent(n, calls.len());
         drop(queue);
         Some(InflightUnpins {
             conn_no: conn.conn_no,
@@ -595,6 +595,7 @@ impl Shared {
                 );
             }
             self.seqs.release(ticket);
+            self.unpins.answered();
         }
     }
 
@@ -604,6 +605,23 @@ impl Shared {
         let conn = self.conn()?;
         if let Some(unpins) = self.start_unpins(&conn) {
             self.finish_unpins(&conn, unpins);
+        }
+        Ok(())
+    }
+
+    /// [`flush_unpins`](Self::flush_unpins), then waits for the replies of
+    /// unpins another thread has on the wire too (a request's, or the
+    /// maintenance thread's deferred flush): when it returns, every guard
+    /// dropped before the call is released at the directory, or its unpin
+    /// was given up (counted in `unpins_dropped`). The wait is bounded by
+    /// their own retries. For the API (`Client::flush_unpins`, `close`), not
+    /// the maintenance thread, whose heartbeats must not wait on others.
+    pub fn flush_unpins_and_wait(&self) -> Result<(), ClientError> {
+        self.flush_unpins()?;
+        let patience = self.request_timeout() * (self.cfg.max_retries + 1);
+        let deadline = Instant::now() + patience;
+        while self.unpins.unanswered() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(50));
         }
         Ok(())
     }
