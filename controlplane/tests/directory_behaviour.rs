@@ -874,6 +874,38 @@ fn with_a_holder_probe_hello_takes_over_only_once_every_other_holder_has_exited(
     ));
 }
 
+/// Pid 0 is what `SO_PEERCRED` reports for a peer in a pid namespace the
+/// server cannot see: such a holder cannot be checked, and a requester
+/// with pid 0 is not "the holder itself".
+#[test]
+fn with_a_holder_probe_a_holder_seen_as_pid_0_waits_out_its_grace_period() {
+    let unseen = Peer::Unix {
+        pid: 0,
+        uid: 1000,
+        gid: 1000,
+    };
+    let hello = |w: &mut World| {
+        w.dir.hello(
+            Hello {
+                instance: "z",
+                quota_bytes: None,
+            },
+            unseen,
+            w.now,
+        )
+    };
+    let mut w = World::new();
+    w.dir.set_holder_probe(nobody_runs);
+    let first = hello(&mut w).unwrap();
+    w.dir.session_closed(first.session, w.now);
+    assert!(matches!(
+        hello(&mut w),
+        Err(DirectoryError::InstanceIdInUse { .. })
+    ));
+    w.advance(Duration::from_secs(31));
+    hello(&mut w).expect("a new instance after the grace period");
+}
+
 #[test]
 fn with_a_holder_probe_an_instance_held_over_tcp_waits_out_its_grace_period() {
     let mut w = World::new();

@@ -418,7 +418,9 @@ impl Directory {
         let Some(probe) = self.holder_probe else {
             return false;
         };
-        let own = requester.pid();
+        // Pid 0 is no process (`SO_PEERCRED` of a peer in a pid namespace
+        // the server cannot see): never "the requester itself".
+        let own = requester.pid().filter(|&p| p != 0);
         inst.holder_unchecked
             || inst
                 .holder_pids
@@ -430,7 +432,8 @@ impl Directory {
     fn note_holder(&mut self, slot: u32, peer: &Peer) {
         let probe = self.holder_probe;
         let inst = self.instance_mut(slot);
-        let Some(pid) = peer.pid() else {
+        // A TCP peer, or a pid the server cannot see: nothing to check.
+        let Some(pid) = peer.pid().filter(|&p| p != 0) else {
             inst.holder_unchecked = true;
             return;
         };
