@@ -24,7 +24,7 @@
 //! (deleted meanwhile, or not yet re-registered after a directory restart)
 //! are counted as invalidated views.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -196,9 +196,10 @@ impl LivePins {
 pub(crate) struct UnpinQueue {
     /// Entries queued and not yet on the wire; lowered only after the send.
     pending: AtomicUsize,
-    /// `Unpin` requests on the wire whose replies are not handled yet (a
-    /// flush waits for those another thread sent, too).
-    unanswered: AtomicUsize,
+    /// Sequence numbers of the `Unpin` requests on the wire whose replies
+    /// are not handled yet (a flush waits for those another thread sent
+    /// before it, too).
+    unanswered: Mutex<BTreeSet<u64>>,
     queue: Mutex<Vec<(u32, Box<[u8]>)>>,
 }
 
@@ -226,27 +227,30 @@ impl UnpinQueue {
     }
 
     /// `n` entries taken by a flush are on the wire (or were dropped), in
-    /// `requests` requests whose replies are awaited
+    /// the requests numbered `seqs`, whose replies are awaited
     /// ([`answered`](Self::answered) each).
-    pub fn sent(&self, n: usize, requests: usize) {
+    pub fn sent(&self, n: usize, seqs: impl IntoIterator<Item = u64>) {
         // Before `pending` falls: a flusher that sees nothing pending sees
         // these as unanswered.
-        self.unanswered.fetch_add(requests, Ordering::Relaxed);
+        self.unanswered.lock().extend(seqs);
         // Release: see `has_pending`.
         self.pending.fetch_sub(n, Ordering::Release);
     }
 
-    /// The reply of one `Unpin` sent under [`sent`](Self::sent) was handled
-    /// (or the request given up).
-    pub fn answered(&self) {
-        self.unanswered.fetch_sub(1, Ordering::Release);
+    /// The reply of the `Unpin` numbered `seq`, sent under
+    /// [`sent`](Self::sent), was handled (or the request given up).
+    pub fn answered(&self, seq: u64) {
+        self.unanswered.lock().remove(&seq);
     }
 
-    /// `Unpin` requests on the wire whose replies are not handled yet.
-    pub fn unanswered(&self) -> usize {
-        // Acquire: pairs with `answered`, so that what that reply changed
-        // is seen by a caller that reads 0.
-        self.unanswered.load(Ordering::Acquire)
+    /// The newest `Unpin` on the wire, unanswered (`None`: none is).
+    pub fn newest_unanswered(&self) -> Option<u64> {
+        self.unanswered.lock().last().copied()
+    }
+
+    /// Whether some `Unpin` numbered `seq` or lower is still unanswered.
+    pub fn unanswered_up_to(&self, seq: u64) -> bool {
+        self.unanswered.lock().first().is_some_and(|&s| s <= seq)
     }
 }
 
@@ -300,13 +304,21 @@ mod tests {
         let mut locked = q.lock();
         let taken = std::mem::take(&mut *locked);
         assert!(q.has_pending(), "taken but not yet sent");
-        assert_eq!(q.unanswered(), 0);
-        q.sent(taken.len(), 1);
+        assert_eq!(q.newest_unanswered(), None);
+        q.sent(taken.len(), [7, 9]);
         drop(locked);
         assert!(!q.has_pending());
-        assert_eq!(q.unanswered(), 1, "one request on the wire");
-        q.answered();
-        assert_eq!(q.unanswered(), 0);
+        // What a flush waits for: the requests on the wire when it began,
+        // not those sent after.
+        assert_eq!(q.newest_unanswered(), Some(9));
+        q.sent(0, [12]);
+        q.answered(7);
+        assert!(q.unanswered_up_to(9), "9 is still on the wire");
+        q.answered(9);
+        assert!(!q.unanswered_up_to(9), "12 is newer than the flush");
+        assert_eq!(q.newest_unanswered(), Some(12));
+        q.answered(12);
+        assert_eq!(q.newest_unanswered(), None);
     }
 
     #[test]

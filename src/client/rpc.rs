@@ -273,11 +273,6 @@ impl Shared {
                 }
                 self.renew(t, timeout).map_err(Fail::Definite)?;
             }
-            let unpins = if mode.flush_unpins {
-                self.start_unpins(&conn)
-            } else {
-                None
-            };
             msg.set_meta(RequestMeta {
                 seq: ticket.as_deref().map_or(0, |t| t.seq),
                 notice_ack: self.notice_ack(),
@@ -288,6 +283,14 @@ impl Shared {
                 },
             });
             let encoded = msg.encode().map_err(Fail::Definite)?;
+            // Sent only now that nothing can fail before `finish_unpins`
+            // (an early return would leave their replies unawaited and
+            // their numbers outstanding).
+            let unpins = if mode.flush_unpins {
+                self.start_unpins(&conn)
+            } else {
+                None
+            };
             self.note_sent();
             if attempts > 0 {
                 self.stats.bump(&self.stats.retries);
@@ -533,7 +536,8 @@ impl Shared {
             }
         }
         drop(layouts);
-        self.unpins.sent(n, calls.len());
+        self.unpins
+            .sent(n, calls.iter().map(|(ticket, _, _)| ticket.seq));
         drop(queue);
         Some(InflightUnpins {
             conn_no: conn.conn_no,
@@ -594,8 +598,8 @@ impl Shared {
                     self.request_timeout(),
                 );
             }
+            self.unpins.answered(ticket.seq);
             self.seqs.release(ticket);
-            self.unpins.answered();
         }
     }
 
@@ -617,10 +621,25 @@ impl Shared {
     /// their own retries. For the API (`Client::flush_unpins`, `close`), not
     /// the maintenance thread, whose heartbeats must not wait on others.
     pub fn flush_unpins_and_wait(&self) -> Result<(), ClientError> {
+        // What is on the wire now: this flush's own are answered when
+        // `flush_unpins` returns; those sent later are not waited for.
+        let Some(newest) = self.unpins.newest_unanswered() else {
+            return self.flush_unpins();
+        };
         self.flush_unpins()?;
         let patience = self.request_timeout() * (self.cfg.max_retries + 1);
         let deadline = Instant::now() + patience;
-        while self.unpins.unanswered() > 0 && Instant::now() < deadline {
+        while self.unpins.unanswered_up_to(newest) {
+            if Instant::now() >= deadline {
+                return Err(ClientError::Unanswered {
+                    op: "unpin",
+                    attempts: self.cfg.max_retries + 1,
+                    last: format!(
+                        "unpins sent by another thread still unanswered after {} ms",
+                        patience.as_millis()
+                    ),
+                });
+            }
             std::thread::sleep(Duration::from_micros(50));
         }
         Ok(())

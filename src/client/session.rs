@@ -426,7 +426,7 @@ impl Shared {
             let mut queue = self.unpins.lock();
             let n = queue.len();
             queue.clear();
-            self.unpins.sent(n, 0);
+            self.unpins.sent(n, []);
             self.stats.add(&self.stats.unpins_dropped, n as u64);
         }
         if pins.is_empty() {
