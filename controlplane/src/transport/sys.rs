@@ -355,19 +355,25 @@ pub unsafe fn own_fd(raw: RawFd) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(raw) }
 }
 
-/// Whether `dir` is a safe place for a listening socket: owned by this
-/// process's effective user or by root, and not writable by group or
-/// others unless sticky (as `/tmp` is). Otherwise another local user could
-/// remove the socket after it is bound and put their own in its place, and
-/// local clients would take their pool descriptors from that user's
-/// server: the default `/tmp/cxlkv-<uid>` directory of a user without
+/// Whether `dir` is a safe place for a listening socket: it, and every
+/// directory above it, is owned by this process's effective user or by
+/// root, and not writable by group or others unless sticky (as `/tmp` is).
+/// Otherwise another local user could move the directory or the socket
+/// aside after it is bound and put their own in its place, and local
+/// clients would take their pool descriptors from that user's server: the
+/// default `/tmp/cxlkv-<uid>` directory of a user without
 /// `XDG_RUNTIME_DIR` can be created first by anyone. `PermissionDenied`
-/// naming the owner or the mode otherwise. Follows symbolic links (what
-/// matters is the directory the socket lands in).
+/// naming the directory and its owner or mode otherwise. Symbolic links
+/// are resolved first (what matters is where the socket lands).
+///
+/// What it cannot stop: in a sticky shared directory, another user may
+/// bind the socket's name before the server's first start (the server then
+/// refuses to start, the name being in use); clients do not check the
+/// server's identity.
 pub fn check_socket_dir(dir: &std::path::Path) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(dir)?;
-    if !meta.is_dir() {
+    let real = std::fs::canonicalize(dir)?;
+    if !std::fs::metadata(&real)?.is_dir() {
         return Err(io::Error::new(
             io::ErrorKind::NotADirectory,
             format!("{} is not a directory", dir.display()),
@@ -375,28 +381,38 @@ pub fn check_socket_dir(dir: &std::path::Path) -> io::Result<()> {
     }
     // SAFETY: geteuid has no preconditions and cannot fail.
     let euid = unsafe { libc::geteuid() };
-    if meta.uid() != euid && meta.uid() != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
+    for d in real.ancestors() {
+        let meta = std::fs::metadata(d)?;
+        let whose = if d == real {
+            format!("socket directory {}", d.display())
+        } else {
             format!(
-                "socket directory {} belongs to uid {}, not to this user (uid {euid}) or root: \
-                 another user could replace the socket",
-                dir.display(),
-                meta.uid()
-            ),
-        ));
-    }
-    let mode = meta.mode();
-    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "socket directory {} is writable by group or others (mode {:o}) and not sticky: \
-                 another user could replace the socket",
-                dir.display(),
-                mode & 0o7777
-            ),
-        ));
+                "{} (above the socket directory {})",
+                d.display(),
+                real.display()
+            )
+        };
+        if meta.uid() != euid && meta.uid() != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{whose} belongs to uid {}, not to this user (uid {euid}) or root: \
+                     another user could replace the socket",
+                    meta.uid()
+                ),
+            ));
+        }
+        let mode = meta.mode();
+        if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{whose} is writable by group or others (mode {:o}) and not sticky: \
+                     another user could replace the socket",
+                    mode & 0o7777
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -431,12 +447,23 @@ mod tests {
             std::os::unix::fs::chown(d.path(), Some(4242), None).unwrap();
             let e = check_socket_dir(d.path()).unwrap_err();
             assert!(e.to_string().contains("belongs to uid 4242"), "{e}");
+            std::os::unix::fs::chown(d.path(), Some(0), None).unwrap();
         } else {
             eprintln!("not root: the other-owner case is not checked");
         }
         let f = d.path().join("file");
         std::fs::write(&f, b"").unwrap();
         assert!(check_socket_dir(&f).is_err(), "a file is not a directory");
+        // Every directory above counts: a safe directory of ours inside an
+        // unsafe one is refused, naming the unsafe one.
+        let inner = d.path().join("inner");
+        std::fs::create_dir(&inner).unwrap();
+        set(0o755);
+        check_socket_dir(&inner).unwrap();
+        set(0o777);
+        let e = check_socket_dir(&inner).unwrap_err();
+        assert!(e.to_string().contains("above the socket directory"), "{e}");
+        set(0o755);
     }
 
     #[test]
