@@ -1389,15 +1389,18 @@ impl DirectoryHandler {
     /// end its session.
     fn report_long_held_pins(&mut self) {
         let long = self.dir.long_held_pins(self.now());
-        let Some(oldest) = long.oldest.first() else {
+        if long.count == 0 {
             return;
-        };
+        }
+        // `oldest` is empty when the stats list none (`long_held_pins_listed`
+        // 0): the count is still worth a line.
+        let oldest = long.oldest.first();
         tracing::warn!(
             pins = long.count,
             threshold_s = long.threshold.as_secs(),
-            oldest_session = oldest.session.0,
-            oldest_instance = %oldest.instance,
-            oldest_held_s = oldest.held_for.as_secs(),
+            oldest_session = oldest.map(|o| o.session.0),
+            oldest_instance = oldest.map(|o| tracing::field::display(&o.instance)),
+            oldest_held_s = oldest.map(|o| o.held_for.as_secs()),
             "keys pinned longer than the threshold: their pages cannot be freed \
              (`cxlkv stats` lists them; ending a session releases its pins)"
         );

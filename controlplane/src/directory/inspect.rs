@@ -188,8 +188,19 @@ impl Directory {
                 }
             }
         }
-        long.sort_by(|a, b| b.held_for.cmp(&a.held_for).then(a.session.cmp(&b.session)));
-        long.truncate(self.config.long_held_pins_listed);
+        // Only the oldest few are listed: select them (linear), then sort
+        // those, rather than sorting every long-held pin.
+        let oldest_first = |a: &LongHeldPin, b: &LongHeldPin| {
+            b.held_for.cmp(&a.held_for).then(a.session.cmp(&b.session))
+        };
+        let listed = self.config.long_held_pins_listed;
+        if listed < long.len() {
+            if listed > 0 {
+                long.select_nth_unstable_by(listed - 1, oldest_first);
+            }
+            long.truncate(listed);
+        }
+        long.sort_by(oldest_first);
         LongHeldPins {
             threshold,
             count,
