@@ -655,26 +655,17 @@ fn dir_time(origin: Instant) -> cxlkv_controlplane::directory::Time {
 
 /// Makes `path` bindable: creates its directory (0755), checks that no
 /// other user can replace a socket in it
-/// ([`check_socket_dir`](cxlkv_controlplane::transport::check_socket_dir)),
+/// ([`prepare_socket_dir`](cxlkv_controlplane::transport::prepare_socket_dir)),
 /// and removes a stale socket file (nobody answers on it: a killed
 /// server's). A socket on which a server answers, or a file that is not a
 /// socket, is refused.
 fn prepare_socket(path: &Path) -> Result<(), ServerError> {
-    use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+    use std::os::unix::fs::FileTypeExt;
     let err = |source| ServerError::SocketPath {
         path: path.to_owned(),
         source,
     };
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(parent)
-        .map_err(err)?;
-    cxlkv_controlplane::transport::check_socket_dir(parent).map_err(err)?;
+    cxlkv_controlplane::transport::prepare_socket_dir(path).map_err(err)?;
     let meta = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(err(e)),

@@ -139,7 +139,7 @@ pub use server::{
     Admit, Completer, ConnId, DisconnectReason, Handler, PeerInfo, Refusal, RefuseReason,
     Rejection, Replies, ReplyError, Server, ServerHandle, ServerStats, ServerStatsSnapshot,
 };
-pub use sys::{MAX_FDS_PER_FRAME, PeerCred, check_socket_dir};
+pub use sys::{MAX_FDS_PER_FRAME, PeerCred, check_socket_dir, prepare_socket_dir};
 
 /// Errors setting up or running the transport.
 #[derive(Debug, thiserror::Error)]

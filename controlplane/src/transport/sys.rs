@@ -355,6 +355,30 @@ pub unsafe fn own_fd(raw: RawFd) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(raw) }
 }
 
+/// Creates the directory a socket at `socket` goes in (0755, with its
+/// parents; `.` for a bare name) and checks it with
+/// [`check_socket_dir`]; returns it. What a listener does before binding
+/// (the server's and the pool daemon's).
+pub fn prepare_socket_dir(socket: &std::path::Path) -> io::Result<&std::path::Path> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = match socket.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot create the socket directory {}: {e}", dir.display()),
+            )
+        })?;
+    check_socket_dir(dir)?;
+    Ok(dir)
+}
+
 /// Whether `dir` is a safe place for a listening socket: it, and every
 /// directory above it, is owned by this process's effective user or by
 /// root, and not writable by group or others unless sticky (as `/tmp` is).

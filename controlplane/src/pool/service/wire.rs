@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -33,7 +33,7 @@ use crate::proto::{
 };
 use crate::transport::{
     Admit, Completer, ConnId, DisconnectReason, Handler, PeerInfo, Rejection, Replies,
-    check_socket_dir,
+    prepare_socket_dir,
 };
 
 /// The transport handler of the pool service (see the module essay).
@@ -310,26 +310,12 @@ fn answers_pool_stats(stream: &UnixStream) -> bool {
     probe().unwrap_or(false)
 }
 
-/// Makes `path` bindable: creates its directory, checks that no other user
-/// can replace a socket in it ([`check_socket_dir`]), and removes a stale
+/// Makes `path` bindable: creates its directory and checks that no other
+/// user can replace a socket in it ([`prepare_socket_dir`]), and removes a stale
 /// socket file that nobody answers on (left by a killed daemon). A socket on
 /// which a pool manager answers, or a file that is not a socket, is refused.
 pub(crate) fn prepare_socket_path(path: &Path) -> Result<(), ServiceError> {
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(parent)
-        .map_err(|e| {
-            ServiceError::Config(format!(
-                "cannot create the socket directory {}: {e}",
-                parent.display()
-            ))
-        })?;
-    check_socket_dir(parent).map_err(|e| ServiceError::Config(e.to_string()))?;
+    prepare_socket_dir(path).map_err(|e| ServiceError::Config(e.to_string()))?;
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
