@@ -621,12 +621,14 @@ impl Shared {
     /// their own retries. For the API (`Client::flush_unpins`, `close`), not
     /// the maintenance thread, whose heartbeats must not wait on others.
     pub fn flush_unpins_and_wait(&self) -> Result<(), ClientError> {
-        // What is on the wire now: this flush's own are answered when
-        // `flush_unpins` returns; those sent later are not waited for.
-        let Some(newest) = self.unpins.newest_unanswered() else {
-            return self.flush_unpins();
-        };
+        // This flush's own are answered when `flush_unpins` returns; a
+        // flush another thread had under way finished its send before ours
+        // could take the queue, so its unpins are on the wire now. Those
+        // sent after this point are not waited for.
         self.flush_unpins()?;
+        let Some(newest) = self.unpins.newest_unanswered() else {
+            return Ok(());
+        };
         let patience = self.request_timeout() * (self.cfg.max_retries + 1);
         let deadline = Instant::now() + patience;
         while self.unpins.unanswered_up_to(newest) {
