@@ -23,9 +23,9 @@ const MAX_HOLDER_PIDS: usize = 16;
 
 impl Directory {
     /// First contact of an instance: creates it (or takes over an instance of
-    /// the same name that has no session, from the same principal, whose
-    /// last holder has exited: `set_holder_probe`) with a fresh secret, and
-    /// opens its first session.
+    /// the same name that has no session, from the same principal, once
+    /// every other process that held it has exited: `set_holder_probe`)
+    /// with a fresh secret, and opens its first session.
     pub fn hello(
         &mut self,
         req: Hello<'_>,

@@ -325,9 +325,9 @@ impl Directory {
     /// process that held a session of it is known to have exited (a
     /// restarted engine reusing its configured instance id); an instance
     /// held over TCP, or by a process that may run, is refused with
-    /// `InstanceIdInUse` until its grace period ends or it reattaches. Without one (a directory driven
-    /// in a test or the simulation, which have no processes), the same
-    /// principal suffices.
+    /// `InstanceIdInUse` until its grace period ends or it reattaches.
+    /// Without one (a directory driven in a test or the simulation, which
+    /// have no processes), the same principal suffices.
     pub fn set_holder_probe(&mut self, probe: fn(u32) -> bool) {
         self.holder_probe = Some(probe);
     }

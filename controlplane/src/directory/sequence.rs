@@ -36,9 +36,10 @@
 //! for the pool manager excepted: its body is what hands the grant to a
 //! retry whose first reply was lost, so only the window (which a client
 //! keeping the contract above never moves past a request awaiting its
-//! reply) or a failed allocation (`forget`) removes it. Whether a number *ran* is kept in
-//! a bitmap for the whole window regardless, so a retry of a number whose body
-//! was dropped gets `ReplyEvicted` — never a second execution.
+//! reply) or a failed allocation (`forget`) removes it. Whether a number
+//! *ran* is kept in a bitmap for the whole window regardless, so a retry of
+//! a number whose body was dropped gets `ReplyEvicted` — never a second
+//! execution.
 
 use std::collections::VecDeque;
 
