@@ -228,14 +228,18 @@ fn serve_with_nothing_set_resolves_to_the_embedded_default_pool_and_socket() {
     }
 }
 
-/// `serve` logs with `tracing` to standard error (`CXLKV_LOG`): where it
-/// serves, the signal that stops it, and a graceful end in which the
-/// embedded pool manager checkpoints what its journal committed (a region
-/// was granted, so there is something to checkpoint) before the server
-/// reports itself stopped.
-#[test]
-fn serve_logs_its_start_the_signal_and_a_checkpointed_stop() {
-    let unique = format!("serve-log-{}", std::process::id());
+/// A `serve` process on its own socket and pool (named after `tag`), its
+/// standard error (log filter `filter`) going to `log`.
+struct LoggedServer {
+    server: Guard,
+    log: tempfile::NamedTempFile,
+    socket: PathBuf,
+    pool: PathBuf,
+    state: PathBuf,
+}
+
+fn logged_server(tag: &str, filter: &str, env: &[(&str, &str)]) -> LoggedServer {
+    let unique = format!("{tag}-{}", std::process::id());
     let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
     let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
     let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
@@ -246,10 +250,33 @@ fn serve_logs_its_start_the_signal_and_a_checkpointed_stop() {
         "per-record",
         &socket,
         &pool,
-        "info",
+        filter,
         Stdio::from(log.reopen().expect("log file")),
-        &[],
+        env,
     );
+    LoggedServer {
+        server,
+        log,
+        socket,
+        pool,
+        state,
+    }
+}
+
+/// `serve` logs with `tracing` to standard error (`CXLKV_LOG`): where it
+/// serves, the signal that stops it, and a graceful end in which the
+/// embedded pool manager checkpoints what its journal committed (a region
+/// was granted, so there is something to checkpoint) before the server
+/// reports itself stopped.
+#[test]
+fn serve_logs_its_start_the_signal_and_a_checkpointed_stop() {
+    let LoggedServer {
+        server,
+        log,
+        socket,
+        pool,
+        state,
+    } = logged_server("serve-log", "info", &[]);
     let mut c = Raw::connect_unix(&socket);
     c.hello("logged").0.unwrap();
     c.request_region(0).unwrap();
@@ -277,19 +304,15 @@ fn serve_logs_its_start_the_signal_and_a_checkpointed_stop() {
 /// oldest holder's instance; one held for less is not.
 #[test]
 fn serve_logs_pins_held_past_the_threshold() {
-    let unique = format!("serve-pinlog-{}", std::process::id());
-    let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
-    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
-    let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
-    remove(&[&socket, &pool, &state]);
-    let log = tempfile::NamedTempFile::new().expect("log file");
-    let server = start_with(
-        "auto",
-        "per-record",
-        &socket,
-        &pool,
+    let LoggedServer {
+        server,
+        log,
+        socket,
+        pool,
+        state,
+    } = logged_server(
+        "serve-pinlog",
         "warn",
-        Stdio::from(log.reopen().expect("log file")),
         &[("CXLKV_DIRECTORY_LONG_PIN_MS", "1500")],
     );
     const NEEDLE: &str = "keys pinned longer than the threshold";

@@ -702,13 +702,18 @@ fn a_pin_has_no_expiry_while_its_session_lives_and_eviction_never_takes_it() {
     w.dir.check_invariants().unwrap();
 }
 
-#[test]
-fn a_retry_whose_reply_left_the_bounded_cache_is_refused_and_never_runs_again() {
-    // A byte limit so small that only the newest reply stays cached.
-    let mut w = World::with(DirectoryConfig {
+/// A directory whose reply cache's byte limit is so small that only the
+/// newest reply stays cached.
+fn newest_reply_only() -> World {
+    World::with(DirectoryConfig {
         reply_cache_bytes_per_instance: 1,
         ..DirectoryConfig::default()
-    });
+    })
+}
+
+#[test]
+fn a_retry_whose_reply_left_the_bounded_cache_is_refused_and_never_runs_again() {
+    let mut w = newest_reply_only();
     let mut a = w.hello("a");
     let ra = w.region(&mut a, L);
     let first = a.seq();
@@ -1123,11 +1128,7 @@ fn a_region_request_retried_while_pending_or_after_the_grant_gets_the_same_regio
 
 #[test]
 fn a_pending_region_request_outlives_the_reply_cache_limit_so_its_grant_reaches_a_retry() {
-    // Only the newest reply fits the cache, as in the test above.
-    let mut w = World::with(DirectoryConfig {
-        reply_cache_bytes_per_instance: 1,
-        ..DirectoryConfig::default()
-    });
+    let mut w = newest_reply_only();
     let mut a = w.hello("a");
     let ra = w.region(&mut a, L);
     // A second region asked for; the pool manager has not answered yet.

@@ -357,9 +357,9 @@ pub unsafe fn own_fd(raw: RawFd) -> OwnedFd {
 
 /// Creates the directory a socket at `socket` goes in (0755, with its
 /// parents; `.` for a bare name) and checks it with
-/// [`check_socket_dir`]; returns it. What a listener does before binding
-/// (the server's and the pool daemon's).
-pub fn prepare_socket_dir(socket: &std::path::Path) -> io::Result<&std::path::Path> {
+/// [`check_socket_dir`]. What a listener does before binding (the
+/// server's and the pool daemon's).
+pub fn prepare_socket_dir(socket: &std::path::Path) -> io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     let dir = match socket.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -375,8 +375,7 @@ pub fn prepare_socket_dir(socket: &std::path::Path) -> io::Result<&std::path::Pa
                 format!("cannot create the socket directory {}: {e}", dir.display()),
             )
         })?;
-    check_socket_dir(dir)?;
-    Ok(dir)
+    check_socket_dir(dir)
 }
 
 /// Whether `dir` is a safe place for a listening socket: it, and every
