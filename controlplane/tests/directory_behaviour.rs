@@ -1597,6 +1597,80 @@ fn return_region_refuses_regions_with_keys_or_of_others() {
     );
 }
 
+#[test]
+fn max_layouts_bounds_the_layouts_in_use_and_a_layout_is_forgotten_with_its_last_region() {
+    let layout = |fingerprint| Layout {
+        page_size_bytes: 4096,
+        fingerprint,
+    };
+    let mut w = World::with(DirectoryConfig {
+        max_layouts: 2,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let r1 = w.region(&mut a, layout(1));
+    let r2 = w.region(&mut a, layout(2));
+    let refused = |w: &mut World, a: &mut Client, l| {
+        let seq = a.seq();
+        w.dir
+            .request_region(&a.caller(), seq, l, REGION_BYTES, w.now)
+            .map(|_| ())
+            .unwrap_err()
+    };
+    assert_eq!(
+        refused(&mut w, &mut a, layout(3)),
+        DirectoryError::TooManyLayouts { max: 2 }
+    );
+    let put = |w: &mut World, a: &mut Client, l, at| {
+        let seq = a.seq();
+        let r = w.register_seq(a, seq, l, &[(b"k", at)]).unwrap();
+        assert_eq!(r.body, vec![RegisterOutcome::Inserted]);
+    };
+    put(&mut w, &mut a, layout(1), loc(r1, 0, 1));
+    assert_eq!(w.dir.stats(w.now).layouts, 2);
+
+    // Layout 2's only region goes back: the layout no longer counts.
+    let seq = a.seq();
+    w.dir.return_region(&a.caller(), seq, r2, w.now).unwrap();
+    w.pool.service(&mut w.dir);
+    assert_eq!(w.dir.stats(w.now).layouts, 1);
+    w.dir.check_invariants().unwrap();
+    let r3 = w.region(&mut a, layout(3));
+    assert_eq!(w.dir.stats(w.now).layouts, 2);
+
+    // A request the pool manager refuses releases its layout too.
+    let seq = a.seq();
+    w.dir.return_region(&a.caller(), seq, r3, w.now).unwrap();
+    w.pool.fail_next = true;
+    let seq = a.seq();
+    w.dir
+        .request_region(&a.caller(), seq, layout(4), REGION_BYTES, w.now)
+        .unwrap();
+    let (done, _) = w.pool.service(&mut w.dir);
+    assert!(matches!(
+        done[0].result,
+        Err(DirectoryError::RegionAllocationFailed { .. })
+    ));
+    assert_eq!(w.dir.stats(w.now).layouts, 1);
+    w.dir.check_invariants().unwrap();
+    let r5 = w.region(&mut a, layout(5));
+
+    // Reused indexes keep keys apart: layout 1's key is found under it
+    // only, and a key under layout 5 is another key.
+    put(&mut w, &mut a, layout(5), loc(r5, 0, 1));
+    let found = |w: &mut World, l| {
+        w.dir
+            .exists(&a.caller(), l, [&b"k"[..]], w.now)
+            .unwrap()
+            .body
+    };
+    assert_eq!(found(&mut w, layout(1)), vec![true]);
+    assert_eq!(found(&mut w, layout(2)), vec![false]);
+    assert_eq!(found(&mut w, layout(5)), vec![true]);
+    assert_eq!(w.dir.stats(w.now).keys, 2);
+    w.dir.check_invariants().unwrap();
+}
+
 fn eviction_world(lru: bool) -> World {
     World::with(DirectoryConfig {
         eviction: EvictionConfig {

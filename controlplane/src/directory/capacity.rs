@@ -120,11 +120,11 @@ impl Directory {
                 });
             }
         }
-        if !self.layout_ix.contains_key(&layout) {
+        if self.layouts.get(&layout).is_none() {
             self.check_layout_room(1)?;
         }
 
-        let layout_ix = self.intern_layout(layout);
+        let layout_ix = self.layouts.acquire(layout);
         let request = PoolRequestId(self.next_pool_request);
         self.next_pool_request += 1;
         let deferred = DeferredId(self.next_deferred);
@@ -206,6 +206,10 @@ impl Directory {
                 }
             }
         };
+        if outcome.is_err() {
+            // No region record took over the request's hold on its layout.
+            self.layouts.release(p.layout_ix);
+        }
         let Some(slot) = p.instance else {
             return p
                 .waiters

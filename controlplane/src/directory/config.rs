@@ -72,6 +72,8 @@ pub struct DirectoryConfig {
     pub max_sessions: usize,
     pub max_sessions_per_instance: usize,
     pub max_instances: usize,
+    /// Most layouts in use at once: a layout counts while a region of it
+    /// exists or is requested, and is forgotten with the last of them.
     pub max_layouts: usize,
     pub max_regions_per_instance: usize,
     pub max_pending_region_requests_per_instance: usize,

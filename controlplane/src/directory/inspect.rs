@@ -222,7 +222,7 @@ impl Directory {
     /// One key, read without a session and without touching anything (admin
     /// tools, tests, the simulation).
     pub fn inspect_key(&self, layout: &Layout, key: &[u8]) -> Option<KeyInfo> {
-        let lix = *self.layout_ix.get(layout)?;
+        let lix = self.layouts.get(layout)?;
         let es = self.keys.find(lix, key, self.keys.hash(lix, key))?;
         Some(KeyInfo {
             location: self.location_of(es),
@@ -246,7 +246,7 @@ impl Directory {
         let r = self.regions.get(self.regions.slot_of(region)?);
         Some(RegionInfo {
             descriptor: r.handle.descriptor(r.page_size_bytes),
-            layout: self.layouts[r.layout as usize],
+            layout: self.layouts.layout(r.layout),
             owner: match r.owner {
                 Owner::Present(o) => Some(self.instance(o).id.clone()),
                 Owner::Gone { .. } => None,
@@ -312,6 +312,24 @@ impl Directory {
             "value byte total drifted"
         );
         ensure!(key_bytes == self.totals.key_bytes, "key byte total drifted");
+
+        // Layouts: held by exactly their regions and pending requests.
+        self.layouts.consistent().map_err(InvariantViolation)?;
+        let mut holders: HashMap<u32, u32, FixedState> = HashMap::default();
+        let held = self.regions.iter().map(|(_, r)| r.layout);
+        for ix in held.chain(self.pending.values().map(|p| p.layout_ix)) {
+            *holders.entry(ix).or_default() += 1;
+        }
+        for (ix, layout, count) in self.layouts.iter() {
+            ensure!(
+                holders.remove(&ix) == Some(count),
+                "layout {layout:?}: {count} holders counted, not its regions and requests"
+            );
+        }
+        ensure!(
+            holders.is_empty(),
+            "a region or request holds a forgotten layout index"
+        );
 
         // Regions.
         let mut region_bytes = 0u64;
@@ -544,7 +562,7 @@ impl Directory {
         let mut acc = 0u64;
         let mut add = |x: u64| acc = acc.wrapping_add(x);
         for (es, e) in self.keys.iter() {
-            let layout = self.layouts[e.layout as usize];
+            let layout = self.layouts.layout(e.layout);
             let region = self.regions.get(e.region).handle.region;
             add(h(&|s| {
                 (
@@ -571,7 +589,7 @@ impl Directory {
                     2u8,
                     rs,
                     r.handle,
-                    self.layouts[r.layout as usize],
+                    self.layouts.layout(r.layout),
                     &owner,
                     &r.owner_id,
                     r.keys,
@@ -636,10 +654,11 @@ impl Directory {
             .map(|l| l.iter_from_least_recent().collect())
             .unwrap_or_default();
         let orphans: Vec<_> = self.orphans.iter().copied().collect();
+        let layouts: Vec<_> = self.layouts.iter().collect();
         add(h(&|s| {
             (
                 7u8,
-                &self.layouts,
+                &layouts,
                 &lru,
                 &orphans,
                 self.next_session,

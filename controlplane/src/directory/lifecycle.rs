@@ -204,7 +204,7 @@ impl Directory {
                     let r = self.regions.get(rs);
                     r.owner == Owner::Present(slot)
                         && r.handle.matches(&p.handle)
-                        && self.layouts[r.layout as usize] == p.layout
+                        && self.layouts.layout(r.layout) == p.layout
                 });
                 if owned {
                     RegionStatus::Confirmed
@@ -260,7 +260,7 @@ impl Directory {
         }
         let mut new_layouts: Vec<_> = confirmed()
             .map(|p| p.layout)
-            .filter(|l| !self.layout_ix.contains_key(l))
+            .filter(|l| self.layouts.get(l).is_none())
             .collect();
         new_layouts.sort_by_key(|l| (l.page_size_bytes, l.fingerprint));
         new_layouts.dedup();
@@ -279,7 +279,7 @@ impl Directory {
         let owner_id = inst.id.clone();
         let claimed: Vec<_> = confirmed().copied().collect();
         for p in &claimed {
-            let layout_ix = self.intern_layout(p.layout);
+            let layout_ix = self.layouts.acquire(p.layout);
             self.add_region(p.handle, layout_ix, p.layout.page_size_bytes, slot);
         }
         let kept: HashSet<_, FixedState> = claimed.iter().map(|p| p.handle.region).collect();
@@ -580,7 +580,8 @@ impl Directory {
         self.counters.outcomes.instances_gone += 1;
     }
 
-    /// Registers a region record owned by the instance in `owner`.
+    /// Registers a region record owned by the instance in `owner`. The
+    /// record holds `layout_ix`: the caller acquired it for this region.
     pub(super) fn add_region(
         &mut self,
         handle: RegionHandle,
@@ -607,6 +608,7 @@ impl Directory {
     pub(super) fn free_region(&mut self, rs: u32) {
         let region = self.regions.remove(rs);
         debug_assert_eq!(region.keys, 0, "a region is only freed without keys");
+        self.layouts.release(region.layout);
         self.totals.region_bytes -= region.handle.len_bytes;
         self.pools
             .entry(region.handle.pool)

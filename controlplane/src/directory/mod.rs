@@ -103,6 +103,7 @@ mod error;
 mod hash_slots;
 mod inspect;
 mod keys;
+mod layouts;
 mod lifecycle;
 mod lru;
 mod notices;
@@ -119,6 +120,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use cxlkv_dataplane::ids::{PoolId, RegionId};
 use foldhash::fast::FixedState;
+use layouts::LayoutTable;
 
 pub use config::{
     ConfigError, DirectoryConfig, EvictionConfig, MAX_BATCH_CEILING, MAX_INSTANCE_ID_BYTES,
@@ -242,8 +244,8 @@ pub struct Directory {
     map_seed: u64,
     keys: KeyIndex,
     regions: RegionTable,
-    layouts: Vec<Layout>,
-    layout_ix: HashMap<Layout, u32, FixedState>,
+    /// Layouts in use, by index (held by regions and region requests).
+    layouts: LayoutTable,
     instances: Vec<Option<Instance>>,
     free_instance_slots: Vec<u32>,
     instance_ix: HashMap<InstanceId, u32, FixedState>,
@@ -288,8 +290,7 @@ impl Directory {
             map_seed,
             keys: KeyIndex::new(key_seed),
             regions: RegionTable::new(map_seed),
-            layouts: Vec::new(),
-            layout_ix: HashMap::with_hasher(FixedState::with_seed(map_seed)),
+            layouts: LayoutTable::new(map_seed),
             instances: Vec::new(),
             free_instance_slots: Vec::new(),
             instance_ix: HashMap::with_hasher(FixedState::with_seed(map_seed)),
@@ -457,17 +458,6 @@ impl Directory {
             });
         }
         Ok(())
-    }
-
-    /// The index of `layout`, interning it; the caller checked the limit.
-    fn intern_layout(&mut self, layout: Layout) -> u32 {
-        if let Some(&ix) = self.layout_ix.get(&layout) {
-            return ix;
-        }
-        let ix = u32::try_from(self.layouts.len()).expect("invariant: max_layouts fits u32");
-        self.layouts.push(layout);
-        self.layout_ix.insert(layout, ix);
-        ix
     }
 
     /// Whether `new` more layouts could be interned.

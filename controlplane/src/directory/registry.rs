@@ -59,7 +59,7 @@ impl Directory {
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
         Self::check_keys(entries.clone().map(|e| e.key))?;
-        let lix = self.layout_ix.get(&layout).copied();
+        let lix = self.layouts.get(&layout);
         let mut fp = Fingerprint::new(OpKind::Register, Some(&layout));
         self.scratch_hashes.clear();
         for e in entries.clone() {
@@ -233,7 +233,7 @@ impl Directory {
                 max: self.config.max_pins_per_call,
             });
         }
-        let lix = self.layout_ix.get(&layout).copied();
+        let lix = self.layouts.get(&layout);
         if pins == 0 {
             let reply = self.lookup_unpinned(lix, keys)?;
             return Ok(self.reply(slot, reply));
@@ -422,7 +422,7 @@ impl Directory {
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
         let mut found = Vec::with_capacity(n);
-        match self.layout_ix.get(&layout).copied() {
+        match self.layouts.get(&layout) {
             None => {
                 Self::check_keys(keys)?;
                 found.resize(n, false);
@@ -478,7 +478,7 @@ impl Directory {
         if let Some(index) = entries.clone().position(|e| e.count == 0) {
             return Err(DirectoryError::InvalidUnpinCount { index });
         }
-        let lix = self.layout_ix.get(&layout).copied();
+        let lix = self.layouts.get(&layout);
         let mut fp = Fingerprint::new(OpKind::Unpin, Some(&layout));
         self.probe_all(lix, entries.clone().map(|e| e.key), &mut fp)?;
         for e in entries.clone() {
@@ -559,7 +559,7 @@ impl Directory {
         let n = keys.len();
         self.check_batch(n)?;
         Self::check_layout(&layout)?;
-        let lix = self.layout_ix.get(&layout).copied();
+        let lix = self.layouts.get(&layout);
         let mut fp = Fingerprint::new(OpKind::Delete, Some(&layout));
         self.probe_all(lix, keys, &mut fp)?;
         let retried = self.replay(slot, caller, seq, fp, |body| match body {
