@@ -80,10 +80,10 @@ pub fn run(args: &ChaosArgs) -> anyhow::Result<bool> {
     // Before any thread starts, so that every thread inherits the mask and
     // a Ctrl-C waits to be taken here instead of killing the driver before
     // its cleanup. Children get an empty mask (std resets it at spawn).
-    let signals = super::pool::block_stop_signals()?;
+    let signals = super::signals::block_stop_signals()?;
     let stopped = Cell::new(false);
     let stop_requested = || {
-        if !stopped.get() && pending_signal(&signals) {
+        if !stopped.get() && super::signals::wait_signal(&signals, Duration::ZERO).is_some() {
             tracing::warn!("stop requested: finishing the run and cleaning up");
             stopped.set(true);
         }
@@ -112,17 +112,6 @@ pub fn run(args: &ChaosArgs) -> anyhow::Result<bool> {
         );
     }
     Ok(passed)
-}
-
-/// Takes a pending SIGINT/SIGTERM of `set` without waiting.
-fn pending_signal(set: &libc::sigset_t) -> bool {
-    let zero = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `set` and `zero` are valid for the call; a null info pointer
-    // is allowed.
-    unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &zero) > 0 }
 }
 
 /// Runs one chaos instance until it is killed.

@@ -13,6 +13,7 @@ pub mod chaos;
 pub mod demo;
 pub mod pool;
 pub mod serve;
+mod signals;
 pub mod stats;
 pub mod top;
 

@@ -8,24 +8,29 @@
 //! prints one line `listening <endpoint>…` on standard output once it
 //! serves, and logs with `tracing` on standard error (`CXLKV_LOG`, default
 //! `info` for this command). SIGTERM or SIGINT stop it gracefully: no new
-//! requests, the journal committed and checkpointed, the locks released.
+//! requests, the journal committed and checkpointed, the locks released; a
+//! second signal, or [`STOP_DEADLINE`], cuts that stop short (`signals.rs`).
 //! It exits non-zero, naming the reason, when it cannot start (another
 //! manager holds the state directory or a pool, a corrupt state, a foreign
 //! pool) or when its journal fails while serving (fail-stop; a restart
 //! recovers).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use cxlkv_controlplane::pool::service::PoolCore;
 use cxlkv_controlplane::transport::Endpoint;
 
+use super::signals::{
+    STOP_DEADLINE, block_stop_signals, cut_short, signal_name, stop_within, wait_signal,
+};
 use crate::config::{self, Override};
 
 /// How often the main thread checks that the core still runs while it waits
 /// for a signal.
-const SIGNAL_POLL_MS: i64 = 500;
+const SIGNAL_POLL: Duration = Duration::from_millis(500);
 
 /// Flags of `cxlkv pool`; each one overrides its `[pool]` key.
 #[derive(Debug, Args)]
@@ -161,44 +166,6 @@ impl PoolArgs {
     }
 }
 
-/// Blocks SIGTERM and SIGINT in the calling thread (and so in every thread
-/// it starts afterwards), to be taken with `sigtimedwait`.
-pub(crate) fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
-    // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid sigset_t; the calls only write to it and to
-    // this thread's signal mask.
-    let rc = unsafe {
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
-    };
-    anyhow::ensure!(rc == 0, "pthread_sigmask failed with {rc}");
-    Ok(set)
-}
-
-/// Waits up to [`SIGNAL_POLL_MS`] for a signal of `set`.
-pub(crate) fn wait_signal(set: &libc::sigset_t) -> Option<i32> {
-    let timeout = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: SIGNAL_POLL_MS * 1_000_000,
-    };
-    // SAFETY: `set` and `timeout` are valid for the call; a null info
-    // pointer is allowed.
-    let sig = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &timeout) };
-    (sig > 0).then_some(sig)
-}
-
-/// How the logs name a stop signal.
-pub(crate) fn signal_name(sig: i32) -> String {
-    match sig {
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGINT => "SIGINT".into(),
-        other => format!("signal {other}"),
-    }
-}
-
 /// Runs the daemon until SIGTERM/SIGINT (see the module essay).
 pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
     let signals = block_stop_signals()?;
@@ -226,7 +193,7 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         "pool manager serving"
     );
     let stopped_by = loop {
-        if let Some(sig) = wait_signal(&signals) {
+        if let Some(sig) = wait_signal(&signals, SIGNAL_POLL) {
             break Some(sig);
         }
         if !core.is_running() {
@@ -234,14 +201,16 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         }
     };
     if let Some(failure) = core.failure() {
-        let _ = core.shutdown();
+        let _ = stop_within(&signals, STOP_DEADLINE, move || core.shutdown());
         anyhow::bail!("the pool manager stopped: {failure}");
     }
     match stopped_by {
         Some(sig) => tracing::info!(signal = %signal_name(sig), "stopping"),
         None => tracing::info!("stopping: the pool manager's core stopped by itself"),
     }
-    let report = core.shutdown().context("graceful shutdown failed")?;
+    let report = stop_within(&signals, STOP_DEADLINE, move || core.shutdown())
+        .map_err(cut_short)?
+        .context("graceful shutdown failed")?;
     tracing::info!(
         committed_seq = report.committed_seq,
         checkpointed = report.checkpointed,

@@ -9,17 +9,25 @@
 //! standard output; logs go to standard error (`CXLKV_LOG`, default `info`).
 //! SIGTERM or SIGINT stop it gracefully: every connection closed (sessions
 //! end, pins released), region frees in flight waited for, the embedded pool
-//! manager's journal committed and checkpointed, the socket file removed. It
+//! manager's journal committed and checkpointed, the socket file removed; a
+//! second signal, or [`STOP_DEADLINE`](super::signals::STOP_DEADLINE), cuts
+//! that stop short (`signals.rs`). It
 //! exits non-zero, naming the reason, when it cannot start, or when its
 //! embedded pool manager fails while serving (a restart recovers).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 
+use super::signals::{self, STOP_DEADLINE};
 use crate::config::{self, Override};
 use crate::server::Server;
+
+/// How often the main thread checks the embedded pool manager while it
+/// waits for a signal.
+const SIGNAL_POLL: Duration = Duration::from_millis(500);
 
 /// Flags of `cxlkv serve`; each overrides one configuration key.
 #[derive(Debug, Args)]
@@ -163,7 +171,7 @@ impl ServeArgs {
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // Before any thread starts, so that every thread inherits the mask and
     // the signals wait for `sigtimedwait` here.
-    let signals = super::pool::block_stop_signals()?;
+    let signals = signals::block_stop_signals()?;
     let cfg = config::load_from_process(args.config.as_deref(), &args.overrides()?)?;
     let server_cfg = cfg.server_config()?;
     if args.print_config {
@@ -185,16 +193,18 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         "cxlkv serve: serving"
     );
     let stopped_by = loop {
-        if let Some(sig) = super::pool::wait_signal(&signals) {
+        if let Some(sig) = signals::wait_signal(&signals, SIGNAL_POLL) {
             break sig;
         }
         if let Some(failure) = server.pool_failure() {
-            let _ = server.shutdown();
+            let _ = signals::stop_within(&signals, STOP_DEADLINE, move || server.shutdown());
             anyhow::bail!("the embedded pool manager stopped: {failure}");
         }
     };
-    tracing::info!(signal = %super::pool::signal_name(stopped_by), "stopping");
-    let report = server.shutdown().context("graceful shutdown failed")?;
+    tracing::info!(signal = %signals::signal_name(stopped_by), "stopping");
+    let report = signals::stop_within(&signals, STOP_DEADLINE, move || server.shutdown())
+        .map_err(signals::cut_short)?
+        .context("graceful shutdown failed")?;
     tracing::info!(
         sessions_closed = report.sessions_closed,
         frees_unconfirmed = report.frees_unconfirmed,
