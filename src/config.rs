@@ -545,7 +545,7 @@ impl Config {
                 let resolved = self.pool.resolve()?;
                 // What the embedded pool manager will open, also in the
                 // fields that describe the embedded pool without one, so
-                // that a printed configuration shows the real pool.
+                // that no field names a pool that is not used.
                 let first = &resolved.service.pools[0];
                 c.pool_path = first.path.clone();
                 if let Some(size) = first.create_size_bytes {

@@ -195,21 +195,9 @@ fn serve_with_group_sync_keeps_what_it_granted_across_a_restart() {
 #[test]
 fn serve_with_nothing_set_resolves_to_the_embedded_default_pool_and_socket() {
     let runtime = tempfile::tempdir().expect("temporary directory");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
-    cmd.args(["serve", "--print-config"])
-        .env("XDG_RUNTIME_DIR", runtime.path());
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("CXLKV_") {
-            cmd.env_remove(k);
-        }
-    }
-    let out = cmd.output().expect("cxlkv serve --print-config");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    let xdg = runtime.path().to_str().expect("UTF-8 path");
+    let (ok, text, err) = print_config(&[("XDG_RUNTIME_DIR", xdg)], &[]);
+    assert!(ok, "{err}");
     // SAFETY: geteuid has no preconditions and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
     let socket = if root {
@@ -217,15 +205,61 @@ fn serve_with_nothing_set_resolves_to_the_embedded_default_pool_and_socket() {
     } else {
         runtime.path().join("cxlkv/cxlkv.sock")
     };
+    // Compared without white space: `{:#?}` spreads a value over lines.
+    let flat: String = text.split_whitespace().collect();
     for needle in [
-        format!("socket_path: {:?}", socket.display().to_string()),
-        "pool_path: \"/dev/shm/cxlkv.pool\"".to_owned(),
-        format!("pool_size_bytes: {}", 2u64 << 30),
-        "state_dir: \"/dev/shm/cxlkv.pool.state\"".to_owned(),
-        "tcp_listen: None".to_owned(),
+        format!("socket_path:{:?}", socket.display().to_string()),
+        "path:\"/dev/shm/cxlkv.pool\"".to_owned(),
+        format!("create_size_bytes:Some({},)", 2u64 << 30),
+        "state_dir:\"/dev/shm/cxlkv.pool.state\"".to_owned(),
+        "tcp_listen:None".to_owned(),
     ] {
-        assert!(text.contains(&needle), "{needle} not in:\n{text}");
+        assert!(flat.contains(&needle), "{needle} not in:\n{text}");
     }
+}
+
+/// `cxlkv serve --print-config` with no `CXLKV_*` variable but `env`, and
+/// `args` after it: (exit status, stdout, stderr).
+fn print_config(env: &[(&str, &str)], args: &[&str]) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    cmd.args(["serve", "--print-config"]).args(args);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("CXLKV_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.iter().copied());
+    let out = cmd.output().expect("cxlkv serve --print-config");
+    let text = |b: Vec<u8>| String::from_utf8(b).expect("UTF-8");
+    (out.status.success(), text(out.stdout), text(out.stderr))
+}
+
+/// A pool given without a size (a device, or a file that exists) has no
+/// configured size: the printed configuration shows the pool manager's
+/// pools only, not the embedded default's 2 GiB file it will not use.
+#[test]
+fn print_config_shows_the_pools_in_use_not_the_embedded_defaults() {
+    let (ok, text, err) = print_config(&[], &["--pool", "/dev/dax9.9"]);
+    assert!(ok, "{err}");
+    assert!(text.contains("path: \"/dev/dax9.9\""), "{text}");
+    assert!(text.contains("create_size_bytes: None"), "{text}");
+    for absent in ["pool_size_bytes", "pool_path", "cxlkv.pool"] {
+        assert!(!text.contains(absent), "{absent} in:\n{text}");
+    }
+}
+
+/// `--print-config` makes the checks the server makes before it opens
+/// anything: a configuration that could not start is printed, and the
+/// command fails naming why.
+#[test]
+fn print_config_fails_for_a_configuration_that_could_not_start() {
+    let (ok, text, err) = print_config(&[("CXLKV_SERVER_TICK_MS", "0")], &[]);
+    assert!(!ok, "accepted:\n{text}");
+    assert!(text.contains("tick_ms: 0"), "printed first:\n{text}");
+    assert!(
+        err.contains("would not start") && err.contains("tick_ms = 0"),
+        "{err}"
+    );
 }
 
 /// A `serve` process on its own socket and pool (named after `tag`), its

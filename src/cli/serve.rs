@@ -176,6 +176,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let server_cfg = cfg.server_config()?;
     if args.print_config {
         println!("{server_cfg:#?}");
+        // The checks `Server::start` makes before it opens anything, so that
+        // a printed configuration that could not start says so.
+        server_cfg
+            .validate()
+            .context("this configuration would not start")?;
         return Ok(());
     }
     let server = Server::start(server_cfg).context("cannot start the server")?;

@@ -206,8 +206,8 @@ impl std::fmt::Debug for ServerConfig {
             max_send_queue_bytes,
             partial_frame_timeout_ms,
         } = self;
-        f.debug_struct("ServerConfig")
-            .field("socket_path", socket_path)
+        let mut d = f.debug_struct("ServerConfig");
+        d.field("socket_path", socket_path)
             .field("tcp_listen", tcp_listen)
             .field(
                 "tcp_secret",
@@ -216,10 +216,16 @@ impl std::fmt::Debug for ServerConfig {
             .field("tcp_insecure_no_secret", tcp_insecure_no_secret)
             .field("max_connections", max_connections)
             .field("directory_id", directory_id)
-            .field("directory", directory)
-            .field("pool_path", pool_path)
-            .field("pool_size_bytes", pool_size_bytes)
-            .field("pool_manager", pool_manager)
+            .field("directory", directory);
+        // The embedded default pool's fields describe the pool only when no
+        // pool manager is configured; otherwise `pool_manager` names the
+        // pools (a device's or an existing file's size is not configured at
+        // all) and printing them would show a pool that is not used.
+        if pool_manager.is_none() {
+            d.field("pool_path", pool_path)
+                .field("pool_size_bytes", pool_size_bytes);
+        }
+        d.field("pool_manager", pool_manager)
             .field("remove_pool_on_shutdown", remove_pool_on_shutdown)
             .field("default_region_bytes", default_region_bytes)
             .field("tick_ms", tick_ms)
