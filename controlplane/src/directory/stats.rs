@@ -229,6 +229,7 @@ pub struct DirectoryStats {
     pub region_bytes: u64,
     pub orphaned_regions: u64,
     pub pending_region_requests: u64,
+    /// Layouts in use: held by a region or a pending region request.
     pub layouts: u64,
     pub per_instance: Vec<InstanceStats>,
     pub per_pool: Vec<PoolStats>,
