@@ -11,9 +11,9 @@
 //! end, pins released), region frees in flight waited for, the embedded pool
 //! manager's journal committed and checkpointed, the socket file removed; a
 //! second signal, or [`STOP_DEADLINE`](super::signals::STOP_DEADLINE), cuts
-//! that stop short (`signals.rs`). It
-//! exits non-zero, naming the reason, when it cannot start, or when its
-//! embedded pool manager fails while serving (a restart recovers).
+//! that stop short (`signals.rs`). It exits non-zero, naming the reason,
+//! when it cannot start, when its stop was cut short, or when its embedded
+//! pool manager fails while serving (a restart recovers).
 
 use std::path::PathBuf;
 use std::time::Duration;
