@@ -9,7 +9,7 @@
 //! serves, and logs with `tracing` on standard error (`CXLKV_LOG`, default
 //! `info` for this command). SIGTERM or SIGINT stop it gracefully: no new
 //! requests, the journal committed and checkpointed, the locks released; a
-//! second signal, or [`STOP_DEADLINE`], cuts that stop short (`signals.rs`).
+//! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start (another
 //! manager holds the state directory or a pool, a corrupt state, a foreign
 //! pool) or when its journal fails while serving (fail-stop; a restart

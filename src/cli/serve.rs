@@ -10,10 +10,10 @@
 //! SIGTERM or SIGINT stop it gracefully: every connection closed (sessions
 //! end, pins released), region frees in flight waited for, the embedded pool
 //! manager's journal committed and checkpointed, the socket file removed; a
-//! second signal, or [`STOP_DEADLINE`](super::signals::STOP_DEADLINE), cuts
-//! that stop short (`signals.rs`). It exits non-zero, naming the reason,
-//! when it cannot start, when its stop was cut short, or when its embedded
-//! pool manager fails while serving (a restart recovers).
+//! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
+//! It exits non-zero, naming the reason, when it cannot start, when its stop
+//! was cut short, or when its embedded pool manager fails while serving (a
+//! restart recovers).
 
 use std::path::PathBuf;
 use std::time::Duration;
