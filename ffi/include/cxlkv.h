@@ -29,7 +29,7 @@
 #define CXLKV_ABI_VERSION_MAJOR 0
 
 // Bumped when functions, fields or statuses are added.
-#define CXLKV_ABI_VERSION_MINOR 1
+#define CXLKV_ABI_VERSION_MINOR 2
 
 // Map every region of other instances at connect, so that first reads of
 // them do not map.
@@ -42,7 +42,9 @@
 // Most entries of `cxlkv_config.pool_paths`.
 #define CXLKV_MAX_POOL_PATHS 64
 
-
+// Most read holds one call takes or releases per key; larger counts are
+// clamped to it, and 0 to 1.
+#define CXLKV_TIER_MAX_HOLDS 128
 
 // Status of a call. Numbers are stable, never reused. Ranges: 0 success;
 // 1-99 the call's arguments, the library and the connection; 100-199 the
@@ -92,6 +94,9 @@ enum cxlkv_status
     CXLKV_STATUS_POOL = 30,
     // A region could not be mapped, or the client's region tables are full.
     CXLKV_STATUS_MAP = 31,
+    // The lease's region is no longer this instance's (the directory
+    // refused it when the client reattached): its page cannot be written.
+    CXLKV_STATUS_REGION_REVOKED = 32,
     // The server's reply was malformed or of an unexpected kind.
     CXLKV_STATUS_PROTOCOL = 40,
     // No answer after every retry.
@@ -778,8 +783,9 @@ cxlkv_status cxlkv_layout_options_init(struct cxlkv_layout_options *options, uin
 //
 // `config->map_callbacks` (if set) are told of every region this client
 // maps or unmaps, from the first one on; they must stay callable, and
-// their `user_data` valid, until `cxlkv_close` returned and every view and
-// lease of the client was released.
+// their `user_data` valid, until `cxlkv_close` returned and every handle
+// made from the client (layouts, tiers, map observers, views, leases) was
+// freed: the regions are unmapped when the last of them goes.
 //
 // # Safety
 //
@@ -793,8 +799,11 @@ cxlkv_status cxlkv_connect(const struct cxlkv_config *config, struct cxlkv_clien
 // unpins are sent first; the directory releases the session's pins; the
 // instance's keys stay. Layouts of this client fail with
 // `CXLKV_STATUS_CLOSED` afterwards (free them with `cxlkv_layout_close`);
-// views and leases stay valid until released. The handle is freed even
-// when the status reports that the final unpins could not be sent.
+// views and leases stay mapped until released, but views are no longer
+// pinned: another client may delete a view's key and its page be reused.
+// Release views first, or copy out what must outlive the close. The
+// handle is freed even when the status reports that the final unpins
+// could not be sent.
 //
 // # Safety
 //
@@ -1014,7 +1023,10 @@ cxlkv_status cxlkv_register(const struct cxlkv_layout *layout,
 // `CXLKV_STATUS_INDETERMINATE` — stays reserved until the client learns
 // the outcome in the background. A handle that is not a live lease makes
 // the call fail with `CXLKV_STATUS_BAD_HANDLE` (the valid ones are still
-// consumed).
+// consumed); so does a batch over the limit (`CXLKV_STATUS_BATCH_TOO_LARGE`).
+// Only an array the library cannot read consumes nothing: `leases` NULL
+// (with `n > 0`) or misaligned (`CXLKV_STATUS_INVALID_ARGUMENT` naming
+// `leases`), or `n` above the most handles a process can hold (2^24 − 1).
 //
 // # Safety
 //

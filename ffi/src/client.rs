@@ -3,7 +3,9 @@
 //! A `cxlkv_client *` is a [`Client`]; layouts opened from it keep the
 //! session alive (they hold clones), so `cxlkv_close` ends the session for
 //! all of them: their later calls fail with `CXLKV_STATUS_CLOSED`, while
-//! views and leases still alive keep their mappings until released.
+//! views and leases still alive keep their mappings until released (but
+//! not their pins: the session that held them has ended). The regions stay
+//! mapped until the last handle made from the client is freed.
 
 use std::ffi::c_char;
 use std::mem::size_of;
@@ -95,8 +97,9 @@ impl MapObserver for CMapObserver {
 ///
 /// `config->map_callbacks` (if set) are told of every region this client
 /// maps or unmaps, from the first one on; they must stay callable, and
-/// their `user_data` valid, until `cxlkv_close` returned and every view and
-/// lease of the client was released.
+/// their `user_data` valid, until `cxlkv_close` returned and every handle
+/// made from the client (layouts, tiers, map observers, views, leases) was
+/// freed: the regions are unmapped when the last of them goes.
 ///
 /// # Safety
 ///
@@ -127,8 +130,11 @@ pub unsafe extern "C" fn cxlkv_connect(
 /// unpins are sent first; the directory releases the session's pins; the
 /// instance's keys stay. Layouts of this client fail with
 /// `CXLKV_STATUS_CLOSED` afterwards (free them with `cxlkv_layout_close`);
-/// views and leases stay valid until released. The handle is freed even
-/// when the status reports that the final unpins could not be sent.
+/// views and leases stay mapped until released, but views are no longer
+/// pinned: another client may delete a view's key and its page be reused.
+/// Release views first, or copy out what must outlive the close. The
+/// handle is freed even when the status reports that the final unpins
+/// could not be sent.
 ///
 /// # Safety
 ///

@@ -13,11 +13,16 @@
 //! a handle of another type (wrong tag); any value that is not a token (bad
 //! tag or slot). What it cannot detect: a garbage value that happens to
 //! equal a live token of the right type (it must match an 8-bit tag, a slot
-//! and a 32-bit generation), or a token used after its slot's generation
-//! wrapped around (2^32 frees of one slot).
+//! and a 32-bit generation).
 //!
 //! Slots are reused (free list), so the registry's memory is bounded by the
-//! number of live handles, at most [`MAX_HANDLES`] per type.
+//! number of live handles, at most [`MAX_HANDLES`] per type. A slot whose
+//! generation reached `u32::MAX` is retired instead of reused, so that a
+//! generation never wraps: the free list is a stack, and an engine that
+//! takes and releases one view in a loop reuses the same slot every time —
+//! at ten million a second it would wrap in seven minutes, and a stale copy
+//! of a released handle would then name the new one. A retired slot costs
+//! 16 bytes once per 2^32 frees.
 
 use std::fmt;
 use std::sync::Arc;
@@ -155,6 +160,8 @@ impl<T> Registry<T> {
         for value in values {
             let ix = match slots.free.pop() {
                 Some(ix) => ix,
+                // Retired slots count against the slot field's range too.
+                None if slots.entries.len() >= MAX_HANDLES => return Err(self.full()),
                 None => {
                     slots.entries.push(Slot {
                         generation: 1,
@@ -229,10 +236,13 @@ impl<T> Registry<T> {
             && slot.generation == generation
             && let Some(value) = slot.value.take()
         {
-            // Generation 0 is skipped so that a wrapped counter still never
-            // matches a zeroed field.
-            slot.generation = slot.generation.wrapping_add(1).max(1);
-            slots.free.push(ix);
+            // At the last generation the slot is retired (module docs): its
+            // tokens, the freed one included, never name anything again.
+            let next = slot.generation.checked_add(1);
+            if let Some(next) = next {
+                slot.generation = next;
+                slots.free.push(ix);
+            }
             slots.live -= 1;
             return Ok(value);
         }
@@ -262,6 +272,25 @@ mod tests {
         assert!(e.message.contains("already freed"), "{e}");
         assert!(r.remove(a, "a").is_err(), "double free refused");
         assert_eq!(*r.get(b, "b").unwrap(), 2);
+        assert_eq!(r.live(), 1);
+    }
+
+    #[test]
+    fn a_slot_at_its_last_generation_is_retired_so_a_generation_never_wraps() {
+        let r: Registry<u32> = Registry::new(Tag::Guard);
+        let a = r.insert(1).unwrap();
+        r.slots.write().entries[0].generation = u32::MAX;
+        let last = token(Tag::Guard, 0, u32::MAX);
+        assert_eq!(*r.remove(last, "last").unwrap(), 1);
+        let b = r.insert(2).unwrap();
+        assert_eq!(decode(b).map(|(_, slot, _)| slot), Some(1), "a new slot");
+        for stale in [a, last] {
+            let e = r.get(stale, "stale").unwrap_err();
+            assert_eq!(e.status, cxlkv_status::CXLKV_STATUS_BAD_HANDLE);
+        }
+        // A wrapped generation would have been 0 or 1 on slot 0: neither
+        // names anything.
+        assert!(r.get(token(Tag::Guard, 0, 1), "wrapped").is_err());
         assert_eq!(r.live(), 1);
     }
 

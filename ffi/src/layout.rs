@@ -20,7 +20,7 @@ use crate::args::{self, Out, OutSlice, Versioned, cxlkv_bytes};
 use crate::boundary::call;
 use crate::client::{self, cxlkv_client};
 use crate::config::{self, cxlkv_layout_options};
-use crate::handle::{Registry, Tag, to_ptr};
+use crate::handle::{MAX_HANDLES, Registry, Tag, to_ptr};
 use crate::status::{FfiError, cxlkv_status};
 
 /// A layout (page size + fingerprint) of a client (opaque).
@@ -469,7 +469,10 @@ pub unsafe extern "C" fn cxlkv_register(
 /// `CXLKV_STATUS_INDETERMINATE` — stays reserved until the client learns
 /// the outcome in the background. A handle that is not a live lease makes
 /// the call fail with `CXLKV_STATUS_BAD_HANDLE` (the valid ones are still
-/// consumed).
+/// consumed); so does a batch over the limit (`CXLKV_STATUS_BATCH_TOO_LARGE`).
+/// Only an array the library cannot read consumes nothing: `leases` NULL
+/// (with `n > 0`) or misaligned (`CXLKV_STATUS_INVALID_ARGUMENT` naming
+/// `leases`), or `n` above the most handles a process can hold (2^24 − 1).
 ///
 /// # Safety
 ///
@@ -502,11 +505,16 @@ unsafe fn batch_register(
     out_results: *mut cxlkv_register_result,
 ) -> cxlkv_status {
     call(name, || {
-        args::batch_len(n)?;
-        // The leases first: they are consumed whatever fails later.
+        // The leases first: they are consumed whatever fails later, a batch
+        // over the limit included. Only an `n` above the live leases a
+        // process can hold is refused before the array is read.
+        if n > MAX_HANDLES {
+            args::batch_len(n)?;
+        }
         // SAFETY: passed on to the caller.
         let handles = unsafe { args::slice(leases, n, "leases") }?;
         let taken = take_leases(handles);
+        args::batch_len(n)?;
         // SAFETY: passed on to the caller.
         let keys = unsafe { args::keys(keys, n) }?;
         // SAFETY: passed on to the caller.

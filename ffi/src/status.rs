@@ -70,6 +70,9 @@ pub enum cxlkv_status {
     CXLKV_STATUS_POOL = 30,
     /// A region could not be mapped, or the client's region tables are full.
     CXLKV_STATUS_MAP = 31,
+    /// The lease's region is no longer this instance's (the directory
+    /// refused it when the client reattached): its page cannot be written.
+    CXLKV_STATUS_REGION_REVOKED = 32,
     /// The server's reply was malformed or of an unexpected kind.
     CXLKV_STATUS_PROTOCOL = 40,
     /// No answer after every retry.
@@ -152,6 +155,7 @@ pub(crate) const ALL_STATUSES: &[cxlkv_status] = &[
     S::CXLKV_STATUS_QUOTA_EXCEEDED,
     S::CXLKV_STATUS_POOL,
     S::CXLKV_STATUS_MAP,
+    S::CXLKV_STATUS_REGION_REVOKED,
     S::CXLKV_STATUS_PROTOCOL,
     S::CXLKV_STATUS_UNANSWERED,
     S::CXLKV_STATUS_INDETERMINATE,
@@ -231,6 +235,7 @@ impl cxlkv_status {
             S::CXLKV_STATUS_QUOTA_EXCEEDED => b"QUOTA_EXCEEDED\0",
             S::CXLKV_STATUS_POOL => b"POOL\0",
             S::CXLKV_STATUS_MAP => b"MAP\0",
+            S::CXLKV_STATUS_REGION_REVOKED => b"REGION_REVOKED\0",
             S::CXLKV_STATUS_PROTOCOL => b"PROTOCOL\0",
             S::CXLKV_STATUS_UNANSWERED => b"UNANSWERED\0",
             S::CXLKV_STATUS_INDETERMINATE => b"INDETERMINATE\0",
@@ -369,6 +374,7 @@ pub(crate) fn client_status(e: &ClientError) -> cxlkv_status {
         | ClientError::Map(_)
         | ClientError::Allocator(_)
         | ClientError::RegionTableFull { .. } => S::CXLKV_STATUS_MAP,
+        ClientError::RegionRevoked { .. } => S::CXLKV_STATUS_REGION_REVOKED,
         ClientError::Server { code, .. } => cxlkv_status::from_server_code(*code),
         ClientError::BadReply { .. } | ClientError::UnexpectedReply { .. } => {
             S::CXLKV_STATUS_PROTOCOL
@@ -392,6 +398,14 @@ mod tests {
         for pair in ALL_STATUSES.windows(2) {
             assert!((pair[0] as i32) < (pair[1] as i32), "{pair:?}");
         }
+    }
+
+    #[test]
+    fn a_lease_in_a_revoked_region_has_a_status_of_its_own() {
+        let e = ClientError::RegionRevoked {
+            region: cxlkv_dataplane::ids::RegionId(7),
+        };
+        assert_eq!(client_status(&e), S::CXLKV_STATUS_REGION_REVOKED);
     }
 
     #[test]

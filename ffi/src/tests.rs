@@ -292,6 +292,89 @@ fn batch_register_consumes_every_lease_even_when_one_handle_is_bad() {
 }
 
 #[test]
+fn batch_register_over_the_batch_limit_still_consumes_every_lease() {
+    let fx = Fixture::new("ffi-consume-big");
+    let (client, layout) = fx.connect();
+    // A small page size, so that a batch over the limit fits the pool.
+    let mut small = std::ptr::null_mut();
+    // SAFETY: NULL options, live out slot.
+    ok(unsafe { cxlkv_layout_open(client, 4096, FINGERPRINT + 1, std::ptr::null(), &mut small) });
+    let n = cxlkv_controlplane::proto::MAX_BATCH + 1;
+    let mut leases = vec![std::ptr::null_mut(); n];
+    let half = n / 2;
+    // SAFETY: out slots for `half` and `n - half` handles.
+    ok(unsafe { cxlkv_batch_alloc(small, half, leases.as_mut_ptr()) });
+    // SAFETY: as above.
+    ok(unsafe { cxlkv_batch_alloc(small, n - half, leases[half..].as_mut_ptr()) });
+    assert_eq!(crate::layout::live_leases(), n);
+    let names: Vec<Vec<u8>> = (0..n).map(|i| format!("big{i}").into_bytes()).collect();
+    let keys: Vec<cxlkv_bytes> = names.iter().map(|k| bytes(k)).collect();
+    let mut results = vec![MaybeUninit::<cxlkv_register_result>::uninit(); n];
+    // SAFETY: n keys, n lease handles, n result slots.
+    let s = unsafe {
+        cxlkv_batch_register(
+            small,
+            keys.as_ptr(),
+            leases.as_ptr(),
+            n,
+            results.as_mut_ptr().cast(),
+        )
+    };
+    assert_eq!(s, CXLKV_STATUS_BATCH_TOO_LARGE);
+    assert_eq!(crate::layout::live_leases(), 0, "every lease consumed");
+    assert_eq!(
+        cxlkv_lease_abort(leases[0]),
+        CXLKV_STATUS_BAD_HANDLE,
+        "a consumed handle is freed"
+    );
+    ok(cxlkv_layout_close(small));
+    close(client, layout);
+}
+
+#[test]
+fn a_view_outliving_its_closed_client_stays_mapped_but_not_pinned() {
+    let fx = Fixture::new("ffi-close-unpins");
+    let (client, layout) = fx.connect();
+    let (other, other_layout) = fx.connect();
+    let value = vec![7u8; 3000];
+    let mut r = MaybeUninit::<cxlkv_register_result>::uninit();
+    // SAFETY: one key, one value, one result slot.
+    ok(unsafe {
+        cxlkv_put(
+            layout,
+            b"kept".as_ptr(),
+            4,
+            value.as_ptr(),
+            value.len(),
+            r.as_mut_ptr(),
+        )
+    });
+    let mut view = MaybeUninit::<cxlkv_view>::uninit();
+    // SAFETY: one key, one view slot.
+    ok(unsafe { cxlkv_get(other_layout, b"kept".as_ptr(), 4, view.as_mut_ptr()) });
+    // SAFETY: written by the call.
+    let mut view = unsafe { view.assume_init() };
+    // SAFETY: a handle (checked).
+    ok(unsafe { cxlkv_close(other) });
+    // SAFETY: the view is not released: its mapping lives.
+    let got = unsafe { std::slice::from_raw_parts(view.data, view.len_bytes as usize) };
+    assert_eq!(got, &value[..], "still mapped");
+    let mut del = MaybeUninit::<cxlkv_delete_result>::uninit();
+    // SAFETY: one key, one slot.
+    ok(unsafe { cxlkv_delete(layout, b"kept".as_ptr(), 4, del.as_mut_ptr()) });
+    assert_eq!(
+        // SAFETY: written by the call.
+        unsafe { del.assume_init() }.outcome,
+        cxlkv_delete_outcome::CXLKV_DELETE_DELETED,
+        "the closed session's pin is gone (docs: release views before closing)"
+    );
+    // SAFETY: a live view.
+    ok(unsafe { cxlkv_release(&mut view) });
+    ok(cxlkv_layout_close(other_layout));
+    close(client, layout);
+}
+
+#[test]
 fn bad_handles_and_arguments_give_statuses_not_crashes() {
     let fx = Fixture::new("ffi-bad");
     let (client, layout) = fx.connect();
@@ -422,7 +505,12 @@ fn map_callbacks_see_each_region_mapped_and_unmapped_once() {
         1,
         "the initial reservation's region"
     );
-    close(client, layout);
+    // The client first: the layout handle keeps the region mapped, so the
+    // callbacks must outlive `cxlkv_close` (as the header says).
+    // SAFETY: a handle (checked).
+    ok(unsafe { cxlkv_close(client) });
+    assert_eq!(UNMAPPED.load(Ordering::SeqCst), 0, "still mapped");
+    ok(cxlkv_layout_close(layout));
     assert_eq!(UNMAPPED.load(Ordering::SeqCst), 1);
 }
 

@@ -54,7 +54,10 @@ fn tier(handle: *const cxlkv_tier) -> Result<Arc<L1Tier>, FfiError> {
 
 /// Most read holds one call takes or releases per key; larger counts are
 /// clamped to it, and 0 to 1.
-pub const CXLKV_TIER_MAX_HOLDS: u32 = Holds::MAX;
+pub const CXLKV_TIER_MAX_HOLDS: u32 = 128;
+// A literal above, so that cbindgen writes it into the header (it cannot
+// evaluate `Holds::MAX`); this keeps the two equal.
+const _: () = assert!(CXLKV_TIER_MAX_HOLDS == Holds::MAX);
 
 /// Per-key result of a tier operation (the reference's names; stable
 /// numbers).

@@ -47,6 +47,7 @@ class Status(enum.IntEnum):
     QUOTA_EXCEEDED = 21
     POOL = 30
     MAP = 31
+    REGION_REVOKED = 32
     PROTOCOL = 40
     UNANSWERED = 41
     INDETERMINATE = 42
@@ -166,6 +167,7 @@ _BY_STATUS = {
     Status.CHUNK_LENGTH: ArgumentError,
     Status.FOREIGN_LEASE: ArgumentError,
     Status.BAD_HANDLE: HandleError,
+    Status.REGION_REVOKED: HandleError,
     Status.CLOSED: ClosedError,
     Status.TOO_MANY_HANDLES: CapacityError,
     Status.TOO_MANY_LAYOUTS: CapacityError,

@@ -6,8 +6,10 @@
 // with the status and the library's message.
 //
 // Lifetimes: a View or Lease may outlive its Layout and Client (the library
-// keeps the mapping alive); a Layout whose Client was destroyed fails its
-// calls with CXLKV_STATUS_CLOSED.
+// keeps the mapping alive), but a View outliving its Client is no longer
+// pinned: another client may delete the key and its page be reused, so
+// destroy Views before their Client. A Layout whose Client was destroyed
+// fails its calls with CXLKV_STATUS_CLOSED.
 #pragma once
 
 #include <cxlkv.h>
@@ -148,9 +150,15 @@ class Layout {
         return out;
     }
 
-    // Registers written leases; every lease is consumed, whatever happens.
+    // Registers written leases (one per key); every lease is consumed,
+    // whatever happens — except when the counts differ, which throws
+    // std::invalid_argument before anything is passed on.
     std::vector<cxlkv_register_result> register_leases(const std::vector<std::string> &keys,
                                                        std::vector<Lease> &&leases) {
+        if (keys.size() != leases.size()) {
+            throw std::invalid_argument("cxlkv register_leases: " + std::to_string(keys.size()) +
+                                        " keys but " + std::to_string(leases.size()) + " leases");
+        }
         std::vector<cxlkv_lease *> raw;
         raw.reserve(leases.size());
         std::vector<cxlkv_register_result> out(keys.size());
@@ -164,8 +172,13 @@ class Layout {
         return out;
     }
 
+    // One value per key (else std::invalid_argument).
     std::vector<cxlkv_register_result> put(const std::vector<std::string> &keys,
                                            const std::vector<std::string_view> &values) {
+        if (keys.size() != values.size()) {
+            throw std::invalid_argument("cxlkv put: " + std::to_string(keys.size()) +
+                                        " keys but " + std::to_string(values.size()) + " values");
+        }
         std::vector<cxlkv_bytes> k = bytes(keys);
         std::vector<cxlkv_bytes> v;
         v.reserve(values.size());

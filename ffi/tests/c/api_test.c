@@ -632,6 +632,7 @@ static void test_tier(cxlkv_layout *layout) {
     CHECK(pages[0].code == CXLKV_TIER_SUCCESS && pages[0].data[0] == 'C');
     CHECK(heard.calls[4] == 1 && heard.calls[3] == 1); /* a promote never write_finished */
 
+    CHECK(CXLKV_TIER_MAX_HOLDS == 128); /* the header declares the bound */
     /* Read: two holds on a retained key; unsafe_read shares the page. */
     OK(cxlkv_tier_reserve_read(tier, keys, 4, 2, pages));
     CHECK(pages[0].code == CXLKV_TIER_SUCCESS && pages[0].data[2999] == 'A');
