@@ -8,13 +8,14 @@
 #![cfg(feature = "fault-injection")]
 
 mod client_support;
+mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use client_support::*;
-use cxlkv::client::{Client, DeleteOutcome, RegisterOutcome};
+use cxlkv::client::{Client, DeleteOutcome, LayoutOptions, RegisterOutcome};
 use cxlkv::server::Server;
 use cxlkv_controlplane::proto::Kind;
 use cxlkv_controlplane::transport::fault::{
@@ -395,4 +396,231 @@ fn an_instance_whose_first_region_grant_was_lost_in_a_directory_restart_reattach
     );
     assert_eq!(after.per_pool[0].estimated_free_bytes, baseline_free_bytes);
     last.shutdown().unwrap();
+}
+
+/// A restarted directory answers the first `Reattach` with `resumed: false`
+/// (it recovered the instance from the pool manager). When that answer is
+/// lost, the retry finds the instance already recovered and answers
+/// `resumed: true` — but with a new `directory_epoch`. The client takes the
+/// new epoch for the restart it is and registers its keys again: without
+/// that, every key it owned would be gone from the index for good.
+#[test]
+fn a_restart_whose_first_reattach_reply_was_lost_is_still_seen_and_keys_registered_again() {
+    let mut cfg = server_config("faults-lost-reattach");
+    cfg.remove_pool_on_shutdown = false;
+    cfg.directory.session_lease = Duration::from_secs(30);
+    cfg.directory.instance_grace = Duration::from_secs(30);
+    let _cleanup = RemoveOnDrop(server_files(&cfg));
+    let server = Server::start(cfg.clone()).unwrap();
+    let mut client_cfg = client_config(&server);
+    client_cfg.request_timeout_ms = 300;
+    client_cfg.reconnect_timeout_ms = 20_000;
+    let client = Client::connect(client_cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let value = chunk(3, 2000);
+    layout.put(b"owned", &value).unwrap();
+    server.shutdown().unwrap();
+
+    let script =
+        FaultScript::new().drop_reply(ReplyMatch::request_kind(Kind::Reattach.as_u16()).nth(1));
+    let restarted = Server::start_with_faults(cfg.clone(), Box::new(script.clone())).unwrap();
+    assert!(
+        layout.exists(b"owned").unwrap(),
+        "registered again after the reattach"
+    );
+    assert_eq!(script.fired(0), 1, "the first reattach reply was lost");
+    assert_eq!(client.stats().directory_restarts, 1);
+    assert_eq!(&layout.get(b"owned").unwrap().unwrap()[..], &value[..]);
+    drop(layout);
+    drop(client);
+    restarted.shutdown().unwrap();
+    cfg.remove_pool_on_shutdown = true;
+    Server::start(cfg).unwrap().shutdown().unwrap();
+}
+
+/// Drops every `ReturnRegion` reply: the directory frees the region, the
+/// client never learns it.
+struct DropReturnReplies;
+
+impl FaultPlan for DropReturnReplies {
+    fn on_reply(&mut self, reply: &ReplyInfo) -> ReplyFault {
+        if reply.request_kind == Some(Kind::ReturnRegion.as_u16()) {
+            ReplyFault::Drop
+        } else {
+            ReplyFault::Deliver
+        }
+    }
+}
+
+/// An idle region's return that ran at the directory but whose answer was
+/// lost must not be put back in use: the directory freed the region, and
+/// the pool manager may grant it to another instance. The client retires
+/// it (never written again) and takes a new region when it needs one.
+#[test]
+fn an_idle_region_whose_return_had_no_answer_is_retired_not_reused() {
+    let server = Server::start_with_faults(
+        server_config("faults-lost-return"),
+        Box::new(DropReturnReplies),
+    )
+    .unwrap();
+    let mut cfg = client_config(&server);
+    cfg.idle_region_return_ms = 50;
+    cfg.request_timeout_ms = 100;
+    cfg.max_retries = 1;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client
+        .layout_with(
+            PAGE,
+            FINGERPRINT,
+            LayoutOptions {
+                initial_reservation_bytes: 4 << 20,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            },
+        )
+        .unwrap();
+    let items: Vec<(Vec<u8>, Vec<u8>)> = (0..100).map(|i| (key(i), chunk(i, 64))).collect();
+    layout.batch_put(&items).unwrap();
+    assert_eq!(layout.region_bytes(), 8 << 20);
+    let keys: Vec<&[u8]> = items.iter().map(|(k, _)| k.as_slice()).collect();
+    layout.batch_delete(&keys).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || client.stats().regions_retired
+            == 1),
+        "{:?}",
+        client.stats()
+    );
+    let stats = client.stats();
+    assert_eq!(stats.regions_returned, 0, "{stats:?}");
+    assert_eq!(server.directory_stats().unwrap().regions, 1, "it was freed");
+    assert_eq!(layout.region_bytes(), 4 << 20, "not put back");
+    // Needing the room again takes a new region from the directory.
+    layout.batch_put(&items).unwrap();
+    assert_eq!(client.stats().regions_acquired, stats.regions_acquired + 1);
+    assert_eq!(server.directory_stats().unwrap().regions, 2);
+}
+
+/// Parks a registration (its replies dropped), then cuts the client off
+/// (every request, reattach included, reset) while armed.
+struct ParkThenPartition {
+    drop_register: Arc<std::sync::atomic::AtomicBool>,
+    partition: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FaultPlan for ParkThenPartition {
+    fn on_request(&mut self, _req: &RequestInfo) -> RequestFault {
+        if self.partition.load(Ordering::Relaxed) {
+            RequestFault::Reset
+        } else {
+            RequestFault::Deliver
+        }
+    }
+    fn on_reply(&mut self, reply: &ReplyInfo) -> ReplyFault {
+        if reply.request_kind == Some(Kind::Register.as_u16())
+            && self.drop_register.load(Ordering::Relaxed)
+        {
+            ReplyFault::Drop
+        } else {
+            ReplyFault::Deliver
+        }
+    }
+}
+
+/// A registration whose outcome is unknown is parked with its pages
+/// reserved: it may have registered its keys. Its retries in the background
+/// can fail for reasons that say nothing about that first attempt — here
+/// the server cannot be reached at all — and must leave the pages
+/// reserved; freed, they would be handed to the next write while the
+/// directory still names them for the parked keys.
+#[test]
+fn a_parked_registration_keeps_its_pages_through_a_partition() {
+    let drop_register = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let partition = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let plan = ParkThenPartition {
+        drop_register: Arc::clone(&drop_register),
+        partition: Arc::clone(&partition),
+    };
+    let mut server_cfg = server_config("faults-park-partition");
+    server_cfg.directory.session_lease = Duration::from_secs(30);
+    server_cfg.directory.instance_grace = Duration::from_secs(30);
+    let server = Server::start_with_faults(server_cfg, Box::new(plan)).unwrap();
+    let mut cfg = client_config(&server);
+    cfg.request_timeout_ms = 100;
+    cfg.max_retries = 1;
+    cfg.reconnect_timeout_ms = 300;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let parked = chunk(9, 3000);
+
+    drop_register.store(true, Ordering::Relaxed);
+    assert!(layout.put(b"parked", &parked).is_err(), "no answer: parked");
+    assert!(client.stats().registers_unresolved >= 1);
+    // The registration ran at the directory; its answer never arrives.
+    assert!(layout.exists(b"parked").unwrap());
+
+    partition.store(true, Ordering::Relaxed);
+    drop_register.store(false, Ordering::Relaxed);
+    // Long enough for several background retries (a tick is 100 ms), each
+    // finding no server within its 300 ms to reconnect.
+    std::thread::sleep(Duration::from_millis(1500));
+    partition.store(false, Ordering::Relaxed);
+
+    // New writes after the partition must not land on the parked page.
+    for i in 0..16 {
+        layout.put(key(i), &chunk(100 + i, 3000)).unwrap();
+    }
+    let read = layout.get(b"parked").unwrap().unwrap();
+    assert!(
+        read[..] == parked[..],
+        "the parked key's page was handed to another write"
+    );
+}
+
+/// A view whose session ended keeps reading its page; the reattach takes
+/// its pin again only if the key still lives there. Here, before the
+/// reattach, another client deletes the key (its pin died with the
+/// session) and writes it again in a page of its own: the view reads a
+/// page that is no longer the key's, so it is counted invalidated, and the
+/// pin the reattach took on the key's new page is given back.
+#[test]
+fn a_reattach_does_not_pin_a_key_that_moved_for_a_view_of_its_old_page() {
+    let server = start_server("faults-moved");
+    let a = Client::connect(client_config(&server)).unwrap();
+    let b = Client::connect(client_config(&server)).unwrap();
+    let al = a.layout(PAGE, FINGERPRINT).unwrap();
+    let bl = b.layout(PAGE, FINGERPRINT).unwrap();
+    al.put(b"k", &chunk(1, 100)).unwrap();
+    let guard = al.get(b"k").unwrap().unwrap();
+
+    // An operator ends A's session: its pin goes, A does not know yet.
+    let mut admin = common::Raw::connect_unix(server.socket_path());
+    admin.hello("admin").0.unwrap();
+    let meta = admin.rw();
+    let ended: cxlkv_controlplane::proto::SessionEnded = admin
+        .call(&cxlkv_controlplane::proto::EndSession {
+            meta,
+            session_id: a.session_id().unwrap(),
+        })
+        .unwrap();
+    assert_eq!(ended.pins_released, 1);
+    assert_eq!(bl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+    assert_eq!(
+        bl.put(b"k", &chunk(2, 100)).unwrap(),
+        RegisterOutcome::Inserted
+    );
+
+    // A's next call reattaches and re-pins its live views.
+    assert!(al.exists(b"k").unwrap());
+    assert!(a.stats().reconnects >= 1);
+    assert_eq!(a.stats().views_invalidated, 1, "{:?}", a.stats());
+    a.flush_unpins().unwrap();
+    assert_eq!(
+        server.directory_stats().unwrap().pins,
+        0,
+        "no pin is held on the key's new page for a view of the old one"
+    );
+    drop(guard);
+    a.flush_unpins().unwrap();
+    assert_eq!(server.directory_stats().unwrap().pins, 0);
+    assert_eq!(&bl.get(b"k").unwrap().unwrap()[..], &chunk(2, 100)[..]);
 }

@@ -22,7 +22,9 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use cxlkv_controlplane::proto::{self, Layout, RegionGranted, RequestRegion, ReturnRegion};
+use cxlkv_controlplane::proto::{
+    self, ErrorCode, Layout, RegionGranted, RequestRegion, ReturnRegion,
+};
 use cxlkv_dataplane::backing::check_page_size;
 use cxlkv_dataplane::table::RegionTable;
 use parking_lot::Mutex;
@@ -37,6 +39,15 @@ use super::shared::Shared;
 
 /// Most regions one allocation call may add to its layout.
 const MAX_EXPANSIONS_PER_CALL: usize = 64;
+
+/// A `ReturnRegion` that did not succeed.
+#[derive(Debug)]
+pub(crate) struct ReturnFailed {
+    pub error: ClientError,
+    /// Whether the region certainly remains this instance's (the request
+    /// was refused or never sent), so that its pages may be used again.
+    pub still_ours: bool,
+}
 
 /// One layout's state, shared by its handles.
 #[derive(Debug)]
@@ -313,7 +324,7 @@ impl Shared {
     }
 
     /// Gives region `region` back (it must hold no key).
-    pub fn return_region(&self, region: u64) -> Result<(), ClientError> {
+    pub fn return_region(&self, region: u64) -> Result<(), ReturnFailed> {
         let mut req = ReturnRegion {
             meta: Default::default(),
             region,
@@ -324,7 +335,23 @@ impl Shared {
             &mut req,
             |_| Ok(()),
         )
-        .map_err(Fail::into_error)
+        .map_err(|fail| {
+            let still_ours = match &fail {
+                // Refused or never sent: nothing changed, unless the refusal
+                // says the region is not (or no longer) this instance's.
+                Fail::Definite(e) => !matches!(
+                    e.code(),
+                    Some(ErrorCode::UnknownRegion | ErrorCode::NotOwner)
+                ),
+                // It may have run: the directory may have freed the region
+                // and the pool manager granted it to someone else.
+                Fail::Indeterminate(_) | Fail::Void => false,
+            };
+            ReturnFailed {
+                error: fail.into_error(),
+                still_ours,
+            }
+        })
     }
 }
 

@@ -171,7 +171,11 @@ fn pick_idle_regions(
 }
 
 /// A region taken out for return is unreachable now: give it back if it is
-/// still entirely free and no lease holds it, else put it back.
+/// still entirely free and no lease holds it, else put it back. A return
+/// that may have run (its answer lost) or that the directory refused as not
+/// ours retires the region instead: the directory may have freed it and the
+/// pool manager granted it to another instance, whose pages we must never
+/// write.
 fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Arc<OwnedRegion>) {
     // Acquire: pairs with the Release that revokes a refused region (it is
     // no longer ours to return or to put back).
@@ -192,7 +196,23 @@ fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Ar
                 shared.retired.push(Arc::clone(&region.mapping));
                 return;
             }
-            Err(e) => tracing::debug!(region = %id, error = %e, "returning an idle region failed"),
+            Err(f) if f.still_ours => {
+                tracing::debug!(region = %id, error = %f.error, "returning an idle region failed");
+            }
+            Err(f) => {
+                tracing::warn!(
+                    region = %id,
+                    error = %f.error,
+                    "returning an idle region had no certain outcome: retiring it (never written again)"
+                );
+                // Relaxed: a gauge.
+                shared
+                    .owned_bytes
+                    .fetch_sub(region.desc.len_bytes, Ordering::Relaxed);
+                shared.stats.bump(&shared.stats.regions_retired);
+                shared.retired.push(Arc::clone(&region.mapping));
+                return;
+            }
         }
     }
     region.idle_since_ms.store(0, Ordering::Relaxed);

@@ -137,6 +137,29 @@ pub(crate) struct PinLedger {
     /// one session's pins on one key are interchangeable, so such an unpin
     /// would release the pin of a newer view of the same key.
     pub orphans: PinCounts,
+    /// Where the views counted in `held` read, per key. All of a key's
+    /// pinned views read one location (a pinned key cannot be deleted, so
+    /// it cannot move); a reattach compares it with where the key is now,
+    /// since between the old session's end and the new pins the key may
+    /// have been deleted and written again elsewhere. An entry may outlive
+    /// its key's count; the next count overwrites it, a reattach prunes it.
+    pub at: HashMap<(u32, Box<[u8]>), Location>,
+}
+
+impl PinLedger {
+    /// Counts `n` pins the current session took for views of `key` that
+    /// read `location`.
+    pub fn count(&mut self, layout_ix: u32, key: &[u8], n: u32, location: Location) {
+        let k = (layout_ix, Box::<[u8]>::from(key));
+        *self.held.entry(k.clone()).or_insert(0) += n;
+        self.at.insert(k, location);
+    }
+
+    /// Forgets the locations of keys no view holds a pin on any more.
+    pub fn prune_locations(&mut self) {
+        let held = &self.held;
+        self.at.retain(|k, _| held.contains_key(k));
+    }
 }
 
 impl std::ops::Deref for PinLedger {

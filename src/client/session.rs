@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::frame::Frame;
 use cxlkv_controlplane::proto::{
-    self, ErrorCode, Hello, Lookup, LookupReply, Message, OwnedRegion as WireOwnedRegion,
+    self, ErrorCode, Hello, Location, Lookup, LookupReply, Message, OwnedRegion as WireOwnedRegion,
     PROTOCOL_MAX, PROTOCOL_MIN, Reattach, Reattached, Register, RegisterEntry, RegisterOutcome,
     RegisterReply, RequestMeta, Welcome,
 };
@@ -310,7 +310,11 @@ impl Shared {
                 reason: "the server's pools changed across the reattach".into(),
             }));
         }
-        let old_conn_no = self.conn.lock().as_ref().map_or(0, |c| c.conn_no);
+        let (old_conn_no, old_epoch) = self
+            .conn
+            .lock()
+            .as_ref()
+            .map_or((0, None), |c| (c.conn_no, Some(c.directory_epoch)));
         let conn = Arc::new(Conn {
             rpc,
             conn_no: old_conn_no + 1,
@@ -327,7 +331,13 @@ impl Shared {
             tracing::warn!(regions = ?refused, "regions refused at reattach");
             self.drop_owned_regions(&refused);
         }
-        if !r.resumed {
+        // A restarted directory answers the first `Reattach` it gets with
+        // `resumed: false`. If that answer was lost, the retry finds the
+        // instance it recovered and says `resumed`; its new epoch still
+        // tells the restart (`directory_epoch` changes on every start,
+        // docs/protocol.md).
+        let restarted = !r.resumed || old_epoch.is_some_and(|e| e != r.welcome.directory_epoch);
+        if restarted {
             tracing::info!("the directory restarted; registering this instance's keys again");
             self.seqs.new_incarnation();
             self.reregister_pending.store(true, Ordering::Release);
@@ -453,19 +463,30 @@ impl Shared {
                     keys: batch.to_vec(),
                     pins: count,
                 };
-                let found: Vec<bool> = self
+                let now: Vec<Option<Location>> = self
                     .mutating_call::<_, LookupReply, _>("lookup", Mode::REATTACH, &mut msg, |r| {
-                        Ok(r.locations().map(|l| l.is_some()).collect())
+                        Ok(r.locations().collect())
                     })
                     .map_err(Fail::into_error)?;
-                for (key, found) in batch.iter().zip(found) {
+                for (key, now) in batch.iter().zip(now) {
                     #[cfg(test)]
-                    let found = found && !super::lookup::REPIN_FINDS_NOTHING.get();
+                    let now = now.filter(|_| !super::lookup::REPIN_FINDS_NOTHING.get());
                     let k = (ix, Box::<[u8]>::from(key.as_slice()));
+                    // Between the old session's end and these pins the key
+                    // may have been deleted, its page reused and the key
+                    // written again elsewhere: then the views read a page
+                    // that is no longer the key's, and the pins just taken
+                    // on the new location protect nothing of theirs.
+                    let moved = now.is_some() && pins.at.get(&k).is_some_and(|&at| now != Some(at));
+                    if moved {
+                        for _ in 0..count {
+                            self.unpins.push(ix, k.1.clone());
+                        }
+                    }
                     // Views whose pins are not taken again stay readable but
                     // unprotected; their drops must not release pins they no
                     // longer hold — nor those of newer views of the key.
-                    let lost = if !found {
+                    let lost = if now.is_none() || moved {
                         pins.remove(&k).unwrap_or(0)
                     } else if let Some(n) = pins.get_mut(&k)
                         && *n > max_pins
@@ -484,6 +505,7 @@ impl Shared {
                 }
             }
         }
+        pins.prune_locations();
         Ok(())
     }
 }

@@ -176,10 +176,8 @@ impl LayoutHandle {
         let raced = {
             let mut ledger = shared.live_pins.lock();
             for (key, location) in keys.iter().zip(&locations) {
-                if location.is_some() {
-                    *ledger
-                        .entry((self.state.ix, Box::from(key.as_ref())))
-                        .or_insert(0) += pins;
+                if let Some(location) = location {
+                    ledger.count(self.state.ix, key.as_ref(), pins, *location);
                 }
             }
             // Under the ledger lock: a reattach that replaces the

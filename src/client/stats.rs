@@ -54,6 +54,11 @@ counters!(
     regions_acquired,
     /// Idle regions given back.
     regions_returned,
+    /// Idle regions whose return had no certain outcome (or that the
+    /// directory no longer knew as ours): retired, never written again,
+    /// rather than put back in use — the directory may have freed them for
+    /// another instance.
+    regions_retired,
     /// Peer regions mapped.
     peer_regions_mapped,
     /// Peer regions unmapped to keep the cache bounded.

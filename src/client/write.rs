@@ -394,12 +394,20 @@ impl Shared {
             }
             match result {
                 Ok(()) => self.seqs.release(batch.ticket),
-                Err(Fail::Indeterminate(_)) => self.unresolved.lock().push(batch),
-                Err(_) => {
-                    // Refused as a whole: nothing registered; the leases
-                    // drop, freeing their pages.
+                Err(Fail::Definite(ClientError::Server { code, .. }))
+                    if refusal_of_the_request(code) =>
+                {
+                    // The directory evaluated this number afresh and refused
+                    // the batch: it never ran (a refusal does not consume a
+                    // number), so nothing registered; the leases drop,
+                    // freeing their pages.
                     self.seqs.release(batch.ticket);
                 }
+                // Anything else — a local failure before this retry was
+                // sent, a session or transient refusal — says nothing about
+                // the earlier attempt that parked the batch, which may have
+                // registered its keys: the pages stay reserved.
+                Err(_) => self.unresolved.lock().push(batch),
             }
         }
     }
@@ -408,6 +416,25 @@ impl Shared {
     pub fn unresolved_batches(&self) -> usize {
         self.unresolved.lock().len()
     }
+}
+
+/// Whether a refusal with `code` answers the request itself (the same
+/// request would have been refused the same way whenever it ran), rather
+/// than the session, the connection or the moment.
+fn refusal_of_the_request(code: u16) -> bool {
+    ErrorCode::from_u16(code).is_some_and(|c| {
+        !c.is_transient()
+            && !matches!(
+                c,
+                ErrorCode::SessionEnded
+                    | ErrorCode::HelloRequired
+                    | ErrorCode::Internal
+                    | ErrorCode::SequenceTooOld
+                    | ErrorCode::ReplyEvicted
+                    | ErrorCode::AuthenticationRequired
+                    | ErrorCode::AuthenticationFailed
+            )
+    })
 }
 
 fn same_page(a: &Location, b: &Location) -> bool {
