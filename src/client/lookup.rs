@@ -302,6 +302,113 @@ mod tests {
         assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
     }
 
+    /// Found by reading the reattach (session 17): it published the new
+    /// session before re-pinning the live views, so a view another thread
+    /// took on the new session in between was counted in the ledger and
+    /// then pinned again by the re-pin — one pin too many, held until the
+    /// session ends, so the key could not be deleted. The reattach now sets
+    /// the session up before publishing it: the other thread's lookup
+    /// waits for it.
+    #[test]
+    fn a_view_taken_while_a_reattach_sets_up_its_session_is_pinned_once() {
+        let mut cfg = ServerConfig::ephemeral("repin-race");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let connect = || {
+            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+            let opts = LayoutOptions {
+                initial_reservation_bytes: 0,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            };
+            let l = c.layout_with(4096, 7, opts).expect("a layout");
+            (c, l)
+        };
+        let (_writer, wl) = connect();
+        let (reader, rl) = connect();
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let held = rl.get(b"k").unwrap().expect("found");
+        let other = std::sync::Arc::new(parking_lot::Mutex::new(None));
+        let (rl2, other2) = (rl.clone(), std::sync::Arc::clone(&other));
+        crate::client::session::BEFORE_REPIN.set(Some(Box::new(move || {
+            let t = std::thread::spawn(move || rl2.get(b"k").unwrap().expect("found"));
+            // Long enough for the get to finish on a published session; it
+            // waits for the reattach (this thread) when there is none.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            *other2.lock() = Some(t);
+        })));
+        rl.shared().end_session("test: a reconnect");
+        let newer = other
+            .lock()
+            .take()
+            .expect("the fail point ran")
+            .join()
+            .unwrap();
+        assert_eq!(newer.bytes(), b"the writer's bytes");
+        drop(held);
+        drop(newer);
+        reader.flush_unpins().unwrap();
+        // The replaced session's pin goes when the server sees its
+        // connection close; nothing may be left on the current one.
+        let pins_held = || {
+            let stats = reader.directory_stats(proto::sections::INSTANCES).unwrap();
+            let row = stats
+                .instances
+                .iter()
+                .find(|r| r.instance_id == reader.instance_id());
+            row.map_or(0, |r| r.pins)
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pins_held() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(pins_held(), 0, "a pin outlived every view");
+        assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+    }
+
+    /// An unpin that cannot be delivered (here: no sequence number for it)
+    /// leaves its pin on a session that lives on: nothing else would
+    /// release it, and the key could not be deleted until the session
+    /// ended. The client ends the session instead; the pin goes with it.
+    #[test]
+    fn an_unpin_given_up_ends_its_session_so_the_pin_does_not_outlive_the_view() {
+        let mut cfg = ServerConfig::ephemeral("unpin-given-up");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let connect = || {
+            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+            let opts = LayoutOptions {
+                initial_reservation_bytes: 0,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            };
+            let l = c.layout_with(4096, 7, opts).expect("a layout");
+            (c, l)
+        };
+        let (_writer, wl) = connect();
+        let (reader, rl) = connect();
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let guard = rl.get(b"k").unwrap().expect("found");
+        crate::client::rpc::UNPIN_TICKETS_FAIL.set(true);
+        drop(guard);
+        reader.flush_unpins().unwrap();
+        crate::client::rpc::UNPIN_TICKETS_FAIL.set(false);
+        assert_eq!(reader.stats().unpins_dropped, 1);
+        // The next request reattaches; the old session's pin goes when the
+        // server sees its connection close.
+        assert!(rl.exists(b"k").unwrap());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut outcome = wl.delete(b"k").unwrap();
+        while outcome != DeleteOutcome::Deleted && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            outcome = wl.delete(b"k").unwrap();
+        }
+        assert_eq!(outcome, DeleteOutcome::Deleted, "the pin outlived its view");
+        assert!(reader.stats().reconnects >= 1);
+    }
+
     /// Found by `cxlkv chaos` (torn reads of held views after server
     /// restarts): a view whose pin could not be taken again after a
     /// reconnect, dropped after a newer view of the same key was taken,

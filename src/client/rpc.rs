@@ -208,7 +208,14 @@ impl Encoded {
 /// Unpins sent ahead of a request, awaiting their replies.
 pub(crate) struct InflightUnpins {
     conn_no: u64,
-    calls: Vec<(SeqTicket, Result<PendingCall, TransportError>, Encoded)>,
+    /// Per `Unpin` request: its number, its call, its encoding (for a
+    /// retry) and how many keys it names.
+    calls: Vec<(
+        SeqTicket,
+        Result<PendingCall, TransportError>,
+        Encoded,
+        usize,
+    )>,
 }
 
 fn backoff(attempt: u32) -> Duration {
@@ -506,9 +513,18 @@ impl Shared {
                 continue;
             };
             for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
-                let Ok(ticket) = self.ticket() else {
-                    self.stats
-                        .add(&self.stats.unpins_dropped, keys.len() as u64);
+                let ticket = self.ticket();
+                #[cfg(test)]
+                let ticket = ticket.and_then(|t| {
+                    if UNPIN_TICKETS_FAIL.get() {
+                        self.seqs.release(t);
+                        Err(Fail::Void)
+                    } else {
+                        Ok(t)
+                    }
+                });
+                let Ok(ticket) = ticket else {
+                    self.give_up_unpins(conn, keys.len());
                     continue;
                 };
                 let msg = proto::UnpinFrom {
@@ -523,6 +539,7 @@ impl Shared {
                 };
                 let Ok(encoded) = msg.encode() else {
                     self.seqs.release(ticket);
+                    self.give_up_unpins(conn, keys.len());
                     continue;
                 };
                 self.note_sent();
@@ -532,12 +549,12 @@ impl Shared {
                     self.request_timeout(),
                 );
                 self.stats.bump(&self.stats.unpin_batches);
-                calls.push((ticket, call, encoded));
+                calls.push((ticket, call, encoded, keys.len()));
             }
         }
         drop(layouts);
         self.unpins
-            .sent(n, calls.iter().map(|(ticket, _, _)| ticket.seq));
+            .sent(n, calls.iter().map(|(ticket, ..)| ticket.seq));
         drop(queue);
         Some(InflightUnpins {
             conn_no: conn.conn_no,
@@ -552,11 +569,12 @@ impl Shared {
     /// again for a live guard).
     pub fn finish_unpins(&self, conn: &Conn, inflight: InflightUnpins) {
         debug_assert_eq!(conn.conn_no, inflight.conn_no);
-        for (ticket, call, encoded) in inflight.calls {
+        for (ticket, call, encoded, keys) in inflight.calls {
             let mut attempts = 0;
             let mut call = call;
             loop {
                 let outcome = call.and_then(PendingCall::wait);
+                let mut answered = false;
                 let retry = match outcome {
                     Ok(reply) => {
                         let frame = Frame {
@@ -574,6 +592,7 @@ impl Shared {
                                     })
                                     .count();
                                 self.stats.add(&self.stats.unpins_not_held, not_held as u64);
+                                answered = true;
                                 false
                             }
                             Ok(Err(refusal)) => ErrorCode::from_u16(refusal.code.to_native())
@@ -586,8 +605,8 @@ impl Shared {
                 };
                 attempts += 1;
                 if !retry || attempts > self.cfg.max_retries || !conn.usable() {
-                    if retry || !conn.usable() {
-                        self.stats.bump(&self.stats.unpins_dropped);
+                    if !answered {
+                        self.give_up_unpins(conn, keys);
                     }
                     break;
                 }
@@ -600,6 +619,27 @@ impl Shared {
             }
             self.unpins.answered(ticket.seq);
             self.seqs.release(ticket);
+        }
+    }
+
+    /// `n` unpins for `conn`'s session that will not be answered (never
+    /// sent, refused, or unanswered after every retry). Their pins may
+    /// still be held, and nothing else would release them while the session
+    /// lives — the key could not be deleted until it ends. So the session
+    /// is ended (the connection marked dead): the next request reattaches,
+    /// the old session's pins go when the server sees its connection close,
+    /// and the live views are pinned again on the new one (the rule of a
+    /// pinning lookup whose answer was lost).
+    fn give_up_unpins(&self, conn: &Conn, n: usize) {
+        self.stats.add(&self.stats.unpins_dropped, n as u64);
+        if conn.usable() {
+            tracing::warn!(
+                unpins = n,
+                "unpins could not be delivered; ending the session to release their pins"
+            );
+            // Relaxed: a hint read by the next request, which reconnects
+            // under the reconnect lock.
+            conn.dead.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -646,4 +686,11 @@ impl Shared {
         }
         Ok(())
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test fail point: unpins sent from this thread get no sequence number
+    /// (as when the window is full), so they are never sent.
+    pub(crate) static UNPIN_TICKETS_FAIL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }

@@ -63,7 +63,7 @@ use super::error::ClientError;
 use super::index::IndexedKey;
 use super::pools::{self, Pool};
 use super::rpc::{Encoded, Fail, Mode};
-use super::shared::{Conn, Identity, Shared};
+use super::shared::{Conn, Identity, SettingUp, Shared};
 
 /// Why one reattach attempt failed.
 enum Attempt {
@@ -343,6 +343,25 @@ impl Shared {
             self.reregister_pending.store(true, Ordering::Release);
             self.stats.bump(&self.stats.directory_restarts);
         }
+        self.usage.store(r.welcome.meta.usage);
+        self.apply_notices(r.welcome.meta.notices.iter().copied());
+        // The session is set up before anyone else may use it (`SettingUp`):
+        // keys registered again, live views pinned again. If that fails,
+        // the connection is dropped unpublished (the server ends its
+        // session, and with it any pin taken) and the next attempt starts
+        // over.
+        {
+            let _setting_up = SettingUp::enter(self, Arc::clone(&conn));
+            if self.reregister_pending.load(Ordering::Acquire) {
+                self.reregister().map_err(Attempt::Retry)?;
+                self.reregister_pending.store(false, Ordering::Release);
+            }
+            #[cfg(test)]
+            if let Some(hook) = BEFORE_REPIN.take() {
+                hook();
+            }
+            self.repin().map_err(Attempt::Retry)?;
+        }
         {
             let mut current = self.conn.lock();
             if current.is_none() {
@@ -351,13 +370,7 @@ impl Shared {
             *current = Some(conn);
         }
         self.stats.bump(&self.stats.reconnects);
-        self.usage.store(r.welcome.meta.usage);
-        self.apply_notices(r.welcome.meta.notices.iter().copied());
-        if self.reregister_pending.load(Ordering::Acquire) {
-            self.reregister().map_err(Attempt::Retry)?;
-            self.reregister_pending.store(false, Ordering::Release);
-        }
-        self.repin().map_err(Attempt::Retry)
+        Ok(())
     }
 
     /// Registers every key of the index again (after a directory restart).
@@ -508,4 +521,12 @@ impl Shared {
         pins.prune_locations();
         Ok(())
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test fail point: runs on the reattaching thread once the new session
+    /// is set up but before its live views are pinned again.
+    pub(crate) static BEFORE_REPIN: std::cell::Cell<Option<Box<dyn FnOnce()>>> =
+        const { std::cell::Cell::new(None) };
 }

@@ -157,8 +157,13 @@ impl Shared {
         Duration::from_millis(self.cfg.request_timeout_ms)
     }
 
-    /// The current connection (it may have broken; requests find out).
+    /// The current connection (it may have broken; requests find out). On
+    /// a thread setting up a reattached session, that session's connection
+    /// (see [`SettingUp`]).
     pub fn conn(&self) -> Result<Arc<Conn>, ClientError> {
+        if let Some(c) = SettingUp::conn_for(self) {
+            return Ok(c);
+        }
         self.conn
             .lock()
             .as_ref()
@@ -168,6 +173,9 @@ impl Shared {
 
     /// The limits of the current session (the protocol's own once closed).
     pub fn limits(&self) -> Limits {
+        if let Some(c) = SettingUp::conn_for(self) {
+            return c.limits;
+        }
         self.conn
             .lock()
             .as_ref()
@@ -396,5 +404,47 @@ impl Shared {
                 .add(&self.stats.keys_lost_with_regions, forgotten as u64);
             self.stats.bump(&self.stats.regions_refused);
         }
+    }
+}
+
+thread_local! {
+    /// The reattached session this thread is setting up: the client it
+    /// belongs to (by address) and its connection.
+    static SETTING_UP: std::cell::RefCell<Option<(usize, Arc<Conn>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A reattached session being set up before it is published: while this
+/// guard lives, [`Shared::conn`] answers its connection to this thread, and
+/// to this thread only. The reattach re-registers keys and re-pins live
+/// views through it; every other thread still sees the old, broken
+/// connection and waits on the reconnect lock, so none of them can take a
+/// pin on the new session before the re-pin has counted the live ones (it
+/// would be pinned twice) or send an unpin queued for the old session on
+/// the new one (it would release a newer view's pin).
+pub(crate) struct SettingUp {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl SettingUp {
+    pub fn enter(shared: &Shared, conn: Arc<Conn>) -> Self {
+        SETTING_UP.with_borrow_mut(|s| *s = Some((shared as *const Shared as usize, conn)));
+        Self {
+            _not_send: std::marker::PhantomData,
+        }
+    }
+
+    fn conn_for(shared: &Shared) -> Option<Arc<Conn>> {
+        SETTING_UP.with_borrow(|s| {
+            s.as_ref()
+                .filter(|(owner, _)| *owner == shared as *const Shared as usize)
+                .map(|(_, c)| Arc::clone(c))
+        })
+    }
+}
+
+impl Drop for SettingUp {
+    fn drop(&mut self) {
+        SETTING_UP.with_borrow_mut(|s| *s = None);
     }
 }
