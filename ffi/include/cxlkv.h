@@ -985,7 +985,10 @@ cxlkv_status cxlkv_lease_set_len(const struct cxlkv_lease *lease, uint64_t len_b
 
 // Copies `len` bytes from `src` to the start of the lease's page with the
 // fastest routine for the size (non-temporal stores for large chunks) and
-// sets the chunk's length to `len`.
+// sets the chunk's length to `len`. `src` must not overlap the lease's own
+// page (`CXLKV_STATUS_INVALID_ARGUMENT`: bytes already in the page are
+// written in place through `cxlkv_lease_data`, then
+// `cxlkv_lease_set_len`).
 //
 // # Safety
 //

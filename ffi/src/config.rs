@@ -355,6 +355,12 @@ pub(crate) unsafe fn client_config(
             c.client_secret_len
         )));
     }
+    if c.client_secret.is_null() && c.client_secret_len > 0 {
+        return Err(FfiError::invalid(format!(
+            "`config.client_secret` is NULL but `config.client_secret_len` is {}",
+            c.client_secret_len
+        )));
+    }
     if !c.client_secret.is_null() {
         // SAFETY: `client_secret_len` readable bytes by the field contract.
         let secret =
@@ -484,6 +490,7 @@ mod tests {
             ("request_timeout_ms", |c| c.request_timeout_ms = 0),
             ("pool_paths_len", |c| c.pool_paths_len = 1000),
             ("client_secret_len", |c| c.client_secret_len = usize::MAX),
+            ("client_secret` is NULL", |c| c.client_secret_len = 16),
             ("instance_id", |c| c.instance_id = c"\xff".as_ptr()),
         ];
         for (what, tweak) in cases {

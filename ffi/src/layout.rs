@@ -371,7 +371,10 @@ pub extern "C" fn cxlkv_lease_set_len(lease: *const cxlkv_lease, len_bytes: u64)
 
 /// Copies `len` bytes from `src` to the start of the lease's page with the
 /// fastest routine for the size (non-temporal stores for large chunks) and
-/// sets the chunk's length to `len`.
+/// sets the chunk's length to `len`. `src` must not overlap the lease's own
+/// page (`CXLKV_STATUS_INVALID_ARGUMENT`: bytes already in the page are
+/// written in place through `cxlkv_lease_data`, then
+/// `cxlkv_lease_set_len`).
 ///
 /// # Safety
 ///
@@ -385,11 +388,22 @@ pub unsafe extern "C" fn cxlkv_lease_write(
     len: usize,
 ) -> cxlkv_status {
     call("cxlkv_lease_write", || {
-        // SAFETY: passed on to the caller.
-        let bytes = unsafe { args::chunk(src, len, 0) }?;
         let entry = LEASES.get(lease.addr(), "lease")?;
         let mut slot = entry.lock();
         let lease = slot.as_mut().ok_or_else(consumed)?;
+        // Before any slice of `src` exists: one overlapping the page would
+        // alias the page's writable view (and the copy routines assume
+        // disjoint buffers).
+        let page = lease.page_addresses();
+        let from = src.addr();
+        if len > 0 && from < page.end && page.start < from.saturating_add(len) {
+            return Err(FfiError::invalid(
+                "`src` overlaps the lease's own page: write in place through \
+                 `cxlkv_lease_data`, then call `cxlkv_lease_set_len`",
+            ));
+        }
+        // SAFETY: passed on to the caller.
+        let bytes = unsafe { args::chunk(src, len, 0) }?;
         lease.write(bytes)?;
         Ok(())
     })

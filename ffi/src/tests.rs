@@ -292,6 +292,32 @@ fn batch_register_consumes_every_lease_even_when_one_handle_is_bad() {
 }
 
 #[test]
+fn a_lease_write_from_its_own_page_is_refused_not_aliased() {
+    let fx = Fixture::new("ffi-lease-overlap");
+    let (client, layout) = fx.connect();
+    let mut lease = std::ptr::null_mut();
+    // SAFETY: live out slot.
+    ok(unsafe { cxlkv_alloc(layout, &mut lease) });
+    let (mut data, mut cap) = (std::ptr::null_mut(), 0u64);
+    // SAFETY: live out slots.
+    ok(unsafe { cxlkv_lease_data(lease, &mut data, &mut cap) });
+    // SAFETY: the page is `cap` bytes; these point inside it.
+    let (inside, tail) = unsafe { (data.add(100), data.add(cap as usize - 10)) };
+    for (src, len) in [(data, 10), (inside, 50), (tail, 10)] {
+        // SAFETY: `src` is readable for `len` bytes (inside the page).
+        let s = unsafe { cxlkv_lease_write(lease, src, len) };
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
+        assert!(last_error().contains("overlaps"), "{}", last_error());
+    }
+    // Any other buffer is copied.
+    let other = vec![7u8; 64];
+    // SAFETY: a live buffer of 64 bytes.
+    ok(unsafe { cxlkv_lease_write(lease, other.as_ptr(), other.len()) });
+    ok(cxlkv_lease_abort(lease));
+    close(client, layout);
+}
+
+#[test]
 fn batch_register_over_the_batch_limit_still_consumes_every_lease() {
     let fx = Fixture::new("ffi-consume-big");
     let (client, layout) = fx.connect();

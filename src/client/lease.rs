@@ -65,6 +65,15 @@ impl PageLease {
         self.region.page_size_bytes
     }
 
+    /// Where the page lies in this process, as addresses (no reference to
+    /// it is formed): for a caller that must tell whether a source buffer
+    /// overlaps it, as the C ABI's `cxlkv_lease_write` does.
+    pub fn page_addresses(&self) -> std::ops::Range<usize> {
+        let size = self.page_size_bytes();
+        let start = self.region.mapping.ffi_base_ptr() as usize + self.page.0 as usize * size;
+        start..start + size
+    }
+
     /// Bytes of the chunk (what registration will record).
     pub fn len_bytes(&self) -> usize {
         self.len_bytes
