@@ -310,7 +310,7 @@ fn a_lease_write_from_its_own_page_is_refused_not_aliased() {
         assert!(last_error().contains("overlaps"), "{}", last_error());
     }
     // Any other buffer is copied.
-    let other = vec![7u8; 64];
+    let other = [7u8; 64];
     // SAFETY: a live buffer of 64 bytes.
     ok(unsafe { cxlkv_lease_write(lease, other.as_ptr(), other.len()) });
     ok(cxlkv_lease_abort(lease));
