@@ -465,7 +465,7 @@ fn an_idle_region_whose_return_had_no_answer_is_retired_not_reused() {
     .unwrap();
     let mut cfg = client_config(&server);
     cfg.idle_region_return_ms = 50;
-    cfg.request_timeout_ms = 100;
+    cfg.request_timeout_ms = 300;
     cfg.max_retries = 1;
     let client = Client::connect(cfg).unwrap();
     let layout = client
@@ -545,9 +545,9 @@ fn a_parked_registration_keeps_its_pages_through_a_partition() {
     server_cfg.directory.instance_grace = Duration::from_secs(30);
     let server = Server::start_with_faults(server_cfg, Box::new(plan)).unwrap();
     let mut cfg = client_config(&server);
-    cfg.request_timeout_ms = 100;
-    cfg.max_retries = 1;
-    cfg.reconnect_timeout_ms = 300;
+    cfg.request_timeout_ms = 250;
+    cfg.max_retries = 2;
+    cfg.reconnect_timeout_ms = 1000;
     let client = Client::connect(cfg).unwrap();
     let layout = client.layout(PAGE, FINGERPRINT).unwrap();
     let parked = chunk(9, 3000);
@@ -561,8 +561,8 @@ fn a_parked_registration_keeps_its_pages_through_a_partition() {
     partition.store(true, Ordering::Relaxed);
     drop_register.store(false, Ordering::Relaxed);
     // Long enough for several background retries (a tick is 100 ms), each
-    // finding no server within its 300 ms to reconnect.
-    std::thread::sleep(Duration::from_millis(1500));
+    // finding no server within its second to reconnect.
+    std::thread::sleep(Duration::from_millis(4000));
     partition.store(false, Ordering::Relaxed);
 
     // New writes after the partition must not land on the parked page.

@@ -153,15 +153,16 @@ impl<T> Registry<T> {
     /// tokens in order.
     pub fn insert_all(&self, values: Vec<T>) -> Result<Vec<usize>, FfiError> {
         let mut slots = self.slots.write();
-        if slots.live + values.len() > MAX_HANDLES {
+        // Room for all of them, counting the slot field's range too (retired
+        // slots use it up): then no insert below can fail.
+        let fresh = values.len().saturating_sub(slots.free.len());
+        if slots.live + values.len() > MAX_HANDLES || slots.entries.len() + fresh > MAX_HANDLES {
             return Err(self.full());
         }
         let mut tokens = Vec::with_capacity(values.len());
         for value in values {
             let ix = match slots.free.pop() {
                 Some(ix) => ix,
-                // Retired slots count against the slot field's range too.
-                None if slots.entries.len() >= MAX_HANDLES => return Err(self.full()),
                 None => {
                     slots.entries.push(Slot {
                         generation: 1,

@@ -12,8 +12,8 @@
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start (another
 //! manager holds the state directory or a pool, a corrupt state, a foreign
-//! pool) or when its journal fails while serving (fail-stop; a restart
-//! recovers).
+//! pool), when its stop was cut short, or when its journal fails while
+//! serving (fail-stop; a restart recovers).
 
 use std::path::PathBuf;
 use std::time::Duration;

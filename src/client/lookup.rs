@@ -331,13 +331,13 @@ mod tests {
         let held = rl.get(b"k").unwrap().expect("found");
         let other = std::sync::Arc::new(parking_lot::Mutex::new(None));
         let (rl2, other2) = (rl.clone(), std::sync::Arc::clone(&other));
-        crate::client::session::BEFORE_REPIN.set(Some(Box::new(move || {
+        rl.shared().before_repin.set(move || {
             let t = std::thread::spawn(move || rl2.get(b"k").unwrap().expect("found"));
             // Long enough for the get to finish on a published session; it
             // waits for the reattach (this thread) when there is none.
             std::thread::sleep(std::time::Duration::from_millis(300));
             *other2.lock() = Some(t);
-        })));
+        });
         rl.shared().end_session("test: a reconnect");
         let newer = other
             .lock()
@@ -367,8 +367,8 @@ mod tests {
         assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
     }
 
-    /// An unpin that cannot be delivered (here: no sequence number for it)
-    /// leaves its pin on a session that lives on: nothing else would
+    /// An unpin that cannot be delivered (here: the connection's in-flight
+    /// bound refuses it) leaves its pin on a session that lives on: nothing else would
     /// release it, and the key could not be deleted until the session
     /// ended. The client ends the session instead; the pin goes with it.
     #[test]
@@ -391,10 +391,11 @@ mod tests {
         let (reader, rl) = connect();
         wl.put(b"k", b"the writer's bytes").unwrap();
         let guard = rl.get(b"k").unwrap().expect("found");
-        crate::client::rpc::UNPIN_TICKETS_FAIL.set(true);
+        let fail = &rl.shared().unpins_not_sent;
+        fail.store(true, std::sync::atomic::Ordering::Relaxed);
         drop(guard);
         reader.flush_unpins().unwrap();
-        crate::client::rpc::UNPIN_TICKETS_FAIL.set(false);
+        fail.store(false, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(reader.stats().unpins_dropped, 1);
         // The next request reattaches; the old session's pin goes when the
         // server sees its connection close.

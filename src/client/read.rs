@@ -141,8 +141,8 @@ pub(crate) struct PinLedger {
     /// pinned views read one location (a pinned key cannot be deleted, so
     /// it cannot move); a reattach compares it with where the key is now,
     /// since between the old session's end and the new pins the key may
-    /// have been deleted and written again elsewhere. An entry may outlive
-    /// its key's count; the next count overwrites it, a reattach prunes it.
+    /// have been deleted and written again elsewhere. Kept in step with
+    /// `held` (`count`, `take_held`; a reattach prunes what it dropped).
     pub at: HashMap<(u32, Box<[u8]>), Location>,
 }
 
@@ -153,6 +153,17 @@ impl PinLedger {
         let k = (layout_ix, Box::<[u8]>::from(key));
         *self.held.entry(k.clone()).or_insert(0) += n;
         self.at.insert(k, location);
+    }
+
+    /// Takes up to `n` of the current session's pins on `k` out of the
+    /// ledger (forgetting the key's location with its last pin); returns
+    /// how many were taken.
+    pub fn take_held(&mut self, k: &(u32, Box<[u8]>), n: u64) -> u64 {
+        let taken = take_count(&mut self.held, k, n);
+        if taken > 0 && !self.held.contains_key(k) {
+            self.at.remove(k);
+        }
+        taken
     }
 
     /// Forgets the locations of keys no view holds a pin on any more.
@@ -210,7 +221,7 @@ impl LivePins {
         if take_count(&mut ledger.orphans, &k, 1) == 1 {
             return false;
         }
-        take_count(&mut ledger.held, &k, 1) == 1
+        ledger.take_held(&k, 1) == 1
     }
 }
 

@@ -303,6 +303,8 @@ impl Shared {
                 self.stats.bump(&self.stats.retries);
             }
             let result = conn.rpc.call(kind.as_u16(), encoded.payload(), timeout);
+            // Whether an attempt before this one may have run.
+            let sent_before = sent;
             sent = true;
             if let Some(unpins) = unpins {
                 self.finish_unpins(&conn, unpins);
@@ -382,7 +384,10 @@ impl Shared {
                         Some(ErrorCode::SessionEnded | ErrorCode::HelloRequired) => {
                             // The next request reattaches on a new session.
                             conn.dead.store(true, std::sync::atomic::Ordering::Relaxed);
-                            return Err(Fail::Definite(err));
+                            // Refused before the directory looked at its
+                            // number: this attempt did not run, but an
+                            // earlier one that went unanswered may have.
+                            return Err(give_up(sent_before, err));
                         }
                         Some(ErrorCode::SequenceTooOld | ErrorCode::ReplyEvicted) => {
                             return Err(Fail::Indeterminate(err));
@@ -496,7 +501,11 @@ impl Shared {
     /// Sends every queued unpin on `conn`, one `Unpin` per layout and batch,
     /// without waiting for the replies (see `read.rs` for the ordering).
     pub fn start_unpins(&self, conn: &Conn) -> Option<InflightUnpins> {
-        if !self.unpins.has_pending() {
+        // Not on a broken connection: the queue may hold unpins for the
+        // session a reattach is setting up (a view released after its
+        // re-pin, a pin it gave back), which only the new connection can
+        // deliver; the reattach clears what belonged to the old session.
+        if !self.unpins.has_pending() || !conn.usable() {
             return None;
         }
         let mut queue = self.unpins.lock();
@@ -504,7 +513,7 @@ impl Shared {
             return None;
         }
         let taken = std::mem::take(&mut *queue);
-        let n = taken.len();
+        let mut n = taken.len();
         let max_batch = (conn.limits.max_batch as usize).clamp(1, proto::MAX_BATCH);
         let layouts = self.layouts.read();
         let mut calls = Vec::new();
@@ -513,18 +522,16 @@ impl Shared {
                 continue;
             };
             for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
-                let ticket = self.ticket();
-                #[cfg(test)]
-                let ticket = ticket.and_then(|t| {
-                    if UNPIN_TICKETS_FAIL.get() {
-                        self.seqs.release(t);
-                        Err(Fail::Void)
-                    } else {
-                        Ok(t)
+                let Ok(ticket) = self.ticket() else {
+                    // No number free (the window is full: a load
+                    // condition): the entries go back to the queue, for the
+                    // next flush.
+                    for (key, &count) in keys.iter().zip(counts) {
+                        for _ in 0..count {
+                            queue.push((layout_ix, key.as_slice().into()));
+                        }
+                        n -= count as usize;
                     }
-                });
-                let Ok(ticket) = ticket else {
-                    self.give_up_unpins(conn, keys.len());
                     continue;
                 };
                 let msg = proto::UnpinFrom {
@@ -543,11 +550,23 @@ impl Shared {
                     continue;
                 };
                 self.note_sent();
-                let call = conn.rpc.start(
-                    <Unpin as Message>::KIND.as_u16(),
-                    encoded.payload(),
-                    self.request_timeout(),
-                );
+                // Test fail point: not sent, as when the connection's
+                // in-flight bound refuses it.
+                #[cfg(test)]
+                let refused = self
+                    .unpins_not_sent
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                #[cfg(not(test))]
+                let refused = false;
+                let call = if refused {
+                    Err(TransportError::TooManyInFlight { limit: 0 })
+                } else {
+                    conn.rpc.start(
+                        <Unpin as Message>::KIND.as_u16(),
+                        encoded.payload(),
+                        self.request_timeout(),
+                    )
+                };
                 self.stats.bump(&self.stats.unpin_batches);
                 calls.push((ticket, call, encoded, keys.len()));
             }
@@ -575,6 +594,7 @@ impl Shared {
             loop {
                 let outcome = call.and_then(PendingCall::wait);
                 let mut answered = false;
+                let mut busy = false;
                 let retry = match outcome {
                     Ok(reply) => {
                         let frame = Frame {
@@ -595,8 +615,11 @@ impl Shared {
                                 answered = true;
                                 false
                             }
-                            Ok(Err(refusal)) => ErrorCode::from_u16(refusal.code.to_native())
-                                .is_some_and(ErrorCode::is_transient),
+                            Ok(Err(refusal)) => {
+                                busy = ErrorCode::from_u16(refusal.code.to_native())
+                                    .is_some_and(ErrorCode::is_transient);
+                                busy
+                            }
                             Err(_) => false,
                         }
                     }
@@ -611,6 +634,9 @@ impl Shared {
                     break;
                 }
                 self.stats.bump(&self.stats.retries);
+                if busy {
+                    std::thread::sleep(backoff(attempts));
+                }
                 call = conn.rpc.start(
                     <Unpin as Message>::KIND.as_u16(),
                     encoded.payload(),
@@ -686,11 +712,4 @@ impl Shared {
         }
         Ok(())
     }
-}
-
-#[cfg(test)]
-thread_local! {
-    /// Test fail point: unpins sent from this thread get no sequence number
-    /// (as when the window is full), so they are never sent.
-    pub(crate) static UNPIN_TICKETS_FAIL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }

@@ -47,7 +47,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::frame::Frame;
@@ -57,11 +57,13 @@ use cxlkv_controlplane::proto::{
     RegisterReply, RequestMeta, Welcome,
 };
 use cxlkv_controlplane::transport::{Reply, RpcClient};
+use parking_lot::MutexGuard;
 
 use super::config::{ClientConfig, ServerAddr};
 use super::error::ClientError;
 use super::index::IndexedKey;
 use super::pools::{self, Pool};
+use super::read::PinLedger;
 use super::rpc::{Encoded, Fail, Mode};
 use super::shared::{Conn, Identity, SettingUp, Shared};
 
@@ -165,6 +167,11 @@ pub(crate) fn connect(
         live_pins: Default::default(),
         unresolved: Default::default(),
         reregister_pending: Default::default(),
+        epoch_seen: AtomicU64::new(welcome.directory_epoch),
+        #[cfg(test)]
+        before_repin: Default::default(),
+        #[cfg(test)]
+        unpins_not_sent: Default::default(),
         fatal: Default::default(),
         has_fatal: Default::default(),
         owned_bytes: Default::default(),
@@ -310,11 +317,7 @@ impl Shared {
                 reason: "the server's pools changed across the reattach".into(),
             }));
         }
-        let (old_conn_no, old_epoch) = self
-            .conn
-            .lock()
-            .as_ref()
-            .map_or((0, None), |c| (c.conn_no, Some(c.directory_epoch)));
+        let old_conn_no = self.conn.lock().as_ref().map_or(0, |c| c.conn_no);
         let conn = Arc::new(Conn {
             rpc,
             conn_no: old_conn_no + 1,
@@ -331,17 +334,26 @@ impl Shared {
             tracing::warn!(regions = ?refused, "regions refused at reattach");
             self.drop_owned_regions(&refused);
         }
-        // A restarted directory answers the first `Reattach` it gets with
-        // `resumed: false`. If that answer was lost, the retry finds the
-        // instance it recovered and says `resumed`; its new epoch still
-        // tells the restart (`directory_epoch` changes on every start,
-        // docs/protocol.md).
-        let restarted = !r.resumed || old_epoch.is_some_and(|e| e != r.welcome.directory_epoch);
-        if restarted {
-            tracing::info!("the directory restarted; registering this instance's keys again");
+        // A directory that recovered the instance (after its own restart,
+        // or after the instance expired) answers `resumed: false`. A
+        // restarted directory says so only to the first `Reattach`: if that
+        // answer was lost, the retry finds the instance recovered and says
+        // `resumed`, but its epoch is new (`directory_epoch` changes on
+        // every start, docs/protocol.md). The epoch is compared with the
+        // last answer's, not the published session's, so that the retry
+        // after a setup that failed does not count the same restart again
+        // (`reregister_pending` carries its work over).
+        let last_epoch = self
+            .epoch_seen
+            .swap(r.welcome.directory_epoch, Ordering::Relaxed);
+        let new_epoch = last_epoch != r.welcome.directory_epoch;
+        if new_epoch || !r.resumed {
+            if new_epoch || !self.reregister_pending.load(Ordering::Acquire) {
+                tracing::info!("the directory restarted; registering this instance's keys again");
+                self.stats.bump(&self.stats.directory_restarts);
+            }
             self.seqs.new_incarnation();
             self.reregister_pending.store(true, Ordering::Release);
-            self.stats.bump(&self.stats.directory_restarts);
         }
         self.usage.store(r.welcome.meta.usage);
         self.apply_notices(r.welcome.meta.notices.iter().copied());
@@ -357,17 +369,22 @@ impl Shared {
                 self.reregister_pending.store(false, Ordering::Release);
             }
             #[cfg(test)]
-            if let Some(hook) = BEFORE_REPIN.take() {
+            if let Some(hook) = self.before_repin.take() {
                 hook();
             }
-            self.repin().map_err(Attempt::Retry)?;
-        }
-        {
+            // Published under the ledger lock the re-pin took: a lookup
+            // that counts its pins after the re-pin then finds the new
+            // connection current, tells it was served by the old one, and
+            // ends the session again (`lookup.rs`), instead of leaving
+            // pins of a dying session in the ledger unnoticed.
+            let ledger = self.repin().map_err(Attempt::Retry)?;
             let mut current = self.conn.lock();
             if current.is_none() {
                 return Err(Attempt::Fatal(ClientError::Closed));
             }
-            *current = Some(conn);
+            *current = Some(Arc::clone(&conn));
+            drop(current);
+            drop(ledger);
         }
         self.stats.bump(&self.stats.reconnects);
         Ok(())
@@ -443,7 +460,9 @@ impl Shared {
 
     /// Takes again, on the new session, the pins live read guards hold;
     /// drops the unpins queued for the old session.
-    fn repin(&self) -> Result<(), ClientError> {
+    /// Returns the ledger, still locked, for the caller to publish the
+    /// session under it.
+    fn repin(&self) -> Result<MutexGuard<'_, PinLedger>, ClientError> {
         let mut pins = self.live_pins.lock();
         {
             let mut queue = self.unpins.lock();
@@ -453,7 +472,8 @@ impl Shared {
             self.stats.add(&self.stats.unpins_dropped, n as u64);
         }
         if pins.is_empty() {
-            return Ok(());
+            pins.prune_locations();
+            return Ok(pins);
         }
         let layouts: Vec<_> = self.layouts.read().clone();
         let max_batch = (self.limits().max_batch as usize).clamp(1, proto::MAX_BATCH);
@@ -519,14 +539,6 @@ impl Shared {
             }
         }
         pins.prune_locations();
-        Ok(())
+        Ok(pins)
     }
-}
-
-#[cfg(test)]
-thread_local! {
-    /// Test fail point: runs on the reattaching thread once the new session
-    /// is set up but before its live views are pinned again.
-    pub(crate) static BEFORE_REPIN: std::cell::Cell<Option<Box<dyn FnOnce()>>> =
-        const { std::cell::Cell::new(None) };
 }

@@ -95,6 +95,17 @@ pub(crate) struct Shared {
     /// A directory restart happened and the key index has not been fully
     /// registered again yet.
     pub reregister_pending: AtomicBool,
+    /// The `directory_epoch` of the last reattach's answer (also of one
+    /// whose setup then failed): a restart is counted once.
+    pub epoch_seen: AtomicU64,
+    /// Test fail point: run by the reattaching thread once the new session
+    /// is set up, before its live views are pinned again.
+    #[cfg(test)]
+    pub before_repin: TestHook,
+    /// Test fail point: unpins are not sent (as when the connection's
+    /// in-flight bound refuses them).
+    #[cfg(test)]
+    pub unpins_not_sent: AtomicBool,
     /// Set when the instance can no longer be resumed (its grace expired, or
     /// the server refused it): every later call fails with this message.
     pub fatal: Mutex<Option<String>>,
@@ -446,5 +457,28 @@ impl SettingUp {
 impl Drop for SettingUp {
     fn drop(&mut self) {
         SETTING_UP.with_borrow_mut(|s| *s = None);
+    }
+}
+
+/// A test fail point's action (see `Shared::before_repin`).
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct TestHook(Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+#[cfg(test)]
+impl TestHook {
+    pub fn set(&self, f: impl FnOnce() + Send + 'static) {
+        *self.0.lock() = Some(Box::new(f));
+    }
+
+    pub fn take(&self) -> Option<Box<dyn FnOnce() + Send>> {
+        self.0.lock().take()
+    }
+}
+
+#[cfg(test)]
+impl std::fmt::Debug for TestHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TestHook")
     }
 }

@@ -279,7 +279,7 @@ impl LayoutHandle {
                 // Holds whose pins were lost release nothing (see
                 // `PinLedger::orphans`); the rest release pins held.
                 let orphaned = super::read::take_count(&mut ledger.orphans, &k, *wanted);
-                let take = super::read::take_count(&mut ledger, &k, wanted - orphaned);
+                let take = ledger.take_held(&k, wanted - orphaned);
                 report.lost_with_session += wanted - take;
                 if take == 0 {
                     continue;

@@ -80,7 +80,9 @@ counters!(
     unpin_batches,
     /// Unpins the directory reported as not held (double release).
     unpins_not_held,
-    /// Unpins dropped because their session ended before they were sent.
+    /// Unpins given up: their session ended before they were sent or
+    /// answered (its pins went with it), or they could not be delivered
+    /// (the session is then ended, so that their pins go too).
     unpins_dropped,
     /// Views whose pins could not be taken again after a reconnect (the key
     /// was deleted or not yet re-registered meanwhile).

@@ -360,7 +360,32 @@ impl Shared {
             let mut out: Vec<Option<RegisterOutcome>> =
                 vec![None; batch.entries.iter().map(|e| e.index + 1).max().unwrap_or(0)];
             // A page freed by a notice was registered and deleted already.
+            let before = batch.entries.len();
             self.drop_freed(&mut batch.entries, &mut out);
+            if batch.entries.is_empty() {
+                self.seqs.release(batch.ticket);
+                continue;
+            }
+            // Whether the batch is now sent under another number than the
+            // attempt that parked it: then a refusal says nothing about
+            // whether that attempt ran.
+            let mut renewed = false;
+            if batch.entries.len() != before {
+                // A smaller batch is another request: under the old number
+                // the directory would answer with the old request's cached
+                // reply, or refuse the reuse (`SequenceReused`). As after a
+                // lost answer (below), a new number it is; the directory
+                // answers `Duplicate` with our own location for keys that
+                // did register.
+                if self
+                    .renew(&mut batch.ticket, self.request_timeout())
+                    .is_err()
+                {
+                    self.unresolved.lock().push(batch);
+                    continue;
+                }
+                renewed = true;
+            }
             let mut result = self.register_until_answered(
                 &batch.layout,
                 &mut batch.ticket,
@@ -379,6 +404,7 @@ impl Shared {
                 // registered and deleted since (`StaleGeneration`).
                 match self.renew(&mut batch.ticket, self.request_timeout()) {
                     Ok(()) => {
+                        renewed = true;
                         result = self.register_until_answered(
                             &batch.layout,
                             &mut batch.ticket,
@@ -395,13 +421,28 @@ impl Shared {
             match result {
                 Ok(()) => self.seqs.release(batch.ticket),
                 Err(Fail::Definite(ClientError::Server { code, .. }))
-                    if refusal_of_the_request(code) =>
+                    if !renewed && refusal_of_the_request(code) =>
                 {
-                    // The directory evaluated this number afresh and refused
-                    // the batch: it never ran (a refusal does not consume a
-                    // number), so nothing registered; the leases drop,
-                    // freeing their pages.
+                    // The directory evaluated the parked number afresh and
+                    // refused the batch: it never ran (a refusal does not
+                    // consume a number), so nothing registered; the leases
+                    // drop, freeing their pages.
                     self.seqs.release(batch.ticket);
+                }
+                Err(Fail::Definite(ClientError::Server { .. })) if renewed => {
+                    // The new request was refused; the old one may still
+                    // have registered these keys. Their pages stay reserved
+                    // for the client's lifetime (never freed, so never
+                    // reused under a key that may exist), as for a batch
+                    // beyond the parking bound.
+                    tracing::warn!(
+                        pages = batch.entries.len(),
+                        "a parked registration was refused under a new number; keeping its pages reserved"
+                    );
+                    self.seqs.release(batch.ticket);
+                    for e in batch.entries {
+                        e.lease.consume();
+                    }
                 }
                 // Anything else — a local failure before this retry was
                 // sent, a session or transient refusal — says nothing about
