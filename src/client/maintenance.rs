@@ -71,6 +71,12 @@ fn flush_deferred_unpins(shared: &Shared) {
             }
         }
         std::thread::sleep(Duration::from_micros(u64::from(shared.cfg.unpin_delay_us)));
+        if !shared.conn().is_ok_and(|c| c.usable()) {
+            // Nothing can be sent until a reattach, which drops what was
+            // queued for the old session; the next push re-arms the timer.
+            shared.unpin_timer_armed.store(false, Ordering::Release);
+            return;
+        }
         if let Err(e) = shared.flush_unpins() {
             tracing::debug!(error = %e, "deferred unpin flush failed");
             shared.unpin_timer_armed.store(false, Ordering::Release);

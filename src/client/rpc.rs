@@ -505,15 +505,17 @@ impl Shared {
         // session a reattach is setting up (a view released after its
         // re-pin, a pin it gave back), which only the new connection can
         // deliver; the reattach clears what belonged to the old session.
-        if !self.unpins.has_pending() || !conn.usable() {
+        if !self.unpins.has_pending() {
             return None;
         }
         let mut queue = self.unpins.lock();
-        if queue.is_empty() {
+        // Checked under the queue lock: a reattach queues the new session's
+        // unpins only after it has found this connection broken.
+        if queue.is_empty() || !conn.usable() {
             return None;
         }
         let taken = std::mem::take(&mut *queue);
-        let mut n = taken.len();
+        let n = taken.len();
         let max_batch = (conn.limits.max_batch as usize).clamp(1, proto::MAX_BATCH);
         let layouts = self.layouts.read();
         let mut calls = Vec::new();
@@ -523,15 +525,7 @@ impl Shared {
             };
             for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
                 let Ok(ticket) = self.ticket() else {
-                    // No number free (the window is full: a load
-                    // condition): the entries go back to the queue, for the
-                    // next flush.
-                    for (key, &count) in keys.iter().zip(counts) {
-                        for _ in 0..count {
-                            queue.push((layout_ix, key.as_slice().into()));
-                        }
-                        n -= count as usize;
-                    }
+                    self.give_up_unpins(conn, keys.len());
                     continue;
                 };
                 let msg = proto::UnpinFrom {

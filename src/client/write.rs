@@ -71,6 +71,10 @@ pub(crate) struct Unresolved {
     ticket: SeqTicket,
     layout: Arc<LayoutState>,
     entries: Vec<Entry>,
+    /// The batch is (to be) sent under another number than the attempt
+    /// whose answer was lost: from then on a refusal says nothing about
+    /// whether that attempt registered its keys.
+    renewed: bool,
 }
 
 impl LayoutHandle {
@@ -145,6 +149,7 @@ impl LayoutHandle {
                     ticket,
                     layout: Arc::clone(&self.state),
                     entries: pending,
+                    renewed: false,
                 });
                 Err(ClientError::Indeterminate {
                     op: "register",
@@ -366,17 +371,15 @@ impl Shared {
                 self.seqs.release(batch.ticket);
                 continue;
             }
-            // Whether the batch is now sent under another number than the
-            // attempt that parked it: then a refusal says nothing about
-            // whether that attempt ran.
-            let mut renewed = false;
-            if batch.entries.len() != before {
-                // A smaller batch is another request: under the old number
-                // the directory would answer with the old request's cached
-                // reply, or refuse the reuse (`SequenceReused`). As after a
-                // lost answer (below), a new number it is; the directory
-                // answers `Duplicate` with our own location for keys that
-                // did register.
+            // A smaller batch is another request: under the old number the
+            // directory would answer with the old request's cached reply, or
+            // refuse the reuse (`SequenceReused`). A ticket left without a
+            // number by a renewal that failed (`seq` 0) needs one too. As
+            // after a lost answer (below), a new number it is; the directory
+            // answers `Duplicate` with our own location for keys that did
+            // register.
+            if batch.entries.len() != before || batch.ticket.seq == 0 {
+                batch.renewed = true;
                 if self
                     .renew(&mut batch.ticket, self.request_timeout())
                     .is_err()
@@ -384,7 +387,6 @@ impl Shared {
                     self.unresolved.lock().push(batch);
                     continue;
                 }
-                renewed = true;
             }
             let mut result = self.register_until_answered(
                 &batch.layout,
@@ -402,26 +404,25 @@ impl Shared {
                 // new request. The directory answers `Duplicate` with our own
                 // location for keys that did register, and refuses pages
                 // registered and deleted since (`StaleGeneration`).
-                match self.renew(&mut batch.ticket, self.request_timeout()) {
-                    Ok(()) => {
-                        renewed = true;
-                        result = self.register_until_answered(
-                            &batch.layout,
-                            &mut batch.ticket,
-                            &mut batch.entries,
-                            &mut out,
-                        );
-                    }
-                    Err(_) => {
-                        self.unresolved.lock().push(batch);
-                        continue;
-                    }
+                batch.renewed = true;
+                if self
+                    .renew(&mut batch.ticket, self.request_timeout())
+                    .is_err()
+                {
+                    self.unresolved.lock().push(batch);
+                    continue;
                 }
+                result = self.register_until_answered(
+                    &batch.layout,
+                    &mut batch.ticket,
+                    &mut batch.entries,
+                    &mut out,
+                );
             }
             match result {
                 Ok(()) => self.seqs.release(batch.ticket),
                 Err(Fail::Definite(ClientError::Server { code, .. }))
-                    if !renewed && refusal_of_the_request(code) =>
+                    if refusal_of_the_request(code) && !batch.renewed =>
                 {
                     // The directory evaluated the parked number afresh and
                     // refused the batch: it never ran (a refusal does not
@@ -429,9 +430,11 @@ impl Shared {
                     // drop, freeing their pages.
                     self.seqs.release(batch.ticket);
                 }
-                Err(Fail::Definite(ClientError::Server { .. })) if renewed => {
-                    // The new request was refused; the old one may still
-                    // have registered these keys. Their pages stay reserved
+                Err(Fail::Definite(ClientError::Server { code, .. }))
+                    if refusal_of_the_request(code) =>
+                {
+                    // Refused under a new number, while the lost attempt may
+                    // have registered these keys: their pages stay reserved
                     // for the client's lifetime (never freed, so never
                     // reused under a key that may exist), as for a batch
                     // beyond the parking bound.
@@ -446,8 +449,9 @@ impl Shared {
                 }
                 // Anything else — a local failure before this retry was
                 // sent, a session or transient refusal — says nothing about
-                // the earlier attempt that parked the batch, which may have
-                // registered its keys: the pages stay reserved.
+                // the attempt that parked the batch, which may have
+                // registered its keys: the pages stay reserved, the batch
+                // parked.
                 Err(_) => self.unresolved.lock().push(batch),
             }
         }
