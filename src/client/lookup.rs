@@ -262,16 +262,14 @@ thread_local! {
 mod tests {
     use super::*;
     use crate::client::{Client, ClientConfig, DeleteOutcome, LayoutOptions};
-    use crate::server::{Server, ServerConfig};
+    use crate::server::{Server, ServerConfig, ServerHandle};
 
-    /// Found by `cxlkv chaos` (torn reads of held views after server
-    /// restarts): another thread's reconnect between a lookup's reply and
-    /// the counting of its pins re-pinned the old ledger, so the new
-    /// session held no pin for the new views and their key could be
-    /// deleted (and the page reused) under them.
-    #[test]
-    fn a_reconnect_between_a_lookup_reply_and_its_pin_count_still_protects_the_view() {
-        let mut cfg = ServerConfig::ephemeral("lookup-race");
+    /// A server (small pool, 4 MiB regions) and two clients on it, each
+    /// with the same 4 KiB layout: the writer's and the reader's.
+    fn writer_and_reader(
+        tag: &str,
+    ) -> (ServerHandle, (Client, LayoutHandle), (Client, LayoutHandle)) {
+        let mut cfg = ServerConfig::ephemeral(tag);
         cfg.pool_size_bytes = 64 << 20;
         cfg.default_region_bytes = 4 << 20;
         let server = Server::start(cfg).expect("the server starts");
@@ -285,8 +283,19 @@ mod tests {
             let l = c.layout_with(4096, 7, opts).expect("a layout");
             (c, l)
         };
-        let (_writer, wl) = connect();
-        let (reader, rl) = connect();
+        let writer = connect();
+        let reader = connect();
+        (server, writer, reader)
+    }
+
+    /// Found by `cxlkv chaos` (torn reads of held views after server
+    /// restarts): another thread's reconnect between a lookup's reply and
+    /// the counting of its pins re-pinned the old ledger, so the new
+    /// session held no pin for the new views and their key could be
+    /// deleted (and the page reused) under them.
+    #[test]
+    fn a_reconnect_between_a_lookup_reply_and_its_pin_count_still_protects_the_view() {
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("lookup-race");
         wl.put(b"k", b"the writer's bytes").unwrap();
         RECONNECT_BEFORE_COUNTING.set(true);
         let guard = rl.get(b"k").unwrap().expect("found");
@@ -311,22 +320,7 @@ mod tests {
     /// waits for it.
     #[test]
     fn a_view_taken_while_a_reattach_sets_up_its_session_is_pinned_once() {
-        let mut cfg = ServerConfig::ephemeral("repin-race");
-        cfg.pool_size_bytes = 64 << 20;
-        cfg.default_region_bytes = 4 << 20;
-        let server = Server::start(cfg).expect("the server starts");
-        let connect = || {
-            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
-            let opts = LayoutOptions {
-                initial_reservation_bytes: 0,
-                region_size_bytes: 4 << 20,
-                auto_expand: true,
-            };
-            let l = c.layout_with(4096, 7, opts).expect("a layout");
-            (c, l)
-        };
-        let (_writer, wl) = connect();
-        let (reader, rl) = connect();
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("repin-race");
         wl.put(b"k", b"the writer's bytes").unwrap();
         let held = rl.get(b"k").unwrap().expect("found");
         let other = std::sync::Arc::new(parking_lot::Mutex::new(None));
@@ -373,22 +367,7 @@ mod tests {
     /// ended. The client ends the session instead; the pin goes with it.
     #[test]
     fn an_unpin_given_up_ends_its_session_so_the_pin_does_not_outlive_the_view() {
-        let mut cfg = ServerConfig::ephemeral("unpin-given-up");
-        cfg.pool_size_bytes = 64 << 20;
-        cfg.default_region_bytes = 4 << 20;
-        let server = Server::start(cfg).expect("the server starts");
-        let connect = || {
-            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
-            let opts = LayoutOptions {
-                initial_reservation_bytes: 0,
-                region_size_bytes: 4 << 20,
-                auto_expand: true,
-            };
-            let l = c.layout_with(4096, 7, opts).expect("a layout");
-            (c, l)
-        };
-        let (_writer, wl) = connect();
-        let (reader, rl) = connect();
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("unpin-given-up");
         wl.put(b"k", b"the writer's bytes").unwrap();
         let guard = rl.get(b"k").unwrap().expect("found");
         let fail = &rl.shared().unpins_not_sent;
@@ -417,22 +396,7 @@ mod tests {
     /// reused) under the newer view.
     #[test]
     fn an_invalidated_views_release_does_not_unpin_a_newer_view_of_the_key() {
-        let mut cfg = ServerConfig::ephemeral("orphan-unpin");
-        cfg.pool_size_bytes = 64 << 20;
-        cfg.default_region_bytes = 4 << 20;
-        let server = Server::start(cfg).expect("the server starts");
-        let connect = || {
-            let c = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
-            let opts = LayoutOptions {
-                initial_reservation_bytes: 0,
-                region_size_bytes: 4 << 20,
-                auto_expand: true,
-            };
-            let l = c.layout_with(4096, 7, opts).expect("a layout");
-            (c, l)
-        };
-        let (_writer, wl) = connect();
-        let (reader, rl) = connect();
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("orphan-unpin");
         wl.put(b"k", b"the writer's bytes").unwrap();
         let old = rl.get(b"k").unwrap().expect("found");
         REPIN_FINDS_NOTHING.set(true);

@@ -192,16 +192,17 @@ fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Ar
     let untouched =
         Arc::strong_count(&region) == 1 && region.alloc.free_pages() == region.alloc.page_count();
     if untouched {
+        // No longer this client's to use: its mapping retires.
+        let give_up = |counter| {
+            // Relaxed: a gauge.
+            shared
+                .owned_bytes
+                .fetch_sub(region.desc.len_bytes, Ordering::Relaxed);
+            shared.stats.bump(counter);
+            shared.retired.push(Arc::clone(&region.mapping));
+        };
         match shared.return_region(id.0) {
-            Ok(()) => {
-                // Relaxed: a gauge.
-                shared
-                    .owned_bytes
-                    .fetch_sub(region.desc.len_bytes, Ordering::Relaxed);
-                shared.stats.bump(&shared.stats.regions_returned);
-                shared.retired.push(Arc::clone(&region.mapping));
-                return;
-            }
+            Ok(()) => return give_up(&shared.stats.regions_returned),
             Err(f) if f.still_ours => {
                 tracing::debug!(region = %id, error = %f.error, "returning an idle region failed");
             }
@@ -211,13 +212,7 @@ fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Ar
                     error = %f.error,
                     "returning an idle region had no certain outcome: retiring it (never written again)"
                 );
-                // Relaxed: a gauge.
-                shared
-                    .owned_bytes
-                    .fetch_sub(region.desc.len_bytes, Ordering::Relaxed);
-                shared.stats.bump(&shared.stats.regions_retired);
-                shared.retired.push(Arc::clone(&region.mapping));
-                return;
+                return give_up(&shared.stats.regions_retired);
             }
         }
     }
