@@ -288,6 +288,18 @@ mod tests {
         (server, writer, reader)
     }
 
+    /// Pins the directory counts for `client`'s instance, over all its
+    /// sessions (a replaced one keeps its pins until the server sees its
+    /// connection close).
+    fn pins_held(client: &Client) -> u64 {
+        let stats = client.directory_stats(proto::sections::INSTANCES).unwrap();
+        let row = stats
+            .instances
+            .iter()
+            .find(|r| r.instance_id == client.instance_id());
+        row.map_or(0, |r| r.pins)
+    }
+
     /// Found by `cxlkv chaos` (torn reads of held views after server
     /// restarts): another thread's reconnect between a lookup's reply and
     /// the counting of its pins re-pinned the old ledger, so the new
@@ -345,14 +357,7 @@ mod tests {
         reader.flush_unpins().unwrap();
         // The replaced session's pin goes when the server sees its
         // connection close; nothing may be left on the current one.
-        let pins_held = || {
-            let stats = reader.directory_stats(proto::sections::INSTANCES).unwrap();
-            let row = stats
-                .instances
-                .iter()
-                .find(|r| r.instance_id == reader.instance_id());
-            row.map_or(0, |r| r.pins)
-        };
+        let pins_held = || pins_held(&reader);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while pins_held() > 0 && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(20));
@@ -408,14 +413,7 @@ mod tests {
         // The replaced session still holds the old view's pin until the
         // server sees its connection close; the current one holds the newer
         // view's. Dropping the old view must not touch the current pin.
-        let pins_held = || {
-            let stats = reader.directory_stats(proto::sections::INSTANCES).unwrap();
-            let row = stats
-                .instances
-                .iter()
-                .find(|r| r.instance_id == reader.instance_id());
-            row.map_or(0, |r| r.pins)
-        };
+        let pins_held = || pins_held(&reader);
         let before = pins_held();
         drop(old);
         reader.flush_unpins().unwrap();
