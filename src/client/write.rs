@@ -378,15 +378,11 @@ impl Shared {
             // after a lost answer (below), a new number it is; the directory
             // answers `Duplicate` with our own location for keys that did
             // register.
-            if batch.entries.len() != before || batch.ticket.seq == 0 {
-                batch.renewed = true;
-                if self
-                    .renew(&mut batch.ticket, self.request_timeout())
-                    .is_err()
-                {
-                    self.unresolved.lock().push(batch);
-                    continue;
-                }
+            if (batch.entries.len() != before || batch.ticket.seq == 0)
+                && !self.renew_parked(&mut batch)
+            {
+                self.unresolved.lock().push(batch);
+                continue;
             }
             let mut result = self.register_until_answered(
                 &batch.layout,
@@ -404,11 +400,7 @@ impl Shared {
                 // new request. The directory answers `Duplicate` with our own
                 // location for keys that did register, and refuses pages
                 // registered and deleted since (`StaleGeneration`).
-                batch.renewed = true;
-                if self
-                    .renew(&mut batch.ticket, self.request_timeout())
-                    .is_err()
-                {
+                if !self.renew_parked(&mut batch) {
                     self.unresolved.lock().push(batch);
                     continue;
                 }
@@ -455,6 +447,15 @@ impl Shared {
                 Err(_) => self.unresolved.lock().push(batch),
             }
         }
+    }
+
+    /// Gives a parked batch a new number, marking it renewed (its refusals
+    /// then say nothing about the lost attempt); `false` if no number could
+    /// be had (the ticket is then left without one, for the next round).
+    fn renew_parked(&self, batch: &mut Unresolved) -> bool {
+        batch.renewed = true;
+        self.renew(&mut batch.ticket, self.request_timeout())
+            .is_ok()
     }
 
     /// Parked batches (for tests and stats).
