@@ -241,9 +241,21 @@ fn a_pinning_lookup_whose_reply_died_with_its_connection_runs_again_with_one_ret
     assert_eq!(server.directory_stats().unwrap().pins, 0);
 }
 
-/// Resets every connection that sends a request while armed.
+/// Resets every connection that sends a request while armed; once
+/// disarmed, drops the replies of the next `reattach_replies_to_lose`
+/// `Reattach`es.
 struct ResetWhileArmed {
     armed: Arc<std::sync::atomic::AtomicBool>,
+    reattach_replies_to_lose: Arc<AtomicU64>,
+}
+
+impl ResetWhileArmed {
+    fn new(armed: &Arc<std::sync::atomic::AtomicBool>, reattach_replies_to_lose: u64) -> Self {
+        Self {
+            armed: Arc::clone(armed),
+            reattach_replies_to_lose: Arc::new(AtomicU64::new(reattach_replies_to_lose)),
+        }
+    }
 }
 
 impl FaultPlan for ResetWhileArmed {
@@ -254,14 +266,26 @@ impl FaultPlan for ResetWhileArmed {
             RequestFault::Deliver
         }
     }
+
+    fn on_reply(&mut self, reply: &ReplyInfo) -> ReplyFault {
+        let to_lose = &self.reattach_replies_to_lose;
+        if reply.request_kind == Some(Kind::Reattach.as_u16())
+            && !self.armed.load(Ordering::Relaxed)
+            && to_lose
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            ReplyFault::Drop
+        } else {
+            ReplyFault::Deliver
+        }
+    }
 }
 
 #[test]
 fn an_instance_that_expired_while_disconnected_gets_its_regions_revoked() {
     let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let plan = ResetWhileArmed {
-        armed: Arc::clone(&armed),
-    };
+    let plan = ResetWhileArmed::new(&armed, 0);
     // Grace 300 ms: an instance unreachable for longer is gone.
     let server = Server::start_with_faults(server_config("faults-expiry"), Box::new(plan)).unwrap();
     let a = Client::connect(client_config(&server)).unwrap();
@@ -300,6 +324,61 @@ fn an_instance_that_expired_while_disconnected_gets_its_regions_revoked() {
     let b = Client::connect(client_config(&server)).unwrap();
     let bl = b.layout(PAGE, FINGERPRINT).unwrap();
     assert_eq!(&bl.get(b"kept").unwrap().unwrap()[..], &chunk(1, 100)[..]);
+}
+
+/// The same expiry, but the answer of the `Reattach` that recovers the
+/// instance (`resumed: false`) is lost. The retry finds the instance the
+/// lost attempt recovered; the directory still answers `resumed: false`,
+/// since no session of the recovered instance has made a request, and the
+/// client counts the recovery. Were it told `resumed: true`, it would take
+/// its sequence numbers and pending requests for the previous
+/// incarnation's as still valid.
+#[test]
+fn an_expiry_whose_recovering_reattach_reply_was_lost_is_still_seen_as_a_recovery() {
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let plan = ResetWhileArmed::new(&armed, 1);
+    let lost = Arc::clone(&plan.reattach_replies_to_lose);
+    // The instance expires while the connection is down (2 s), but not
+    // again between the lost answer and the retry (which comes after one
+    // request timeout).
+    let mut server_cfg = server_config("faults-expiry-lost");
+    server_cfg.directory.instance_grace = Duration::from_millis(1000);
+    let server = Server::start_with_faults(server_cfg, Box::new(plan)).unwrap();
+    let mut cfg = client_config(&server);
+    cfg.request_timeout_ms = 300;
+    let a = Client::connect(cfg).unwrap();
+    let al = a.layout(PAGE, FINGERPRINT).unwrap();
+    al.put(b"kept", &chunk(1, 100)).unwrap();
+
+    armed.store(true, Ordering::Relaxed);
+    let waiter = {
+        let armed = Arc::clone(&armed);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            armed.store(false, Ordering::Relaxed);
+        })
+    };
+    assert!(al.exists(b"kept").unwrap(), "answered after the reattach");
+    waiter.join().unwrap();
+    assert_eq!(
+        lost.load(Ordering::Relaxed),
+        0,
+        "one reattach reply was lost"
+    );
+
+    let stats = a.stats();
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    assert_eq!(
+        stats.directory_restarts, 1,
+        "the recovery was seen: {stats:?}"
+    );
+    assert_eq!(stats.regions_refused, 1, "the expired instance's region");
+    assert_eq!(a.owned_keys(), 0);
+    assert_eq!(
+        al.put(b"new", &chunk(2, 100)).unwrap(),
+        RegisterOutcome::Inserted
+    );
+    assert_eq!(&al.get(b"kept").unwrap().unwrap()[..], &chunk(1, 100)[..]);
 }
 
 /// The defect of docs/reliability.md ("Defects found", 4): a region grant

@@ -1928,6 +1928,90 @@ fn a_token_less_reattach_is_refused_until_the_grace_period_frees_the_recovered_r
     w.dir.check_invariants().unwrap();
 }
 
+/// A reattach that recovers an instance (it had expired, or the directory
+/// restarted) answers `Recovered`; if that answer is lost, the client's next
+/// reattach finds the instance and would be told `Resumed` — as if its keys,
+/// regions and reply cache had survived. Until a session of the recovered
+/// instance has made a request (proof that its client read a `Recovered`),
+/// every reattach answers `Recovered` again; after one, `Resumed`.
+#[test]
+fn a_recovery_is_answered_as_one_again_until_a_session_of_the_instance_makes_a_request() {
+    let reattach = |w: &mut World, c: &Client| {
+        w.dir
+            .reattach(
+                Reattach {
+                    instance: &c.name,
+                    secret: c.secret,
+                    regions: &c.regions,
+                    next_seq: c.next_seq,
+                    notice_ack: c.notice_ack,
+                    quota_bytes: None,
+                },
+                UNIX,
+                w.now,
+            )
+            .unwrap()
+    };
+    // Expired: the connection broke and the grace period passed.
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    w.dir.session_closed(a.session, w.now);
+    w.advance(Duration::from_secs(31));
+    let first = reattach(&mut w, &a);
+    assert_eq!(first.kind, ReattachKind::Recovered);
+    assert_eq!(first.regions, vec![RegionStatus::NotOwned]);
+    // Its answer is lost with the connection.
+    w.dir.session_closed(first.session, w.now);
+    let again = reattach(&mut w, &a);
+    assert_eq!(again.kind, ReattachKind::Recovered, "told again");
+    assert_eq!(again.regions, vec![RegionStatus::NotOwned]);
+    assert_eq!(again.oldest_accepted_seq, first.oldest_accepted_seq);
+    a.session = again.session;
+    a.regions.clear();
+    assert_eq!(w.exists(&a, &[b"k"]), vec![true], "the orphaned key stays");
+    w.dir.session_closed(a.session, w.now);
+    assert_eq!(reattach(&mut w, &a).kind, ReattachKind::Resumed);
+    w.dir.check_invariants().unwrap();
+
+    // Restarted: the first reattach claims the recovered region.
+    let mut w = World::new();
+    let mut b = w.hello("b");
+    let rb = w.region(&mut b, L);
+    let recovered = vec![RecoveredRegion {
+        handle: w.pool.live[&rb],
+        owner: InstanceId::new("b").unwrap(),
+    }];
+    w.dir = Directory::recover(DirectoryConfig::default(), [8; 32], w.now, recovered).unwrap();
+    let first = reattach(&mut w, &b);
+    assert_eq!(first.kind, ReattachKind::Recovered);
+    assert_eq!(first.regions, vec![RegionStatus::Confirmed]);
+    w.dir.session_closed(first.session, w.now);
+    let again = reattach(&mut w, &b);
+    assert_eq!(again.kind, ReattachKind::Recovered, "told again");
+    assert_eq!(
+        again.regions,
+        vec![RegionStatus::Confirmed],
+        "the region the lost answer confirmed is still the instance's"
+    );
+    b.session = again.session;
+    w.dir
+        .heartbeat(
+            &Caller {
+                session: b.session,
+                notice_ack: 0,
+            },
+            w.now,
+        )
+        .unwrap();
+    w.dir.session_closed(b.session, w.now);
+    let resumed = reattach(&mut w, &b);
+    assert_eq!(resumed.kind, ReattachKind::Resumed);
+    assert_eq!(resumed.regions, vec![RegionStatus::Confirmed]);
+    w.dir.check_invariants().unwrap();
+}
+
 #[test]
 fn reattach_with_a_wrong_secret_is_refused_and_changes_nothing() {
     let mut w = World::new();

@@ -83,8 +83,10 @@ fn layout_ix(b: u8) -> u8 {
 enum Op {
     /// The client process restarts: a fresh `hello` (a takeover if allowed).
     Hello(u8),
-    /// The connection breaks and the client reattaches.
-    Reconnect(u8),
+    /// The connection breaks and the client reattaches; with `true` the
+    /// first reattach's answer is lost (its session dies with the
+    /// connection) and the client reattaches again.
+    Reconnect(u8, bool),
     /// The connection breaks; the client reattaches on its next operation.
     CloseSession(u8),
     EndSession(u8),
@@ -113,7 +115,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     let keys = prop::collection::vec(any::<u8>(), 1..5);
     prop_oneof![
         1 => c.clone().prop_map(Op::Hello),
-        2 => c.clone().prop_map(Op::Reconnect),
+        2 => (c.clone(), prop::bool::weighted(0.3)).prop_map(|(c, l)| Op::Reconnect(c, l)),
         1 => c.clone().prop_map(Op::CloseSession),
         1 => c.clone().prop_map(Op::EndSession),
         4 => (c.clone(), any::<u8>()).prop_map(|(c, l)| Op::RequestRegion(c, l)),
@@ -153,6 +155,9 @@ struct MInst {
     absent_since: Option<Time>,
     /// Recovered after a restart, not reattached yet.
     awaiting: bool,
+    /// Recovered by a reattach, and no session of it has made a request
+    /// since: a reattach answers `Recovered` again.
+    recovery_unseen: bool,
     secret: Option<InstanceSecret>,
     unclaimed: Vec<RegionHandle>,
 }
@@ -200,6 +205,11 @@ impl Model {
     fn touch(&mut self, session: SessionId, now: Time) {
         if let Some(s) = self.sessions.get_mut(&session) {
             s.1 = now;
+            let name = s.0;
+            self.instances
+                .get_mut(name)
+                .expect("model: live instance")
+                .recovery_unseen = false;
         }
     }
 
@@ -721,6 +731,8 @@ struct World {
     now: Time,
     restarts: u8,
     lru: bool,
+    /// The next reattach's answer is lost (`Op::Reconnect`).
+    lose_reattach_answer: bool,
 }
 
 fn name_of(owner: &InstanceId) -> &'static str {
@@ -752,6 +764,7 @@ impl World {
             now: Time::from_nanos(1_000_000_000),
             restarts: 0,
             lru,
+            lose_reattach_answer: false,
         }
     }
 
@@ -899,6 +912,7 @@ impl World {
                 sessions: BTreeSet::from([w.session]),
                 absent_since: None,
                 awaiting: false,
+                recovery_unseen: false,
                 secret: Some(w.secret),
                 unclaimed: Vec::new(),
             },
@@ -960,7 +974,11 @@ impl World {
                         }
                     })
                     .collect();
-                (ReattachKind::Resumed, v)
+                if i.recovery_unseen {
+                    (ReattachKind::Recovered, v)
+                } else {
+                    (ReattachKind::Resumed, v)
+                }
             }
             Some(i) => {
                 let v: Vec<RegionStatus> = presented
@@ -1022,6 +1040,7 @@ impl World {
         }
         let inst = self.model.instances.entry(name).or_default();
         inst.awaiting = false;
+        inst.recovery_unseen = kind == ReattachKind::Recovered;
         inst.unclaimed.clear();
         inst.secret = Some(secret);
         inst.sessions.insert(back.session);
@@ -1031,6 +1050,14 @@ impl World {
             self.model.requests.retain(|(n, _), _| *n != name);
         }
         self.service();
+        if std::mem::take(&mut self.lose_reattach_answer) {
+            // The client never saw the answer: the session it opened dies
+            // with the connection, and the client reattaches as before. A
+            // recovery must be told again (`recovery_unseen`).
+            self.dir.session_closed(back.session, self.now);
+            self.model.kill_session(back.session, self.now);
+            return self.reattach(ci);
+        }
 
         // Update the client.
         let c = &mut self.clients[ci];
@@ -1308,9 +1335,11 @@ impl World {
     fn step(&mut self, op: &Op) {
         match op.clone() {
             Op::Hello(c) => self.hello(c as usize),
-            Op::Reconnect(c) => {
+            Op::Reconnect(c, lose_answer) => {
                 self.close(c as usize);
+                self.lose_reattach_answer = lose_answer;
                 self.prepare(c as usize);
+                self.lose_reattach_answer = false;
             }
             Op::CloseSession(c) => self.close(c as usize),
             Op::EndSession(c) => {
@@ -2041,7 +2070,7 @@ fn a_scripted_run_through_every_kind_of_step_agrees_with_the_model() {
         Unpin(2, 0, vec![(0, 2), (1, 1)], false),
         Delete(1, 0, vec![1, 2], false),
         Heartbeat(0, true),
-        Reconnect(1),
+        Reconnect(1, false),
         Retry(1),
         CloseSession(0),
         Advance(150),
@@ -2049,10 +2078,17 @@ fn a_scripted_run_through_every_kind_of_step_agrees_with_the_model() {
         Pressure(true),
         Advance(1),
         Restart,
+        Reconnect(1, true),
         Register(1, 0, vec![(5, 0)], false),
+        Reconnect(1, true),
         Advance(200),
         Hello(0),
         ReturnRegion(1, 0, false),
+        CloseSession(2),
+        Advance(200),
+        Advance(200),
+        Reconnect(2, true),
+        Lookup(2, 0, vec![1], 0, false),
     ];
     run(&ops, false);
 }

@@ -335,21 +335,26 @@ impl Shared {
             self.drop_owned_regions(&refused);
         }
         // A directory that recovered the instance (after its own restart,
-        // or after the instance expired) answers `resumed: false`. A
-        // restarted directory says so only to the first `Reattach`: if that
-        // answer was lost, the retry finds the instance recovered and says
-        // `resumed`, but its epoch is new (`directory_epoch` changes on
-        // every start, docs/protocol.md). The epoch is compared with the
-        // last answer's, not the published session's, so that the retry
-        // after a setup that failed does not count the same restart again
-        // (`reregister_pending` carries its work over).
+        // or after the instance expired) answers `resumed: false`, and
+        // repeats it until a session of the instance makes a request, so a
+        // lost answer is told again (docs/protocol.md). A new
+        // `directory_epoch` (it changes on every start) is taken for a
+        // restart too, whatever `resumed` says: a directory that answered
+        // `resumed: false` only once would otherwise go unnoticed. The
+        // epoch is compared with the last answer's, not the published
+        // session's, so that the retry after a setup that failed does not
+        // count the same restart again (`reregister_pending` carries its
+        // work over).
         let last_epoch = self
             .epoch_seen
             .swap(r.welcome.directory_epoch, Ordering::Relaxed);
         let new_epoch = last_epoch != r.welcome.directory_epoch;
         if new_epoch || !r.resumed {
             if new_epoch || !self.reregister_pending.load(Ordering::Acquire) {
-                tracing::info!("the directory restarted; registering this instance's keys again");
+                tracing::info!(
+                    "the directory recovered this instance (it restarted, or the instance \
+                     expired); registering its keys again"
+                );
                 self.stats.bump(&self.stats.directory_restarts);
             }
             self.seqs.new_incarnation();

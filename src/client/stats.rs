@@ -37,7 +37,9 @@ counters!(
     retries,
     /// Connections re-established.
     reconnects,
-    /// Reattaches that found the directory restarted.
+    /// Reattaches that found the instance recovered: the directory
+    /// restarted, or the instance expired while it could not reach it (its
+    /// keys are registered again; those in refused regions are dropped).
     directory_restarts,
     /// Keys registered again after a directory restart.
     keys_reregistered,

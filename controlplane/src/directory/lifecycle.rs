@@ -161,6 +161,7 @@ impl Directory {
                     window,
                     now,
                 ));
+                self.instance_mut(slot).recovery_unseen = true;
                 let verdicts = vec![RegionStatus::NotOwned; req.regions.len()];
                 Ok(self.reattached(slot, &peer, ReattachKind::Recovered, verdicts, now))
             }
@@ -218,7 +219,14 @@ impl Directory {
             .ack(req.notice_ack)
             .expect("invariant: the acknowledgement was checked above");
         inst.principal = Some(peer.principal());
-        Ok(self.reattached(slot, &peer, ReattachKind::Resumed, verdicts, now))
+        // A recovery no session has acted on yet is answered as one again:
+        // the answer that told of it may have been lost.
+        let kind = if inst.recovery_unseen {
+            ReattachKind::Recovered
+        } else {
+            ReattachKind::Resumed
+        };
+        Ok(self.reattached(slot, &peer, kind, verdicts, now))
     }
 
     fn claim_recovered(
@@ -276,6 +284,7 @@ impl Directory {
         inst.quota_bytes = quota;
         inst.replies = ReplyWindow::new(req.next_seq, window);
         inst.notices = NoticeQueue::new(req.notice_ack.saturating_add(1));
+        inst.recovery_unseen = true;
         let owner_id = inst.id.clone();
         let claimed: Vec<_> = confirmed().copied().collect();
         for p in &claimed {
@@ -391,7 +400,11 @@ impl Directory {
         };
         session.last_seen = now;
         let slot = session.instance;
-        self.instance_mut(slot).notices.ack(caller.notice_ack)?;
+        let inst = self.instance_mut(slot);
+        // A request on a session opened after the recovery: its client has
+        // the `Recovered` answer that opened it.
+        inst.recovery_unseen = false;
+        inst.notices.ack(caller.notice_ack)?;
         Ok(slot)
     }
 

@@ -27,7 +27,9 @@
 //!   secret) and its first session; `reattach` adds a session to an instance
 //!   presenting its secret (after a reconnect: `Resumed`, everything intact),
 //!   or rebuilds it (after a directory restart, or after it was declared gone:
-//!   `Recovered`, proven by the pool manager's region tokens). Any request
+//!   `Recovered`, proven by the pool manager's region tokens; repeated to
+//!   every reattach until a session of the instance makes a request, since
+//!   the first answer may have been lost). Any request
 //!   renews its session's lease; a session without requests for
 //!   `session_lease` dies, and an instance with no session for
 //!   `instance_grace` is gone. TCP peers need the pre-shared secret unless

@@ -70,6 +70,12 @@ pub(crate) struct Instance {
     pub used_bytes: u64,
     pub notices: NoticeQueue,
     pub replies: ReplyWindow,
+    /// Recovered (a reattach found it gone, or a restarted directory's first
+    /// reattach claimed it) and no session of it has made a request since.
+    /// Until one does, every reattach answers `Recovered` again: the client
+    /// may have lost the first answer, and a `Resumed` would tell it that
+    /// the state it held survived (docs/protocol.md, `Reattached`).
+    pub recovery_unseen: bool,
 }
 
 impl Instance {
@@ -102,6 +108,7 @@ impl Instance {
             used_bytes: 0,
             notices: NoticeQueue::new(first_notice),
             replies: ReplyWindow::new(first_seq, reply_window),
+            recovery_unseen: false,
         }
     }
 

@@ -462,6 +462,9 @@ pub enum ReattachKind {
     /// instance was declared gone): the instance must re-register the keys it
     /// owns; sequence numbers below the presented `next_seq` are refused as
     /// too old; notice numbering continues after the presented `notice_ack`.
+    /// Every later reattach is answered `Recovered` too until a session of
+    /// the instance makes a request (the first answer may have been lost);
+    /// those keep the first recovery's sequence floor and notice base.
     Recovered,
 }
 

@@ -27,7 +27,7 @@
 //! - after a `Resumed` reattach, an outstanding request is resent unchanged
 //!   (changing it under the same `seq` is `SequenceReused`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use cxlkv_dataplane::ids::{Generation, PageIndex, RegionId};
 
@@ -1030,22 +1030,38 @@ impl Client {
                         self.drop_region(*id);
                     }
                 }
-                // A restart shows in the epoch, not in the kind: when the
-                // `Recovered` reply to an earlier reattach was lost, this one
-                // is `Resumed` by the new incarnation, which holds none of
-                // this client's keys yet.
+                // A recovery shows in the kind: the directory answers
+                // `Recovered` to every reattach until a session of the
+                // recovered instance makes a request, so a lost answer is
+                // told again. A new epoch is taken for a restart too, as the
+                // real client does. After a restart the confirmed regions
+                // are kept; after the instance was declared gone none is.
                 if r.kind == ReattachKind::Recovered || restarted {
-                    if !restarted {
-                        // Declared gone: a new instance. Nothing of the old
-                        // one's regions is ours; its window is void.
-                        self.regions.clear();
-                    }
+                    self.regions.retain(|id, _| presented.contains(id));
                     // The previous window is void: rebuild outstanding
-                    // requests. Entries in regions no longer ours go; a page a
-                    // notice freed before its reply came is not registered
-                    // again.
+                    // requests. Entries in regions no longer ours go, and so
+                    // do the re-registrations of an earlier recovery whose
+                    // session ended before they were answered (queued again
+                    // below); a page a notice freed before its reply came is
+                    // not registered again.
                     let owned: Vec<RegionId> = self.regions.keys().copied().collect();
-                    self.rebuild_without(|loc| owned.contains(&loc.region));
+                    let registered: BTreeSet<(RegionId, u32, u32)> = self
+                        .regions
+                        .iter()
+                        .flat_map(|(&id, r)| {
+                            r.pages.iter().enumerate().filter_map(move |(i, p)| {
+                                matches!(p.state, PageState::Registered(_)).then_some((
+                                    id,
+                                    i as u32,
+                                    p.generation,
+                                ))
+                            })
+                        })
+                        .collect();
+                    self.rebuild_without(|loc| {
+                        owned.contains(&loc.region)
+                            && !registered.contains(&(loc.region, loc.page.0, loc.generation.0))
+                    });
                     self.drop_freed_in_flight_entries();
                     for region in self.regions.values_mut() {
                         for page in &mut region.pages {
@@ -1054,9 +1070,7 @@ impl Client {
                             }
                         }
                     }
-                    if restarted {
-                        self.queue_reregistration(params);
-                    }
+                    self.queue_reregistration(params);
                 }
                 if let Some(c) = self.conn.as_mut() {
                     c.ready = true;
