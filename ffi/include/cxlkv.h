@@ -9,7 +9,10 @@
  * calling thread's message. Handles are opaque tokens checked on every call
  * (NULL, freed or foreign handles give CXLKV_STATUS_BAD_HANDLE). Structs
  * that begin with `uint32_t size` are versioned: set size = sizeof(struct)
- * (the *_init functions do). Every function may be called from any thread
+ * (the *_init functions do). A call that fails leaves its outputs unset,
+ * not stale: NULL handles, zero counts, false flags, absent views, results
+ * whose outcome is *_NONE, tier codes CXLKV_TIER_NOT_DONE (docs/c-api.md,
+ * "Outputs of a failed call"). Every function may be called from any thread
  * unless its comment says otherwise.
  */
 
@@ -29,7 +32,7 @@
 #define CXLKV_ABI_VERSION_MAJOR 0
 
 // Bumped when functions, fields or statuses are added.
-#define CXLKV_ABI_VERSION_MINOR 2
+#define CXLKV_ABI_VERSION_MINOR 3
 
 // Map every region of other instances at connect, so that first reads of
 // them do not map.
@@ -171,6 +174,9 @@ enum cxlkv_register_outcome
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
+    // No outcome: the call failed (its status says what is known) and
+    // wrote no result (header, "Outputs of a failed call").
+    CXLKV_REGISTER_NONE = 0,
     // The key now names the caller's chunk.
     CXLKV_REGISTER_INSERTED = 1,
     // The key already existed: `winner` is where its chunk lives; the
@@ -218,6 +224,9 @@ enum cxlkv_delete_outcome
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
+    // No outcome: the call failed (its status says what is known) and
+    // wrote no result (header, "Outputs of a failed call").
+    CXLKV_DELETE_NONE = 0,
     // Gone; its page goes back to its owner.
     CXLKV_DELETE_DELETED = 1,
     // Not deleted: `pins` pins (all sessions) are held on it.
@@ -254,6 +263,10 @@ enum cxlkv_tier_code
     CXLKV_TIER_KEY_IS_LOCKED = 5,
     // The allocator could not fit the whole batch.
     CXLKV_TIER_OUT_OF_MEMORY = 6,
+    // No result: the call failed (its status says what is known) and
+    // wrote no per-key code (header, "Outputs of a failed call"). Never
+    // returned by a call that succeeded.
+    CXLKV_TIER_NOT_DONE = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

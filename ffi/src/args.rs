@@ -199,6 +199,31 @@ pub(crate) unsafe fn opt_str<'a>(
         .map_err(|e| FfiError::invalid(format!("`{arg}` is not UTF-8: {e}")))
 }
 
+/// The value an output holds after a call that failed (header, "Outputs
+/// of a failed call"): NULL handles, zero counts, `false`, results that
+/// name no outcome. Each function sets its outputs to it before anything
+/// else can fail, so that no failure leaves a stale value (or a zeroed
+/// array's `SUCCESS`) behind for a caller that reads them anyway.
+pub(crate) trait Unset: Sized {
+    const UNSET: Self;
+}
+
+impl Unset for bool {
+    const UNSET: Self = false;
+}
+
+impl Unset for usize {
+    const UNSET: Self = 0;
+}
+
+impl Unset for u64 {
+    const UNSET: Self = 0;
+}
+
+impl<T> Unset for *mut T {
+    const UNSET: Self = std::ptr::null_mut();
+}
+
 /// One caller-provided output slot, checked for NULL and alignment.
 #[derive(Debug)]
 pub(crate) struct Out<T> {
@@ -221,6 +246,21 @@ impl<T> Out<T> {
         // SAFETY: valid and aligned for a write by `new`'s contract and
         // checks; `write` does not read (or drop) the old contents.
         unsafe { self.ptr.as_ptr().write(value) }
+    }
+}
+
+impl<T: Unset> Out<T> {
+    /// [`Out::new`], the slot set to [`Unset::UNSET`] until the call writes
+    /// its result.
+    ///
+    /// # Safety
+    ///
+    /// As [`Out::new`].
+    pub unsafe fn unset(ptr: *mut T, arg: &str) -> Result<Self, FfiError> {
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { Self::new(ptr, arg) }?;
+        out.write(T::UNSET);
+        Ok(out)
     }
 }
 
@@ -265,6 +305,23 @@ impl<T> OutSlice<T> {
         // SAFETY: `index < len`, and the slots are valid for writes by
         // `new`'s contract; `write` does not read the old contents.
         unsafe { self.ptr.as_ptr().add(index).write(value) }
+    }
+}
+
+impl<T: Unset> OutSlice<T> {
+    /// [`OutSlice::new`], every slot set to [`Unset::UNSET`] until the call
+    /// writes its results.
+    ///
+    /// # Safety
+    ///
+    /// As [`OutSlice::new`].
+    pub unsafe fn unset(ptr: *mut T, len: usize, arg: &str) -> Result<Self, FfiError> {
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { Self::new(ptr, len, arg) }?;
+        for i in 0..len {
+            out.write(i, T::UNSET);
+        }
+        Ok(out)
     }
 }
 

@@ -114,8 +114,7 @@ pub unsafe extern "C" fn cxlkv_connect(
 ) -> cxlkv_status {
     call("cxlkv_connect", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_client, "out_client") }?;
-        out.write(std::ptr::null_mut());
+        let mut out = unsafe { Out::unset(out_client, "out_client") }?;
         // SAFETY: passed on to the caller.
         let (cfg, callbacks) = unsafe { config::client_config(config) }?;
         let observers = CMapObserver::boxed(callbacks).into_iter().collect();
@@ -400,7 +399,7 @@ pub unsafe extern "C" fn cxlkv_map_all_regions(
 ) -> cxlkv_status {
     call("cxlkv_map_all_regions", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_mapped, "out_mapped") }?;
+        let mut out = unsafe { Out::unset(out_mapped, "out_mapped") }?;
         out.write(self::client(client)?.map_all_regions()?);
         Ok(())
     })
@@ -549,8 +548,7 @@ pub unsafe extern "C" fn cxlkv_add_map_observer(
 ) -> cxlkv_status {
     call("cxlkv_add_map_observer", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_observer, "out_observer") }?;
-        out.write(std::ptr::null_mut());
+        let mut out = unsafe { Out::unset(out_observer, "out_observer") }?;
         let c = self::client(client)?;
         // SAFETY: passed on to the caller (one readable struct).
         let cbs = unsafe { args::slice(callbacks, 1, "callbacks") }?[0];

@@ -82,6 +82,9 @@ impl From<Location> for cxlkv_location {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub enum cxlkv_register_outcome {
+    /// No outcome: the call failed (its status says what is known) and
+    /// wrote no result (header, "Outputs of a failed call").
+    CXLKV_REGISTER_NONE = 0,
     /// The key now names the caller's chunk.
     CXLKV_REGISTER_INSERTED = 1,
     /// The key already existed: `winner` is where its chunk lives; the
@@ -117,6 +120,20 @@ pub struct cxlkv_register_result {
     pub reject_reason: cxlkv_reject_reason,
     /// With `CXLKV_REGISTER_DUPLICATE`: the winner's chunk; else zero.
     pub winner: cxlkv_location,
+}
+
+impl crate::args::Unset for cxlkv_register_result {
+    const UNSET: Self = Self {
+        outcome: cxlkv_register_outcome::CXLKV_REGISTER_NONE,
+        reject_reason: cxlkv_reject_reason::CXLKV_REJECT_NONE,
+        winner: cxlkv_location {
+            region_id: 0,
+            page: 0,
+            generation: 0,
+            len_bytes: 0,
+            reserved: 0,
+        },
+    };
 }
 
 fn register_result(o: &RegisterOutcome) -> cxlkv_register_result {
@@ -175,8 +192,7 @@ pub unsafe extern "C" fn cxlkv_layout_open(
 ) -> cxlkv_status {
     call("cxlkv_layout_open", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_layout, "out_layout") }?;
-        out.write(std::ptr::null_mut());
+        let mut out = unsafe { Out::unset(out_layout, "out_layout") }?;
         let c = client::client(client)?;
         let handle = if options.is_null() {
             c.layout(page_size_bytes, fingerprint)?
@@ -307,10 +323,7 @@ unsafe fn batch_alloc(
     call(name, || {
         args::batch_len(n)?;
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_leases, n, "out_leases") }?;
-        for i in 0..n {
-            out.write(i, std::ptr::null_mut());
-        }
+        let mut out = unsafe { OutSlice::unset(out_leases, n, "out_leases") }?;
         let l = self::layout(layout)?;
         let leases = l.batch_alloc(n)?;
         let tokens =
@@ -341,9 +354,9 @@ pub unsafe extern "C" fn cxlkv_lease_data(
 ) -> cxlkv_status {
     call("cxlkv_lease_data", || {
         // SAFETY: passed on to the caller.
-        let mut data = unsafe { Out::new(out_data, "out_data") }?;
+        let mut data = unsafe { Out::unset(out_data, "out_data") }?;
         // SAFETY: passed on to the caller.
-        let mut cap = unsafe { Out::new(out_capacity_bytes, "out_capacity_bytes") }?;
+        let mut cap = unsafe { Out::unset(out_capacity_bytes, "out_capacity_bytes") }?;
         let entry = LEASES.get(lease.addr(), "lease")?;
         let mut slot = entry.lock();
         let lease = slot.as_mut().ok_or_else(consumed)?;
@@ -530,9 +543,9 @@ unsafe fn batch_register(
         let taken = take_leases(handles);
         args::batch_len(n)?;
         // SAFETY: passed on to the caller.
-        let keys = unsafe { args::keys(keys, n) }?;
+        let mut out = unsafe { OutSlice::unset(out_results, n, "out_results") }?;
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_results, n, "out_results") }?;
+        let keys = unsafe { args::keys(keys, n) }?;
         let l = self::layout(layout)?;
         let leases = taken?;
         if leases.is_empty() {
@@ -606,12 +619,13 @@ unsafe fn batch_put(
     out_results: *mut cxlkv_register_result,
 ) -> cxlkv_status {
     call(name, || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_results, n, "out_results") }?;
         // SAFETY: passed on to the caller.
         let keys = unsafe { args::keys(keys, n) }?;
         // SAFETY: passed on to the caller.
         let descs = unsafe { args::slice(values, n, "values") }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_results, n, "out_results") }?;
         let values = descs
             .iter()
             .enumerate()

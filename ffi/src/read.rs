@@ -53,6 +53,10 @@ const ABSENT: cxlkv_view = cxlkv_view {
     },
 };
 
+impl crate::args::Unset for cxlkv_view {
+    const UNSET: Self = ABSENT;
+}
+
 /// The chunk under `key`, pinned, in place. Absent key: `CXLKV_STATUS_OK`
 /// with `out_view->guard == NULL`. On failure `*out_view` is zeroed.
 ///
@@ -110,10 +114,7 @@ unsafe fn batch_get(
     call(name, || {
         args::batch_len(n)?;
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_views, n, "out_views") }?;
-        for i in 0..n {
-            out.write(i, ABSENT);
-        }
+        let mut out = unsafe { OutSlice::unset(out_views, n, "out_views") }?;
         // SAFETY: passed on to the caller.
         let keys = unsafe { args::keys(keys, n) }?;
         let l = self::layout(layout)?;
@@ -268,10 +269,11 @@ unsafe fn batch_exists(
     out_present: *mut bool,
 ) -> cxlkv_status {
     call(name, || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_present, n, "out_present") }?;
         // SAFETY: passed on to the caller.
         let keys = unsafe { args::keys(keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_present, n, "out_present") }?;
         let l = self::layout(layout)?;
         if keys.is_empty() {
             return Ok(());
@@ -289,6 +291,9 @@ unsafe fn batch_exists(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub enum cxlkv_delete_outcome {
+    /// No outcome: the call failed (its status says what is known) and
+    /// wrote no result (header, "Outputs of a failed call").
+    CXLKV_DELETE_NONE = 0,
     /// Gone; its page goes back to its owner.
     CXLKV_DELETE_DELETED = 1,
     /// Not deleted: `pins` pins (all sessions) are held on it.
@@ -305,6 +310,13 @@ pub struct cxlkv_delete_result {
     pub outcome: cxlkv_delete_outcome,
     /// With `CXLKV_DELETE_PINNED`: pins held; else 0.
     pub pins: u32,
+}
+
+impl crate::args::Unset for cxlkv_delete_result {
+    const UNSET: Self = Self {
+        outcome: cxlkv_delete_outcome::CXLKV_DELETE_NONE,
+        pins: 0,
+    };
 }
 
 fn delete_result(o: &DeleteOutcome) -> cxlkv_delete_result {
@@ -369,10 +381,11 @@ unsafe fn batch_delete(
     out_results: *mut cxlkv_delete_result,
 ) -> cxlkv_status {
     call(name, || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_results, n, "out_results") }?;
         // SAFETY: passed on to the caller.
         let keys = unsafe { args::keys(keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_results, n, "out_results") }?;
         let l = self::layout(layout)?;
         if keys.is_empty() {
             return Ok(());

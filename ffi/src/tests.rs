@@ -495,6 +495,114 @@ fn bad_handles_and_arguments_give_statuses_not_crashes() {
     assert_eq!(cxlkv_flush_unpins(client), CXLKV_STATUS_BAD_HANDLE);
 }
 
+/// docs/c-api.md, "Outputs of a failed call": whatever a failed call
+/// fails on — a bad handle, a bad entry found after the outputs were
+/// checked — it leaves its outputs unset, not as the caller (or an earlier
+/// call) left them; only a batch over the limit writes nothing.
+#[test]
+fn a_failed_call_leaves_its_outputs_unset_not_stale() {
+    let fx = Fixture::new("ffi-unset");
+    let (client, layout) = fx.connect();
+    let keys = [bytes(b"u0"), bytes(b"u1")];
+    let values = [bytes(b"zero"), bytes(b"one")];
+    let mut results = [MaybeUninit::<cxlkv_register_result>::zeroed(); 2];
+    // SAFETY: two keys, two values, two result slots.
+    ok(unsafe {
+        cxlkv_batch_put(
+            layout,
+            keys.as_ptr(),
+            values.as_ptr(),
+            2,
+            results.as_mut_ptr().cast(),
+        )
+    });
+    // SAFETY: written by the call that succeeded.
+    let inserted = unsafe { results[0].assume_init() };
+    assert_eq!(
+        inserted.outcome,
+        cxlkv_register_outcome::CXLKV_REGISTER_INSERTED
+    );
+
+    // The second value is refused after the outputs were checked: the
+    // first call's results do not survive.
+    let big = vec![1u8; PAGE as usize + 1];
+    let bad_values = [bytes(b"zero"), bytes(&big)];
+    // SAFETY: as above.
+    let s = unsafe {
+        cxlkv_batch_put(
+            layout,
+            keys.as_ptr(),
+            bad_values.as_ptr(),
+            2,
+            results.as_mut_ptr().cast(),
+        )
+    };
+    assert_eq!(s, CXLKV_STATUS_CHUNK_LENGTH);
+    for r in &results {
+        // SAFETY: every slot was written (unset) by the failed call.
+        let r = unsafe { r.assume_init() };
+        assert_eq!(r.outcome, cxlkv_register_outcome::CXLKV_REGISTER_NONE);
+        assert_eq!(r.winner, cxlkv_location::default());
+    }
+
+    let garbage = 0x1234_5678usize as *const cxlkv_layout;
+    let stale_view = cxlkv_view {
+        guard: 0x10usize as *mut _,
+        data: 0x10usize as *const u8,
+        len_bytes: 7,
+        location: inserted.winner,
+    };
+    let mut views = [stale_view; 2];
+    let mut present = [true; 2];
+    let mut deleted = [MaybeUninit::<cxlkv_delete_result>::zeroed(); 2];
+    let mut leases = [0x10usize as *mut cxlkv_lease; 2];
+    let mut l = 0x10usize as *mut cxlkv_layout;
+    // SAFETY: the handles are checked; every output covers `n` slots.
+    unsafe {
+        assert_eq!(
+            cxlkv_batch_get(garbage, keys.as_ptr(), 2, views.as_mut_ptr()),
+            CXLKV_STATUS_BAD_HANDLE
+        );
+        assert_eq!(
+            cxlkv_batch_exists(garbage, keys.as_ptr(), 2, present.as_mut_ptr()),
+            CXLKV_STATUS_BAD_HANDLE
+        );
+        assert_eq!(
+            cxlkv_batch_delete(garbage, keys.as_ptr(), 2, deleted.as_mut_ptr().cast()),
+            CXLKV_STATUS_BAD_HANDLE
+        );
+        assert_eq!(
+            cxlkv_batch_alloc(garbage, 2, leases.as_mut_ptr()),
+            CXLKV_STATUS_BAD_HANDLE
+        );
+        assert_eq!(
+            cxlkv_layout_open(garbage.cast(), PAGE, 1, std::ptr::null(), &mut l),
+            CXLKV_STATUS_BAD_HANDLE
+        );
+    }
+    assert!(
+        views
+            .iter()
+            .all(|v| v.guard.is_null() && v.data.is_null() && v.len_bytes == 0)
+    );
+    assert_eq!(present, [false; 2]);
+    for d in &deleted {
+        // SAFETY: every slot was written (unset) by the failed call.
+        let d = unsafe { d.assume_init() };
+        assert_eq!(d.outcome, cxlkv_delete_outcome::CXLKV_DELETE_NONE);
+    }
+    assert_eq!(leases, [std::ptr::null_mut(); 2]);
+    assert!(l.is_null());
+
+    // Over the batch limit nothing is written (the array may be short).
+    let mut one = [true];
+    // SAFETY: refused on `n` before any pointer is used.
+    let s = unsafe { cxlkv_batch_exists(layout, std::ptr::dangling(), 5000, one.as_mut_ptr()) };
+    assert_eq!(s, CXLKV_STATUS_BATCH_TOO_LARGE);
+    assert_eq!(one, [true]);
+    close(client, layout);
+}
+
 #[test]
 fn a_layout_of_a_closed_client_reports_closed() {
     let fx = Fixture::new("ffi-closed");
@@ -767,6 +875,77 @@ mod tier {
         // SAFETY: a freed handle is checked.
         let s = unsafe { cxlkv_tier_reserve_read(tier, keys.as_ptr(), 2, 1, pages.as_mut_ptr()) };
         assert_eq!(s, CXLKV_STATUS_BAD_HANDLE);
+        close(client, layout);
+    }
+
+    /// A failed tier call's per-key outputs read `NOT_DONE`, never the
+    /// `SUCCESS` (0) a zero-initialised array starts with, nor an earlier
+    /// call's results.
+    #[test]
+    fn a_failed_tier_call_leaves_not_done_not_success() {
+        let fx = Fixture::new("ffi-tier-unset");
+        let (client, layout) = fx.connect();
+        let mut tier = 0x10usize as *mut cxlkv_tier;
+        // SAFETY: the layout handle is checked; live out slot.
+        let s = unsafe { cxlkv_tier_open(std::ptr::null(), std::ptr::null(), &mut tier) };
+        assert_eq!(s, CXLKV_STATUS_BAD_HANDLE);
+        assert!(tier.is_null());
+        // SAFETY: NULL config, live out slot.
+        ok(unsafe { cxlkv_tier_open(layout, std::ptr::null(), &mut tier) });
+
+        let twice = [bytes(b"t0"), bytes(b"t0")];
+        let mut codes = [cxlkv_tier_code::CXLKV_TIER_SUCCESS; 2];
+        // SAFETY: two keys, two code slots.
+        let s = unsafe { cxlkv_tier_finish_write(tier, twice.as_ptr(), 2, codes.as_mut_ptr()) };
+        assert_eq!(s, CXLKV_STATUS_TIER_DUPLICATE_KEY);
+        assert_eq!(codes, [cxlkv_tier_code::CXLKV_TIER_NOT_DONE; 2]);
+
+        let keys = [bytes(b"t0"), bytes(b"t1")];
+        let temporary = [0u8, 0];
+        let mut pages = [cxlkv_tier_page {
+            code: cxlkv_tier_code::CXLKV_TIER_SUCCESS,
+            data: 0x10usize as *mut u8,
+            len_bytes: 100,
+            ..NO_PAGE_FOR_TESTS
+        }; 2];
+        // SAFETY: two keys, two flags, two page slots.
+        let s = unsafe {
+            cxlkv_tier_reserve_write(
+                tier,
+                keys.as_ptr(),
+                temporary.as_ptr(),
+                2,
+                100,
+                7,
+                pages.as_mut_ptr(),
+            )
+        };
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT, "an unknown mode");
+        for p in &pages {
+            assert_eq!(p.code, cxlkv_tier_code::CXLKV_TIER_NOT_DONE);
+            assert!(p.data.is_null());
+            assert_eq!(p.len_bytes, 0);
+        }
+        ok(cxlkv_tier_close(tier));
+
+        let (mut used, mut total, mut writes, mut reads) = (9u64, 9u64, 9u64, 9u64);
+        let mut healthy = true;
+        // SAFETY: a freed handle is checked; live out slots.
+        unsafe {
+            assert_eq!(
+                cxlkv_tier_get_memory_usage(tier, &mut used, &mut total),
+                CXLKV_STATUS_BAD_HANDLE
+            );
+            assert_eq!(
+                cxlkv_tier_sweep_now(tier, &mut writes, &mut reads),
+                CXLKV_STATUS_BAD_HANDLE
+            );
+            assert_eq!(
+                cxlkv_tier_memcheck(tier, &mut healthy),
+                CXLKV_STATUS_BAD_HANDLE
+            );
+        }
+        assert_eq!((used, total, writes, reads, healthy), (0, 0, 0, 0, false));
         close(client, layout);
     }
 

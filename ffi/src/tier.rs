@@ -79,6 +79,14 @@ pub enum cxlkv_tier_code {
     CXLKV_TIER_KEY_IS_LOCKED = 5,
     /// The allocator could not fit the whole batch.
     CXLKV_TIER_OUT_OF_MEMORY = 6,
+    /// No result: the call failed (its status says what is known) and
+    /// wrote no per-key code (header, "Outputs of a failed call"). Never
+    /// returned by a call that succeeded.
+    CXLKV_TIER_NOT_DONE = 7,
+}
+
+impl crate::args::Unset for cxlkv_tier_code {
+    const UNSET: Self = cxlkv_tier_code::CXLKV_TIER_NOT_DONE;
 }
 
 fn tier_code(c: TierCode) -> cxlkv_tier_code {
@@ -140,6 +148,13 @@ const NO_PAGE: cxlkv_tier_page = cxlkv_tier_page {
         reserved: 0,
     },
 };
+
+impl crate::args::Unset for cxlkv_tier_page {
+    const UNSET: Self = cxlkv_tier_page {
+        code: cxlkv_tier_code::CXLKV_TIER_NOT_DONE,
+        ..NO_PAGE
+    };
+}
 
 fn tier_page(kp: &KeyPage) -> cxlkv_tier_page {
     match &kp.page {
@@ -304,8 +319,7 @@ pub unsafe extern "C" fn cxlkv_tier_open(
 ) -> cxlkv_status {
     call("cxlkv_tier_open", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_tier, "out_tier") }?;
-        out.write(std::ptr::null_mut());
+        let mut out = unsafe { Out::unset(out_tier, "out_tier") }?;
         let c = if config.is_null() {
             tier_config_defaults()
         } else {
@@ -517,10 +531,11 @@ pub unsafe extern "C" fn cxlkv_tier_reserve_read(
     out_pages: *mut cxlkv_tier_page,
 ) -> cxlkv_status {
     call("cxlkv_tier_reserve_read", || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_pages, n, "out_pages") }?;
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_pages, n, "out_pages") }?;
         let r = t.reserve_read(&keys, Holds::total(i64::from(holds)))?;
         write_pages(&mut out, &r);
         Ok(())
@@ -543,10 +558,11 @@ pub unsafe extern "C" fn cxlkv_tier_unsafe_read(
     out_pages: *mut cxlkv_tier_page,
 ) -> cxlkv_status {
     call("cxlkv_tier_unsafe_read", || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_pages, n, "out_pages") }?;
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_pages, n, "out_pages") }?;
         let r = t.unsafe_read(&keys)?;
         write_pages(&mut out, &r);
         Ok(())
@@ -572,10 +588,11 @@ pub unsafe extern "C" fn cxlkv_tier_finish_read(
     out_codes: *mut cxlkv_tier_code,
 ) -> cxlkv_status {
     call("cxlkv_tier_finish_read", || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_codes, n, "out_codes") }?;
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_codes, n, "out_codes") }?;
         let r = t.finish_read(&keys, Holds::total(i64::from(holds)))?;
         write_codes(&mut out, &r);
         Ok(())
@@ -605,12 +622,13 @@ pub unsafe extern "C" fn cxlkv_tier_reserve_write(
     out_pages: *mut cxlkv_tier_page,
 ) -> cxlkv_status {
     call("cxlkv_tier_reserve_write", || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_pages, n, "out_pages") }?;
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
         // SAFETY: passed on to the caller.
         let flags = unsafe { args::slice(is_temporary, n, "is_temporary") }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_pages, n, "out_pages") }?;
         let mode = match mode {
             m if m == cxlkv_tier_write_mode::CXLKV_TIER_WRITE_NEW as u32 => WriteMode::New,
             m if m == cxlkv_tier_write_mode::CXLKV_TIER_WRITE_UPDATE as u32 => WriteMode::Update,
@@ -646,10 +664,11 @@ pub unsafe extern "C" fn cxlkv_tier_finish_write(
     out_codes: *mut cxlkv_tier_code,
 ) -> cxlkv_status {
     call("cxlkv_tier_finish_write", || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_codes, n, "out_codes") }?;
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_codes, n, "out_codes") }?;
         write_codes(&mut out, &t.finish_write(&keys)?);
         Ok(())
     })
@@ -674,10 +693,11 @@ pub unsafe extern "C" fn cxlkv_tier_finish_write_and_reserve_read(
     out_pages: *mut cxlkv_tier_page,
 ) -> cxlkv_status {
     call("cxlkv_tier_finish_write_and_reserve_read", || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_pages, n, "out_pages") }?;
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_pages, n, "out_pages") }?;
         let r = t.finish_write_and_reserve_read(&keys, Holds::total(i64::from(holds)))?;
         write_pages(&mut out, &r);
         Ok(())
@@ -704,10 +724,11 @@ pub unsafe extern "C" fn cxlkv_tier_delete(
     out_codes: *mut cxlkv_tier_code,
 ) -> cxlkv_status {
     call("cxlkv_tier_delete", || {
+        args::batch_len(n)?;
+        // SAFETY: passed on to the caller.
+        let mut out = unsafe { OutSlice::unset(out_codes, n, "out_codes") }?;
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
-        // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::new(out_codes, n, "out_codes") }?;
         write_codes(&mut out, &t.delete(&keys, force)?);
         Ok(())
     })
@@ -761,7 +782,7 @@ pub unsafe extern "C" fn cxlkv_tier_is_key_evictable(
 ) -> cxlkv_status {
     call("cxlkv_tier_is_key_evictable", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_evictable, "out_evictable") }?;
+        let mut out = unsafe { Out::unset(out_evictable, "out_evictable") }?;
         // SAFETY: passed on to the caller.
         let key = unsafe { args::nonempty_key(key, key_len) }?;
         out.write(self::tier(tier)?.is_key_evictable(key));
@@ -784,9 +805,9 @@ pub unsafe extern "C" fn cxlkv_tier_get_memory_usage(
 ) -> cxlkv_status {
     call("cxlkv_tier_get_memory_usage", || {
         // SAFETY: passed on to the caller.
-        let mut used = unsafe { Out::new(out_used_bytes, "out_used_bytes") }?;
+        let mut used = unsafe { Out::unset(out_used_bytes, "out_used_bytes") }?;
         // SAFETY: passed on to the caller.
-        let mut total = unsafe { Out::new(out_total_bytes, "out_total_bytes") }?;
+        let mut total = unsafe { Out::unset(out_total_bytes, "out_total_bytes") }?;
         let (u, t) = self::tier(tier)?.get_memory_usage();
         used.write(u);
         total.write(t);
@@ -810,7 +831,7 @@ pub unsafe extern "C" fn cxlkv_tier_get_l1_memory_desc(
 ) -> cxlkv_status {
     call("cxlkv_tier_get_l1_memory_desc", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_present, "out_present") }?;
+        let mut out = unsafe { Out::unset(out_present, "out_present") }?;
         out.write(self::tier(tier)?.get_l1_memory_desc().is_some());
         Ok(())
     })
@@ -833,7 +854,7 @@ pub unsafe extern "C" fn cxlkv_tier_get_object_state(
 ) -> cxlkv_status {
     call("cxlkv_tier_get_object_state", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_present, "out_present") }?;
+        let mut out = unsafe { Out::unset(out_present, "out_present") }?;
         // SAFETY: passed on to the caller.
         let key = unsafe { args::nonempty_key(key, key_len) }?;
         out.write(self::tier(tier)?.get_object_state(key).is_some());
@@ -855,7 +876,7 @@ pub unsafe extern "C" fn cxlkv_tier_memcheck(
 ) -> cxlkv_status {
     call("cxlkv_tier_memcheck", || {
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { Out::new(out_healthy, "out_healthy") }?;
+        let mut out = unsafe { Out::unset(out_healthy, "out_healthy") }?;
         out.write(self::tier(tier)?.memcheck());
         Ok(())
     })
@@ -1068,9 +1089,9 @@ pub unsafe extern "C" fn cxlkv_tier_sweep_now(
 ) -> cxlkv_status {
     call("cxlkv_tier_sweep_now", || {
         // SAFETY: passed on to the caller.
-        let mut writes = unsafe { Out::new(out_writes, "out_writes") }?;
+        let mut writes = unsafe { Out::unset(out_writes, "out_writes") }?;
         // SAFETY: passed on to the caller.
-        let mut reads = unsafe { Out::new(out_reads, "out_reads") }?;
+        let mut reads = unsafe { Out::unset(out_reads, "out_reads") }?;
         let r = self::tier(tier)?.sweep_now()?;
         writes.write(r.writes);
         reads.write(r.reads);

@@ -66,6 +66,8 @@ class TierCode(enum.IntEnum):
     KEY_IN_WRONG_STATE = 4
     KEY_IS_LOCKED = 5
     OUT_OF_MEMORY = 6
+    #: No result: the call failed (it raised). Never seen in a returned list.
+    NOT_DONE = 7
 
 
 class TierPage:

@@ -15,6 +15,7 @@ import pytest
 
 from cxlkv import Status
 from cxlkv import _native as N
+from cxlkv.tier import TierCode
 
 HEADER_DIR = Path(os.environ.get("CXLKV_INCLUDE", Path(__file__).resolve().parents[2] / "ffi" / "include"))
 
@@ -42,15 +43,18 @@ CONSTANTS = {
     "CXLKV_VISIBILITY_SERVER": N.VISIBILITY_SERVER,
     "CXLKV_VISIBILITY_COHERENT": N.VISIBILITY_COHERENT,
     "CXLKV_VISIBILITY_FLUSH": N.VISIBILITY_FLUSH,
+    "CXLKV_REGISTER_NONE": N.REGISTER_NONE,
     "CXLKV_REGISTER_INSERTED": N.REGISTER_INSERTED,
     "CXLKV_REGISTER_DUPLICATE": N.REGISTER_DUPLICATE,
     "CXLKV_REGISTER_REJECTED": N.REGISTER_REJECTED,
+    "CXLKV_DELETE_NONE": N.DELETE_NONE,
     "CXLKV_DELETE_DELETED": N.DELETE_DELETED,
     "CXLKV_DELETE_PINNED": N.DELETE_PINNED,
     "CXLKV_DELETE_MISSING": N.DELETE_MISSING,
     "CXLKV_ABI_VERSION_MAJOR": N.ABI_MAJOR,
     "CXLKV_TIER_MAX_HOLDS": N.TIER_MAX_HOLDS,
     **{f"CXLKV_STATUS_{s.name}": s.value for s in Status},
+    **{f"CXLKV_TIER_{c.name}": c.value for c in TierCode},
 }
 
 

@@ -685,7 +685,10 @@ static void test_tier(cxlkv_layout *layout) {
 
     /* Arguments refused as a whole. */
     cxlkv_bytes twice[2] = {keys[0], keys[0]};
+    codes[0] = codes[1] = CXLKV_TIER_SUCCESS;
     EXPECT(cxlkv_tier_finish_read(tier, twice, 2, 1, codes), CXLKV_STATUS_TIER_DUPLICATE_KEY);
+    /* A failed call's codes are unset, not a stale (or zeroed) SUCCESS. */
+    CHECK(codes[0] == CXLKV_TIER_NOT_DONE && codes[1] == CXLKV_TIER_NOT_DONE);
     EXPECT(cxlkv_tier_reserve_read(tier, keys, 2, 1, NULL), CXLKV_STATUS_INVALID_ARGUMENT);
     EXPECT(cxlkv_tier_reserve_read(tier, NULL, 2, 1, pages), CXLKV_STATUS_INVALID_ARGUMENT);
     EXPECT(cxlkv_tier_finish_write(tier, keys, (size_t)1 << 40, codes), CXLKV_STATUS_BATCH_TOO_LARGE);
