@@ -517,6 +517,49 @@ fn a_restart_whose_first_reattach_reply_was_lost_is_still_seen_and_keys_register
     Server::start(cfg).unwrap().shutdown().unwrap();
 }
 
+/// A request that never left the client did not run. Here the connection
+/// has room for one request in flight and a slow `Exists` holds it: the
+/// registration behind it is refused by the transport on every attempt.
+/// It reports a definite failure and its page goes back to the allocator;
+/// counted as "may have taken effect", it would be parked (its page held
+/// until the directory answers a retry) and reported as indeterminate.
+#[test]
+fn a_registration_that_never_left_the_client_fails_definitely_and_frees_its_page() {
+    let script = FaultScript::new().delay_replies(
+        ReplyMatch::request_kind(Kind::Exists.as_u16()),
+        Duration::from_millis(1500),
+    );
+    let server =
+        Server::start_with_faults(server_config("faults-unsent"), Box::new(script)).unwrap();
+    let mut cfg = client_config(&server);
+    cfg.transport.max_inflight = 1;
+    cfg.request_timeout_ms = 5_000;
+    cfg.max_retries = 2;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"first", &chunk(1, 100)).unwrap();
+    let free_before = layout.free_pages();
+
+    std::thread::scope(|s| {
+        let slow = s.spawn(|| layout.exists(b"first"));
+        std::thread::sleep(Duration::from_millis(300));
+        let refused = layout.put(b"second", &chunk(2, 100));
+        assert!(
+            matches!(refused, Err(cxlkv::client::ClientError::Unanswered { .. })),
+            "a definite failure: {refused:?}"
+        );
+        assert!(slow.join().unwrap().unwrap());
+    });
+    let stats = client.stats();
+    assert_eq!(stats.registers_unresolved, 0, "nothing parked: {stats:?}");
+    assert_eq!(layout.free_pages(), free_before, "the page went back");
+    assert!(!layout.exists(b"second").unwrap());
+    assert_eq!(
+        layout.put(b"second", &chunk(2, 100)).unwrap(),
+        RegisterOutcome::Inserted
+    );
+}
+
 /// Drops every `ReturnRegion` reply: the directory frees the region, the
 /// client never learns it.
 struct DropReturnReplies;

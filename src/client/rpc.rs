@@ -20,9 +20,12 @@
 //! (`PinsHeldByOtherSession`) its old number would get.
 //!
 //! **Outcomes.** A request that got an answer — or an error reply, which
-//! by the protocol changed nothing — is *definite*. A mutating request whose
-//! attempts all went unanswered, or whose cached reply the directory
-//! dropped, is *indeterminate*: it may have taken effect. The register path
+//! by the protocol changed nothing — is *definite*, and so is one that
+//! never left the client (every attempt refused by the transport before
+//! its frame was written whole: no room in flight, a closed connection).
+//! A mutating request written at least once whose attempts all went
+//! unanswered, or whose cached reply the directory dropped, is
+//! *indeterminate*: it may have taken effect. The register path
 //! parks such batches and resolves them later; other callers report it.
 
 use std::time::{Duration, Instant};
@@ -302,10 +305,19 @@ impl Shared {
             if attempts > 0 {
                 self.stats.bump(&self.stats.retries);
             }
-            let result = conn.rpc.call(kind.as_u16(), encoded.payload(), timeout);
             // Whether an attempt before this one may have run.
             let sent_before = sent;
-            sent = true;
+            // A request `start` refuses never reached the server whole (no
+            // room in flight, a closed connection, or a frame cut short,
+            // which the server discards with the stream): only one it
+            // wrote may have run.
+            let result = match conn.rpc.start(kind.as_u16(), encoded.payload(), timeout) {
+                Ok(call) => {
+                    sent = true;
+                    call.wait()
+                }
+                Err(e) => Err(e),
+            };
             if let Some(unpins) = unpins {
                 self.finish_unpins(&conn, unpins);
             }
