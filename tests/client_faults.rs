@@ -698,6 +698,58 @@ fn a_parked_registration_keeps_its_pages_through_a_partition() {
     );
 }
 
+/// A registration whose reply was lost, and whose session an operator ends
+/// while the client waits for that reply: the server closes the session's
+/// connection, the client reattaches and sends the registration again
+/// under the same number, and the instance's reply cache answers it with
+/// the first attempt's outcome. The put succeeds, and its page is the
+/// key's for good: never handed to a later write.
+#[test]
+fn a_registration_whose_reply_was_lost_and_session_ended_is_answered_from_the_reply_cache() {
+    let script =
+        FaultScript::new().drop_reply(ReplyMatch::request_kind(Kind::Register.as_u16()).nth(2));
+    let server = Server::start_with_faults(
+        server_config("faults-ended-retry"),
+        Box::new(script.clone()),
+    )
+    .unwrap();
+    let mut cfg = client_config(&server);
+    cfg.request_timeout_ms = 1_000;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"first", &chunk(1, 3000)).unwrap();
+
+    let value = chunk(2, 3000);
+    let outcome = std::thread::scope(|s| {
+        let put = s.spawn(|| layout.put(b"lost", &value));
+        assert!(
+            wait_until(Duration::from_secs(10), || script.fired(0) == 1),
+            "the registration ran and its reply was dropped"
+        );
+        // While the client waits for that reply, an operator ends its
+        // session (the server closes its connection).
+        let mut admin = common::Raw::connect_unix(server.socket_path());
+        admin.hello("admin").0.unwrap();
+        let meta = admin.rw();
+        let _: cxlkv_controlplane::proto::SessionEnded = admin
+            .call(&cxlkv_controlplane::proto::EndSession {
+                meta,
+                session_id: client.session_id().unwrap(),
+            })
+            .unwrap();
+        put.join().unwrap()
+    });
+    assert_eq!(outcome.unwrap(), RegisterOutcome::Inserted);
+    let stats = client.stats();
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    assert_eq!(stats.registers_unresolved, 0, "{stats:?}");
+    // The key is the first attempt's; its page is never handed out again.
+    for i in 0..16 {
+        layout.put(key(i), &chunk(100 + i, 3000)).unwrap();
+    }
+    assert_eq!(&layout.get(b"lost").unwrap().unwrap()[..], &value[..]);
+}
+
 /// A view whose session ended keeps reading its page; the reattach takes
 /// its pin again only if the key still lives there. Here, before the
 /// reattach, another client deletes the key (its pin died with the
