@@ -11,9 +11,9 @@
  * that begin with `uint32_t size` are versioned: set size = sizeof(struct)
  * (the *_init functions do). A call that fails leaves its outputs unset,
  * not stale: NULL handles, zero counts, false flags, absent views, results
- * whose outcome is *_NONE, tier codes CXLKV_TIER_NOT_DONE (docs/c-api.md,
- * "Outputs of a failed call"). Every function may be called from any thread
- * unless its comment says otherwise.
+ * whose outcome is *_NONE, tier codes CXLKV_TIER_NOT_DONE (exceptions in
+ * docs/c-api.md, "Outputs of a failed call"). Every function may be called
+ * from any thread unless its comment says otherwise.
  */
 
 

@@ -431,7 +431,10 @@ pub(crate) unsafe fn write_text(
     out_len: *mut usize,
 ) -> Result<(), FfiError> {
     // SAFETY: passed on to the caller.
-    let mut len_out = unsafe { Out::new(out_len, "out_len") }?;
+    let mut len_out = unsafe { Out::unset(out_len, "out_len") }?;
+    if cap > text.len() {
+        check_ptr(buf, "buf")?;
+    }
     len_out.write(text.len());
     if cap <= text.len() {
         return Err(FfiError::new(

@@ -367,6 +367,8 @@ pub unsafe extern "C" fn cxlkv_instance_id(
     out_len: *mut usize,
 ) -> cxlkv_status {
     call("cxlkv_instance_id", || {
+        // SAFETY: passed on to the caller.
+        unsafe { Out::unset(out_len, "out_len") }?;
         let c = self::client(client)?;
         // SAFETY: passed on to the caller.
         unsafe { args::write_text(c.instance_id(), buf, cap, out_len) }

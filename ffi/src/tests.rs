@@ -593,8 +593,17 @@ fn a_failed_call_leaves_its_outputs_unset_not_stale() {
     }
     assert_eq!(leases, [std::ptr::null_mut(); 2]);
     assert!(l.is_null());
+    let mut len = 99usize;
+    let mut buf = [0 as std::ffi::c_char; 128];
+    // SAFETY: the handle is checked; 128 writable bytes, a live out slot.
+    let s = unsafe { cxlkv_instance_id(garbage.cast(), buf.as_mut_ptr(), buf.len(), &mut len) };
+    assert_eq!((s, len), (CXLKV_STATUS_BAD_HANDLE, 0));
+    len = 99;
+    // SAFETY: a NULL buffer with room claimed is refused before any write.
+    let s = unsafe { cxlkv_instance_id(client, std::ptr::null_mut(), 128, &mut len) };
+    assert_eq!((s, len), (CXLKV_STATUS_INVALID_ARGUMENT, 0));
 
-    // Over the batch limit nothing is written (the array may be short).
+    // Over the fixed ceiling (4096) nothing is written.
     let mut one = [true];
     // SAFETY: refused on `n` before any pointer is used.
     let s = unsafe { cxlkv_batch_exists(layout, std::ptr::dangling(), 5000, one.as_mut_ptr()) };

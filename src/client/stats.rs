@@ -39,7 +39,9 @@ counters!(
     reconnects,
     /// Reattaches that found the instance recovered: the directory
     /// restarted, or the instance expired while it could not reach it (its
-    /// keys are registered again; those in refused regions are dropped).
+    /// keys are registered again; those in refused regions are dropped). A
+    /// recovery is counted again when the connection broke before the
+    /// session made any request (the directory repeats `resumed: false`).
     directory_restarts,
     /// Keys registered again after a directory restart.
     keys_reregistered,

@@ -17,10 +17,11 @@
 //! - a reply whose notices skip a number is a protocol violation;
 //! - a notice whose generation matches a page whose `register` reply has not
 //!   arrived frees it when the reply arrives (`FreedInFlight`);
-//! - a directory restart shows as a new `directory_epoch` — whatever the
-//!   reattach's kind (if the `Recovered` reply to an earlier reattach was
-//!   lost, the retry is `Resumed` by the new incarnation, which holds none of
-//!   the client's keys): the client then registers its keys again;
+//! - a recovery (a directory restart, or the instance declared gone) shows
+//!   as a `Recovered` reattach — repeated until a session of the instance
+//!   makes a request, so a lost answer is told again — and a restart also
+//!   as a new `directory_epoch`: the client then registers again the keys in
+//!   the regions still its own;
 //! - after a restart or a `Recovered` reattach, outstanding requests may be
 //!   rebuilt (the previous incarnation's window is void): register entries
 //!   whose page a notice already freed are dropped, never registered again;
