@@ -13,7 +13,9 @@ mod pool_support;
 use std::fs;
 use std::path::Path;
 
-use cxlkv_controlplane::pool::journal::{JOURNAL_FILE, JOURNAL_HEADER_BYTES, JournalError};
+use cxlkv_controlplane::pool::journal::{
+    JOURNAL_FILE, JOURNAL_HEADER_BYTES, JournalError, file_header_acknowledging,
+};
 use cxlkv_controlplane::pool::ledger::Ledger;
 use cxlkv_controlplane::pool::record::RecordFault;
 use cxlkv_controlplane::pool::store::{CHECKPOINT_FILE, CHECKPOINT_TMP_FILE, SECRET_FILE};
@@ -59,6 +61,8 @@ struct History {
     /// Records covered by the last installed checkpoint (the journal holds
     /// `records[checkpoint_at..]`).
     checkpoint_at: usize,
+    /// `records.len()` after each commit: where each commit ended.
+    commit_ends: Vec<usize>,
 }
 
 fn caller(n: u64) -> Caller {
@@ -69,9 +73,11 @@ fn build_history(dir: &Path, config: StoreConfig, steps: usize) -> History {
     let mut r = open_store(dir, config, GRACE_MS, 0);
     let mut records = Vec::new();
     let mut checkpoint_at = 0;
+    let mut commit_ends = Vec::new();
     let mut now = 0;
-    let commit = |r: &mut Recovered, records: &Vec<Record>, checkpoint_at: &mut usize| {
+    let mut commit = |r: &mut Recovered, records: &Vec<Record>, checkpoint_at: &mut usize| {
         r.store.commit().expect("commit");
+        commit_ends.push(records.len());
         if r.store.checkpoint_due() {
             r.store.checkpoint(&r.manager).expect("checkpoint");
             *checkpoint_at = records.len();
@@ -158,7 +164,23 @@ fn build_history(dir: &Path, config: StoreConfig, steps: usize) -> History {
     History {
         records,
         checkpoint_at,
+        commit_ends,
     }
+}
+
+/// [`crashed_copy`] of a crash during the commit that would have made the
+/// journal `journal_len` bytes long or longer: its header says what the
+/// commits before it acknowledged (`acknowledged_seq`), as that commit's
+/// write left it — the final file's header speaks for the last commit.
+fn crashed_copy_acknowledging(
+    from: &Path,
+    journal: &[u8],
+    journal_len: usize,
+    acknowledged_seq: u64,
+) -> tempfile::TempDir {
+    let mut image = journal[..journal_len].to_vec();
+    image[..JOURNAL_HEADER_BYTES].copy_from_slice(&file_header_acknowledging(acknowledged_seq));
+    crashed_copy(from, &image, journal_len)
 }
 
 /// Copies the durable files of `from` into a fresh directory, with the
@@ -193,7 +215,16 @@ fn every_cut_recovers_the_committed_prefix(dir: &Path, h: &History) {
     );
     for cut in JOURNAL_HEADER_BYTES..=journal.len() {
         let whole = boundaries.iter().filter(|&&b| b <= cut as u64).count() - 1;
-        let copy = crashed_copy(dir, &journal, cut);
+        // Sequence numbers start at 1: the last record of the commits done
+        // before the cut one has the seq of their record count.
+        let acknowledged = h
+            .commit_ends
+            .iter()
+            .copied()
+            .filter(|&e| e <= h.checkpoint_at + whole)
+            .max()
+            .unwrap_or(0) as u64;
+        let copy = crashed_copy_acknowledging(dir, &journal, cut, acknowledged);
         let rec = PoolStore::open(
             copy.path(),
             StoreConfig::default(),
@@ -264,6 +295,7 @@ fn journal_crash_points_after_checkpoints_recover_checkpoint_plus_prefix() {
     let mut h2 = History {
         records: h.records.clone(),
         checkpoint_at: h.checkpoint_at,
+        commit_ends: h.commit_ends.clone(),
     };
     for (uuid, size, align) in [(1u8, 64 * MIB, 2 * MIB), (2, 32 * MIB, 4 * MIB)] {
         let mut tee = Tee {
@@ -275,6 +307,7 @@ fn journal_crash_points_after_checkpoints_recover_checkpoint_plus_prefix() {
             .open_pool(&fresh_header(uuid, size, align), &mut tee)
             .unwrap();
         r.store.commit().unwrap();
+        h2.commit_ends.push(h2.records.len());
         r.manager.mark_online(opened.pool, opened.epoch).unwrap();
     }
     let c = caller(9);
@@ -298,6 +331,7 @@ fn journal_crash_points_after_checkpoints_recover_checkpoint_plus_prefix() {
         };
         r.manager.handle(&c, req, MonotonicMs(0), &mut tee).unwrap();
         r.store.commit().unwrap();
+        h2.commit_ends.push(h2.records.len());
     }
     drop(r);
     every_cut_recovers_the_committed_prefix(dir.path(), &h2);
@@ -443,31 +477,85 @@ fn journal_crash_points_between_rename_and_journal_restart_do_not_double_apply()
     assert_eq!(again.report.scan.skipped, 0);
 }
 
+/// The records of a store's journal: (offset, length, record).
+fn journal_records(dir: &Path) -> Vec<(usize, usize, Record)> {
+    let mut l = Vec::new();
+    let image = fs::read(dir.join(JOURNAL_FILE)).unwrap();
+    let mut at = JOURNAL_HEADER_BYTES;
+    while at < image.len() {
+        let d = Record::decode(&image[at..]).unwrap();
+        l.push((at, d.len_bytes, d.record));
+        at += d.len_bytes;
+    }
+    l
+}
+
+/// A bit flipped at rest in a record whose commit was acknowledged (later
+/// commits followed it): cutting the journal there, as for a torn tail,
+/// would drop the allocations after it and hand their byte ranges out
+/// again. Recovery refuses, naming the offset, and changes no file.
 #[test]
-fn journal_crash_points_bit_flip_inside_a_record_stops_recovery_there() {
+fn a_bit_flipped_in_an_acknowledged_record_refuses_to_start_and_changes_nothing() {
     let dir = shm_dir("bitflip");
     let (r, _) = store_with_regions(dir.path(), 8);
-    let committed_records = {
-        let mut l = Vec::new();
-        let image = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
-        let mut at = JOURNAL_HEADER_BYTES;
-        while at < image.len() {
-            let d = Record::decode(&image[at..]).unwrap();
-            l.push((at, d.len_bytes, d.record));
-            at += d.len_bytes;
-        }
-        l
-    };
     drop(r);
+    let records = journal_records(dir.path());
     let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
-    let k = 5; // a record in the middle
-    let (start, len, _) = committed_records[k];
+    let k = 5; // a record in the middle; every allocation is its own commit
+    let (start, len, _) = records[k];
+    for byte in start..start + len {
+        let mut flipped = journal.clone();
+        flipped[byte] ^= 1 << (byte % 8);
+        let copy = crashed_copy(dir.path(), &flipped, flipped.len());
+        let e = PoolStore::open(
+            copy.path(),
+            StoreConfig::default(),
+            Default::default(),
+            MonotonicMs(0),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StoreError::Journal(JournalError::AcknowledgedLost { offset_bytes, last_seq, .. })
+                    if offset_bytes == start as u64 && last_seq == k as u64
+            ),
+            "flip in byte {byte}: {e}"
+        );
+        assert_eq!(
+            fs::read(copy.path().join(JOURNAL_FILE)).unwrap(),
+            flipped,
+            "nothing was cut"
+        );
+        let names: Vec<_> = fs::read_dir(copy.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert!(
+            !names.iter().any(|n| n.starts_with("journal.dropped")),
+            "{names:?}"
+        );
+    }
+}
+
+/// Damage inside the last commit is what a power loss mid-commit leaves:
+/// it is cut as a torn tail (kept aside in `journal.dropped.*`), and the
+/// state is that of the commits before it.
+#[test]
+fn journal_crash_points_bit_flip_inside_the_last_commit_is_cut_as_a_torn_tail() {
+    let dir = shm_dir("bitflip-last");
+    let (r, _) = store_with_regions(dir.path(), 8);
+    drop(r);
+    let records = journal_records(dir.path());
+    let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+    let k = records.len() - 1;
+    let (start, len, _) = records[k];
     for byte in start..start + len {
         let mut flipped = journal.clone();
         flipped[byte] ^= 1 << (byte % 8);
         let copy = crashed_copy(dir.path(), &flipped, flipped.len());
         let back = open_store(copy.path(), StoreConfig::default(), GRACE_MS, 0);
-        let prefix: Vec<Record> = committed_records[..k].iter().map(|e| e.2).collect();
+        let prefix: Vec<Record> = records[..k].iter().map(|e| e.2).collect();
         assert_eq!(
             back.manager.snapshot(),
             replay(&prefix),
@@ -482,6 +570,34 @@ fn journal_crash_points_bit_flip_inside_a_record_stops_recovery_there() {
             start as u64
         );
     }
+}
+
+/// The journal cut inside an acknowledged commit (a lost write, a file
+/// truncated by hand): the header still says those records were committed,
+/// and recovery refuses instead of starting without them.
+#[test]
+fn a_journal_cut_before_its_acknowledged_records_refuses_to_start() {
+    let dir = shm_dir("cut-acked");
+    let (r, _) = store_with_regions(dir.path(), 8);
+    drop(r);
+    let records = journal_records(dir.path());
+    let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+    let (start, _, _) = records[3];
+    let copy = crashed_copy(dir.path(), &journal, start);
+    let e = PoolStore::open(
+        copy.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            StoreError::Journal(JournalError::AcknowledgedLost { last_seq: 3, .. })
+        ),
+        "{e}"
+    );
 }
 
 #[test]

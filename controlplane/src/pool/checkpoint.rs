@@ -55,7 +55,14 @@ pub enum CheckpointError {
     Counts { pools: u64, regions: u64 },
     #[error("non-zero reserved bytes")]
     Reserved,
+    #[error("{field} is {value}, beyond what a pool manager can have counted (2^62)")]
+    Counter { field: &'static str, value: u64 },
 }
+
+/// Largest sequence number or region id a checkpoint may hold: far beyond
+/// any real count, and far enough from `u64::MAX` that the `+ 1`s after it
+/// cannot wrap.
+const MAX_COUNTER: u64 = 1 << 62;
 
 /// Encodes `snapshot` as of journal sequence `last_seq`.
 pub fn encode(last_seq: u64, snapshot: &Snapshot) -> Vec<u8> {
@@ -140,6 +147,11 @@ pub fn decode(image: &[u8]) -> Result<(u64, Snapshot), CheckpointError> {
     let mut r = Reader { buf: body, at: 0 };
     let last_seq = r.u64();
     let next_region = RegionId(r.u64());
+    for (field, value) in [("last_seq", last_seq), ("next_region", next_region.0)] {
+        if value > MAX_COUNTER {
+            return Err(CheckpointError::Counter { field, value });
+        }
+    }
     let pool_count = u64::from(r.u32());
     if r.u32() != 0 {
         return Err(CheckpointError::Reserved);
@@ -230,6 +242,29 @@ mod tests {
                 tag: AllocTag(3),
             }],
         }
+    }
+
+    /// A checkpoint whose counters could wrap on the next `+ 1` (CRC valid:
+    /// written by something that is not a pool manager) is refused.
+    #[test]
+    fn counters_near_u64_max_are_refused() {
+        let mut s = sample();
+        s.next_region = RegionId(u64::MAX);
+        assert!(matches!(
+            decode(&encode(99, &s)),
+            Err(CheckpointError::Counter {
+                field: "next_region",
+                ..
+            })
+        ));
+        assert!(matches!(
+            decode(&encode(u64::MAX, &sample())),
+            Err(CheckpointError::Counter {
+                field: "last_seq",
+                ..
+            })
+        ));
+        assert!(decode(&encode(1 << 62, &sample())).is_ok());
     }
 
     #[test]

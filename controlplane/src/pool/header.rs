@@ -264,6 +264,9 @@ pub fn decode(block: &[u8]) -> Result<BlockState, HeaderError> {
     }))
 }
 
+/// Largest lease seq or epoch a header may hold (2^62).
+const MAX_COUNTER: u64 = 1 << 62;
+
 fn decode_slot(slot: &[u8], index: usize) -> Option<ManagerLease> {
     if le_u32(&slot[CRC_AT..]) != section_crc(slot) {
         return None;
@@ -274,7 +277,12 @@ fn decode_slot(slot: &[u8], index: usize) -> Option<ManagerLease> {
     let expires_unix_ms = r.u64();
     let holder = ManagerId(r.array());
     let reserved: [u8; 20] = r.array();
-    let valid = seq >= 1 && seq % 2 == index as u64 && is_zero(&reserved);
+    // A counter this close to wrapping was not written by a manager (one
+    // renewal a second for 10^11 years): corrupt, and `seq + 1` must not wrap.
+    let valid = (1..=MAX_COUNTER).contains(&seq)
+        && epoch <= MAX_COUNTER
+        && seq % 2 == index as u64
+        && is_zero(&reserved);
     valid.then_some(ManagerLease {
         seq,
         epoch,
@@ -461,6 +469,25 @@ mod tests {
             b[HEADER_BYTES..].iter().all(|&x| x == 0),
             "the rest of the block is untouched"
         );
+    }
+
+    /// A lease slot whose counters could wrap on the next renewal (CRC
+    /// valid, so written on purpose by something else) reads as torn, not
+    /// as a lease.
+    #[test]
+    fn a_lease_with_counters_near_u64_max_is_not_a_lease() {
+        for (seq, epoch) in [(u64::MAX - 1, 3), (2, u64::MAX)] {
+            let mut b = initialised();
+            let lease = ManagerLease {
+                seq,
+                epoch,
+                expires_unix_ms: 1,
+                holder: ME,
+            };
+            write_lease(&mut b, &lease).unwrap();
+            let h = header(&b);
+            assert_eq!((h.lease, h.torn_lease_slots), (None, 1), "{seq} {epoch}");
+        }
     }
 
     #[test]

@@ -8,9 +8,15 @@
 //! offset size field
 //!  0      8   magic "CXLKVJNL"
 //!  8      4   format version (1)
-//! 12     16   reserved 0
+//! 12      8   acknowledged seq: every record up to it was committed
+//! 20      8   reserved 0
 //! 28      4   CRC32C of [0, 28)
 //! ```
+//!
+//! The acknowledged seq is rewritten by every commit, in the same sync as
+//! its records, with the last seq of the commits before it: those were
+//! synced, so their replies may have left. (A journal written before this
+//! field existed has 0 there, which claims nothing.)
 //!
 //! Appending. [`Journal::push`] (the [`RecordSink`] the state machine
 //! writes into) encodes a record into an in-memory pending buffer with the
@@ -32,10 +38,19 @@
 //! first torn or corrupt record (incomplete, impossible length, CRC
 //! mismatch): the bytes from there to the end are copied to
 //! `journal.dropped.<offset>` for inspection, logged, and cut off, so that new
-//! records follow the last good one. Anything else refuses to start and
-//! changes nothing: a CRC-valid record this build does not understand, a gap
-//! in the sequence, a record that does not apply to the ledger, a bad file
-//! header.
+//! records follow the last good one; the records kept are written again and
+//! synced (they may have reached only the page cache). That is a torn tail
+//! only if the records
+//! lost were never acknowledged: if the good records end before the header's
+//! acknowledged seq, the damage is in records whose replies may have left
+//! (a bit flipped at rest, a lost write), and cutting there would hand their
+//! byte ranges out again — recovery refuses instead. Only damage inside the
+//! last commit is taken for a torn tail: a power loss mid-commit may persist
+//! any part of it, and nothing tells a record of the last commit that was
+//! lost to a crash from one that rotted later. Anything else refuses to
+//! start and changes nothing: a CRC-valid record this build does not
+//! understand, a gap in the sequence, a record that does not apply to the
+//! ledger, a bad file header.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -117,6 +132,16 @@ pub enum JournalError {
         source: LedgerError,
     },
     #[error(
+        "journal {}: its header says records up to seq {acknowledged_seq} were committed, but the readable ones end at seq {last_seq} (offset {offset_bytes}): a committed record is damaged or missing, and cutting there would hand its byte ranges out again; refusing to start (the files are unchanged: restore the journal from a copy, or inspect it at that offset)",
+        path.display()
+    )]
+    AcknowledgedLost {
+        path: PathBuf,
+        offset_bytes: u64,
+        acknowledged_seq: u64,
+        last_seq: u64,
+    },
+    #[error(
         "journal {} is missing but a checkpoint exists: committed records may be lost; refusing to start (restore the journal, or create an empty one if you accept the checkpoint's state)",
         path.display()
     )]
@@ -132,14 +157,27 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Jou
 }
 
 /// The 32-byte file header every journal starts with (the in-memory journals
-/// of the deterministic simulation and the fuzzers build images with it).
+/// of the deterministic simulation and the fuzzers build images with it),
+/// claiming no acknowledged record.
 pub fn file_header() -> [u8; JOURNAL_HEADER_BYTES] {
+    file_header_acknowledging(0)
+}
+
+/// The file header saying that every record up to `acknowledged_seq` was
+/// committed (see the module essay).
+pub fn file_header_acknowledging(acknowledged_seq: u64) -> [u8; JOURNAL_HEADER_BYTES] {
     let mut h = [0u8; JOURNAL_HEADER_BYTES];
     h[0..8].copy_from_slice(&JOURNAL_MAGIC);
     h[8..12].copy_from_slice(&JOURNAL_FORMAT_VERSION.to_le_bytes());
+    h[12..20].copy_from_slice(&acknowledged_seq.to_le_bytes());
     let crc = crc32c::crc32c(&h[..28]);
     h[28..32].copy_from_slice(&crc.to_le_bytes());
     h
+}
+
+/// The acknowledged seq of a header [`check_file_header`] accepted.
+fn acknowledged_seq(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b[12..20].try_into().expect("8 bytes"))
 }
 
 fn check_file_header(b: &[u8]) -> Result<(), &'static str> {
@@ -198,6 +236,13 @@ pub enum ScanError {
         offset_bytes: u64,
         seq: u64,
         source: LedgerError,
+    },
+    /// The good records end at `last_seq` (at `offset_bytes`), before the
+    /// header's `acknowledged_seq`.
+    AcknowledgedLost {
+        offset_bytes: u64,
+        acknowledged_seq: u64,
+        last_seq: u64,
     },
 }
 
@@ -263,6 +308,16 @@ pub fn scan(
         report.valid_end_bytes = at as u64;
         report.next_seq = d.seq.max(checkpoint_seq) + 1;
     }
+    // Records the checkpoint holds count as present.
+    let last_seq = prev_seq.unwrap_or(0).max(checkpoint_seq);
+    let acknowledged = acknowledged_seq(file);
+    if acknowledged > last_seq {
+        return Err(ScanError::AcknowledgedLost {
+            offset_bytes: report.valid_end_bytes,
+            acknowledged_seq: acknowledged,
+            last_seq,
+        });
+    }
     Ok(report)
 }
 
@@ -288,6 +343,8 @@ pub struct Journal {
     pending: Vec<u8>,
     pending_records: usize,
     records_since_checkpoint: u64,
+    /// The acknowledged seq the file header holds.
+    header_acknowledged_seq: u64,
     poisoned: bool,
 }
 
@@ -351,6 +408,16 @@ impl Journal {
                 seq,
                 source,
             },
+            ScanError::AcknowledgedLost {
+                offset_bytes,
+                acknowledged_seq,
+                last_seq,
+            } => JournalError::AcknowledgedLost {
+                path: path.clone(),
+                offset_bytes,
+                acknowledged_seq,
+                last_seq,
+            },
         })?;
         let file = OpenOptions::new()
             .write(true)
@@ -377,10 +444,19 @@ impl Journal {
             // journal: every record is in the checkpoint.
             end_bytes = JOURNAL_HEADER_BYTES as u64;
         }
+        // The records replayed may exist only in the page cache (a process
+        // killed before its sync; a sync that failed with the pages then
+        // marked clean, and a restart in the same boot): written again and
+        // synced before anything is answered on their strength.
+        if end_bytes > JOURNAL_HEADER_BYTES as u64 {
+            let end = end_bytes as usize;
+            file.write_all_at(&image[..end], 0)
+                .map_err(io_err("rewrite", &path))?;
+        }
         if end_bytes != len_bytes {
             file.set_len(end_bytes).map_err(io_err("truncate", &path))?;
-            file.sync_all().map_err(io_err("fsync", &path))?;
         }
+        file.sync_all().map_err(io_err("fsync", &path))?;
         let journal = Self {
             file,
             path,
@@ -389,6 +465,7 @@ impl Journal {
             pending: Vec::with_capacity(PENDING_RESERVE_RECORDS * MAX_RECORD_BYTES),
             pending_records: 0,
             records_since_checkpoint: report.replayed,
+            header_acknowledged_seq: acknowledged_seq(&image),
             poisoned: false,
         };
         Ok((journal, report, saved))
@@ -423,9 +500,14 @@ impl Journal {
         if self.pending_records == 0 {
             return Ok(report);
         }
-        let written = self
-            .file
-            .write_all_at(&self.pending, self.end_bytes)
+        // Every record before this commit was synced by an earlier one: say
+        // so in the header, in this commit's sync (module essay).
+        let acknowledged = self.committed_seq();
+        let header = (acknowledged != self.header_acknowledged_seq)
+            .then(|| file_header_acknowledging(acknowledged));
+        let written = header
+            .map_or(Ok(()), |h| self.file.write_all_at(&h, 0))
+            .and_then(|()| self.file.write_all_at(&self.pending, self.end_bytes))
             .and_then(|()| self.file.sync_data());
         if let Err(source) = written {
             self.poisoned = true;
@@ -435,6 +517,7 @@ impl Journal {
                 source,
             });
         }
+        self.header_acknowledged_seq = acknowledged;
         self.end_bytes += self.pending.len() as u64;
         self.records_since_checkpoint += self.pending_records as u64;
         self.pending.clear();

@@ -56,6 +56,12 @@ pub const CHECKPOINT_FILE: &str = "checkpoint";
 pub const CHECKPOINT_TMP_FILE: &str = "checkpoint.tmp";
 /// Largest group a driver may accumulate before it must commit.
 pub const MAX_GROUP_RECORDS: usize = 4096;
+/// Largest `checkpoint_every_records`: the journal between two checkpoints
+/// (plus the group and reaping a commit may add past the interval) stays
+/// within what recovery reads (`MAX_JOURNAL_BYTES`), so a start never
+/// refuses a journal the running manager wrote.
+pub const MAX_CHECKPOINT_EVERY_RECORDS: u64 =
+    (super::journal::MAX_JOURNAL_BYTES / super::record::MAX_RECORD_BYTES as u64) / 2;
 
 /// When the driver commits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,9 +221,9 @@ impl PoolStore {
         manager_config: ManagerConfig,
         now: MonotonicMs,
     ) -> Result<Recovered, StoreError> {
-        if config.checkpoint_every_records == 0 {
+        if !(1..=MAX_CHECKPOINT_EVERY_RECORDS).contains(&config.checkpoint_every_records) {
             return Err(StoreError::Config(
-                "checkpoint_every_records must be at least 1",
+                "checkpoint_every_records must be in 1..=MAX_CHECKPOINT_EVERY_RECORDS",
             ));
         }
         if let SyncPolicy::Group { max_batch_records } = config.sync
@@ -255,6 +261,11 @@ impl PoolStore {
                         source,
                     }
                 })?;
+                // A rename a crash left unsynced must be durable before the
+                // journal is cut to what this checkpoint covers: after a
+                // power loss the old checkpoint could otherwise come back
+                // next to a journal that no longer holds its records.
+                fsync_dir(dir).map_err(io_err("fsync", dir))?;
                 (true, seq, ledger)
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => (false, 0, Ledger::new()),
