@@ -63,6 +63,19 @@ const LAYOUTS: [Layout; 2] = [
     },
 ];
 const PAGES: u32 = 6;
+/// Where a region's page generations start: a few steps below `u32::MAX`,
+/// so that runs cross the wrap (the allocator goes from `u32::MAX` to 1).
+const FIRST_GENERATION: u32 = u32::MAX - 2;
+
+/// The allocator's next generation (`dataplane`'s `next_generation`).
+fn next_generation(g: u32) -> u32 {
+    g.checked_add(1).unwrap_or(1)
+}
+
+/// The directory's order of generations: serial-number arithmetic.
+fn newer(g: u32, newest: u32) -> bool {
+    (g.wrapping_sub(newest) as i32) > 0
+}
 const NKEYS: u8 = 6;
 const POOL: PoolId = PoolId(0);
 const PEER: Peer = Peer::Unix {
@@ -278,7 +291,7 @@ impl Model {
             } else if let Some(&n) = self
                 .newest
                 .get(&(loc.region, loc.page.0))
-                .filter(|&&n| loc.generation.0 <= n)
+                .filter(|&&n| !newer(loc.generation.0, n))
             {
                 RegisterOutcome::Rejected(RejectReason::StaleGeneration {
                     generation: loc.generation,
@@ -530,11 +543,12 @@ impl Client {
         for (id, r) in self.regions.iter_mut().filter(|(_, r)| r.layout == layout) {
             for (p, page) in r.pages.iter_mut().enumerate() {
                 if let Page::Free(g) = *page {
-                    *page = Page::Allocated(g + 1);
+                    let next = next_generation(g);
+                    *page = Page::Allocated(next);
                     return Some(Location {
                         region: *id,
                         page: PageIndex(p as u32),
-                        generation: Generation(g + 1),
+                        generation: Generation(next),
                         len_bytes: 100,
                     });
                 }
@@ -852,7 +866,7 @@ impl World {
                     c.regions.entry(g.handle.region).or_insert(CRegion {
                         handle: g.handle,
                         layout: p.layout,
-                        pages: vec![Page::Free(0); PAGES as usize],
+                        pages: vec![Page::Free(FIRST_GENERATION); PAGES as usize],
                     });
                     c.apply_notices(&reply.notices, &mut self.model);
                 }
@@ -1182,7 +1196,7 @@ impl World {
                 c.regions.entry(h.region).or_insert(CRegion {
                     handle: h,
                     layout: l,
-                    pages: vec![Page::Free(0); PAGES as usize],
+                    pages: vec![Page::Free(FIRST_GENERATION); PAGES as usize],
                 });
             }
             (Some(MRegionRequest::Pending(_)), RegionReply::Deferred(d)) => {
@@ -1488,7 +1502,10 @@ impl World {
                                 })
                                 .find_map(|(id, p, s)| match s {
                                     Page::Free(g)
-                                        if model.newest.get(&(id, p)).is_some_and(|&n| g <= n) =>
+                                        if model
+                                            .newest
+                                            .get(&(id, p))
+                                            .is_some_and(|&n| !newer(g, n)) =>
                                     {
                                         Some((
                                             k.clone(),

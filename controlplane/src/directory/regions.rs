@@ -37,6 +37,16 @@ pub(crate) struct PageStates {
     registered: Vec<u64>,
 }
 
+/// Whether `generation` comes after `newest` in serial-number order (RFC
+/// 1982 over `u32`). A page's generations count up from a random start and
+/// wrap from `u32::MAX` to 1 (the allocator never issues 0), so a plain `>`
+/// would refuse every registration of the page after the wrap, for good.
+/// Up to 2^31 − 1 steps ahead is newer; a page is not registered that many
+/// times between two of its registrations the directory sees.
+pub(crate) fn is_newer(generation: u32, newest: u32) -> bool {
+    (generation.wrapping_sub(newest) as i32) > 0
+}
+
 fn bit(page: u32) -> (usize, u64) {
     ((page / 64) as usize, 1u64 << (page % 64))
 }
@@ -65,7 +75,7 @@ impl PageStates {
             });
         }
         let newest = self.newest_generation[page as usize];
-        if self.seen[w] & m != 0 && generation <= newest {
+        if self.seen[w] & m != 0 && !is_newer(generation, newest) {
             return Err(RejectReason::StaleGeneration {
                 generation: Generation(generation),
                 newest_seen: Generation(newest),
@@ -276,5 +286,28 @@ mod tests {
         ));
         assert_eq!(p.check(70, 6), Ok(()));
         assert_eq!(p.check(71, 0), Ok(()), "other pages are unaffected");
+    }
+
+    /// The allocator's generations wrap from `u32::MAX` to 1: the page
+    /// registers again after the wrap, and an older generation from before
+    /// it is still refused.
+    #[test]
+    fn a_page_registers_again_after_its_generation_wraps() {
+        let mut p = PageStates::new(1);
+        p.register(0, u32::MAX - 1);
+        p.release(0);
+        assert_eq!(p.check(0, u32::MAX), Ok(()));
+        p.register(0, u32::MAX);
+        p.release(0);
+        assert_eq!(p.check(0, 1), Ok(()), "the generation after u32::MAX");
+        p.register(0, 1);
+        p.release(0);
+        for stale in [u32::MAX, u32::MAX - 1, 1] {
+            assert!(
+                matches!(p.check(0, stale), Err(RejectReason::StaleGeneration { .. })),
+                "{stale}"
+            );
+        }
+        assert_eq!(p.check(0, 2), Ok(()));
     }
 }
