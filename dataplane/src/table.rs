@@ -324,6 +324,20 @@ impl<V> RegionTable<V> {
         unreachable
     }
 
+    /// Applies `f` to the removed value of region `id` not yet handed back
+    /// by [`take_unreachable`](Self::take_unreachable), if there is one.
+    /// Readers that found the region before its removal may still use it
+    /// (allocate from it, say); this lets a caller reach it too meanwhile
+    /// (to free a page it is told of). Takes the writer lock: for rare paths.
+    pub fn with_removed<R>(&self, id: RegionId, f: impl FnOnce(&V) -> R) -> Option<R> {
+        let writer = self.lock_writer();
+        writer
+            .removed
+            .iter()
+            .find(|(rid, _)| *rid == id)
+            .map(|(_, v)| f(v))
+    }
+
     /// Removed values not yet handed back by `take_unreachable`.
     pub fn removed_pending(&self) -> usize {
         self.lock_writer().removed.len()
@@ -609,6 +623,29 @@ mod tests {
         drop(taken);
         assert_eq!(drops.load(SeqCst), 1);
         assert_eq!(table.removed_pending(), 0);
+    }
+
+    #[test]
+    fn a_removed_value_is_reachable_by_id_until_it_is_handed_back() {
+        let table = RegionTable::new();
+        assert!(table.insert(RegionId(4), String::from("four")).is_ok());
+        assert_eq!(
+            table.with_removed(RegionId(4), String::len),
+            None,
+            "in the table"
+        );
+        let snapshot = table.read();
+        table.remove(RegionId(4)).unwrap();
+        assert_eq!(table.with(RegionId(4), String::len), None);
+        assert_eq!(table.with_removed(RegionId(4), String::len), Some(4));
+        assert_eq!(table.with_removed(RegionId(5), String::len), None);
+        drop(snapshot);
+        assert_eq!(take_eventually(&table, 1).len(), 1);
+        assert_eq!(
+            table.with_removed(RegionId(4), String::len),
+            None,
+            "handed back"
+        );
     }
 
     #[test]

@@ -200,6 +200,11 @@ impl fmt::Debug for PageLease {
 impl Drop for PageLease {
     fn drop(&mut self) {
         if !self.consumed {
+            if self.needs_publish {
+                // Written, never published: no dirty line may outlive the
+                // lease on a non-coherent pool (`write_back_page`).
+                self.region.write_back_page(self.page);
+            }
             // A refused free (stale or double: the page was already freed by
             // a notice) is counted by the allocator; nothing else to do.
             let _ = self.region.alloc.free(self.page, self.generation);

@@ -427,4 +427,33 @@ mod tests {
         reader.flush_unpins().unwrap();
         assert_eq!(pins_held(), before - 1, "the newer view's pin released");
     }
+
+    /// A region the maintenance thread took out of its table for return is
+    /// still reachable by a thread that found it before (here: a snapshot
+    /// held across the removal, as an allocating thread holds one); a page of
+    /// it registered and then deleted by someone else must be freed by the
+    /// notice, not counted as a notice for an unknown region (the page, and
+    /// the region with it, would never be free again).
+    #[test]
+    fn a_notice_for_a_region_taken_out_for_return_frees_its_page() {
+        let (_server, (writer, wl), (_reader, rl)) = writer_and_reader("notice-returning");
+        wl.put(b"k", &[7u8; 100]).unwrap();
+        let region =
+            cxlkv_dataplane::ids::RegionId(wl.get(b"k").unwrap().unwrap().location().region);
+        wl.client.flush_unpins().unwrap();
+        let snapshot = wl.state.regions.read();
+        wl.state.regions.remove(region).unwrap();
+        assert_eq!(rl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+        // The writer's next reply carries the notice.
+        assert!(!wl.exists(b"k").unwrap());
+        let stats = writer.stats();
+        assert_eq!(stats.notices_unknown_region, 0, "{stats:?}");
+        assert_eq!(stats.pages_freed_by_notice, 1, "{stats:?}");
+        let r = snapshot.get(region).expect("the snapshot still holds it");
+        assert_eq!(
+            r.alloc.free_pages(),
+            r.alloc.page_count(),
+            "the page is free"
+        );
+    }
 }

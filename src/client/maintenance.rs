@@ -201,6 +201,9 @@ fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Ar
             shared.stats.bump(counter);
             shared.retired.push(Arc::clone(&region.mapping));
         };
+        // Nothing of ours may stay dirty in this host's cache once the
+        // region can be another host's (non-coherent pools only).
+        region.write_back_all();
         match shared.return_region(id.0) {
             Ok(()) => return give_up(&shared.stats.regions_returned),
             Err(f) if f.still_ours => {

@@ -51,6 +51,37 @@ pub(crate) struct OwnedRegion {
     pub revoked: AtomicBool,
 }
 
+impl OwnedRegion {
+    /// Writes page `index`'s cache lines back to the pool when readers may
+    /// sit on hosts without coherence (`Visibility::Flush`); nothing on a
+    /// coherent pool. For bytes written and never published (an aborted
+    /// lease): left dirty in this host's cache, they could be written back
+    /// whenever the line is evicted — after the page, or the whole region,
+    /// has gone to another writer — over its published data.
+    pub fn write_back_page(&self, index: cxlkv_dataplane::ids::PageIndex) {
+        if self.visibility != Visibility::Flush {
+            return;
+        }
+        if let Ok(page) = self
+            .mapping
+            .page(self.page_size_bytes, index, self.page_size_bytes)
+        {
+            cxlkv_dataplane::visibility::publish(self.visibility, page.as_bytes());
+        }
+    }
+
+    /// [`write_back_page`](Self::write_back_page) for every page: before the
+    /// region goes back to the pool, which may grant it to another host.
+    pub fn write_back_all(&self) {
+        if self.visibility != Visibility::Flush {
+            return;
+        }
+        for index in 0..self.alloc.page_count() {
+            self.write_back_page(cxlkv_dataplane::ids::PageIndex(index));
+        }
+    }
+}
+
 /// A peer's region, mapped for reading.
 #[derive(Debug)]
 pub(crate) struct PeerRegion {

@@ -230,13 +230,23 @@ impl Shared {
             .ok_or(ClientError::UnknownPool { region, pool })
     }
 
-    /// The owned region `region`, whichever layout it belongs to.
+    /// The owned region `region`, whichever layout it belongs to — also one
+    /// taken out of its table for return and not yet given back or put back:
+    /// a thread that found it before may have allocated, registered and
+    /// lost to a delete one of its pages since, and that page's notice must
+    /// free it (unapplied, the page and so the region would never be free
+    /// again; the return then sees the region touched and puts it back).
     pub fn find_owned(&self, region: u64) -> Option<Arc<OwnedRegion>> {
         let id = RegionId(region);
-        self.layouts
-            .read()
+        let layouts = self.layouts.read();
+        layouts
             .iter()
             .find_map(|l| l.regions.with(id, Arc::clone))
+            .or_else(|| {
+                layouts
+                    .iter()
+                    .find_map(|l| l.regions.with_removed(id, Arc::clone))
+            })
     }
 
     /// What rides on every reply: freed-page notices and usage figures.
