@@ -341,22 +341,37 @@ fn reopening_raises_the_epoch_above_both_the_ledger_and_the_header() {
         2,
         "the epoch is durable"
     );
-    // A header that went further (another host's manager) wins the max.
+    // A header that went further (another host's manager served the pool
+    // since, or this state directory is an older copy) is refused: regions
+    // may exist that this ledger does not know.
     let mut h = decoded(&block);
-    h.lease = Some(header::ManagerLease {
-        epoch: 7,
-        ..h.lease.unwrap()
-    });
-    assert_eq!(r.manager.open_pool(&h, r.store.journal()).unwrap().epoch, 8);
+    let current = h.lease.unwrap();
+    for holder in [current.holder, cxlkv_controlplane::pool::ManagerId([9; 16])] {
+        h.lease = Some(header::ManagerLease {
+            epoch: 7,
+            holder,
+            ..current
+        });
+        assert_eq!(
+            r.manager.open_pool(&h, r.store.journal()).unwrap_err(),
+            PoolError::StaleLedger {
+                pool,
+                ledger_epoch: 2,
+                header_epoch: 7
+            }
+        );
+    }
+    h.lease = Some(current);
+    assert_eq!(r.manager.open_pool(&h, r.store.journal()).unwrap().epoch, 3);
     assert_eq!(
-        r.manager.mark_online(pool, 7),
+        r.manager.mark_online(pool, 2),
         Err(PoolError::EpochMismatch {
             pool,
-            expected: 8,
-            given: 7
+            expected: 3,
+            given: 2
         })
     );
-    r.manager.mark_online(pool, 8).unwrap();
+    r.manager.mark_online(pool, 3).unwrap();
     assert_eq!(
         r.manager.open_pool(&h, r.store.journal()),
         Err(PoolError::PoolAlreadyOnline { pool })

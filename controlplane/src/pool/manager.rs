@@ -327,6 +327,14 @@ pub enum PoolError {
     },
     #[error("pool {pool}'s manager epoch cannot grow any more")]
     EpochExhausted { pool: PoolId },
+    #[error(
+        "pool {pool}'s header shows manager epoch {header_epoch}, above the {ledger_epoch} this state directory journaled: a manager served it after this state's last record of it (this state restored from an older copy, or another manager took the pool over), so regions may exist that this ledger does not know. Refusing to allocate from it; restore the state directory that served it last"
+    )]
+    StaleLedger {
+        pool: PoolId,
+        ledger_epoch: u64,
+        header_epoch: u64,
+    },
     #[error("pool {uuid}: {source}")]
     BadGeometry {
         uuid: PoolUuid,
@@ -366,6 +374,7 @@ impl PoolError {
             Self::EpochExhausted { .. } => 24,
             Self::BadGeometry { .. } => 25,
             Self::TagReused { .. } => 26,
+            Self::StaleLedger { .. } => 27,
         }
     }
 }
@@ -912,7 +921,8 @@ impl PoolManager {
 
     /// Takes a pool whose header the driver has decoded and verified against
     /// its backing (and, for a fresh pool, initialised). Journals the pool
-    /// (if new) and a manager epoch above both the ledger's and the header's.
+    /// (if new) and a manager epoch above the ledger's; a header whose epoch
+    /// is above the ledger's is refused ([`PoolError::StaleLedger`]).
     /// The pool stays offline until [`PoolManager::mark_online`], which the
     /// driver calls once the lease with the returned epoch is in the header.
     ///
@@ -944,9 +954,20 @@ impl PoolManager {
                     header_alignment_bytes: id.alignment_bytes,
                 });
             }
+            // A manager writes a lease's epoch only after journaling it, so
+            // a header ahead of the ledger means this ledger lacks records of
+            // the pool (an older copy of the state directory) or another
+            // manager has served it since: either way regions may exist that
+            // it does not know, and allocating could hand their bytes out.
+            if header.epoch() > info.epoch {
+                return Err(PoolError::StaleLedger {
+                    pool,
+                    ledger_epoch: info.epoch,
+                    header_epoch: header.epoch(),
+                });
+            }
             let epoch = info
                 .epoch
-                .max(header.epoch())
                 .checked_add(1)
                 .ok_or(PoolError::EpochExhausted { pool })?;
             let record = Record::PoolEpoch { pool, epoch };
