@@ -258,6 +258,19 @@ impl ResetWhileArmed {
     }
 }
 
+/// Arms `armed` now and disarms it from another thread `after` this long.
+fn arm_for(
+    armed: &Arc<std::sync::atomic::AtomicBool>,
+    after: Duration,
+) -> std::thread::JoinHandle<()> {
+    armed.store(true, Ordering::Relaxed);
+    let armed = Arc::clone(armed);
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        armed.store(false, Ordering::Relaxed);
+    })
+}
+
 impl FaultPlan for ResetWhileArmed {
     fn on_request(&mut self, _req: &RequestInfo) -> RequestFault {
         if self.armed.load(Ordering::Relaxed) {
@@ -294,16 +307,9 @@ fn an_instance_that_expired_while_disconnected_gets_its_regions_revoked() {
     let mut lease = al.alloc().unwrap();
     lease.write(b"before").unwrap();
 
-    armed.store(true, Ordering::Relaxed);
     // Every request and reattach is reset for a second: the instance
     // expires meanwhile (its key keeps its region alive for readers).
-    let waiter = {
-        let armed = Arc::clone(&armed);
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs(1));
-            armed.store(false, Ordering::Relaxed);
-        })
-    };
+    let waiter = arm_for(&armed, Duration::from_secs(1));
     assert!(al.exists(b"kept").unwrap(), "answered after the reattach");
     waiter.join().unwrap();
 
@@ -350,14 +356,7 @@ fn an_expiry_whose_recovering_reattach_reply_was_lost_is_still_seen_as_a_recover
     let al = a.layout(PAGE, FINGERPRINT).unwrap();
     al.put(b"kept", &chunk(1, 100)).unwrap();
 
-    armed.store(true, Ordering::Relaxed);
-    let waiter = {
-        let armed = Arc::clone(&armed);
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs(2));
-            armed.store(false, Ordering::Relaxed);
-        })
-    };
+    let waiter = arm_for(&armed, Duration::from_secs(2));
     assert!(al.exists(b"kept").unwrap(), "answered after the reattach");
     waiter.join().unwrap();
     assert_eq!(

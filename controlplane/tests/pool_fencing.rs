@@ -302,8 +302,10 @@ fn a_pool_served_by_a_manager_this_state_does_not_know_is_refused() {
 }
 
 #[test]
-fn reopening_raises_the_epoch_above_both_the_ledger_and_the_header() {
+fn reopening_raises_the_epoch_and_a_header_ahead_of_the_ledger_is_refused() {
     let dir = shm_dir("epoch");
+    // Reopens its state directory: no fork may share the lock meanwhile.
+    let _no_fork = FORK_WINDOW.lock().unwrap_or_else(|p| p.into_inner());
     let mut block = vec![0u8; 4096];
     let mut r = open_store(dir.path(), StoreConfig::default(), 1_000, 0);
     let (l1, pool) = open_on_block(

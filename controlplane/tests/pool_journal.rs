@@ -490,30 +490,46 @@ fn journal_records(dir: &Path) -> Vec<(usize, usize, Record)> {
     l
 }
 
+/// A store with eight allocations, each its own commit, closed: its
+/// directory, its journal's records (offset, length, record) and bytes.
+fn eight_committed_allocations(
+    tag: &str,
+) -> (tempfile::TempDir, Vec<(usize, usize, Record)>, Vec<u8>) {
+    let dir = shm_dir(tag);
+    let (r, _) = store_with_regions(dir.path(), 8);
+    drop(r);
+    let records = journal_records(dir.path());
+    let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+    (dir, records, journal)
+}
+
+/// Opens the store of `dir`, which must refuse.
+fn refused(dir: &Path) -> StoreError {
+    match PoolStore::open(
+        dir,
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    ) {
+        Ok(_) => panic!("recovery should refuse"),
+        Err(e) => e,
+    }
+}
+
 /// A bit flipped at rest in a record whose commit was acknowledged (later
 /// commits followed it): cutting the journal there, as for a torn tail,
 /// would drop the allocations after it and hand their byte ranges out
 /// again. Recovery refuses, naming the offset, and changes no file.
 #[test]
 fn a_bit_flipped_in_an_acknowledged_record_refuses_to_start_and_changes_nothing() {
-    let dir = shm_dir("bitflip");
-    let (r, _) = store_with_regions(dir.path(), 8);
-    drop(r);
-    let records = journal_records(dir.path());
-    let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+    let (dir, records, journal) = eight_committed_allocations("bitflip");
     let k = 5; // a record in the middle; every allocation is its own commit
     let (start, len, _) = records[k];
     for byte in start..start + len {
         let mut flipped = journal.clone();
         flipped[byte] ^= 1 << (byte % 8);
         let copy = crashed_copy(dir.path(), &flipped, flipped.len());
-        let e = PoolStore::open(
-            copy.path(),
-            StoreConfig::default(),
-            Default::default(),
-            MonotonicMs(0),
-        )
-        .unwrap_err();
+        let e = refused(copy.path());
         assert!(
             matches!(
                 e,
@@ -543,11 +559,7 @@ fn a_bit_flipped_in_an_acknowledged_record_refuses_to_start_and_changes_nothing(
 /// state is that of the commits before it.
 #[test]
 fn journal_crash_points_bit_flip_inside_the_last_commit_is_cut_as_a_torn_tail() {
-    let dir = shm_dir("bitflip-last");
-    let (r, _) = store_with_regions(dir.path(), 8);
-    drop(r);
-    let records = journal_records(dir.path());
-    let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+    let (dir, records, journal) = eight_committed_allocations("bitflip-last");
     let k = records.len() - 1;
     let (start, len, _) = records[k];
     for byte in start..start + len {
@@ -577,20 +589,10 @@ fn journal_crash_points_bit_flip_inside_the_last_commit_is_cut_as_a_torn_tail() 
 /// and recovery refuses instead of starting without them.
 #[test]
 fn a_journal_cut_before_its_acknowledged_records_refuses_to_start() {
-    let dir = shm_dir("cut-acked");
-    let (r, _) = store_with_regions(dir.path(), 8);
-    drop(r);
-    let records = journal_records(dir.path());
-    let journal = fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+    let (dir, records, journal) = eight_committed_allocations("cut-acked");
     let (start, _, _) = records[3];
     let copy = crashed_copy(dir.path(), &journal, start);
-    let e = PoolStore::open(
-        copy.path(),
-        StoreConfig::default(),
-        Default::default(),
-        MonotonicMs(0),
-    )
-    .unwrap_err();
+    let e = refused(copy.path());
     assert!(
         matches!(
             e,

@@ -129,12 +129,21 @@ fn housekeeping(shared: &Shared, returning: &mut HashSet<u64>, now_ms: u64) {
         shared.retired.push(Arc::clone(&peer.mapping));
     }
     for layout in &layouts {
+        // Regions handed back together are out of every table until they
+        // are returned or put back, where `find_owned` cannot see them:
+        // those a thread touched meanwhile (a page allocated, perhaps
+        // registered and already deleted, its notice on its way) go back
+        // first, before any return's round trip delays them.
+        let mut to_return = Vec::new();
         for (id, region) in layout.regions.take_unreachable() {
-            if returning.remove(&id.0) {
-                finish_return(shared, layout, id, region);
-            } else {
+            if !returning.remove(&id.0) {
                 shared.retired.push(Arc::clone(&region.mapping));
+            } else if let Some(region) = put_back_if_touched(shared, layout, id, region) {
+                to_return.push((id, region));
             }
+        }
+        for (id, region) in to_return {
+            finish_return(shared, layout, id, region);
         }
     }
     shared.retired.sweep();
@@ -176,52 +185,72 @@ fn pick_idle_regions(
     }
 }
 
-/// A region taken out for return is unreachable now: give it back if it is
-/// still entirely free and no lease holds it, else put it back. A return
-/// that may have run (its answer lost) or that the directory refused as not
-/// ours retires the region instead: the directory may have freed it and the
-/// pool manager granted it to another instance, whose pages we must never
-/// write.
-fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Arc<OwnedRegion>) {
+/// A region taken out for return is unreachable now. Retires it if it was
+/// revoked, puts it back if a thread touched it since it was picked (a
+/// lease, a page in use); returns it for [`finish_return`] if it is still
+/// entirely free and held by no one else.
+fn put_back_if_touched(
+    shared: &Shared,
+    layout: &LayoutState,
+    id: RegionId,
+    region: Arc<OwnedRegion>,
+) -> Option<Arc<OwnedRegion>> {
     // Acquire: pairs with the Release that revokes a refused region (it is
     // no longer ours to return or to put back).
     if region.revoked.load(Ordering::Acquire) {
         shared.retired.push(Arc::clone(&region.mapping));
-        return;
+        return None;
     }
     let untouched =
         Arc::strong_count(&region) == 1 && region.alloc.free_pages() == region.alloc.page_count();
     if untouched {
-        // No longer this client's to use: its mapping retires.
-        let give_up = |counter| {
-            // Relaxed: a gauge.
-            shared
-                .owned_bytes
-                .fetch_sub(region.desc.len_bytes, Ordering::Relaxed);
-            shared.stats.bump(counter);
-            shared.retired.push(Arc::clone(&region.mapping));
-        };
-        // Nothing of ours may stay dirty in this host's cache once the
-        // region can be another host's (non-coherent pools only).
-        region.write_back_all();
-        match shared.return_region(id.0) {
-            Ok(()) => return give_up(&shared.stats.regions_returned),
-            Err(f) if f.still_ours => {
-                tracing::debug!(region = %id, error = %f.error, "returning an idle region failed");
-            }
-            Err(f) => {
-                tracing::warn!(
-                    region = %id,
-                    error = %f.error,
-                    "returning an idle region had no certain outcome: retiring it (never written again)"
-                );
-                return give_up(&shared.stats.regions_retired);
-            }
-        }
+        Some(region)
+    } else {
+        put_back(shared, layout, id, region);
+        None
     }
+}
+
+fn put_back(shared: &Shared, layout: &LayoutState, id: RegionId, region: Arc<OwnedRegion>) {
     region.idle_since_ms.store(0, Ordering::Relaxed);
     if let Err(rejected) = layout.regions.insert(id, region) {
         tracing::error!(region = %id, error = %rejected, "cannot put a region back; retiring it");
         shared.retired.push(Arc::clone(&rejected.value.mapping));
+    }
+}
+
+/// Gives back a region [`put_back_if_touched`] found untouched (no thread
+/// can reach it any more, so nothing can touch it now). A return that may
+/// have run (its answer lost) or that the directory refused as not ours
+/// retires the region instead: the directory may have freed it and the pool
+/// manager granted it to another instance, whose pages we must never write.
+/// One the directory refused as still in use goes back into the table.
+fn finish_return(shared: &Shared, layout: &LayoutState, id: RegionId, region: Arc<OwnedRegion>) {
+    // No longer this client's to use: its mapping retires.
+    let give_up = |counter| {
+        // Relaxed: a gauge.
+        shared
+            .owned_bytes
+            .fetch_sub(region.desc.len_bytes, Ordering::Relaxed);
+        shared.stats.bump(counter);
+        shared.retired.push(Arc::clone(&region.mapping));
+    };
+    // Nothing of ours may stay dirty in this host's cache once the region
+    // can be another host's (non-coherent pools only).
+    region.write_back_all();
+    match shared.return_region(id.0) {
+        Ok(()) => give_up(&shared.stats.regions_returned),
+        Err(f) if f.still_ours => {
+            tracing::debug!(region = %id, error = %f.error, "returning an idle region failed");
+            put_back(shared, layout, id, region);
+        }
+        Err(f) => {
+            tracing::warn!(
+                region = %id,
+                error = %f.error,
+                "returning an idle region had no certain outcome: retiring it (never written again)"
+            );
+            give_up(&shared.stats.regions_retired);
+        }
     }
 }

@@ -75,7 +75,9 @@ impl PageStates {
             });
         }
         let newest = self.newest_generation[page as usize];
-        if self.seen[w] & m != 0 && !is_newer(generation, newest) {
+        // 0 is never issued; taken as newer than a generation 2^31 or more
+        // away, it would block the page until its generations came round.
+        if generation == 0 || (self.seen[w] & m != 0 && !is_newer(generation, newest)) {
             return Err(RejectReason::StaleGeneration {
                 generation: Generation(generation),
                 newest_seen: Generation(newest),
@@ -269,7 +271,11 @@ mod tests {
     #[test]
     fn a_page_takes_only_newer_generations_and_one_key_at_a_time() {
         let mut p = PageStates::new(100);
-        assert_eq!(p.check(70, 0), Ok(()));
+        assert_eq!(p.check(70, 1), Ok(()));
+        assert!(
+            matches!(p.check(70, 0), Err(RejectReason::StaleGeneration { .. })),
+            "0 is never a generation"
+        );
         p.register(70, 5);
         assert!(matches!(
             p.check(70, 6),
@@ -285,7 +291,7 @@ mod tests {
             Err(RejectReason::StaleGeneration { .. })
         ));
         assert_eq!(p.check(70, 6), Ok(()));
-        assert_eq!(p.check(71, 0), Ok(()), "other pages are unaffected");
+        assert_eq!(p.check(71, 1), Ok(()), "other pages are unaffected");
     }
 
     /// The allocator's generations wrap from `u32::MAX` to 1: the page

@@ -142,7 +142,7 @@ pub enum JournalError {
         last_seq: u64,
     },
     #[error(
-        "journal {} is missing but a checkpoint exists: committed records may be lost; refusing to start (restore the journal, or create an empty one if you accept the checkpoint's state)",
+        "journal {} is missing but a checkpoint exists: committed records may be lost; refusing to start (restore the journal; an empty one accepts the checkpoint's state, and pools opened since are then refused as stale)",
         path.display()
     )]
     Missing { path: PathBuf },
@@ -175,25 +175,28 @@ pub fn file_header_acknowledging(acknowledged_seq: u64) -> [u8; JOURNAL_HEADER_B
     h
 }
 
-/// The acknowledged seq of a header [`check_file_header`] accepted.
-fn acknowledged_seq(b: &[u8]) -> u64 {
-    u64::from_le_bytes(b[12..20].try_into().expect("8 bytes"))
-}
-
-fn check_file_header(b: &[u8]) -> Result<(), &'static str> {
+/// Checks a journal's file header; returns its acknowledged seq, or `None`
+/// when only the checksum fails. Every commit rewrites the header, so a
+/// power loss on a device that does not write a sector atomically can tear
+/// it: with its magic and version intact the journal is still ours, and
+/// recovery goes on without the claim (the records are checked by their
+/// own CRCs) and writes a good header again.
+fn check_file_header(b: &[u8]) -> Result<Option<u64>, &'static str> {
     if b.len() < JOURNAL_HEADER_BYTES {
         return Err("shorter than the file header");
     }
     if b[0..8] != JOURNAL_MAGIC {
         return Err("wrong magic");
     }
-    if le_u32(&b[28..32]) != crc32c::crc32c(&b[..28]) {
-        return Err("header checksum mismatch");
-    }
     if le_u32(&b[8..12]) != JOURNAL_FORMAT_VERSION {
         return Err("unsupported format version");
     }
-    Ok(())
+    if le_u32(&b[28..32]) != crc32c::crc32c(&b[..28]) {
+        return Ok(None);
+    }
+    Ok(Some(u64::from_le_bytes(
+        b[12..20].try_into().expect("8 bytes"),
+    )))
 }
 
 /// Where and why a scan stopped early.
@@ -217,6 +220,9 @@ pub struct ScanReport {
     /// Sequence number the next record gets.
     pub next_seq: u64,
     pub stop: Option<Stop>,
+    /// The file header's checksum failed (magic and version intact): its
+    /// acknowledged seq was not used (see `check_file_header`).
+    pub header_checksum_mismatch: bool,
 }
 
 /// Why a scan refused (mapped to [`JournalError`] with the path).
@@ -253,7 +259,7 @@ pub fn scan(
     checkpoint_seq: u64,
     mut apply: impl FnMut(&Record) -> Result<(), LedgerError>,
 ) -> Result<ScanReport, ScanError> {
-    check_file_header(file).map_err(ScanError::BadHeader)?;
+    let acknowledged = check_file_header(file).map_err(ScanError::BadHeader)?;
     let mut at = JOURNAL_HEADER_BYTES;
     let mut prev_seq: Option<u64> = None;
     let mut report = ScanReport {
@@ -263,6 +269,7 @@ pub fn scan(
         valid_end_bytes: at as u64,
         next_seq: checkpoint_seq + 1,
         stop: None,
+        header_checksum_mismatch: false,
     };
     while at < file.len() {
         let d = match Record::decode(&file[at..]) {
@@ -310,7 +317,8 @@ pub fn scan(
     }
     // Records the checkpoint holds count as present.
     let last_seq = prev_seq.unwrap_or(0).max(checkpoint_seq);
-    let acknowledged = acknowledged_seq(file);
+    report.header_checksum_mismatch = acknowledged.is_none();
+    let acknowledged = acknowledged.unwrap_or(0);
     if acknowledged > last_seq {
         return Err(ScanError::AcknowledgedLost {
             offset_bytes: report.valid_end_bytes,
@@ -444,15 +452,22 @@ impl Journal {
             // journal: every record is in the checkpoint.
             end_bytes = JOURNAL_HEADER_BYTES as u64;
         }
-        // The records replayed may exist only in the page cache (a process
-        // killed before its sync; a sync that failed with the pages then
-        // marked clean, and a restart in the same boot): written again and
-        // synced before anything is answered on their strength.
-        if end_bytes > JOURNAL_HEADER_BYTES as u64 {
-            let end = end_bytes as usize;
-            file.write_all_at(&image[..end], 0)
-                .map_err(io_err("rewrite", &path))?;
+        if report.header_checksum_mismatch {
+            tracing::warn!(
+                journal = %path.display(),
+                "the journal's file header fails its checksum (a write torn by a power loss?); recovering without its acknowledged seq and writing it again"
+            );
         }
+        // The records kept may exist only in the page cache (a process
+        // killed before its sync; a sync that failed with the pages then
+        // marked clean, and a restart in the same boot): written again, with
+        // a header that claims them, and synced before anything is answered
+        // on their strength.
+        let acknowledged = report.next_seq - 1;
+        let mut kept = image[..end_bytes as usize].to_vec();
+        kept[..JOURNAL_HEADER_BYTES].copy_from_slice(&file_header_acknowledging(acknowledged));
+        file.write_all_at(&kept, 0)
+            .map_err(io_err("rewrite", &path))?;
         if end_bytes != len_bytes {
             file.set_len(end_bytes).map_err(io_err("truncate", &path))?;
         }
@@ -465,7 +480,7 @@ impl Journal {
             pending: Vec::with_capacity(PENDING_RESERVE_RECORDS * MAX_RECORD_BYTES),
             pending_records: 0,
             records_since_checkpoint: report.replayed,
-            header_acknowledged_seq: acknowledged_seq(&image),
+            header_acknowledged_seq: acknowledged,
             poisoned: false,
         };
         Ok((journal, report, saved))
@@ -722,6 +737,26 @@ mod tests {
         let stop = r.stop.unwrap();
         assert_eq!(stop.offset_bytes as usize, good_end);
         assert!(matches!(stop.fault, RecordFault::Incomplete { .. }));
+    }
+
+    /// A header whose checksum fails but whose magic and version hold (a
+    /// torn rewrite) does not refuse: its acknowledged seq is not used.
+    #[test]
+    fn a_header_failing_only_its_checksum_recovers_without_its_claim() {
+        let mut img = image(&[1, 2]);
+        img[12..20].copy_from_slice(&9u64.to_le_bytes());
+        let report = scan(&img, 0, |_| Ok(())).unwrap();
+        assert!(report.header_checksum_mismatch);
+        assert_eq!(report.replayed, 2);
+        img[..JOURNAL_HEADER_BYTES].copy_from_slice(&file_header_acknowledging(9));
+        assert!(matches!(
+            scan(&img, 0, |_| Ok(())).unwrap_err(),
+            ScanError::AcknowledgedLost {
+                acknowledged_seq: 9,
+                last_seq: 2,
+                ..
+            }
+        ));
     }
 
     #[test]
