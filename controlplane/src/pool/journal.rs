@@ -464,9 +464,13 @@ impl Journal {
         // a header that claims them, and synced before anything is answered
         // on their strength.
         let acknowledged = report.next_seq - 1;
-        let mut kept = image[..end_bytes as usize].to_vec();
-        kept[..JOURNAL_HEADER_BYTES].copy_from_slice(&file_header_acknowledging(acknowledged));
-        file.write_all_at(&kept, 0)
+        file.write_all_at(&file_header_acknowledging(acknowledged), 0)
+            .and_then(|()| {
+                file.write_all_at(
+                    &image[JOURNAL_HEADER_BYTES..end_bytes as usize],
+                    JOURNAL_HEADER_BYTES as u64,
+                )
+            })
             .map_err(io_err("rewrite", &path))?;
         if end_bytes != len_bytes {
             file.set_len(end_bytes).map_err(io_err("truncate", &path))?;
