@@ -697,6 +697,20 @@ fn a_parked_registration_keeps_its_pages_through_a_partition() {
     );
 }
 
+/// Ends `session_id` as an operator would (`EndSession` on the server's
+/// Unix socket, as its own user).
+fn end_session_as_operator(
+    server: &cxlkv::server::ServerHandle,
+    session_id: u64,
+) -> cxlkv_controlplane::proto::SessionEnded {
+    let mut admin = common::Raw::connect_unix(server.socket_path());
+    admin.hello("admin").0.unwrap();
+    let meta = admin.rw();
+    admin
+        .call(&cxlkv_controlplane::proto::EndSession { meta, session_id })
+        .unwrap()
+}
+
 /// A registration whose reply was lost, and whose session an operator ends
 /// while the client waits for that reply: the server closes the session's
 /// connection, the client reattaches and sends the registration again
@@ -727,15 +741,7 @@ fn a_registration_whose_reply_was_lost_and_session_ended_is_answered_from_the_re
         );
         // While the client waits for that reply, an operator ends its
         // session (the server closes its connection).
-        let mut admin = common::Raw::connect_unix(server.socket_path());
-        admin.hello("admin").0.unwrap();
-        let meta = admin.rw();
-        let _: cxlkv_controlplane::proto::SessionEnded = admin
-            .call(&cxlkv_controlplane::proto::EndSession {
-                meta,
-                session_id: client.session_id().unwrap(),
-            })
-            .unwrap();
+        end_session_as_operator(&server, client.session_id().unwrap());
         put.join().unwrap()
     });
     assert_eq!(outcome.unwrap(), RegisterOutcome::Inserted);
@@ -766,15 +772,7 @@ fn a_reattach_does_not_pin_a_key_that_moved_for_a_view_of_its_old_page() {
     let guard = al.get(b"k").unwrap().unwrap();
 
     // An operator ends A's session: its pin goes, A does not know yet.
-    let mut admin = common::Raw::connect_unix(server.socket_path());
-    admin.hello("admin").0.unwrap();
-    let meta = admin.rw();
-    let ended: cxlkv_controlplane::proto::SessionEnded = admin
-        .call(&cxlkv_controlplane::proto::EndSession {
-            meta,
-            session_id: a.session_id().unwrap(),
-        })
-        .unwrap();
+    let ended = end_session_as_operator(&server, a.session_id().unwrap());
     assert_eq!(ended.pins_released, 1);
     assert_eq!(bl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
     assert_eq!(
