@@ -871,6 +871,7 @@ impl PoolConfig {
                 lease_ms: self.lease_ms,
                 pass_fds: self.pass_fds,
                 tcp_auth,
+                io_faults: Default::default(),
             },
             socket: self.socket.clone().unwrap_or_else(default_socket),
             tcp,

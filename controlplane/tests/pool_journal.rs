@@ -23,7 +23,7 @@ use cxlkv_controlplane::pool::{
     AllocTag, Caller, DirectoryId, Handle, InstanceId, Journal, MonotonicMs, PoolStore, PoolTarget,
     Record, RecordSink, Recovered, Reply, Request, Snapshot, StoreConfig, StoreError, SyncPolicy,
 };
-use pool_support::{MIB, fresh_header, open_store, shm_dir};
+use pool_support::{MIB, fresh_header, open_store, shm_dir, store_with_regions};
 
 const GRACE_MS: u64 = 1_000;
 
@@ -335,43 +335,6 @@ fn journal_crash_points_after_checkpoints_recover_checkpoint_plus_prefix() {
     }
     drop(r);
     every_cut_recovers_the_committed_prefix(dir.path(), &h2);
-}
-
-/// A store with `n` allocations committed, and its state.
-fn store_with_regions(dir: &Path, n: u64) -> (Recovered, Snapshot) {
-    let mut r = open_store(
-        dir,
-        StoreConfig {
-            checkpoint_every_records: 1 << 20,
-            ..Default::default()
-        },
-        GRACE_MS,
-        0,
-    );
-    pool_support::online_durable(&mut r, &fresh_header(3, 64 * MIB, 2 * MIB));
-    let c = caller(1);
-    pool_support::call(
-        &mut r,
-        &c,
-        Request::Attach {
-            directory: DirectoryId(1),
-            handles: &[],
-        },
-        0,
-    )
-    .unwrap();
-    for i in 0..n {
-        let req = Request::Alloc {
-            target: PoolTarget::Any,
-            len_bytes: 2 * MIB,
-            instance: InstanceId(i),
-            tag: AllocTag::NONE,
-        };
-        pool_support::call(&mut r, &c, req, 0).unwrap();
-    }
-    let snap = r.manager.snapshot();
-    assert_eq!(snap.regions.len() as u64, n);
-    (r, snap)
 }
 
 #[test]

@@ -66,6 +66,7 @@ fn config(dir: &Dir, sync: SyncPolicy, grace_ms: u64) -> ServiceConfig {
         lease_ms: 10_000,
         pass_fds: true,
         tcp_auth: TcpAuth::Disabled,
+        io_faults: Default::default(),
     }
 }
 

@@ -6,8 +6,9 @@ use std::path::Path;
 
 use cxlkv_controlplane::pool::header::{self, BlockState};
 use cxlkv_controlplane::pool::{
-    Caller, Header, ManagerConfig, MonotonicMs, PoolId, PoolIdentity, PoolManager, PoolStore,
-    PoolUuid, RecordSink, Recovered, Reply, Request, StoreConfig,
+    AllocTag, Caller, DirectoryId, Header, InstanceId, ManagerConfig, MonotonicMs, PoolId,
+    PoolIdentity, PoolManager, PoolStore, PoolTarget, PoolUuid, RecordSink, Recovered, Reply,
+    Request, Snapshot, StoreConfig,
 };
 
 pub const KIB: u64 = 1 << 10;
@@ -80,4 +81,47 @@ pub fn call(
         r.store.checkpoint(&r.manager).expect("checkpoint");
     }
     reply
+}
+
+/// A store (a checkpoint only when asked for) with a pool online, one
+/// directory attached and `n` allocations of 2 MiB committed one by one,
+/// and its state.
+pub fn store_with_regions(dir: &Path, n: u64) -> (Recovered, Snapshot) {
+    let mut r = open_store(
+        dir,
+        StoreConfig {
+            checkpoint_every_records: 1 << 20,
+            ..Default::default()
+        },
+        1_000,
+        0,
+    );
+    online_durable(&mut r, &fresh_header(3, 64 * MIB, 2 * MIB));
+    let c = Caller::Remote { connection: 1 };
+    call(
+        &mut r,
+        &c,
+        Request::Attach {
+            directory: DirectoryId(1),
+            handles: &[],
+        },
+        0,
+    )
+    .unwrap();
+    for i in 0..n {
+        call(&mut r, &c, alloc_request(i), 0).unwrap();
+    }
+    let snap = r.manager.snapshot();
+    assert_eq!(snap.regions.len() as u64, n);
+    (r, snap)
+}
+
+/// An untagged 2 MiB allocation for instance `i`, from any pool.
+pub fn alloc_request(i: u64) -> Request<'static> {
+    Request::Alloc {
+        target: PoolTarget::Any,
+        len_bytes: 2 * MIB,
+        instance: InstanceId(i),
+        tag: AllocTag::NONE,
+    }
 }

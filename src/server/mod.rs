@@ -309,6 +309,7 @@ impl ServerConfig {
             lease_ms: 10_000,
             pass_fds: true,
             tcp_auth: TcpAuth::Disabled,
+            io_faults: Default::default(),
         })
     }
 

@@ -57,6 +57,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use super::io_faults::{IoFaults, IoSite};
 use super::ledger::LedgerError;
 use super::manager::RecordSink;
 use super::record::{MAX_RECORD_BYTES, Record, RecordFault, le_u32};
@@ -354,6 +355,7 @@ pub struct Journal {
     /// The acknowledged seq the file header holds.
     header_acknowledged_seq: u64,
     poisoned: bool,
+    faults: IoFaults,
 }
 
 impl Journal {
@@ -486,6 +488,7 @@ impl Journal {
             records_since_checkpoint: report.replayed,
             header_acknowledged_seq: acknowledged,
             poisoned: false,
+            faults: IoFaults::default(),
         };
         Ok((journal, report, saved))
     }
@@ -524,10 +527,20 @@ impl Journal {
         let acknowledged = self.committed_seq();
         let header = (acknowledged != self.header_acknowledged_seq)
             .then(|| file_header_acknowledging(acknowledged));
+        let f = &self.faults;
         let written = header
-            .map_or(Ok(()), |h| self.file.write_all_at(&h, 0))
-            .and_then(|()| self.file.write_all_at(&self.pending, self.end_bytes))
-            .and_then(|()| self.file.sync_data());
+            .map_or(Ok(()), |h| {
+                f.write_all_at(IoSite::JournalHeader, &self.file, &h, 0)
+            })
+            .and_then(|()| {
+                f.write_all_at(
+                    IoSite::JournalRecords,
+                    &self.file,
+                    &self.pending,
+                    self.end_bytes,
+                )
+            })
+            .and_then(|()| f.op(IoSite::JournalSync, || self.file.sync_data()));
         if let Err(source) = written {
             self.poisoned = true;
             return Err(JournalError::Io {
@@ -582,10 +595,11 @@ impl Journal {
             });
         }
         debug_assert_eq!(self.pending_records, 0);
-        let done = self
-            .file
-            .set_len(JOURNAL_HEADER_BYTES as u64)
-            .and_then(|()| self.file.sync_all());
+        let done = self.faults.op(IoSite::JournalRestart, || {
+            self.file
+                .set_len(JOURNAL_HEADER_BYTES as u64)
+                .and_then(|()| self.file.sync_all())
+        });
         if let Err(source) = done {
             self.poisoned = true;
             return Err(JournalError::Io {
@@ -601,6 +615,11 @@ impl Journal {
 
     pub(crate) fn poison(&mut self) {
         self.poisoned = true;
+    }
+
+    /// Storage failures to inject (feature `fault-injection`).
+    pub(crate) fn set_io_faults(&mut self, faults: IoFaults) {
+        self.faults = faults;
     }
 }
 

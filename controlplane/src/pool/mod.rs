@@ -23,6 +23,7 @@
 //! | [`token`] | keyed-BLAKE3 region tokens | none |
 //! | [`journal`] | the write-ahead journal file and its recovery | files |
 //! | [`store`] | the state directory: secret, checkpoints, recovery | files |
+//! | [`io_faults`] | injected storage failures for tests (feature `fault-injection`) | none |
 //! | [`fence`] | `flock` on the state directory and the pool file | files |
 //! | [`liveness`] | local directory processes via `/proc/<pid>/stat` | `/proc` |
 //! | [`sys`] | `getrandom`, directory `fsync`, `flock` | syscalls |
@@ -54,6 +55,7 @@ pub mod checkpoint;
 pub mod extents;
 pub mod fence;
 pub mod header;
+pub mod io_faults;
 pub mod journal;
 pub mod ledger;
 pub mod liveness;

@@ -44,6 +44,7 @@ use std::path::{Path, PathBuf};
 
 use super::checkpoint::{self, CheckpointError};
 use super::fence::{FenceError, StateDirLock};
+use super::io_faults::{IoFaults, IoSite};
 use super::journal::{CommitReport, Journal, JournalError, ScanReport, Stop};
 use super::ledger::{InvariantError, Ledger, LedgerError};
 use super::manager::{ManagerConfig, PoolManager};
@@ -210,6 +211,7 @@ pub struct PoolStore {
     /// Sequence number covered by the installed checkpoint.
     checkpoint_seq: u64,
     poisoned: bool,
+    faults: IoFaults,
 }
 
 impl PoolStore {
@@ -316,12 +318,20 @@ impl PoolStore {
             config,
             checkpoint_seq,
             poisoned: false,
+            faults: IoFaults::default(),
         };
         Ok(Recovered {
             store,
             manager,
             report,
         })
+    }
+
+    /// Storage failures to inject into this store's journal and checkpoint
+    /// writes (feature `fault-injection`; [`super::io_faults`]).
+    pub fn set_io_faults(&mut self, faults: IoFaults) {
+        self.journal.set_io_faults(faults.clone());
+        self.faults = faults;
     }
 
     pub fn dir(&self) -> &Path {
@@ -395,15 +405,16 @@ impl PoolStore {
         let image = checkpoint::encode(seq, &manager.ledger().snapshot());
         let tmp = self.dir.join(CHECKPOINT_TMP_FILE);
         let written = (|| {
-            let mut f = OpenOptions::new()
+            let f = OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(true)
                 .mode(0o600)
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&tmp)?;
-            f.write_all(&image)?;
-            f.sync_all()
+            self.faults
+                .write_all_at(IoSite::CheckpointWrite, &f, &image, 0)?;
+            self.faults.op(IoSite::CheckpointSync, || f.sync_all())
         })();
         self.fail_stop(written, "write", &tmp)?;
         Ok(StagedCheckpoint {
@@ -417,9 +428,13 @@ impl PoolStore {
         self.usable()?;
         let tmp = self.dir.join(CHECKPOINT_TMP_FILE);
         let path = self.dir.join(CHECKPOINT_FILE);
-        let renamed = fs::rename(&tmp, &path);
+        let renamed = self
+            .faults
+            .op(IoSite::CheckpointRename, || fs::rename(&tmp, &path));
         self.fail_stop(renamed, "rename", &tmp)?;
-        let synced = fsync_dir(&self.dir);
+        let synced = self
+            .faults
+            .op(IoSite::StateDirSync, || fsync_dir(&self.dir));
         let dir = self.dir.clone();
         self.fail_stop(synced, "fsync", &dir)?;
         self.checkpoint_seq = staged.seq;

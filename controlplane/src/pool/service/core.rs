@@ -503,8 +503,10 @@ impl Core {
             MonotonicMs(0),
         )?;
         let mut store = recovered.store;
+        store.set_io_faults(cfg.io_faults.clone());
         let mut manager = recovered.manager;
-        let names = NamesFile::open(&cfg.state_dir)?;
+        let mut names = NamesFile::open(&cfg.state_dir)?;
+        names.set_io_faults(cfg.io_faults.clone());
         let mut pools = Vec::with_capacity(cfg.pools.len());
         for spec in &cfg.pools {
             pools.push(OpenPool::open(
@@ -1404,6 +1406,7 @@ mod tests {
             lease_ms: 10_000,
             pass_fds: false,
             tcp_auth: TcpAuth::Disabled,
+            io_faults: Default::default(),
         }
     }
 

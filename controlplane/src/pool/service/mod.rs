@@ -108,6 +108,7 @@ pub use cxlkv_dataplane::visibility::Visibility;
 pub use local::LocalPool;
 pub use remote::{RemoteConfig, RemotePool};
 
+use super::io_faults::IoFaults;
 use super::store::{StoreConfig, StoreError};
 
 /// Replies kept per directory for exactly-once retries (at least the
@@ -181,6 +182,10 @@ pub struct ServiceConfig {
     /// [`MAX_FDS_PER_FRAME`](crate::transport::MAX_FDS_PER_FRAME) pools).
     pub pass_fds: bool,
     pub tcp_auth: TcpAuth,
+    /// Storage failures to inject into the journal, checkpoints and names
+    /// file: for tests (feature `fault-injection`; without it the default
+    /// injects nothing and there is no other value).
+    pub io_faults: IoFaults,
 }
 
 /// Smallest accepted `lease_ms` (the renewal period is a third of it).

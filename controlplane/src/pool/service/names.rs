@@ -42,6 +42,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::pool::io_faults::{IoFaults, IoSite};
 use crate::pool::sys::fsync_dir;
 use crate::pool::{DirectoryId, InstanceId};
 use crate::proto::MAX_NAME_BYTES;
@@ -147,6 +148,7 @@ pub struct NamesFile {
     pending: Vec<u8>,
     names: HashMap<(NameKind, u64), Arc<str>>,
     poisoned: bool,
+    faults: IoFaults,
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> NamesError + 'a {
@@ -312,6 +314,7 @@ impl NamesFile {
             pending: Vec::new(),
             names,
             poisoned: false,
+            faults: IoFaults::default(),
         })
     }
 
@@ -357,6 +360,11 @@ impl NamesFile {
         self.names.insert((kind, id), Arc::from(name));
     }
 
+    /// Storage failures to inject into appends (feature `fault-injection`).
+    pub(crate) fn set_io_faults(&mut self, faults: IoFaults) {
+        self.faults = faults;
+    }
+
     pub fn has_pending(&self) -> bool {
         !self.pending.is_empty()
     }
@@ -372,10 +380,11 @@ impl NamesFile {
         if self.pending.is_empty() {
             return Ok(());
         }
-        let written = self
-            .file
-            .write_all_at(&self.pending, self.end_bytes)
-            .and_then(|()| self.file.sync_data());
+        let written = self.faults.op(IoSite::NamesAppend, || {
+            self.file
+                .write_all_at(&self.pending, self.end_bytes)
+                .and_then(|()| self.file.sync_data())
+        });
         if let Err(source) = written {
             self.poisoned = true;
             return Err(NamesError::Io {
