@@ -40,6 +40,9 @@ struct FakePool {
     live: HashMap<RegionId, RegionHandle>,
     freed: Vec<RegionId>,
     fail_next: bool,
+    /// Grants are rounded up to this many bytes (0: granted as asked), as a
+    /// pool manager rounds to its pool's alignment.
+    round_to: u64,
 }
 
 impl FakePool {
@@ -73,7 +76,10 @@ impl FakePool {
                                 region: id,
                                 pool: POOL,
                                 offset_bytes: self.next_region * (1 << 30),
-                                len_bytes,
+                                len_bytes: match self.round_to {
+                                    0 => len_bytes,
+                                    a => len_bytes.next_multiple_of(a),
+                                },
                                 token: RegionToken([self.next_region as u8; 32]),
                             };
                             self.live.insert(id, handle);
@@ -1530,6 +1536,56 @@ fn the_quota_counts_region_bytes_owned_and_pending() {
     w.dir.check_invariants().unwrap();
 }
 
+/// The pool rounds a request up to its alignment: the quota is a hard
+/// limit on what is granted, not on what was asked for, however many
+/// requests were let through at their smaller size.
+#[test]
+fn a_grant_rounded_up_past_the_quota_is_given_back_and_refused() {
+    let mut w = World::new();
+    w.pool.round_to = 2 * REGION_BYTES;
+    let h = w
+        .dir
+        .hello(
+            Hello {
+                instance: "q",
+                quota_bytes: Some(REGION_BYTES * 3),
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    let mut q = Client {
+        name: "q".into(),
+        session: h.session,
+        secret: h.secret,
+        next_seq: 1,
+        notice_ack: 0,
+        regions: Vec::new(),
+    };
+    // Three requests of one region each pass the quota as asked...
+    for _ in 0..3 {
+        let seq = q.seq();
+        let reply = w
+            .dir
+            .request_region(&q.caller(), seq, L, REGION_BYTES, w.now)
+            .unwrap();
+        assert!(matches!(reply.body, RegionReply::Deferred(_)));
+    }
+    // ... each is granted two: the first fits, the others would not.
+    let (done, _) = w.pool.service(&mut w.dir);
+    let results: Vec<_> = done.iter().map(|c| c.result.clone().map(|_| ())).collect();
+    let over = Err(DirectoryError::QuotaExceeded {
+        quota_bytes: REGION_BYTES * 3,
+        owned_bytes: REGION_BYTES * 2,
+        requested_bytes: REGION_BYTES * 2,
+    });
+    assert_eq!(results, vec![Ok(()), over.clone(), over]);
+    let stats = w.dir.stats(w.now);
+    assert_eq!(stats.per_instance[0].owned_bytes, REGION_BYTES * 2);
+    assert_eq!(w.pool.live.len(), 1, "the refused grants went back");
+    w.dir.check_invariants().unwrap();
+}
+
 #[test]
 fn a_server_maximum_caps_every_quota() {
     let mut w = World::with(DirectoryConfig {
@@ -1742,6 +1798,83 @@ fn orphaned_keys_are_evicted_above_the_watermark_but_never_from_a_region_with_a_
     w.advance(Duration::from_millis(100));
     assert_eq!(w.dir.stats(w.now).keys, 0);
     assert_eq!(w.pool.freed, vec![young, old]);
+    w.dir.check_invariants().unwrap();
+}
+
+/// A region whose keys outnumber a tick's budget is finished first on the
+/// next tick: rotating to the next orphan instead would take a bite out of
+/// every orphaned region (readable keys lost) before freeing any.
+#[test]
+fn orphan_eviction_finishes_the_region_it_started_before_touching_the_next() {
+    let mut w = eviction_world(false);
+    let mut a = w.hello("a");
+    let b = w.hello("b");
+    let first = w.region(&mut a, L);
+    let second = w.region(&mut a, L);
+    for p in 0..4 {
+        w.put(&mut a, &[b'x', p as u8], loc(first, p, 1));
+        w.put(&mut a, &[b'y', p as u8], loc(second, p, 1));
+    }
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 2);
+    // 95 % full; one region freed brings it to 75 %, under the low mark.
+    w.dir.pool_usage(POOL, 5 * REGION_BYTES, REGION_BYTES / 4);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.dir.stats(w.now).evictions.orphan_keys, 3);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.pool.freed, vec![first], "the started region is finished");
+    let seconds: [&[u8]; 4] = [b"y\x00", b"y\x01", b"y\x02", b"y\x03"];
+    assert_eq!(
+        w.exists(&b, &seconds),
+        vec![true; 4],
+        "the next region keeps every key: freeing the first was enough"
+    );
+    let stats = w.dir.stats(w.now);
+    assert_eq!((stats.evictions.orphan_keys, stats.keys), (4, 4));
+    w.advance(Duration::from_millis(100));
+    assert_eq!(
+        w.dir.stats(w.now).keys,
+        4,
+        "under the low mark, eviction stops"
+    );
+    w.dir.check_invariants().unwrap();
+}
+
+/// Orphaned regions emptied by deletes leave the others' eviction order as
+/// it was (their queue entries are dropped lazily, never scanned for).
+#[test]
+fn orphaned_regions_freed_by_deletes_leave_the_eviction_order_of_the_others() {
+    let mut w = eviction_world(false);
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let regions: Vec<RegionId> = (0..10).map(|_| w.region(&mut a, L)).collect();
+    for (i, &r) in regions.iter().enumerate() {
+        w.put(&mut a, &[b'k', i as u8], loc(r, 0, 1));
+    }
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 10);
+    // Every other region emptied by a delete, and then two more: more
+    // stale entries than live ones at the end, so the queue is compacted.
+    for i in [0u8, 2, 4, 6, 8, 1, 3] {
+        assert_eq!(
+            w.delete(&mut b, &[&[b'k', i]]),
+            vec![DeleteOutcome::Deleted]
+        );
+        w.dir.check_invariants().unwrap();
+    }
+    w.pool.service(&mut w.dir);
+    let mut freed = [0, 2, 4, 6, 8, 1, 3].map(|i| regions[i]).to_vec();
+    assert_eq!(w.pool.freed, freed);
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 3);
+    // Eviction takes what is left, oldest orphan first.
+    w.dir.pool_usage(POOL, 100 * REGION_BYTES, 0);
+    w.advance(Duration::from_millis(100));
+    freed.extend([5, 7, 9].map(|i| regions[i]));
+    assert_eq!(w.pool.freed, freed);
     w.dir.check_invariants().unwrap();
 }
 

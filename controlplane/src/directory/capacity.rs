@@ -196,6 +196,13 @@ impl Directory {
                             handle.len_bytes, p.len_bytes
                         ),
                     })
+                } else if let Some(e) = self.grant_over_quota(slot, handle.len_bytes) {
+                    // The pool rounds a request up to its alignment: the
+                    // quota counts what is granted, so a grant that would
+                    // cross it goes back (the request was checked at the
+                    // size asked for).
+                    self.free_handle(handle, p.owner.clone());
+                    Err(e)
                 } else {
                     self.add_region(handle, p.layout_ix, p.layout.page_size_bytes, slot);
                     self.counters.outcomes.regions_granted += 1;
@@ -239,6 +246,21 @@ impl Directory {
                 result: result.clone(),
             })
             .collect()
+    }
+
+    /// The refusal of a grant of `granted_bytes` that would take instance
+    /// `slot` over its quota (its other pending requests still count what
+    /// they asked for: each is checked again when granted).
+    fn grant_over_quota(&self, slot: u32, granted_bytes: u64) -> Option<DirectoryError> {
+        let inst = self.instance(slot);
+        let quota_bytes = inst.quota_bytes?;
+        (inst.owned_bytes.saturating_add(granted_bytes) > quota_bytes).then_some(
+            DirectoryError::QuotaExceeded {
+                quota_bytes,
+                owned_bytes: inst.owned_bytes,
+                requested_bytes: granted_bytes,
+            },
+        )
     }
 
     /// Gives back a region with no keys that the caller's instance owns.
@@ -336,40 +358,50 @@ impl Directory {
                 self.orphan_evicting = true;
             }
             if self.orphan_evicting {
-                let mut visits = self.orphans.len();
+                // Entries of regions freed since they were queued are
+                // dropped as they come up (`Directory::orphans`).
+                let mut visits = self.orphans.len() - self.orphans_stale;
                 while budget > 0 && visits > 0 && self.pool_fill() > cfg.pool_low_watermark {
-                    visits -= 1;
                     let Some((rs, id)) = self.orphans.pop_front() else {
                         break;
                     };
-                    debug_assert!(
-                        self.regions.get_if(rs, id).is_some(),
-                        "orphan queue is current"
-                    );
-                    // A region with a pinned key waits: its bytes cannot
-                    // come back before the pin does (`Region::pinned_keys`).
-                    // Otherwise every key in it is unpinned, and each one
-                    // walked is one evicted: the work of a tick is its
-                    // budget, however many keys are pinned elsewhere.
+                    if self.regions.get_if(rs, id).is_none() {
+                        self.orphans_stale -= 1;
+                        continue;
+                    }
+                    visits -= 1;
+                    self.regions.get_mut(rs).orphan_queued = false;
+                    // A region with a pinned key waits at the back: its
+                    // bytes cannot come back before the pin does
+                    // (`Region::pinned_keys`). Otherwise every key in it is
+                    // unpinned, and each one walked is one evicted: the work
+                    // of a tick is its budget, however many keys are pinned
+                    // elsewhere.
+                    if self.regions.get(rs).pinned_keys > 0 {
+                        self.queue_orphan(rs, id, false);
+                        continue;
+                    }
+                    let mut cur = self.regions.get(rs).key_head;
                     let mut freed = false;
-                    if self.regions.get(rs).pinned_keys == 0 {
-                        let mut cur = self.regions.get(rs).key_head;
-                        while cur != NIL && budget > 0 {
-                            let next = self.keys.get(cur).region_next;
-                            debug_assert_eq!(self.keys.get(cur).pins, 0, "region counts no pin");
-                            let last = self.regions.get(rs).keys == 1;
-                            self.remove_entry(cur, self.keys.hash_of(cur));
-                            budget -= 1;
-                            self.counters.evictions.orphan_keys += 1;
-                            if last {
-                                freed = true;
-                                break;
-                            }
-                            cur = next;
+                    while cur != NIL && budget > 0 {
+                        let next = self.keys.get(cur).region_next;
+                        debug_assert_eq!(self.keys.get(cur).pins, 0, "region counts no pin");
+                        let last = self.regions.get(rs).keys == 1;
+                        self.remove_entry(cur, self.keys.hash_of(cur));
+                        budget -= 1;
+                        self.counters.evictions.orphan_keys += 1;
+                        if last {
+                            freed = true;
+                            break;
                         }
+                        cur = next;
                     }
                     if !freed {
-                        self.orphans.push_back((rs, id));
+                        // The budget ran out inside it: it stays first, so
+                        // the next tick finishes it before starting another
+                        // (a bite out of every orphaned region would lose
+                        // readable keys and free nothing).
+                        self.queue_orphan(rs, id, true);
                     }
                 }
                 if self.pool_fill() <= cfg.pool_low_watermark || self.orphans.is_empty() {

@@ -388,6 +388,11 @@ impl Directory {
                         "region {}: owner slot {o} does not list it",
                         r.handle.region
                     );
+                    ensure!(
+                        !r.orphan_queued,
+                        "region {}: owner present, yet queued as an orphan",
+                        r.handle.region
+                    );
                 }
                 Owner::Gone { .. } => {
                     ensure!(
@@ -401,9 +406,10 @@ impl Directory {
                         .filter(|&&(s, id)| s == rs && id == r.handle.region)
                         .count();
                     ensure!(
-                        queued == 1,
-                        "region {}: orphan queued {queued} times",
-                        r.handle.region
+                        queued == 1 && r.orphan_queued,
+                        "region {}: orphan queued {queued} times (flag {})",
+                        r.handle.region,
+                        r.orphan_queued
                     );
                 }
             }
@@ -412,14 +418,22 @@ impl Directory {
             region_bytes == self.totals.region_bytes,
             "region byte total drifted"
         );
+        let mut stale = 0;
         for &(rs, id) in &self.orphans {
-            ensure!(
-                self.regions
-                    .get_if(rs, id)
-                    .is_some_and(|r| matches!(r.owner, Owner::Gone { .. })),
-                "orphan queue names region {id}, which is not an orphan"
-            );
+            match self.regions.get_if(rs, id) {
+                None => stale += 1,
+                Some(r) => ensure!(
+                    matches!(r.owner, Owner::Gone { .. }),
+                    "orphan queue names region {id}, which is not an orphan"
+                ),
+            }
         }
+        ensure!(
+            stale == self.orphans_stale && stale <= self.orphans.len() / 2,
+            "orphan queue: {stale} stale entries of {}, {} counted",
+            self.orphans.len(),
+            self.orphans_stale
+        );
 
         // Pins.
         let mut pins_by_entry: HashMap<u32, u64, FixedState> = HashMap::default();
@@ -653,7 +667,13 @@ impl Directory {
             .as_ref()
             .map(|l| l.iter_from_least_recent().collect())
             .unwrap_or_default();
-        let orphans: Vec<_> = self.orphans.iter().copied().collect();
+        // Live entries only: where stale ones sit is not state.
+        let orphans: Vec<_> = self
+            .orphans
+            .iter()
+            .copied()
+            .filter(|&(rs, id)| self.regions.get_if(rs, id).is_some())
+            .collect();
         let layouts: Vec<_> = self.layouts.iter().collect();
         add(h(&|s| {
             (

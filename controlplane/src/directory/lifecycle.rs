@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use cxlkv_dataplane::ids::RegionId;
 use foldhash::fast::FixedState;
 
 use super::error::DirectoryError;
@@ -578,7 +579,7 @@ impl Directory {
             } else {
                 region.owner = Owner::Gone { since: now };
                 let id = region.handle.region;
-                self.orphans.push_back((rs, id));
+                self.queue_orphan(rs, id, false);
                 self.counters.outcomes.regions_deferred += 1;
             }
         }
@@ -618,6 +619,20 @@ impl Directory {
     }
 
     /// Removes a region with no keys and gives it back to the pool manager.
+    /// Puts an orphaned region in the orphan queue, at the back (its turn
+    /// comes after every region orphaned before) or at the front (eviction
+    /// started it and finishes it first).
+    pub(super) fn queue_orphan(&mut self, rs: u32, id: RegionId, front: bool) {
+        let region = self.regions.get_mut(rs);
+        debug_assert!(!region.orphan_queued && matches!(region.owner, Owner::Gone { .. }));
+        region.orphan_queued = true;
+        if front {
+            self.orphans.push_front((rs, id));
+        } else {
+            self.orphans.push_back((rs, id));
+        }
+    }
+
     pub(super) fn free_region(&mut self, rs: u32) {
         let region = self.regions.remove(rs);
         debug_assert_eq!(region.keys, 0, "a region is only freed without keys");

@@ -260,8 +260,13 @@ pub struct Directory {
     pools: BTreeMap<PoolId, PoolUsage>,
     lru: Option<Lru>,
     /// Regions whose owner is gone, oldest orphan first (slot, id: a slot may
-    /// have been reused, so entries are checked when popped).
+    /// have been reused, so entries are checked when popped). An orphaned
+    /// region freed by a delete leaves its entry behind (stale, counted in
+    /// `orphans_stale`) rather than costing a scan of the queue; stale
+    /// entries are dropped when popped, and all at once when they outnumber
+    /// the live ones, so the queue stays within twice the orphaned regions.
     orphans: VecDeque<(u32, RegionId)>,
+    orphans_stale: usize,
     orphan_evicting: bool,
     lru_evicting: bool,
     effects: Vec<Effect>,
@@ -303,6 +308,7 @@ impl Directory {
             pools: BTreeMap::new(),
             lru,
             orphans: VecDeque::new(),
+            orphans_stale: 0,
             orphan_evicting: false,
             lru_evicting: false,
             effects: Vec::new(),

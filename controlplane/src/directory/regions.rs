@@ -146,6 +146,9 @@ pub(crate) struct Region {
     /// pin does, so evicting its other keys would lose readable data and
     /// free nothing (and walking them would cost a tick the whole list).
     pub pinned_keys: u32,
+    /// It has an entry in the directory's orphan queue (its owner is gone
+    /// and eviction has not taken it out to work on it).
+    pub orphan_queued: bool,
     /// Head of the intrusive list of its keys.
     pub key_head: u32,
     /// Last lookup that listed this region (dedupes descriptors per reply).
@@ -171,6 +174,7 @@ impl Region {
             owner_id,
             keys: 0,
             pinned_keys: 0,
+            orphan_queued: false,
             key_head: NIL,
             stamp: 0,
             page_states: PageStates::new(pages),

@@ -718,9 +718,18 @@ impl Directory {
             }
             Owner::Gone { .. } => {
                 if region.keys == 0 {
-                    let id = region.handle.region;
-                    self.orphans.retain(|&(s, i)| (s, i) != (rs, id));
+                    let queued = region.orphan_queued;
                     self.free_region(rs);
+                    if queued {
+                        // Its queue entry is left behind (`Directory::orphans`).
+                        self.orphans_stale += 1;
+                        if self.orphans_stale > self.orphans.len() / 2 {
+                            let regions = &self.regions;
+                            self.orphans
+                                .retain(|&(s, i)| regions.get_if(s, i).is_some());
+                            self.orphans_stale = 0;
+                        }
+                    }
                 }
             }
         }
