@@ -418,6 +418,10 @@ impl Directory {
             region_bytes == self.totals.region_bytes,
             "region byte total drifted"
         );
+        ensure!(
+            self.scratch_counts.iter().all(|&c| c == 0),
+            "notice room counts left set between calls"
+        );
         let mut stale = 0;
         for &(rs, id) in &self.orphans {
             match self.regions.get_if(rs, id) {

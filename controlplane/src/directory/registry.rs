@@ -596,35 +596,47 @@ impl Directory {
     /// slots to delete are in `scratch_slots`; a key repeated in the batch is
     /// counted twice, which only errs on the safe side.
     fn check_notice_room(&mut self) -> Result<(), DirectoryError> {
-        self.scratch_counts.clear();
-        self.scratch_counts.resize(self.instances.len(), 0);
-        for &es in &self.scratch_slots {
-            if es == NIL {
-                continue;
-            }
-            let entry = self.keys.get(es);
-            if entry.pins == 0
-                && let Owner::Present(owner) = self.regions.get(entry.region).owner
-            {
-                self.scratch_counts[owner as usize] += 1;
-            }
+        // `scratch_counts` is all zeros between calls (set back below), so
+        // the work is the batch's, not the number of instance slots.
+        if self.scratch_counts.len() < self.instances.len() {
+            self.scratch_counts.resize(self.instances.len(), 0);
         }
         let limit = self.config.notice_queue_limit;
-        for (owner, &count) in self.scratch_counts.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            let inst = self.instance(owner as u32);
-            let pending = inst.notices.pending();
-            if pending + count as usize > limit {
-                return Err(DirectoryError::NoticeBacklog {
-                    instance: inst.id.clone(),
-                    pending,
-                    max: limit,
-                });
+        let mut result = Ok(());
+        for &es in &self.scratch_slots {
+            if let Some(owner) = self.notice_owner(es) {
+                self.scratch_counts[owner as usize] += 1;
+                let count = self.scratch_counts[owner as usize] as usize;
+                let inst = self.instance(owner);
+                let pending = inst.notices.pending();
+                if result.is_ok() && pending + count > limit {
+                    result = Err(DirectoryError::NoticeBacklog {
+                        instance: inst.id.clone(),
+                        pending,
+                        max: limit,
+                    });
+                }
             }
         }
-        Ok(())
+        for &es in &self.scratch_slots {
+            if let Some(owner) = self.notice_owner(es) {
+                self.scratch_counts[owner as usize] = 0;
+            }
+        }
+        result
+    }
+
+    /// The instance a delete of entry `es` would send a freed-page notice
+    /// to: its region's owner, if present and the key unpinned.
+    fn notice_owner(&self, es: u32) -> Option<u32> {
+        if es == NIL {
+            return None;
+        }
+        let entry = self.keys.get(es);
+        match self.regions.get(entry.region).owner {
+            Owner::Present(owner) if entry.pins == 0 => Some(owner),
+            _ => None,
+        }
     }
 
     // --- shared internals -------------------------------------------------
