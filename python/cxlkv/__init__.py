@@ -31,6 +31,7 @@ from .client import (
 )
 from .errors import (
     ArgumentError,
+    BusyError,
     CapacityError,
     ClosedError,
     ConnectionLostError,
@@ -38,6 +39,7 @@ from .errors import (
     HandleError,
     IndeterminateError,
     InternalError,
+    ServerBusyError,
     ServerError,
     Status,
     TierArgumentError,
@@ -51,6 +53,7 @@ __version__ = _native.lib.cxlkv_version().decode()
 
 __all__ = [
     "ArgumentError",
+    "BusyError",
     "CapacityError",
     "Client",
     "ClosedError",
@@ -66,6 +69,7 @@ __all__ = [
     "Location",
     "ObjectKey",
     "RegisterResult",
+    "ServerBusyError",
     "ServerError",
     "Status",
     "TierArgumentError",

@@ -37,6 +37,9 @@ from pathlib import Path
 
 #: The ABI major this package speaks (``CXLKV_ABI_VERSION_MAJOR``).
 ABI_MAJOR = 0
+#: The oldest ABI minor with everything this package declares
+#: (``CXLKV_ABI_VERSION_MINOR``; 3: ``CXLKV_TIER_NOT_DONE`` for failed calls).
+ABI_MINOR = 3
 
 _HERE = Path(__file__).resolve().parent
 
@@ -71,7 +74,27 @@ def _load() -> ctypes.CDLL:
     )
 
 
+def _check_abi(lib: ctypes.CDLL) -> None:
+    """Refuses a library of another ABI major, or of an older minor than
+    the package needs, before any other symbol is looked up (a library of
+    another ABI may lack them, which would hide the reason)."""
+    try:
+        version_fn = lib.cxlkv_abi_version
+    except AttributeError:
+        raise ImportError(f"cxlkv: {lib._name} has no cxlkv_abi_version: not a libcxlkv") from None
+    version_fn.restype = c_uint32
+    version_fn.argtypes = []
+    version = version_fn()
+    major, minor = version >> 16, version & 0xFFFF
+    if major != ABI_MAJOR or minor < ABI_MINOR:
+        raise ImportError(
+            f"cxlkv: the loaded libcxlkv ({lib._name}) speaks ABI {major}.{minor}, "
+            f"this package needs ABI {ABI_MAJOR}.x with x at least {ABI_MINOR}"
+        )
+
+
 lib = _load()
+_check_abi(lib)
 
 # --- structs (cxlkv.h) ------------------------------------------------------
 
@@ -484,13 +507,6 @@ _fn("cxlkv_tier_inspect", status_t, c_void_p, c_void_p, c_size_t, P(TierKeyStage
 _fn("cxlkv_tier_query_stats", status_t, c_void_p, P(TierStats))
 _fn("cxlkv_tier_sweep_now", status_t, c_void_p, P(c_uint64), P(c_uint64))
 _fn("cxlkv_tier_check_invariants", status_t, c_void_p)
-
-if lib.cxlkv_abi_version() >> 16 != ABI_MAJOR:
-    raise ImportError(
-        f"cxlkv: the loaded libcxlkv speaks ABI {lib.cxlkv_abi_version() >> 16}.x, "
-        f"this package ABI {ABI_MAJOR}.x"
-    )
-
 
 def last_error() -> str:
     raw = lib.cxlkv_last_error()

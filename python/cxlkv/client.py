@@ -21,13 +21,18 @@ so it is refused:
   all gone it releases the pin, and :meth:`View.memoryview` raises
   :class:`ViewReleasedError` from then on;
 - each array also holds the pin, so a view object collected while a
-  memoryview of it lives keeps its pin until that memoryview goes.
+  memoryview of it lives keeps its pin until that memoryview goes; and the
+  pin holds its :class:`Client`, so neither garbage collection nor
+  :meth:`Client.close` ends the session (which would release the pin in
+  the directory) while a view is unreleased: an explicit close is deferred
+  until the last view is released (see :meth:`Client.close`).
 
 Leases use the same mechanism for their writable memoryviews: registering
 or aborting a lease while one is alive raises ``BufferError``, so no write
 through Python can follow publication, and a lease object is kept alive by
-its memoryviews. (This relies on CPython freeing objects when their last
-reference goes, as the GIL build does.)
+its memoryviews; an unconsumed lease holds its client's session as a view
+does. (This relies on CPython freeing objects when their last reference
+goes, as the GIL build does.)
 
 Thread safety: a :class:`Client` and its :class:`Layout` objects may be
 used from several threads at once (the C library is thread-safe and ctypes
@@ -41,12 +46,21 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from . import _native as N
-from .errors import ArgumentError, ClosedError, HandleError, Status, ViewReleasedError, check
+from .errors import (
+    ArgumentError,
+    ClosedError,
+    HandleError,
+    Status,
+    ViewReleasedError,
+    check,
+    error_for,
+)
 
 BytesLike = Union[bytes, bytearray, memoryview, str]
 
@@ -166,38 +180,50 @@ class DeleteResult:
 
 class _Pin:
     """Owns one view's guard; releases it once, explicitly or when
-    collected."""
+    collected. Until then it holds its client (a hold on the session, and
+    the map callbacks that the release may call): every memoryview of the
+    view holds the pin, so no memoryview outlives the session."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_raw", "_client")
 
-    def __init__(self, raw: N.View):
+    def __init__(self, raw: N.View, client: "Client"):
         self._raw = raw
+        self._client = client
+        client._hold()
 
     def release(self) -> None:
         raw, self._raw = self._raw, None
-        if raw is not None:
-            check(N.lib.cxlkv_release(ctypes.byref(raw)))
+        if raw is None:
+            return
+        status = N.lib.cxlkv_release(ctypes.byref(raw))
+        err = error_for(status) if status != 0 else None  # this thread's message, now
+        client, self._client = self._client, None
+        client._unhold()
+        if err is not None:
+            raise err
 
     def __del__(self):
-        raw, self._raw = self._raw, None
-        if raw is not None:
-            N.lib.cxlkv_release(ctypes.byref(raw))
+        try:
+            self.release()
+        except Exception:  # nothing to report it to
+            pass
 
 
 class View:
     """A chunk in place in the shared pool, pinned until released (see the
     module docs). Use as a context manager, or call :meth:`release`."""
 
-    __slots__ = ("key", "location", "_len", "_address", "_pin", "_exports", "_client")
+    __slots__ = ("key", "location", "_len", "_address", "_pin", "_exports")
 
     def __init__(self, key: bytes, raw: N.View, client: "Client"):
         self.key = key
         self.location = Location._from(raw.location)
         self._len = raw.len_bytes
         self._address = raw.data
-        self._pin = _Pin(raw)
+        # The pin holds the client (its session and map callbacks) until
+        # released; every memoryview holds the pin.
+        self._pin = _Pin(raw, client)
         self._exports = _Exports()
-        self._client = client  # keeps the map callbacks alive while mapped
 
     def __len__(self) -> int:
         return self._len
@@ -274,11 +300,23 @@ class ViewBatch(list):
 class Lease:
     """A writable page no key names yet: write it (``write``, or in place
     through :meth:`memoryview` then :meth:`set_len`), then register it with
-    :meth:`Layout.register`. Dropped unregistered, its page goes back."""
+    :meth:`Layout.register`. Dropped unregistered, its page goes back.
+    Until then it holds its client's session (see :meth:`Client.close`):
+    the page is the instance's only while the session lasts."""
 
-    __slots__ = ("_handle", "_capacity", "_address", "_len", "_exports", "_layout", "__weakref__")
+    __slots__ = (
+        "_handle",
+        "_capacity",
+        "_address",
+        "_len",
+        "_exports",
+        "_layout",
+        "_session",
+        "__weakref__",
+    )
 
     def __init__(self, handle: int, layout: "Layout"):
+        self._session = None
         self._handle = handle
         data, cap = ctypes.c_void_p(), ctypes.c_uint64()
         check(N.lib.cxlkv_lease_data(handle, ctypes.byref(data), ctypes.byref(cap)))
@@ -287,6 +325,8 @@ class Lease:
         self._len = 0
         self._exports = _Exports()
         self._layout = layout
+        layout._client._hold()
+        self._session = layout._client
 
     @property
     def capacity(self) -> int:
@@ -326,21 +366,35 @@ class Lease:
             raise BufferError("a memoryview of the lease is still alive; drop it first")
 
     def _take(self) -> int:
-        """Hands the handle over (registration or abort consumes it)."""
+        """Hands the handle over (registration or abort consumes it; call
+        :meth:`_unhold` after that call)."""
         self._check_unexported()
         handle, self._handle = self._handle, None
         return handle
 
+    def _unhold(self) -> None:
+        """Gives up the hold on the session, once the handle was consumed."""
+        client, self._session = getattr(self, "_session", None), None
+        if client is not None:
+            client._unhold()
+
     def abort(self) -> None:
         """Gives the page back (a no-op once registered or aborted)."""
         if self._handle is not None:
-            check(N.lib.cxlkv_lease_abort(self._take()))
+            status = N.lib.cxlkv_lease_abort(self._take())
+            err = error_for(status) if status != 0 else None  # this thread's message, now
+            self._unhold()
+            if err is not None:
+                raise err
 
     def __del__(self):
         # No memoryview is alive (each would hold this object).
         handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
-            N.lib.cxlkv_lease_abort(handle)
+        try:
+            if handle is not None:
+                N.lib.cxlkv_lease_abort(handle)
+        finally:
+            self._unhold()
 
     def __enter__(self) -> "Lease":
         return self
@@ -365,6 +419,7 @@ class Layout:
     def _h(self) -> int:
         if self._handle is None:
             raise HandleError(Status.BAD_HANDLE, "the layout was closed")
+        self._client._check_open()
         return self._handle
 
     def close(self) -> None:
@@ -417,18 +472,43 @@ class Layout:
         return self.batch_register([(key, lease)])[0]
 
     def batch_register(self, entries: Iterable[tuple[BytesLike, Lease]]) -> list[RegisterResult]:
-        """Publishes and registers written leases (one round trip). Every
-        lease is consumed, whatever the outcome."""
+        """Publishes and registers written leases (one round trip). Once
+        the call reaches the library every lease is consumed, whatever the
+        outcome (a failed call gives the pages back). What this package
+        refuses first takes no lease: a closed layout or client, a lease
+        given twice (:class:`ArgumentError`), a consumed lease
+        (:class:`ViewReleasedError`), a lease with a live memoryview
+        (``BufferError``)."""
         entries = list(entries)
+        n = len(entries)
         keys = [_key(k) for k, _ in entries]
-        for _, lease in entries:
+        leases = [lease for _, lease in entries]
+        seen: set[int] = set()
+        for lease in leases:
+            if not isinstance(lease, Lease):
+                raise TypeError(f"expected a Lease, got {type(lease).__name__}")
+            if id(lease) in seen:
+                raise ArgumentError(
+                    Status.INVALID_ARGUMENT, "batch_register: the same lease is given twice"
+                )
+            seen.add(id(lease))
             lease._check_unexported()
-        handles = (ctypes.c_void_p * max(len(entries), 1))(*[lease._take() for _, lease in entries])
+        layout = self._h()
         keep: list = []
         karr = _bytes_array(keys, keep)
-        out = (N.RegisterResult * max(len(entries), 1))()
-        check(N.lib.cxlkv_batch_register(self._h(), karr, handles, len(entries), out))
-        return [RegisterResult._from(out[i]) for i in range(len(entries))]
+        out = (N.RegisterResult * max(n, 1))()
+        handles = (ctypes.c_void_p * max(n, 1))()
+        # From here on nothing raises before the call, which consumes every
+        # handle it is given whatever its status.
+        for i, lease in enumerate(leases):
+            handles[i], lease._handle = lease._handle, None
+        status = N.lib.cxlkv_batch_register(layout, karr, handles, n, out)
+        err = error_for(status) if status != 0 else None  # this thread's message, now
+        for lease in leases:
+            lease._unhold()
+        if err is not None:
+            raise err
+        return [RegisterResult._from(out[i]) for i in range(n)]
 
     def put(self, key: BytesLike, data: BytesLike) -> RegisterResult:
         return self.batch_put([(key, data)])[0]
@@ -493,15 +573,33 @@ class Layout:
 MapCallback = Callable[[int, int, int, int], None]
 
 
+#: The ``cxlkv_config`` fields ``Client.connect(**more)`` accepts: the
+#: integer settings. Not ``size``, lengths (``client_secret_len``,
+#: ``pool_paths_len``: they describe a buffer, set with it) or pointers.
+_CONNECT_MORE = {
+    name: ctype
+    for name, ctype in N.Config._fields_
+    if ctype in (ctypes.c_uint32, ctypes.c_uint64)
+    and name != "size"
+    and not name.endswith("_len")
+}
+
+
 class Client:
     """A session with the cxlkv server. Use :meth:`connect`; close with
     :meth:`close` or a ``with`` block. Views and leases stay valid after
-    close, until released."""
+    close — views readable and pinned — until released (the session ends
+    with the last of them, see :meth:`close`)."""
 
     def __init__(self, handle: int, callbacks: list):
-        self._handle = handle
-        # ctypes callback objects must outlive every call into them.
+        self._handle = handle  # the C client, until cxlkv_close
+        # ctypes callback objects must outlive every call into them: the
+        # objects that can still unmap a region (layouts, leases, views'
+        # pins, tiers) hold this client.
         self._callbacks = callbacks
+        self._closed = False  # close() was called
+        self._holds = 0  # unreleased views, unconsumed leases, open tiers
+        self._lock = threading.RLock()
 
     @classmethod
     def connect(
@@ -526,8 +624,10 @@ class Client:
         ``"host:port"``). ``on_map(region_id, offset_bytes, base_address,
         len_bytes)`` and ``on_unmap(...)`` are told of every region mapped
         and unmapped (from any thread; exceptions in them are printed and
-        ignored). Other ``cxlkv_config`` integer fields may be passed by
-        name (``max_retries=5``, ``unpin_delay_us=0``, ...)."""
+        ignored). Other ``cxlkv_config`` integer settings may be passed by
+        name (``max_retries=5``, ``unpin_delay_us=0``, ...); lengths,
+        pointers and ``size`` may not (``TypeError``), and a value out of
+        the field's range raises :class:`ArgumentError`."""
         cfg = N.Config()
         check(N.lib.cxlkv_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
         keep: list = []
@@ -553,8 +653,15 @@ class Client:
             0 if auto_expand else N.CONFIG_NO_AUTO_EXPAND
         )
         for name, value in more.items():
-            if name not in dict(N.Config._fields_) or name in ("size", "map_callbacks"):
+            ctype = _CONNECT_MORE.get(name)
+            if ctype is None:
                 raise TypeError(f"connect() got an unexpected keyword argument {name!r}")
+            if not isinstance(value, int):
+                raise TypeError(f"connect(): {name} must be an int, not {type(value).__name__}")
+            if not 0 <= value < 1 << (8 * ctypes.sizeof(ctype)):
+                raise ArgumentError(
+                    Status.INVALID_ARGUMENT, f"connect(): {name}={value} is out of the field's range"
+                )
             setattr(cfg, name, value)
         callbacks = []
         if on_map is not None or on_unmap is not None:
@@ -564,18 +671,51 @@ class Client:
         check(N.lib.cxlkv_connect(ctypes.byref(cfg), ctypes.byref(handle)))
         return cls(handle.value, callbacks)
 
-    def _h(self) -> int:
-        if self._handle is None:
+    def _check_open(self) -> None:
+        if self._closed or self._handle is None:
             raise ClosedError(Status.CLOSED, "the client was closed")
+
+    def _h(self) -> int:
+        self._check_open()
         return self._handle
 
+    def _hold(self) -> None:
+        """A view's pin, a lease or a tier now depends on the session."""
+        with self._lock:
+            self._holds += 1
+
+    def _unhold(self) -> None:
+        """The reverse of :meth:`_hold`; ends the session if it was closed
+        meanwhile and this was the last hold (errors of that deferred
+        close are not reported: the handle is freed whatever happens)."""
+        with self._lock:
+            self._holds -= 1
+            handle = None
+            if self._closed and self._holds == 0:
+                handle, self._handle = self._handle, None
+        if handle is not None:
+            N.lib.cxlkv_close(handle)
+
     def close(self) -> None:
-        """Ends the session (pending unpins are sent first)."""
-        handle, self._handle = self._handle, None
+        """Closes the client: from now on it and its layouts (and tiers)
+        raise :class:`ClosedError`. The session ends — pending unpins are
+        sent first — now if no view is unreleased, no lease unconsumed and
+        no tier open, else when the last of them is released, registered,
+        aborted, closed or collected. (When the session ends, the directory
+        releases its pins and the instance's pages may go to others: a view
+        or lease used after that could read or write reused memory, which
+        is why the end waits for them.) Idempotent; an error of a deferred
+        end is not reported."""
+        with self._lock:
+            self._closed = True
+            if self._holds > 0:
+                return
+            handle, self._handle = self._handle, None
         if handle is not None:
             check(N.lib.cxlkv_close(handle))
 
     def __del__(self):
+        # Nothing holds the client any more: no view, layout, lease or tier.
         handle, self._handle = getattr(self, "_handle", None), None
         if handle is not None:
             N.lib.cxlkv_close(handle)

@@ -10,6 +10,8 @@ The classes group statuses by what a caller does about them:
 - :class:`ConnectionLostError` (also a ``ConnectionError``): the server is
   unreachable or did not answer;
 - :class:`IndeterminateError`: a request may or may not have taken effect;
+- :class:`BusyError`: too many requests in flight, here (``BUSY``) or at
+  the server (``SERVER_BUSY``, also a :class:`ServerError`): retry later;
 - :class:`ServerError`: the server refused (``code`` is its wire code);
 - :class:`TierError`: the L1 tier refused a whole call
   (:class:`TierArgumentError` for bad arguments, also an
@@ -138,6 +140,18 @@ class ServerError(Error):
         return int(self.status) - 100
 
 
+class BusyError(Error):
+    """Too many requests were in flight — in this client (``BUSY``: the
+    server's reply window is full) or at the server (``SERVER_BUSY``, a
+    :class:`ServerBusyError`); the request was refused before it took
+    effect: retry later."""
+
+
+class ServerBusyError(BusyError, ServerError):
+    """The server refused the request as busy (``SERVER_BUSY``): a
+    :class:`BusyError` and a :class:`ServerError`."""
+
+
 class TierError(Error):
     """The L1 tier refused the whole call (e.g. a re-entrant call from a
     listener, or inconsistent arguments); nothing changed."""
@@ -177,6 +191,8 @@ _BY_STATUS = {
     Status.CONNECT: ConnectionLostError,
     Status.DISCONNECTED: ConnectionLostError,
     Status.INDETERMINATE: IndeterminateError,
+    Status.BUSY: BusyError,
+    Status.SERVER_BUSY: ServerBusyError,
     Status.TIER_DUPLICATE_KEY: TierArgumentError,
     Status.TIER_LENGTH_MISMATCH: TierArgumentError,
     Status.TIER_UNSUPPORTED_MODE: TierArgumentError,

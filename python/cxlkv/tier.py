@@ -23,10 +23,19 @@ array tracked weakly; an operation that may end a key's reservation
 ``BufferError`` and changes nothing while a memoryview of that key's page
 is alive, and afterwards marks the pages whose reservation ended as
 released — their :meth:`TierPage.memoryview` raises
-:class:`~cxlkv.errors.ViewReleasedError`. What Python cannot guard is the
-tier's own TTL sweeper thread, which reclaims an *expired* reservation
-whatever Python holds (as the reference's TTL locks do): keep the TTLs
-above the longest time a page is used.
+:class:`~cxlkv.errors.ViewReleasedError`. Every memoryview also holds the
+tier (and through it the layout and client), so a tier object dropped while
+a memoryview of one of its pages lives is closed only when that memoryview
+goes. What Python cannot guard is the tier's own TTL sweeper thread, which
+reclaims an *expired* reservation whatever Python holds (as the reference's
+TTL locks do): keep the TTLs above the longest time a page is used. TTLs
+are given in seconds and rounded up to whole milliseconds.
+
+An open tier holds its client's session: :meth:`Client.close
+<cxlkv.Client.close>` ends it only once the tier is closed too (the tier's
+read reservations are pins of that session). After the client's close,
+every operation but :meth:`L1Tier.close` raises
+:class:`~cxlkv.errors.ClosedError`.
 
 Listeners are Python objects with any of the methods ``reserved_read``,
 ``read_finished``, ``reserved_write``, ``write_finished``,
@@ -41,6 +50,8 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import math
+import threading
 import weakref
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -53,6 +64,7 @@ from .errors import (
     TierArgumentError,
     ViewReleasedError,
     check,
+    error_for,
 )
 
 
@@ -81,10 +93,11 @@ class TierPage:
         "_len",
         "_address",
         "_exports",
+        "_tier",
         "__weakref__",
     )
 
-    def __init__(self, key: bytes, raw: N.TierPage, writable: bool):
+    def __init__(self, key: bytes, raw: N.TierPage, writable: bool, tier: "L1Tier"):
         self.key = key
         self.location = Location._from(raw.location)
         self.page_size_bytes = raw.page_size_bytes
@@ -92,6 +105,9 @@ class TierPage:
         self._len = raw.len_bytes
         self._address = raw.data
         self._exports = _Exports()
+        # Weak: a page object alone does not keep its tier open; a
+        # memoryview of it does (see memoryview()).
+        self._tier = weakref.ref(tier)
 
     def __len__(self) -> int:
         return self._len
@@ -100,16 +116,22 @@ class TierPage:
     def released(self) -> bool:
         return self._address is None
 
-    def memoryview(self) -> memoryview:
-        """The chunk's bytes in the pool (zero copy)."""
-        if self._address is None:
+    def _live(self) -> tuple[int, "L1Tier"]:
+        tier = self._tier()
+        address = self._address
+        if address is None or tier is None:
             raise ViewReleasedError(f"the reservation of {self.key!r} ended")
-        return self._exports.export(self._address, self._len, self, readonly=not self.writable)
+        return address, tier
+
+    def memoryview(self) -> memoryview:
+        """The chunk's bytes in the pool (zero copy). The memoryview holds
+        this page and its tier: the tier is not closed by garbage
+        collection while a memoryview of one of its pages lives."""
+        address, tier = self._live()
+        return self._exports.export(address, self._len, (self, tier), readonly=not self.writable)
 
     def address(self) -> int:
-        if self._address is None:
-            raise ViewReleasedError(f"the reservation of {self.key!r} ended")
-        return self._address
+        return self._live()[0]
 
     def __bytes__(self) -> bytes:
         return self.memoryview().tobytes()
@@ -125,6 +147,23 @@ class TierPage:
         return f"TierPage({self.key!r}, {state})"
 
 
+def _tracked(ref: weakref.ref) -> bool:
+    """Whether a tracked page still matters: alive and not released."""
+    page = ref()
+    return page is not None and not page.released
+
+
+def _ttl_ms(name: str, seconds: float) -> int:
+    """A TTL in whole milliseconds, rounded up (a positive TTL never
+    becomes 0)."""
+    ms = float(seconds) * 1000
+    if not (math.isfinite(ms) and 0 < ms < 2**63):
+        raise ArgumentError(
+            Status.INVALID_ARGUMENT, f"{name}={seconds!r}: a TTL is a positive number of seconds"
+        )
+    return max(1, math.ceil(round(ms, 6)))
+
+
 def _holds(extra_count: int, holds: Optional[int]) -> int:
     """The total holds of a call: ``holds`` if given, else ``1 +
     extra_count`` (the library clamps to 1..=128)."""
@@ -134,7 +173,11 @@ def _holds(extra_count: int, holds: Optional[int]) -> int:
 
 class L1Tier:
     """The L1 tier over one :class:`~cxlkv.Layout` (see the module docs).
-    Thread-safe; a context manager (``close`` at the end)."""
+    Thread-safe; a context manager (``close`` at the end). TTLs are in
+    seconds, rounded up to whole milliseconds (1 ms to one year)."""
+
+    #: Pages tracked (keys) after which a tracking call prunes every key.
+    _PRUNE_MIN = 1024
 
     def __init__(
         self,
@@ -144,10 +187,11 @@ class L1Tier:
         read_ttl_s: float = 300.0,
         on_event: Optional[Callable[[str, list], None]] = None,
     ):
+        self._handle = None
         cfg = N.TierConfig()
         check(N.lib.cxlkv_tier_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
-        cfg.write_ttl_ms = int(write_ttl_s * 1000)
-        cfg.read_ttl_ms = int(read_ttl_s * 1000)
+        cfg.write_ttl_ms = _ttl_ms("write_ttl_s", write_ttl_s)
+        cfg.read_ttl_ms = _ttl_ms("read_ttl_s", read_ttl_s)
         # ctypes callback objects must outlive every call into them.
         self._callbacks: list = []
         if on_event is not None:
@@ -157,32 +201,67 @@ class L1Tier:
 
             cfg.on_event = N.TIER_EVENT_FN(event)
             self._callbacks.append(cfg.on_event)
+        # The page size, for reserve_write's default (the tier holds its
+        # own reference to the layout: the Layout object may be closed).
+        self._page_size = layout.page_size_bytes
+        # The pages handed out, weakly, by key; guarded by the lock and
+        # pruned of dead and released pages as keys are finished.
+        self._pages_lock = threading.Lock()
+        self._pages: dict[bytes, list] = {}
+        self._prune_at = self._PRUNE_MIN
+        self._layout = layout
+        self._client = layout._client
         handle = ctypes.c_void_p()
         check(N.lib.cxlkv_tier_open(layout._h(), ctypes.byref(cfg), ctypes.byref(handle)))
+        # An open tier's reservations are pins of the client's session.
+        self._client._hold()
         self._handle = handle.value
-        self._layout = layout
-        self._pages: dict[bytes, list] = {}
 
     # --- plumbing -----------------------------------------------------------
 
     def _h(self) -> int:
         if self._handle is None:
             raise HandleError(Status.BAD_HANDLE, "the tier was closed")
+        self._client._check_open()
         return self._handle
 
     def _track(self, page: TierPage) -> None:
-        refs = self._pages.setdefault(page.key, [])
-        refs[:] = [r for r in refs if r() is not None]
-        refs.append(weakref.ref(page))
+        ref = weakref.ref(page)
+        with self._pages_lock:
+            refs = self._pages.get(page.key)
+            if refs is None:
+                self._pages[page.key] = [ref]
+            else:
+                refs[:] = [r for r in refs if _tracked(r)]
+                refs.append(ref)
+            if len(self._pages) >= self._prune_at:
+                self._prune_locked(None)
+                self._prune_at = max(self._PRUNE_MIN, 2 * len(self._pages))
+
+    def _prune(self, keys: Optional[Iterable[bytes]]) -> None:
+        """Forgets the dead and released pages of ``keys`` (``None``: all),
+        and the keys left with none."""
+        with self._pages_lock:
+            self._prune_locked(keys)
+
+    def _prune_locked(self, keys: Optional[Iterable[bytes]]) -> None:
+        for k in list(self._pages) if keys is None else keys:
+            refs = self._pages.get(k)
+            if refs is None:
+                continue
+            refs[:] = [r for r in refs if _tracked(r)]
+            if not refs:
+                del self._pages[k]
 
     def _live_pages(self, keys: Optional[Iterable[bytes]] = None) -> list[TierPage]:
-        selected = self._pages.items() if keys is None else ((k, self._pages.get(k, [])) for k in keys)
         out = []
-        for _, refs in selected:
-            for r in refs:
-                p = r()
-                if p is not None and not p.released:
-                    out.append(p)
+        with self._pages_lock:
+            groups = self._pages.values() if keys is None else [self._pages.get(k, ()) for k in keys]
+            for refs in groups:
+                for r in refs:
+                    p = r()
+                    if p is not None and not p.released:
+                        out.append(p)
         return out
 
     def _guard(self, keys: Optional[Sequence[bytes]]) -> None:
@@ -201,6 +280,7 @@ class L1Tier:
         pages that are no longer this key's held page."""
         pages = self._live_pages(keys)
         if not pages:
+            self._prune(keys)
             return
         read_keys = sorted({p.key for p in pages if not p.writable})
         current: dict[bytes, Optional[int]] = {}
@@ -213,6 +293,8 @@ class L1Tier:
                     p._release()
             elif current.get(p.key) != p._address:
                 p._release()
+        del pages
+        self._prune(keys)
 
     def _call_pages(self, op: str, keys: Sequence[bytes], *extra) -> list:
         keep: list = []
@@ -233,7 +315,7 @@ class L1Tier:
         for i, k in enumerate(keys):
             code = TierCode(out[i].code)
             if code == TierCode.SUCCESS and out[i].data:
-                page = TierPage(k, out[i], writable)
+                page = TierPage(k, out[i], writable, self)
                 if op != "unsafe":
                     self._track(page)
                 results.append((code, page))
@@ -306,16 +388,17 @@ class L1Tier:
         whole page), written in place through the page's writable
         memoryview. Only ``mode="new"`` (keys are write-once)."""
         keys = [_key(k) for k in keys]
+        is_temporary = list(is_temporary)
         if mode not in N.TIER_WRITE_MODES:
             raise ArgumentError(Status.INVALID_ARGUMENT, f"mode {mode!r} is not new, update or all")
-        flags = (ctypes.c_uint8 * max(len(keys), 1))(*[1 if t else 0 for t in is_temporary])
         if len(is_temporary) != len(keys):
             raise TierArgumentError(
                 Status.TIER_LENGTH_MISMATCH,
                 f"reserve_write: {len(keys)} keys but {len(is_temporary)} is_temporary flags",
             )
+        flags = (ctypes.c_uint8 * max(len(keys), 1))(*[1 if t else 0 for t in is_temporary])
         if len_bytes is None:
-            len_bytes = self._layout.page_size_bytes
+            len_bytes = self._page_size
         return self._call_pages(
             "reserve_write", keys, flags, len_bytes, N.TIER_WRITE_MODES[mode]
         )
@@ -341,6 +424,7 @@ class L1Tier:
         for p in self._live_pages(keys):
             if p.writable and id(p) not in fresh:
                 p._release()
+        self._prune(keys)
         return results
 
     def delete(self, keys: Iterable[BytesLike], force: bool = False) -> list[TierCode]:
@@ -411,16 +495,30 @@ class L1Tier:
 
     def close(self) -> None:
         """Stops the sweeper and drains the staging; every page of the tier
-        is released. Raises ``BufferError`` (and stays open) while a
-        memoryview of one of its pages is alive."""
+        is released (and the client's session, if the client was closed
+        and nothing else holds it, ends). Raises ``BufferError`` (and stays
+        open) while a memoryview of one of its pages is alive, and
+        :class:`~cxlkv.errors.TierError` (``TIER_REENTRANT``; the tier stays
+        open) from a listener of this tier. Idempotent; allowed after the
+        client's close."""
         if self._handle is None:
             return
         self._guard(None)
-        handle, self._handle = self._handle, None
-        try:
-            check(N.lib.cxlkv_tier_close(handle))
-        finally:
-            self._revalidate(None, writes_ended=True)
+        with self._pages_lock:
+            handle, self._handle = self._handle, None
+        if handle is None:
+            return  # another thread closed it
+        status = N.lib.cxlkv_tier_close(handle)
+        err = error_for(status) if status != 0 else None  # this thread's message, now
+        if status == Status.TIER_REENTRANT:
+            # Refused (from a listener): the C tier and its handle stay.
+            self._handle = handle
+            raise err
+        # Any other status: the handle is freed all the same.
+        self._revalidate(None, writes_ended=True)
+        self._client._unhold()
+        if err is not None:
+            raise err
 
     # --- beyond the 17 ------------------------------------------------------
 
@@ -469,9 +567,16 @@ class L1Tier:
         self.close()
 
     def __del__(self):
+        # No memoryview of a page is alive (each would hold this object).
         handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             N.lib.cxlkv_tier_close(handle)
+            for p in self._live_pages():
+                p._release()
+        finally:
+            self._client._unhold()
 
 
 def _keys_from_c(keys, n: int) -> list[bytes]:

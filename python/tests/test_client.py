@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -173,3 +174,60 @@ def test_bytes_like_inputs_are_accepted(layout):
     assert layout.put(memoryview(b"mv"), memoryview(b"from a read-only memoryview")).inserted
     with layout.batch_get([b"ba", "mv"]) as (a, b):
         assert bytes(a) == b"from a bytearray" and bytes(b) == b"from a read-only memoryview"
+
+
+def test_a_refused_batch_register_takes_no_lease(client, layout, fingerprint):
+    layout.alloc().abort()  # the layout has a region: free_pages is steady
+    before = layout.info()["free_pages"]
+
+    a, b = layout.batch_alloc(2)
+    with pytest.raises(ValueError) as e:
+        layout.batch_register([("x", a), ("y", b), ("z", a)])
+    refused_as = type(e.value)
+    del a, b, e  # (the traceback holds the call's locals)
+    gc.collect()
+    assert layout.info()["free_pages"] == before, "neither lease was taken: both pages went back"
+    assert issubclass(refused_as, cxlkv.ArgumentError), "the same lease twice"
+
+    registered, fresh = layout.batch_alloc(2)
+    registered.write(b"r")
+    assert layout.register("registered", registered).inserted
+    with pytest.raises(cxlkv.ViewReleasedError):
+        layout.batch_register([("x", fresh), ("y", registered)])
+    fresh.write(b"still usable")
+    del fresh
+    gc.collect()
+    assert layout.info()["free_pages"] == before - 1, "only the registered page is used"
+
+    other = client.layout(PAGE, fingerprint)  # a second handle to the same layout
+    lease = other.alloc()
+    other.close()
+    with pytest.raises(cxlkv.HandleError):
+        other.register("h", lease)
+    del lease
+    gc.collect()
+    assert layout.info()["free_pages"] == before - 1, "the lease went back when collected"
+
+
+def test_connect_refuses_length_and_pointer_fields(server):
+    for bad in (
+        {"client_secret_len": 256},
+        {"pool_paths_len": 1},
+        {"pool_paths": None},
+        {"size": 8},
+        {"map_callbacks": None},
+    ):
+        with pytest.raises(TypeError):
+            cxlkv.Client.connect(server.socket, client_secret=b"x", **bad)
+    with pytest.raises(cxlkv.ArgumentError):
+        cxlkv.Client.connect(server.socket, max_retries=-1)
+    with cxlkv.Client.connect(server.socket, max_retries=3, unpin_delay_us=0) as c:
+        assert c.instance_id
+
+
+def test_busy_statuses_are_busy_errors():
+    local = cxlkv.errors.error_for(cxlkv.Status.BUSY)
+    assert isinstance(local, cxlkv.BusyError) and not isinstance(local, cxlkv.InternalError)
+    server = cxlkv.errors.error_for(cxlkv.Status.SERVER_BUSY)
+    assert isinstance(server, cxlkv.BusyError) and isinstance(server, cxlkv.ServerError)
+    assert server.code == 16

@@ -5,10 +5,12 @@ reservation ends, listeners and events, and a reader in another process."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -322,6 +324,132 @@ def test_close_releases_every_page(layout):
     assert page.released
     with pytest.raises(cxlkv.HandleError):
         t.reserve_read([key(29)])
+
+
+def test_a_page_memoryview_keeps_its_tier_open(layout):
+    layout.alloc().abort()  # the layout has a region: free_pages is steady
+    before = layout.info()["free_pages"]
+    t = L1Tier(layout)
+    [(code, page)] = t.reserve_write([key(40)], [True], CHUNK_BYTES)
+    assert code == TierCode.SUCCESS
+    mv = page.memoryview()
+    del t, page
+    gc.collect()
+    assert layout.info()["free_pages"] == before - 1, "the tier is open: its write page is reserved"
+    mv[:4] = b"live"
+    del mv
+    gc.collect()
+    assert layout.info()["free_pages"] == before, "the tier closed with its last memoryview"
+
+
+def test_page_tracking_does_not_grow_with_every_key(tier):
+    batch = 100
+    for b in range(10_000 // batch):
+        keys = [key(100_000 + b * batch + i) for i in range(batch)]
+        written = tier.reserve_write(keys, [False] * batch, 16)
+        assert all(code == TierCode.SUCCESS for code, _ in written)
+        assert tier.finish_write(keys) == [TierCode.SUCCESS] * batch
+        read = tier.reserve_read(keys)
+        assert all(code == TierCode.SUCCESS for code, _ in read)
+        assert tier.finish_read(keys) == [TierCode.SUCCESS] * batch
+        assert tier.delete(keys) == [TierCode.SUCCESS] * batch
+    del written, read
+    assert len(tier._pages) <= 2 * batch, "entries of finished keys are pruned"
+
+
+def test_threads_stage_while_another_clears_and_sweeps(tier, layout):
+    threads_n, per_thread = 4, 150
+    keys = [[f"thread-{t}-{i}".encode() for i in range(per_thread)] for t in range(threads_n)]
+    for ks in keys:
+        assert all(r.inserted for r in layout.batch_put((k, b"x") for k in ks))
+    errors: list = []
+    done = threading.Event()
+
+    def reader(ks):
+        try:
+            for k in ks:
+                # (No memoryview: clear() would rightly refuse while one lives.)
+                [(code, page)] = tier.reserve_read([k])
+                assert code == TierCode.SUCCESS and len(page) == 1
+                assert tier.finish_read([k]) == [TierCode.SUCCESS]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def janitor():
+        try:
+            while not done.is_set():
+                tier.clear()
+                tier.sweep_now()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        readers = [threading.Thread(target=reader, args=(ks,)) for ks in keys]
+        sweeper = threading.Thread(target=janitor)
+        sweeper.start()
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        done.set()
+        sweeper.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    for ks in keys:
+        assert {r.outcome for r in layout.batch_delete(ks)} == {"deleted"}
+
+
+def test_a_close_refused_from_a_listener_leaves_the_tier_open(server, layout, fingerprint):
+    k = key(41)
+    with cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20) as peer_client:
+        peer = peer_client.layout(PAGE, fingerprint)
+        t = L1Tier(layout)
+        refused = []
+
+        class Closer:
+            def write_finished(self, keys):
+                try:
+                    t.close()
+                except cxlkv.TierError as e:
+                    refused.append(e.status)
+
+        t.register_listener(Closer())
+        write(t, k)
+        assert refused == [cxlkv.Status.TIER_REENTRANT]
+        [(code, page)] = t.reserve_read([k])  # the tier still works
+        assert code == TierCode.SUCCESS and not page.released
+        assert peer.delete(k).outcome == "pinned"
+        t.close()
+        assert page.released
+        assert peer.delete(k).outcome == "deleted", "the close released the tier's pins"
+
+
+def test_reserve_write_with_more_flags_than_keys_is_a_length_mismatch(tier):
+    with pytest.raises(cxlkv.TierArgumentError) as e:
+        tier.reserve_write([key(42)], [False, True], CHUNK_BYTES)
+    assert e.value.status == cxlkv.Status.TIER_LENGTH_MISMATCH
+    assert tier.inspect(key(42))["stage"] == "untracked"
+
+
+def test_a_whole_page_reservation_needs_no_open_layout_handle(client, fingerprint):
+    layout = client.layout(PAGE, fingerprint)
+    with L1Tier(layout) as t:
+        layout.close()
+        [(code, page)] = t.reserve_write([key(43)], [True])
+        assert code == TierCode.SUCCESS and len(page) == PAGE
+        assert t.finish_write([key(43)]) == [TierCode.SUCCESS]
+
+
+def test_sub_millisecond_ttls_round_up_and_non_positive_ones_are_refused(layout):
+    with L1Tier(layout, write_ttl_s=0.0004, read_ttl_s=0.3) as t:
+        status = t.report_status()
+        assert status["write_ttl_seconds"] == 0.001 and status["read_ttl_seconds"] == 0.3
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(cxlkv.ArgumentError):
+            L1Tier(layout, write_ttl_s=bad)
 
 
 HOLDER = textwrap.dedent(

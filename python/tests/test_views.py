@@ -10,6 +10,7 @@ import gc
 import pytest
 
 import cxlkv
+from conftest import PAGE
 
 
 @pytest.fixture
@@ -103,3 +104,47 @@ def test_the_memoryview_is_the_pools_memory_not_a_copy(layout):
         mv = v.memoryview()
         assert ctypes.addressof(mv.obj) == written_at == v.address()
         del mv
+
+
+def test_a_memoryview_keeps_its_client_and_session_alive(server, fingerprint):
+    with cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20) as peer_client:
+        peer = peer_client.layout(PAGE, fingerprint)
+        unmapped = []
+        client = cxlkv.Client.connect(
+            server.socket, region_size_bytes=4 << 20, on_unmap=lambda *info: unmapped.append(info)
+        )
+        lay = client.layout(PAGE, fingerprint)
+        lay.put(b"s", b"session")
+        mv = lay.get(b"s").memoryview()
+        del client, lay
+        gc.collect()
+        assert peer.delete(b"s").outcome == "pinned", "the session (and its pin) is still open"
+        assert mv == b"session" and unmapped == []
+        del mv
+        gc.collect()
+        assert len(unmapped) == 1, "the region was unmapped through the live callback"
+        assert peer.delete(b"s").outcome == "deleted", "the client closed with its last memoryview"
+
+
+def test_closing_a_client_with_an_unreleased_view_defers_the_session_end(server, fingerprint):
+    with cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20) as peer_client:
+        peer = peer_client.layout(PAGE, fingerprint)
+        client = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
+        lay = client.layout(PAGE, fingerprint)
+        lay.put(b"d", b"deferred")
+        view = lay.get(b"d")
+        lease = lay.alloc()
+        client.close()
+        with pytest.raises(cxlkv.ClosedError):
+            lay.exists(b"d")
+        with pytest.raises(cxlkv.ClosedError):
+            client.flush_unpins()
+        assert peer.delete(b"d").outcome == "pinned", "the view is still pinned"
+        assert bytes(view) == b"deferred"
+        view.release()
+        lease.write(b"still the instance's page")
+        assert client._handle is not None, "the unconsumed lease holds the session"
+        lease.abort()  # the last one: the session ends now
+        assert client._handle is None
+        assert peer.delete(b"d").outcome == "deleted"
+        client.close()  # idempotent
