@@ -254,7 +254,8 @@ thread_local! {
     /// thread would) after its reply came and before its pins are counted.
     static RECONNECT_BEFORE_COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Test fail point: re-pinning after a reconnect on this thread finds
-    /// no key (as when a directory restart has not seen its owner yet).
+    /// no key (as when a directory restart has not seen its owner yet): no
+    /// `Lookup` is sent, so no pin is taken.
     pub(crate) static REPIN_FINDS_NOTHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
@@ -426,6 +427,76 @@ mod tests {
         drop(newer);
         reader.flush_unpins().unwrap();
         assert_eq!(pins_held(), before - 1, "the newer view's pin released");
+    }
+
+    /// The writer deletes `key` (once nobody pins it any more); panics
+    /// after 10 s.
+    fn delete_when_unpinned(wl: &LayoutHandle, key: &[u8]) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut outcome = wl.delete(key).unwrap();
+        while outcome != DeleteOutcome::Deleted && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            outcome = wl.delete(key).unwrap();
+        }
+        assert_eq!(outcome, DeleteOutcome::Deleted, "a pin outlived its reader");
+    }
+
+    /// Found by an audit of the L1 tier: a reattach that could not take a
+    /// staged read's pins again (counted as orphans) left the tier's entry
+    /// on the old page. The key was deleted and written again elsewhere;
+    /// a later `reserve_read` pinned the new location and was handed the
+    /// old page — bytes nothing protects, maybe another key's.
+    #[test]
+    fn a_tier_read_after_a_reattach_lost_the_staged_pins_serves_the_keys_new_page() {
+        use crate::tier::{Holds, L1Tier, TierCode, TierConfig};
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("tier-moved");
+        wl.put(b"k", b"A").unwrap();
+        let tier = L1Tier::new(rl.clone(), TierConfig::default()).unwrap();
+        let first = tier.reserve_read(&[b"k"], Holds::ONE).unwrap();
+        let old = first[0].page.clone().expect("found");
+        REPIN_FINDS_NOTHING.set(true);
+        rl.shared()
+            .end_session("test: a reconnect that cannot re-pin");
+        REPIN_FINDS_NOTHING.set(false);
+        assert_eq!(reader.stats().views_invalidated, 1);
+        // Nothing protects the key now (the replaced session's pin goes when
+        // the server sees its connection close): it is deleted and written
+        // again, on another page.
+        delete_when_unpinned(&wl, b"k");
+        wl.put(b"filler", b"F").unwrap();
+        wl.put(b"k", b"B").unwrap();
+        let now = wl.get(b"k").unwrap().expect("found").location();
+        wl.client.flush_unpins().unwrap();
+        assert_ne!(now, old.location(), "the key moved");
+
+        let second = tier.reserve_read(&[b"k"], Holds::ONE).unwrap();
+        assert_eq!(second[0].code, TierCode::Success);
+        let page = second[0].page.clone().expect("found");
+        assert_eq!(page.location(), now, "the page the new pin protects");
+        // SAFETY: this reservation holds the key's pin; nobody writes a
+        // registered page.
+        assert_eq!(unsafe { page.as_slice() }, b"B");
+        let unsafe_read = tier.unsafe_read(&[b"k"]).unwrap();
+        assert_eq!(
+            unsafe_read[0].page.as_ref().map(|p| p.location()),
+            Some(now)
+        );
+        // Both readers finish, in either order: the new pin is held until
+        // the last one, and released then.
+        assert_eq!(
+            tier.finish_read(&[b"k"], Holds::ONE).unwrap(),
+            vec![TierCode::Success]
+        );
+        assert!(matches!(
+            wl.delete(b"k").unwrap(),
+            DeleteOutcome::Pinned { pins: 1 }
+        ));
+        assert_eq!(
+            tier.finish_read(&[b"k"], Holds::ONE).unwrap(),
+            vec![TierCode::Success]
+        );
+        assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+        tier.check_invariants().unwrap();
     }
 
     /// A region the maintenance thread took out of its table for return is

@@ -221,7 +221,8 @@ pub(crate) struct InflightUnpins {
     )>,
 }
 
-fn backoff(attempt: u32) -> Duration {
+/// The pause before resending a request the directory refused as busy.
+pub(super) fn backoff(attempt: u32) -> Duration {
     Duration::from_millis((1u64 << attempt.min(6)).min(50))
 }
 

@@ -501,14 +501,24 @@ impl Shared {
                     keys: batch.to_vec(),
                     pins: count,
                 };
-                let now: Vec<Option<Location>> = self
-                    .mutating_call::<_, LookupReply, _>("lookup", Mode::REATTACH, &mut msg, |r| {
-                        Ok(r.locations().collect())
-                    })
-                    .map_err(Fail::into_error)?;
+                // Test fail point: the directory finds none of the keys
+                // (and so takes no pin).
+                #[cfg(test)]
+                let finds_nothing = super::lookup::REPIN_FINDS_NOTHING.get();
+                #[cfg(not(test))]
+                let finds_nothing = false;
+                let now: Vec<Option<Location>> = if finds_nothing {
+                    vec![None; batch.len()]
+                } else {
+                    self.mutating_call::<_, LookupReply, _>(
+                        "lookup",
+                        Mode::REATTACH,
+                        &mut msg,
+                        |r| Ok(r.locations().collect()),
+                    )
+                    .map_err(Fail::into_error)?
+                };
                 for (key, now) in batch.iter().zip(now) {
-                    #[cfg(test)]
-                    let now = now.filter(|_| !super::lookup::REPIN_FINDS_NOTHING.get());
                     let k = (ix, Box::<[u8]>::from(key.as_slice()));
                     // Between the old session's end and these pins the key
                     // may have been deleted, its page reused and the key

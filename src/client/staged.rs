@@ -40,7 +40,11 @@
 //! (the connection is marked dead and replaced by a reattach): the
 //! directory drops every pin of the old session, and the reattach takes
 //! again exactly the pins the ledger says are live. No pin leaks, whatever
-//! the network lost.
+//! the network lost. An unpin that cannot be sent at all — no sequence
+//! number came free within the request timeout, or the connection has no
+//! room in flight — is answered the same way, its pins taken out of the
+//! ledger first: otherwise the session, which lives on, would hold them
+//! for good (the rule of `Shared::give_up_unpins` on the plain path).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -259,14 +263,16 @@ impl LayoutHandle {
             .sum();
         let messages = (entries_bound as usize).div_ceil(max_batch);
         let mut tickets = Vec::with_capacity(messages);
+        let mut no_room = None;
         for _ in 0..messages {
             match shared.ticket() {
                 Ok(t) => tickets.push(t),
                 Err(f) => {
-                    for t in tickets {
+                    for t in tickets.drain(..) {
                         shared.seqs.release(t);
                     }
-                    return Err(f.into_error());
+                    no_room = Some(f.into_error());
+                    break;
                 }
             }
         }
@@ -301,16 +307,32 @@ impl LayoutHandle {
                     left -= c;
                 }
             }
+            let taken: u64 = batches
+                .iter()
+                .flat_map(|(_, counts)| counts)
+                .map(|&c| u64::from(c))
+                .sum();
+            if let Some(e) = no_room {
+                // No sequence number came free in time: the unpins cannot
+                // be sent, and the session would hold the pins as long as
+                // it lives (and every reattach would take them again, were
+                // they still in the ledger). Out of the ledger now, they
+                // die with the session, ended here — as a plain unpin given
+                // up (`Shared::give_up_unpins`).
+                drop(ledger);
+                report.lost_with_session += taken;
+                if taken > 0 {
+                    tracing::warn!(error = %e, pins = taken, "unpins could not be numbered");
+                    shared.end_session("unpins could not be numbered");
+                }
+                return Ok(report);
+            }
             let conn = match shared.conn() {
                 Ok(c) if c.usable() => c,
                 _ => {
                     // Out of the ledger and the session is gone (or going):
                     // the pins die with it and are never taken again.
-                    report.lost_with_session += batches
-                        .iter()
-                        .flat_map(|(_, counts)| counts)
-                        .map(|&c| u64::from(c))
-                        .sum::<u64>();
+                    report.lost_with_session += taken;
                     drop(ledger);
                     for t in tickets {
                         shared.seqs.release(t);
@@ -369,7 +391,7 @@ impl LayoutHandle {
             }
             (conn, started)
         };
-        let mut unknown = false;
+        let mut undelivered = false;
         for s in started {
             report.round_trips += 1;
             let pins: u64 = s.counts.iter().map(|&c| u64::from(c)).sum();
@@ -379,15 +401,15 @@ impl LayoutHandle {
                     report.released += pins - not_held_pins;
                 }
                 UnpinAnswer::SessionGone => report.lost_with_session += pins,
-                UnpinAnswer::Unknown => {
-                    unknown = true;
+                UnpinAnswer::Undelivered => {
+                    undelivered = true;
                     report.lost_with_session += pins;
                 }
             }
             shared.seqs.release(s.ticket);
         }
-        if unknown {
-            shared.end_session("an unpin went unanswered");
+        if undelivered {
+            shared.end_session("an unpin was not delivered");
         }
         Ok(report)
     }
@@ -447,8 +469,10 @@ enum UnpinAnswer {
     Answered { not_held_pins: u64 },
     /// The connection broke: the session's pins are gone with it.
     SessionGone,
-    /// Every attempt went unanswered on a live connection.
-    Unknown,
+    /// Not delivered on a connection that lives on — every attempt went
+    /// unanswered, it was refused, or it could not be sent — so the
+    /// session may still hold the pins: only its end releases them.
+    Undelivered,
 }
 
 impl Shared {
@@ -465,6 +489,7 @@ impl Shared {
         let mut call = call;
         let mut attempts = 0;
         loop {
+            let mut busy = false;
             let retry = match call.and_then(PendingCall::wait) {
                 Ok(reply) => {
                     let frame = Frame {
@@ -482,7 +507,10 @@ impl Shared {
                         }
                         Ok(Err(refusal)) => {
                             match ErrorCode::from_u16(refusal.code.to_native()) {
-                                Some(c) if c.is_transient() => true,
+                                Some(c) if c.is_transient() => {
+                                    busy = true;
+                                    true
+                                }
                                 Some(ErrorCode::SessionEnded | ErrorCode::HelloRequired) => {
                                     // Relaxed: a hint for the next request,
                                     // which reattaches.
@@ -492,23 +520,34 @@ impl Shared {
                                 // A refusal changed nothing; the session
                                 // still holds the pins, which only its end
                                 // can release now.
-                                _ => return UnpinAnswer::Unknown,
+                                _ => return UnpinAnswer::Undelivered,
                             }
                         }
-                        Err(_) => return UnpinAnswer::Unknown,
+                        Err(_) => return UnpinAnswer::Undelivered,
                     }
                 }
                 Err(TransportError::Timeout { .. }) => true,
-                Err(_) => return UnpinAnswer::SessionGone,
+                // The connection broke: the pins went with its session.
+                Err(TransportError::Closed { .. }) => return UnpinAnswer::SessionGone,
+                Err(_) if !conn.usable() => return UnpinAnswer::SessionGone,
+                // Not sent (no room in flight on the connection) or not
+                // understood, on a connection that lives on: its session
+                // still holds the pins.
+                Err(_) => return UnpinAnswer::Undelivered,
             };
             attempts += 1;
             if !conn.usable() {
                 return UnpinAnswer::SessionGone;
             }
             if !retry || attempts > self.cfg.max_retries {
-                return UnpinAnswer::Unknown;
+                return UnpinAnswer::Undelivered;
             }
             self.stats.bump(&self.stats.retries);
+            if busy {
+                // As `Shared::finish_unpins`: a directory that said it is
+                // busy is given a moment before the same request comes back.
+                std::thread::sleep(super::rpc::backoff(attempts));
+            }
             self.stats.bump(&self.stats.requests);
             call = conn.rpc.start(
                 <Unpin as Message>::KIND.as_u16(),

@@ -70,8 +70,11 @@
 //! `touch_keys`, `is_key_evictable` (a mirror of the staged keys),
 //! `get_memory_usage`, `get_l1_memory_desc`, `get_object_state`,
 //! `memcheck`. A listener calling a locked operation of its own tier gets
-//! [`TierError::Reentrant`]. The TTL sweeper (`sweeper.rs`) is a thread per
-//! tier that takes the lock once per sweep.
+//! [`TierError::Reentrant`]. `touch_keys` calls the `accessed` listeners
+//! under a gate it holds shared and `close` takes exclusively, so when
+//! `close` returns no listener is running and none will (a listener
+//! calling `close` of its own tier gets `Reentrant` too). The TTL sweeper
+//! (`sweeper.rs`) is a thread per tier that takes the lock once per sweep.
 
 mod audit;
 mod clock;
@@ -173,6 +176,32 @@ thread_local! {
     /// Ids of the tiers whose lock this thread holds (to answer a
     /// re-entrant call from a listener instead of deadlocking).
     static HELD: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+    /// Ids of the tiers whose `accessed` listeners this thread is calling
+    /// (`touch_keys`, outside the lock): `close` from one of them would
+    /// wait for its own dispatch to end.
+    static ACCESSING: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// This thread calls the `accessed` listeners of tier `id` while it lives
+/// (see `ACCESSING`); unwinding included.
+struct Accessing(u64);
+
+impl Accessing {
+    fn enter(id: u64) -> Accessing {
+        ACCESSING.with(|a| a.borrow_mut().push(id));
+        Accessing(id)
+    }
+}
+
+impl Drop for Accessing {
+    fn drop(&mut self) {
+        ACCESSING.with(|a| {
+            let mut a = a.borrow_mut();
+            if let Some(pos) = a.iter().rposition(|&x| x == self.0) {
+                a.remove(pos);
+            }
+        });
+    }
 }
 
 /// Tier ids, unique in the process.
@@ -227,6 +256,11 @@ struct Inner {
     /// Replaced wholesale on registration so dispatch can clone the `Arc`
     /// and call listeners without holding this lock.
     listeners: RwLock<Arc<Vec<Arc<dyn Listener>>>>,
+    /// Held shared by `touch_keys` while it calls the `accessed` listeners
+    /// (which it does without the tier's lock), and exclusively by `close`
+    /// while it sets `closed`: once `close` returns, no listener runs and
+    /// none starts — the C ABI lets the callbacks go then.
+    dispatch: RwLock<()>,
     /// Set by `close` (the unlocked operations read it).
     closed: AtomicBool,
     counters: Counters,
@@ -309,6 +343,7 @@ impl L1Tier {
             state: Mutex::new(Staging::new(Arc::clone(&mirror))),
             mirror,
             listeners: RwLock::new(Arc::new(Vec::new())),
+            dispatch: RwLock::new(()),
             closed: AtomicBool::new(false),
             counters: Counters::default(),
             #[cfg(test)]
@@ -338,15 +373,24 @@ impl L1Tier {
     }
 
     /// Fires `accessed(keys)` on every listener with the keys unchanged. No
-    /// lock, no round trip, no state change, no event.
+    /// lock, no round trip, no state change, no event. A `close` from
+    /// another thread waits for the listeners to return.
     pub fn touch_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<(), TierError> {
         const OP: &str = "touch_keys";
         self.inner.check_open(OP)?;
         self.inner.check_keys(OP, keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
-        let listeners = Arc::clone(&self.inner.listeners.read());
-        for l in listeners.iter() {
-            Callback::Accessed.call(l.as_ref(), &keys);
+        {
+            // Recursive: a listener (of this call, or of a locked call) may
+            // touch keys while a `close` waits for the gate.
+            let _dispatch = self.inner.dispatch.read_recursive();
+            // Again under the gate: a `close` that took it first is done.
+            self.inner.check_open(OP)?;
+            let _accessing = Accessing::enter(self.inner.id);
+            let listeners = Arc::clone(&self.inner.listeners.read());
+            for l in listeners.iter() {
+                Callback::Accessed.call(l.as_ref(), &keys);
+            }
         }
         self.inner.assert_invariants_unlocked(OP);
         Ok(())
@@ -411,24 +455,37 @@ impl L1Tier {
         })
     }
 
-    /// Stops and joins the sweeper, then drains the staging without
-    /// notifying: every read pin released (one batched unpin), every private
-    /// temporary and every write page reclaimed — each exactly once. Shared
-    /// pages are not touched. Idempotent; later calls to locked operations
-    /// fail with `Closed`. The client stays open.
+    /// Stops and joins the sweeper, waits for the `accessed` listeners
+    /// `touch_keys` is calling, then drains the staging without notifying:
+    /// every read pin released (one batched unpin), every private temporary
+    /// and every write page reclaimed — each exactly once. Shared pages are
+    /// not touched. Once it returns, no listener is running or will run.
+    /// Idempotent; later calls fail with `Closed`. The client stays open.
     pub fn close(&self) -> Result<(), TierError> {
         const OP: &str = "close";
-        if self.inner.held_by_this_thread() {
+        if self.inner.held_by_this_thread() || self.inner.accessing_on_this_thread() {
             return Err(TierError::Reentrant { op: OP });
         }
-        if let Some(s) = self.sweeper.lock().take() {
+        // Taken out first, so that the sweeper's lock is not held while the
+        // thread is joined: a listener may ask `sweeper_running` (under the
+        // tier's lock, which the sweep being joined may be waiting for).
+        let sweeper = self.sweeper.lock().take();
+        if let Some(s) = sweeper {
             s.stop();
+        }
+        {
+            // Exclusive: every `accessed` dispatch under way has ended, and
+            // none starts after this (they check `closed` under the gate).
+            // Not under the tier's lock, which an `accessed` listener may
+            // be waiting for.
+            let _dispatch = self.inner.dispatch.write();
+            // Release: pairs with the Acquire in `check_open`.
+            self.inner.closed.store(true, Ordering::Release);
         }
         let mut st = self.inner.lock_even_closed(OP)?;
         if st.closed {
             return Ok(());
         }
-        self.inner.closed.store(true, Ordering::Release);
         st.closed = true;
         self.inner.drain(&mut st);
         Ok(())
@@ -485,6 +542,10 @@ impl Drop for L1Tier {
 impl Inner {
     fn held_by_this_thread(&self) -> bool {
         HELD.with(|h| h.borrow().contains(&self.id))
+    }
+
+    fn accessing_on_this_thread(&self) -> bool {
+        ACCESSING.with(|a| a.borrow().contains(&self.id))
     }
 
     fn check_open(&self, op: &'static str) -> Result<(), TierError> {

@@ -37,10 +37,12 @@ impl L1Tier {
     /// Per key: write-staged here → `KeyNotReadable` (never pinned, even if
     /// a peer registered it); a private temporary → a local hold on the
     /// private page (no round trip; a peer's copy is never pinned); else
-    /// the lookup: found → `Success` with `holds` pins taken (an overlapping
-    /// reserve adds to the same staged page), absent or unresolvable →
-    /// `KeyNotExist`. Each key is independent. Fires `reserved_read` and
-    /// publishes `ReadReserved` with the hits (always).
+    /// the lookup: found → `Success` with `holds` pins taken and the page
+    /// they protect (an overlapping reserve adds to the staged entry, and
+    /// moves it to that page if the key moved after the staged pins were
+    /// lost with a session — see `Staging::add_directory_read`), absent or
+    /// unresolvable → `KeyNotExist`. Each key is independent. Fires
+    /// `reserved_read` and publishes `ReadReserved` with the hits (always).
     pub fn reserve_read<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
@@ -574,8 +576,9 @@ impl Inner {
     }
 
     /// Stages what a pinning lookup found for `key` (`t` pins taken): a new
-    /// directory read, or `t` more holds on the existing one (the same
-    /// staged page). Returns the page served, or `None` for a miss.
+    /// directory read, or `t` more holds on the existing one. Returns the
+    /// page served — always the one the pins protect — or `None` for a
+    /// miss.
     fn stage_found(
         &self,
         st: &mut Staging,

@@ -208,7 +208,21 @@ impl Staging {
 
     /// Adds `t` holds backed by `t` pins to the directory read of `key`
     /// (refreshing its deadline), or stages it with `page`; returns the page
-    /// served — the existing one for an overlapping reserve.
+    /// served: `page`, the one the lookup just pinned.
+    ///
+    /// An overlapping reserve normally finds the key where it was staged.
+    /// It finds it elsewhere only when the staged pins were lost with a
+    /// session whose reattach could not take them again (the client counted
+    /// them as orphans): the key was then free to be deleted, and written
+    /// again at another page, under the earlier readers. Serving the new
+    /// reader the staged page would hand it bytes nobody protects — maybe
+    /// another key's. So the entry moves to `page`, which the new pins
+    /// protect; the earlier readers keep their holds (they read their own
+    /// view, lost already). The counts stay `pinned == holds`: a later
+    /// `finish_read` of an earlier reader releases its pins as usual, and
+    /// the client spends the orphans first, sending no unpin for them
+    /// (`client::staged`), so the new pins stay held until the last
+    /// `finish_read` of the key.
     pub fn add_directory_read(
         &mut self,
         key: &[u8],
@@ -224,6 +238,16 @@ impl Staging {
             std::collections::hash_map::Entry::Occupied(mut e) => {
                 let r = e.get_mut();
                 debug_assert!(!r.is_temporary(), "temporaries are never pinned");
+                if !same_page(&page.location(), &r.page) {
+                    tracing::warn!(
+                        ?key,
+                        staged = ?r.page.location(),
+                        now = ?page.location(),
+                        "a read-staged key moved after its pins were lost with a session; \
+                         serving its new page"
+                    );
+                    r.page = page;
+                }
                 r.holds += t;
                 r.pinned += t;
                 r.deadline = deadline;

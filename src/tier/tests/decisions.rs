@@ -1,10 +1,12 @@
 //! The decisions of `l1-tier.md` on the reference's open points, and the
 //! promises that do not need a fault to show.
 
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, Weak, mpsc};
+use std::time::{Duration, Instant};
 
 use super::*;
-use crate::tier::TierError;
+use crate::tier::{Clock, TierError};
 
 const ONE: Holds = Holds::ONE;
 
@@ -241,4 +243,214 @@ fn the_unlocked_queries_answer_none_as_the_spec_says() {
     assert!(h.tier.get_l1_memory_desc().is_none());
     assert!(h.tier.get_object_state(key(1)).is_none());
     assert!(h.tier.memcheck());
+}
+
+/// A listener whose `accessed` runs until the test releases it.
+struct SlowAccess {
+    entered: Mutex<mpsc::Sender<()>>,
+    release: Mutex<mpsc::Receiver<()>>,
+    returned: AtomicBool,
+}
+
+impl Listener for SlowAccess {
+    fn accessed(&self, _keys: &[&[u8]]) {
+        self.entered.lock().send(()).expect("the test waits for it");
+        self.release
+            .lock()
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the test releases the listener");
+        self.returned.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Found by an audit of the C ABI: `touch_keys` checked that the tier was
+/// open, then called the `accessed` listeners without any lock, so a
+/// `close` on another thread returned while one was still running — after
+/// which a C caller may free the callback's `user_data` (docs/c-api.md:
+/// tier callbacks need stay valid only until `cxlkv_tier_close` returns).
+#[test]
+fn close_waits_for_the_accessed_listeners_that_touch_keys_is_calling() {
+    let h = harness("close-touch");
+    let (entered, entered_rx) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel();
+    let l = Arc::new(SlowAccess {
+        entered: Mutex::new(entered),
+        release: Mutex::new(release_rx),
+        returned: AtomicBool::new(false),
+    });
+    let tier = Arc::new(L1Tier::new(h.layout.clone(), TierConfig::default()).unwrap());
+    tier.register_listener(Arc::clone(&l) as Arc<dyn Listener>)
+        .unwrap();
+    let touching = {
+        let tier = Arc::clone(&tier);
+        std::thread::spawn(move || tier.touch_keys(&[key(1)]))
+    };
+    entered_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("accessed is called");
+    let (closed, closed_rx) = mpsc::channel();
+    let closing = {
+        let (tier, l) = (Arc::clone(&tier), Arc::clone(&l));
+        std::thread::spawn(move || {
+            let r = tier.close();
+            closed
+                .send(l.returned.load(Ordering::SeqCst))
+                .expect("the test waits for close");
+            r
+        })
+    };
+    // A close that did not wait returns within this (it has nothing to
+    // wait for: the sweeper stops at once, the staging is empty).
+    assert_eq!(
+        closed_rx.recv_timeout(Duration::from_millis(500)),
+        Err(mpsc::RecvTimeoutError::Timeout),
+        "close returned while a listener was running"
+    );
+    release.send(()).unwrap();
+    let listener_had_returned = closed_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("close returns once the listener has");
+    assert!(listener_had_returned);
+    touching.join().unwrap().unwrap();
+    closing.join().unwrap().unwrap();
+    assert!(matches!(
+        tier.touch_keys(&[key(1)]).unwrap_err(),
+        TierError::Closed { .. }
+    ));
+}
+
+/// An `accessed` listener that closes its own tier.
+struct ClosesOnAccess {
+    own: OnceLock<Weak<L1Tier>>,
+    seen: Mutex<Vec<String>>,
+}
+
+impl Listener for ClosesOnAccess {
+    fn accessed(&self, _keys: &[&[u8]]) {
+        let Some(own) = self.own.get().and_then(Weak::upgrade) else {
+            return;
+        };
+        self.seen.lock().push(match own.close() {
+            Err(TierError::Reentrant { op }) => format!("reentrant {op}"),
+            other => format!("unexpected {other:?}"),
+        });
+    }
+}
+
+#[test]
+fn an_accessed_listener_closing_its_own_tier_gets_an_error_never_a_deadlock() {
+    let h = harness("close-in-accessed");
+    let tier = Arc::new(L1Tier::new(h.layout.clone(), TierConfig::default()).unwrap());
+    let l = Arc::new(ClosesOnAccess {
+        own: OnceLock::new(),
+        seen: Mutex::new(Vec::new()),
+    });
+    l.own.set(Arc::downgrade(&tier)).unwrap();
+    tier.register_listener(Arc::clone(&l) as Arc<dyn Listener>)
+        .unwrap();
+    tier.touch_keys(&[key(1)]).unwrap();
+    assert_eq!(*l.seen.lock(), vec!["reentrant close".to_owned()]);
+    tier.close().unwrap();
+}
+
+/// A clock that tells, once armed, when the sweeper thread reads it: the
+/// sweeper is then inside a sweep, about to take the tier's lock.
+#[derive(Debug, Default)]
+struct SweepSignal {
+    time: ManualClock,
+    armed: Mutex<Option<mpsc::Sender<()>>>,
+}
+
+impl Clock for SweepSignal {
+    fn now(&self) -> Duration {
+        if std::thread::current().name() == Some("cxlkv-l1-sweeper")
+            && let Some(tx) = self.armed.lock().take()
+        {
+            let _ = tx.send(());
+        }
+        self.time.now()
+    }
+}
+
+/// A listener that, under the tier's lock, lets the sweeper block on that
+/// lock, has another thread close the tier (which joins the sweeper), and
+/// then asks `sweeper_running`.
+struct AsksSweeperWhileClosing {
+    tier: OnceLock<Weak<L1Tier>>,
+    clock: Arc<SweepSignal>,
+    /// What `sweeper_running` answered, or `None` if it did not answer in
+    /// time.
+    answer: Mutex<Option<Option<bool>>>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Listener for AsksSweeperWhileClosing {
+    fn reserved_write(&self, _keys: &[&[u8]]) {
+        let Some(tier) = self.tier.get().and_then(Weak::upgrade) else {
+            return;
+        };
+        let (tx, sweeping) = mpsc::channel();
+        *self.clock.armed.lock() = Some(tx);
+        sweeping
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the sweeper sweeps within its interval");
+        let closer = Arc::clone(&tier);
+        self.threads.lock().push(std::thread::spawn(move || {
+            closer.close().expect("close");
+        }));
+        // Until close has the sweeper: it holds the sweeper's lock, or has
+        // taken the sweeper out of it.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(tier.sweeper.is_locked() || tier.sweeper.try_lock().is_some_and(|s| s.is_none())) {
+            assert!(Instant::now() < deadline, "close never took the sweeper");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Asked from a helper, so that a deadlock shows as no answer.
+        let (tx, answer) = mpsc::channel();
+        let asker = Arc::clone(&tier);
+        self.threads.lock().push(std::thread::spawn(move || {
+            let _ = tx.send(asker.sweeper_running());
+        }));
+        *self.answer.lock() = Some(answer.recv_timeout(Duration::from_secs(3)).ok());
+    }
+}
+
+/// Found by an audit: `close` held the sweeper's lock while it joined the
+/// sweeper thread. A listener asking `sweeper_running` (under the tier's
+/// lock) then waited for `close`, `close` for the sweeper, and the sweeper
+/// for the tier's lock: three threads deadlocked.
+#[test]
+fn sweeper_running_from_a_listener_does_not_deadlock_a_concurrent_close() {
+    let h = harness("close-sweeper");
+    let clock = Arc::new(SweepSignal::default());
+    let cfg = TierConfig {
+        // The shortest sweep interval (1 s).
+        write_ttl: Duration::from_secs(4),
+        read_ttl: Duration::from_secs(4),
+        clock: Arc::clone(&clock) as Arc<dyn Clock>,
+        events: None,
+    };
+    assert_eq!(cfg.sweep_interval(), crate::tier::MIN_SWEEP_INTERVAL);
+    let tier = Arc::new(L1Tier::new(h.layout.clone(), cfg).unwrap());
+    let l = Arc::new(AsksSweeperWhileClosing {
+        tier: OnceLock::new(),
+        clock,
+        answer: Mutex::new(None),
+        threads: Mutex::new(Vec::new()),
+    });
+    l.tier.set(Arc::downgrade(&tier)).unwrap();
+    tier.register_listener(Arc::clone(&l) as Arc<dyn Listener>)
+        .unwrap();
+    let r = tier
+        .reserve_write(&[key(1)], &[false], CHUNK, WriteMode::New)
+        .unwrap();
+    assert!(r[0].is_success());
+    for t in std::mem::take(&mut *l.threads.lock()) {
+        t.join().unwrap();
+    }
+    assert_eq!(
+        *l.answer.lock(),
+        Some(Some(false)),
+        "sweeper_running answered (no sweeper: close took it)"
+    );
 }

@@ -305,3 +305,89 @@ fn an_unpin_whose_every_reply_is_lost_still_releases_the_pins() {
         crate::client::DeleteOutcome::Deleted
     );
 }
+
+/// The peer's delete of `key` answers `Deleted` (polled: a replaced
+/// session's pins go when the server sees its connection close).
+fn peer_deletes(h: &Harness, key: &[u8]) {
+    eventually("the peer's delete answers Deleted", || {
+        h.peer.delete(key).unwrap() == crate::client::DeleteOutcome::Deleted
+    });
+}
+
+/// Found by an audit of the L1 tier: `finish_read` whose unpin could get
+/// no sequence number (every number of the window held by requests in
+/// flight, past the request timeout) returned with the pins still in the
+/// client's ledger and on the server — a session that lives on kept them
+/// for good, and every reattach took them again. The client now takes them
+/// out of the ledger and ends the session, as for an unpin given up.
+#[test]
+fn pins_whose_unpin_gets_no_sequence_number_die_with_the_session() {
+    let mut s = Setup::new("unpin-no-seq");
+    s.server.directory.reply_window = 64;
+    s.client = Box::new(|server| {
+        let mut c = client_config(server);
+        c.request_timeout_ms = 100;
+        c
+    });
+    let h = s.build();
+    let k = key(1);
+    h.seed(&k);
+    assert!(h.reserve_read(&[&k], ONE)[0].is_success());
+    // Every number of the window taken, as by requests awaiting replies.
+    let shared = h.layout.shared();
+    let mut held = Vec::new();
+    while let Ok(t) = shared.ticket() {
+        held.push(t);
+    }
+    assert_eq!(h.finish_read(&[&k], ONE), vec![TierCode::Success]);
+    for t in held {
+        shared.seqs.release(t);
+    }
+    peer_deletes(&h, &k);
+    assert!(
+        h.client.stats().reconnects >= 1,
+        "the session holding the pin was ended"
+    );
+    assert_eq!(h.tier.stats().pins_lost, 1);
+    assert_eq!(h.stage(&k), KeyStage::Untracked);
+    h.healthy();
+}
+
+/// Found by an audit of the L1 tier: `finish_read` whose unpin the
+/// connection refused (its in-flight bound taken by another request) took
+/// the refusal for a broken connection — pins out of the ledger, "gone
+/// with the session" — while the session lived on and kept them for good.
+/// The client now ends the session.
+#[test]
+fn pins_whose_unpin_finds_no_room_in_flight_die_with_the_session() {
+    let switch = Switch::default();
+    let mut s = Setup::new("unpin-no-room");
+    let plan = switch.clone();
+    s.start = Box::new(move |c| {
+        Server::start_with_faults(c, Box::new(plan.clone())).expect("server starts")
+    });
+    s.client = Box::new(|server| {
+        let mut c = client_config(server);
+        c.transport.max_inflight = 1;
+        c
+    });
+    let h = s.build();
+    let k = key(1);
+    h.seed(&k);
+    assert!(h.reserve_read(&[&k], ONE)[0].is_success());
+    // Another request of this client in flight, its reply held back: the
+    // connection's one slot is taken while `finish_read` runs.
+    switch.arm(Kind::Exists, ReplyFault::Delay(Duration::from_secs(2)), 1);
+    let (layout, other) = (h.layout.clone(), key(2));
+    let busy = std::thread::spawn(move || layout.exists(&other));
+    eventually("the other request holds the slot", || switch.fired() == 1);
+    assert_eq!(h.finish_read(&[&k], ONE), vec![TierCode::Success]);
+    assert!(!busy.join().unwrap().unwrap());
+    peer_deletes(&h, &k);
+    assert!(
+        h.client.stats().reconnects >= 1,
+        "the session holding the pin was ended"
+    );
+    assert_eq!(h.tier.stats().pins_lost, 1);
+    h.healthy();
+}
