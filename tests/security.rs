@@ -276,6 +276,77 @@ fn a_socket_directory_another_user_could_write_is_refused_at_start() {
     drop(server);
 }
 
+/// The embedded default pool and its state directory live in the shared
+/// `/dev/shm`: another local user can create their names first. A state
+/// directory others can write (or own), a `lock` symlink planted in it, a
+/// pool file or symlink of another user: each is refused at start, and
+/// nothing is written through them (the lock file used to be opened
+/// through a symlink and truncated: any file the server could write).
+#[test]
+fn a_planted_state_directory_lock_or_pool_file_is_refused_and_nothing_is_written_through_it() {
+    let mut cfg = ServerConfig::ephemeral("sec-planted");
+    // A failed start would remove them: they are the test's to look at.
+    cfg.remove_pool_on_shutdown = false;
+    let mut state = cfg.pool_path.clone().into_os_string();
+    state.push(".state");
+    let state = std::path::PathBuf::from(state);
+    let victim_dir = tempfile::tempdir().unwrap();
+    let victim = victim_dir.path().join("victim.txt");
+    std::fs::write(&victim, "precious").unwrap();
+    let start_err = |cfg: &ServerConfig| {
+        Server::start(cfg.clone())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let cleanup = || {
+        let _ = std::fs::remove_dir_all(&state);
+        let _ = std::fs::remove_file(&cfg.pool_path);
+    };
+
+    std::fs::create_dir(&state).unwrap();
+    std::os::unix::fs::symlink(&victim, state.join("lock")).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = start_err(&cfg);
+    assert!(e.contains("writable by group or others"), "{e}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+
+    // Ours, but with the symlink in it: not followed.
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let e = start_err(&cfg);
+    assert!(e.contains("lock"), "{e}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    std::fs::remove_file(state.join("lock")).unwrap();
+
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        std::os::unix::fs::chown(&state, Some(4242), None).unwrap();
+        let e = start_err(&cfg);
+        assert!(e.contains("belongs to uid 4242"), "{e}");
+        std::os::unix::fs::chown(&state, Some(0), None).unwrap();
+
+        std::fs::write(&cfg.pool_path, b"").unwrap();
+        std::os::unix::fs::chown(&cfg.pool_path, Some(4242), None).unwrap();
+        let e = start_err(&cfg);
+        assert!(e.contains("is a file of uid 4242"), "{e}");
+        std::fs::remove_file(&cfg.pool_path).unwrap();
+
+        std::os::unix::fs::symlink(&victim, &cfg.pool_path).unwrap();
+        std::os::unix::fs::lchown(&cfg.pool_path, Some(4242), None).unwrap();
+        let e = start_err(&cfg);
+        assert!(e.contains("is a symlink of uid 4242"), "{e}");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        std::fs::remove_file(&cfg.pool_path).unwrap();
+    } else {
+        eprintln!("not root: the other-owner cases are not checked here");
+    }
+
+    // Made safe, the server starts and uses it.
+    let started = Server::start(cfg.clone()).map(drop);
+    cleanup();
+    started.unwrap();
+}
+
 #[test]
 fn locations_outside_ones_own_regions_are_rejected_key_by_key() {
     let server = Server::start(ServerConfig::ephemeral("sec-loc")).unwrap();

@@ -257,6 +257,17 @@ pub enum BackingError {
         align_bytes: u64,
         reason: &'static str,
     },
+    #[error(
+        "pool {} {what} uid {uid}, not this user (uid {euid}) or root: another user may have planted it \
+         (it could read every chunk, or point at a file of ours); remove it or choose another path",
+        path.display()
+    )]
+    NotOwned {
+        path: PathBuf,
+        what: &'static str,
+        uid: u32,
+        euid: u32,
+    },
 }
 
 /// A region extent or page size that breaks the alignment rules.
@@ -326,8 +337,31 @@ pub fn open(
     let mut fs_options = FsOpenOptions::new();
     fs_options.read(true).write(true);
     let creating = options.create_size_bytes.is_some() && options.assume_devdax.is_none();
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let not_owned = |what, uid| BackingError::NotOwned {
+        path: path.to_owned(),
+        what,
+        uid,
+        euid,
+    };
     if creating {
         fs_options.create(true).mode(0o600);
+        // The creator sizes and serves the file: one another user put in
+        // its place (typically in the shared /dev/shm) must not be used.
+        // (Checked before the open too, which the kernel may refuse first
+        // with a bare EACCES: `fs.protected_regular`.)
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.uid() != euid && m.uid() != 0 => {
+                let what = if m.file_type().is_symlink() {
+                    "is a symlink of"
+                } else {
+                    "is a file of"
+                };
+                return Err(not_owned(what, m.uid()));
+            }
+            _ => {}
+        }
     }
     let file = fs_options.open(path).map_err(|source| BackingError::Open {
         path: path.to_owned(),
@@ -337,6 +371,9 @@ pub fn open(
         path: path.to_owned(),
         source,
     })?;
+    if creating && meta.file_type().is_file() && meta.uid() != euid && meta.uid() != 0 {
+        return Err(not_owned("is a file of", meta.uid()));
+    }
     let file_type = meta.file_type();
     if let Some(dev) = options.assume_devdax {
         return Ok(Arc::new(DevDax::open_file(path, file, dev, options)?));

@@ -78,9 +78,20 @@ impl StateDirLock {
             .create(true)
             .truncate(false)
             .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
+            // Not through a symlink: the file is truncated below.
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
             .open(&path)
             .map_err(io_err("open lock file", &path))?;
+        if !file
+            .metadata()
+            .map_err(io_err("stat lock file", &path))?
+            .is_file()
+        {
+            return Err(io_err("use as a lock file", &path)(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file",
+            )));
+        }
         if !try_lock_exclusive(&file).map_err(io_err("flock", &path))? {
             let mut s = String::new();
             let holder_pid = file

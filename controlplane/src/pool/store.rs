@@ -48,7 +48,7 @@ use super::io_faults::{IoFaults, IoSite};
 use super::journal::{CommitReport, Journal, JournalError, ScanReport, Stop};
 use super::ledger::{InvariantError, Ledger, LedgerError};
 use super::manager::{ManagerConfig, PoolManager};
-use super::sys::{fsync_dir, random_bytes};
+use super::sys::{check_state_dir, fsync_dir, random_bytes};
 use super::token::{SECRET_BYTES, Secret};
 use super::types::MonotonicMs;
 
@@ -130,6 +130,8 @@ pub enum StoreError {
         path.display()
     )]
     SecretPermissions { path: PathBuf, mode: u32 },
+    #[error("{source}; refusing to start")]
+    StateDirUnsafe { dir: PathBuf, source: io::Error },
     #[error("invalid store configuration: {0}")]
     Config(&'static str),
     #[error("{pending} journal records are not committed; commit before checkpointing")]
@@ -236,6 +238,10 @@ impl PoolStore {
             ));
         }
         create_dir(dir)?;
+        check_state_dir(dir).map_err(|source| StoreError::StateDirUnsafe {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
         let lock = StateDirLock::acquire(dir)?;
 
         let tmp = dir.join(CHECKPOINT_TMP_FILE);

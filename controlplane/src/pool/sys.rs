@@ -82,6 +82,65 @@ pub fn try_lock_exclusive(file: &File) -> io::Result<bool> {
     }
 }
 
+/// Refuses a state directory another user could tamper with: the journal,
+/// checkpoint, secret and lock files inside it are opened by name, so
+/// whoever can create entries there (a planted `lock` symlink, which the
+/// manager would truncate) or owns it can make the manager write where it
+/// should not. `dir` must exist.
+///
+/// The rules: the path itself, if a symlink, belongs to this user or root
+/// (another user's symlink in a shared directory like `/dev/shm` could point
+/// anywhere); the directory it resolves to belongs to this user or root and
+/// is writable by nobody else; every directory above it belongs to this
+/// user or root and is writable by nobody else unless sticky (`/dev/shm`,
+/// `/tmp`: others may create names there but not replace ours).
+pub fn check_state_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let trusted = |uid: u32| uid == euid || uid == 0;
+    let refuse = |what: String| Err(io::Error::new(io::ErrorKind::PermissionDenied, what));
+    let link = std::fs::symlink_metadata(dir)?;
+    if link.file_type().is_symlink() && !trusted(link.uid()) {
+        return refuse(format!(
+            "{} is a symlink of uid {}, not of this user (uid {euid}) or root: \
+             another user could point it anywhere",
+            dir.display(),
+            link.uid()
+        ));
+    }
+    let real = std::fs::canonicalize(dir)?;
+    for d in real.ancestors() {
+        let meta = std::fs::metadata(d)?;
+        let whose = if d == real {
+            format!("state directory {}", dir.display())
+        } else {
+            format!(
+                "{} (above the state directory {})",
+                d.display(),
+                dir.display()
+            )
+        };
+        if !trusted(meta.uid()) {
+            return refuse(format!(
+                "{whose} belongs to uid {}, not to this user (uid {euid}) or root: \
+                 its owner could replace the pool manager's files (chown it, or use another)",
+                meta.uid()
+            ));
+        }
+        let mode = meta.mode();
+        let shared = mode & 0o022 != 0;
+        if shared && (d == real || mode & 0o1000 == 0) {
+            return refuse(format!(
+                "{whose} is writable by group or others (mode {:o}): \
+                 they could plant files the pool manager opens (chmod 700 it)",
+                mode & 0o7777
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,5 +152,27 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a.0[6] >> 4, 4);
         assert_eq!(a.0[8] >> 6, 0b10);
+    }
+
+    #[test]
+    fn a_state_directory_writable_by_others_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = tempfile::tempdir().unwrap();
+        let dir = base.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        check_state_dir(&dir).unwrap();
+        for mode in [0o777, 0o1777, 0o770, 0o702] {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = check_state_dir(&dir).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{mode:o}");
+            assert!(e.to_string().contains("writable by group or others"), "{e}");
+        }
+        // A sticky shared directory above is fine (as /dev/shm or /tmp).
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+        check_state_dir(&dir).unwrap();
+        std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(check_state_dir(&dir).is_err(), "not sticky: refused");
     }
 }
