@@ -9,7 +9,8 @@
 //! `CXLKV_<S>_<K>` (upper case; e.g. `CXLKV_POOL_GRACE_MS=5000`); the value
 //! is read as a TOML value when it parses as one (`5000`, `true`,
 //! `[{path = "/dev/shm/a"}]`) and as a string otherwise
-//! (`/dev/shm/cxlkv.pool`, `per-record`). Flags override single keys the
+//! (`/dev/shm/cxlkv.pool`, `per-record`) — or when the key takes a string
+//! (`CXLKV_SERVER_DIRECTORY_ID=7`); an empty variable counts as unset. Flags override single keys the
 //! same way ([`Override`]). Only variables of known sections ([`SECTIONS`])
 //! are read, so `CXLKV_LOG` or `CXLKV_IO` never collide; an unknown key in a
 //! known section — in the file, the environment or a flag — is an error that
@@ -683,13 +684,31 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
 }
 
-/// Reads a variable's value as a TOML value if it is one, else a string.
-fn env_value(raw: &str) -> toml::Value {
-    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
-        Ok(mut t) => t
-            .remove("v")
-            .unwrap_or_else(|| toml::Value::String(raw.to_owned())),
-        Err(_) => toml::Value::String(raw.to_owned()),
+/// Reads variable `section.key`'s value as a TOML value if it is one, else
+/// a string — and as a string when the key takes one, whatever it looks
+/// like (`CXLKV_SERVER_DIRECTORY_ID=7` is the id `"7"`, not an integer the
+/// key would refuse): the typed value is tried against the key alone, and
+/// the raw text is used if only it fits.
+fn env_value(section: &str, key: &str, raw: &str) -> toml::Value {
+    let raw_string = || toml::Value::String(raw.to_owned());
+    let typed = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t.remove("v").unwrap_or_else(raw_string),
+        Err(_) => return raw_string(),
+    };
+    if typed.is_str() {
+        return typed;
+    }
+    let fits = |v: toml::Value| {
+        let mut keys = toml::Table::new();
+        keys.insert(key.to_owned(), v);
+        let mut t = toml::Table::new();
+        t.insert(section.to_owned(), toml::Value::Table(keys));
+        t.try_into::<Config>().is_ok()
+    };
+    if !fits(typed.clone()) && fits(raw_string()) {
+        raw_string()
+    } else {
+        typed
     }
 }
 
@@ -740,9 +759,15 @@ pub fn load(
         for section in SECTIONS {
             let prefix = format!("{}_", section.to_ascii_uppercase());
             if let Some(key) = rest.strip_prefix(&prefix) {
+                if raw.is_empty() {
+                    // Set but empty (`CXLKV_SERVER_TCP=`): unset, as a
+                    // shell user means it.
+                    continue;
+                }
                 let origin = format!("environment variable {name}");
-                section_mut(&mut table, section, &origin)?
-                    .insert(key.to_ascii_lowercase(), env_value(&raw));
+                let key = key.to_ascii_lowercase();
+                let value = env_value(section, &key, &raw);
+                section_mut(&mut table, section, &origin)?.insert(key, value);
             }
         }
     }
@@ -1014,6 +1039,28 @@ mod tests {
         );
         p.tcp_insecure = true;
         assert_eq!(p.resolve().unwrap().service.tcp_auth, TcpAuth::Disabled);
+    }
+
+    #[test]
+    fn an_environment_value_for_a_string_key_stays_a_string_and_an_empty_one_is_unset() {
+        let c = load(
+            None,
+            env(&[
+                ("CXLKV_SERVER_DIRECTORY_ID", "7"),
+                ("CXLKV_SERVER_TCP", ""),
+                ("CXLKV_POOL_STATE_DIR", "true"),
+                ("CXLKV_SERVER_TICK_MS", "9"),
+            ]),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.server.directory_id, "7");
+        assert_eq!(c.server.tcp, None, "empty: unset");
+        assert_eq!(c.pool.state_dir.as_deref(), Some(Path::new("true")));
+        assert_eq!(c.server.tick_ms, 9, "numbers stay numbers");
+        // A value no type of the key takes is still refused, naming it.
+        let e = load(None, env(&[("CXLKV_SERVER_TICK_MS", "soon")]), &[]).unwrap_err();
+        assert!(e.to_string().contains("tick_ms"), "{e}");
     }
 
     #[test]

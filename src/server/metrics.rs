@@ -207,9 +207,17 @@ fn escape_label(v: &str, out: &mut String) {
     }
 }
 
-/// Seconds with nanosecond precision, as Prometheus expects them.
+/// Seconds with nanosecond precision and no trailing zeros (`0.0000025`,
+/// `1`): the shortest form, so that a bucket's `le` label is the text a
+/// query names it by (Prometheus 2 matches label values literally).
 fn seconds(ns: u64) -> String {
-    format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000)
+    let whole = ns / 1_000_000_000;
+    let frac = ns % 1_000_000_000;
+    if frac == 0 {
+        return whole.to_string();
+    }
+    let digits = format!("{frac:09}");
+    format!("{whole}.{}", digits.trim_end_matches('0'))
 }
 
 /// The Prometheus text exposition of `snap` (see the module essay).
@@ -622,7 +630,11 @@ mod tests {
         let mut s = String::new();
         escape_label("a\"b\\c\nd", &mut s);
         assert_eq!(s, r#"a\"b\\c\nd"#);
-        assert_eq!(seconds(1_500_000_000), "1.500000000");
-        assert_eq!(seconds(2_500), "0.000002500");
+        assert_eq!(seconds(1_500_000_000), "1.5");
+        assert_eq!(seconds(2_500), "0.0000025");
+        assert_eq!(seconds(1_000), "0.000001");
+        assert_eq!(seconds(1_000_000_000), "1");
+        assert_eq!(seconds(0), "0");
+        assert_eq!(seconds(1), "0.000000001");
     }
 }

@@ -125,7 +125,15 @@ pub const EXPOSITION_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=ut
 pub type RenderFn = Box<dyn Fn() -> Result<String, String> + Send>;
 
 /// Reads one request from `stream`, answers it, closes it.
-fn serve_connection(mut stream: TcpStream, render: &RenderFn) -> io::Result<()> {
+fn serve_connection(stream: TcpStream, render: &RenderFn) -> io::Result<()> {
+    serve_connection_within(stream, render, WRITE_TIMEOUT)
+}
+
+fn serve_connection_within(
+    mut stream: TcpStream,
+    render: &RenderFn,
+    write_timeout: Duration,
+) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     let deadline = Instant::now() + REQUEST_TIMEOUT;
     let mut buf = Vec::with_capacity(1024);
@@ -167,9 +175,32 @@ fn serve_connection(mut stream: TcpStream, render: &RenderFn) -> io::Result<()> 
             Err(e) => return Err(e),
         }
     };
-    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    stream.write_all(&answer)?;
+    write_all_by(&mut stream, &answer, Instant::now() + write_timeout)?;
     stream.shutdown(std::net::Shutdown::Write)
+}
+
+/// `write_all` that gives up at `deadline` as a whole: a socket timeout
+/// bounds one `write(2)`, and a reader draining a little at a time would
+/// keep every write making progress (and the one metrics thread, which the
+/// server's shutdown joins, busy) for as long as it likes.
+fn write_all_by(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the answer was not taken in time",
+            ));
+        }
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The running endpoint. [`MetricsEndpoint::stop`] ends its thread.
@@ -286,6 +317,38 @@ mod tests {
         assert_eq!(m("GET metrics HTTP/1.1\r\n\r\n"), Route::BadRequest);
         assert_eq!(m("\u{1}\u{2} /metrics HTTP/1.1\r\n\r\n"), Route::BadRequest);
         assert_eq!(route(b"GET /\xff HTTP/1.1\r\n\r\n"), Route::BadRequest);
+    }
+
+    /// A reader that takes a little at a time keeps every write making
+    /// progress: the deadline is the answer's, not each write's.
+    #[test]
+    fn a_reader_draining_slowly_is_cut_off_at_the_answers_deadline() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let render: RenderFn = Box::new(|| Ok("x".repeat(32 << 20)));
+        let server = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let start = Instant::now();
+            let r = serve_connection_within(stream, &render, Duration::from_millis(300));
+            (r, start.elapsed())
+        });
+        let mut client = TcpStream::connect(addr).unwrap();
+        client.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut buf = vec![0u8; 64 << 10];
+        let started = Instant::now();
+        // 64 KiB every 20 ms: all 32 MiB would take about 10 s.
+        while started.elapsed() < Duration::from_secs(8) {
+            match client.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        let (r, took) = server.join().unwrap();
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::TimedOut);
+        assert!(took < Duration::from_secs(3), "gave up after {took:?}");
     }
 
     #[test]

@@ -160,6 +160,7 @@ pub(crate) fn directory_error_code(e: &DirectoryError) -> (ErrorCode, u64) {
             (C::InvalidArgument, 0)
         }
         D::NoticeAckAhead { highest_issued, .. } => (C::InvalidArgument, *highest_issued),
+        D::SequenceOutOfRange { max, .. } => (C::InvalidArgument, *max),
         D::SequenceTooOld {
             oldest_accepted, ..
         } => (C::SequenceTooOld, *oldest_accepted),
@@ -251,6 +252,13 @@ mod tests {
             oldest_accepted: 70,
         });
         assert_eq!((code, limit), (ErrorCode::SequenceTooOld, 70));
+        // A client's out-of-range sequence number is its error, not ours.
+        let (code, limit) = directory_error_code(&DirectoryError::SequenceOutOfRange {
+            field: "seq",
+            value: u64::MAX,
+            max: 1 << 62,
+        });
+        assert_eq!((code, limit), (ErrorCode::InvalidArgument, 1 << 62));
     }
 
     #[test]
