@@ -27,6 +27,7 @@ pub const HUGE_PAGE_BYTES: u64 = 2 << 20;
 
 const NR_HUGEPAGES: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages";
 const FREE_HUGEPAGES: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages";
+const RESV_HUGEPAGES: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/resv_hugepages";
 
 /// How often a waiter retries the lock, and how long it waits in total.
 const LOCK_POLL: Duration = Duration::from_millis(20);
@@ -62,7 +63,7 @@ impl HugePageReservation {
     /// shortfall; waits at most `lock_timeout` for other holders of the lock.
     pub fn reserve(pages: u64, lock_timeout: Duration) -> Result<Self, HugePageError> {
         let lock = lock_file(Path::new(HUGEPAGES_LOCK_PATH), lock_timeout)?;
-        let free = read_count(FREE_HUGEPAGES)?;
+        let free = usable()?;
         let mut reservation = Self {
             _lock: lock,
             added_pages: 0,
@@ -75,10 +76,13 @@ impl HugePageReservation {
         let target = before.saturating_add(pages - free);
         write_count(NR_HUGEPAGES, target)?;
         // The kernel grants what it can find contiguous memory for; read back
-        // what it really did so that drop gives back exactly that.
-        let after = read_count(NR_HUGEPAGES)?;
-        reservation.added_pages = after.saturating_sub(before);
-        let available = read_count(FREE_HUGEPAGES)?;
+        // what it really did so that drop gives back exactly that (or, if
+        // the read fails, what was asked for: pages added and never given
+        // back would stay out of the machine's memory for good).
+        let after = read_count(NR_HUGEPAGES);
+        reservation.added_pages = after.as_ref().map_or(target, |&a| a).saturating_sub(before);
+        after?;
+        let available = usable()?;
         if available < pages {
             // Dropping `reservation` returns the pages just added.
             return Err(HugePageError::Insufficient {
@@ -108,6 +112,12 @@ impl Drop for HugePageReservation {
             }
         }
     }
+}
+
+/// Free huge pages nobody has a claim on: `free_hugepages` counts those
+/// already promised to existing hugetlbfs mappings (`resv_hugepages`) too.
+fn usable() -> Result<u64, HugePageError> {
+    Ok(read_count(FREE_HUGEPAGES)?.saturating_sub(read_count(RESV_HUGEPAGES)?))
 }
 
 fn lock_file(path: &Path, timeout: Duration) -> Result<File, HugePageError> {

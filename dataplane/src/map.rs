@@ -407,6 +407,37 @@ impl MappedRegion {
         self.base.as_ptr()
     }
 
+    /// Copies the bytes at `offset` into `dst` for bytes another process
+    /// may be writing meanwhile (a pool's header, whose lease slots its
+    /// manager rewrites), which no [`PageView`] may cover: the lines are
+    /// first made current under `mode` ([`visibility::acquire`]'s
+    /// instructions, by address), then read with volatile loads — the copy
+    /// may be torn, so the caller must check it (a checksum).
+    pub fn read_shared(
+        &self,
+        offset: usize,
+        dst: &mut [u8],
+        mode: crate::visibility::Visibility,
+    ) -> Result<(), MapError> {
+        let end = offset
+            .checked_add(dst.len())
+            .filter(|&end| end <= self.len_bytes)
+            .ok_or(MapError::LenExceedsPage {
+                len_bytes: offset.saturating_add(dst.len()),
+                page_size_bytes: self.len_bytes,
+            })?;
+        let start = self.base.as_ptr() as usize + offset;
+        crate::visibility::acquire_addresses(mode, start, end - offset);
+        for (i, b) in dst.iter_mut().enumerate() {
+            // SAFETY: `offset + i < end <= len_bytes`, so the byte lies in
+            // this live mapping; a volatile load of a `u8` has no alignment
+            // requirement, and forms no reference another process's
+            // concurrent writes could invalidate.
+            *b = unsafe { std::ptr::read_volatile(self.base.as_ptr().add(offset + i)) };
+        }
+        Ok(())
+    }
+
     /// How many whole pages of `page_size_bytes` the region holds (≥ 1).
     pub fn page_count(&self, page_size_bytes: usize) -> Result<u32, MapError> {
         check_page_size(page_size_bytes as u64)?;
@@ -795,6 +826,42 @@ mod tests {
             region.page_count(4 * MIB as usize),
             Err(MapError::RegionSmallerThanPage { .. })
         ));
+    }
+
+    #[test]
+    fn shared_reads_copy_the_current_bytes_within_the_mapping_only() {
+        use crate::visibility::Visibility;
+        let (_path, backing) = pool("shared-read", 2 * MIB);
+        let observers = MapObservers::new();
+        let region = map(
+            &*backing,
+            9,
+            Extent::new(0, 2 * MIB),
+            Populate::Lazy,
+            &observers,
+        )
+        .expect("map");
+        {
+            // SAFETY: this test is the region's only user; the page is in it.
+            let mut page = unsafe { region.page_mut(4096, PageIndex(1), 4096) }.expect("page");
+            for (i, b) in page.iter_mut().enumerate() {
+                *b = i as u8;
+            }
+        }
+        for mode in [Visibility::Coherent, Visibility::Flush] {
+            let mut out = [0u8; 100];
+            region.read_shared(4096 + 30, &mut out, mode).unwrap();
+            assert!(out.iter().enumerate().all(|(i, &b)| b == (30 + i) as u8));
+            let mut tail = [0u8; 8];
+            region
+                .read_shared(2 * MIB as usize - 8, &mut tail, mode)
+                .unwrap();
+            assert!(matches!(
+                region.read_shared(2 * MIB as usize - 7, &mut tail, mode),
+                Err(MapError::LenExceedsPage { .. })
+            ));
+            assert!(region.read_shared(usize::MAX, &mut tail, mode).is_err());
+        }
     }
 
     #[test]

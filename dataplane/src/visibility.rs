@@ -19,7 +19,8 @@
 //!
 //! **Modes** ([`Visibility`], chosen per pool): `Coherent` — one host, or a
 //! platform with hardware coherence — makes both calls a fence only (release
-//! for publish, acquire for acquire: free on x86, where only the compiler is
+//! and a store fence, `sfence`, for publish, so that non-temporal stores are
+//! ordered too; acquire for acquire: free on x86, where only the compiler is
 //! constrained). `Flush` costs one instruction per line plus a fence: for a
 //! multi-megabyte chunk, publishing with `clwb` costs roughly a second pass
 //! over the range at memory speed, and acquire makes every subsequent read a
@@ -93,6 +94,26 @@ pub enum VisibilityError {
     /// executing it would raise `SIGILL`.
     #[error("this CPU does not support {}", instruction.as_str())]
     InstructionUnsupported { instruction: LineFlush },
+    /// `Flush` asked for on an architecture without a line flush: it would
+    /// run fences only, and readers on other hosts would see stale bytes.
+    #[error(
+        "visibility `flush` needs a cache-line write-back instruction, which this architecture lacks here: \
+         on a non-coherent pool readers would see stale bytes (use a coherent platform)"
+    )]
+    FlushUnsupported,
+}
+
+/// Refuses a mode this machine cannot carry out: `Flush` without a line
+/// flush instruction (every architecture but x86-64, for now).
+pub fn check_mode(mode: Visibility) -> Result<(), VisibilityError> {
+    check_mode_with(mode, line_flush())
+}
+
+fn check_mode_with(mode: Visibility, write_back: LineFlush) -> Result<(), VisibilityError> {
+    match (mode, write_back) {
+        (Visibility::Flush, LineFlush::Unsupported) => Err(VisibilityError::FlushUnsupported),
+        _ => Ok(()),
+    }
 }
 
 /// A fixed choice of what [`VisibilityOps::publish`] and
@@ -107,7 +128,8 @@ pub struct VisibilityOps {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum OpsKind {
-    /// `Coherent`: a release fence to publish, an acquire fence to acquire.
+    /// `Coherent`: a release and a store fence to publish, an acquire fence
+    /// to acquire.
     FenceOnly,
     /// `Flush`: `write_back` per line + `sfence` to publish, `evict` per line
     /// + `mfence` to acquire. Either may be `Unsupported` (fences only).
@@ -191,11 +213,18 @@ impl VisibilityOps {
     /// after writing a page and before registering its key.
     pub fn publish(&self, bytes: &[u8]) {
         match self.kind {
-            // Release suffices: it keeps the page's stores before whatever
+            // Release keeps the page's ordinary stores before whatever
             // publishes the key afterwards (an atomic store, or the syscall
             // that sends the registration); later operations may move
-            // earlier, which exposes nothing unwritten.
-            OpsKind::FenceOnly => fence(Ordering::Release),
+            // earlier, which exposes nothing unwritten. The store fence
+            // orders weakly ordered stores too: an engine that wrote the
+            // page with its own non-temporal stores and no `sfence`
+            // (through `cxlkv_lease_data`) would otherwise rely on the
+            // syscall to drain them, which x86 does not promise.
+            OpsKind::FenceOnly => {
+                fence(Ordering::Release);
+                store_fence();
+            }
             OpsKind::Lines { write_back, .. } => {
                 flush_range(write_back, bytes);
                 store_fence();
@@ -344,6 +373,25 @@ fn flush_range(op: LineFlush, bytes: &[u8]) {
     }
 }
 
+/// [`acquire`] of the `len` bytes at address `start`, for bytes no slice
+/// may cover (`MappedRegion::read_shared`). The caller guarantees the range
+/// is mapped (a line holding one of its bytes is then mapped in full).
+pub(crate) fn acquire_addresses(mode: Visibility, start: usize, len: usize) {
+    let ops = VisibilityOps::for_mode(mode);
+    match ops.kind {
+        OpsKind::FenceOnly => fence(Ordering::Acquire),
+        OpsKind::Lines { evict, .. } => {
+            if evict != LineFlush::Unsupported && len > 0 {
+                let first = start & !(CACHE_LINE_BYTES - 1);
+                for line in (first..start + len).step_by(CACHE_LINE_BYTES) {
+                    flush_line(evict, line);
+                }
+            }
+            full_fence();
+        }
+    }
+}
+
 /// The address of every 64-byte line holding a byte of `bytes`, in order:
 /// the partial first and last lines included, nothing outside — none for an
 /// empty slice, whose pointer may be dangling.
@@ -421,6 +469,22 @@ mod tests {
     use crate::backing::{Extent, OpenOptions, open};
     use crate::ids::{PageIndex, RegionId};
     use crate::map::{MapObservers, MappedRegion, Populate};
+
+    #[test]
+    fn flush_is_refused_where_no_line_flush_exists_and_coherent_never() {
+        assert_eq!(
+            check_mode_with(Visibility::Flush, LineFlush::Unsupported),
+            Err(VisibilityError::FlushUnsupported)
+        );
+        assert_eq!(check_mode_with(Visibility::Flush, LineFlush::Clwb), Ok(()));
+        assert_eq!(
+            check_mode_with(Visibility::Coherent, LineFlush::Unsupported),
+            Ok(())
+        );
+        if cfg!(target_arch = "x86_64") {
+            assert_eq!(check_mode(Visibility::Flush), Ok(()));
+        }
+    }
 
     #[test]
     fn this_cpu_has_line_flush_support_on_x86_64() {
@@ -502,6 +566,9 @@ mod tests {
                 Err(VisibilityError::InstructionUnsupported { instruction }) => {
                     assert!(!supported.has(instruction), "{name} refused but supported");
                     eprintln!("{name}: not supported by this CPU, refused");
+                }
+                Err(e @ VisibilityError::FlushUnsupported) => {
+                    panic!("{name}: a forced choice is never refused as a mode: {e}")
                 }
             }
         }

@@ -95,8 +95,10 @@ pub struct ClientConfig {
     pub pool_paths: Vec<([u8; 16], PathBuf)>,
     /// Force a visibility mode for every pool (e.g. `Flush` for a client on a
     /// host without coherence). `None`: the mode the server announces.
-    /// Forcing `Flush` is always safe; forcing `Coherent` is only correct on
-    /// one host.
+    /// Forcing `Flush` costs speed, never correctness, for this client's
+    /// own reads and writes — but a reader only sees what writers wrote back,
+    /// so on a non-coherent pool every writer must run `Flush` too. Forcing
+    /// `Coherent` is only correct on one host (or a coherent platform).
     pub visibility: Option<Visibility>,
     /// Map every current peer region at connect (lists regions with `Stats`,
     /// at most `MAX_STATS_ROWS`), so first lookups do not map.

@@ -36,8 +36,14 @@ pub struct PageLease {
     page: PageIndex,
     generation: Generation,
     len_bytes: usize,
-    /// Bytes were written since the last publication.
+    /// The chunk is not all published: bytes were written since the last
+    /// publication, or the length grew past what it covered.
     needs_publish: bool,
+    /// Bytes `[0, published_bytes)` were published since the last write.
+    published_bytes: usize,
+    /// The page was written through this lease (lines anywhere in it may
+    /// be dirty in this host's cache).
+    touched: bool,
     /// Registration took the page (it must not be freed on drop).
     consumed: bool,
 }
@@ -56,6 +62,8 @@ impl PageLease {
             generation,
             len_bytes: 0,
             needs_publish: false,
+            published_bytes: 0,
+            touched: false,
             consumed: false,
         }
     }
@@ -89,6 +97,11 @@ impl PageLease {
             });
         }
         self.len_bytes = len_bytes;
+        if len_bytes > self.published_bytes {
+            // A publication before this covered less than the chunk now
+            // holds (`publish` at length 0, then `set_len`).
+            self.needs_publish = true;
+        }
         Ok(())
     }
 
@@ -107,6 +120,8 @@ impl PageLease {
             });
         }
         self.needs_publish = true;
+        self.published_bytes = 0;
+        self.touched = true;
         let page_size = self.page_size_bytes();
         // SAFETY: this lease holds the allocator's exclusive grant of
         // `(page, generation)` (see the module docs): no other lease, read
@@ -138,6 +153,9 @@ impl PageLease {
         };
         self.len_bytes = src.len();
         self.needs_publish = touched_before || !path.satisfies_publish();
+        if !self.needs_publish {
+            self.published_bytes = src.len();
+        }
         Ok(path)
     }
 
@@ -147,6 +165,7 @@ impl PageLease {
         if self.needs_publish {
             visibility::publish(self.region.visibility, self.chunk());
             self.needs_publish = false;
+            self.published_bytes = self.len_bytes;
         }
     }
 
@@ -193,6 +212,7 @@ impl fmt::Debug for PageLease {
         f.debug_struct("PageLease")
             .field("location", &self.location())
             .field("needs_publish", &self.needs_publish)
+            .field("published_bytes", &self.published_bytes)
             .finish()
     }
 }
@@ -200,14 +220,54 @@ impl fmt::Debug for PageLease {
 impl Drop for PageLease {
     fn drop(&mut self) {
         if !self.consumed {
-            if self.needs_publish {
-                // Written, never published: no dirty line may outlive the
-                // lease on a non-coherent pool (`write_back_page`).
+            if self.touched {
+                // Written: no dirty line may outlive the lease on a
+                // non-coherent pool (`write_back_page`), not even one past
+                // the chunk a publication covered.
                 self.region.write_back_page(self.page);
             }
             // A refused free (stale or double: the page was already freed by
             // a notice) is counted by the allocator; nothing else to do.
             let _ = self.region.alloc.free(self.page, self.generation);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::client::{Client, ClientConfig, LayoutOptions};
+    use crate::server::{Server, ServerConfig};
+
+    /// Found by an audit (session 19): `publish` at length 0 cleared the
+    /// flag, and a `set_len` after it did not set it again, so `register`
+    /// published nothing — the chunk's lines stayed dirty in this host's
+    /// cache while the key was visible to other hosts (`visibility =
+    /// flush`). The flag is what `register` and the drop decide by.
+    #[test]
+    fn a_length_set_after_an_early_publish_is_published_again() {
+        let mut cfg = ServerConfig::ephemeral("lease-publish");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let client = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+        let opts = LayoutOptions {
+            initial_reservation_bytes: 0,
+            region_size_bytes: 4 << 20,
+            auto_expand: true,
+        };
+        let layout = client.layout_with(4096, 7, opts).expect("a layout");
+        let mut lease = layout.alloc().unwrap();
+        lease.bytes_mut().unwrap()[..100].fill(7);
+        lease.publish();
+        assert!(!lease.needs_publish, "nothing left: the chunk is empty");
+        lease.set_len(100).unwrap();
+        assert!(lease.needs_publish, "the 100 bytes were never published");
+        lease.publish();
+        assert_eq!((lease.needs_publish, lease.published_bytes), (false, 100));
+        // Shrinking needs nothing more; growing again does.
+        lease.set_len(50).unwrap();
+        assert!(!lease.needs_publish);
+        lease.set_len(200).unwrap();
+        assert!(lease.needs_publish);
     }
 }

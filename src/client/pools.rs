@@ -18,9 +18,9 @@ use std::sync::Arc;
 use cxlkv_controlplane::pool::header::{self, BlockState, HEADER_BYTES};
 use cxlkv_controlplane::proto::{self, PoolInfo, VisibilityMode};
 use cxlkv_dataplane::backing::{self, Backing, BackingKind, Extent, OpenOptions};
-use cxlkv_dataplane::ids::{PageIndex, RegionId};
+use cxlkv_dataplane::ids::RegionId;
 use cxlkv_dataplane::map::{MapObservers, MappedRegion, Populate};
-use cxlkv_dataplane::visibility::Visibility;
+use cxlkv_dataplane::visibility::{self, Visibility};
 
 use super::error::ClientError;
 
@@ -32,11 +32,17 @@ pub(crate) struct Pool {
     pub visibility: Visibility,
 }
 
-fn visibility_of(info: &PoolInfo, forced: Option<Visibility>) -> Visibility {
-    forced.unwrap_or(match info.visibility {
+/// The pool's mode (or the forced one), if this machine can carry it out.
+fn visibility_of(info: &PoolInfo, forced: Option<Visibility>) -> Result<Visibility, ClientError> {
+    let mode = forced.unwrap_or(match info.visibility {
         VisibilityMode::Coherent => Visibility::Coherent,
         VisibilityMode::Flush => Visibility::Flush,
-    })
+    });
+    visibility::check_mode(mode).map_err(|e| ClientError::Pool {
+        pool: info.pool,
+        reason: e.to_string(),
+    })?;
+    Ok(mode)
 }
 
 /// Builds the pools from the descriptors that came with `Welcome`, in
@@ -64,7 +70,7 @@ pub(crate) fn from_fds(
             Ok(Pool {
                 info: info.clone(),
                 backing,
-                visibility: visibility_of(info, forced),
+                visibility: visibility_of(info, forced)?,
             })
         })
         .collect()
@@ -83,17 +89,22 @@ pub(crate) fn open_by_path(
                 .iter()
                 .find(|(uuid, _)| *uuid == info.uuid)
                 .map_or_else(|| PathBuf::from(&info.path), |(_, p)| p.clone());
-            let backing = open_checked(&path, info)?;
+            let visibility = visibility_of(info, forced)?;
+            let backing = open_checked(&path, info, visibility)?;
             Ok(Pool {
                 info: info.clone(),
                 backing,
-                visibility: visibility_of(info, forced),
+                visibility,
             })
         })
         .collect()
 }
 
-fn open_checked(path: &Path, info: &PoolInfo) -> Result<Arc<dyn Backing>, ClientError> {
+fn open_checked(
+    path: &Path,
+    info: &PoolInfo,
+    visibility: Visibility,
+) -> Result<Arc<dyn Backing>, ClientError> {
     let pool_err = |reason: String| ClientError::Pool {
         pool: info.pool,
         reason,
@@ -109,7 +120,7 @@ fn open_checked(path: &Path, info: &PoolInfo) -> Result<Arc<dyn Backing>, Client
             info.align_bytes
         )));
     }
-    let block = read_header_block(backing.as_ref()).map_err(|e| {
+    let block = read_header_block(backing.as_ref(), visibility).map_err(|e| {
         pool_err(format!(
             "cannot read the identity header of {}: {e}",
             path.display()
@@ -137,7 +148,7 @@ fn open_checked(path: &Path, info: &PoolInfo) -> Result<Arc<dyn Backing>, Client
 /// The first [`HEADER_BYTES`] of the pool: read with `pread` from a file;
 /// a device-DAX device does not support `read`, so its first block is mapped
 /// and copied out.
-fn read_header_block(backing: &dyn Backing) -> std::io::Result<Vec<u8>> {
+fn read_header_block(backing: &dyn Backing, visibility: Visibility) -> std::io::Result<Vec<u8>> {
     let mut block = vec![0u8; HEADER_BYTES];
     if backing.kind() != BackingKind::DevDax {
         let file = File::from(backing.fd().try_clone_to_owned()?);
@@ -146,9 +157,10 @@ fn read_header_block(backing: &dyn Backing) -> std::io::Result<Vec<u8>> {
     }
     let extent = Extent::new(0, backing.align_bytes());
     // SAFETY: the first block is the pool manager's header, never part of a
-    // region; this mapping only reads it, once, into `block`, and is dropped
-    // before returning. The manager rewrites only the lease slots, which
-    // `decode` checksums (a torn copy is refused, never trusted).
+    // region, so no client writes it through a data mapping; this mapping
+    // forms no view of it (`read_shared` copies with volatile loads: the
+    // manager may be rewriting a lease slot, and `decode` checksums the
+    // copy, refusing a torn one) and is dropped before returning.
     let map = unsafe {
         MappedRegion::map(
             backing,
@@ -159,14 +171,10 @@ fn read_header_block(backing: &dyn Backing) -> std::io::Result<Vec<u8>> {
         )
     }
     .map_err(std::io::Error::other)?;
-    let view = map
-        .page(
-            backing::PAGE_GRANULE_BYTES as usize,
-            PageIndex(0),
-            HEADER_BYTES,
-        )
+    // The manager may be on another host: the header's lines are made
+    // current first (on a device, `Flush` unless forced otherwise).
+    map.read_shared(0, &mut block, visibility)
         .map_err(std::io::Error::other)?;
-    block.copy_from_slice(&view);
     Ok(block)
 }
 
@@ -187,10 +195,12 @@ fn file_kind(fd: &OwnedFd) -> BackingKind {
     if rc != 0 {
         return BackingKind::OtherFile;
     }
-    // SAFETY: fstatfs returned 0, so it initialised `st`.
-    // `f_type`'s integer type differs between architectures.
+    // `f_type`'s integer type differs between architectures; masked to the
+    // 32 bits a magic has (where it is a signed 32-bit integer,
+    // HUGETLBFS_MAGIC, bit 31 set, comes back sign-extended).
     #[allow(clippy::unnecessary_cast)]
-    let magic = unsafe { st.assume_init() }.f_type as i64;
+    // SAFETY: fstatfs returned 0, so it initialised `st`.
+    let magic = (unsafe { st.assume_init() }.f_type as i64) & 0xffff_ffff;
     match magic {
         TMPFS_MAGIC => BackingKind::Tmpfs,
         HUGETLBFS_MAGIC => BackingKind::Hugetlbfs,

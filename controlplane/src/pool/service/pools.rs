@@ -134,6 +134,11 @@ impl OpenPool {
             BackingKind::DevDax => Visibility::Flush,
             _ => Visibility::Coherent,
         });
+        visibility::check_mode(visibility).map_err(|e| OpenError::Io {
+            path: path.to_path_buf(),
+            op: "serve with this visibility",
+            source: io::Error::new(io::ErrorKind::Unsupported, e),
+        })?;
         let align = backing.align_bytes();
         // SAFETY: the block at offset 0 is the pool's header block, which is
         // never allocated as a region, so no client writes it through a data
