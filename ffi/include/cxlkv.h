@@ -631,7 +631,7 @@ typedef void (*cxlkv_tier_event_fn)(void *user_data,
 typedef struct cxlkv_tier_config {
     // `sizeof(cxlkv_tier_config)` as the caller's header declares it.
     uint32_t size;
-    // Always 0.
+    // Always 0 (anything else is refused, `INVALID_ARGUMENT`).
     uint32_t reserved;
     // How long a write reservation may stay unfinished before the sweeper
     // reclaims it (1 ms ..= one year).
@@ -651,7 +651,7 @@ typedef void (*cxlkv_tier_keys_fn)(void *user_data, const struct cxlkv_bytes *ke
 typedef struct cxlkv_tier_listener {
     // `sizeof(cxlkv_tier_listener)` as the caller's header declares it.
     uint32_t size;
-    // Always 0.
+    // Always 0 (anything else is refused, `INVALID_ARGUMENT`).
     uint32_t reserved;
     // `reserve_read` staged these keys (hits only).
     cxlkv_tier_keys_fn reserved_read;
@@ -899,15 +899,22 @@ cxlkv_status cxlkv_query_directory(const struct cxlkv_client *client,
 // to remove them with.
 //
 // After `cxlkv_remove_map_observer`, regions the callbacks were told about
-// still report their unmapping to them: they must stay callable, and
-// `user_data` valid, until `cxlkv_close` returned and every view and lease
-// of the client was released.
+// still report their unmapping to them, and a mapping another thread had
+// under way when it returned may still report itself (and later its
+// unmapping): they must stay callable, and `user_data` valid, until
+// `cxlkv_close` returned and every handle made from the client (layouts,
+// tiers, map observers, views, leases) was freed — the regions are
+// unmapped when the last of them goes.
+//
+// At most 64 observers per client (then `CXLKV_STATUS_MAP`).
 //
 // # Safety
 //
 // `callbacks` valid for a read; `out_observer` for a write.
 //
-// Thread safety: any thread. The callbacks run on any thread.
+// Thread safety: any thread. The callbacks run on any thread, possibly on
+// several at once for different regions, and must not call any `cxlkv_*`
+// function (they run under the client's mapping locks).
 cxlkv_status cxlkv_add_map_observer(const struct cxlkv_client *client,
                                     const struct cxlkv_map_callbacks *callbacks,
                                     struct cxlkv_observer **out_observer);
@@ -1116,8 +1123,8 @@ cxlkv_status cxlkv_batch_get(const struct cxlkv_layout *layout,
                              size_t n,
                              struct cxlkv_view *out_views);
 
-// Releases a view's pin and zeroes `*view` (a view with `guard == NULL` is
-// left as it is). The chunk's address must not be read afterwards. The
+// Releases a view's pin and zeroes `*view` (a view with `guard == NULL`
+// holds no pin: it is only zeroed). The chunk's address must not be read afterwards. The
 // unpin is sent within the client's `unpin_delay_us`, or before its next
 // request.
 //
@@ -1128,8 +1135,10 @@ cxlkv_status cxlkv_batch_get(const struct cxlkv_layout *layout,
 // Thread safety: any thread; not concurrently with reads of the chunk.
 cxlkv_status cxlkv_release(struct cxlkv_view *view);
 
-// `cxlkv_release` for `n` views: every one is released (or left, if
-// absent); the status is the first failure.
+// `cxlkv_release` for `n` views: every one is released (or only zeroed,
+// if absent); the status is the first failure. Unlike other batches, `n`
+// is not capped at 4096: the views may come from many calls, so every one
+// of the `n` is read and written.
 //
 // # Safety
 //

@@ -533,15 +533,22 @@ pub unsafe extern "C" fn cxlkv_query_directory(
 /// to remove them with.
 ///
 /// After `cxlkv_remove_map_observer`, regions the callbacks were told about
-/// still report their unmapping to them: they must stay callable, and
-/// `user_data` valid, until `cxlkv_close` returned and every view and lease
-/// of the client was released.
+/// still report their unmapping to them, and a mapping another thread had
+/// under way when it returned may still report itself (and later its
+/// unmapping): they must stay callable, and `user_data` valid, until
+/// `cxlkv_close` returned and every handle made from the client (layouts,
+/// tiers, map observers, views, leases) was freed — the regions are
+/// unmapped when the last of them goes.
+///
+/// At most 64 observers per client (then `CXLKV_STATUS_MAP`).
 ///
 /// # Safety
 ///
 /// `callbacks` valid for a read; `out_observer` for a write.
 ///
-/// Thread safety: any thread. The callbacks run on any thread.
+/// Thread safety: any thread. The callbacks run on any thread, possibly on
+/// several at once for different regions, and must not call any `cxlkv_*`
+/// function (they run under the client's mapping locks).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cxlkv_add_map_observer(
     client: *const cxlkv_client,

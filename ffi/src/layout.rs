@@ -325,6 +325,10 @@ unsafe fn batch_alloc(
         // SAFETY: passed on to the caller.
         let mut out = unsafe { OutSlice::unset(out_leases, n, "out_leases") }?;
         let l = self::layout(layout)?;
+        if n == 0 {
+            // A batch of 0 is a no-op, whatever the client's state.
+            return Ok(());
+        }
         let leases = l.batch_alloc(n)?;
         let tokens =
             LEASES.insert_all(leases.into_iter().map(|l| Mutex::new(Some(l))).collect())?;

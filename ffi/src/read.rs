@@ -168,8 +168,8 @@ fn release_one(view: &mut cxlkv_view, arg: &str) -> Result<(), FfiError> {
     Ok(())
 }
 
-/// Releases a view's pin and zeroes `*view` (a view with `guard == NULL` is
-/// left as it is). The chunk's address must not be read afterwards. The
+/// Releases a view's pin and zeroes `*view` (a view with `guard == NULL`
+/// holds no pin: it is only zeroed). The chunk's address must not be read afterwards. The
 /// unpin is sent within the client's `unpin_delay_us`, or before its next
 /// request.
 ///
@@ -192,8 +192,10 @@ pub unsafe extern "C" fn cxlkv_release(view: *mut cxlkv_view) -> cxlkv_status {
     })
 }
 
-/// `cxlkv_release` for `n` views: every one is released (or left, if
-/// absent); the status is the first failure.
+/// `cxlkv_release` for `n` views: every one is released (or only zeroed,
+/// if absent); the status is the first failure. Unlike other batches, `n`
+/// is not capped at 4096: the views may come from many calls, so every one
+/// of the `n` is read and written.
 ///
 /// # Safety
 ///

@@ -958,6 +958,48 @@ mod tier {
         close(client, layout);
     }
 
+    /// A versioned struct's `reserved` field may get a meaning in a later
+    /// minor version (its size unchanged): a library that cannot honour it
+    /// refuses it rather than ignoring it.
+    #[test]
+    fn reserved_fields_of_tier_structs_must_be_zero() {
+        let fx = Fixture::new("ffi-tier-reserved");
+        let (client, layout) = fx.connect();
+        let mut config = std::mem::MaybeUninit::<cxlkv_tier_config>::zeroed();
+        // SAFETY: a writable struct of the declared size.
+        ok(unsafe {
+            cxlkv_tier_config_init(config.as_mut_ptr(), size_of::<cxlkv_tier_config>() as u32)
+        });
+        // SAFETY: initialised by the call above.
+        let mut config = unsafe { config.assume_init() };
+        config.reserved = 1;
+        let mut tier = std::ptr::null_mut();
+        // SAFETY: a live config, a live out slot.
+        let s = unsafe { cxlkv_tier_open(layout, &config, &mut tier) };
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
+        assert!(tier.is_null());
+        config.reserved = 0;
+        // SAFETY: as above.
+        ok(unsafe { cxlkv_tier_open(layout, &config, &mut tier) });
+        let listener = cxlkv_tier_listener {
+            size: size_of::<cxlkv_tier_listener>() as u32,
+            reserved: 1,
+            reserved_read: None,
+            read_finished: None,
+            reserved_write: None,
+            write_finished: None,
+            finish_write_and_reserve_read: None,
+            deleted: None,
+            accessed: None,
+            user_data: std::ptr::null_mut(),
+        };
+        // SAFETY: a live listener struct.
+        let s = unsafe { cxlkv_tier_register_listener(tier, &listener) };
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
+        ok(cxlkv_tier_close(tier));
+        close(client, layout);
+    }
+
     const NO_PAGE_FOR_TESTS: cxlkv_tier_page = cxlkv_tier_page {
         code: cxlkv_tier_code::CXLKV_TIER_KEY_NOT_EXIST,
         reserved: 0,

@@ -205,7 +205,7 @@ pub type cxlkv_tier_event_fn = Option<
 pub struct cxlkv_tier_config {
     /// `sizeof(cxlkv_tier_config)` as the caller's header declares it.
     pub size: u32,
-    /// Always 0.
+    /// Always 0 (anything else is refused, `INVALID_ARGUMENT`).
     pub reserved: u32,
     /// How long a write reservation may stay unfinished before the sweeper
     /// reclaims it (1 ms ..= one year).
@@ -326,6 +326,11 @@ pub unsafe extern "C" fn cxlkv_tier_open(
             // SAFETY: passed on to the caller.
             unsafe { args::read_versioned(config, tier_config_defaults(), "config") }?
         };
+        if c.reserved != 0 {
+            // A later version may give it a meaning this library cannot
+            // honour: refused, never ignored.
+            return Err(FfiError::invalid("config->reserved must be 0"));
+        }
         let l = self::layout(layout)?;
         let mut cfg = TierConfig {
             write_ttl: Duration::from_millis(c.write_ttl_ms),
@@ -377,7 +382,7 @@ pub extern "C" fn cxlkv_tier_close(tier: *mut cxlkv_tier) -> cxlkv_status {
 pub struct cxlkv_tier_listener {
     /// `sizeof(cxlkv_tier_listener)` as the caller's header declares it.
     pub size: u32,
-    /// Always 0.
+    /// Always 0 (anything else is refused, `INVALID_ARGUMENT`).
     pub reserved: u32,
     /// `reserve_read` staged these keys (hits only).
     pub reserved_read: cxlkv_tier_keys_fn,
@@ -479,6 +484,10 @@ pub unsafe extern "C" fn cxlkv_tier_register_listener(
         };
         // SAFETY: passed on to the caller.
         let l = unsafe { args::read_versioned(listener, empty, "listener") }?;
+        if l.reserved != 0 {
+            // As `cxlkv_tier_config.reserved`.
+            return Err(FfiError::invalid("listener->reserved must be 0"));
+        }
         Ok(self::tier(tier)?.register_listener(Arc::new(CListener(l)))?)
     })
 }

@@ -238,6 +238,38 @@ mod tests {
     use crate::client::{Client, ClientConfig, LayoutOptions};
     use crate::server::{Server, ServerConfig};
 
+    /// Found by an audit of the C ABI (session 19): `batch_put` allocated
+    /// its pages — asking the directory for a region if need be — before
+    /// checking the keys, which `batch_register` then refused.
+    #[test]
+    fn a_put_with_a_key_the_directory_would_refuse_allocates_nothing() {
+        use crate::client::ClientError;
+        let mut cfg = ServerConfig::ephemeral("put-keys");
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        let server = Server::start(cfg).expect("the server starts");
+        let client = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+        let opts = LayoutOptions {
+            initial_reservation_bytes: 0,
+            region_size_bytes: 4 << 20,
+            auto_expand: true,
+        };
+        let layout = client.layout_with(4096, 7, opts).expect("a layout");
+        let before = client.stats();
+        for key in [Vec::new(), vec![b'k'; 4096]] {
+            assert!(matches!(
+                layout.put(&key, b"bytes"),
+                Err(ClientError::KeyLength { index: 0, .. })
+            ));
+        }
+        let after = client.stats();
+        assert_eq!(after.regions_acquired, before.regions_acquired);
+        assert_eq!(after.requests, before.requests, "nothing was sent");
+        // A valid one does take a region.
+        layout.put(b"k", b"bytes").unwrap();
+        assert_eq!(client.stats().regions_acquired, before.regions_acquired + 1);
+    }
+
     /// Found by an audit (session 19): `publish` at length 0 cleared the
     /// flag, and a `set_len` after it did not set it again, so `register`
     /// published nothing — the chunk's lines stayed dirty in this host's

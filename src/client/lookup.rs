@@ -22,8 +22,12 @@ use super::read::ReadGuard;
 use super::rpc::{Fail, Mode};
 
 impl LayoutHandle {
-    /// Checks a key batch against the session's limits.
-    fn check_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<(), ClientError> {
+    /// Checks a key batch against the session's limits (what the directory
+    /// would refuse), before anything is allocated or sent.
+    pub(super) fn check_keys<'k>(
+        &self,
+        keys: impl ExactSizeIterator<Item = &'k [u8]>,
+    ) -> Result<(), ClientError> {
         let limits = self.shared().limits();
         let max_batch = (limits.max_batch as usize).min(proto::MAX_BATCH);
         if keys.len() > max_batch {
@@ -33,8 +37,8 @@ impl LayoutHandle {
             });
         }
         let max_key = (limits.max_key_bytes as usize).min(proto::MAX_KEY_BYTES);
-        for (index, key) in keys.iter().enumerate() {
-            let len = key.as_ref().len();
+        for (index, key) in keys.enumerate() {
+            let len = key.len();
             if len == 0 || len > max_key {
                 return Err(ClientError::KeyLength {
                     index,
@@ -60,7 +64,7 @@ impl LayoutHandle {
     ) -> Result<Vec<Option<ReadGuard>>, ClientError> {
         let shared = self.shared();
         shared.check_open()?;
-        self.check_keys(keys)?;
+        self.check_keys(keys.iter().map(AsRef::as_ref))?;
         let mut msg = LookupFrom {
             meta: Default::default(),
             layout: self.state.layout,
@@ -184,7 +188,7 @@ impl LayoutHandle {
     pub fn batch_exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>, ClientError> {
         let shared = self.shared();
         shared.check_open()?;
-        self.check_keys(keys)?;
+        self.check_keys(keys.iter().map(AsRef::as_ref))?;
         let mut msg = ExistsFrom {
             meta: Default::default(),
             layout: self.state.layout,
@@ -222,7 +226,7 @@ impl LayoutHandle {
     ) -> Result<Vec<DeleteOutcome>, ClientError> {
         let shared = self.shared();
         shared.check_open()?;
-        self.check_keys(keys)?;
+        self.check_keys(keys.iter().map(AsRef::as_ref))?;
         let mut msg = DeleteFrom {
             meta: Default::default(),
             layout: self.state.layout,

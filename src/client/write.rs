@@ -96,26 +96,11 @@ impl LayoutHandle {
     ) -> Result<Vec<RegisterOutcome>, ClientError> {
         let shared = self.shared();
         shared.check_open()?;
-        let limits = shared.limits();
-        let max_batch = (limits.max_batch as usize).min(proto::MAX_BATCH);
-        if entries.len() > max_batch {
-            return Err(ClientError::BatchTooLarge {
-                len: entries.len(),
-                max: max_batch,
-            });
-        }
-        let max_key = (limits.max_key_bytes as usize).min(proto::MAX_KEY_BYTES);
+        self.check_keys(entries.iter().map(|(k, _)| k.as_ref()))?;
         let n = entries.len();
         let mut pending = Vec::with_capacity(n);
         for (index, (key, mut lease)) in entries.into_iter().enumerate() {
             let key = key.as_ref();
-            if key.is_empty() || key.len() > max_key {
-                return Err(ClientError::KeyLength {
-                    index,
-                    len_bytes: key.len(),
-                    max_bytes: max_key,
-                });
-            }
             if lease.layout_ix() != self.state.ix {
                 return Err(ClientError::ForeignLease { index });
             }
@@ -177,6 +162,8 @@ impl LayoutHandle {
         &self,
         items: &[(K, V)],
     ) -> Result<Vec<RegisterOutcome>, ClientError> {
+        self.shared().check_open()?;
+        self.check_keys(items.iter().map(|(k, _)| k.as_ref()))?;
         let page_size = self.page_size_bytes();
         for (index, (_, v)) in items.iter().enumerate() {
             let len = v.as_ref().len();
