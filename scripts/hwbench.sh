@@ -25,18 +25,28 @@
 #   scripts/bench_report.py RESULTS_DIR
 #
 # Threads and chunk sizes. Scenarios read them from the environment:
-#   CXLKV_BENCH_THREADS=N             (--threads N)
-#   CXLKV_BENCH_CHUNK_SIZES=LIST      (--chunk-sizes LIST, e.g. 64KiB,1MiB,32MiB)
+#   CXLKV_BENCH_THREADS=N             (--threads N): taken by alloc (cases
+#                                     threads=1 and threads=N) and pool (N
+#                                     clients in its multi-client cases)
+#   CXLKV_BENCH_CHUNK_SIZES=LIST      (--chunk-sizes LIST, e.g. 64KiB,1MiB,32MiB):
+#                                     taken by copy (its sizes) and store (one
+#                                     case per size)
 # and, when `cxlkv bench --help` declares the flag, also as `--threads N` /
-# `--chunk-sizes LIST` on the command line. A scenario that does not take
-# them ignores them; the run never fails because of them. (Contract for
-# scenario authors: declare the flags in BenchArgs with
-# `env = "CXLKV_BENCH_THREADS"` / `env = "CXLKV_BENCH_CHUNK_SIZES"`, as
-# `--pool` does with CXLKV_BENCH_POOL, and echo the values used as record
-# fields `threads` / `chunk_bytes`.)
+# `--chunk-sizes LIST` on the command line. A scenario that takes one echoes
+# the value in its records (`threads`, `chunk_bytes`) and refuses a malformed
+# one; the others do not read them. run-info.txt says which of the chosen
+# scenarios took them, and a warning is printed when none did. (Contract for
+# scenario authors: list a scenario that reads one in THREADS_TAKEN_BY /
+# CHUNKS_TAKEN_BY below, and echo the values used as record fields
+# `threads` / `chunk_bytes`.)
 #
-# WARNING for device DAX: scenarios write into the pool. Never point --pool at
-# a device that holds a live cxlkv pool or anyone's data.
+# --pool. Every scenario that starts a server or maps a pool measures on it
+# (each record's `pool` and `dest` fields say so); alloc and directory-memory
+# keep their state in process memory and report pool "none". WARNING: scenarios
+# write into the pool — copy overwrites its first bytes, and before each server
+# starts its header block is zeroed so that a fresh pool manager takes it. A
+# pool that a pool manager on this host is serving is refused; never point
+# --pool at a device that holds a live cxlkv pool or anyone's data.
 #
 # Needs bash >= 4.4 and python3 (standard library only).
 #
@@ -50,6 +60,11 @@ set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
 readonly SCRIPT_DIR REPO_ROOT
+
+# Scenarios that read CXLKV_BENCH_THREADS / CXLKV_BENCH_CHUNK_SIZES
+# (src/bench/mod.rs); kept in step with the scenarios' module docs.
+readonly THREADS_TAKEN_BY="alloc pool"
+readonly CHUNKS_TAKEN_BY="copy store"
 
 # Per-scenario wall-clock limits: a hung scenario must not stall the suite.
 readonly DEFAULT_TIMEOUT_SECS=3600
@@ -75,9 +90,11 @@ Options:
                        report says so)
   --mem-node M         allocate from node M instead of N (e.g. a CPU-less
                        CXL memory node); default: the --numa-node
-  --threads N          threads for scenarios that take them
-  --chunk-sizes LIST   chunk sizes for scenarios that take them,
-                       comma-separated, e.g. 64KiB,1MiB,32MiB
+  --threads N          threads, for the scenarios that take them (alloc,
+                       pool); the others ignore it
+  --chunk-sizes LIST   chunk sizes, comma-separated, e.g. 64KiB,1MiB,32MiB,
+                       for the scenarios that take them (copy, store); the
+                       others ignore it
   --reps N             repetitions per case (default: each scenario's own)
   --quick              CI-sized run (seconds per scenario)
   --scenarios a,b,c    run only these scenarios (default: all listed)
@@ -210,6 +227,15 @@ else
     SCENARIOS=("${ALL_SCENARIOS[@]}")
 fi
 
+# Which of the chosen scenarios take a setting ("a b"), or "" for none.
+takers() {
+    local taken_by="$1" name out=""
+    for name in "${SCENARIOS[@]}"; do
+        [[ " $taken_by " == *" $name "* ]] && out+="${out:+ }$name"
+    done
+    printf '%s' "$out"
+}
+
 # Which optional flags this cxlkv declares; the environment carries them
 # either way.
 bench_help="$("$BINARY" bench --help 2>&1 || true)"
@@ -222,7 +248,14 @@ if [[ -n "$THREADS" ]]; then
     if declares_flag --threads; then
         EXTRA_FLAGS+=(--threads "$THREADS"); THREADS_VIA="passed as --threads and CXLKV_BENCH_THREADS"
     else
-        THREADS_VIA="passed as CXLKV_BENCH_THREADS only: this cxlkv declares no --threads, scenarios that do not read the variable ignore it"
+        THREADS_VIA="passed as CXLKV_BENCH_THREADS"
+    fi
+    taken="$(takers "$THREADS_TAKEN_BY")"
+    if [[ -n "$taken" ]]; then
+        THREADS_VIA+="; taken by: $taken (the other scenarios ignore it)"
+    else
+        THREADS_VIA+="; IGNORED: none of the chosen scenarios takes it (only: $THREADS_TAKEN_BY)"
+        echo "hwbench: WARNING: --threads is ignored: none of the chosen scenarios takes it (only: $THREADS_TAKEN_BY)" >&2
     fi
 fi
 if [[ -n "$CHUNK_SIZES" ]]; then
@@ -230,7 +263,14 @@ if [[ -n "$CHUNK_SIZES" ]]; then
     if declares_flag --chunk-sizes; then
         EXTRA_FLAGS+=(--chunk-sizes "$CHUNK_SIZES"); CHUNKS_VIA="passed as --chunk-sizes and CXLKV_BENCH_CHUNK_SIZES"
     else
-        CHUNKS_VIA="passed as CXLKV_BENCH_CHUNK_SIZES only: this cxlkv declares no --chunk-sizes, scenarios that do not read the variable ignore it"
+        CHUNKS_VIA="passed as CXLKV_BENCH_CHUNK_SIZES"
+    fi
+    taken="$(takers "$CHUNKS_TAKEN_BY")"
+    if [[ -n "$taken" ]]; then
+        CHUNKS_VIA+="; taken by: $taken (the other scenarios ignore it)"
+    else
+        CHUNKS_VIA+="; IGNORED: none of the chosen scenarios takes it (only: $CHUNKS_TAKEN_BY)"
+        echo "hwbench: WARNING: --chunk-sizes is ignored: none of the chosen scenarios takes it (only: $CHUNKS_TAKEN_BY)" >&2
     fi
 fi
 
@@ -250,8 +290,8 @@ if [[ -n "$NUMA_NODE" ]]; then
     fi
 fi
 
-if [[ "$POOL" == /dev/dax* ]]; then
-    echo "hwbench: WARNING: scenarios write into $POOL; it must not hold a live pool or data" >&2
+if [[ -n "$POOL" ]]; then
+    echo "hwbench: WARNING: scenarios write into $POOL (and zero its header block); it must not hold a live pool or data" >&2
 fi
 
 # --- results directory -------------------------------------------------------

@@ -1,10 +1,19 @@
-//! The directory benches' records carry what the issue's checks read
+//! The benches' records carry what the issues' checks and the bench
+//! contract read, each consistent with the others: the directory benches
 //! (`cxlkv bench exists|lookup`: `batch`, `keys_per_s`, `p50_us`, `p99_us`
-//! and a ratio against the raw exchange, per batch of 1, 64 and 512 keys;
-//! `cxlkv bench directory-memory`: `bytes_per_key`), each consistent with
-//! the others. Runs the debug binary's `--quick` form with one repetition:
-//! the figures are meaningless there, their presence and arithmetic are not.
+//! and ratios against the raw exchange, per batch of 1, 64 and 512 keys;
+//! `cxlkv bench directory-memory`: `bytes_per_key`), `rtt` (the backends
+//! that ran, wire sizes, paired ratios, io_uring cases skipped where
+//! io_uring is unavailable), `copy` and `store` (the pool they measured on,
+//! the flushed baseline, chunk sizes from the environment), `share` (the
+//! consumed comparison as `ratio`), `alloc` and `pool` (threads from the
+//! environment). Runs the debug binary's `--quick` form with one
+//! repetition: the figures are meaningless there, their presence and
+//! arithmetic are not.
 
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
@@ -12,10 +21,25 @@ use serde_json::Value;
 /// Runs `cxlkv bench SCENARIO --quick --reps 1 --json`; every line of its
 /// standard output must be one JSON object of that scenario.
 fn bench(scenario: &str) -> Vec<Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-        .args(["bench", scenario, "--quick", "--reps", "1", "--json"])
-        .output()
-        .expect("run cxlkv bench");
+    bench_with(scenario, &[], &[])
+}
+
+/// [`bench`] with more arguments and environment variables.
+fn bench_with(scenario: &str, args: &[&str], env: &[(&str, &str)]) -> Vec<Value> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    cmd.args(["bench", scenario, "--quick", "--reps", "1", "--json"])
+        .args(args)
+        .env_remove("CXLKV_BENCH_POOL")
+        .env_remove("CXLKV_BENCH_THREADS")
+        .env_remove("CXLKV_BENCH_CHUNK_SIZES");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run_bench(scenario, &mut cmd)
+}
+
+fn run_bench(scenario: &str, cmd: &mut Command) -> Vec<Value> {
+    let out = cmd.output().expect("run cxlkv bench");
     assert!(
         out.status.success(),
         "cxlkv bench {scenario} failed: {}",
@@ -32,6 +56,15 @@ fn bench(scenario: &str) -> Vec<Value> {
         for field in ["ours", "baseline", "ratio"] {
             assert!(
                 r[field].as_f64().is_some_and(f64::is_finite),
+                "{scenario} {}: {field} = {:?}",
+                r["case"],
+                r[field]
+            );
+        }
+        // Every record says what memory it measured on.
+        for field in ["pool", "dest"] {
+            assert!(
+                r[field].as_str().is_some_and(|s| !s.is_empty()),
                 "{scenario} {}: {field} = {:?}",
                 r["case"],
                 r[field]
@@ -80,6 +113,18 @@ fn exists_and_lookup_report_the_issue_fields_for_batches_of_1_64_and_512() {
                 close(lo, num(r, "ratio")) && close(hi, num(r, "ratio")),
                 "{scenario} {batch}: one rep's ratio_min {lo} and ratio_max {hi}"
             );
+            assert!(close(num(r, "ratio_paired_median"), num(r, "ratio")));
+            // The server's figures are histogram bounds over every call of
+            // the operation, warm-up included, and named so.
+            assert!(r.get("server_p50_us").is_none() && r.get("server_p99_us").is_none());
+            let (s50, s99) = (num(r, "server_p50_us_le"), num(r, "server_p99_us_le"));
+            assert!(s50 > 0.0 && s99 >= s50, "{scenario} {batch}: {s50} {s99}");
+            assert!(
+                num(r, "server_histogram_calls") >= num(r, "server_timed_calls"),
+                "{scenario} {batch}: the histogram holds the timed calls and the warm-up"
+            );
+            assert_eq!(r["pool"], "default");
+            assert_eq!(r["dest"], "shm");
             assert!(
                 close(num(r, "keys_per_s"), batch as f64 / (p50 * 1e-6)),
                 "{scenario} {batch}: keys_per_s is batch / p50"
@@ -118,4 +163,261 @@ fn directory_memory_reports_resident_bytes_per_key_beyond_the_key_bytes() {
     assert!((16.0..1024.0).contains(&per_key), "{per_key} B/key");
     assert_eq!(num(mem, "target_bytes_per_key"), 96.0);
     assert!(num(mem, "naive_hashmap_bytes_per_key") > 0.0);
+}
+
+/// Checks what every executed `rtt` record carries; returns the `op=get`
+/// record.
+fn check_rtt_records(records: &[Value]) -> &Value {
+    for r in records.iter().filter(|r| r["skipped"] != true) {
+        let case = r["case"].as_str().expect("case");
+        for field in ["server_backend", "client_backend"] {
+            let backend = r[field].as_str().unwrap_or_default();
+            assert!(
+                backend == "uring" || backend == "fallback",
+                "{case}: {field} = {backend:?}"
+            );
+        }
+        let (lo, hi, paired) = (
+            num(r, "ratio_min"),
+            num(r, "ratio_max"),
+            num(r, "ratio_paired_median"),
+        );
+        assert!(lo <= paired && paired <= hi, "{case}: {lo} {paired} {hi}");
+        assert!(num(r, "request_wire_bytes") > 0.0 && num(r, "reply_wire_bytes") > 0.0);
+    }
+    let get = records
+        .iter()
+        .find(|r| r["case"] == "op=get,transport=unix,backend=default")
+        .expect("the op=get case");
+    // The baseline exchanges what one get does: the previous get's Unpin
+    // and this get's Lookup, and their two replies.
+    assert!(close(
+        num(get, "request_wire_bytes"),
+        num(get, "lookup_request_wire_bytes") + num(get, "unpin_request_wire_bytes")
+    ));
+    assert!(close(
+        num(get, "reply_wire_bytes"),
+        num(get, "lookup_reply_wire_bytes") + num(get, "unpin_reply_wire_bytes")
+    ));
+    let per_get = num(get, "requests_per_get");
+    assert!((1.5..=2.5).contains(&per_get), "{per_get} requests per get");
+    get
+}
+
+#[test]
+fn rtt_records_name_their_backends_wire_sizes_and_paired_ratios() {
+    let records = bench("rtt");
+    check_rtt_records(&records);
+    let uring = records
+        .iter()
+        .find(|r| r["case"] == "transport=unix,backend=uring")
+        .expect("the io_uring case is reported, run or skipped");
+    if uring["skipped"] != true {
+        assert_eq!(uring["server_backend"], "uring");
+        assert_eq!(uring["client_backend"], "uring");
+    }
+}
+
+/// A seccomp filter making `io_uring_setup(2)` (425 on every architecture)
+/// fail with `ENOSYS`, as on a kernel without io_uring.
+fn deny_io_uring() -> std::io::Result<()> {
+    let filter = [
+        // Load the system call number.
+        libc::sock_filter {
+            code: 0x20,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        },
+        libc::sock_filter {
+            code: 0x15,
+            jt: 0,
+            jf: 1,
+            k: 425,
+        },
+        libc::sock_filter {
+            code: 0x06,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+        },
+        libc::sock_filter {
+            code: 0x06,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ALLOW,
+        },
+    ];
+    let prog = libc::sock_fprog {
+        len: filter.len() as u16,
+        filter: filter.as_ptr().cast_mut(),
+    };
+    // SAFETY: plain prctl calls on this (child) process; `prog` and the
+    // filter it points to outlive the call, which copies them.
+    unsafe {
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+            || libc::prctl(
+                libc::PR_SET_SECCOMP,
+                libc::SECCOMP_MODE_FILTER,
+                &prog as *const libc::sock_fprog,
+            ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn rtt_without_io_uring_skips_the_io_uring_case_and_reports_the_rest() {
+    let can_filter = {
+        let mut probe = Command::new("true");
+        // SAFETY: the closure only makes async-signal-safe prctl calls.
+        unsafe { probe.pre_exec(deny_io_uring) };
+        probe.status().is_ok_and(|s| s.success())
+    };
+    if !can_filter {
+        eprintln!("skipped: cannot install a seccomp filter here");
+        return;
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    cmd.args(["bench", "rtt", "--quick", "--reps", "1", "--json"])
+        .env_remove("CXLKV_BENCH_POOL")
+        .env_remove("CXLKV_IO");
+    // SAFETY: as above.
+    unsafe { cmd.pre_exec(deny_io_uring) };
+    let records = run_bench("rtt", &mut cmd);
+    let skipped: Vec<&Value> = records.iter().filter(|r| r["skipped"] == true).collect();
+    assert_eq!(skipped.len(), 1, "only the io_uring case is skipped");
+    let uring = skipped[0];
+    assert_eq!(uring["case"], "transport=unix,backend=uring");
+    assert_eq!(uring["ratio"], 0.0);
+    assert!(
+        uring["skip_reason"]
+            .as_str()
+            .is_some_and(|why| why.contains("io_uring")),
+        "{uring}"
+    );
+    // The scenario went on past it, on the fallback backends.
+    check_rtt_records(&records);
+    for r in records.iter().filter(|r| r["skipped"] != true) {
+        assert_eq!(r["server_backend"], "fallback", "{}", r["case"]);
+    }
+    assert!(
+        records
+            .iter()
+            .any(|r| r["case"] == "transport=unix,backend=default,inflight=64")
+    );
+}
+
+/// Bytes of `path` backed by memory (a sparse file's written part).
+fn allocated_bytes(path: &Path) -> u64 {
+    std::fs::metadata(path).expect("the pool file").blocks() * 512
+}
+
+#[test]
+fn copy_and_store_measure_on_the_given_pool_and_report_the_flushed_baseline() {
+    let dir = tempfile::Builder::new()
+        .prefix("cxlkv-bench-test-")
+        .tempdir_in("/dev/shm")
+        .expect("a directory under /dev/shm");
+    let pool = dir.path().join("pool");
+    std::fs::File::create(&pool)
+        .and_then(|f| f.set_len(2 << 30))
+        .expect("a sparse pool file");
+    let pool_arg = pool.to_str().expect("a UTF-8 path");
+
+    let copy = bench_with(
+        "copy",
+        &["--pool", pool_arg],
+        &[("CXLKV_BENCH_CHUNK_SIZES", "64KiB,1MiB")],
+    );
+    let cases: Vec<&str> = copy.iter().filter_map(|r| r["case"].as_str()).collect();
+    assert_eq!(cases, ["size=64KiB,dest=shm", "size=1MiB,dest=shm"]);
+    for r in &copy {
+        assert_eq!(r["pool"], pool_arg);
+        assert_eq!(r["sizes_from"], "CXLKV_BENCH_CHUNK_SIZES");
+        assert_eq!(r["chunk_bytes"], r["size_bytes"]);
+        let flushed = num(r, "baseline_flushed_gbps");
+        assert!(flushed > 0.0);
+        assert!(close(num(r, "ratio_flushed"), num(r, "ours") / flushed));
+        assert!(close(num(r, "ratio"), num(r, "ours") / num(r, "baseline")));
+        // Eight caches' worth per rep, unless the --quick bound (512 MiB)
+        // cuts it.
+        let want = (8.0 * num(r, "llc_bytes")).min(512.0 * 1024.0 * 1024.0);
+        assert!(num(r, "rep_bytes") >= want, "{r}");
+        assert!(r["evict_between"].is_string() && r["flush_instruction"].is_string());
+    }
+    let after_copy = allocated_bytes(&pool);
+
+    // copy overwrote the pool's first bytes: store's server must still take
+    // it, and write its chunks into it.
+    let store = bench_with(
+        "store",
+        &["--pool", pool_arg],
+        &[("CXLKV_BENCH_CHUNK_SIZES", "1MiB")],
+    );
+    assert_eq!(store.len(), 1);
+    let r = &store[0];
+    assert_eq!(r["case"], "chunk=1MiB,batch=16");
+    assert_eq!(r["pool"], pool_arg);
+    assert_eq!(r["dest"], "shm");
+    assert_eq!(r["chunk_bytes"], 1 << 20);
+    assert!(num(r, "baseline_flushed_gbps") > 0.0 && num(r, "nt_gbps") > 0.0);
+    assert!(
+        allocated_bytes(&pool) > after_copy,
+        "store did not write into --pool"
+    );
+    assert!(pool.exists(), "the operator's pool is never removed");
+}
+
+#[test]
+fn share_compares_bytes_consumed_and_keeps_the_views_figures_apart() {
+    for r in &bench("share") {
+        let (ours, base) = (num(r, "ours_consumed_ms"), num(r, "baseline_consumed_ms"));
+        assert!(close(num(r, "ours"), ours) && close(num(r, "baseline"), base));
+        assert!(close(num(r, "ratio"), base / ours));
+        assert!(close(num(r, "ratio_consumed"), num(r, "ratio")));
+        assert!(close(
+            num(r, "ratio_views"),
+            num(r, "baseline_received_ms") / num(r, "ours_views_ms")
+        ));
+        assert!(close(
+            num(r, "chunks_per_s"),
+            num(r, "chunks") / (ours / 1e3)
+        ));
+        assert_eq!(r["pool"], "default");
+    }
+}
+
+#[test]
+fn alloc_and_pool_take_their_threads_from_the_environment() {
+    let threads = [("CXLKV_BENCH_THREADS", "3")];
+    let alloc = bench_with("alloc", &[], &threads);
+    let cases: Vec<&str> = alloc.iter().filter_map(|r| r["case"].as_str()).collect();
+    assert_eq!(cases, ["threads=1", "threads=3"]);
+    for r in &alloc {
+        assert_eq!(r["pool"], "none");
+        assert_eq!(r["dest"], "heap");
+    }
+    let pool = bench_with("pool", &[], &threads);
+    let cases: Vec<&str> = pool.iter().filter_map(|r| r["case"].as_str()).collect();
+    assert_eq!(
+        cases,
+        [
+            "sync=per-record,clients=1",
+            "sync=group,clients=1",
+            "sync=per-record,clients=3",
+            "sync=group,clients=3"
+        ]
+    );
+    assert!(pool.iter().all(|r| r["threads"] == 3));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["bench", "alloc", "--quick", "--json"])
+        .env("CXLKV_BENCH_THREADS", "many")
+        .output()
+        .expect("run cxlkv bench");
+    assert!(!out.status.success(), "a malformed thread count is refused");
+    assert!(out.stdout.is_empty());
 }

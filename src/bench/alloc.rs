@@ -1,7 +1,11 @@
 //! `cxlkv bench alloc`: alloc+free pairs per second of the page allocator
 //! against a `parking_lot::Mutex<Vec<u32>>` free list of the same pages.
 //!
-//! Cases `threads=1` and `threads=2` (both threads on one region). Each
+//! Cases `threads=1` and `threads=2` (both threads on one region), or
+//! `threads=1` and `threads=N` with `CXLKV_BENCH_THREADS=N` (field
+//! `threads`). The allocator's state lives in this process's memory, not
+//! in a pool: `--pool` does not apply (`pool` = `none`, `dest` = `heap`).
+//! Each
 //! repetition times both subjects back to back, alternating which goes first,
 //! on freshly spawned threads that start together behind a barrier after a
 //! warm-up; the figures are the medians over `--reps`. `ours` and `baseline`
@@ -224,7 +228,18 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
     } else {
         PAIRS_PER_THREAD
     };
-    for threads in CASES_THREADS {
+    let cases = match super::env_threads()? {
+        Some(n) if n > 1 => vec![1, n],
+        Some(_) => vec![1],
+        None => CASES_THREADS.to_vec(),
+    };
+    if let Some(pool) = &args.pool {
+        reporter.note(&format!(
+            "alloc: --pool {} does not apply (the allocator's state is in this process's memory)",
+            pool.display()
+        ));
+    }
+    for threads in cases {
         let ours = Subject::ours(PAGE_COUNT)?;
         let magazine_pages = match &ours {
             Subject::Ours(allocator) => allocator.magazine_pages(),
@@ -316,7 +331,10 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
         .with("page_count", PAGE_COUNT)
         .with("magazine_pages", magazine_pages)
         .with("pairs_per_thread", pairs)
-        .with("reps", args.reps as u64);
+        .with("threads", threads as u64)
+        .with("reps", args.reps as u64)
+        .with("pool", "none")
+        .with("dest", "heap");
         reporter.emit(&record)?;
     }
     Ok(())

@@ -3,16 +3,34 @@
 //! Each case copies chunks of one size into a mapped region of the pool and
 //! reports GB/s of [`copy_in`] (`ours`) against `ptr::copy_nonoverlapping`
 //! (`<[u8]>::copy_from_slice`, libc `memcpy`) into the same mapping
-//! (`baseline`, the physical ceiling a user would otherwise get). A third
-//! contestant, the best non-temporal routine forced at every size
-//! (`nt_gbps`), shows where streaming stores win whatever the threshold.
+//! (`baseline`, the physical ceiling a user would otherwise get;
+//! `ratio = ours / baseline`). Two more contestants run in the same reps:
+//! - `baseline_flushed_gbps`: the same `memcpy`, then every line of the
+//!   chunk written back (`clwb`, else `clflushopt`; `flush_instruction`)
+//!   and an `sfence` — what a `memcpy` must add before another host may
+//!   read the chunk from memory shared without coherence (a CXL pool in
+//!   `Flush` visibility), and what our copy's non-temporal stores, ending with
+//!   their own `sfence`, already are;
+//! - `nt_gbps`: the best non-temporal routine forced at every size, which
+//!   shows where streaming stores win whatever the threshold.
 //!
 //! What keeps the comparison honest:
+//! - **No contestant pays for another's write-backs.** `memcpy` leaves up to
+//!   a cache's worth of dirty lines behind, whose write-back would land in
+//!   the next contestant's timer. After each contestant, untimed, every line
+//!   it wrote is written back and evicted (`clflushopt`, else `clflush`, then
+//!   `mfence`; `evict_between`), and so is the whole span before a
+//!   destination's first case: each timer starts with nothing of the
+//!   destination in the cache, dirty or clean.
+//! - **Long enough to pay for its own write-backs.** Each contestant copies
+//!   `rep_bytes` per repetition: at least eight times the last-level cache
+//!   (read from sysfs; bounded, see `MAX_REP_BYTES`), so the write-back of
+//!   `memcpy`'s own dirty lines, which the cache defers, is mostly inside
+//!   its own timer.
 //! - **Streaming destination and source.** Consecutive copies walk through a
-//!   span of at least twice the last-level cache (read from sysfs), for the
-//!   destination (the mapped region) and the source (a heap buffer) alike, and
-//!   the walk continues across contestants and repetitions; so every copy
-//!   finds neither side in cache, as a KV chunk written into the pool does.
+//!   span of at least twice the last-level cache, for the destination (the
+//!   mapped region) and the source (a heap buffer) alike, and the walk
+//!   continues across contestants and repetitions.
 //! - **Prefaulted pages.** The region is mapped with [`Populate::Eager`] and
 //!   the source filled before anything is timed.
 //! - **Interleaving and medians.** Every repetition times all contestants
@@ -23,7 +41,10 @@
 //! default backing) and `dest=hugetlb` (a `MFD_HUGETLB` memfd, after
 //! reserving the 2 MiB huge pages it needs under the shared lock file; skipped
 //! with a note when none can be had). `--pool PATH` measures on that device
-//! or file instead (overwriting its first bytes), named by its kind.
+//! or file instead (overwriting its first bytes; refused while a pool
+//! manager holds it), named by its kind (`dest=devdax`, `dest=hugetlb`,
+//! `dest=shm`, `dest=file`). Sizes: 64 KiB to 64 MiB, or
+//! `CXLKV_BENCH_CHUNK_SIZES` (`sizes_from` says which).
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -32,13 +53,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use super::{Better, Record, Reporter, median};
+use super::pool_target::{self, BenchPool};
+use super::{Better, Record, Reporter, median, size_label};
 use crate::cli::BenchArgs;
 use crate::dataplane::backing::{self, Backing, BackingKind, Extent, OpenOptions};
 use crate::dataplane::copy::{self, CopyPath, copy_in};
 use crate::dataplane::hugepages::{HUGE_PAGE_BYTES, HugePageReservation};
 use crate::dataplane::ids::{PageIndex, RegionId};
 use crate::dataplane::map::{MapObservers, MappedRegion, Populate};
+use crate::dataplane::visibility::{self, Visibility, VisibilityOps};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -48,10 +71,18 @@ const MIB: usize = 1 << 20;
 const SIZES: &[usize] = &[64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB];
 const QUICK_SIZES: &[usize] = &[64 * KIB, MIB, 64 * MIB];
 
-/// Bytes each contestant copies per repetition (at least four chunks): long
-/// enough for a stable rate, short enough for a run well under a minute.
+/// Bytes each contestant copies per repetition (at least four chunks), at
+/// least: long enough for a stable rate. Raised to [`LLC_MULTIPLE`] times
+/// the last-level cache, up to the `MAX_` bound (a run stays in minutes).
 const REP_BYTES: usize = 256 * MIB;
 const QUICK_REP_BYTES: usize = 64 * MIB;
+const MAX_REP_BYTES: usize = 4 << 30;
+const QUICK_MAX_REP_BYTES: usize = 512 * MIB;
+/// Bytes per repetition as a multiple of the last-level cache (module docs).
+pub(super) const LLC_MULTIPLE: usize = 8;
+
+/// Granule of a destination page (a chunk's slot is rounded up to it).
+const PAGE_GRANULE: usize = backing::PAGE_GRANULE_BYTES as usize;
 
 /// Assumed last-level cache size where sysfs does not say.
 const FALLBACK_LLC_BYTES: usize = 64 * MIB;
@@ -59,11 +90,21 @@ const FALLBACK_LLC_BYTES: usize = 64 * MIB;
 /// How long to wait for another process holding the huge page lock.
 const HUGEPAGE_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Bytes per repetition for a cache of `llc_bytes`: `base` raised to
+/// [`LLC_MULTIPLE`] × LLC, at most `max`.
+pub(super) fn rep_bytes_for(llc_bytes: usize, base: usize, max: usize) -> usize {
+    base.max(LLC_MULTIPLE.saturating_mul(llc_bytes)).min(max)
+}
+
 pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
-    let (sizes, rep_bytes) = if args.quick {
-        (QUICK_SIZES, QUICK_REP_BYTES)
+    let (default_sizes, base_rep_bytes, max_rep_bytes) = if args.quick {
+        (QUICK_SIZES, QUICK_REP_BYTES, QUICK_MAX_REP_BYTES)
     } else {
-        (SIZES, REP_BYTES)
+        (SIZES, REP_BYTES, MAX_REP_BYTES)
+    };
+    let (sizes, sizes_from) = match super::env_chunk_sizes()? {
+        Some(sizes) => (sizes, super::CHUNK_SIZES_ENV),
+        None => (default_sizes.to_vec(), "default"),
     };
     let llc_bytes = llc_bytes().unwrap_or_else(|| {
         reporter.note(&format!(
@@ -72,7 +113,19 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
         ));
         FALLBACK_LLC_BYTES
     });
-    let largest = sizes.iter().copied().max().unwrap_or(MIB);
+    let rep_bytes = rep_bytes_for(llc_bytes, base_rep_bytes, max_rep_bytes);
+    if rep_bytes < LLC_MULTIPLE * llc_bytes {
+        reporter.note(&format!(
+            "{} MiB per repetition is less than {LLC_MULTIPLE} x the last-level cache ({} MiB)",
+            rep_bytes / MIB,
+            llc_bytes / MIB
+        ));
+    }
+    let largest = sizes
+        .iter()
+        .map(|s| s.next_multiple_of(PAGE_GRANULE))
+        .max()
+        .unwrap_or(MIB);
     let span_bytes = (2 * llc_bytes)
         .max(2 * largest)
         .next_multiple_of(HUGE_PAGE_BYTES as usize);
@@ -81,14 +134,18 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
         .find(|p| p.is_available());
     let mut plan = Plan {
         sizes,
+        sizes_from,
         rep_bytes,
         reps: args.reps,
         llc_bytes,
         nt,
         source: Source::new(span_bytes),
+        pool: pool_target::DEFAULT_POOL_LABEL.to_owned(),
     };
 
     if let Some(pool) = &args.pool {
+        let target = BenchPool::from_args(args)?;
+        target.check_unused()?;
         let backing = backing::open(pool, &OpenOptions::new())
             .with_context(|| format!("opening --pool {}", pool.display()))?;
         reporter.note(&format!(
@@ -96,12 +153,8 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
             pool.display(),
             backing.kind()
         ));
-        let dest = match backing.kind() {
-            BackingKind::Tmpfs => "shm",
-            BackingKind::Hugetlbfs => "hugetlb",
-            other => other.as_str(),
-        };
-        return plan.measure(reporter, dest, &*backing);
+        plan.pool = target.label();
+        return plan.measure(reporter, target.dest(), &*backing);
     }
 
     let shm = TempPool::create(span_bytes)?;
@@ -130,12 +183,16 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
 
 /// What every destination is measured with.
 struct Plan {
-    sizes: &'static [usize],
+    sizes: Vec<usize>,
+    /// `default`, or the variable the sizes came from.
+    sizes_from: &'static str,
     rep_bytes: usize,
     reps: usize,
     llc_bytes: usize,
     nt: Option<CopyPath>,
     source: Source,
+    /// The `pool` field: `default`, or `--pool`'s path.
+    pool: String,
 }
 
 /// The contestants of one repetition.
@@ -143,7 +200,18 @@ struct Plan {
 enum Contestant {
     Ours,
     Baseline,
+    /// `memcpy`, then the chunk written back and fenced.
+    BaselineFlushed,
     ForcedNt(CopyPath),
+}
+
+/// One chunk size in a mapped span: its slot (the size rounded up to whole
+/// 4 KiB granules) and how many slots the span holds.
+#[derive(Clone, Copy)]
+struct Slots {
+    size: usize,
+    page_bytes: usize,
+    pages: u32,
 }
 
 impl Plan {
@@ -166,8 +234,9 @@ impl Plan {
         }
         let observers = MapObservers::new();
         // SAFETY: this process is the only user of the region (a private
-        // temporary pool, or a pool the operator handed to the bench), writes
-        // go through one page view at a time, and nothing reads the pages.
+        // temporary pool, or a pool the operator handed to the bench and no
+        // pool manager holds), writes go through one page view at a time,
+        // and reads (the evictions) only while no write view exists.
         let region = unsafe {
             MappedRegion::map(
                 backing,
@@ -184,10 +253,18 @@ impl Plan {
                 backing.path().display()
             )
         })?;
+        // Nothing of the span in the cache before the first timer (the
+        // prefault may have zeroed pages through it).
+        evict(
+            region
+                .page(span_bytes, PageIndex(0), span_bytes)?
+                .as_bytes(),
+        );
 
         let mut cursor = Cursor::default();
-        for &size in self.sizes {
-            let Ok(pages) = region.page_count(size) else {
+        for size in self.sizes.clone() {
+            let page_bytes = size.next_multiple_of(PAGE_GRANULE);
+            let Ok(pages) = region.page_count(page_bytes) else {
                 reporter.note(&format!("dest={dest}: size {size} does not fit; skipped"));
                 continue;
             };
@@ -195,8 +272,17 @@ impl Plan {
                 reporter.note(&format!("dest={dest}: size {size} fills the span; skipped"));
                 continue;
             }
+            let slots = Slots {
+                size,
+                page_bytes,
+                pages,
+            };
             let chunks_per_rep = (self.rep_bytes / size).max(4);
-            let mut contestants = vec![Contestant::Ours, Contestant::Baseline];
+            let mut contestants = vec![
+                Contestant::Ours,
+                Contestant::Baseline,
+                Contestant::BaselineFlushed,
+            ];
             if let Some(nt) = self.nt {
                 contestants.push(Contestant::ForcedNt(nt));
             }
@@ -207,8 +293,7 @@ impl Plan {
                     let gbps = self.time_one(
                         &region,
                         contestants[slot],
-                        size,
-                        pages,
+                        slots,
                         chunks_per_rep,
                         &mut cursor,
                     )?;
@@ -218,6 +303,7 @@ impl Plan {
             let mut medians = samples.iter_mut().map(|s| median(s));
             let ours = medians.next().unwrap_or(0.0);
             let baseline = medians.next().unwrap_or(0.0);
+            let baseline_flushed = medians.next().unwrap_or(0.0);
             let nt_gbps = medians.next();
             let mut record = Record::new(
                 "copy",
@@ -229,9 +315,25 @@ impl Plan {
             )
             .with("path", copy::choose_copy_in(size).as_str())
             .with("size_bytes", size)
+            .with("chunk_bytes", size)
+            .with("sizes_from", self.sizes_from)
+            .with("baseline_flushed_gbps", baseline_flushed)
+            .with(
+                "ratio_flushed",
+                if baseline_flushed > 0.0 {
+                    ours / baseline_flushed
+                } else {
+                    0.0
+                },
+            )
+            .with("flush_instruction", visibility::line_flush().as_str())
+            .with("evict_between", visibility::line_evict().as_str())
             .with("reps", self.reps)
+            .with("rep_bytes", chunks_per_rep * size)
             .with("span_bytes", span_bytes)
-            .with("llc_bytes", self.llc_bytes);
+            .with("llc_bytes", self.llc_bytes)
+            .with("pool", self.pool.as_str())
+            .with("dest", dest);
             if let (Some(nt), Some(nt_gbps)) = (self.nt, nt_gbps) {
                 record = record
                     .with("nt_path", nt.as_str())
@@ -243,17 +345,24 @@ impl Plan {
         Ok(())
     }
 
-    /// Copies `chunks` chunks of `size` bytes with one contestant, continuing
-    /// the walk through destination and source; returns GB/s.
+    /// Copies `chunks` chunks with one contestant, continuing the walk
+    /// through destination and source; returns GB/s. Then, untimed, writes
+    /// back and evicts every slot it wrote (module docs).
     fn time_one(
         &mut self,
         region: &MappedRegion,
         contestant: Contestant,
-        size: usize,
-        pages: u32,
+        slots: Slots,
         chunks: usize,
         cursor: &mut Cursor,
     ) -> anyhow::Result<f64> {
+        let Slots {
+            size,
+            page_bytes,
+            pages,
+        } = slots;
+        let first_page = cursor.page;
+        let publish = VisibilityOps::for_mode(Visibility::Flush);
         let start = Instant::now();
         for _ in 0..chunks {
             let index = PageIndex(cursor.page % pages);
@@ -261,18 +370,33 @@ impl Plan {
             let src = self.source.next(size, &mut cursor.source_offset);
             // SAFETY: one view at a time, in a region no one else touches
             // (see `measure`).
-            let mut dst = unsafe { region.page_mut(size, index, size) }?;
+            let mut dst = unsafe { region.page_mut(page_bytes, index, size) }?;
             match contestant {
                 Contestant::Ours => {
                     copy_in(&mut dst, src);
                 }
                 Contestant::Baseline => dst.copy_from_slice(src),
+                Contestant::BaselineFlushed => {
+                    dst.copy_from_slice(src);
+                    publish.publish(&dst);
+                }
                 Contestant::ForcedNt(path) => copy::copy_with(path, &mut dst, src)?,
             }
         }
         let secs = start.elapsed().as_secs_f64();
+        let written = chunks.min(pages as usize) as u32;
+        for k in 0..written {
+            let index = PageIndex(first_page.wrapping_add(k) % pages);
+            evict(region.page(page_bytes, index, size)?.as_bytes());
+        }
         Ok((chunks * size) as f64 / secs.max(1e-9) / 1e9)
     }
+}
+
+/// Writes back and evicts every cache line of `bytes` (`clflushopt`, else
+/// `clflush`, then `mfence`): the next timer finds none of them cached.
+pub(super) fn evict(bytes: &[u8]) {
+    VisibilityOps::for_mode(Visibility::Flush).acquire(bytes);
 }
 
 /// Where the walk through destination pages and source bytes stands.
@@ -402,16 +526,6 @@ fn parse_cache_size(raw: &str) -> Option<usize> {
     value.checked_mul(scale)
 }
 
-fn size_label(size: usize) -> String {
-    if size >= MIB && size.is_multiple_of(MIB) {
-        format!("{}MiB", size / MIB)
-    } else if size.is_multiple_of(KIB) {
-        format!("{}KiB", size / KIB)
-    } else {
-        size.to_string()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -426,10 +540,10 @@ mod tests {
     }
 
     #[test]
-    fn size_labels_use_binary_units() {
-        assert_eq!(size_label(64 * KIB), "64KiB");
-        assert_eq!(size_label(16 * MIB), "16MiB");
-        assert_eq!(size_label(1000), "1000");
+    fn bytes_per_rep_cover_eight_caches_within_the_bound() {
+        assert_eq!(rep_bytes_for(16 * MIB, 256 * MIB, 4 << 30), 256 * MIB);
+        assert_eq!(rep_bytes_for(48 * MIB, 256 * MIB, 4 << 30), 384 * MIB);
+        assert_eq!(rep_bytes_for(1 << 30, 256 * MIB, 4 << 30), 4 << 30);
     }
 
     #[test]

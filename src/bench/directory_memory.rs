@@ -24,6 +24,9 @@
 //! `--reps` passes; `baseline` = the naive `HashMap` (std SipHash) probing the
 //! same keys, so `ratio` = naive ÷ ours. These exclude the transport and the
 //! rkyv decoding that `cxlkv bench exists|lookup` include.
+//!
+//! The directory's state lives in this process's memory, never in a pool:
+//! `--pool` does not apply (`pool` = `none`, `dest` = `heap`).
 
 use std::time::Instant;
 
@@ -234,7 +237,9 @@ pub fn run(args: &BenchArgs, out: &mut Reporter) -> anyhow::Result<()> {
         .with("rss_delta_bytes", after - before)
         .with("page_size_bytes", PAGE_SIZE_BYTES)
         .with("regions", regions.len())
-        .with("reps", 1),
+        .with("reps", 1)
+        .with("pool", "none")
+        .with("dest", "heap"),
     )?;
     out.note(
         "memory: one measurement (RSS is deterministic here; repetitions would reuse freed memory)",
@@ -314,7 +319,9 @@ pub fn run(args: &BenchArgs, out: &mut Reporter) -> anyhow::Result<()> {
                 Better::Lower,
             )
             .with("keys_per_s", 1e9 / ours)
-            .with("reps", args.reps),
+            .with("reps", args.reps)
+            .with("pool", "none")
+            .with("dest", "heap"),
         )?;
     }
     Ok(())

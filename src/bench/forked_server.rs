@@ -9,18 +9,23 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use super::pool_target::{BenchPool, PoolGuard};
 use super::rtt::{Child, fork_child};
 use crate::server::{PoolManagerConfig, Server, ServerConfig};
 
 /// How long the child may take to listen.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The running child; killed (and its socket, pool file and pool-manager
-/// state removed) on drop.
+/// The running child; killed (and its socket, its pool file if temporary,
+/// and its pool-manager state removed) on drop.
 pub(super) struct ForkedServer {
     child: Option<Child>,
     socket: PathBuf,
     pool: PathBuf,
+    /// False for the operator's `--pool`, which is never removed.
+    remove_pool: bool,
+    /// Keeps a `--pool` server's temporary state directory.
+    _pool_guard: PoolGuard,
     /// The embedded pool manager's state (none with a remote one).
     state_dir: Option<PathBuf>,
     /// What the child reported once listening.
@@ -29,10 +34,13 @@ pub(super) struct ForkedServer {
 }
 
 impl ForkedServer {
-    /// Forks a child that runs `Server::start(cfg)` until killed, and waits
-    /// until its socket accepts connections. The calling process must be
-    /// single-threaded (see `fork_child`).
-    pub fn start(cfg: ServerConfig) -> anyhow::Result<Self> {
+    /// Forks a child that runs `Server::start(cfg)` on `target`'s pool
+    /// ([`BenchPool::configure`]) until killed, and waits until its socket
+    /// accepts connections. The calling process must be single-threaded
+    /// (see `fork_child`).
+    pub fn start(mut cfg: ServerConfig, target: &BenchPool) -> anyhow::Result<Self> {
+        let pool_guard = target.configure(&mut cfg)?;
+        let remove_pool = cfg.remove_pool_on_shutdown;
         let socket = cfg.socket_path.clone();
         let pool = cfg.pool_path.clone();
         let state_dir = match cfg.pool_manager_config() {
@@ -61,6 +69,8 @@ impl ForkedServer {
             child: Some(child),
             socket,
             pool,
+            remove_pool,
+            _pool_guard: pool_guard,
             state_dir,
             backend: String::new(),
             tcp_addr: None,
@@ -123,7 +133,9 @@ impl Drop for ForkedServer {
     fn drop(&mut self) {
         drop(self.child.take());
         let _ = std::fs::remove_file(&self.socket);
-        let _ = std::fs::remove_file(&self.pool);
+        if self.remove_pool {
+            let _ = std::fs::remove_file(&self.pool);
+        }
         if let Some(dir) = &self.state_dir {
             let _ = std::fs::remove_dir_all(dir);
         }

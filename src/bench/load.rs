@@ -8,8 +8,11 @@
 //! back (`Lookup` with a pin, read in place, bytes compared, unpin), `exists`
 //! on a key written a few rounds earlier, and `delete` of the oldest key once
 //! the connection keeps [`LIVE_KEYS`] keys — so the server's key count and
-//! memory are steady and any growth is a leak. Every operation is timed;
-//! a failed call or wrong bytes count as an error (none are expected).
+//! memory are steady and any growth is a leak. Every operation is timed,
+//! but only one that succeeded counts in `ops`, the rates and the
+//! latencies; a failed call, wrong bytes, a key `exists` does not find or
+//! a delete that does not delete counts in `errors` instead (none are
+//! expected, and the scenario fails if any occurred).
 //!
 //! **The baseline** is the same workload from **one** connection against
 //! the same server, in the same run (phases alternate, reps interleaved).
@@ -31,6 +34,10 @@
 //! samples).
 //!
 //! Phase length: 10 s (`--quick`: 2 s), or `CXLKV_BENCH_LOAD_PHASE_S`.
+//!
+//! The server's pool is `--pool` when given (its header block zeroed first
+//! and a temporary state directory, see `pool_target`), else a temporary
+//! `/dev/shm` file (`pool`, `dest`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -42,6 +49,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use super::pool_target::BenchPool;
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 use crate::client::{Client, ClientConfig, DeleteOutcome, LayoutHandle, LayoutOptions};
@@ -58,6 +66,8 @@ const FINGERPRINT: u64 = 0x10AD;
 pub const RSS_SAMPLE_EVERY: Duration = Duration::from_millis(250);
 /// Bound on the server's start-up.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// The server's pool size.
+const POOL_BYTES: u64 = 1 << 30;
 const PHASE_S: f64 = 10.0;
 const QUICK_PHASE_S: f64 = 2.0;
 /// Most RSS samples reported in a record (evenly thinned).
@@ -79,7 +89,9 @@ pub struct LoadConfig {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PhaseResult {
     pub connections: usize,
+    /// Operations that succeeded (the rate and latencies are theirs).
     pub ops: u64,
+    /// Operations that failed or answered wrongly (not in `ops`).
     pub errors: u64,
     pub elapsed: Duration,
     pub ops_per_s: f64,
@@ -108,21 +120,29 @@ struct ServeChild {
     child: Child,
     socket: PathBuf,
     pool: PathBuf,
+    /// False for the operator's `--pool`, which is never removed.
+    remove_pool: bool,
     state_dir: PathBuf,
 }
 
 impl ServeChild {
-    fn start(exe: &Path) -> anyhow::Result<Self> {
+    fn start(exe: &Path, target: &BenchPool) -> anyhow::Result<Self> {
         let unique = format!("load-{}-{:x}", std::process::id(), nanos());
         let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
-        let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
         let state_dir = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
+        let (pool, remove_pool) = match target.path() {
+            Some(p) => {
+                target.prepare(POOL_BYTES)?;
+                (p.to_owned(), false)
+            }
+            None => (PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool")), true),
+        };
         let mut child = Command::new(exe)
             .arg("serve")
             .arg("--socket")
             .arg(&socket)
             .arg("--pool")
-            .arg(format!("{},size=1GiB", pool.display()))
+            .arg(format!("{},size={POOL_BYTES}", pool.display()))
             .arg("--state-dir")
             .arg(&state_dir)
             .arg("--grace-ms")
@@ -138,6 +158,7 @@ impl ServeChild {
             child,
             socket,
             pool,
+            remove_pool,
             state_dir,
         };
         let (tx, rx) = mpsc::channel();
@@ -166,7 +187,9 @@ impl Drop for ServeChild {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.socket);
-        let _ = std::fs::remove_file(&self.pool);
+        if self.remove_pool {
+            let _ = std::fs::remove_file(&self.pool);
+        }
         let _ = std::fs::remove_dir_all(&self.state_dir);
     }
 }
@@ -251,17 +274,32 @@ struct Tally {
 }
 
 impl Tally {
-    fn op<T>(&mut self, f: impl FnOnce() -> Result<T, crate::client::ClientError>) -> Option<T> {
+    /// Times `f`; counts it as an operation (with its latency) if it
+    /// succeeded and `ok` accepts its answer, else as an error. Returns
+    /// whether it counted as an operation.
+    fn op<T>(
+        &mut self,
+        f: impl FnOnce() -> Result<T, crate::client::ClientError>,
+        ok: impl FnOnce(&T) -> bool,
+    ) -> bool {
         let start = Instant::now();
         let r = f();
-        self.latency_us.push(start.elapsed().as_secs_f64() * 1e6);
-        self.ops += 1;
+        let us = start.elapsed().as_secs_f64() * 1e6;
         match r {
-            Ok(v) => Some(v),
+            Ok(v) if ok(&v) => {
+                self.ops += 1;
+                self.latency_us.push(us);
+                true
+            }
+            Ok(_) => {
+                self.errors += 1;
+                tracing::warn!("load: a call answered wrongly");
+                false
+            }
             Err(e) => {
                 self.errors += 1;
                 tracing::warn!(error = %e, "load: a call failed");
-                None
+                false
             }
         }
     }
@@ -297,28 +335,25 @@ impl Worker {
         let key = format!("load-{}-{i}", self.id).into_bytes();
         let v = value(self.id, i);
         let layout = &self.layout;
-        if t.op(|| layout.put(&key, &v)).is_none() {
+        if !t.op(|| layout.put(&key, &v), |_| true) {
             return;
         }
-        match t.op(|| layout.get(&key)) {
-            Some(Some(guard)) if guard[..] == v[..] => {}
-            Some(_) => t.errors += 1,
-            None => {}
-        }
+        t.op(
+            || layout.get(&key),
+            |guard| guard.as_ref().is_some_and(|g| g[..] == v[..]),
+        );
         self.live.push_back(key);
         let probe = &self.live[self.live.len() / 2];
-        if t.op(|| layout.exists(probe)) == Some(false) {
-            t.errors += 1;
-        }
+        t.op(|| layout.exists(probe), |found| *found);
         if self.live.len() > LIVE_KEYS {
             let oldest = self
                 .live
                 .pop_front()
                 .expect("invariant: more than LIVE_KEYS");
-            match t.op(|| layout.delete(&oldest)) {
-                Some(DeleteOutcome::Deleted) | None => {}
-                Some(_) => t.errors += 1,
-            }
+            t.op(
+                || layout.delete(&oldest),
+                |outcome| matches!(outcome, DeleteOutcome::Deleted),
+            );
         }
     }
 
@@ -388,11 +423,17 @@ fn phase(workers: &mut [Worker], phase: Duration) -> PhaseResult {
     }
 }
 
-/// Starts the server, connects the clients, runs warm-up then `reps` ×
-/// (baseline, load) phases (alternating which goes first), and reports.
+/// Starts the server on the embedded default pool, connects the clients,
+/// runs warm-up then `reps` × (baseline, load) phases (alternating which
+/// goes first), and reports.
 pub fn run_load(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
+    run_load_on(cfg, &BenchPool::embedded_default())
+}
+
+/// [`run_load`] with the server on `target`'s pool.
+fn run_load_on(cfg: &LoadConfig, target: &BenchPool) -> anyhow::Result<LoadReport> {
     anyhow::ensure!(cfg.connections >= 1 && cfg.reps >= 1, "nothing to run");
-    let server = ServeChild::start(&cfg.cxlkv_exe)?;
+    let server = ServeChild::start(&cfg.cxlkv_exe, target)?;
     let sampler = RssSampler::start(server.pid());
     let result = (|| {
         let mut workers = (0..cfg.connections)
@@ -464,7 +505,8 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
         phase_s,
         RSS_SAMPLE_EVERY.as_millis()
     ));
-    let report = run_load(&cfg)?;
+    let target = BenchPool::from_args(args)?;
+    let report = run_load_on(&cfg, &target)?;
     let med = |v: &[PhaseResult], f: fn(&PhaseResult) -> f64| {
         median(&mut v.iter().map(f).collect::<Vec<_>>())
     };
@@ -494,6 +536,10 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
         med(&report.baseline, |p| p.latency_us_p99),
     )
     .with("ops", report.load.iter().map(|p| p.ops).sum::<u64>())
+    .with(
+        "baseline_ops",
+        report.baseline.iter().map(|p| p.ops).sum::<u64>(),
+    )
     .with("errors", report.errors)
     .with("phase_s", phase_s)
     .with("reps", cfg.reps as u64)
@@ -501,7 +547,7 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     .with("rss_final_kib", report.rss_final_kib)
     .with("rss_max_kib", report.rss_max_kib)
     .with("rss_samples_s_kib", samples);
-    r.emit(&record)?;
+    r.emit(&target.tag(record))?;
     anyhow::ensure!(report.errors == 0, "{} operations failed", report.errors);
     Ok(())
 }

@@ -6,6 +6,22 @@
 //! better: for throughputs `ours / baseline`, for latencies `baseline / ours`.
 //! With `--json` a scenario prints JSON Lines (one object per case) and
 //! nothing else on standard output; without it, a human-readable table.
+//!
+//! **Which pool.** Every scenario that starts a server or maps a pool
+//! measures on `--pool` when given (`pool_target`), and every record of
+//! those says where (`pool`, `dest`).
+//!
+//! **Threads and chunk sizes** come from the environment, as
+//! `scripts/hwbench.sh` passes them: `CXLKV_BENCH_THREADS=N` (taken by
+//! `alloc` and `pool`) and `CXLKV_BENCH_CHUNK_SIZES=64KiB,1MiB,…` (taken by
+//! `copy` and `store`); a scenario that takes one echoes it in its records
+//! (`threads`, `chunk_bytes`), a malformed value is an error, and the other
+//! scenarios do not read them ([`env_threads`], [`env_chunk_sizes`]).
+//! `BenchArgs` declares no `--threads`/`--chunk-sizes` flag, so `cxlkv
+//! bench` refuses those on its command line; were it to gain them (with
+//! these variables as their `env`), the scenarios must read the parsed
+//! flags instead of the environment, or a value given as a flag alone
+//! would be ignored.
 
 pub mod alloc;
 pub mod copy;
@@ -13,6 +29,7 @@ pub mod directory_memory;
 pub(crate) mod forked_server;
 pub mod load;
 pub mod pool;
+pub(crate) mod pool_target;
 pub mod rtt;
 mod rtt_get;
 pub mod server;
@@ -23,6 +40,7 @@ pub mod tier;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use serde::Serialize;
 
 /// Which direction of a figure is better; decides how `ratio` is formed.
@@ -169,6 +187,108 @@ pub fn percentile(samples: &mut [f64], pct: f64) -> f64 {
     samples[rank.clamp(1, samples.len()) - 1]
 }
 
+/// `CXLKV_BENCH_THREADS`: the thread count for scenarios that take one.
+pub const THREADS_ENV: &str = "CXLKV_BENCH_THREADS";
+/// `CXLKV_BENCH_CHUNK_SIZES`: chunk sizes for scenarios that take them.
+pub const CHUNK_SIZES_ENV: &str = "CXLKV_BENCH_CHUNK_SIZES";
+/// Most threads a scenario accepts from [`THREADS_ENV`].
+pub const MAX_THREADS: usize = 1024;
+/// Largest chunk accepted from [`CHUNK_SIZES_ENV`] (1 GiB).
+pub const MAX_CHUNK_BYTES: usize = 1 << 30;
+/// Most sizes in [`CHUNK_SIZES_ENV`].
+pub const MAX_CHUNK_SIZES: usize = 32;
+
+/// The thread count in [`THREADS_ENV`], if set (1..=[`MAX_THREADS`]).
+pub fn env_threads() -> anyhow::Result<Option<usize>> {
+    let Some(raw) = env_value(THREADS_ENV)? else {
+        return Ok(None);
+    };
+    let threads: usize = raw
+        .trim()
+        .parse()
+        .ok()
+        .filter(|n| (1..=MAX_THREADS).contains(n))
+        .ok_or_else(|| {
+            anyhow::anyhow!("{THREADS_ENV}={raw:?} is not a thread count in 1..={MAX_THREADS}")
+        })?;
+    Ok(Some(threads))
+}
+
+/// The sizes in [`CHUNK_SIZES_ENV`], if set: comma-separated, each a number
+/// of bytes with an optional `B`, `KiB`, `MiB` or `GiB`, at most
+/// [`MAX_CHUNK_BYTES`]; duplicates dropped, order kept.
+pub fn env_chunk_sizes() -> anyhow::Result<Option<Vec<usize>>> {
+    let Some(raw) = env_value(CHUNK_SIZES_ENV)? else {
+        return Ok(None);
+    };
+    parse_chunk_sizes(&raw)
+        .map(Some)
+        .with_context(|| format!("{CHUNK_SIZES_ENV}={raw:?}"))
+}
+
+fn env_value(var: &str) -> anyhow::Result<Option<String>> {
+    match std::env::var(var) {
+        Ok(v) if v.trim().is_empty() => Ok(None),
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => anyhow::bail!("{var} is not UTF-8"),
+    }
+}
+
+fn parse_chunk_sizes(raw: &str) -> anyhow::Result<Vec<usize>> {
+    let mut sizes = Vec::new();
+    for item in raw.split(',') {
+        let size = parse_size(item.trim())?;
+        if !sizes.contains(&size) {
+            sizes.push(size);
+        }
+    }
+    anyhow::ensure!(
+        sizes.len() <= MAX_CHUNK_SIZES,
+        "{} sizes; at most {MAX_CHUNK_SIZES}",
+        sizes.len()
+    );
+    Ok(sizes)
+}
+
+/// `4096`, `100B`, `64KiB`, `1MiB`, `1GiB`.
+fn parse_size(item: &str) -> anyhow::Result<usize> {
+    let split = item
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(item.len());
+    let (digits, unit) = item.split_at(split);
+    let scale: usize = match unit {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => anyhow::bail!("{item:?} is not a size like 4096, 64KiB, 1MiB or 1GiB"),
+    };
+    let size = digits
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .with_context(|| format!("{item:?} is not a size like 4096, 64KiB, 1MiB or 1GiB"))?;
+    anyhow::ensure!(
+        (1..=MAX_CHUNK_BYTES).contains(&size),
+        "{item:?} is outside 1 B..=1 GiB"
+    );
+    Ok(size)
+}
+
+/// A size as the cases name it: `64KiB`, `16MiB`, or bytes.
+pub fn size_label(size: usize) -> String {
+    const KIB: usize = 1 << 10;
+    const MIB: usize = 1 << 20;
+    if size >= MIB && size.is_multiple_of(MIB) {
+        format!("{}MiB", size / MIB)
+    } else if size >= KIB && size.is_multiple_of(KIB) {
+        format!("{}KiB", size / KIB)
+    } else {
+        size.to_string()
+    }
+}
+
 /// Times `f` once.
 pub fn time<R>(f: impl FnOnce() -> R) -> (R, Duration) {
     let start = Instant::now();
@@ -197,6 +317,21 @@ mod tests {
         ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }
+    }
+
+    #[test]
+    fn chunk_sizes_parse_with_binary_units_and_bounds() {
+        assert_eq!(
+            parse_chunk_sizes("4096,64KiB,1MiB,1GiB,100B").unwrap(),
+            [4096, 64 << 10, 1 << 20, 1 << 30, 100]
+        );
+        assert_eq!(parse_chunk_sizes("1MiB,1MiB").unwrap(), [1 << 20]);
+        for bad in ["", "0", "2GiB", "1MB", "MiB", "-1", "1.5MiB"] {
+            assert!(parse_chunk_sizes(bad).is_err(), "{bad:?} accepted");
+        }
+        assert_eq!(size_label(64 << 10), "64KiB");
+        assert_eq!(size_label(16 << 20), "16MiB");
+        assert_eq!(size_label(1000), "1000");
     }
 
     #[test]

@@ -19,15 +19,26 @@
 //! machine and the journal, so `ratio` (ours ÷ baseline, in pairs/s) is
 //! expected below 1; the interesting number is how far.
 //!
+//! **Only the operations are timed**, on both sides: each client's
+//! connection and `PoolHello` are made once per case, before the warm-up;
+//! each repetition's client threads are spawned and wait at a barrier, and
+//! the clock starts when they are released and stops when the last one has
+//! finished its pairs.
+//!
 //! Journals go to temporary directories under `/dev/shm` by default (so
 //! `fdatasync` is nearly free and the figures show the service path);
 //! `--state-dir DIR` puts them on a real file system to include the sync.
+//! The daemon serves `--pool` when given (its header block is zeroed first,
+//! see `pool_target`), else a temporary `/dev/shm` file (`pool`, `dest`).
+//! The multi-client cases use `CXLKV_BENCH_THREADS` clients when set (else
+//! 4, 2 with `--quick`; echoed as `threads`).
 //! Fields: `ops_per_s` (alloc+free pairs per second, all clients), `p50_us`,
 //! `p99_us` (one pair's latency), and the baseline's.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -45,6 +56,7 @@ use cxlkv_controlplane::proto::{
 use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient};
 use parking_lot::Mutex;
 
+use super::pool_target::BenchPool;
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 
@@ -158,9 +170,8 @@ fn send_numbered<M: Message>(
     Ok(call)
 }
 
-/// One client thread: `pairs` alloc+free round trips; returns each pair's
-/// latency in µs.
-fn client_pairs(socket: &Path, seqs: &Mutex<u64>, pairs: usize) -> anyhow::Result<Vec<f64>> {
+/// A client connection of the directory, its session opened (`PoolHello`).
+fn connect_client(socket: &Path) -> anyhow::Result<RpcClient> {
     let c = RpcClient::connect(&Endpoint::Unix(socket.to_owned()), ClientConfig::default())?;
     let mut buf = Vec::new();
     payload(
@@ -174,6 +185,13 @@ fn client_pairs(socket: &Path, seqs: &Mutex<u64>, pairs: usize) -> anyhow::Resul
         &mut buf,
     )?;
     let _: PoolWelcome = reply(c.call(PoolHello::KIND.as_u16(), &buf[24..], CALL_TIMEOUT)?)?;
+    Ok(c)
+}
+
+/// One client thread's work: `pairs` alloc+free round trips on `c`;
+/// returns each pair's latency in µs.
+fn client_pairs(c: &RpcClient, seqs: &Mutex<u64>, pairs: usize) -> anyhow::Result<Vec<f64>> {
+    let mut buf = Vec::new();
     let mut out = Vec::with_capacity(pairs);
     for _ in 0..pairs {
         let t = Instant::now();
@@ -189,7 +207,7 @@ fn client_pairs(socket: &Path, seqs: &Mutex<u64>, pairs: usize) -> anyhow::Resul
                 instance_id: "bench".into(),
             },
         };
-        let a: RegionAllocated = reply(send_numbered(&c, seqs, alloc, &mut buf)?.wait()?)?;
+        let a: RegionAllocated = reply(send_numbered(c, seqs, alloc, &mut buf)?.wait()?)?;
         let free = |seq| FreeRegion {
             meta: RequestMeta {
                 seq,
@@ -198,34 +216,44 @@ fn client_pairs(socket: &Path, seqs: &Mutex<u64>, pairs: usize) -> anyhow::Resul
             region: a.handle.region,
             token: a.handle.token,
         };
-        let _: RegionFreed = reply(send_numbered(&c, seqs, free, &mut buf)?.wait()?)?;
+        let _: RegionFreed = reply(send_numbered(c, seqs, free, &mut buf)?.wait()?)?;
         out.push(t.elapsed().as_secs_f64() * 1e6);
     }
     Ok(out)
 }
 
-/// One repetition through the daemon: (pairs/s, latencies µs).
+/// One repetition through the daemon, one thread per connection of
+/// `clients`: (pairs/s, latencies µs). The clock runs from the barrier that
+/// releases the threads until the last has finished.
 fn ours_rep(
-    socket: &Path,
+    clients: &[RpcClient],
     seqs: &Mutex<u64>,
-    case: &Case,
     pairs: usize,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
-    let per_client = pairs / case.clients;
-    let t = Instant::now();
-    let results: Vec<anyhow::Result<Vec<f64>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..case.clients)
-            .map(|_| s.spawn(|| client_pairs(socket, seqs, per_client)))
+    let per_client = pairs / clients.len();
+    let start = Barrier::new(clients.len() + 1);
+    let (results, secs) = std::thread::scope(|s| {
+        let handles: Vec<_> = clients
+            .iter()
+            .map(|c| {
+                let start = &start;
+                s.spawn(move || {
+                    start.wait();
+                    client_pairs(c, seqs, per_client)
+                })
+            })
             .collect();
-        handles
+        start.wait();
+        let t = Instant::now();
+        let results: Vec<anyhow::Result<Vec<f64>>> = handles
             .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
             })
-            .collect()
+            .collect();
+        (results, t.elapsed().as_secs_f64())
     });
-    let secs = t.elapsed().as_secs_f64();
     let mut lat = Vec::with_capacity(pairs);
     for r in results {
         lat.extend(r?);
@@ -355,6 +383,7 @@ struct Places {
     states: tempfile::TempDir,
     state_base: PathBuf,
     pool: PathBuf,
+    target: BenchPool,
 }
 
 fn run_case(
@@ -362,8 +391,12 @@ fn run_case(
     r: &mut Reporter,
     places: &Places,
     case: &Case,
+    threads: Option<usize>,
 ) -> anyhow::Result<()> {
     let pairs = if args.quick { 1_000 } else { 10_000 };
+    // At least ten pairs per client in the warm-up (a tenth), all clients
+    // the same number.
+    let pairs = pairs.max(100 * case.clients);
     let pairs = pairs - pairs % case.clients;
     let socket = places.shm.path().join("pool.sock");
     let states = places.states.path();
@@ -375,8 +408,11 @@ fn run_case(
         case,
     )?;
     let seqs = Mutex::new(1u64);
+    let clients = (0..case.clients)
+        .map(|_| connect_client(&socket))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     // Warm-up, not measured.
-    ours_rep(&socket, &seqs, case, pairs / 10)?;
+    ours_rep(&clients, &seqs, pairs / 10)?;
     baseline.rep(pairs / 10)?;
     let (mut ours_rate, mut base_rate) = (Vec::new(), Vec::new());
     let (mut ours_p50, mut ours_p99, mut base_p50, mut base_p99) =
@@ -386,11 +422,12 @@ fn run_case(
         base_rate.push(rate);
         base_p50.push(percentile(&mut lat, 50.0));
         base_p99.push(percentile(&mut lat, 99.0));
-        let (rate, mut lat) = ours_rep(&socket, &seqs, case, pairs)?;
+        let (rate, mut lat) = ours_rep(&clients, &seqs, pairs)?;
         ours_rate.push(rate);
         ours_p50.push(percentile(&mut lat, 50.0));
         ours_p99.push(percentile(&mut lat, 99.0));
     }
+    drop(clients);
     drop(daemon);
     let (ours, base) = (median(&mut ours_rate), median(&mut base_rate));
     let rec = Record::new(SCENARIO, case.name(), ours, base, "pairs/s", Better::Higher)
@@ -409,13 +446,18 @@ fn run_case(
             "PoolManager + PoolStore in process, same sync policy",
         )
         .with("state_dir", state_base.display().to_string());
-    r.emit(&rec)?;
+    let rec = match threads {
+        Some(n) => rec.with("threads", n as u64),
+        None => rec,
+    };
+    r.emit(&places.target.tag(rec))?;
     Ok(())
 }
 
 /// Entry point (registered in `cli::SCENARIOS`).
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
-    let clients = if args.quick { 2 } else { 4 };
+    let threads = super::env_threads()?;
+    let clients = threads.unwrap_or(if args.quick { 2 } else { 4 });
     let mut cases = vec![
         Case {
             sync: "per-record",
@@ -426,21 +468,26 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
             clients: 1,
         },
     ];
-    cases.push(Case {
-        sync: "per-record",
-        clients,
-    });
-    cases.push(Case {
-        sync: "group",
-        clients,
-    });
+    if clients > 1 {
+        cases.push(Case {
+            sync: "per-record",
+            clients,
+        });
+        cases.push(Case {
+            sync: "group",
+            clients,
+        });
+    }
     let state_base = args
         .state_dir
         .clone()
         .unwrap_or_else(|| PathBuf::from("/dev/shm"));
+    let target = BenchPool::from_args(args)?;
+    // The daemon's state directory is new: the pool must look fresh to it.
+    target.prepare(POOL_BYTES)?;
     let shm = temp_dir(Path::new("/dev/shm"), "run")?;
-    let pool = match &args.pool {
-        Some(p) => p.clone(),
+    let pool = match target.path() {
+        Some(p) => p.to_owned(),
         None => shm.path().join("pool"),
     };
     let places = Places {
@@ -448,10 +495,11 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
         shm,
         state_base,
         pool,
+        target,
     };
     for case in &cases {
         r.note(&format!("pool: {}", case.name()));
-        run_case(args, r, &places, case)?;
+        run_case(args, r, &places, case, threads)?;
     }
     Ok(())
 }

@@ -21,8 +21,26 @@
 //! decode, no directory. `ratio` = raw p50 ÷ our p50 (1 would be the floor).
 //! The raw child spins without pause, so it is started for its own
 //! measurement and killed after; ours sleeps after `spin_us` idle and stays
-//! up for the case. Reps alternate raw and ours; each rep's p50 is taken and
-//! the median over reps is reported.
+//! up for the case. Reps alternate raw and ours; each rep's p50 is taken.
+//! `ours` and `baseline` are the medians over reps of our p50 and the raw
+//! p50, and `ratio` = median raw p50 ÷ median our p50 (a ratio of medians:
+//! the two medians may come from different reps). `ratio_paired_median` is
+//! the median of the reps' own ratios (each rep's raw p50 ÷ its p50), and
+//! `ratio_min`/`ratio_max` their extremes; where `ratio` and
+//! `ratio_paired_median` differ, the host drifted between reps.
+//!
+//! **Backends.** Every record names the transport backends that actually
+//! ran (`server_backend`, `client_backend`): `backend=default` resolves
+//! `CXLKV_IO` or the measured default, and falls back to epoll where
+//! io_uring cannot be set up. A case that asks for io_uring on an end
+//! (`backend=uring`, the `sqpoll`/`taskrun`/`client=uring` variants) is
+//! probed first (`probe_uring`, with that end's flags); where io_uring is
+//! unavailable it is not run but reported with `skipped: true`, the reason
+//! (`skip_reason`), zeros for `ours`, `baseline` and `ratio`, and a note on
+//! standard error, and the scenario goes on.
+//!
+//! The server's pool is `--pool` when given (`pool`, `dest`); a one-key
+//! `Exists` does not touch the pool's memory, so it is named, not measured.
 
 use std::io;
 use std::net::{TcpListener, TcpStream};
@@ -34,19 +52,16 @@ use anyhow::Context;
 use cxlkv_controlplane::frame::{Frame, frame_len};
 use cxlkv_controlplane::proto::{self, Kind as MsgKind, RequestMeta};
 use cxlkv_controlplane::transport::{
-    BackendChoice, ClientConfig, Endpoint, IoConfig, Reply, RpcClient, TaskRun, sys,
+    BackendChoice, ClientConfig, Endpoint, IoConfig, Reply, RpcClient, TaskRun, probe_uring, sys,
 };
 
 use super::forked_server::{ForkedServer, bench_config};
+use super::pool_target::BenchPool;
 use super::server::{Client as SessionClient, LAYOUT, key, payload, populate};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 
 const SCENARIO: &str = "rtt";
-/// Wire sizes of a one-key request and its reply as the `op=get` case's
-/// baseline uses them (a 150-byte and a 100-byte payload).
-pub(super) const ONE_KEY_REQUEST_WIRE_BYTES: usize = frame_len(150);
-pub(super) const ONE_KEY_REPLY_WIRE_BYTES: usize = frame_len(100);
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on every raw-socket wait (the raw peers spin, so this is a hang guard).
 const RAW_TIMEOUT: Duration = Duration::from_secs(10);
@@ -132,7 +147,7 @@ struct Ours {
 
 /// Starts the directory server in a child process, opens a session,
 /// registers one key, and measures the wire size of the timed exchange.
-fn start_ours(case: &Case) -> anyhow::Result<Ours> {
+fn start_ours(case: &Case, target: &BenchPool) -> anyhow::Result<Ours> {
     let (io, client_cfg) = case.configs();
     let mut cfg = bench_config("bench-rtt", POOL_BYTES);
     cfg.io = io;
@@ -146,7 +161,7 @@ fn start_ours(case: &Case) -> anyhow::Result<Ours> {
         // comparison at Hello, outside the timed requests.
         cfg.tcp_insecure_no_secret = true;
     }
-    let server = ForkedServer::start(cfg)?;
+    let server = ForkedServer::start(cfg, target)?;
     let ep = match case.kind {
         Kind::Unix => Endpoint::Unix(server.socket().to_owned()),
         Kind::Tcp => Endpoint::Tcp(
@@ -349,7 +364,37 @@ fn our_latencies(ours: &Ours, n: usize, gap: Option<Duration>) -> anyhow::Result
     Ok(out)
 }
 
-fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Result<()> {
+/// The reps' own ratios, `raw[i] / ours[i]` for latencies (or `ours[i] /
+/// raw[i]` for rates, with `rates`), before any median reorders them.
+pub(super) fn paired_ratios(raw: &[f64], ours: &[f64], rates: bool) -> Vec<f64> {
+    raw.iter()
+        .zip(ours)
+        .map(|(&r, &o)| match (rates, r > 0.0 && o > 0.0) {
+            (_, false) => 0.0,
+            (false, true) => r / o,
+            (true, true) => o / r,
+        })
+        .collect()
+}
+
+/// Adds `ratio_paired_median`, `ratio_min` and `ratio_max` from the reps'
+/// own ratios (module docs).
+pub(super) fn with_paired(record: Record, mut ratios: Vec<f64>) -> Record {
+    record
+        .with("ratio_paired_median", median(&mut ratios))
+        .with("ratio_min", percentile(&mut ratios, 0.0))
+        .with("ratio_max", percentile(&mut ratios, 100.0))
+}
+
+fn latency_case(
+    args: &BenchArgs,
+    r: &mut Reporter,
+    case: &Case,
+    target: &BenchPool,
+) -> anyhow::Result<()> {
+    if let Some(why) = uring_unavailable(case) {
+        return skip(r, case, "us", &why, target);
+    }
     let n = case
         .round_trips
         .unwrap_or(match (args.quick, case.idle_gap.is_some()) {
@@ -358,7 +403,7 @@ fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Resu
             (false, true) => 500,
             (false, false) => 20_000,
         });
-    let ours = start_ours(case)?;
+    let ours = start_ours(case, target)?;
     let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.reps {
         let sizes = (ours.request_wire_bytes, ours.reply_wire_bytes);
@@ -368,14 +413,12 @@ fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Resu
         ours_p50.push(percentile(&mut ours, 50.0));
         all_ours.extend(ours);
     }
+    let ratios = paired_ratios(&raw_p50, &ours_p50, false);
     let (p50, base) = (median(&mut ours_p50), median(&mut raw_p50));
-    let mut ratios: Vec<f64> = raw_p50.iter().zip(&ours_p50).map(|(r, o)| r / o).collect();
     let rec = Record::new(SCENARIO, case.name, p50, base, "us", Better::Lower)
         .with("p50_us", p50)
         .with("p99_us", percentile(&mut all_ours, 99.0))
         .with("raw_p50_us", base)
-        .with("ratio_min", percentile(&mut ratios, 0.0))
-        .with("ratio_max", percentile(&mut ratios, 100.0))
         .with("handler", "directory")
         .with("request", "exists, one 100-byte key (present)")
         .with("server", "forked process")
@@ -385,15 +428,63 @@ fn latency_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Resu
         .with("reps", args.reps as u64)
         .with("request_wire_bytes", ours.request_wire_bytes as u64)
         .with("reply_wire_bytes", ours.reply_wire_bytes as u64);
-    r.emit(&rec)?;
+    r.emit(&target.tag(with_paired(rec, ratios)))?;
     Ok(())
+}
+
+/// Why `case` cannot run on this host: an end that asks for io_uring
+/// (explicitly, or through `CXLKV_IO`) where io_uring with that end's flags
+/// cannot be set up.
+fn uring_unavailable(case: &Case) -> Option<String> {
+    let (server, client) = case.configs();
+    [("server", &server), ("client", &client.io)]
+        .into_iter()
+        .filter(|(_, io)| matches!(io.backend.resolve_env(), Ok(BackendChoice::Uring)))
+        .find_map(|(end, io)| probe_uring(io).err().map(|e| format!("{end}: {e}")))
+}
+
+/// Reports `case` as not run (module docs).
+fn skip(
+    r: &mut Reporter,
+    case: &Case,
+    unit: &str,
+    why: &str,
+    target: &BenchPool,
+) -> anyhow::Result<()> {
+    r.note(&format!("rtt {}: skipped: {why}", case.name));
+    let rec = Record::new(SCENARIO, case.name, 0.0, 0.0, unit, Better::Lower)
+        .with("skipped", true)
+        .with("skip_reason", why)
+        .with("server_backend", "none")
+        .with("client_backend", "none")
+        .with("server_backend_requested", choice_name(case.server))
+        .with("client_backend_requested", choice_name(case.client));
+    r.emit(&target.tag(rec))?;
+    Ok(())
+}
+
+fn choice_name(choice: BackendChoice) -> &'static str {
+    match choice {
+        BackendChoice::Auto => "default",
+        BackendChoice::Uring => "uring",
+        BackendChoice::Fallback => "fallback",
+        _ => "other",
+    }
 }
 
 const INFLIGHT: usize = 64;
 
-fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::Result<()> {
+fn throughput_case(
+    args: &BenchArgs,
+    r: &mut Reporter,
+    case: &Case,
+    target: &BenchPool,
+) -> anyhow::Result<()> {
+    if let Some(why) = uring_unavailable(case) {
+        return skip(r, case, "req/s", &why, target);
+    }
     let rounds = if args.quick { 200 } else { 2_000 };
-    let ours = start_ours(case)?;
+    let ours = start_ours(case, target)?;
     let client = &ours.client;
     let (req_bytes, rep_bytes) = (ours.request_wire_bytes, ours.reply_wire_bytes);
     let (mut ours_rate, mut raw_rate) = (Vec::new(), Vec::new());
@@ -422,6 +513,7 @@ fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::R
         }
         ours_rate.push((rounds * INFLIGHT) as f64 / t.elapsed().as_secs_f64());
     }
+    let ratios = paired_ratios(&raw_rate, &ours_rate, true);
     let (rate, base) = (median(&mut ours_rate), median(&mut raw_rate));
     let rec = Record::new(SCENARIO, case.name, rate, base, "req/s", Better::Higher)
         .with("handler", "directory")
@@ -430,8 +522,10 @@ fn throughput_case(args: &BenchArgs, r: &mut Reporter, case: &Case) -> anyhow::R
         .with("server_backend", ours.server_backend.as_str())
         .with("client_backend", client.backend().to_string())
         .with("inflight", INFLIGHT as u64)
-        .with("reps", args.reps as u64);
-    r.emit(&rec)?;
+        .with("reps", args.reps as u64)
+        .with("request_wire_bytes", req_bytes as u64)
+        .with("reply_wire_bytes", rep_bytes as u64);
+    r.emit(&target.tag(with_paired(rec, ratios)))?;
     Ok(())
 }
 
@@ -444,6 +538,7 @@ const SQPOLL_ROUND_TRIPS: usize = 200;
 /// Entry point (registered in `cli::SCENARIOS`).
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     use BackendChoice::{Auto, Fallback, Uring};
+    let target = BenchPool::from_args(args)?;
     let case = |name, kind, (server, client), tweak: Tweak, idle_gap| Case {
         name,
         kind,
@@ -500,9 +595,9 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
         ),
     ];
     for c in &latency {
-        latency_case(args, r, c)?;
+        latency_case(args, r, c, &target)?;
     }
-    super::rtt_get::run(args, r)?;
+    super::rtt_get::run(args, r, &target)?;
     throughput_case(
         args,
         r,
@@ -513,6 +608,7 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
             no_tweak,
             None,
         ),
+        &target,
     )?;
     if !args.quick {
         // The measurements behind the defaults (module essay of `transport`).
@@ -574,7 +670,7 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
                 // host (see the transport essay): keep the case short.
                 c.round_trips = Some(SQPOLL_ROUND_TRIPS);
             }
-            latency_case(args, r, &c)?;
+            latency_case(args, r, &c, &target)?;
         }
     }
     let _ = std::fs::remove_file(temp_socket_path("ours"));

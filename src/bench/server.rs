@@ -34,9 +34,22 @@
 //! ratios (each rep's raw p50 ÷ its p50): on a shared host the raw exchange
 //! drifts between phases, and the spread shows how far one run's ratio can
 //! be trusted (`cxlkv bench rtt` reports the same pair).
-//! `server_p50_us`/`server_p99_us` are the server's own time per call (frame
-//! received → reply queued, from its statistics; each case runs against a
-//! fresh server): the rest of a call is the transport and the client.
+//! `ratio_paired_median` is the median of those per-rep ratios; `ratio`
+//! itself is a ratio of medians (median raw p50 ÷ median p50), which can
+//! differ from it when the host drifts between reps.
+//!
+//! `server_p50_us_le`/`server_p99_us_le` are the server's own time per call
+//! (frame received → reply queued), from its statistics, and they are
+//! **bounds, not measurements**: the server keeps a log-linear histogram
+//! (8 buckets per power of two) and reports the upper edge of the bucket
+//! the percentile falls in (capped at the largest value seen), so the true
+//! percentile lies up to 12.5 % below. The statistics expose only these
+//! percentiles and a count, not the buckets, so they cannot be restricted
+//! to the timed calls: each case runs against a fresh server, and the
+//! histogram holds every call of the operation it has answered before the
+//! figures are read — the warm-up calls of every rep as well as the timed
+//! ones (`server_histogram_calls`, against `server_timed_calls`). The rest
+//! of a call is the transport and the client.
 //! `keys_per_s` is `batch / p50`: what one caller gets at the typical call
 //! time (a mean would mostly measure the other processes of a busy host).
 //! `server_backend` is the transport the forked server runs on (`uring`
@@ -61,7 +74,8 @@ use cxlkv_controlplane::proto::{self, Kind, Layout, Message, RequestMeta};
 use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient};
 
 use super::forked_server::ForkedServer;
-use super::rtt::{Kind as Transport, raw_latencies};
+use super::pool_target::BenchPool;
+use super::rtt::{Kind as Transport, paired_ratios, raw_latencies, with_paired};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 use crate::server::ServerConfig;
@@ -99,14 +113,14 @@ impl Op {
     }
 }
 
-fn start_server() -> anyhow::Result<ForkedServer> {
+fn start_server(target: &BenchPool) -> anyhow::Result<ForkedServer> {
     let mut cfg = ServerConfig::ephemeral("bench");
     cfg.default_region_bytes = REGION_BYTES;
     cfg.pool_size_bytes = 512 << 20;
     // The session is idle while the raw baseline runs, which on a loaded
     // host can take longer than the default lease.
     cfg.directory.session_lease = Duration::from_secs(3600);
-    ForkedServer::start(cfg)
+    ForkedServer::start(cfg, target)
 }
 
 /// The client side: a session, its sequence numbers, encoding scratch.
@@ -135,7 +149,7 @@ impl Client {
         })
     }
 
-    fn seq(&mut self) -> RequestMeta {
+    pub(super) fn seq(&mut self) -> RequestMeta {
         let seq = self.next_seq;
         self.next_seq += 1;
         RequestMeta {
@@ -146,7 +160,7 @@ impl Client {
     }
 
     /// Sends a request and checks that the reply is `R` (not an error).
-    fn call<M: Message, R: Message>(&mut self, msg: &M) -> anyhow::Result<R> {
+    pub(super) fn call<M: Message, R: Message>(&mut self, msg: &M) -> anyhow::Result<R> {
         let p = payload(&mut self.buf, msg)?;
         let reply = self.rpc.call(M::KIND.as_u16(), &p, CALL_TIMEOUT)?;
         let frame = Frame {
@@ -356,9 +370,16 @@ fn calls_for(batch: usize, quick: bool) -> usize {
     if quick { full / 10 } else { full }
 }
 
-/// The server's own time for `kind` (frame received → reply queued), p50
-/// and p99 in µs, from its statistics.
-fn server_latency(c: &mut Client, kind: Kind) -> anyhow::Result<(f64, f64)> {
+/// The server's statistics for `kind` (frame received → reply queued):
+/// p50 and p99 as bucket upper bounds in µs, and how many calls the
+/// histogram holds (module docs).
+struct ServerLatency {
+    p50_us_le: f64,
+    p99_us_le: f64,
+    calls: u64,
+}
+
+fn server_latency(c: &mut Client, kind: Kind) -> anyhow::Result<ServerLatency> {
     let stats: proto::StatsReply = c.call(&proto::Stats {
         meta: RequestMeta::default(),
         sections: 0,
@@ -369,17 +390,19 @@ fn server_latency(c: &mut Client, kind: Kind) -> anyhow::Result<(f64, f64)> {
         .iter()
         .find(|o| o.kind == kind.as_u16())
         .context("no statistics for the operation")?;
-    Ok((
-        op.latency.p50_ns as f64 / 1e3,
-        op.latency.p99_ns as f64 / 1e3,
-    ))
+    Ok(ServerLatency {
+        p50_us_le: op.latency.p50_ns as f64 / 1e3,
+        p99_us_le: op.latency.p99_ns as f64 / 1e3,
+        calls: op.latency.count,
+    })
 }
 
 fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
+    let target = BenchPool::from_args(args)?;
     for batch in BATCHES {
         // A fresh server per case, so that its latency statistics are this
         // case's.
-        let server = start_server()?;
+        let server = start_server(&target)?;
         let server_backend = server.backend().to_owned();
         let mut c = Client::connect(
             &Endpoint::Unix(server.socket().to_owned()),
@@ -403,7 +426,7 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
             Op::Lookup => Kind::Lookup,
         };
         // Read before the floor runs, whose calls the server counts too.
-        let (server_p50, server_p99) = server_latency(&mut c, kind)?;
+        let server_latency = server_latency(&mut c, kind)?;
         let floor = match op {
             Op::Exists => Some(floor(
                 &mut c,
@@ -419,7 +442,7 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         drop(server);
         // Each rep's own ratio (its raw exchange against its calls), before
         // the medians reorder the p50s.
-        let mut ratios: Vec<f64> = raw_p50.iter().zip(&ours_p50).map(|(r, o)| r / o).collect();
+        let ratios = paired_ratios(&raw_p50, &ours_p50, false);
         let (p50, base) = (median(&mut ours_p50), median(&mut raw_p50));
         let keys_per_s = batch as f64 / (p50 * 1e-6);
         let rec = Record::new(
@@ -435,10 +458,14 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         .with("p50_us", p50)
         .with("p99_us", percentile(&mut all_ours, 99.0))
         .with("raw_p50_us", base)
-        .with("ratio_min", percentile(&mut ratios, 0.0))
-        .with("ratio_max", percentile(&mut ratios, 100.0))
-        .with("server_p50_us", server_p50)
-        .with("server_p99_us", server_p99)
+        .with("server_p50_us_le", server_latency.p50_us_le)
+        .with("server_p99_us_le", server_latency.p99_us_le)
+        .with("server_histogram_calls", server_latency.calls)
+        .with("server_timed_calls", (calls * args.reps) as u64)
+        .with(
+            "server_latency_is",
+            "bucket upper bounds (8 buckets per power of two) over every call since the server started, warm-up included",
+        )
         .with("key_bytes", KEY_BYTES as u64)
         .with("pins", u64::from(op == Op::Lookup))
         .with("server", "forked process")
@@ -447,6 +474,7 @@ fn run_op(args: &BenchArgs, r: &mut Reporter, op: Op) -> anyhow::Result<()> {
         .with("reps", args.reps as u64)
         .with("request_wire_bytes", req_wire as u64)
         .with("reply_wire_bytes", rep_wire as u64);
+        let rec = target.tag(with_paired(rec, ratios));
         let rec = match floor {
             Some((floor_p50, floor_raw_p50)) => rec
                 .with("floor_p50_us", floor_p50)

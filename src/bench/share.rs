@@ -9,18 +9,29 @@
 //! repetition, interleaved:
 //!
 //! - **ours**: `batch_get` of the 16 keys returning pinned views (one
-//!   `Lookup` round trip) — `ratio` compares the time until the reader holds
-//!   readable bytes; then a checksum over every byte of the views —
-//!   `ratio_consumed` compares that total;
+//!   `Lookup` round trip), then a checksum over every byte of the views;
 //! - **baseline**: a one-byte request, then `read_exact` of the 64 MiB into a
-//!   reader-owned, prefaulted buffer (the transfer completing); then the
+//!   reader-owned, prefaulted buffer (the transfer completing), then the
 //!   same checksum over the buffer.
+//!
+//! `ours`, `baseline` and `ratio` compare the like-for-like total: request
+//! to every byte read once (`ours_consumed_ms`, `baseline_consumed_ms`;
+//! `ratio_consumed` is the same ratio, kept for the documented target), and
+//! `chunks_per_s` is chunks over that time. The split is kept as extra
+//! fields, not as the headline, because its two halves do different work:
+//! `ours_views_ms` is until the reader holds pinned views (no byte of the
+//! chunks read yet), `baseline_received_ms` until the transfer has landed
+//! every byte in the reader's buffer; `ratio_views` and
+//! `chunks_per_s_views` are from those.
 //!
 //! Both checksums must equal the writer's. Cases: `warm` — one reader
 //! client for the whole case, its mapping of the writer's region made (and
 //! its page tables filled) by a warm-up read; `cold` — a new reader client
 //! per repetition, so the timed `batch_get` maps the writer's region and
 //! the checksum takes the page faults of a fresh mapping.
+//!
+//! The server's pool is `--pool` when given (`pool`, `dest`): the reader's
+//! checksum then reads the device.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -31,6 +42,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use super::forked_server::{ForkedServer, PEER_TIMEOUT, bench_config, checksum};
+use super::pool_target::BenchPool;
 use super::rtt::fork_child;
 use super::{Better, Record, Reporter, median};
 use crate::cli::BenchArgs;
@@ -51,7 +63,8 @@ fn keys() -> Vec<Vec<u8>> {
 /// Entry point (registered in `cli::SCENARIOS`). Forks before any thread of
 /// this process exists.
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
-    let server = ForkedServer::start(bench_config("bench-share", 512 << 20))?;
+    let target = BenchPool::from_args(args)?;
+    let server = ForkedServer::start(bench_config("bench-share", 512 << 20), &target)?;
     let (ready_rx, ready_tx) = UnixStream::pair().context("socket pair")?;
     let socket = server.socket().to_owned();
     let _writer = fork_child(move || {
@@ -111,21 +124,40 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
         if let Some(c) = warm_client {
             c.close()?;
         }
-        let (o, b) = (median(&mut ours.ready), median(&mut theirs.ready));
+        let (views, received) = (median(&mut ours.ready), median(&mut theirs.ready));
         let (oc, bc) = (median(&mut ours.consumed), median(&mut theirs.consumed));
         let name = if cold { "cold" } else { "warm" };
-        let rec = Record::new(SCENARIO, name, o, b, "ms", Better::Lower)
-            .with("ratio_consumed", if oc > 0.0 { bc / oc } else { 0.0 })
+        let rec = Record::new(SCENARIO, name, oc, bc, "ms", Better::Lower);
+        let ratio = rec.ratio;
+        let rec = rec
+            .with("ratio_consumed", ratio)
             .with("ours_consumed_ms", oc)
             .with("baseline_consumed_ms", bc)
-            .with("chunks_per_s", CHUNKS as f64 / (o / 1e3))
+            .with("chunks_per_s", per_s(oc))
+            .with(
+                "ratio_views",
+                if views > 0.0 { received / views } else { 0.0 },
+            )
+            .with("ours_views_ms", views)
+            .with("baseline_received_ms", received)
+            .with("chunks_per_s_views", per_s(views))
             .with("chunks", CHUNKS as u64)
             .with("chunk_bytes", CHUNK_BYTES as u64)
             .with("baseline_kind", "loopback TCP into a reader-owned buffer")
             .with("reps", args.reps as u64);
+        let rec = target.tag(rec);
         r.emit(&rec)?;
     }
     Ok(())
+}
+
+/// Chunks per second for a read of all of them in `ms` milliseconds.
+fn per_s(ms: f64) -> f64 {
+    if ms > 0.0 {
+        CHUNKS as f64 / (ms / 1e3)
+    } else {
+        0.0
+    }
 }
 
 fn ms(d: Duration) -> f64 {

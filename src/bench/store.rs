@@ -1,95 +1,179 @@
 //! `cxlkv bench store`: `batch_put` into the shared pool through the client
 //! (allocate, copy, publish, one `Register` round trip per batch) against a
-//! plain `memcpy` of the same bytes into the same kind of mapping — the
-//! physical ceiling of storing a chunk.
+//! plain `memcpy` of the same bytes into the same pool — the physical
+//! ceiling of storing a chunk.
 //!
 //! What keeps the comparison honest:
 //! - **Same bytes, same memory, same footprint.** Both contestants copy the
-//!   same source chunks into `MAP_SHARED`, prefaulted `/dev/shm` mappings.
-//!   Ours keeps the last `W` batches registered and deletes the batch before
-//!   them after each put, so its pages cycle through `W + 1` batches' worth of
-//!   memory (at least twice the last-level cache) and every put finds cold
-//!   pages, as a KV cache being filled does; the baseline cycles its
-//!   destination through a footprint of the same size.
+//!   same source chunks into prefaulted `MAP_SHARED` mappings of the same
+//!   pool: `--pool` (a CXL device, a hugetlbfs file, …) or the embedded
+//!   default under `/dev/shm` (`pool`, `dest`). Ours keeps the last `W`
+//!   batches registered and deletes the batch before them after each put,
+//!   so its pages cycle through `W + 1` batches' worth of memory (at least
+//!   twice the last-level cache) and every put finds cold pages, as a KV
+//!   cache being filled does; the baseline cycles its destination through a
+//!   footprint of the same size, in a region the same server's pool manager
+//!   granted (so on a device it is the device's memory, and never pages ours
+//!   is using).
 //! - **Only the operation is timed.** Ours times `batch_put` alone (the
 //!   delete that recycles pages is outside the timer); the baseline times the
 //!   copies alone.
+//! - **No contestant pays for another's write-backs.** `memcpy` leaves up to
+//!   a cache's worth of dirty lines behind. After each contestant, untimed,
+//!   every line it may have left in the cache is written back and evicted
+//!   (`clflushopt`, else `clflush`; our live batches through read views,
+//!   the baseline's whole region), so each timer starts clean.
+//! - **Long enough to pay for its own write-backs.** Each contestant stores
+//!   `rep_bytes` per repetition, at least eight times the last-level cache
+//!   (bounded), so `memcpy`'s deferred write-backs land mostly in its own
+//!   timer.
 //! - **Same run, interleaved.** Each repetition times ours, then the
-//!   baseline, for the same number of batches; every figure is the median of
-//!   `--reps`. A third figure, `nt_gbps`, is the copy engine alone into the
-//!   baseline mapping (what the client's copy can reach).
+//!   baseline, then the two variants below, for the same number of batches;
+//!   every figure is the median of `--reps`. `nt_gbps` is the copy engine
+//!   alone into the baseline's region (what the client's copy can reach);
+//!   `baseline_flushed_gbps` is `memcpy` then every line written back
+//!   (`clwb`, else `clflushopt`) and an `sfence` per chunk — what a `memcpy`
+//!   must add before another host may read the chunk from memory shared
+//!   without coherence (`ratio` stays `ours / baseline`, the plain
+//!   `memcpy`; `ratio_flushed` is `ours / baseline_flushed_gbps`).
+//!
+//! Cases: `chunk=1MiB,batch=1`, `chunk=4MiB,batch=16`, `chunk=32MiB,batch=4`;
+//! with `CXLKV_BENCH_CHUNK_SIZES`, one case per size, with
+//! `batch = clamp(64 MiB / chunk, 1, 16)`.
 //!
 //! The server runs in this process (its threads only answer the register
 //! and delete round trips). The bytes of the first stored batch are read
 //! back and compared before anything is timed.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use cxlkv_controlplane::proto::{self, Layout};
+use cxlkv_controlplane::transport::{ClientConfig as RpcConfig, Endpoint};
 
-use super::{Better, Record, Reporter, median};
+use super::copy::{LLC_MULTIPLE, evict, rep_bytes_for};
+use super::pool_target::BenchPool;
+use super::server::{Client as SessionClient, populate};
+use super::{Better, Record, Reporter, median, size_label};
 use crate::cli::BenchArgs;
 use crate::client::{Client, ClientConfig, LayoutHandle, LayoutOptions, RegisterOutcome};
 use crate::dataplane::backing::{self, Extent, OpenOptions};
 use crate::dataplane::copy::{self, CopyPath};
 use crate::dataplane::ids::{PageIndex, RegionId};
 use crate::dataplane::map::{MapObservers, MappedRegion, Populate};
-use crate::server::{Server, ServerConfig};
+use crate::dataplane::visibility::{self, Visibility, VisibilityOps};
+use crate::server::{Server, ServerConfig, ServerHandle};
 
 const SCENARIO: &str = "store";
 const MIB: usize = 1 << 20;
-/// Bytes each contestant stores per repetition.
+/// Bytes each contestant stores per repetition, at least; raised to
+/// `LLC_MULTIPLE` × the last-level cache up to the `MAX_` bound.
 const REP_BYTES: usize = 512 * MIB;
 const QUICK_REP_BYTES: usize = 128 * MIB;
+const MAX_REP_BYTES: usize = 4 << 30;
+const QUICK_MAX_REP_BYTES: usize = 512 * MIB;
 /// Assumed last-level cache where sysfs does not say.
 const FALLBACK_LLC_BYTES: usize = 64 * MIB;
+/// Bytes per batch of a case built from `CXLKV_BENCH_CHUNK_SIZES`, and its
+/// bounds on chunks per batch.
+const ENV_BATCH_BYTES: usize = 64 * MIB;
+const ENV_MAX_BATCH: usize = 16;
+/// Most batches a contestant stores per repetition (small chunks would
+/// otherwise make `rep_bytes` hundreds of thousands of round trips).
+const MAX_BATCHES_PER_REP: usize = 4096;
 
-/// `(chunk bytes, chunks per batch, case name)`.
-const CASES: &[(usize, usize, &str)] = &[
-    (MIB, 1, "chunk=1MiB,batch=1"),
-    (4 * MIB, 16, "chunk=4MiB,batch=16"),
-    (32 * MIB, 4, "chunk=32MiB,batch=4"),
-];
+/// `(chunk bytes, chunks per batch)`.
+const CASES: &[(usize, usize)] = &[(MIB, 1), (4 * MIB, 16), (32 * MIB, 4)];
 
 /// Entry point (registered in `cli::SCENARIOS`).
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
+    let target = BenchPool::from_args(args)?;
+    let (cases, sizes_from): (Vec<(usize, usize)>, &str) = match super::env_chunk_sizes()? {
+        Some(sizes) => (
+            sizes
+                .into_iter()
+                .map(|chunk| (chunk, (ENV_BATCH_BYTES / chunk).clamp(1, ENV_MAX_BATCH)))
+                .collect(),
+            super::CHUNK_SIZES_ENV,
+        ),
+        None => (CASES.to_vec(), "default"),
+    };
     let llc = super::copy::llc_bytes().unwrap_or(FALLBACK_LLC_BYTES);
     let footprint = 2 * llc;
-    let largest_batch = CASES.iter().map(|(c, b, _)| c * b).max().unwrap_or(MIB);
+    let rep_bytes = if args.quick {
+        rep_bytes_for(llc, QUICK_REP_BYTES, QUICK_MAX_REP_BYTES)
+    } else {
+        rep_bytes_for(llc, REP_BYTES, MAX_REP_BYTES)
+    };
+    if rep_bytes < LLC_MULTIPLE * llc {
+        r.note(&format!(
+            "{} MiB per repetition is less than {LLC_MULTIPLE} x the last-level cache ({} MiB)",
+            rep_bytes / MIB,
+            llc / MIB
+        ));
+    }
+    let largest_batch = cases
+        .iter()
+        .map(|(c, b)| page_bytes(*c) * b)
+        .max()
+        .unwrap_or(MIB);
     let mut cfg = ServerConfig::ephemeral("bench-store");
-    // One case at a time holds regions: its footprint plus a batch, rounded
-    // up to whole regions, plus slack for rounding.
+    // One case at a time holds regions: our footprint plus a batch and
+    // the baseline's as much again, rounded up to whole regions, plus slack
+    // for rounding.
     cfg.pool_size_bytes =
-        ((footprint + 2 * largest_batch) as u64 + (256 << 20)).next_multiple_of(1 << 30);
+        (2 * (footprint + 2 * largest_batch) as u64 + (256 << 20)).next_multiple_of(1 << 30);
     // Each case's client is closed after it; its regions go back quickly.
     cfg.directory.instance_grace = Duration::from_millis(200);
+    // The baseline's session is idle while ours runs, which on a loaded
+    // host can take longer than the default lease; its region must stay
+    // its own meanwhile.
+    cfg.directory.session_lease = Duration::from_secs(3600);
+    let _pool = target.configure(&mut cfg)?;
     let server = Server::start(cfg).context("starting the in-process server")?;
     r.note(&format!(
-        "footprint per contestant {} MiB (2 x LLC {} MiB); pool {} MiB",
+        "footprint per contestant {} MiB (2 x LLC {} MiB); {} MiB per repetition; pool {} ({})",
         footprint / MIB,
         llc / MIB,
-        server_pool_mib(&server)
+        rep_bytes / MIB,
+        target.label(),
+        target.dest()
     ));
-    for (i, &(chunk, batch, name)) in CASES.iter().enumerate() {
+    for (i, &(chunk, batch)) in cases.iter().enumerate() {
         let case = Case {
             chunk,
             batch,
-            name,
+            name: format!("chunk={},batch={batch}", size_label(chunk)),
             footprint,
             fingerprint: 0x5709_E000 + i as u64,
         };
         let client = Client::connect(ClientConfig::unix(server.socket_path()))
             .context("connecting the client")?;
-        measure(args, r, &client, &case).with_context(|| format!("case {name}"))?;
+        let rec = measure(args, &server, &client, &case, rep_bytes)
+            .with_context(|| format!("case {}", case.name))?;
+        r.emit(
+            &target
+                .tag(rec)
+                .with("sizes_from", sizes_from)
+                .with("chunk_bytes", chunk as u64),
+        )?;
         client.close()?;
         let freed = wait_for(Duration::from_secs(30), || {
             server.directory_stats().is_ok_and(|s| s.regions == 0)
         });
-        anyhow::ensure!(freed, "the regions of case {name} were not freed in time");
+        anyhow::ensure!(
+            freed,
+            "the regions of case {} were not freed in time",
+            case.name
+        );
     }
     server.shutdown().context("stopping the server")?;
     Ok(())
+}
+
+/// A chunk's page: its size rounded up to whole 4 KiB granules.
+fn page_bytes(chunk: usize) -> usize {
+    chunk.next_multiple_of(backing::PAGE_GRANULE_BYTES as usize)
 }
 
 fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
@@ -103,24 +187,19 @@ fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     true
 }
 
-fn server_pool_mib(server: &crate::server::ServerHandle) -> u64 {
-    server
-        .pool_paths()
-        .iter()
-        .filter_map(|p| std::fs::metadata(p).ok())
-        .map(|m| m.len() >> 20)
-        .sum()
-}
-
 struct Case {
     chunk: usize,
     batch: usize,
-    name: &'static str,
+    name: String,
     footprint: usize,
     fingerprint: u64,
 }
 
 impl Case {
+    fn page_bytes(&self) -> usize {
+        page_bytes(self.chunk)
+    }
+
     fn batch_bytes(&self) -> usize {
         self.chunk * self.batch
     }
@@ -128,24 +207,35 @@ impl Case {
     /// Batches kept registered (`W`): with the one being written, they span
     /// at least the footprint.
     fn window(&self) -> usize {
-        self.footprint.div_ceil(self.batch_bytes()).max(1)
+        self.footprint
+            .div_ceil(self.page_bytes() * self.batch)
+            .max(1)
     }
 }
 
-fn measure(args: &BenchArgs, r: &mut Reporter, client: &Client, case: &Case) -> anyhow::Result<()> {
-    let rep_bytes = if args.quick {
-        QUICK_REP_BYTES
-    } else {
-        REP_BYTES
-    };
-    let batches_per_rep = (rep_bytes / case.batch_bytes()).max(2);
+/// The baseline's variants (module docs).
+#[derive(Clone, Copy)]
+enum Copier {
+    Plain,
+    PlainFlushed,
+    Engine(CopyPath),
+}
+
+fn measure(
+    args: &BenchArgs,
+    server: &ServerHandle,
+    client: &Client,
+    case: &Case,
+    rep_bytes: usize,
+) -> anyhow::Result<Record> {
+    let batches_per_rep = (rep_bytes / case.batch_bytes()).clamp(2, MAX_BATCHES_PER_REP);
     let window = case.window();
     let layout = client.layout_with(
-        case.chunk as u64,
+        case.page_bytes() as u64,
         case.fingerprint,
         LayoutOptions {
             // Every region the cycle needs, mapped and populated up front.
-            initial_reservation_bytes: ((window + 1) * case.batch_bytes()) as u64,
+            initial_reservation_bytes: ((window + 1) * case.batch * case.page_bytes()) as u64,
             region_size_bytes: 0,
             auto_expand: true,
         },
@@ -164,7 +254,7 @@ fn measure(args: &BenchArgs, r: &mut Reporter, client: &Client, case: &Case) -> 
         live: std::collections::VecDeque::new(),
         next: 0,
     };
-    let baseline = Baseline::new(case, &sources)?;
+    let baseline = Baseline::new(server, case, &sources)?;
 
     // Warm up and check: the first batch reads back byte for byte.
     ours.put_batch()?;
@@ -173,12 +263,16 @@ fn measure(args: &BenchArgs, r: &mut Reporter, client: &Client, case: &Case) -> 
         let g = ours.layout.get(key)?.context("a stored key is found")?;
         anyhow::ensure!(g[..] == src[..], "stored bytes differ from the source");
     }
-    baseline.copy_batches(1, CopyPath::Plain, &mut 0)?;
+    baseline.copy_batches(1, Copier::Plain, &mut 0)?;
+    ours.evict_live(client)?;
+    baseline.evict_all()?;
 
-    let (mut ours_gbps, mut base_gbps, mut nt_gbps) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ours_gbps, mut base_gbps, mut nt_gbps, mut flushed_gbps) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut put_ms = Vec::new();
     let mut slot = 0usize;
     let bytes = (batches_per_rep * case.batch_bytes()) as f64;
+    let nt = copy::choose_copy_in(case.chunk);
     for _ in 0..args.reps {
         let mut timed = Duration::ZERO;
         for _ in 0..batches_per_rep {
@@ -187,26 +281,40 @@ fn measure(args: &BenchArgs, r: &mut Reporter, client: &Client, case: &Case) -> 
             timed += t;
         }
         ours_gbps.push(bytes / timed.as_secs_f64() / 1e9);
-        let t = baseline.copy_batches(batches_per_rep, CopyPath::Plain, &mut slot)?;
-        base_gbps.push(bytes / t.as_secs_f64() / 1e9);
-        let nt = copy::choose_copy_in(case.chunk);
-        let t = baseline.copy_batches(batches_per_rep, nt, &mut slot)?;
-        nt_gbps.push(bytes / t.as_secs_f64() / 1e9);
+        ours.evict_live(client)?;
+        for (copier, samples) in [
+            (Copier::Plain, &mut base_gbps),
+            (Copier::Engine(nt), &mut nt_gbps),
+            (Copier::PlainFlushed, &mut flushed_gbps),
+        ] {
+            let t = baseline.copy_batches(batches_per_rep, copier, &mut slot)?;
+            samples.push(bytes / t.as_secs_f64() / 1e9);
+            baseline.evict_all()?;
+        }
     }
     ours.drain()?;
+    drop(baseline);
     let (o, b) = (median(&mut ours_gbps), median(&mut base_gbps));
-    let rec = Record::new(SCENARIO, case.name, o, b, "GB/s", Better::Higher)
-        .with("nt_gbps", median(&mut nt_gbps))
-        .with("copy_path", copy::choose_copy_in(case.chunk).as_str())
-        .with("batch_put_ms_p50", median(&mut put_ms))
-        .with("batches_per_rep", batches_per_rep as u64)
-        .with("window_batches", window as u64)
-        .with("footprint_mib", (case.footprint / MIB) as u64)
-        .with("reps", args.reps as u64)
-        .with("server", "in-process")
-        .with("dest", "shm");
-    r.emit(&rec)?;
-    Ok(())
+    let flushed = median(&mut flushed_gbps);
+    Ok(
+        Record::new(SCENARIO, &case.name, o, b, "GB/s", Better::Higher)
+            .with("nt_gbps", median(&mut nt_gbps))
+            .with("baseline_flushed_gbps", flushed)
+            .with(
+                "ratio_flushed",
+                if flushed > 0.0 { o / flushed } else { 0.0 },
+            )
+            .with("flush_instruction", visibility::line_flush().as_str())
+            .with("evict_between", visibility::line_evict().as_str())
+            .with("copy_path", nt.as_str())
+            .with("batch_put_ms_p50", median(&mut put_ms))
+            .with("batches_per_rep", batches_per_rep as u64)
+            .with("rep_bytes", (batches_per_rep * case.batch_bytes()) as u64)
+            .with("window_batches", window as u64)
+            .with("footprint_mib", (case.footprint / MIB) as u64)
+            .with("reps", args.reps as u64)
+            .with("server", "in-process"),
+    )
 }
 
 /// The client side: puts batches, keeping the last `window` registered.
@@ -246,6 +354,20 @@ impl Ours<'_> {
         Ok(elapsed)
     }
 
+    /// Untimed: writes back and evicts the pages of every live batch (the
+    /// last footprint's worth of puts, all that can still be cached), then
+    /// sends the read views' unpins, so the next contestant pays for
+    /// neither.
+    fn evict_live(&self, client: &Client) -> anyhow::Result<()> {
+        for keys in &self.live {
+            for guard in self.layout.batch_get(keys)? {
+                evict(&guard.context("a live key is missing")?);
+            }
+        }
+        client.flush_unpins()?;
+        Ok(())
+    }
+
     fn delete_oldest(&mut self) -> anyhow::Result<()> {
         if let Some(old) = self.live.pop_front() {
             self.layout.batch_delete(&old)?;
@@ -261,56 +383,76 @@ impl Ours<'_> {
     }
 }
 
-/// The ceiling: the same chunks copied into a mapping of a `/dev/shm` file
-/// whose destination slots cycle through the same footprint.
+/// The ceiling: the same chunks copied into a region of the same pool,
+/// granted by the same server to a session of the bench's own, whose
+/// destination slots cycle through the same footprint.
 struct Baseline<'a> {
     region: MappedRegion,
-    path: PathBuf,
+    /// Holds the region: it returns to the pool when the session closes.
+    _session: SessionClient,
     sources: &'a [Vec<u8>],
     chunk: usize,
+    page_bytes: usize,
     slots: usize,
 }
 
 impl<'a> Baseline<'a> {
-    fn new(case: &Case, sources: &'a [Vec<u8>]) -> anyhow::Result<Self> {
+    fn new(server: &ServerHandle, case: &Case, sources: &'a [Vec<u8>]) -> anyhow::Result<Self> {
         let slots = (case.window() + 1) * case.batch;
-        let len = ((slots * case.chunk) as u64).next_multiple_of(backing::DEFAULT_ALIGN_BYTES);
-        let path = PathBuf::from(backing::DEFAULT_POOL_DIR).join(format!(
-            "cxlkv-bench-store-{}-{}",
-            std::process::id(),
-            case.fingerprint
-        ));
-        let pool = backing::open(&path, &OpenOptions::new().create_size_bytes(len))
-            .with_context(|| format!("creating {}", path.display()))?;
-        // SAFETY: this bench process created the file and is its only user;
-        // it writes pages only through `page_mut` views, one at a time, and
-        // never reads them while writing.
+        let page_bytes = case.page_bytes();
+        let mut session = SessionClient::connect(
+            &Endpoint::Unix(server.socket_path().to_owned()),
+            RpcConfig::default(),
+        )?;
+        populate(&mut session, 0)?;
+        let meta = session.seq();
+        let granted: proto::RegionGranted = session.call(&proto::RequestRegion {
+            meta,
+            layout: Layout {
+                page_size_bytes: page_bytes as u64,
+                fingerprint: case.fingerprint ^ 0xBA5E,
+            },
+            len_bytes: (slots * page_bytes) as u64,
+        })?;
+        let [pool_path] = server.pool_paths() else {
+            anyhow::bail!("the bench server serves one pool");
+        };
+        anyhow::ensure!(granted.desc.pool == 0, "a region of the one pool");
+        let pool = backing::open(pool_path, &OpenOptions::new())
+            .with_context(|| format!("opening {}", pool_path.display()))?;
+        // SAFETY: the pool manager granted this extent to the bench's own
+        // session, which holds it until this value drops (the directory
+        // frees a region only after its instance is gone), so no one else
+        // maps it for writing; this thread writes its slots through one
+        // view at a time and reads them (the evictions) only in between.
         let region = unsafe {
             MappedRegion::map(
                 pool.as_ref(),
-                RegionId(0),
-                Extent::new(0, len),
+                RegionId(granted.desc.region),
+                Extent::new(granted.desc.offset_bytes, granted.desc.len_bytes),
                 Populate::Eager,
                 &MapObservers::new(),
             )
         }?;
         Ok(Self {
             region,
-            path,
+            _session: session,
             sources,
             chunk: case.chunk,
+            page_bytes,
             slots,
         })
     }
 
-    /// Copies `batches` batches with `path`, continuing the slot cycle at
+    /// Copies `batches` batches with `copier`, continuing the slot cycle at
     /// `*slot`; returns the time the copies took.
     fn copy_batches(
         &self,
         batches: usize,
-        path: CopyPath,
+        copier: Copier,
         slot: &mut usize,
     ) -> anyhow::Result<Duration> {
+        let publish = VisibilityOps::for_mode(Visibility::Flush);
         let mut total = Duration::ZERO;
         for _ in 0..batches {
             let t = Instant::now();
@@ -319,19 +461,27 @@ impl<'a> Baseline<'a> {
                 // a time by this thread only.
                 let mut dst = unsafe {
                     self.region
-                        .page_mut(self.chunk, PageIndex(*slot as u32), self.chunk)
+                        .page_mut(self.page_bytes, PageIndex(*slot as u32), self.chunk)
                 }?;
-                copy::copy_with(path, &mut dst, src)?;
+                match copier {
+                    Copier::Plain => dst.copy_from_slice(src),
+                    Copier::PlainFlushed => {
+                        dst.copy_from_slice(src);
+                        publish.publish(&dst);
+                    }
+                    Copier::Engine(path) => copy::copy_with(path, &mut dst, src)?,
+                }
                 *slot = (*slot + 1) % self.slots;
             }
             total += t.elapsed();
         }
         Ok(total)
     }
-}
 
-impl Drop for Baseline<'_> {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+    /// Untimed: writes back and evicts the whole region.
+    fn evict_all(&self) -> anyhow::Result<()> {
+        let len = self.region.len_bytes();
+        evict(self.region.page(len, PageIndex(0), len)?.as_bytes());
+        Ok(())
     }
 }

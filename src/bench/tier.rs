@@ -16,13 +16,16 @@
 //!   not the maintenance thread's deferred one.
 //! - **Same run, interleaved batch by batch.** Each repetition alternates
 //!   one batch of each, switching which goes first, so a burst of noise
-//!   hits both alike; figures are medians of `--reps`. Before timing, both read every key back and the bytes
-//!   are compared.
+//!   hits both alike; figures are medians of `--reps`. Before timing, both
+//!   read every key back and the bytes are compared.
+//!
+//! The server's pool is `--pool` when given (`pool`, `dest`).
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use super::pool_target::BenchPool;
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 use crate::client::{Client, ClientConfig, LayoutHandle, LayoutOptions, RegisterOutcome};
@@ -41,8 +44,10 @@ const QUICK_BATCHES_PER_REP: usize = 200;
 
 /// Entry point (registered in `cli::SCENARIOS`).
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
-    let server = Server::start(ServerConfig::ephemeral("bench-tier"))
-        .context("starting the in-process server")?;
+    let target = BenchPool::from_args(args)?;
+    let mut cfg = ServerConfig::ephemeral("bench-tier");
+    let _pool = target.configure(&mut cfg)?;
+    let server = Server::start(cfg).context("starting the in-process server")?;
     let client = Client::connect(ClientConfig::unix(server.socket_path()))
         .context("connecting the client")?;
     let layout = client.layout_with(
@@ -113,7 +118,7 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     .with("distinct_keys", (BATCH * BATCHES) as u64)
     .with("reps", args.reps as u64)
     .with("server", "in-process");
-    r.emit(&rec)?;
+    r.emit(&target.tag(rec))?;
     tier.close()?;
     client.close()?;
     server.shutdown().context("stopping the server")?;

@@ -154,7 +154,7 @@ type Scenario = (
 const SCENARIOS: &[Scenario] = &[
     (
         "copy",
-        "copy_in GB/s vs ptr::copy_nonoverlapping into the pool (dest=shm, hugetlb)",
+        "copy_in GB/s vs ptr::copy_nonoverlapping into the pool (--pool, else dest=shm and hugetlb; plus a written-back memcpy baseline)",
         crate::bench::copy::run,
     ),
     (
@@ -169,7 +169,7 @@ const SCENARIOS: &[Scenario] = &[
     ),
     (
         "store",
-        "client batch_put GB/s vs memcpy of the same bytes into the same kind of mapping",
+        "client batch_put GB/s vs memcpy of the same bytes into a region of the same pool (--pool, else /dev/shm)",
         crate::bench::store::run,
     ),
     (

@@ -1,0 +1,249 @@
+//! Which pool a scenario measures on: `--pool PATH`, or the embedded
+//! default.
+//!
+//! Without `--pool`, every server a scenario starts gets the embedded
+//! default of [`ServerConfig::ephemeral`]: a private temporary file under
+//! `/dev/shm`, removed afterwards. With `--pool PATH` — a `/dev/daxX.Y`
+//! device, or a file on hugetlbfs, tmpfs or a DAX file system — every server
+//! (and pool daemon) a scenario starts serves that pool instead, so that a
+//! run on a CXL device measures the device and not DRAM.
+//!
+//! **The bench owns the pool for the run** (`scripts/hwbench.sh` warns
+//! about it). A pool manager refuses a pool that another state directory
+//! has served, and each server here gets a fresh temporary state directory;
+//! `bench copy` overwrites the first bytes outright. So before each server
+//! starts, [`BenchPool::prepare`] zeroes the pool's header block (its first
+//! alignment unit) and the server initialises it as a new pool. A pool
+//! whose file lock is held — a running cxlkv pool manager on this host — is
+//! refused. The pool is never removed or truncated: a file shorter than a
+//! scenario needs is grown (as `cxlkv serve` does), a device too small is
+//! refused with the sizes. Its pool manager's state directory is a
+//! temporary directory under `/dev/shm` (a device's default, `<path>.state`,
+//! would be under `/dev`).
+//!
+//! Every record says what it was measured on: `pool` (the path, or
+//! `default`) and `dest` (`shm`, `hugetlb`, `devdax` or `file`, the same
+//! names as the `copy` cases).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use cxlkv_controlplane::pool::fence::PoolFileLock;
+
+use super::Record;
+use crate::cli::BenchArgs;
+use crate::dataplane::backing::{self, Backing, BackingKind, Extent, OpenOptions};
+use crate::dataplane::ids::{PageIndex, RegionId};
+use crate::dataplane::map::{MapObservers, MappedRegion, Populate};
+use crate::dataplane::visibility::{self, Visibility};
+use crate::server::{PoolManagerConfig, ServerConfig};
+
+/// The `pool` field of records measured on the embedded default.
+pub const DEFAULT_POOL_LABEL: &str = "default";
+
+/// The `dest` name of a backing kind (also the `copy` cases' `dest=`).
+pub fn dest_name(kind: BackingKind) -> &'static str {
+    match kind {
+        BackingKind::Tmpfs => "shm",
+        BackingKind::Hugetlbfs => "hugetlb",
+        other => other.as_str(),
+    }
+}
+
+/// The pool a scenario measures on (module docs).
+#[derive(Debug, Clone)]
+pub struct BenchPool {
+    /// `None`: the embedded default (a temporary `/dev/shm` file per server).
+    path: Option<PathBuf>,
+    kind: BackingKind,
+}
+
+/// Keeps what [`BenchPool::configure`] set up (the pool manager's
+/// temporary state directory) until the server is gone.
+#[derive(Debug)]
+#[must_use = "the state directory is removed when this is dropped"]
+pub struct PoolGuard {
+    _state_dir: Option<tempfile::TempDir>,
+}
+
+impl BenchPool {
+    /// `--pool` if given (opened once to learn its kind), else the default.
+    pub fn from_args(args: &BenchArgs) -> anyhow::Result<Self> {
+        match &args.pool {
+            None => Ok(Self::embedded_default()),
+            Some(path) => {
+                let backing = backing::open(path, &OpenOptions::new())
+                    .with_context(|| format!("opening --pool {}", path.display()))?;
+                Ok(Self {
+                    path: Some(path.clone()),
+                    kind: backing.kind(),
+                })
+            }
+        }
+    }
+
+    /// The embedded default: a temporary `/dev/shm` file per server.
+    pub fn embedded_default() -> Self {
+        Self {
+            path: None,
+            kind: BackingKind::Tmpfs,
+        }
+    }
+
+    /// The operator's pool, if `--pool` was given.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    pub fn dest(&self) -> &'static str {
+        dest_name(self.kind)
+    }
+
+    /// The `pool` field: the path, or [`DEFAULT_POOL_LABEL`].
+    pub fn label(&self) -> String {
+        self.path.as_ref().map_or_else(
+            || DEFAULT_POOL_LABEL.to_owned(),
+            |p| p.display().to_string(),
+        )
+    }
+
+    /// Adds the `pool` and `dest` fields.
+    pub fn tag(&self, record: Record) -> Record {
+        record.with("pool", self.label()).with("dest", self.dest())
+    }
+
+    /// Points `cfg` (whose `pool_size_bytes` is already what the scenario
+    /// needs) at this pool: nothing to do for the default; for `--pool`, the
+    /// pool prepared ([`Self::prepare`]), never removed on shutdown, and a
+    /// temporary state directory, kept until the guard drops.
+    pub fn configure(&self, cfg: &mut ServerConfig) -> anyhow::Result<PoolGuard> {
+        let Some(path) = &self.path else {
+            return Ok(PoolGuard { _state_dir: None });
+        };
+        self.prepare(cfg.pool_size_bytes)?;
+        let state_dir = tempfile::Builder::new()
+            .prefix("cxlkv-bench-state-")
+            .tempdir_in(backing::DEFAULT_POOL_DIR)
+            .context("creating a temporary pool-manager state directory")?;
+        cfg.pool_path = path.clone();
+        cfg.remove_pool_on_shutdown = false;
+        let PoolManagerConfig::Embedded(mut service) = cfg.pool_manager_config() else {
+            anyhow::bail!("a bench server embeds its pool manager");
+        };
+        service.state_dir = state_dir.path().to_owned();
+        cfg.pool_manager = Some(PoolManagerConfig::Embedded(service));
+        Ok(PoolGuard {
+            _state_dir: Some(state_dir),
+        })
+    }
+
+    /// Refuses the operator's pool if a pool manager on this host holds its
+    /// file lock (it serves a live pool). The lock is taken and released at
+    /// once: a server started later must be able to take it, and a forked
+    /// child would inherit it.
+    pub fn check_unused(&self) -> anyhow::Result<()> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        drop(PoolFileLock::acquire(path).with_context(|| {
+            format!(
+                "--pool {}: refusing to write into a pool in use",
+                path.display()
+            )
+        })?);
+        Ok(())
+    }
+
+    /// Makes the operator's pool ready for a new pool manager that needs
+    /// `size_bytes`: refused if a pool manager on this host holds it or a
+    /// device is too small; a file grown to `size_bytes` if shorter; its
+    /// header block zeroed (module docs). Nothing to do for the default.
+    pub fn prepare(&self, size_bytes: u64) -> anyhow::Result<()> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        self.check_unused()?;
+        let mut options = OpenOptions::new();
+        if self.kind != BackingKind::DevDax {
+            options = options.create_size_bytes(size_bytes);
+        }
+        let pool = backing::open(path, &options)
+            .with_context(|| format!("opening --pool {}", path.display()))?;
+        anyhow::ensure!(
+            pool.size_bytes() >= size_bytes,
+            "--pool {} holds {} MiB; this scenario needs {} MiB",
+            path.display(),
+            pool.size_bytes() >> 20,
+            size_bytes.div_ceil(1 << 20)
+        );
+        zero_header_block(&*pool)
+    }
+}
+
+/// Zeroes the first alignment unit of `pool` (where a pool manager keeps
+/// its header) and writes it back to memory.
+fn zero_header_block(pool: &dyn Backing) -> anyhow::Result<()> {
+    let align = pool.align_bytes();
+    let len = usize::try_from(align).context("the pool alignment fits in memory")?;
+    // SAFETY: the operator handed this pool to the bench (module docs) and
+    // no pool manager holds it (its lock was free just now); this process
+    // maps the header block once, here, and writes it through one view.
+    let block = unsafe {
+        MappedRegion::map(
+            pool,
+            RegionId(0),
+            Extent::new(0, align),
+            Populate::Lazy,
+            &MapObservers::new(),
+        )
+    }
+    .with_context(|| format!("mapping the header block of {}", pool.path().display()))?;
+    // SAFETY: the only view of the block (see above).
+    let mut view = unsafe { block.page_mut(len, PageIndex(0), len) }?;
+    view.as_mut_bytes().fill(0);
+    // Written back for a device another host may read without coherence,
+    // as a pool manager's own header writes are.
+    visibility::publish(Visibility::Flush, view.as_bytes());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dest_names_match_the_copy_cases() {
+        assert_eq!(dest_name(BackingKind::Tmpfs), "shm");
+        assert_eq!(dest_name(BackingKind::Hugetlbfs), "hugetlb");
+        assert_eq!(dest_name(BackingKind::DevDax), "devdax");
+        assert_eq!(dest_name(BackingKind::OtherFile), "file");
+    }
+
+    #[test]
+    fn a_served_pool_file_is_made_fresh_and_a_locked_one_is_refused() {
+        let dir = tempfile::tempdir_in(backing::DEFAULT_POOL_DIR).unwrap();
+        let path = dir.path().join("pool");
+        let size = 4 * backing::DEFAULT_ALIGN_BYTES;
+        std::fs::write(&path, vec![0xA5u8; size as usize]).unwrap();
+        let target = BenchPool {
+            path: Some(path.clone()),
+            kind: BackingKind::Tmpfs,
+        };
+        target.prepare(size).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let align = backing::DEFAULT_ALIGN_BYTES as usize;
+        assert!(
+            bytes[..align].iter().all(|&b| b == 0),
+            "header block zeroed"
+        );
+        assert!(
+            bytes[align..].iter().all(|&b| b == 0xA5),
+            "the rest untouched"
+        );
+        let held = PoolFileLock::acquire(&path).unwrap();
+        assert!(target.prepare(size).is_err(), "a held pool is refused");
+        drop(held);
+        assert!(target.prepare(8 * size).is_ok(), "a short file is grown");
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 8 * size);
+    }
+}
