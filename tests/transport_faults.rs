@@ -428,3 +428,48 @@ fn a_client_that_stops_reading_is_dropped_and_leaks_nothing() {
     writer.close().unwrap();
     back_to(&server, &baseline, "slow reader");
 }
+
+/// A fault plan that panics on the loop thread at the first request of
+/// `kind`: a stand-in for any bug that kills the transport's event loop.
+struct LoopDiesOn(Kind);
+
+impl FaultPlan for LoopDiesOn {
+    fn on_request(&mut self, req: &RequestInfo) -> RequestFault {
+        assert_ne!(
+            req.header.kind, self.0 as u16,
+            "the fault plan kills the transport loop"
+        );
+        RequestFault::Deliver
+    }
+}
+
+/// A transport loop that dies stops serving every connection; the server
+/// says so (`transport_failure`, what `cxlkv serve` polls to exit non-zero
+/// instead of staying up serving nobody), and its stop reports it too.
+#[test]
+fn a_transport_loop_that_dies_is_reported_to_the_servers_owner() {
+    let server = Server::start_with_faults(
+        server_config("loop-dies"),
+        Box::new(LoopDiesOn(Kind::Stats)),
+    )
+    .unwrap();
+    assert_eq!(server.transport_failure(), None);
+    let mut s = UnixStream::connect(server.socket_path()).unwrap();
+    let mut frame = Vec::new();
+    cxlkv_controlplane::frame::encode_frame(&mut frame, Kind::Stats as u16, 1, b"").unwrap();
+    s.write_all(&frame).unwrap();
+    let mut failure = None;
+    assert!(
+        wait_until(SETTLE, || {
+            failure = server.transport_failure();
+            failure.is_some()
+        }),
+        "the loop's death went unnoticed"
+    );
+    let failure = failure.unwrap();
+    assert!(
+        failure.contains("panicked") && failure.contains("kills the transport loop"),
+        "{failure}"
+    );
+    assert!(server.shutdown().is_err(), "the stop reports the dead loop");
+}

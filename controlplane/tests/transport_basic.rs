@@ -337,3 +337,112 @@ fn requests_on_both_sides_of_the_vectored_send_threshold_arrive_intact() {
         }
     }
 }
+
+/// Unread bytes in `s`'s send queue (`SIOCOUTQ`): for a Unix stream
+/// socket, what its peer has not received yet.
+fn unreceived_bytes(s: &std::os::unix::net::UnixStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (= SIOCOUTQ) writes one int through the pointer.
+    let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+    assert_eq!(rc, 0, "SIOCOUTQ: {}", std::io::Error::last_os_error());
+    n as usize
+}
+
+/// With provided receive buffers, one completion can carry more bytes than
+/// the frame decoder has room for: the decoder holds all but the last bytes
+/// of a maximum frame (it grows to one maximum frame plus 64 KiB, no
+/// more), and a 1 MiB buffer brings that frame's end with ~100 KiB of
+/// pipelined requests after it. The server takes such a completion in
+/// pieces, decoding between them: every request is answered, in order, and
+/// the loop stays up. Deterministic: a `GATE` request holds the loop while
+/// the tail and the small frames are lined up in the socket, so that one
+/// receive takes them all.
+#[test]
+fn a_completion_larger_than_the_decoders_room_after_a_maximum_frame_is_taken_in_pieces() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+
+    use cxlkv_controlplane::frame::{Decoded, FrameDecoder, encode_frame};
+    use cxlkv_controlplane::transport::IoConfig;
+
+    let uring = IoConfig {
+        backend: BackendChoice::Uring,
+        ..Default::default()
+    };
+    if let Err(e) = cxlkv_controlplane::transport::probe_uring(&uring) {
+        eprintln!("io_uring unavailable, nothing to test: {e}");
+        return;
+    }
+    let backend = Backends {
+        recv: RecvMode::Provided,
+        ..Backends::of(BackendChoice::Uring, BackendChoice::Fallback)
+    };
+    let mut cfg = server_config(backend);
+    cfg.io.recv_buffer_bytes = 1 << 20;
+    cfg.io.recv_buffer_count = 16;
+    let f = start(backend, cfg);
+    let gate = f.client(&f.unix);
+    let Endpoint::Unix(path) = &f.unix else {
+        unreachable!()
+    };
+    let mut raw = UnixStream::connect(path).unwrap();
+    raw.set_read_timeout(Some(LONG)).unwrap();
+
+    let mut big = Vec::new();
+    encode_frame(&mut big, ECHO, 1, &vec![0x5A; MAX_PAYLOAD_BYTES]).unwrap();
+    let (head, tail) = big.split_at(big.len() - 8);
+    raw.write_all(head).unwrap();
+    let until = std::time::Instant::now() + LONG;
+    while unreceived_bytes(&raw) > 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the server never took the head"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Hold the loop, line up the frame's end and ~100 KiB of requests
+    // (within the socket's buffer: the write does not block), release.
+    const SMALL: u64 = 100;
+    let held = gate.start(GATE, b"", LONG).unwrap();
+    f.wait_until("the gate holds the loop", |s| {
+        s.gate_entered.load(std::sync::atomic::Ordering::SeqCst)
+    });
+    let mut rest = tail.to_vec();
+    for id in 2..2 + SMALL {
+        encode_frame(&mut rest, ECHO, id, &[id as u8; 1000]).unwrap();
+    }
+    assert!(
+        rest.len() > 96 << 10,
+        "more than the decoder's spare 64 KiB"
+    );
+    raw.write_all(&rest).unwrap();
+    f.seen.open_gate();
+    assert_eq!(held.wait().unwrap().payload(), b"released");
+
+    let mut d = FrameDecoder::new();
+    let mut answered = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    while answered.len() < 1 + SMALL as usize {
+        match d.decode().unwrap() {
+            Some(Decoded::Frame(fr)) => {
+                let id = fr.header.request_id;
+                let expect_len = if id == 1 { MAX_PAYLOAD_BYTES } else { 1000 };
+                assert_eq!(fr.payload.len(), expect_len, "reply {id}");
+                answered.push(id);
+                continue;
+            }
+            Some(other) => panic!("unexpected {other:?}"),
+            None => {}
+        }
+        let n = raw.read(&mut buf).expect("replies keep coming");
+        assert!(n > 0, "the server closed after {} replies", answered.len());
+        d.push(&buf[..n]);
+    }
+    assert_eq!(answered, (1..2 + SMALL).collect::<Vec<_>>());
+    assert_eq!(
+        gate.call(ECHO, b"still up", LONG).unwrap().payload(),
+        b"still up"
+    );
+    f.server.shutdown().expect("the loop ran to its stop");
+}

@@ -11,70 +11,91 @@ use std::time::Duration;
 use cxlkv_controlplane::frame::{
     Decoded, FrameDecoder, FrameError, FrameHeader, MAX_PAYLOAD_BYTES, encode_frame,
 };
-use cxlkv_controlplane::transport::{ClientError, DisconnectReason, Endpoint, Rejection};
+use cxlkv_controlplane::transport::{
+    ClientError, DisconnectReason, Endpoint, LoopWatch, Rejection,
+};
 use transport_common::*;
 
-/// A raw socket to the server, for sending bytes no client would.
-enum Raw {
+/// A raw socket to the server, for sending bytes no client would, with
+/// the decoder of what it received (replies may arrive several per read).
+struct Raw {
+    sock: RawSock,
+    received: FrameDecoder,
+}
+
+enum RawSock {
     Unix(UnixStream),
     Tcp(TcpStream),
 }
 
 impl Raw {
     fn connect(ep: &Endpoint) -> Raw {
-        let r = match ep {
-            Endpoint::Unix(p) => Raw::Unix(UnixStream::connect(p).unwrap()),
-            Endpoint::Tcp(a) => Raw::Tcp(TcpStream::connect(a).unwrap()),
+        let sock = match ep {
+            Endpoint::Unix(p) => RawSock::Unix(UnixStream::connect(p).unwrap()),
+            Endpoint::Tcp(a) => RawSock::Tcp(TcpStream::connect(a).unwrap()),
             other => panic!("unexpected endpoint {other}"),
+        };
+        let r = Raw {
+            sock,
+            received: FrameDecoder::new(),
         };
         r.stream().set_read_timeout(Some(LONG)).unwrap();
         r
     }
     fn stream(&self) -> &dyn RawIo {
-        match self {
-            Raw::Unix(s) => s,
-            Raw::Tcp(s) => s,
+        match &self.sock {
+            RawSock::Unix(s) => s,
+            RawSock::Tcp(s) => s,
         }
     }
     fn write_all(&mut self, b: &[u8]) {
-        match self {
-            Raw::Unix(s) => s.write_all(b).unwrap(),
-            Raw::Tcp(s) => s.write_all(b).unwrap(),
+        self.try_write_all(b).unwrap();
+    }
+    fn try_write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
+        match &mut self.sock {
+            RawSock::Unix(s) => s.write_all(b),
+            RawSock::Tcp(s) => s.write_all(b),
         }
     }
-    /// Reads one whole frame (header and payload), bounded by LONG.
+    /// Ends our half of the stream (`shutdown(SHUT_WR)`); replies can
+    /// still arrive.
+    fn end_writes(&self) {
+        match &self.sock {
+            RawSock::Unix(s) => s.shutdown(std::net::Shutdown::Write).unwrap(),
+            RawSock::Tcp(s) => s.shutdown(std::net::Shutdown::Write).unwrap(),
+        }
+    }
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match &mut self.sock {
+            RawSock::Unix(s) => s.read(buf),
+            RawSock::Tcp(s) => s.read(buf),
+        }
+    }
+    /// Reads one whole frame (header and payload), bounded by LONG; `None`
+    /// at end of stream (or on an error).
     fn read_frame(&mut self) -> Option<(FrameHeader, Vec<u8>)> {
-        let mut d = FrameDecoder::new();
         loop {
-            if let Some(Decoded::Frame(f)) = d.decode().unwrap() {
+            if let Some(Decoded::Frame(f)) = self.received.decode().unwrap() {
                 return Some((f.header, f.payload.to_vec()));
             }
             let mut buf = [0u8; 4096];
-            let r = match self {
-                Raw::Unix(s) => s.read(&mut buf),
-                Raw::Tcp(s) => s.read(&mut buf),
-            };
             // EINTR: this thread led an io_uring client whose ring was torn
             // down (see the client's module essay); read again.
-            let n = match r {
+            let n = match self.read(&mut buf) {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 r => r.ok()?,
             };
             if n == 0 {
                 return None;
             }
-            d.push(&buf[..n]);
+            self.received.push(&buf[..n]);
         }
     }
     /// True once the server closed the connection (EOF or reset).
     fn closed_by_server(&mut self) -> bool {
         let mut buf = [0u8; 64];
         loop {
-            let r = match self {
-                Raw::Unix(s) => s.read(&mut buf),
-                Raw::Tcp(s) => s.read(&mut buf),
-            };
-            match r {
+            match self.read(&mut buf) {
                 Ok(0) => return true,
                 Ok(_) => continue,
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
@@ -264,11 +285,7 @@ fn a_peer_that_stops_reading_is_dropped_when_its_queue_overflows() {
             while sent < 256 && !matches_drop(&f) {
                 let mut a = ask.clone();
                 a[8..16].copy_from_slice(&(sent as u64 + 1).to_le_bytes());
-                if let Raw::Unix(s) = &mut raw {
-                    let _ = s.write_all(&a);
-                } else if let Raw::Tcp(s) = &mut raw {
-                    let _ = s.write_all(&a);
-                }
+                let _ = raw.try_write_all(&a);
                 sent += 1;
                 still_served(&f, &good);
             }
@@ -402,5 +419,217 @@ fn two_hundred_fifty_six_connections_are_served_concurrently() {
             }
         });
         assert_eq!(f.server.stats().accepted, 256);
+    }
+}
+
+/// A handler that panics on the loop thread ends the loop: the handle (and
+/// a watch handed in through the configuration, as `cxlkv pool` does, whose
+/// handle lives inside the pool core) says the loop no longer runs and
+/// why, completers are told it stopped, and `shutdown` reports the panic.
+#[test]
+fn a_loop_that_dies_is_reported_by_its_handle_and_its_watch() {
+    for backend in server_backends() {
+        let watch = LoopWatch::new();
+        assert!(!watch.is_running(), "not started yet");
+        let mut cfg = server_config(backend);
+        cfg.loop_watch = Some(watch.clone());
+        let f = start(backend, cfg);
+        assert!(f.server.is_running() && watch.is_running(), "{backend:?}");
+        assert_eq!(f.server.failure(), None);
+        let c = f.client(&f.unix);
+        assert_eq!(c.call(ECHO, b"up", LONG).unwrap().payload(), b"up");
+        assert!(c.call(PANIC, b"", LONG).is_err(), "{backend:?}");
+        let until = std::time::Instant::now() + LONG;
+        while f.server.is_running() {
+            assert!(
+                std::time::Instant::now() < until,
+                "{backend:?}: still running"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let failure = f.server.failure().expect("the loop's end is a failure");
+        assert!(
+            failure.contains("panicked") && failure.contains("asked to panic"),
+            "{backend:?}: {failure}"
+        );
+        assert!(!watch.is_running());
+        assert_eq!(watch.failure(), Some(failure));
+        let completer = f.server.completer();
+        assert!(matches!(
+            completer.wake(),
+            Err(cxlkv_controlplane::transport::ReplyError::Stopped)
+        ));
+        assert!(matches!(
+            f.server.shutdown(),
+            Err(cxlkv_controlplane::transport::TransportError::LoopPanicked)
+        ));
+    }
+}
+
+/// A loop stopped on request is not a failure.
+#[test]
+fn a_loop_stopped_on_request_is_not_a_failure() {
+    for backend in server_backends() {
+        let watch = LoopWatch::new();
+        let mut cfg = server_config(backend);
+        cfg.loop_watch = Some(watch.clone());
+        let f = start(backend, cfg);
+        assert!(watch.is_running());
+        f.server.shutdown().unwrap();
+        assert!(!watch.is_running());
+        assert_eq!(watch.failure(), None, "{backend:?}");
+    }
+}
+
+/// A peer that pipelines requests and then ends its half of the stream
+/// (`shutdown(SHUT_WR)`) still gets a reply to every request — those
+/// answered at once and those answered later from another thread — and
+/// then end of stream; the handler hears `PeerClosed` once all are sent.
+#[test]
+fn a_peer_that_half_closes_after_pipelining_gets_every_reply_then_end_of_stream() {
+    const REQUESTS: u64 = 12;
+    for backend in server_backends() {
+        let f = start(backend, server_config(backend));
+        let good = f.client(&f.unix);
+        let completer = f.server.completer();
+        for ep in f.endpoints() {
+            let mut raw = Raw::connect(ep);
+            let mut bytes = Vec::new();
+            for id in 1..=REQUESTS {
+                let kind = if id % 3 == 0 { DEFER } else { ECHO };
+                bytes.extend(frame(kind, id, format!("request {id}").as_bytes()));
+            }
+            raw.write_all(&bytes);
+            raw.end_writes();
+            f.wait_until("the deferred requests", |s| s.deferred.lock().len() == 4);
+            // A round trip on another connection: the loop has taken the
+            // end of stream by now (it was in the socket before this
+            // request), so the deferred replies below come after it.
+            still_served(&f, &good);
+            for (conn, rid, p) in f.seen.deferred.lock().drain(..) {
+                completer
+                    .complete(conn, DEFER + REPLY_OFFSET, rid, &p)
+                    .unwrap();
+            }
+            let mut got = Vec::new();
+            while let Some((h, p)) = raw.read_frame() {
+                assert_eq!(p, format!("request {}", h.request_id).as_bytes());
+                got.push(h.request_id);
+            }
+            got.sort_unstable();
+            assert_eq!(
+                got,
+                (1..=REQUESTS).collect::<Vec<_>>(),
+                "{backend:?} {ep}: one reply per request, then end of stream"
+            );
+        }
+        f.wait_until("both half-closed peers closed", |s| {
+            s.disconnects
+                .lock()
+                .iter()
+                .filter(|(_, r)| *r == DisconnectReason::PeerClosed)
+                .count()
+                == 2
+        });
+    }
+}
+
+/// A connection the server closes while its peer does not read its replies
+/// (its writes blocked) and keeps sending costs the loop no CPU (the epoll
+/// backend stops watching its input as soon as it leaves `Open`), and is
+/// closed once it held its last replies for `partial_frame_timeout_ms`.
+#[test]
+fn a_closing_connection_whose_peer_never_reads_costs_no_cpu_and_is_closed_in_bounded_time() {
+    for backend in server_backends() {
+        let mut cfg = server_config(backend);
+        cfg.partial_frame_timeout_ms = 3_000;
+        let f = start(backend, cfg);
+        let good = f.client(&f.unix);
+        let completer = f.server.completer();
+        let mut raw = Raw::connect(&f.unix);
+        // 4 MiB of replies it never reads: the socket takes a few hundred
+        // KiB, the rest waits in the server with its writes blocked.
+        for id in 1..=4u64 {
+            raw.write_all(&frame(SIZED, id, &(1u32 << 20).to_le_bytes()));
+        }
+        let until = std::time::Instant::now() + LONG;
+        while f.server.stats().replies_queued < 4 {
+            assert!(std::time::Instant::now() < until, "replies never queued");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        still_served(&f, &good); // the turn that queued them has flushed
+        let conn = f.seen.peers.lock().last().unwrap().0;
+        completer.close(conn).unwrap();
+        still_served(&f, &good); // the close was applied (no flush ran)
+        raw.write_all(&frame(ECHO, 99, b"unread input for a closing connection"));
+        let before = f.seen.loop_cpu_time();
+        let t0 = std::time::Instant::now();
+        std::thread::sleep(Duration::from_secs(1));
+        let cpu = f.seen.loop_cpu_time() - before;
+        let wall = t0.elapsed();
+        assert!(
+            cpu < Duration::from_millis(100),
+            "{backend:?}: the loop used {cpu:?} of CPU in {wall:?} with nothing to do"
+        );
+        f.wait_until("the closing connection's bound", |s| {
+            s.disconnects
+                .lock()
+                .iter()
+                .any(|(c, r)| *c == conn && *r == DisconnectReason::DrainTimeout)
+        });
+        still_served(&f, &good);
+    }
+}
+
+/// A request id already in flight on the connection is rejected as a
+/// duplicate without touching the original: a third frame with that id is
+/// rejected too (the original is still in flight), and the original's own
+/// reply reaches the peer after the two rejections.
+#[test]
+fn a_duplicate_request_id_is_rejected_without_touching_the_original() {
+    for backend in server_backends() {
+        let f = start(backend, server_config(backend));
+        let completer = f.server.completer();
+        for ep in f.endpoints() {
+            let mut raw = Raw::connect(ep);
+            raw.write_all(&frame(DEFER, 7, b"original"));
+            raw.write_all(&frame(DEFER, 7, b"first duplicate"));
+            raw.write_all(&frame(DEFER, 7, b"second duplicate"));
+            for n in 0..2 {
+                let (h, p) = raw.read_frame().expect("a rejection");
+                assert_eq!(
+                    (h.kind, h.request_id),
+                    (ERROR_REPLY, 7),
+                    "{backend:?} {ep} #{n}"
+                );
+                assert!(String::from_utf8_lossy(&p).contains("DuplicateRequestId"));
+            }
+            let deferred: Vec<_> = f.seen.deferred.lock().drain(..).collect();
+            assert_eq!(deferred.len(), 1, "{backend:?} {ep}: exactly one delivered");
+            let (conn, rid, payload) = deferred.into_iter().next().unwrap();
+            assert_eq!((rid, payload.as_slice()), (7, &b"original"[..]));
+            assert_eq!(
+                f.seen
+                    .rejections
+                    .lock()
+                    .drain(..)
+                    .filter(|(_, id, w)| *id == 7 && *w == Rejection::DuplicateRequestId)
+                    .count(),
+                2
+            );
+            completer
+                .complete(conn, DEFER + REPLY_OFFSET, rid, &payload)
+                .unwrap();
+            let (h, p) = raw.read_frame().expect("the original's reply");
+            assert_eq!(
+                (h.kind, h.request_id, p.as_slice()),
+                (DEFER + REPLY_OFFSET, 7, &b"original"[..]),
+                "{backend:?} {ep}"
+            );
+            // The id is free again once answered.
+            raw.write_all(&frame(ECHO, 7, b"reused"));
+            let (h, p) = raw.read_frame().unwrap();
+            assert_eq!((h.request_id, p.as_slice()), (7, &b"reused"[..]));
+        }
     }
 }

@@ -12,8 +12,9 @@
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start (another
 //! manager holds the state directory or a pool, a corrupt state, a foreign
-//! pool), when its stop was cut short, or when its journal fails while
-//! serving (fail-stop; a restart recovers).
+//! pool), when its stop was cut short, or when its journal or its
+//! transport's event loop fails while serving (fail-stop; a restart
+//! recovers).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -21,15 +22,15 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use cxlkv_controlplane::pool::service::PoolCore;
-use cxlkv_controlplane::transport::Endpoint;
+use cxlkv_controlplane::transport::{Endpoint, LoopWatch};
 
 use super::signals::{
     STOP_DEADLINE, block_stop_signals, cut_short, signal_name, stop_within, wait_signal,
 };
 use crate::config::{self, Override};
 
-/// How often the main thread checks that the core still runs while it waits
-/// for a signal.
+/// How often the main thread checks that the core and the transport still
+/// run while it waits for a signal.
 const SIGNAL_POLL: Duration = Duration::from_millis(500);
 
 /// Flags of `cxlkv pool`; each one overrides its `[pool]` key.
@@ -181,8 +182,12 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
     if let Some(addr) = resolved.tcp {
         endpoints.push(Endpoint::Tcp(addr));
     }
+    // The transport's handle lives in the core: its loop reports here.
+    let transport = LoopWatch::new();
+    let mut server_cfg = cfg.transport.server_config()?;
+    server_cfg.loop_watch = Some(transport.clone());
     let bound = core
-        .listen(&endpoints, cfg.transport.server_config()?)
+        .listen(&endpoints, server_cfg)
         .context("cannot listen")?;
     let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
     println!("listening {}", shown.join(" "));
@@ -198,6 +203,13 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         }
         if !core.is_running() {
             break None;
+        }
+        if let Some(failure) = transport.failure() {
+            // Nothing is served any more: exit, so that a supervisor
+            // restarts a daemon that serves.
+            tracing::error!(%failure, "the transport stopped serving; exiting");
+            let _ = stop_within(&signals, STOP_DEADLINE, move || core.shutdown());
+            anyhow::bail!("the pool manager's transport event loop stopped: {failure}");
         }
     };
     if let Some(failure) = core.failure() {

@@ -12,8 +12,8 @@
 //! manager's journal committed and checkpointed, the socket file removed; a
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start, when its stop
-//! was cut short, or when its embedded pool manager fails while serving (a
-//! restart recovers).
+//! was cut short, or when its embedded pool manager or its transport's
+//! event loop fails while serving (a restart recovers).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -25,8 +25,8 @@ use super::signals::{self, STOP_DEADLINE};
 use crate::config::{self, Override};
 use crate::server::Server;
 
-/// How often the main thread checks the embedded pool manager while it
-/// waits for a signal.
+/// How often the main thread checks the embedded pool manager and the
+/// transport while it waits for a signal.
 const SIGNAL_POLL: Duration = Duration::from_millis(500);
 
 /// Flags of `cxlkv serve`; each overrides one configuration key.
@@ -204,6 +204,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         if let Some(failure) = server.pool_failure() {
             let _ = signals::stop_within(&signals, STOP_DEADLINE, move || server.shutdown());
             anyhow::bail!("the embedded pool manager stopped: {failure}");
+        }
+        if let Some(failure) = server.transport_failure() {
+            // Nothing is served any more: exit, so that a supervisor
+            // restarts a server that serves.
+            tracing::error!(%failure, "the transport stopped serving; exiting");
+            let _ = signals::stop_within(&signals, STOP_DEADLINE, move || server.shutdown());
+            anyhow::bail!("the transport event loop stopped: {failure}");
         }
     };
     tracing::info!(signal = %signals::signal_name(stopped_by), "stopping");

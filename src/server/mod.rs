@@ -778,6 +778,15 @@ impl ServerHandle {
         self.pool_core.as_ref().and_then(PoolCore::failure)
     }
 
+    /// Why the transport's event loop ended on its own (a panic, an I/O
+    /// error of the loop), if it did: every connection is gone and none is
+    /// accepted any more. The server must then exit; a restart serves again.
+    pub fn transport_failure(&self) -> Option<String> {
+        self.transport
+            .as_ref()
+            .and_then(transport::ServerHandle::failure)
+    }
+
     /// A snapshot of the directory's statistics (asked of the loop thread).
     pub fn directory_stats(&self) -> Result<DirectoryStats, ServerError> {
         let (tx, rx) = mpsc::sync_channel(1);
@@ -811,7 +820,16 @@ impl ServerHandle {
         let Some(transport) = self.transport.take() else {
             return Err(ServerError::Stopped);
         };
-        let mut handler = transport.shutdown()?;
+        let mut handler = match transport.shutdown() {
+            Ok(h) => h,
+            Err(e) => {
+                // The loop died (`transport_failure`), and the handler with
+                // it: the rest of the stop still runs.
+                self.stop_pool_core();
+                remove_paths(&self.remove_after);
+                return Err(e.into());
+            }
+        };
         let sessions_closed = handler.sessions_closed_at_shutdown();
         // The loop is gone: apply the pool manager's answers here until the
         // frees in flight are confirmed (or the wait runs out).
@@ -828,6 +846,20 @@ impl ServerHandle {
             );
         }
         drop(handler);
+        self.stop_pool_core();
+        remove_paths(&self.remove_after);
+        tracing::info!(sessions_closed, "server stopped");
+        Ok(ShutdownReport {
+            sessions_closed,
+            frees_unconfirmed,
+        })
+    }
+}
+
+impl ServerHandle {
+    /// Stops the embedded pool manager, if any (journal committed,
+    /// checkpointed).
+    fn stop_pool_core(&mut self) {
         if let Some(core) = self.pool_core.take() {
             match core.shutdown() {
                 Ok(r) => tracing::info!(
@@ -838,12 +870,6 @@ impl ServerHandle {
                 Err(e) => tracing::warn!(error = %e, "pool manager stopped with an error"),
             }
         }
-        remove_paths(&self.remove_after);
-        tracing::info!(sessions_closed, "server stopped");
-        Ok(ShutdownReport {
-            sessions_closed,
-            frees_unconfirmed,
-        })
     }
 }
 

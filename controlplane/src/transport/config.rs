@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use super::TransportError;
+use super::server::LoopWatch;
 
 /// Environment variable that forces a backend when the config says `Auto`.
 pub const IO_ENV: &str = "CXLKV_IO";
@@ -130,13 +131,50 @@ pub struct IoConfig {
     /// round trip took 5–6 µs less, a one-key round trip the same or less.
     pub recv: RecvMode,
     /// io_uring provided receive buffers of the server ([`RecvMode::Provided`]
-    /// only): bytes each (a receive completes with at most this many bytes) ...
+    /// only): bytes each (a receive completes with at most this many bytes;
+    /// more than the frame decoder has room for is taken in pieces) ...
     pub recv_buffer_bytes: u32,
-    /// ... and at most how many (a power of two, ≤ 32768). The server
+    /// ... and at most how many (a power of two, ≤ 32768; all of them
+    /// together at most [`MAX_RECV_BUFFER_POOL_BYTES`]). The server
     /// starts with 16 in circulation, so that receives land in memory that
     /// is still in cache, and doubles that each time a receive finds them
     /// all in use (counted in `ServerStats::recv_buffers_exhausted`).
     pub recv_buffer_count: u16,
+}
+
+/// Most bytes of provided receive buffers a server reserves
+/// (`recv_buffer_count × recv_buffer_bytes`; the default is 4 MiB). The
+/// server allocates them all when it starts: an unbounded product (up to
+/// 512 GiB) would abort the process there instead of refusing the
+/// configuration.
+pub const MAX_RECV_BUFFER_POOL_BYTES: usize = 256 << 20;
+
+/// Most provided receive buffers (the kernel's limit on a buffer ring).
+const MAX_RECV_BUFFER_COUNT: u16 = 32768;
+
+impl IoConfig {
+    /// Checks the provided receive buffers (checked whatever the receive
+    /// mode, so that a configuration does not become invalid by switching
+    /// modes).
+    pub(crate) fn check_recv_buffers(&self) -> Result<(), TransportError> {
+        if !self.recv_buffer_count.is_power_of_two()
+            || self.recv_buffer_count > MAX_RECV_BUFFER_COUNT
+        {
+            return Err(TransportError::Config(
+                "recv_buffer_count must be a power of two ≤ 32768",
+            ));
+        }
+        if self.recv_buffer_bytes == 0 {
+            return Err(TransportError::Config("recv_buffer_bytes must be positive"));
+        }
+        let total = usize::from(self.recv_buffer_count) * self.recv_buffer_bytes as usize;
+        if total > MAX_RECV_BUFFER_POOL_BYTES {
+            return Err(TransportError::Config(
+                "recv_buffer_count × recv_buffer_bytes must be at most 256 MiB",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for IoConfig {
@@ -169,11 +207,18 @@ pub struct ServerConfig {
     /// peer that stops reading is disconnected when this overflows. At least
     /// one maximum frame.
     pub max_send_queue_bytes: usize,
-    /// A connection that holds an incomplete frame this long is closed.
+    /// A connection that holds an incomplete frame this long is closed. It
+    /// also bounds how long a closing connection — closed by the handler,
+    /// or whose peer ended its stream — may take to take its last replies
+    /// (`DisconnectReason::DrainTimeout`).
     pub partial_frame_timeout_ms: u64,
     /// Completions posted from other threads and not yet picked up by the
     /// loop; `Completer` calls fail with `Full` beyond this.
     pub max_pending_completions: usize,
+    /// Where the server reports whether its loop runs (see [`LoopWatch`]),
+    /// for an owner that does not hold its handle; `None`: a watch of its
+    /// own ([`ServerHandle::watch`](super::ServerHandle::watch)).
+    pub loop_watch: Option<LoopWatch>,
 }
 
 impl Default for ServerConfig {
@@ -185,6 +230,7 @@ impl Default for ServerConfig {
             max_send_queue_bytes: 2 * crate::frame::MAX_FRAME_BYTES,
             partial_frame_timeout_ms: 30_000,
             max_pending_completions: 65_536,
+            loop_watch: None,
         }
     }
 }

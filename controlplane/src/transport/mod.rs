@@ -104,10 +104,25 @@
 //! **Bounds.** Connections (`max_connections`, refused with a
 //! handler-built frame), requests in flight per connection (rejected with
 //! [`Rejection::TooManyInFlight`]), bytes queued per connection (a peer that
-//! stops reading is dropped), time a partial frame may sit
-//! (`partial_frame_timeout_ms`), completions pending from other threads,
-//! and on the client requests in flight (`max_inflight`, at most
-//! [`MAX_CLIENT_INFLIGHT`]) and a deadline per request.
+//! stops reading is dropped), time a partial frame may sit and time a
+//! closing connection may take to take its last replies (both
+//! `partial_frame_timeout_ms`), completions pending from other threads,
+//! provided receive buffers ([`MAX_RECV_BUFFER_POOL_BYTES`]), and on the
+//! client requests in flight (`max_inflight`, at most
+//! [`MAX_CLIENT_INFLIGHT`]) and a deadline per request. An `accept` that
+//! fails for lack of descriptors pauses accepting (10–100 ms, a timer of
+//! the loop, one warning per 10 s) instead of being retried at once.
+//!
+//! **Closing.** A peer that ends its stream (`shutdown(SHUT_WR)` after
+//! pipelining requests) gets every reply, then end of stream; a write error
+//! closes at once. Both backends behave the same (`server` module).
+//!
+//! **A loop that ends.** The loop ends when asked ([`ServerHandle`]'s
+//! `shutdown`), or on its own — an I/O error of the loop, or a panic (of
+//! the handler, say) — closing every connection. [`ServerHandle::failure`]
+//! and a [`LoopWatch`] (which an owner that does not hold the handle
+//! passes in through [`ServerConfig::loop_watch`]) say so, so that the
+//! process can exit instead of serving nobody.
 //!
 //! **Bad input.** An intact header with a wrong version or oversized
 //! payload reaches [`Handler::on_rejected`] (the connection lives); a
@@ -132,12 +147,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use client::{ClientError, ClientStats, MAX_CLIENT_INFLIGHT, PendingCall, Reply, RpcClient};
 pub use config::{
-    Backend, BackendChoice, ClientConfig, Endpoint, IO_ENV, IoConfig, RecvMode, ServerConfig,
-    TaskRun,
+    Backend, BackendChoice, ClientConfig, Endpoint, IO_ENV, IoConfig, MAX_RECV_BUFFER_POOL_BYTES,
+    RecvMode, ServerConfig, TaskRun,
 };
 pub use server::{
-    Admit, Completer, ConnId, DisconnectReason, Handler, PeerInfo, Refusal, RefuseReason,
-    Rejection, Replies, ReplyError, Server, ServerHandle, ServerStats, ServerStatsSnapshot,
+    Admit, Completer, ConnId, DisconnectReason, Handler, LoopWatch, PeerInfo, Refusal,
+    RefuseReason, Rejection, Replies, ReplyError, Server, ServerHandle, ServerStats,
+    ServerStatsSnapshot,
 };
 pub use sys::{MAX_FDS_PER_FRAME, PeerCred, check_socket_dir, prepare_socket_dir};
 

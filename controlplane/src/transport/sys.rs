@@ -282,6 +282,16 @@ pub fn poll_one(
     }
 }
 
+/// True if the peer of a connected socket closed it altogether, not just
+/// its writing half (`shutdown(SHUT_WR)`): both directions are shut
+/// (`POLLHUP`). A Unix socket tells at once (its peer's close shuts both);
+/// a TCP socket only learns when the peer refuses a write, so this is false
+/// until then. Errors count as "not known to be gone".
+pub fn peer_hung_up(fd: BorrowedFd<'_>) -> bool {
+    // Events 0: POLLHUP is reported whatever is asked for.
+    poll_one(fd, 0, Duration::ZERO).is_ok_and(|revents| revents & libc::POLLHUP != 0)
+}
+
 /// A non-blocking, close-on-exec eventfd (counter semantics).
 pub fn eventfd() -> io::Result<OwnedFd> {
     // SAFETY: plain syscall; a non-negative result is a fresh descriptor we own.

@@ -7,8 +7,8 @@ use std::io::Write;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::frame::{Frame, FrameHeader, encode_frame};
 use cxlkv_controlplane::transport::{
@@ -16,7 +16,7 @@ use cxlkv_controlplane::transport::{
     IoConfig, PeerInfo, RecvMode, Refusal, RefuseReason, Rejection, Replies, RpcClient, Server,
     ServerConfig, ServerHandle, probe_uring,
 };
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 pub const ECHO: u16 = 1;
 pub const DEFER: u16 = 2;
@@ -26,6 +26,12 @@ pub const SIZED: u16 = 5;
 pub const WHO_AM_I: u16 = 6;
 /// Echoes through [`Replies::send_frame`]: the handler encodes the frame.
 pub const WHOLE_FRAME: u16 = 7;
+/// Holds the loop thread inside the handler until the test opens the gate
+/// ([`Seen::open_gate`], bounded by [`LONG`]), then replies: lets a test
+/// line bytes up in a socket while the loop cannot receive them.
+pub const GATE: u16 = 8;
+/// Panics on the loop thread (a handler bug), ending the event loop.
+pub const PANIC: u16 = 9;
 pub const REPLY_OFFSET: u16 = 100;
 pub const ERROR_REPLY: u16 = 999;
 pub const REFUSED: u16 = 998;
@@ -41,6 +47,61 @@ pub struct Seen {
     pub rejections: Mutex<Vec<(ConnId, u64, Rejection)>>,
     pub disconnects: Mutex<Vec<(ConnId, DisconnectReason)>>,
     pub peers: Mutex<Vec<(ConnId, PeerInfo)>>,
+    /// Kernel thread id of the event loop (recorded at each connect).
+    pub loop_tid: AtomicI32,
+    /// A `GATE` request is holding the loop.
+    pub gate_entered: AtomicBool,
+    gate_open: Mutex<bool>,
+    gate_changed: Condvar,
+}
+
+impl Seen {
+    /// Lets a `GATE` request (now or later) return.
+    pub fn open_gate(&self) {
+        *self.gate_open.lock() = true;
+        self.gate_changed.notify_all();
+    }
+
+    /// Called on the loop thread by `GATE`: waits for the gate, bounded.
+    fn wait_for_gate(&self) {
+        self.gate_entered.store(true, Ordering::SeqCst);
+        let until = Instant::now() + LONG;
+        let mut open = self.gate_open.lock();
+        while !*open && Instant::now() < until {
+            // One wake-up, when the gate opens (a timed wait only as the
+            // bound): an io_uring loop that woke early would run its
+            // deferred receives before the test lined its bytes up.
+            let _ = self.gate_changed.wait_until(&mut open, until);
+        }
+    }
+
+    /// CPU time the event loop's thread has used so far.
+    pub fn loop_cpu_time(&self) -> Duration {
+        let tid = self.loop_tid.load(Ordering::SeqCst);
+        assert!(tid > 0, "no connection has told the loop's thread id yet");
+        thread_cpu_time(tid)
+    }
+}
+
+/// CPU time of thread `tid` of this process, from its per-thread CPU clock
+/// (no descriptor needed: works when the process has none left).
+pub fn thread_cpu_time(tid: i32) -> Duration {
+    // MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED) of the kernel's
+    // posix-timers.h: (~tid << 3) | CPUCLOCK_PERTHREAD_MASK | CPUCLOCK_SCHED.
+    let clock = (!tid << 3) | 4 | 2;
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
+    assert_eq!(
+        rc,
+        0,
+        "clock_gettime of thread {tid}: {}",
+        std::io::Error::last_os_error()
+    );
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 pub struct TestHandler {
@@ -49,6 +110,9 @@ pub struct TestHandler {
 
 impl Handler for TestHandler {
     fn on_connect(&mut self, conn: ConnId, peer: &PeerInfo) -> Admit {
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        self.seen.loop_tid.store(tid, Ordering::SeqCst);
         self.seen.peers.lock().push((conn, peer.clone()));
         Admit::Accept
     }
@@ -89,6 +153,11 @@ impl Handler for TestHandler {
                 encode_frame(&mut whole, reply, h.request_id, frame.payload).unwrap();
                 out.send_frame(conn, whole, Vec::new()).unwrap();
             }
+            GATE => {
+                self.seen.wait_for_gate();
+                out.send(conn, reply, h.request_id, b"released").unwrap();
+            }
+            PANIC => panic!("the test handler was asked to panic"),
             WHO_AM_I => {
                 let text = match self.seen.peers.lock().iter().find(|(c, _)| *c == conn) {
                     Some((_, PeerInfo::Unix(c))) => format!("unix {} {} {}", c.pid, c.uid, c.gid),
@@ -189,6 +258,15 @@ pub fn backends() -> Vec<Backends> {
         }
     }
     pairs
+}
+
+/// One run per server backend (an io_uring server in both receive modes),
+/// for tests whose client is a raw socket.
+pub fn server_backends() -> Vec<Backends> {
+    backends()
+        .into_iter()
+        .filter(|b| b.client == BackendChoice::Fallback)
+        .collect()
 }
 
 /// The backend a client configured with `choice` must report.

@@ -2,12 +2,22 @@
 //! sockets. It waits the same way the io_uring backend does — polls with a
 //! zero timeout for `spin_us` after the last event, then blocks — so the two
 //! differ only in the system calls they make.
+//!
+//! Level-triggered readiness repeats for as long as its condition holds, so
+//! the driver watches only what it will act on: a connection's input only
+//! while it is `Open` (a closing one reads nothing more, and its unread
+//! input — or its end of stream — would wake the loop at every turn), its
+//! writability only while a write is blocked, and a listener not while
+//! accepting is paused (`AcceptPause`: the connection waiting in its
+//! backlog would report it ready at once).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
-use super::{ConnState, Core, DisconnectReason, Handler, Listener, stop_requested};
+use super::{
+    AcceptPause, ConnState, Core, DisconnectReason, Handler, Listener, earliest, stop_requested,
+};
 use crate::transport::TransportError;
 use crate::transport::spin::Spinner;
 use crate::transport::sys;
@@ -121,7 +131,10 @@ pub(crate) fn run<H: Handler>(
     .map_err(TransportError::Setup)?;
     let mut driver = Driver {
         ep,
+        interest: Vec::new(),
         writable_wanted: Vec::new(),
+        accept_pause: AcceptPause::default(),
+        paused_listeners: Vec::new(),
     };
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
     let spin = Duration::from_micros(u64::from(core.cfg.io.spin_us));
@@ -140,7 +153,8 @@ pub(crate) fn run<H: Handler>(
         }
         let asleep = now.duration_since(last_activity) >= spin && core.prepare_sleep();
         let timeout = if asleep {
-            core.next_timer().map(|t| t.saturating_duration_since(now))
+            earliest(core.next_timer(), driver.accept_pause.deadline())
+                .map(|t| t.saturating_duration_since(now))
         } else {
             Some(Duration::ZERO)
         };
@@ -154,11 +168,14 @@ pub(crate) fn run<H: Handler>(
             if token == WAKE_TOKEN {
                 sys::eventfd_drain(core.shared.eventfd.as_fd()).map_err(TransportError::Io)?;
             } else if token >= LISTENER_TOKEN_BASE {
-                let l = &listeners[(token - LISTENER_TOKEN_BASE) as usize];
-                driver.accept_from(core, l)?;
+                let index = (token - LISTENER_TOKEN_BASE) as usize;
+                driver.accept_from(core, &listeners[index], index, now)?;
             } else {
                 driver.on_conn_event(core, token as u32, flags, now);
             }
+        }
+        if driver.accept_pause.due(now) {
+            driver.resume_accepting(listeners)?;
         }
         let had_work = core.has_work();
         core.run_completions(now);
@@ -166,6 +183,9 @@ pub(crate) fn run<H: Handler>(
             core.run_timers(now);
         }
         let flushed = driver.flush_dirty(core);
+        for slot in std::mem::take(&mut core.input_closed) {
+            driver.update_interest(core, slot);
+        }
         driver.teardown(core);
         busy = n > 0 || had_work || flushed;
         if !busy && !asleep {
@@ -187,8 +207,13 @@ fn ep_wait(
 
 struct Driver {
     ep: Epoll,
-    /// Per slot: EPOLLOUT is registered (a write hit EAGAIN).
+    /// Per slot: the events registered for its socket.
+    interest: Vec<u32>,
+    /// Per slot: a write hit EAGAIN, EPOLLOUT is wanted.
     writable_wanted: Vec<bool>,
+    accept_pause: AcceptPause,
+    /// Listeners not watched while accepting is paused.
+    paused_listeners: Vec<usize>,
 }
 
 impl Driver {
@@ -196,18 +221,36 @@ impl Driver {
         &mut self,
         core: &mut Core<H>,
         l: &Listener,
+        index: usize,
+        now: Instant,
     ) -> Result<(), TransportError> {
         for _ in 0..ACCEPT_BATCH {
             let fd = match accept(l.fd()) {
                 Ok(fd) => fd,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                // The peer gave up before we accepted, or a descriptor
-                // limit: that one connection is lost, the server goes on.
+                // The peer gave up before we accepted: that one connection
+                // is lost, the next may be there.
+                Err(e) if e.raw_os_error().is_some_and(AcceptPause::is_transient) => {
+                    tracing::debug!(error = %e, "accept failed");
+                    continue;
+                }
+                // Out of descriptors, say: it would fail again at once (and
+                // the listener stays ready). Not watched until the pause ends.
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
+                    self.ep
+                        .ctl(
+                            libc::EPOLL_CTL_MOD,
+                            l.fd().as_raw_fd(),
+                            0,
+                            LISTENER_TOKEN_BASE + index as u64,
+                        )
+                        .map_err(TransportError::Io)?;
+                    self.paused_listeners.push(index);
+                    self.accept_pause.pause(&e, now);
                     return Ok(());
                 }
             };
+            self.accept_pause.accepted();
             let peer = match l.peer_of(&fd) {
                 Ok(p) => p,
                 Err(e) => {
@@ -227,9 +270,26 @@ impl Driver {
                 }
                 if self.writable_wanted.len() <= slot as usize {
                     self.writable_wanted.resize(slot as usize + 1, false);
+                    self.interest.resize(slot as usize + 1, 0);
                 }
                 self.writable_wanted[slot as usize] = false;
+                self.interest[slot as usize] = libc::EPOLLIN as u32;
             }
+        }
+        Ok(())
+    }
+
+    /// The accept pause is over: watches the paused listeners again.
+    fn resume_accepting(&mut self, listeners: &[Listener]) -> Result<(), TransportError> {
+        for index in self.paused_listeners.drain(..) {
+            self.ep
+                .ctl(
+                    libc::EPOLL_CTL_MOD,
+                    listeners[index].fd().as_raw_fd(),
+                    libc::EPOLLIN as u32,
+                    LISTENER_TOKEN_BASE + index as u64,
+                )
+                .map_err(TransportError::Io)?;
         }
         Ok(())
     }
@@ -244,7 +304,19 @@ impl Driver {
         if flags & libc::EPOLLOUT as u32 != 0 {
             self.flush(core, slot);
         }
-        if flags & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR) as u32 == 0 {
+        let hangup = flags & (libc::EPOLLHUP | libc::EPOLLERR) as u32 != 0;
+        match core.conn_mut(slot).map(|c| c.state) {
+            Some(ConnState::Open) => {}
+            // Closing, its input no longer watched; but a hangup or an error
+            // is reported whatever is watched (and repeats): nobody will
+            // take the rest of its replies.
+            Some(ConnState::InputEnded | ConnState::Draining) if hangup => {
+                core.close(slot, DisconnectReason::PeerClosed);
+                return;
+            }
+            _ => return,
+        }
+        if flags & libc::EPOLLIN as u32 == 0 && !hangup {
             return;
         }
         let mut read = 0;
@@ -259,7 +331,8 @@ impl Driver {
             let asked = spare.len();
             match sys::recv(conn.fd.as_fd(), spare) {
                 Ok(0) => {
-                    core.close(slot, DisconnectReason::PeerClosed);
+                    let gone = sys::peer_hung_up(conn.fd.as_fd());
+                    core.input_ended(slot, now, gone);
                     return;
                 }
                 Ok(n) => {
@@ -332,7 +405,7 @@ impl Driver {
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    core.close(slot, DisconnectReason::Io(e.kind()));
+                    core.write_failed(slot, e.kind());
                     return;
                 }
             }
@@ -342,29 +415,41 @@ impl Driver {
     }
 
     fn want_writable<H: Handler>(&mut self, core: &mut Core<H>, slot: u32, on: bool) {
+        self.writable_wanted[slot as usize] = on;
+        self.update_interest(core, slot);
+    }
+
+    /// Registers what the connection's socket should report: its input
+    /// while it is `Open` (a connection that left `Open` reads nothing more,
+    /// and level-triggered EPOLLIN would report its unread input, or its
+    /// end of stream, at every turn), its writability while a write is
+    /// blocked.
+    fn update_interest<H: Handler>(&mut self, core: &mut Core<H>, slot: u32) {
         let Some(conn) = core.conn_mut(slot) else {
             return;
         };
-        let wanted = &mut self.writable_wanted[slot as usize];
-        // A draining connection no longer reads: level-triggered EPOLLIN
-        // would report its unread input forever.
-        let base = if conn.state == ConnState::Open {
-            libc::EPOLLIN as u32
+        let readable = match conn.state {
+            ConnState::Open => libc::EPOLLIN as u32,
+            ConnState::InputEnded | ConnState::Draining => 0,
+            ConnState::Dead => return,
+        };
+        let writable = if self.writable_wanted[slot as usize] {
+            libc::EPOLLOUT as u32
         } else {
             0
         };
-        if *wanted == on && base != 0 {
+        let events = readable | writable;
+        if self.interest[slot as usize] == events {
             return;
         }
-        *wanted = on;
-        let events = base | if on { libc::EPOLLOUT as u32 } else { 0 };
-        if let Err(e) = self.ep.ctl(
+        match self.ep.ctl(
             libc::EPOLL_CTL_MOD,
             conn.fd.as_raw_fd(),
             events,
             u64::from(slot),
         ) {
-            core.close(slot, DisconnectReason::Io(e.kind()));
+            Ok(()) => self.interest[slot as usize] = events,
+            Err(e) => core.close(slot, DisconnectReason::Io(e.kind())),
         }
     }
 

@@ -18,6 +18,19 @@
 //!   (`max_inflight_per_conn`), bytes queued per connection
 //!   (`max_send_queue_bytes`, overflow drops that connection), completions
 //!   posted from other threads (`max_pending_completions`).
+//! - A connection's in-flight entry is removed only by a reply to that
+//!   request, never by the rejection of another frame that carries its id.
+//! - A connection leaves `Open` for good: it then reads nothing more
+//!   (`ConnState`), and it is closed within `partial_frame_timeout_ms` even
+//!   if its peer never takes its last replies.
+//!
+//! **Closing.** The handler closes a connection after the replies queued
+//! before it (`Draining`). A peer that ends its stream (`recv` returns 0:
+//! it may only have shut down its writing half after pipelining requests)
+//! still gets every reply — those queued and those of its requests in
+//! flight — and then end of stream (`InputEnded`), unless it is gone
+//! altogether (a Unix peer that closed its socket: `POLLHUP`), which closes
+//! at once as before. A write that fails closes at once either way.
 
 pub(crate) mod epoll;
 pub(crate) mod uring;
@@ -30,7 +43,7 @@ use std::net::TcpListener;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -127,7 +140,15 @@ pub enum Rejection {
     Frame(FrameError),
     /// The connection already has `limit` requests in flight.
     TooManyInFlight { limit: usize },
-    /// A request with this id is already in flight on this connection.
+    /// A request with this id is already in flight on this connection. The
+    /// original stays in flight, untouched, and gets its own reply later.
+    /// The rejection reply necessarily carries the same request id (it is
+    /// all the peer can match); the peer tells the two apart by order — the
+    /// rejection is queued when the duplicate arrives, while the original
+    /// is still unanswered, so it reaches the peer first (unless a fault
+    /// plan reorders replies) — and by content (the handler's error names
+    /// the reason). An [`RpcClient`](super::RpcClient) never reuses an id
+    /// in flight; only a raw or broken peer sees this.
     DuplicateRequestId,
 }
 
@@ -135,7 +156,9 @@ pub enum Rejection {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DisconnectReason {
-    /// The peer closed its end (possibly in the middle of a frame).
+    /// The peer closed its end (possibly in the middle of a frame). A peer
+    /// that only ended its stream (`shutdown(SHUT_WR)`) hears this once the
+    /// replies to its requests were written.
     PeerClosed,
     /// Bytes that are not our framing (bad magic, reserved bits).
     Protocol(FrameError),
@@ -151,6 +174,10 @@ pub enum DisconnectReason {
     FaultReset,
     /// The server is shutting down.
     Shutdown,
+    /// The connection was closing (closed by the handler, or its peer had
+    /// ended its stream) and did not take its last replies within
+    /// `partial_frame_timeout_ms`: a peer that stops reading.
+    DrainTimeout,
 }
 
 /// Callbacks of the event loop; all run on the loop thread, one at a time.
@@ -170,7 +197,8 @@ pub trait Handler: Send + 'static {
     }
     /// One complete request. Answer now through `out`, or later through a
     /// [`Completer`]; the request counts as in flight until a frame with its
-    /// request id is queued for this connection.
+    /// request id is queued for this connection (other than the rejection
+    /// of a later frame that reuses its id).
     fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies);
     /// A request the transport refused (see [`Rejection`]); the connection
     /// stays open. Build an error reply for `header.request_id`.
@@ -685,7 +713,12 @@ impl SendQueue {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ConnState {
     Open,
-    /// Closing once the send queue is empty; input is ignored.
+    /// The peer ended its stream: nothing more is read; replies to its
+    /// requests in flight are still taken, and the connection closes
+    /// (`PeerClosed`) once none is in flight and every reply is written.
+    InputEnded,
+    /// Closing once the send queue is empty (the handler closed it); input
+    /// is ignored and new replies are dropped.
     Draining,
     /// Closed from the handler's point of view; the backend tears it down.
     Dead,
@@ -711,6 +744,9 @@ pub(crate) struct Conn {
     /// because it is probed twice per request.
     inflight: HashMap<u64, InFlight, foldhash::fast::RandomState>,
     partial_since: Option<Instant>,
+    /// When the connection left `Open` (`InputEnded` or `Draining`): it is
+    /// closed `partial_frame_timeout_ms` later if still there.
+    closing_since: Option<Instant>,
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     frames_in: u64,
     /// A reply held back to be sent after the next one (fault: reorder).
@@ -736,6 +772,9 @@ pub(crate) struct Core<H> {
     pub dirty: Vec<u32>,
     /// Slots that became `Dead` and await teardown by the backend.
     pub dead: Vec<u32>,
+    /// Slots that left `Open` (they read nothing more): the epoll backend
+    /// stops watching their input; the io_uring backend has nothing to do.
+    pub input_closed: Vec<u32>,
     /// When `run_timers` has something to do next (None: nothing pending).
     next_timer_at: Option<Instant>,
     #[cfg(feature = "fault-injection")]
@@ -761,6 +800,7 @@ impl<H: Handler> Core<H> {
             scratch: Replies::default(),
             dirty: Vec::new(),
             dead: Vec::new(),
+            input_closed: Vec::new(),
             next_timer_at: None,
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -819,6 +859,7 @@ impl<H: Handler> Core<H> {
             state: ConnState::Open,
             inflight: HashMap::default(),
             partial_since: None,
+            closing_since: None,
             frames_in: 0,
             #[cfg(feature = "fault-injection")]
             held: None,
@@ -841,6 +882,8 @@ impl<H: Handler> Core<H> {
             let handler = &mut self.handler;
             let stats = &self.shared.stats;
             let mut fatal = None;
+            // The request id this call's handler answered with a rejection.
+            let mut rejected = None;
             #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
             let mut reset = false;
             match conn.decoder.decode() {
@@ -861,6 +904,7 @@ impl<H: Handler> Core<H> {
                 Ok(Some(Decoded::Rejected { header, error })) => {
                     ServerStats::bump(&stats.frames_rejected);
                     conn.partial_since = None;
+                    rejected = Some(header.request_id);
                     handler.on_rejected(id, header, Rejection::Frame(error), &mut out);
                 }
                 Ok(Some(Decoded::Frame(frame))) => {
@@ -894,6 +938,7 @@ impl<H: Handler> Core<H> {
                         match conn.inflight.entry(rid) {
                             hash_map::Entry::Occupied(_) => {
                                 ServerStats::bump(&stats.frames_rejected);
+                                rejected = Some(rid);
                                 handler.on_rejected(
                                     id,
                                     frame.header,
@@ -903,6 +948,7 @@ impl<H: Handler> Core<H> {
                             }
                             hash_map::Entry::Vacant(_) if full => {
                                 ServerStats::bump(&stats.frames_rejected);
+                                rejected = Some(rid);
                                 handler.on_rejected(
                                     id,
                                     frame.header,
@@ -933,30 +979,46 @@ impl<H: Handler> Core<H> {
                 self.reset(slot);
                 return;
             }
-            self.apply(&mut out, now);
+            self.apply_replies(&mut out, now, rejected.map(|rid| (id, rid)));
             self.scratch = out;
         }
     }
 
     /// Applies the actions of one handler call (or a batch of completions).
     fn apply(&mut self, out: &mut Replies, now: Instant) {
+        self.apply_replies(out, now, None);
+    }
+
+    /// [`Core::apply`] for a handler call that answered a rejected frame:
+    /// a reply on `rejected`'s connection with its request id is the
+    /// rejection, not the reply of a request in flight with that id (a
+    /// duplicate's original), whose entry it must leave alone.
+    fn apply_replies(&mut self, out: &mut Replies, now: Instant, rejected: Option<(ConnId, u64)>) {
         for action in out.actions.drain(..) {
             match action {
-                Action::Send(f) => self.route(f, now),
+                Action::Send(f) => {
+                    let answers = rejected != Some((f.conn, f.request_id));
+                    self.route(f, now, answers);
+                }
                 Action::Close(id) => {
                     if let Some(slot) = self.live_slot(id) {
-                        self.drain_then_close(slot);
+                        self.drain_then_close(slot, now);
                     }
                 }
             }
         }
     }
 
-    /// The slot of `id` if it still accepts output (not draining or dead).
+    /// The slot of `id` if it still accepts output (open, or its peer ended
+    /// its stream and waits for replies; not draining or dead).
     fn live_slot(&self, id: ConnId) -> Option<u32> {
         let slot = id.slot();
         match self.conns.get(slot as usize) {
-            Some(Some(c)) if c.id == id && c.state == ConnState::Open => Some(slot),
+            Some(Some(c))
+                if c.id == id && matches!(c.state, ConnState::Open | ConnState::InputEnded) =>
+            {
+                Some(slot)
+            }
             _ => None,
         }
     }
@@ -975,15 +1037,26 @@ impl<H: Handler> Core<H> {
         self.next_timer_at.is_some_and(|t| now >= t)
     }
 
-    /// Sends one reply frame toward its connection (through the fault plan).
-    fn route(&mut self, f: OutFrame, now: Instant) {
+    /// Sends one reply frame toward its connection (through the fault
+    /// plan). `answers`: it is the reply of the request in flight with its
+    /// id (false for the reply to a rejected frame).
+    fn route(&mut self, f: OutFrame, now: Instant, answers: bool) {
         let Some(slot) = self.live_slot(f.conn) else {
             ServerStats::bump(&self.shared.stats.replies_to_closed);
             return;
         };
         let conn = self.conns[slot as usize].as_mut().expect("live slot");
         #[cfg_attr(not(feature = "fault-injection"), allow(unused_variables))]
-        let answered = conn.inflight.remove(&f.request_id);
+        let answered = if answers {
+            conn.inflight.remove(&f.request_id)
+        } else {
+            None
+        };
+        if conn.state == ConnState::InputEnded {
+            // Its last reply may be dropped (a fault) rather than queued: the
+            // backend's flush then finds nothing to write and finishes it.
+            self.dirty.push(slot);
+        }
         ServerStats::bump(&self.shared.stats.replies_queued);
         #[cfg(feature = "fault-injection")]
         if !f.faulted && self.fault.is_some() {
@@ -1072,7 +1145,8 @@ impl<H: Handler> Core<H> {
     }
 
     /// Releases delayed and held replies that are due; closes connections
-    /// stuck on a partial frame. Returns the next deadline, if any.
+    /// stuck on a partial frame or on their last replies. Returns the next
+    /// deadline, if any.
     pub fn run_timers(&mut self, now: Instant) -> Option<Instant> {
         let mut next: Option<Instant> = None;
         let mut earliest = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
@@ -1094,6 +1168,7 @@ impl<H: Handler> Core<H> {
         }
         let timeout = Duration::from_millis(self.cfg.partial_frame_timeout_ms);
         let mut stuck = Vec::new();
+        let mut undrained = Vec::new();
         #[cfg(feature = "fault-injection")]
         let mut due = Vec::new();
         for (slot, c) in self.conns.iter().enumerate() {
@@ -1104,6 +1179,13 @@ impl<H: Handler> Core<H> {
             if let Some(since) = c.partial_since {
                 if now >= since + timeout {
                     stuck.push(slot as u32);
+                } else {
+                    earliest(since + timeout);
+                }
+            }
+            if let Some(since) = c.closing_since {
+                if now >= since + timeout {
+                    undrained.push(slot as u32);
                 } else {
                     earliest(since + timeout);
                 }
@@ -1128,6 +1210,9 @@ impl<H: Handler> Core<H> {
         }
         for slot in stuck {
             self.close(slot, DisconnectReason::PartialFrameTimeout);
+        }
+        for slot in undrained {
+            self.close(slot, DisconnectReason::DrainTimeout);
         }
         self.next_timer_at = next;
         next
@@ -1179,23 +1264,83 @@ impl<H: Handler> Core<H> {
         self.shared.sleeping.store(false, Ordering::Relaxed);
     }
 
-    /// Called by the backend when a connection's send queue became empty.
+    /// Called by the backend when everything queued for a connection is
+    /// written (its send queue is empty and no write of it is in progress):
+    /// a closing connection whose work is done is closed.
     pub fn on_flushed(&mut self, slot: u32) {
-        if let Some(c) = self.conn_mut(slot)
-            && c.state == ConnState::Draining
-            && c.sendq.is_empty()
-        {
-            self.close(slot, DisconnectReason::ClosedByServer);
+        let Some(c) = self.conn_mut(slot) else { return };
+        if !c.sendq.is_empty() {
+            return;
+        }
+        #[cfg(feature = "fault-injection")]
+        let holds_a_reply = c.held.is_some();
+        #[cfg(not(feature = "fault-injection"))]
+        let holds_a_reply = false;
+        let done = match c.state {
+            ConnState::Draining => Some(DisconnectReason::ClosedByServer),
+            ConnState::InputEnded if c.inflight.is_empty() && !holds_a_reply => {
+                Some(DisconnectReason::PeerClosed)
+            }
+            _ => None,
+        };
+        if let Some(why) = done {
+            self.close(slot, why);
         }
     }
 
-    fn drain_then_close(&mut self, slot: u32) {
+    /// The connection reads nothing more: counts down its closing bound
+    /// and tells the backend (`input_closed`).
+    fn leave_open(&mut self, slot: u32, to: ConnState, now: Instant) {
+        debug_assert!(matches!(to, ConnState::InputEnded | ConnState::Draining));
         let Some(c) = self.conn_mut(slot) else { return };
-        if c.sendq.is_empty() {
-            self.close(slot, DisconnectReason::ClosedByServer);
-        } else {
-            c.state = ConnState::Draining;
+        let was_open = c.state == ConnState::Open;
+        c.state = to;
+        c.partial_since = None;
+        let due = *c.closing_since.get_or_insert(now)
+            + Duration::from_millis(self.cfg.partial_frame_timeout_ms);
+        if was_open {
+            self.input_closed.push(slot);
         }
+        self.schedule(due);
+        // The backend's flush closes it once everything is written (at
+        // once if nothing is queued or being written).
+        self.dirty.push(slot);
+    }
+
+    /// The handler closes the connection: after the replies queued so far
+    /// (including any the backend is writing), within the closing bound.
+    fn drain_then_close(&mut self, slot: u32, now: Instant) {
+        self.leave_open(slot, ConnState::Draining, now);
+    }
+
+    /// A receive returned end of stream. `peer_gone`: the peer closed its
+    /// socket altogether (nobody would read a reply), not just its writing
+    /// half.
+    pub fn input_ended(&mut self, slot: u32, now: Instant, peer_gone: bool) {
+        let Some(state) = self.conn_mut(slot).map(|c| c.state) else {
+            return;
+        };
+        match state {
+            ConnState::Dead => {}
+            _ if peer_gone => self.close(slot, DisconnectReason::PeerClosed),
+            ConnState::Open => self.leave_open(slot, ConnState::InputEnded, now),
+            // Already closing: it keeps draining what it has queued.
+            ConnState::InputEnded | ConnState::Draining => {}
+        }
+    }
+
+    /// A write failed: the connection is closed at once. A peer that had
+    /// ended its stream and then went away is reported as `PeerClosed`.
+    pub fn write_failed(&mut self, slot: u32, kind: io::ErrorKind) {
+        let input_ended = self
+            .conn_mut(slot)
+            .is_some_and(|c| c.state == ConnState::InputEnded);
+        let why = if input_ended {
+            DisconnectReason::PeerClosed
+        } else {
+            DisconnectReason::Io(kind)
+        };
+        self.close(slot, why);
     }
 
     /// Abortive close (fault injection): RST on TCP, queued replies dropped.
@@ -1250,6 +1395,101 @@ impl<H: Handler> Core<H> {
     }
 }
 
+/// First pause of accepting after the process ran out of descriptors (or
+/// socket memory); doubled at each failure that follows, up to
+/// [`ACCEPT_PAUSE_MAX`], back to this after an accept succeeds.
+const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_millis(100);
+/// While accepts keep failing for lack of descriptors, one warning per this
+/// much time (with the count of failures since the last one).
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// What a backend does when `accept` fails because the process (or the
+/// system) is out of descriptors or socket memory. The connection stays in
+/// the listener's backlog, so an accept retried at once fails again at
+/// once: a loop that retried would spin, logging each failure. Instead the
+/// backend stops accepting on that listener until [`AcceptPause::due`]
+/// (a timer of the loop), then tries again; the waiting peers are served
+/// once descriptors are free. Warnings are rate-limited.
+#[derive(Debug)]
+pub(crate) struct AcceptPause {
+    delay: Duration,
+    resume_at: Option<Instant>,
+    failures_unreported: u64,
+    warned_at: Option<Instant>,
+}
+
+impl Default for AcceptPause {
+    fn default() -> Self {
+        Self {
+            delay: ACCEPT_PAUSE_MIN,
+            resume_at: None,
+            failures_unreported: 0,
+            warned_at: None,
+        }
+    }
+}
+
+impl AcceptPause {
+    /// An accept error that concerns only the connection it was for (the
+    /// peer gave up before it was accepted): the next accept may work at
+    /// once. Any other — out of descriptors (`EMFILE`, `ENFILE`) or memory
+    /// (`ENOBUFS`, `ENOMEM`), or worse — would repeat: accepting pauses.
+    pub fn is_transient(errno: i32) -> bool {
+        matches!(
+            errno,
+            libc::ECONNABORTED | libc::EINTR | libc::EPROTO | libc::EPERM
+        )
+    }
+
+    /// Accepting failed with `err` (not transient): pauses it.
+    pub fn pause(&mut self, err: &io::Error, now: Instant) {
+        self.failures_unreported += 1;
+        if self
+            .warned_at
+            .is_none_or(|t| now.duration_since(t) >= ACCEPT_WARN_EVERY)
+        {
+            tracing::warn!(
+                error = %err,
+                failed_accepts = self.failures_unreported,
+                pause_ms = self.delay.as_millis() as u64,
+                "cannot accept connections: they stay queued; accepting pauses, then retries"
+            );
+            self.warned_at = Some(now);
+            self.failures_unreported = 0;
+        }
+        self.resume_at = Some(now + self.delay);
+        self.delay = (self.delay * 2).min(ACCEPT_PAUSE_MAX);
+    }
+
+    /// An accept succeeded: the next exhaustion pauses briefly again.
+    pub fn accepted(&mut self) {
+        self.delay = ACCEPT_PAUSE_MIN;
+    }
+
+    /// When accepting resumes, if it is paused.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.resume_at
+    }
+
+    /// True (once) when the pause is over: the caller accepts again.
+    pub fn due(&mut self, now: Instant) -> bool {
+        if self.resume_at.is_some_and(|t| now >= t) {
+            self.resume_at = None;
+            return true;
+        }
+        false
+    }
+}
+
+/// The earlier of two optional deadlines.
+pub(crate) fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Best-effort, non-blocking send of a refusal frame on a fresh socket (its
 /// buffer is empty, so one small frame fits).
 fn send_refusal(fd: &OwnedFd, r: &Refusal) {
@@ -1292,6 +1532,103 @@ impl Listener {
     }
 }
 
+/// Whether a server's event loop runs, and why it ended if it ended on its
+/// own — an error of the loop, or a panic (of a handler, say) — rather than
+/// because it was asked to stop. A loop that ends closes every connection:
+/// a process that serves through it must notice and exit
+/// (`cxlkv serve`, `cxlkv pool` poll this).
+///
+/// Every [`ServerHandle`] has one ([`ServerHandle::watch`]). An owner that
+/// does not hold the handle (the pool daemon: its handle lives inside the
+/// pool core) hands one in through [`ServerConfig::loop_watch`]. One watch
+/// per server.
+#[derive(Clone, Default)]
+pub struct LoopWatch {
+    inner: Arc<WatchState>,
+}
+
+#[derive(Default)]
+struct WatchState {
+    /// One of the `LOOP_*` values.
+    state: AtomicU8,
+    failure: Mutex<Option<String>>,
+}
+
+const LOOP_NOT_STARTED: u8 = 0;
+const LOOP_RUNNING: u8 = 1;
+const LOOP_STOPPED: u8 = 2;
+const LOOP_FAILED: u8 = 3;
+
+impl LoopWatch {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// True from the moment the server is spawned until its loop ends.
+    pub fn is_running(&self) -> bool {
+        // Acquire pairs with the Release store in `ended`: a caller that
+        // sees the loop ended then finds its failure recorded.
+        self.inner.state.load(Ordering::Acquire) == LOOP_RUNNING
+    }
+
+    /// Why the loop ended on its own, if it did (`None` while it runs, and
+    /// after a requested stop).
+    pub fn failure(&self) -> Option<String> {
+        self.inner.failure.lock().clone()
+    }
+
+    fn started(&self) {
+        // Relaxed: nothing is published with this store. `spawn` makes it
+        // before it hands out the handle (the thread that gets the handle
+        // sees it through the hand-over), and the loop thread repeats it
+        // before the loop starts, so it cannot land after `ended`.
+        self.inner.state.store(LOOP_RUNNING, Ordering::Relaxed);
+    }
+
+    fn ended(&self, failure: Option<String>) {
+        let state = if failure.is_some() {
+            LOOP_FAILED
+        } else {
+            LOOP_STOPPED
+        };
+        *self.inner.failure.lock() = failure;
+        self.inner.state.store(state, Ordering::Release);
+    }
+}
+
+impl PartialEq for LoopWatch {
+    /// The same watch (configurations compare equal when they share one).
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Eq for LoopWatch {}
+
+impl fmt::Debug for LoopWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.inner.state.load(Ordering::Acquire) {
+            LOOP_NOT_STARTED => "not started",
+            LOOP_RUNNING => "running",
+            LOOP_STOPPED => "stopped",
+            _ => "failed",
+        };
+        f.debug_struct("LoopWatch")
+            .field("state", &state)
+            .field("failure", &self.failure())
+            .finish()
+    }
+}
+
+/// The message of a panic's payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
 /// A server: bound listeners and a configuration, not yet running.
 pub struct Server {
     cfg: ServerConfig,
@@ -1299,6 +1636,7 @@ pub struct Server {
     endpoints: Vec<Endpoint>,
     shared: Arc<Shared>,
     backend: Backend,
+    watch: LoopWatch,
     #[cfg(feature = "fault-injection")]
     fault: Option<Box<dyn FaultPlan>>,
 }
@@ -1334,6 +1672,7 @@ impl Server {
                 "connection and in-flight limits must be positive",
             ));
         }
+        cfg.io.check_recv_buffers()?;
         let backend = super::pick_backend(&cfg.io)?;
         let mut listeners = Vec::new();
         let mut bound = Vec::new();
@@ -1359,12 +1698,14 @@ impl Server {
         }
         let shared =
             Arc::new(Shared::new(cfg.max_pending_completions).map_err(TransportError::Setup)?);
+        let watch = cfg.loop_watch.clone().unwrap_or_default();
         Ok(Server {
             cfg,
             listeners,
             endpoints: bound,
             shared,
             backend,
+            watch,
             #[cfg(feature = "fault-injection")]
             fault: None,
         })
@@ -1386,6 +1727,11 @@ impl Server {
         }
     }
 
+    /// Whether the loop runs, once spawned (see [`LoopWatch`]).
+    pub fn watch(&self) -> LoopWatch {
+        self.watch.clone()
+    }
+
     /// Installs a fault plan consulted on every request and reply.
     #[cfg(feature = "fault-injection")]
     pub fn set_fault_plan(&mut self, plan: Box<dyn FaultPlan>) {
@@ -1397,6 +1743,9 @@ impl Server {
         let shared = Arc::clone(&self.shared);
         let endpoints = self.endpoints.clone();
         let backend = self.backend;
+        let watch = self.watch.clone();
+        // Before the handle exists: it reports a running loop from the start.
+        watch.started();
         let join = std::thread::Builder::new()
             .name("cxlkv-transport".into())
             .spawn(move || self.run(handler))
@@ -1406,19 +1755,52 @@ impl Server {
             shared,
             endpoints,
             backend,
+            watch,
         })
     }
 
     /// Runs the event loop on the calling thread until a
     /// [`ServerHandle`]-less stop: used by `spawn`, and by callers that own a
-    /// thread already. Returns the handler.
+    /// thread already. Returns the handler. Its end is recorded in the
+    /// server's [`LoopWatch`] (and logged when it is a failure); a panic on
+    /// the loop is recorded, then resumed.
     pub fn run<H: Handler>(self, handler: H) -> Result<H, TransportError> {
+        let watch = self.watch.clone();
+        let shared = Arc::clone(&self.shared);
+        watch.started();
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop(handler)));
+        let failure = match &result {
+            Ok(Ok(_)) if stop_requested(&shared) => None,
+            Ok(Ok(_)) => Some("the transport event loop ended without being asked to".to_owned()),
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(payload) => Some(format!(
+                "the transport event loop panicked: {}",
+                panic_message(payload.as_ref())
+            )),
+        };
+        if let Some(why) = &failure {
+            tracing::error!(failure = %why, "the transport event loop ended: nothing is served any more");
+        }
+        // Completers and wakes fail (`Stopped`) from now on instead of
+        // queueing for a loop that is gone. Release: pairs with their
+        // Acquire loads, as `request_stop`'s SeqCst store does.
+        shared.stop.store(true, Ordering::Release);
+        watch.ended(failure);
+        match result {
+            Ok(r) => r,
+            Err(payload) => std::panic::resume_unwind(payload),
+        }
+    }
+
+    fn run_loop<H: Handler>(self, handler: H) -> Result<H, TransportError> {
         let Server {
             cfg,
             listeners,
             shared,
             backend,
             endpoints: _,
+            watch: _,
             ..
         } = self;
         #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
@@ -1446,13 +1828,15 @@ impl Server {
     }
 }
 
-/// A running server: stop it, read its stats, post completions.
+/// A running server: stop it, read its stats, post completions, know
+/// whether its loop still runs.
 #[derive(Debug)]
 pub struct ServerHandle<H> {
     join: Option<JoinHandle<Result<H, TransportError>>>,
     shared: Arc<Shared>,
     endpoints: Vec<Endpoint>,
     backend: Backend,
+    watch: LoopWatch,
 }
 
 impl<H> ServerHandle<H> {
@@ -1472,6 +1856,23 @@ impl<H> ServerHandle<H> {
 
     pub fn stats(&self) -> ServerStatsSnapshot {
         self.shared.stats.snapshot()
+    }
+
+    /// False once the loop has ended — on request, or on its own (see
+    /// [`ServerHandle::failure`]).
+    pub fn is_running(&self) -> bool {
+        self.watch.is_running()
+    }
+
+    /// Why the loop ended on its own (an error, a panic), if it did: no
+    /// connection is served any more, and the owner should exit.
+    pub fn failure(&self) -> Option<String> {
+        self.watch.failure()
+    }
+
+    /// A watch on the loop for other threads (see [`LoopWatch`]).
+    pub fn watch(&self) -> LoopWatch {
+        self.watch.clone()
     }
 
     /// Stops the loop (every connection is closed, the handler hears
@@ -1539,6 +1940,29 @@ mod tests {
             }
         }
         assert!(out.is_empty());
+    }
+
+    /// Provided receive buffers are allocated whole when the loop starts:
+    /// a configuration asking for more than `MAX_RECV_BUFFER_POOL_BYTES`
+    /// (up to 512 GiB: an allocation failure aborts the process) or of a
+    /// shape the kernel refuses is refused at bind, with the reason.
+    #[test]
+    fn receive_buffers_beyond_their_bound_are_refused_at_bind() {
+        let with = |bytes: u32, count: u16| {
+            let mut cfg = ServerConfig::default();
+            cfg.io.backend = crate::transport::BackendChoice::Fallback;
+            cfg.io.recv_buffer_bytes = bytes;
+            cfg.io.recv_buffer_count = count;
+            Server::bind(cfg, &[])
+        };
+        for (bytes, count) in [(16 << 20, 32768), (16 << 20, 32), (4096, 3), (0, 16)] {
+            assert!(
+                matches!(with(bytes, count), Err(TransportError::Config(_))),
+                "{count} × {bytes} bytes"
+            );
+        }
+        assert!(with(16 << 20, 16).is_ok(), "256 MiB is within the bound");
+        assert!(with(16 << 10, 256).is_ok(), "the defaults");
     }
 
     /// A whole frame is queued as it is, under the request id its header

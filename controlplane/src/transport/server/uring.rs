@@ -30,6 +30,15 @@
 //! only then. After `spin_us` without events it blocks in `io_uring_enter`
 //! with a timeout for the next timer.
 //!
+//! A provided buffer can hold more than the connection's decoder has room
+//! for (the decoder grows to one maximum frame plus 64 KiB, a buffer may be
+//! up to 16 MiB): its bytes are copied in as far as they fit, the frames
+//! they complete are decoded (which makes room), and so on.
+//!
+//! Accepting: a multishot accept that fails for lack of descriptors ends,
+//! and re-arming it at once would fail again at once (the connection stays
+//! in the backlog); it is re-armed when the `AcceptPause` is over.
+//!
 //! Teardown of a connection: `shutdown(2)` (which ends its multishot
 //! receive) plus a cancel; the slot and descriptor are released only when
 //! no operation of the connection remains in the kernel, since the kernel
@@ -45,7 +54,8 @@ use std::time::{Duration, Instant};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use super::{
-    ConnState, Core, DisconnectReason, Handler, Listener, OutFrame, ServerStats, stop_requested,
+    AcceptPause, ConnState, Core, DisconnectReason, Handler, Listener, OutFrame, ServerStats,
+    earliest, stop_requested,
 };
 use crate::transport::TransportError;
 use crate::transport::config::{IoConfig, RecvMode, TaskRun};
@@ -347,6 +357,9 @@ struct Driver {
     closing: Vec<u32>,
     wake_buf: Box<u64>,
     listener_fds: Vec<i32>,
+    accept_pause: AcceptPause,
+    /// Listeners whose accept ended and waits for the pause to end.
+    paused_listeners: Vec<u32>,
 }
 
 pub(crate) fn run<H: Handler>(
@@ -370,6 +383,8 @@ pub(crate) fn run<H: Handler>(
         closing: Vec::new(),
         wake_buf: Box::new(0),
         listener_fds: listeners.iter().map(|l| l.fd().as_raw_fd()).collect(),
+        accept_pause: AcceptPause::default(),
+        paused_listeners: Vec::new(),
     };
     for i in 0..listeners.len() {
         d.arm_accept(i as u32)?;
@@ -395,12 +410,20 @@ pub(crate) fn run<H: Handler>(
         for cqe in &cqes {
             d.on_cqe(core, listeners, cqe, now)?;
         }
+        if d.accept_pause.due(now) {
+            for listener in std::mem::take(&mut d.paused_listeners) {
+                d.arm_accept(listener)?;
+            }
+        }
         let had_work = core.has_work();
         core.run_completions(now);
         if core.timers_due(now) {
             core.run_timers(now);
         }
         let sent = d.flush_dirty(core)?;
+        // A connection that left `Open` gets no new receive (`on_recv`);
+        // nothing else to do here (that list is the epoll backend's).
+        core.input_closed.clear();
         d.teardown(core)?;
         if !d.ring.submission().is_empty() {
             d.submit()?;
@@ -416,8 +439,7 @@ pub(crate) fn run<H: Handler>(
             continue;
         }
         if core.prepare_sleep() {
-            let timeout = core
-                .next_timer()
+            let timeout = earliest(core.next_timer(), d.accept_pause.deadline())
                 .map(|t| t.saturating_duration_since(Instant::now()));
             d.wait(timeout)?;
             core.woke_up();
@@ -536,12 +558,25 @@ impl Driver {
             }
             OP_ACCEPT => {
                 if res >= 0 {
+                    self.accept_pause.accepted();
                     // SAFETY: a successful accept completion's result is a new
                     // descriptor owned by us.
                     let fd = unsafe { sys::own_fd(res) };
                     self.admit(core, &listeners[slot as usize], fd)?;
                 } else if res != -libc::ECANCELED {
-                    tracing::warn!(error = %io::Error::from_raw_os_error(-res), "accept failed");
+                    let e = io::Error::from_raw_os_error(-res);
+                    if AcceptPause::is_transient(-res) {
+                        tracing::debug!(error = %e, "accept failed");
+                    } else {
+                        self.accept_pause.pause(&e, now);
+                        if !more {
+                            // Out of descriptors, say: re-armed now, it
+                            // would fail again at once. Re-armed after the
+                            // pause.
+                            self.paused_listeners.push(slot);
+                            return Ok(());
+                        }
+                    }
                 }
                 if !more {
                     self.arm_accept(slot)?;
@@ -611,18 +646,32 @@ impl Driver {
                 let bid = cqueue::buffer_select(cqe.flags());
                 if res > 0 {
                     let bid = bid.expect("a successful provided-buffer receive names its buffer");
-                    if ours
+                    let mut data = bufs.get(bid, res as usize);
+                    // More than the decoder has room for (a large buffer
+                    // after most of a maximum frame): what fits, then decode
+                    // the frames it completes, which makes room, and so on.
+                    while ours
+                        && !data.is_empty()
                         && let Some(conn) = core.conn_mut(slot)
                         && conn.state == ConnState::Open
                     {
-                        let data = bufs.get(bid, res as usize);
-                        conn.decoder.spare(data.len())[..data.len()].copy_from_slice(data);
-                        conn.decoder.filled(data.len());
-                        bufs.recycle(bid);
+                        let spare = conn.decoder.spare(data.len());
+                        let n = spare.len().min(data.len());
+                        if n == 0 {
+                            // Cannot happen: the decoder holds no whole frame
+                            // here (each piece is decoded before the next),
+                            // so `spare` leaves it room. Were it wrong, only
+                            // this connection would suffer.
+                            debug_assert!(false, "a frame decoder without room after decoding");
+                            core.close(slot, DisconnectReason::Io(io::ErrorKind::OutOfMemory));
+                            break;
+                        }
+                        spare[..n].copy_from_slice(&data[..n]);
+                        conn.decoder.filled(n);
+                        data = &data[n..];
                         core.process_input(slot, now);
-                    } else {
-                        bufs.recycle(bid);
                     }
+                    bufs.recycle(bid);
                 } else if let Some(bid) = bid {
                     bufs.recycle(bid);
                 }
@@ -633,7 +682,13 @@ impl Driver {
         }
         let armed = self.io[slot as usize].recv_armed;
         match res {
-            0 => core.close(slot, DisconnectReason::PeerClosed),
+            0 => {
+                // End of stream: the peer may still read its replies.
+                let gone = core.conns[slot as usize]
+                    .as_ref()
+                    .is_some_and(|c| sys::peer_hung_up(c.fd.as_fd()));
+                core.input_ended(slot, now, gone);
+            }
             r if r == -libc::ENOBUFS => {
                 // Every live buffer was in use; they are recycled by now,
                 // and the live set grows so that the next burst fits.
@@ -675,10 +730,7 @@ impl Driver {
             return Ok(()); // teardown drops `op` (its frames) now that the kernel is done
         }
         if res < 0 {
-            core.close(
-                slot,
-                DisconnectReason::Io(io::Error::from_raw_os_error(-res).kind()),
-            );
+            core.write_failed(slot, io::Error::from_raw_os_error(-res).kind());
             return Ok(());
         }
         op.done += res as usize;
@@ -688,14 +740,11 @@ impl Driver {
             self.start_send(core, slot, op)?;
             return Ok(());
         }
-        // Sent: descriptors and bytes are the kernel's now.
+        // Sent: descriptors and bytes are the kernel's now. The next batch,
+        // or (nothing left) `on_flushed`.
         op.frames.clear();
         self.io[slot as usize].spare = Some(op);
-        self.flush(core, slot)?;
-        if self.io[slot as usize].send.is_none() {
-            core.on_flushed(slot);
-        }
-        Ok(())
+        self.flush(core, slot)
     }
 
     fn flush_dirty<H: Handler>(&mut self, core: &mut Core<H>) -> Result<bool, TransportError> {
@@ -713,7 +762,9 @@ impl Driver {
         Ok(any)
     }
 
-    /// Starts a send of the queued frames unless one is in flight.
+    /// Starts a send of the queued frames unless one is in flight; with
+    /// nothing queued and nothing being written, tells the core
+    /// (`on_flushed`: a closing connection is done).
     fn flush<H: Handler>(&mut self, core: &mut Core<H>, slot: u32) -> Result<(), TransportError> {
         if self.io_mut(slot).send.is_some() || self.io[slot as usize].closing {
             return Ok(());
@@ -721,7 +772,11 @@ impl Driver {
         let Some(conn) = core.conn_mut(slot) else {
             return Ok(());
         };
-        if conn.state == ConnState::Dead || conn.sendq.is_empty() {
+        if conn.state == ConnState::Dead {
+            return Ok(());
+        }
+        if conn.sendq.is_empty() {
+            core.on_flushed(slot);
             return Ok(());
         }
         // A lone reply and no send in flight (the common case: one request,
@@ -745,7 +800,7 @@ impl Driver {
                         io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
                     ) => {}
                 Err(e) => {
-                    core.close(slot, DisconnectReason::Io(e.kind()));
+                    core.write_failed(slot, e.kind());
                     return Ok(());
                 }
             }
