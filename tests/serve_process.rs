@@ -260,6 +260,18 @@ fn print_config_fails_for_a_configuration_that_could_not_start() {
         err.contains("would not start") && err.contains("tick_ms = 0"),
         "{err}"
     );
+    // The embedded pool manager's own checks too (they used to run only
+    // when it started).
+    let (ok, text, err) = print_config(&[("CXLKV_POOL_LEASE_MS", "100")], &[]);
+    assert!(
+        !ok,
+        "accepted:
+{text}"
+    );
+    assert!(
+        err.contains("would not start") && err.contains("lease_ms = 100"),
+        "{err}"
+    );
 }
 
 /// A `serve` process on its own socket and pool (named after `tag`), its

@@ -1,11 +1,12 @@
 //! The in-process server answers the whole key lifecycle over its Unix
 //! socket: hello (with the pool descriptor), a region, register, lookup
-//! with a pin, exists, unpin, delete, heartbeat.
+//! with a pin, exists, unpin, delete, heartbeat; and what it does with a
+//! socket file already where it is to listen.
 
 mod common;
 
 use common::*;
-use cxlkv::server::{Server, ServerConfig};
+use cxlkv::server::{Server, ServerConfig, ServerError};
 use cxlkv_controlplane::proto::{self, DeleteOutcome, ErrorCode, RegisterOutcome, UnpinOutcome};
 
 #[test]
@@ -105,4 +106,40 @@ fn a_client_runs_the_key_lifecycle_over_the_unix_socket() {
     assert_eq!(report.frees_unconfirmed, 0);
     assert!(!socket.exists(), "the socket file is removed");
     assert!(!pool.exists(), "an ephemeral pool is removed");
+}
+
+/// A socket file where the server is to listen: replaced if nobody listens
+/// on it (left by a server that died), refused if a server answers on it,
+/// and left alone if a listener accepts but does not answer (a stalled
+/// server, or another program's socket given by mistake) — removing it
+/// would cut that listener's clients off.
+#[test]
+fn an_existing_socket_is_replaced_only_when_nobody_listens_on_it() {
+    let cfg = ServerConfig::ephemeral("sock-reuse");
+    let path = cfg.socket_path.clone();
+    // Stale: bound, then the listener gone; the file stays.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let first = Server::start(cfg.clone()).expect("a stale socket is replaced");
+    // Answering: a second server on the same socket is refused.
+    let mut second = ServerConfig::ephemeral("sock-reuse-2");
+    second.socket_path = path.clone();
+    let e = Server::start(second).map(|_| ()).unwrap_err();
+    assert!(matches!(e, ServerError::AlreadyRunning { .. }), "{e}");
+    drop(first);
+
+    // Silent: a listener that never accepts (connecting still succeeds).
+    let silent = ServerConfig::ephemeral("sock-reuse-3");
+    let listener = std::os::unix::net::UnixListener::bind(&silent.socket_path).unwrap();
+    let e = Server::start(silent.clone())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not answer"), "{e}");
+    assert!(
+        std::os::unix::net::UnixStream::connect(&silent.socket_path).is_ok(),
+        "the other listener's socket is still there"
+    );
+    drop(listener);
+    let _ = std::fs::remove_file(&silent.socket_path);
 }

@@ -358,10 +358,12 @@ impl ServerConfig {
         if self.tick_ms == 0 || self.tick_ms > 10_000 {
             return bad(format!("tick_ms = {} is not in 1..=10000", self.tick_ms));
         }
-        if let Some(PoolManagerConfig::Embedded(c)) = &self.pool_manager
-            && c.pools.is_empty()
-        {
-            return bad("the embedded pool manager needs at least one pool".into());
+        if let PoolManagerConfig::Embedded(c) = self.pool_manager_config() {
+            if c.pools.is_empty() {
+                return bad("the embedded pool manager needs at least one pool".into());
+            }
+            c.validate()
+                .map_err(|e| ServerError::Config(format!("embedded pool manager: {e}")))?;
         }
         if self.default_region_bytes == 0 {
             return bad("default_region_bytes must be positive".into());
@@ -684,17 +686,24 @@ fn prepare_socket(path: &Path) -> Result<(), ServerError> {
             "exists and is not a socket",
         )));
     }
-    match UnixStream::connect(path) {
-        Ok(stream) if answers(&stream) => Err(ServerError::AlreadyRunning {
+    use cxlkv_controlplane::transport::{ExistingSocket, classify_existing_socket};
+    match classify_existing_socket(path, answers, STALE_SOCKET_PATIENCE).map_err(err)? {
+        ExistingSocket::Answering => Err(ServerError::AlreadyRunning {
             path: path.to_owned(),
         }),
-        // Refused, or accepted by a listener that does not answer (a killed
-        // process's io_uring can hold its socket open for a moment): stale.
-        Ok(_) => remove_stale(path).map_err(err),
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => remove_stale(path).map_err(err),
-        Err(e) => Err(err(e)),
+        ExistingSocket::Stale => remove_stale(path).map_err(err),
+        ExistingSocket::SilentListener => Err(err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            "a listener accepts on it but does not answer as a cxlkv server \
+             (a stalled server, or another program's socket); not replacing it",
+        ))),
     }
 }
+
+/// How long a socket whose listener accepts but does not answer may take
+/// to go away (a killed process's listener is torn down a moment after)
+/// before it counts as alive (`classify_existing_socket`).
+const STALE_SOCKET_PATIENCE: Duration = Duration::from_secs(2);
 
 fn remove_stale(path: &Path) -> io::Result<()> {
     tracing::info!(path = %path.display(), "replacing a stale socket file");

@@ -83,6 +83,25 @@ pub struct StoreConfig {
     pub checkpoint_every_records: u64,
 }
 
+impl StoreConfig {
+    /// The checks [`PoolStore::open`] makes before it touches anything.
+    pub fn validate(&self) -> Result<(), StoreError> {
+        if !(1..=MAX_CHECKPOINT_EVERY_RECORDS).contains(&self.checkpoint_every_records) {
+            return Err(StoreError::Config(
+                "checkpoint_every_records must be in 1..=MAX_CHECKPOINT_EVERY_RECORDS",
+            ));
+        }
+        if let SyncPolicy::Group { max_batch_records } = self.sync
+            && !(1..=MAX_GROUP_RECORDS).contains(&max_batch_records)
+        {
+            return Err(StoreError::Config(
+                "max_batch_records must be in 1..=MAX_GROUP_RECORDS",
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for StoreConfig {
     fn default() -> Self {
         Self {
@@ -225,18 +244,7 @@ impl PoolStore {
         manager_config: ManagerConfig,
         now: MonotonicMs,
     ) -> Result<Recovered, StoreError> {
-        if !(1..=MAX_CHECKPOINT_EVERY_RECORDS).contains(&config.checkpoint_every_records) {
-            return Err(StoreError::Config(
-                "checkpoint_every_records must be in 1..=MAX_CHECKPOINT_EVERY_RECORDS",
-            ));
-        }
-        if let SyncPolicy::Group { max_batch_records } = config.sync
-            && !(1..=MAX_GROUP_RECORDS).contains(&max_batch_records)
-        {
-            return Err(StoreError::Config(
-                "max_batch_records must be in 1..=MAX_GROUP_RECORDS",
-            ));
-        }
+        config.validate()?;
         create_dir(dir)?;
         check_state_dir(dir).map_err(|source| StoreError::StateDirUnsafe {
             dir: dir.to_path_buf(),

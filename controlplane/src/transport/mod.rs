@@ -155,7 +155,10 @@ pub use server::{
     RefuseReason, Rejection, Replies, ReplyError, Server, ServerHandle, ServerStats,
     ServerStatsSnapshot,
 };
-pub use sys::{MAX_FDS_PER_FRAME, PeerCred, check_socket_dir, prepare_socket_dir};
+pub use sys::{
+    ExistingSocket, MAX_FDS_PER_FRAME, PeerCred, check_socket_dir, classify_existing_socket,
+    prepare_socket_dir,
+};
 
 /// Errors setting up or running the transport.
 #[derive(Debug, thiserror::Error)]

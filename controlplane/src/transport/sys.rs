@@ -365,6 +365,47 @@ pub unsafe fn own_fd(raw: RawFd) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(raw) }
 }
 
+/// What a socket file found where a listener is to bind is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExistingSocket {
+    /// A server of ours answers on it: it is in use.
+    Answering,
+    /// Nobody listens (connecting is refused): left by a process that died.
+    Stale,
+    /// A listener accepts on it but never answered within the patience
+    /// given: a stalled server, or another program's socket. Not ours to
+    /// remove.
+    SilentListener,
+}
+
+/// Classifies the socket file at `path` (which must be a socket): connects
+/// and asks `answers` whether a server of ours replies. A listener that
+/// accepts without answering is asked again until `patience` runs out —
+/// the kernel tears a killed process's listener down a moment after it
+/// died (an io_uring's file references outlive it briefly), after which
+/// connecting is refused and the file is stale; one still accepting then
+/// is alive, and removing its file would cut its clients off.
+pub fn classify_existing_socket(
+    path: &std::path::Path,
+    answers: impl Fn(&std::os::unix::net::UnixStream) -> bool,
+    patience: std::time::Duration,
+) -> io::Result<ExistingSocket> {
+    let deadline = std::time::Instant::now() + patience;
+    loop {
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(stream) if answers(&stream) => return Ok(ExistingSocket::Answering),
+            Ok(_) if std::time::Instant::now() >= deadline => {
+                return Ok(ExistingSocket::SilentListener);
+            }
+            Ok(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                return Ok(ExistingSocket::Stale);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Creates the directory a socket at `socket` goes in (0755, with its
 /// parents; `.` for a bare name) and checks it with
 /// [`check_socket_dir`]. What a listener does before binding (the

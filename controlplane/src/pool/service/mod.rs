@@ -192,6 +192,14 @@ pub struct ServiceConfig {
 pub const MIN_LEASE_MS: u64 = 300;
 
 impl ServiceConfig {
+    /// Every check [`PoolCore::start`](core::PoolCore::start) makes before it
+    /// opens anything (what `--print-config` can tell without starting).
+    pub fn validate(&self) -> Result<(), ServiceError> {
+        check_config(self)?;
+        self.store.validate()?;
+        Ok(())
+    }
+
     /// The renewal period of the pool leases.
     pub fn lease_renew_ms(&self) -> u64 {
         self.lease_ms / 3

@@ -332,24 +332,28 @@ pub(crate) fn prepare_socket_path(path: &Path) -> Result<(), ServiceError> {
             path.display()
         )));
     }
-    match UnixStream::connect(path) {
-        Ok(stream) if answers_pool_stats(&stream) => Err(ServiceError::Config(format!(
+    let state = crate::transport::classify_existing_socket(
+        path,
+        answers_pool_stats,
+        std::time::Duration::from_secs(2),
+    )
+    .map_err(|e| {
+        ServiceError::Config(format!(
+            "socket {} exists and cannot be probed ({e}); remove it if no pool manager uses it",
+            path.display()
+        ))
+    })?;
+    match state {
+        crate::transport::ExistingSocket::Answering => Err(ServiceError::Config(format!(
             "socket {} is in use by another process (a pool manager answers on it); refusing to start a second one",
             path.display()
         ))),
-        // Accepted by a listener that does not answer: one whose process is
-        // gone while the kernel tears it down (an io_uring's file references
-        // outlive a killed process briefly). Stale.
-        Ok(_) => {
-            tracing::info!(path = %path.display(), "replacing a socket nobody answers on");
-            std::fs::remove_file(path).map_err(|e| {
-                ServiceError::Config(format!(
-                    "cannot remove stale socket {}: {e}",
-                    path.display()
-                ))
-            })
-        }
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+        crate::transport::ExistingSocket::SilentListener => Err(ServiceError::Config(format!(
+            "socket {}: a listener accepts on it but does not answer as a pool manager \
+             (a stalled one, or another program's socket); not replacing it",
+            path.display()
+        ))),
+        crate::transport::ExistingSocket::Stale => {
             tracing::info!(path = %path.display(), "removing a stale socket file");
             std::fs::remove_file(path).map_err(|e| {
                 ServiceError::Config(format!(
@@ -358,9 +362,5 @@ pub(crate) fn prepare_socket_path(path: &Path) -> Result<(), ServiceError> {
                 ))
             })
         }
-        Err(e) => Err(ServiceError::Config(format!(
-            "socket {} exists and cannot be probed ({e}); remove it if no pool manager uses it",
-            path.display()
-        ))),
     }
 }
