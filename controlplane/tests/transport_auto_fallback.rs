@@ -13,7 +13,6 @@
 mod transport_common;
 
 use std::io;
-use std::sync::{Arc, Mutex};
 
 use cxlkv_controlplane::transport::{
     Backend, BackendChoice, IoConfig, RpcClient, ServerConfig, probe_uring,
@@ -73,23 +72,6 @@ fn deny_io_uring_setup_on_this_thread() -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// Collects formatted log output.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
 }
 
 #[test]

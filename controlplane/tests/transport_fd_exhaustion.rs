@@ -12,39 +12,11 @@ use std::io::{self, Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::frame::{Decoded, FrameDecoder, encode_frame};
 use cxlkv_controlplane::transport::Endpoint;
 use transport_common::*;
-
-/// Formatted log output of every thread.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Captured {
-    fn lines_with(&self, needle: &str) -> usize {
-        let bytes = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        String::from_utf8_lossy(&bytes)
-            .lines()
-            .filter(|l| l.contains(needle))
-            .count()
-    }
-}
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
 
 fn nofile() -> libc::rlimit {
     let mut r = libc::rlimit {

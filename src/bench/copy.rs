@@ -96,6 +96,25 @@ pub(super) fn rep_bytes_for(llc_bytes: usize, base: usize, max: usize) -> usize 
     base.max(LLC_MULTIPLE.saturating_mul(llc_bytes)).min(max)
 }
 
+/// [`rep_bytes_for`], with a note when the cap keeps it under
+/// `LLC_MULTIPLE` times the cache.
+pub(super) fn rep_bytes_noted(
+    reporter: &mut Reporter,
+    llc_bytes: usize,
+    base: usize,
+    max: usize,
+) -> usize {
+    let rep_bytes = rep_bytes_for(llc_bytes, base, max);
+    if rep_bytes < LLC_MULTIPLE * llc_bytes {
+        reporter.note(&format!(
+            "{} MiB per repetition is less than {LLC_MULTIPLE} x the last-level cache ({} MiB)",
+            rep_bytes / MIB,
+            llc_bytes / MIB
+        ));
+    }
+    rep_bytes
+}
+
 pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
     let (default_sizes, base_rep_bytes, max_rep_bytes) = if args.quick {
         (QUICK_SIZES, QUICK_REP_BYTES, QUICK_MAX_REP_BYTES)
@@ -113,14 +132,7 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
         ));
         FALLBACK_LLC_BYTES
     });
-    let rep_bytes = rep_bytes_for(llc_bytes, base_rep_bytes, max_rep_bytes);
-    if rep_bytes < LLC_MULTIPLE * llc_bytes {
-        reporter.note(&format!(
-            "{} MiB per repetition is less than {LLC_MULTIPLE} x the last-level cache ({} MiB)",
-            rep_bytes / MIB,
-            llc_bytes / MIB
-        ));
-    }
+    let rep_bytes = rep_bytes_noted(reporter, llc_bytes, base_rep_bytes, max_rep_bytes);
     let largest = sizes
         .iter()
         .map(|s| s.next_multiple_of(PAGE_GRANULE))

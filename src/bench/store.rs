@@ -51,7 +51,7 @@ use anyhow::Context;
 use cxlkv_controlplane::proto::{self, Layout};
 use cxlkv_controlplane::transport::{ClientConfig as RpcConfig, Endpoint};
 
-use super::copy::{LLC_MULTIPLE, evict, rep_bytes_for};
+use super::copy::{evict, rep_bytes_noted};
 use super::pool_target::BenchPool;
 use super::server::{Client as SessionClient, populate};
 use super::{Better, Record, Reporter, median, size_label};
@@ -101,17 +101,10 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     let llc = super::copy::llc_bytes().unwrap_or(FALLBACK_LLC_BYTES);
     let footprint = 2 * llc;
     let rep_bytes = if args.quick {
-        rep_bytes_for(llc, QUICK_REP_BYTES, QUICK_MAX_REP_BYTES)
+        rep_bytes_noted(r, llc, QUICK_REP_BYTES, QUICK_MAX_REP_BYTES)
     } else {
-        rep_bytes_for(llc, REP_BYTES, MAX_REP_BYTES)
+        rep_bytes_noted(r, llc, REP_BYTES, MAX_REP_BYTES)
     };
-    if rep_bytes < LLC_MULTIPLE * llc {
-        r.note(&format!(
-            "{} MiB per repetition is less than {LLC_MULTIPLE} x the last-level cache ({} MiB)",
-            rep_bytes / MIB,
-            llc / MIB
-        ));
-    }
     let largest_batch = cases
         .iter()
         .map(|(c, b)| page_bytes(*c) * b)

@@ -235,16 +235,13 @@ impl Drop for PageLease {
 
 #[cfg(test)]
 mod tests {
-    use crate::client::{Client, ClientConfig, LayoutOptions};
-    use crate::server::{Server, ServerConfig};
+    use crate::client::{Client, ClientConfig, LayoutHandle, LayoutOptions};
+    use crate::server::{Server, ServerConfig, ServerHandle};
 
-    /// Found by an audit of the C ABI (session 19): `batch_put` allocated
-    /// its pages — asking the directory for a region if need be — before
-    /// checking the keys, which `batch_register` then refused.
-    #[test]
-    fn a_put_with_a_key_the_directory_would_refuse_allocates_nothing() {
-        use crate::client::ClientError;
-        let mut cfg = ServerConfig::ephemeral("put-keys");
+    /// A server (small pool, 4 MiB regions), a client and a 4 KiB layout
+    /// that owns no region yet.
+    fn one_layout(tag: &str) -> (ServerHandle, Client, LayoutHandle) {
+        let mut cfg = ServerConfig::ephemeral(tag);
         cfg.pool_size_bytes = 64 << 20;
         cfg.default_region_bytes = 4 << 20;
         let server = Server::start(cfg).expect("the server starts");
@@ -255,6 +252,16 @@ mod tests {
             auto_expand: true,
         };
         let layout = client.layout_with(4096, 7, opts).expect("a layout");
+        (server, client, layout)
+    }
+
+    /// Found by an audit of the C ABI (session 19): `batch_put` allocated
+    /// its pages — asking the directory for a region if need be — before
+    /// checking the keys, which `batch_register` then refused.
+    #[test]
+    fn a_put_with_a_key_the_directory_would_refuse_allocates_nothing() {
+        use crate::client::ClientError;
+        let (_server, client, layout) = one_layout("put-keys");
         let before = client.stats();
         for key in [Vec::new(), vec![b'k'; 4096]] {
             assert!(matches!(
@@ -277,17 +284,7 @@ mod tests {
     /// flush`). The flag is what `register` and the drop decide by.
     #[test]
     fn a_length_set_after_an_early_publish_is_published_again() {
-        let mut cfg = ServerConfig::ephemeral("lease-publish");
-        cfg.pool_size_bytes = 64 << 20;
-        cfg.default_region_bytes = 4 << 20;
-        let server = Server::start(cfg).expect("the server starts");
-        let client = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
-        let opts = LayoutOptions {
-            initial_reservation_bytes: 0,
-            region_size_bytes: 4 << 20,
-            auto_expand: true,
-        };
-        let layout = client.layout_with(4096, 7, opts).expect("a layout");
+        let (_server, _client, layout) = one_layout("lease-publish");
         let mut lease = layout.alloc().unwrap();
         lease.bytes_mut().unwrap()[..100].fill(7);
         lease.publish();
