@@ -243,6 +243,9 @@ impl TransportSection {
             ));
         }
         t.io.recv_buffer_count = self.recv_buffer_count;
+        // The bound on both together, as the server checks it at bind.
+        t.io.check_recv_buffers()
+            .map_err(|e| invalid("recv_buffer_count", e.to_string()))?;
         if self.max_inflight_per_conn == 0 {
             return Err(invalid(
                 "max_inflight_per_conn",
@@ -1039,6 +1042,21 @@ mod tests {
         );
         p.tcp_insecure = true;
         assert_eq!(p.resolve().unwrap().service.tcp_auth, TcpAuth::Disabled);
+    }
+
+    #[test]
+    fn receive_buffers_are_bounded_together_as_the_server_binds_them() {
+        let c = load(
+            None,
+            env(&[
+                ("CXLKV_TRANSPORT_RECV_BUFFER_BYTES", "16MiB"),
+                ("CXLKV_TRANSPORT_RECV_BUFFER_COUNT", "32"),
+            ]),
+            &[],
+        )
+        .unwrap();
+        let e = c.server_config().unwrap_err().to_string();
+        assert!(e.contains("256 MiB"), "{e}");
     }
 
     #[test]

@@ -1878,6 +1878,30 @@ fn orphaned_regions_freed_by_deletes_leave_the_eviction_order_of_the_others() {
     w.dir.check_invariants().unwrap();
 }
 
+/// A stale entry behind live ones: eviction freeing the live ones leaves
+/// the queue to stale entries only, which are dropped (the queue holds at
+/// most twice the orphaned regions) and end the eviction round.
+#[test]
+fn eviction_that_frees_the_live_orphans_drops_the_stale_entries_behind_them() {
+    let mut w = eviction_world(false);
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let regions: Vec<RegionId> = (0..2).map(|_| w.region(&mut a, L)).collect();
+    for (i, &r) in regions.iter().enumerate() {
+        w.put(&mut a, &[b'k', i as u8], loc(r, 0, 1));
+    }
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.delete(&mut b, &[b"k\x01"]), vec![DeleteOutcome::Deleted]);
+    w.dir.check_invariants().unwrap();
+    w.dir.pool_usage(POOL, 100 * REGION_BYTES, 0);
+    w.advance(Duration::from_millis(100));
+    w.dir.check_invariants().unwrap();
+    assert_eq!(w.pool.freed, vec![regions[1], regions[0]]);
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 0);
+}
+
 #[test]
 fn lru_eviction_takes_the_least_recent_unpinned_keys_and_notifies_owners() {
     let mut w = eviction_world(true);

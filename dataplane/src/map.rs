@@ -410,7 +410,7 @@ impl MappedRegion {
     /// Copies the bytes at `offset` into `dst` for bytes another process
     /// may be writing meanwhile (a pool's header, whose lease slots its
     /// manager rewrites), which no [`PageView`] may cover: the lines are
-    /// first made current under `mode` ([`visibility::acquire`]'s
+    /// first made current under `mode` ([`crate::visibility::acquire`]'s
     /// instructions, by address), then read with volatile loads — the copy
     /// may be torn, so the caller must check it (a checksum).
     pub fn read_shared(

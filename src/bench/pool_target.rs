@@ -131,6 +131,9 @@ impl BenchPool {
             anyhow::bail!("a bench server embeds its pool manager");
         };
         service.state_dir = state_dir.path().to_owned();
+        // A short lease: the next server on this pool (the next scenario's)
+        // waits it out (`wait_out_lease`) rather than 10 s.
+        service.lease_ms = BENCH_LEASE_MS;
         cfg.pool_manager = Some(PoolManagerConfig::Embedded(service));
         Ok(PoolGuard {
             _state_dir: Some(state_dir),
@@ -162,7 +165,14 @@ impl BenchPool {
         let Some(path) = &self.path else {
             return Ok(());
         };
-        self.check_unused()?;
+        // Held until the header is zeroed: a pool manager of this host
+        // starting meanwhile waits for it (`check_unused` only looks).
+        let _lock = PoolFileLock::acquire(path).with_context(|| {
+            format!(
+                "--pool {}: refusing to write into a pool in use",
+                path.display()
+            )
+        })?;
         let mut options = OpenOptions::new();
         if self.kind != BackingKind::DevDax {
             options = options.create_size_bytes(size_bytes);
@@ -176,8 +186,87 @@ impl BenchPool {
             pool.size_bytes() >> 20,
             size_bytes.div_ceil(1 << 20)
         );
+        wait_out_lease(&*pool)?;
         zero_header_block(&*pool)
     }
+}
+
+/// The lease of the pool managers the bench starts on `--pool`.
+const BENCH_LEASE_MS: u64 = 1_000;
+
+/// Longest lease [`wait_out_lease`] waits to expire (a bench server's,
+/// 10 s by default, left by the scenario before).
+const MAX_LEASE_WAIT_MS: u64 = 15_000;
+
+/// Set to `1` to erase a pool whose header shows a live lease.
+pub const DESTROY_POOL_ENV: &str = "CXLKV_BENCH_DESTROY_POOL";
+
+/// Refuses a pool a pool manager serves, on this host or another (a device
+/// shared over CXL holds no lock here): its header's lease is renewed. A
+/// lease nobody renews — left by a server that stopped, such as the
+/// previous scenario's — is waited out.
+fn wait_out_lease(pool: &dyn Backing) -> anyhow::Result<()> {
+    if std::env::var(DESTROY_POOL_ENV).is_ok_and(|v| v == "1") {
+        return Ok(());
+    }
+    let mut waited_for: Option<u64> = None;
+    loop {
+        let Some(lease) = read_lease(pool)? else {
+            return Ok(());
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        if now >= lease.expires_unix_ms {
+            return Ok(());
+        }
+        let left = lease.expires_unix_ms - now;
+        if waited_for.is_some_and(|seq| seq != lease.seq) || left > MAX_LEASE_WAIT_MS {
+            anyhow::bail!(
+                "--pool {}: a pool manager ({}, epoch {}) holds a lease on it, {} \
+                 (expires in {left} ms): it is in use, perhaps from another host. Stop it \
+                 first, or set {DESTROY_POOL_ENV}=1 to erase the pool anyway",
+                pool.path().display(),
+                lease.holder,
+                lease.epoch,
+                if waited_for.is_some() {
+                    "renewed while the bench waited"
+                } else {
+                    "longer than the bench waits"
+                }
+            );
+        }
+        waited_for = Some(lease.seq);
+        std::thread::sleep(std::time::Duration::from_millis(left + 50));
+    }
+}
+
+/// The lease in `pool`'s header, if it holds a valid header with one.
+fn read_lease(
+    pool: &dyn Backing,
+) -> anyhow::Result<Option<cxlkv_controlplane::pool::ManagerLease>> {
+    use cxlkv_controlplane::pool::header::{self, BlockState, HEADER_BYTES};
+    let align = pool.align_bytes();
+    // SAFETY: the header block is never part of a region; this mapping forms
+    // no view of it (`read_shared` copies with volatile loads, and a torn
+    // copy fails `decode`'s checksums) and is dropped on return.
+    let block = unsafe {
+        MappedRegion::map(
+            pool,
+            RegionId(0),
+            Extent::new(0, align),
+            Populate::Lazy,
+            &MapObservers::new(),
+        )
+    }
+    .with_context(|| format!("mapping the header block of {}", pool.path().display()))?;
+    let mut bytes = vec![0u8; HEADER_BYTES];
+    block.read_shared(0, &mut bytes, Visibility::Flush)?;
+    Ok(match header::decode(&bytes) {
+        Ok(BlockState::Initialised(h)) => h.lease,
+        // Fresh, or not a cxlkv header (`copy` overwrote it): no lease.
+        _ => None,
+    })
 }
 
 /// Zeroes the first alignment unit of `pool` (where a pool manager keeps
@@ -210,6 +299,74 @@ fn zero_header_block(pool: &dyn Backing) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pool file whose header says manager `holder` leases it until
+    /// `expires_unix_ms` (lease write `seq`).
+    fn lease_in(path: &Path, seq: u64, expires_unix_ms: u64) {
+        use cxlkv_controlplane::pool::header;
+        use cxlkv_controlplane::pool::{ManagerId, ManagerLease, PoolIdentity, PoolUuid};
+        let align = backing::DEFAULT_ALIGN_BYTES;
+        let mut block = vec![0u8; align as usize];
+        let identity = PoolIdentity {
+            uuid: PoolUuid([7; 16]),
+            size_bytes: 4 * align,
+            alignment_bytes: align,
+        };
+        header::encode_identity(&mut block, &identity).unwrap();
+        let lease = ManagerLease {
+            seq,
+            epoch: 1,
+            expires_unix_ms,
+            holder: ManagerId([9; 16]),
+        };
+        header::write_lease(&mut block, &lease).unwrap();
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        f.write_all_at(&block, 0).unwrap();
+    }
+
+    fn unix_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    }
+
+    /// A device shared over CXL holds no lock on this host: the header's
+    /// lease tells whether a pool manager serves it. A lease left behind is
+    /// waited out; one renewed meanwhile (or too long) is refused.
+    #[test]
+    fn a_pool_whose_lease_is_renewed_is_refused_and_one_left_behind_is_waited_out() {
+        let dir = tempfile::tempdir_in(backing::DEFAULT_POOL_DIR).unwrap();
+        let path = dir.path().join("pool");
+        let size = 4 * backing::DEFAULT_ALIGN_BYTES;
+        std::fs::write(&path, vec![0u8; size as usize]).unwrap();
+        let target = BenchPool {
+            path: Some(path.clone()),
+            kind: BackingKind::Tmpfs,
+        };
+        lease_in(&path, 1, unix_ms() + 300);
+        target
+            .prepare(size)
+            .expect("a lease nobody renews is waited out");
+
+        lease_in(&path, 1, unix_ms() + 60_000);
+        let e = target.prepare(size).unwrap_err().to_string();
+        assert!(e.contains("longer than the bench waits"), "{e}");
+
+        // Renewed well before the first lease expires (900 ms of slack).
+        lease_in(&path, 1, unix_ms() + 1_000);
+        let renewer = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                lease_in(&path, 2, unix_ms() + 5_000);
+            })
+        };
+        let e = target.prepare(size).unwrap_err().to_string();
+        renewer.join().unwrap();
+        assert!(e.contains("renewed while the bench waited"), "{e}");
+    }
 
     #[test]
     fn dest_names_match_the_copy_cases() {

@@ -197,6 +197,14 @@ fn write_all_by(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> 
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => bytes = &bytes[n..],
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // The socket's timeout (kernel ticks) may end a moment before
+            // the deadline: the same deadline either way.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the answer was not taken in time",
+                ));
+            }
             Err(e) => return Err(e),
         }
     }

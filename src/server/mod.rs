@@ -703,7 +703,7 @@ fn prepare_socket(path: &Path) -> Result<(), ServerError> {
 /// How long a socket whose listener accepts but does not answer may take
 /// to go away (a killed process's listener is torn down a moment after)
 /// before it counts as alive (`classify_existing_socket`).
-const STALE_SOCKET_PATIENCE: Duration = Duration::from_secs(2);
+const STALE_SOCKET_PATIENCE: Duration = Duration::from_secs(5);
 
 fn remove_stale(path: &Path) -> io::Result<()> {
     tracing::info!(path = %path.display(), "replacing a stale socket file");

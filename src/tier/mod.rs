@@ -473,15 +473,14 @@ impl L1Tier {
         if let Some(s) = sweeper {
             s.stop();
         }
-        {
-            // Exclusive: every `accessed` dispatch under way has ended, and
-            // none starts after this (they check `closed` under the gate).
-            // Not under the tier's lock, which an `accessed` listener may
-            // be waiting for.
-            let _dispatch = self.inner.dispatch.write();
-            // Release: pairs with the Acquire in `check_open`.
-            self.inner.closed.store(true, Ordering::Release);
-        }
+        // Closed first (Release: pairs with the Acquire in `check_open`), so
+        // that a `touch_keys` arriving now leaves at its check under the
+        // gate: a steady stream of them cannot keep the gate held. Then the
+        // gate, exclusively: every `accessed` dispatch under way has ended.
+        // Not under the tier's lock, which an `accessed` listener may be
+        // waiting for.
+        self.inner.closed.store(true, Ordering::Release);
+        drop(self.inner.dispatch.write());
         let mut st = self.inner.lock_even_closed(OP)?;
         if st.closed {
             return Ok(());

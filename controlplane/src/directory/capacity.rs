@@ -404,7 +404,9 @@ impl Directory {
                         self.queue_orphan(rs, id, true);
                     }
                 }
-                if self.pool_fill() <= cfg.pool_low_watermark || self.orphans.is_empty() {
+                self.compact_orphans_if_due();
+                let no_orphans = self.orphans.len() == self.orphans_stale;
+                if self.pool_fill() <= cfg.pool_low_watermark || no_orphans {
                     self.orphan_evicting = false;
                 }
             }

@@ -618,7 +618,6 @@ impl Directory {
         rs
     }
 
-    /// Removes a region with no keys and gives it back to the pool manager.
     /// Puts an orphaned region in the orphan queue, at the back (its turn
     /// comes after every region orphaned before) or at the front (eviction
     /// started it and finishes it first).
@@ -633,6 +632,7 @@ impl Directory {
         }
     }
 
+    /// Removes a region with no keys and gives it back to the pool manager.
     pub(super) fn free_region(&mut self, rs: u32) {
         let region = self.regions.remove(rs);
         debug_assert_eq!(region.keys, 0, "a region is only freed without keys");

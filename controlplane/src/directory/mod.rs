@@ -264,7 +264,9 @@ pub struct Directory {
     /// region freed by a delete leaves its entry behind (stale, counted in
     /// `orphans_stale`) rather than costing a scan of the queue; stale
     /// entries are dropped when popped, and all at once when they outnumber
-    /// the live ones, so the queue stays within twice the orphaned regions.
+    /// the live ones (checked after each is added and after each eviction
+    /// round), so between operations the queue holds at most twice the
+    /// orphaned regions.
     orphans: VecDeque<(u32, RegionId)>,
     orphans_stale: usize,
     orphan_evicting: bool,

@@ -735,15 +735,22 @@ impl Directory {
                     if queued {
                         // Its queue entry is left behind (`Directory::orphans`).
                         self.orphans_stale += 1;
-                        if self.orphans_stale > self.orphans.len() / 2 {
-                            let regions = &self.regions;
-                            self.orphans
-                                .retain(|&(s, i)| regions.get_if(s, i).is_some());
-                            self.orphans_stale = 0;
-                        }
+                        self.compact_orphans_if_due();
                     }
                 }
             }
+        }
+    }
+
+    /// Drops the orphan queue's stale entries once they outnumber the live
+    /// ones (`Directory::orphans`): after a stale entry is added, and after
+    /// eviction took live ones off the queue.
+    pub(super) fn compact_orphans_if_due(&mut self) {
+        if self.orphans_stale > self.orphans.len() / 2 {
+            let regions = &self.regions;
+            self.orphans
+                .retain(|&(s, i)| regions.get_if(s, i).is_some());
+            self.orphans_stale = 0;
         }
     }
 

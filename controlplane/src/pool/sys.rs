@@ -90,10 +90,11 @@ pub fn try_lock_exclusive(file: &File) -> io::Result<bool> {
 ///
 /// The rules: the path itself, if a symlink, belongs to this user or root
 /// (another user's symlink in a shared directory like `/dev/shm` could point
-/// anywhere); the directory it resolves to belongs to this user or root and
-/// is writable by nobody else; every directory above it belongs to this
-/// user or root and is writable by nobody else unless sticky (`/dev/shm`,
-/// `/tmp`: others may create names there but not replace ours).
+/// anywhere); the directory it resolves to, and every directory above it,
+/// belongs to this user or root and is writable by nobody else — except by
+/// a group this process is in, and, above the state directory, by anyone
+/// if sticky (`/dev/shm`, `/tmp`: others may create names there but not
+/// replace ours).
 pub fn check_state_dir(dir: &Path) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -129,16 +130,37 @@ pub fn check_state_dir(dir: &Path) -> io::Result<()> {
             ));
         }
         let mode = meta.mode();
-        let shared = mode & 0o022 != 0;
-        if shared && (d == real || mode & 0o1000 == 0) {
+        // Group write is trusted when the group is one of this process's
+        // (a deployment's choice: Kubernetes `fsGroup` volumes, OpenShift's
+        // group 0); anyone else's write is not, except in a sticky
+        // directory above the state directory (`/dev/shm`, `/tmp`).
+        let group_writes = mode & 0o020 != 0 && !in_our_groups(meta.gid());
+        let others_write = mode & 0o002 != 0 && (d == real || mode & 0o1000 == 0);
+        if group_writes || others_write {
             return refuse(format!(
-                "{whose} is writable by group or others (mode {:o}): \
-                 they could plant files the pool manager opens (chmod 700 it)",
-                mode & 0o7777
+                "{whose} is writable by others or by a group this process is not in \
+                 (mode {:o}, gid {}): they could plant files the pool manager opens \
+                 (chmod 700 it)",
+                mode & 0o7777,
+                meta.gid()
             ));
         }
     }
     Ok(())
+}
+
+/// Whether `gid` is this process's effective group or one of its
+/// supplementary groups.
+fn in_our_groups(gid: u32) -> bool {
+    // SAFETY: getegid has no preconditions and cannot fail.
+    if gid == unsafe { libc::getegid() } {
+        return true;
+    }
+    let mut groups = [0 as libc::gid_t; 256];
+    // SAFETY: `groups` is writable for the 256 entries passed; the kernel
+    // writes at most that many (or fails with EINVAL if there are more).
+    let n = unsafe { libc::getgroups(groups.len() as libc::c_int, groups.as_mut_ptr()) };
+    n > 0 && groups[..n as usize].contains(&gid)
 }
 
 #[cfg(test)]
@@ -162,11 +184,23 @@ mod tests {
         std::fs::create_dir(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         check_state_dir(&dir).unwrap();
-        for mode in [0o777, 0o1777, 0o770, 0o702] {
+        for mode in [0o777, 0o1777, 0o702] {
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
             let e = check_state_dir(&dir).unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{mode:o}");
-            assert!(e.to_string().contains("writable by group or others"), "{e}");
+            assert!(e.to_string().contains("writable by others"), "{e}");
+        }
+        // Writable by its group, which is this process's: trusted.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
+        check_state_dir(&dir).unwrap();
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            // A group this process is not in (root may chown to any).
+            std::os::unix::fs::chown(&dir, None, Some(54321)).unwrap();
+            assert!(!in_our_groups(54321));
+            let e = check_state_dir(&dir).unwrap_err();
+            assert!(e.to_string().contains("gid 54321"), "{e}");
+            std::os::unix::fs::chown(&dir, None, Some(0)).unwrap();
         }
         // A sticky shared directory above is fine (as /dev/shm or /tmp).
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();

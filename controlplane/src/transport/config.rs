@@ -156,7 +156,7 @@ impl IoConfig {
     /// Checks the provided receive buffers (checked whatever the receive
     /// mode, so that a configuration does not become invalid by switching
     /// modes).
-    pub(crate) fn check_recv_buffers(&self) -> Result<(), TransportError> {
+    pub fn check_recv_buffers(&self) -> Result<(), TransportError> {
         if !self.recv_buffer_count.is_power_of_two()
             || self.recv_buffer_count > MAX_RECV_BUFFER_COUNT
         {

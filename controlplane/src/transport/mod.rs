@@ -115,7 +115,10 @@
 //!
 //! **Closing.** A peer that ends its stream (`shutdown(SHUT_WR)` after
 //! pipelining requests) gets every reply, then end of stream; a write error
-//! closes at once. Both backends behave the same (`server` module).
+//! closes at once. A Unix peer that closes fully afterwards is noticed at
+//! once by the fallback backend (its hangup), by io_uring at the next
+//! failed write or the drain bound; replies a fault plan holds back
+//! (`Delay`) are not waited for (`server` module).
 //!
 //! **A loop that ends.** The loop ends when asked ([`ServerHandle`]'s
 //! `shutdown`), or on its own — an I/O error of the loop, or a panic (of

@@ -392,17 +392,80 @@ pub fn classify_existing_socket(
 ) -> io::Result<ExistingSocket> {
     let deadline = std::time::Instant::now() + patience;
     loop {
-        match std::os::unix::net::UnixStream::connect(path) {
-            Ok(stream) if answers(&stream) => return Ok(ExistingSocket::Answering),
-            Ok(_) if std::time::Instant::now() >= deadline => {
-                return Ok(ExistingSocket::SilentListener);
+        let silent = match connect_nonblocking(path) {
+            Ok(Some(stream)) => {
+                stream.set_nonblocking(false)?;
+                if answers(&stream) {
+                    return Ok(ExistingSocket::Answering);
+                }
+                true
             }
-            Ok(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            // Its backlog is full: a listener that does not accept.
+            Ok(None) => true,
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                 return Ok(ExistingSocket::Stale);
             }
             Err(e) => return Err(e),
+        };
+        if silent && std::time::Instant::now() >= deadline {
+            return Ok(ExistingSocket::SilentListener);
         }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// Connects to the Unix socket at `path` without blocking: `None` when the
+/// listener's backlog is full (`EAGAIN`; a blocking connect would wait for
+/// room, without bound, on a listener that never accepts).
+fn connect_nonblocking(
+    path: &std::path::Path,
+) -> io::Result<Option<std::os::unix::net::UnixStream>> {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: an all-zero sockaddr_un is a valid value of the C struct.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "socket path too long for sockaddr_un (or has a NUL byte)",
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, &b) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = b as libc::c_char;
+    }
+    // SAFETY: socket has no memory preconditions.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket and nothing else owns it.
+    let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    // SAFETY: `addr` is a live sockaddr_un and `len` does not exceed its size
+    // (checked above); the descriptor is open (owned by `stream`).
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            (&raw const addr).cast::<libc::sockaddr>(),
+            len as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        return Ok(Some(stream));
+    }
+    let e = io::Error::last_os_error();
+    // A Unix stream connect completes at once or fails: EAGAIN means no
+    // room in the backlog.
+    match e.raw_os_error() {
+        Some(libc::EAGAIN) => Ok(None),
+        _ => Err(e),
     }
 }
 

@@ -335,7 +335,8 @@ pub(crate) fn prepare_socket_path(path: &Path) -> Result<(), ServiceError> {
     let state = crate::transport::classify_existing_socket(
         path,
         answers_pool_stats,
-        std::time::Duration::from_secs(2),
+        // As the server's: a killed listener goes away well within it.
+        std::time::Duration::from_secs(5),
     )
     .map_err(|e| {
         ServiceError::Config(format!(

@@ -176,7 +176,9 @@ pub enum DisconnectReason {
     Shutdown,
     /// The connection was closing (closed by the handler, or its peer had
     /// ended its stream) and did not take its last replies within
-    /// `partial_frame_timeout_ms`: a peer that stops reading.
+    /// `partial_frame_timeout_ms`: a peer that stops (or is slow) reading,
+    /// or a request of the handler's still unanswered then (a deferred
+    /// one), whose reply is dropped.
     DrainTimeout,
 }
 
