@@ -1842,20 +1842,28 @@ fn orphan_eviction_finishes_the_region_it_started_before_touching_the_next() {
     w.dir.check_invariants().unwrap();
 }
 
-/// Orphaned regions emptied by deletes leave the others' eviction order as
-/// it was (their queue entries are dropped lazily, never scanned for).
-#[test]
-fn orphaned_regions_freed_by_deletes_leave_the_eviction_order_of_the_others() {
+/// An eviction world where instance "a" registered key `k<i>` in each of
+/// `n` regions and is gone (its regions orphaned, oldest first); "b", kept
+/// alive, is returned to act on them.
+fn orphaned_regions(n: usize) -> (World, Client, Vec<RegionId>) {
     let mut w = eviction_world(false);
     let mut a = w.hello("a");
-    let mut b = w.hello("b");
-    let regions: Vec<RegionId> = (0..10).map(|_| w.region(&mut a, L)).collect();
+    let b = w.hello("b");
+    let regions: Vec<RegionId> = (0..n).map(|_| w.region(&mut a, L)).collect();
     for (i, &r) in regions.iter().enumerate() {
         w.put(&mut a, &[b'k', i as u8], loc(r, 0, 1));
     }
     w.dir.session_closed(a.session, w.now);
     w.keep_alive(&b);
     w.advance(Duration::from_secs(31));
+    (w, b, regions)
+}
+
+/// Orphaned regions emptied by deletes leave the others' eviction order as
+/// it was (their queue entries are dropped lazily, never scanned for).
+#[test]
+fn orphaned_regions_freed_by_deletes_leave_the_eviction_order_of_the_others() {
+    let (mut w, mut b, regions) = orphaned_regions(10);
     assert_eq!(w.dir.stats(w.now).orphaned_regions, 10);
     // Every other region emptied by a delete, and then two more: more
     // stale entries than live ones at the end, so the queue is compacted.
@@ -1883,16 +1891,7 @@ fn orphaned_regions_freed_by_deletes_leave_the_eviction_order_of_the_others() {
 /// most twice the orphaned regions) and end the eviction round.
 #[test]
 fn eviction_that_frees_the_live_orphans_drops_the_stale_entries_behind_them() {
-    let mut w = eviction_world(false);
-    let mut a = w.hello("a");
-    let mut b = w.hello("b");
-    let regions: Vec<RegionId> = (0..2).map(|_| w.region(&mut a, L)).collect();
-    for (i, &r) in regions.iter().enumerate() {
-        w.put(&mut a, &[b'k', i as u8], loc(r, 0, 1));
-    }
-    w.dir.session_closed(a.session, w.now);
-    w.keep_alive(&b);
-    w.advance(Duration::from_secs(31));
+    let (mut w, mut b, regions) = orphaned_regions(2);
     assert_eq!(w.delete(&mut b, &[b"k\x01"]), vec![DeleteOutcome::Deleted]);
     w.dir.check_invariants().unwrap();
     w.dir.pool_usage(POOL, 100 * REGION_BYTES, 0);

@@ -241,27 +241,14 @@ fn wait_out_lease(pool: &dyn Backing) -> anyhow::Result<()> {
     }
 }
 
-/// The lease in `pool`'s header, if it holds a valid header with one.
+/// The lease in `pool`'s header, if it holds a valid header with one (read
+/// as a client reads a pool's identity header).
 fn read_lease(
     pool: &dyn Backing,
 ) -> anyhow::Result<Option<cxlkv_controlplane::pool::ManagerLease>> {
-    use cxlkv_controlplane::pool::header::{self, BlockState, HEADER_BYTES};
-    let align = pool.align_bytes();
-    // SAFETY: the header block is never part of a region; this mapping forms
-    // no view of it (`read_shared` copies with volatile loads, and a torn
-    // copy fails `decode`'s checksums) and is dropped on return.
-    let block = unsafe {
-        MappedRegion::map(
-            pool,
-            RegionId(0),
-            Extent::new(0, align),
-            Populate::Lazy,
-            &MapObservers::new(),
-        )
-    }
-    .with_context(|| format!("mapping the header block of {}", pool.path().display()))?;
-    let mut bytes = vec![0u8; HEADER_BYTES];
-    block.read_shared(0, &mut bytes, Visibility::Flush)?;
+    use cxlkv_controlplane::pool::header::{self, BlockState};
+    let bytes = crate::client::pools::read_header_block(pool, Visibility::Flush)
+        .with_context(|| format!("reading the header of {}", pool.path().display()))?;
     Ok(match header::decode(&bytes) {
         Ok(BlockState::Initialised(h)) => h.lease,
         // Fresh, or not a cxlkv header (`copy` overwrote it): no lease.

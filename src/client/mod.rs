@@ -53,7 +53,7 @@ mod layout;
 mod lease;
 mod lookup;
 mod maintenance;
-mod pools;
+pub(crate) mod pools;
 mod read;
 mod regions;
 mod rpc;

@@ -148,7 +148,10 @@ fn open_checked(
 /// The first [`HEADER_BYTES`] of the pool: read with `pread` from a file;
 /// a device-DAX device does not support `read`, so its first block is mapped
 /// and copied out.
-fn read_header_block(backing: &dyn Backing, visibility: Visibility) -> std::io::Result<Vec<u8>> {
+pub(crate) fn read_header_block(
+    backing: &dyn Backing,
+    visibility: Visibility,
+) -> std::io::Result<Vec<u8>> {
     let mut block = vec![0u8; HEADER_BYTES];
     if backing.kind() != BackingKind::DevDax {
         let file = File::from(backing.fd().try_clone_to_owned()?);
