@@ -10,14 +10,20 @@
 //! ```sh
 //! cargo run --release -p cxlkv-controlplane --example directory_batch -- \
 //!     [--keys 65536] [--batch 512] [--calls 4000] [--op all|exists|lookup|lookup_pin] \
-//!     [--pollute BYTES]
+//!     [--pollute BYTES] [--fresh 0|1] [--random 0|1]
 //! ```
 //!
 //! Keys are 100 bytes, registered in regions of 64 MiB with 4 KiB pages;
 //! call `i` takes the `batch` keys from `(i × batch) mod (keys − batch)` on.
 //! `--pollute` writes that many bytes of other memory before each call (a
 //! stand-in for the server's receive buffers and replies). Prints p10, p50
-//! and p90 in µs per operation. With `--op all` the operations take turns
+//! and p90 in µs per operation. `--fresh 1` copies the window's keys into
+//! one buffer before each call, as the server's receive puts a request's
+//! keys side by side in recently written memory (without it they are
+//! separate allocations, last read one window of calls ago). `--random 1`
+//! draws each call's keys at random from all registered keys instead of a
+//! window of consecutive ones (requests in another order than
+//! registrations); it implies `--fresh 1`. With `--op all` the operations take turns
 //! on the same window, so the later ones find its keys in cache: compare
 //! one `--op` at a time.
 
@@ -43,6 +49,8 @@ struct Args {
     calls: usize,
     op: String,
     pollute: usize,
+    fresh: bool,
+    random: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -52,6 +60,8 @@ fn parse_args() -> Result<Args, String> {
         calls: 4000,
         op: "all".into(),
         pollute: 0,
+        fresh: false,
+        random: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -67,9 +77,12 @@ fn parse_args() -> Result<Args, String> {
             "--calls" => a.calls = number()?,
             "--pollute" => a.pollute = number()?,
             "--op" => a.op = value.clone(),
+            "--fresh" => a.fresh = number()? != 0,
+            "--random" => a.random = number()? != 0,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
+    a.fresh |= a.random;
     if a.batch == 0 || a.batch >= a.keys || a.calls == 0 {
         return Err("need 0 < batch < keys and calls > 0".into());
     }
@@ -200,14 +213,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|op| (*op, Vec::with_capacity(args.calls)))
         .collect();
     let mut unpin_times = Vec::with_capacity(args.calls);
+    let mut request = Vec::with_capacity(args.batch * KEY_BYTES);
+    let mut draw = 0x9E37_79B9_7F4A_7C15u64;
     let span = args.keys - args.batch;
     for call in 0..args.calls {
         let start = (call * args.batch) % span;
-        let window = &keys[start..start + args.batch];
+        let drawn: Vec<&Vec<u8>>;
+        let window: Vec<&Vec<u8>> = if args.random {
+            drawn = (0..args.batch)
+                .map(|_| {
+                    // xorshift64: any fixed sequence of keys will do.
+                    draw ^= draw << 13;
+                    draw ^= draw >> 7;
+                    draw ^= draw << 17;
+                    &keys[(draw % args.keys as u64) as usize]
+                })
+                .collect();
+            drawn
+        } else {
+            keys[start..start + args.batch].iter().collect()
+        };
         for (op, t) in &mut times {
             junk.iter_mut().for_each(|b| *b = b.wrapping_add(1));
             std::hint::black_box(&junk);
-            let window_keys = window.iter().map(|k| &k[..]);
+            if args.fresh {
+                request.clear();
+                window.iter().for_each(|k| request.extend_from_slice(k));
+            }
+            let window_keys: Vec<&[u8]> = if args.fresh {
+                request.chunks(KEY_BYTES).collect()
+            } else {
+                window.iter().map(|k| &k[..]).collect()
+            };
+            let window_keys = window_keys.iter().copied();
             let began = Instant::now();
             match *op {
                 "exists" => {
@@ -247,8 +285,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     println!(
-        "{} keys of {KEY_BYTES} bytes, {} calls of {} keys, {} bytes of other writes per call",
-        args.keys, args.calls, args.batch, args.pollute
+        "{} keys of {KEY_BYTES} bytes, {} calls of {} keys, {} bytes of other writes per call, \
+         keys {}",
+        args.keys,
+        args.calls,
+        args.batch,
+        args.pollute,
+        if args.fresh {
+            "copied into one buffer"
+        } else {
+            "in their own allocations"
+        }
     );
     for (op, t) in &mut times {
         percentiles(op, t);

@@ -262,12 +262,16 @@ impl Directory {
         let mut live = 0usize;
         let mut per_region: HashMap<u32, u32, FixedState> = HashMap::default();
         let (mut page_bytes, mut value_bytes, mut key_bytes) = (0u64, 0u64, 0u64);
+        // First: reading a key below relies on its record.
+        self.keys.check_records().map_err(InvariantViolation)?;
         for (es, e) in self.keys.iter() {
             live += 1;
             ensure!(
-                self.keys
-                    .find(e.layout, &e.key, self.keys.hash(e.layout, &e.key))
-                    == Some(es),
+                self.keys.find(
+                    self.keys.layout(es),
+                    self.keys.key(es),
+                    self.keys.hash_of(es)
+                ) == Some(es),
                 "entry {es}: not found through the table under its hash"
             );
             let Some(region) = self.regions.try_get(e.region) else {
@@ -277,7 +281,7 @@ impl Directory {
                 )));
             };
             ensure!(
-                region.layout == e.layout,
+                region.layout == self.keys.layout(es),
                 "entry {es}: layout differs from its region's"
             );
             ensure!(e.page < region.pages, "entry {es}: page beyond region");
@@ -296,7 +300,7 @@ impl Directory {
             *per_region.entry(e.region).or_default() += 1;
             page_bytes += region.page_size_bytes;
             value_bytes += u64::from(e.len_bytes);
-            key_bytes += e.key.len() as u64;
+            key_bytes += self.keys.key(es).len() as u64;
         }
         ensure!(
             live == self.keys.len(),
@@ -580,14 +584,14 @@ impl Directory {
         let mut acc = 0u64;
         let mut add = |x: u64| acc = acc.wrapping_add(x);
         for (es, e) in self.keys.iter() {
-            let layout = self.layouts.layout(e.layout);
+            let layout = self.layouts.layout(self.keys.layout(es));
             let region = self.regions.get(e.region).handle.region;
             add(h(&|s| {
                 (
                     1u8,
                     es,
                     layout,
-                    &e.key[..],
+                    self.keys.key(es),
                     region,
                     e.page,
                     e.generation,

@@ -2,10 +2,25 @@
 //!
 //! Entries live in a slab (`Vec<Option<Entry>>`, slots reused through a free
 //! list) and are named everywhere by their `u32` slot. A table of
-//! `(entry hash, slot)` words ([`HashSlots`]) finds them; the key bytes are
-//! stored once, in the entry (a `Box<[u8]>`: one allocation of exactly the
-//! key's length). A probe is one hash of the key, one scan of the table for
-//! the cached 32-bit hash, and one comparison of the key bytes.
+//! `(entry hash, slot)` words ([`HashSlots`]) finds them. Beside the slab,
+//! in a second array indexed by the same slot, each key has a
+//! [`KeyRecord`]: its layout, its length and its first
+//! [`INLINE_KEY_BYTES`] bytes, 128 bytes aligned to a cache line. A key
+//! longer than that is kept whole in `long_keys` as well (the record keeps
+//! its prefix, so that a comparison rejects most other keys before the
+//! map). A probe is one hash of the key, one scan of the table for the
+//! cached 32-bit hash, and one comparison against the slot's record.
+//!
+//! Why the record, and not the key in the entry (a `Box<[u8]>`, as before
+//! session 20): whether a key is there is the question every `exists` and
+//! `lookup` asks, and with the key in a box of its own it cost three
+//! dependent cache misses per key — the table, the entry (for the layout
+//! and the box's address), the key bytes (two or three lines) — five or six
+//! lines in all, which a batch's pipeline can only overlap as far as the
+//! core's line-fill buffers allow (about a dozen misses in flight). The
+//! record's address follows from the slot, and it holds everything a
+//! comparison reads: three lines per key for a 100-byte key, two
+//! dependent. Measured in `docs/benchmarks.md`, session 20.
 //!
 //! The hash is foldhash keyed with seeds drawn from the directory's random
 //! source at start: a peer cannot predict which keys collide without
@@ -15,10 +30,14 @@
 //! does not keep it too (a removal takes it from the caller, which hashed
 //! the key to find it, or hashes the key again).
 //!
-//! Memory (checked by `cxlkv bench directory-memory`): 48 bytes of entry, the
-//! allocator's header and rounding on the key box (about 12 bytes for a 100-byte
-//! key), and 8 bytes per table bucket at a load of 37.5–75 %.
+//! Memory (checked by `cxlkv bench directory-memory`): 32 bytes of entry,
+//! 128 bytes of record, and 8 bytes per table bucket at a load of
+//! 37.5–75 %; a key longer than [`INLINE_KEY_BYTES`] adds its own box and
+//! a map entry. Short keys pay for the record's unused bytes: 160 bytes
+//! plus the table per key whatever its length up to 120 bytes (the key
+//! bytes themselves included).
 
+use std::collections::HashMap;
 use std::hash::Hasher;
 
 use foldhash::SharedSeed;
@@ -36,10 +55,6 @@ pub(crate) fn mix(mut x: u64) -> u64 {
 
 /// "No slot": ends an intrusive list.
 pub(crate) const NIL: u32 = u32::MAX;
-/// `find_batch`'s mark for a key whose first candidate is not it
-/// (slots stay below `MAX_KEYS_CEILING`, so it names none).
-const RETRY: u32 = u32::MAX - 1;
-const _: () = assert!(super::config::MAX_KEYS_CEILING <= RETRY as usize);
 
 /// Keys between two stages of [`KeyIndex::find_batch`]'s pipeline: how far
 /// ahead of its use each line is prefetched. Measured in one process with
@@ -62,17 +77,14 @@ pub(crate) fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
-/// One registered key.
+/// One registered key (its bytes and layout are in its [`KeyRecord`]).
 #[derive(Debug)]
 pub(crate) struct Entry {
-    pub key: Box<[u8]>,
     /// Slot of the region in the region table.
     pub region: u32,
     pub page: u32,
     pub generation: u32,
     pub len_bytes: u32,
-    /// Interned layout index.
-    pub layout: u32,
     /// Pins summed over all sessions (each session's share is in its ledger).
     pub pins: u32,
     /// Intrusive list of the keys registered in the same region.
@@ -80,15 +92,144 @@ pub(crate) struct Entry {
     pub region_next: u32,
 }
 
+/// A slot of the entry slab: aligned so that an entry never straddles two
+/// cache lines (a lookup reads one line per key found).
+#[derive(Debug)]
+#[repr(align(32))]
+struct EntrySlot(Option<Entry>);
+
 const _: () = assert!(
-    std::mem::size_of::<Option<Entry>>() == 48,
+    std::mem::size_of::<EntrySlot>() == 32,
     "entry layout grew: check the memory budget (bench directory-memory)"
 );
+
+/// Key bytes a [`KeyRecord`] holds: the whole key up to this length, its
+/// prefix beyond. 120 makes the record two cache lines; keys of LMCache's
+/// form (format, model name, world size, worker, chunk hash) typically fit.
+pub(crate) const INLINE_KEY_BYTES: usize = 120;
+
+/// What a comparison reads of a registered key, at an address that follows
+/// from its slot: the interned layout, the key's length, and its bytes (the
+/// first [`INLINE_KEY_BYTES`] of a longer key). Cache-line aligned, so a key
+/// of up to 56 bytes is one line, up to 120 two.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct KeyRecord {
+    layout: u32,
+    len: u32,
+    bytes: [u8; INLINE_KEY_BYTES],
+}
+
+const _: () = assert!(std::mem::size_of::<KeyRecord>() == 128);
+
+impl KeyRecord {
+    const VACANT: Self = Self {
+        layout: u32::MAX,
+        len: 0,
+        bytes: [0; INLINE_KEY_BYTES],
+    };
+
+    fn new(layout: u32, key: &[u8]) -> Self {
+        let mut r = Self {
+            layout,
+            len: u32::try_from(key.len()).expect("invariant: keys are at most MAX_KEY_BYTES"),
+            bytes: [0; INLINE_KEY_BYTES],
+        };
+        let inline = key.len().min(INLINE_KEY_BYTES);
+        r.bytes[..inline].copy_from_slice(&key[..inline]);
+        r
+    }
+}
+
+/// Slots per chunk of a [`Chunked`] array.
+const CHUNK_SLOTS: usize = 4096;
+
+/// An array that grows by chunks of [`CHUNK_SLOTS`] elements, each allocated
+/// once at its full size and never moved: growing copies nothing, and at most
+/// one chunk is allocated and not yet used (untouched, so not resident).
+///
+/// Why not a `Vec`: the key records and entries are over-aligned (64 and 32
+/// bytes), and the system allocator grows an over-aligned block by
+/// allocating a new one and copying, not in place. With `Vec`s a million
+/// keys cost 98.3 resident bytes each beyond their bytes, with chunks 81.8
+/// (`cxlkv bench directory-memory`, session 20): the blocks given up on the
+/// way stay resident (glibc serves large blocks from its heap once large
+/// blocks have been freed, and keeps the heap's free space).
+#[derive(Debug)]
+struct Chunked<T> {
+    chunks: Vec<Vec<T>>,
+    len: usize,
+}
+
+impl<T> Chunked<T> {
+    fn new() -> Self {
+        Self {
+            chunks: Vec::new(),
+            len: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, value: T) {
+        if self.len == self.chunks.len() * CHUNK_SLOTS {
+            self.chunks.push(Vec::with_capacity(CHUNK_SLOTS));
+        }
+        let last = self
+            .chunks
+            .last_mut()
+            .expect("invariant: a chunk with room");
+        debug_assert!(last.len() < CHUNK_SLOTS);
+        last.push(value);
+        self.len += 1;
+    }
+
+    fn get(&self, i: usize) -> Option<&T> {
+        self.chunks.get(i / CHUNK_SLOTS)?.get(i % CHUNK_SLOTS)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &T> {
+        self.chunks.iter().flatten()
+    }
+}
+
+impl<T> std::ops::Index<usize> for Chunked<T> {
+    type Output = T;
+
+    #[inline]
+    fn index(&self, i: usize) -> &T {
+        &self.chunks[i / CHUNK_SLOTS][i % CHUNK_SLOTS]
+    }
+}
+
+impl<T> std::ops::IndexMut<usize> for Chunked<T> {
+    #[inline]
+    fn index_mut(&mut self, i: usize) -> &mut T {
+        &mut self.chunks[i / CHUNK_SLOTS][i % CHUNK_SLOTS]
+    }
+}
+
+/// What the caller of [`KeyIndex::find_batch`] reads of the keys found,
+/// beyond their slots: what the pipeline prefetches for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Then {
+    /// Nothing (an existence check).
+    Done,
+    /// Their entries (a lookup, an unpin, a delete).
+    ReadEntries,
+}
 
 #[derive(Debug)]
 pub(crate) struct KeyIndex {
     table: HashSlots,
-    entries: Vec<Option<Entry>>,
+    entries: Chunked<EntrySlot>,
+    /// `records[slot]` is the key of `entries[slot]` (`KeyRecord::VACANT`
+    /// where that is `None`): always as long as `entries`.
+    records: Chunked<KeyRecord>,
+    /// Every live key longer than [`INLINE_KEY_BYTES`], whole, by slot.
+    long_keys: HashMap<u32, Box<[u8]>>,
     free: Vec<u32>,
     shared_seed: SharedSeed,
     per_hasher_seed: u64,
@@ -98,7 +239,9 @@ impl KeyIndex {
     pub fn new(seed: [u64; 2]) -> Self {
         Self {
             table: HashSlots::new(),
-            entries: Vec::new(),
+            entries: Chunked::new(),
+            records: Chunked::new(),
+            long_keys: HashMap::new(),
             free: Vec::new(),
             shared_seed: SharedSeed::from_u64(seed[0]),
             per_hasher_seed: seed[1],
@@ -139,59 +282,74 @@ impl KeyIndex {
         Self::entry_hash(self.key_hash(key), layout)
     }
 
+    /// Whether the live entry in `slot` is `(layout, key)`.
+    #[inline(always)]
+    fn is(&self, slot: u32, layout: u32, key: &[u8]) -> bool {
+        let r = &self.records[slot as usize];
+        if r.layout != layout || r.len as usize != key.len() {
+            return false;
+        }
+        if key.len() <= INLINE_KEY_BYTES {
+            r.bytes[..key.len()] == *key
+        } else {
+            r.bytes[..] == key[..INLINE_KEY_BYTES] && *self.long_keys[&slot] == *key
+        }
+    }
+
     /// The slot of `(layout, key)`, whose hash is `hash`.
     #[inline]
     pub fn find(&self, layout: u32, key: &[u8], hash: u32) -> Option<u32> {
-        self.table.candidates(hash).find(|&slot| {
-            let e = self.get(slot);
-            e.layout == layout && *e.key == *key
-        })
+        self.table
+            .candidates(hash)
+            .find(|&slot| self.is(slot, layout, key))
     }
 
     /// [`find`](Self::find) for a batch of keys of one layout (`hashes[i]`
     /// is key `i`'s hash): pushes each key's slot, or [`NIL`], onto `out`
     /// (cleared first). The same answers, computed as a software pipeline
     /// so that the cache misses of a batch overlap instead of following one
-    /// another. A key passes through four stages, each [`PIPELINE_DISTANCE`]
-    /// keys behind the one before:
+    /// another. A key passes through three stages, each
+    /// [`PIPELINE_DISTANCE`] keys behind the one before:
     ///
     /// 1. its table line prefetched;
     /// 2. the table scanned for its first candidate (the first word with
-    ///    its 32-bit hash), that entry's lines prefetched;
-    /// 3. the entry's layout checked, the key bytes' lines prefetched;
-    /// 4. the key bytes compared.
+    ///    its 32-bit hash), the lines of that candidate's record that a key
+    ///    of this length covers prefetched, and with [`Then::ReadEntries`]
+    ///    its entry's line too;
+    /// 3. the record compared with the key.
     ///
     /// Every load but the first is of a line prefetched a stage earlier. A
     /// key whose first candidate is not it (another key with the same
     /// 32-bit hash, or the same hash under another layout) takes the plain
     /// `find`.
     ///
-    /// Why: a key costs three dependent cache misses (table, entry, key
-    /// bytes) once the index outgrows the caches and requests come in
-    /// another order than registrations; one key after another they
-    /// dominated `exists` and `lookup`. The four passes over windows of
-    /// 64 keys that this replaced (each pass's misses overlapping, the
-    /// first load of every pass waiting for them) took 20–39 % longer with
-    /// 64 Ki and 1 M keys registered, the same with 1 Ki
-    /// (`docs/benchmarks.md`, session 13).
+    /// Why: a key costs two dependent cache misses (table, record) once the
+    /// index outgrows the caches and requests come in another order than
+    /// registrations; one key after another they dominated `exists` and
+    /// `lookup`. The four passes over windows of 64 keys that an earlier
+    /// pipeline replaced (each pass's misses overlapping, the first load of
+    /// every pass waiting for them) took 20–39 % longer with 64 Ki and 1 M
+    /// keys registered, the same with 1 Ki (`docs/benchmarks.md`, session
+    /// 13).
     pub fn find_batch<'k>(
         &self,
         layout: u32,
-        keys: impl Iterator<Item = &'k [u8]>,
+        keys: impl Iterator<Item = &'k [u8]> + Clone,
         hashes: &[u32],
+        then: Then,
         out: &mut Vec<u32>,
     ) {
         out.clear();
         out.resize(hashes.len(), NIL);
         // A batch shorter than the distance has all its keys in flight at
-        // once anyway: stages `n` apart take `4n` steps instead of `n + 48`
-        // (a one-key lookup would otherwise idle through 48 of 49). The
+        // once anyway: stages `n` apart take `3n` steps instead of `n + 32`
+        // (a one-key lookup would otherwise idle through 32 of 33). The
         // full distance is a constant in its own copy of the loop.
         match hashes.len() {
             n if n >= PIPELINE_DISTANCE => {
-                self.find_pipelined(layout, keys, hashes, out, PIPELINE_DISTANCE);
+                self.find_pipelined(layout, keys, hashes, then, out, PIPELINE_DISTANCE);
             }
-            n => self.find_pipelined(layout, keys, hashes, out, n.max(1)),
+            n => self.find_pipelined(layout, keys, hashes, then, out, n.max(1)),
         }
     }
 
@@ -201,90 +359,137 @@ impl KeyIndex {
     fn find_pipelined<'k>(
         &self,
         layout: u32,
-        mut keys: impl Iterator<Item = &'k [u8]>,
+        keys: impl Iterator<Item = &'k [u8]> + Clone,
         hashes: &[u32],
+        then: Then,
         out: &mut [u32],
         d: usize,
     ) {
         let n = hashes.len();
-        for t in 0..n + 3 * d {
+        // Stage 2 needs each key's length, stage 3 its bytes.
+        let mut lengths = keys.clone().map(<[u8]>::len);
+        let mut keys = keys;
+        for t in 0..n + 2 * d {
             if t < n {
                 self.table.prefetch_home(hashes[t]);
             }
             if t >= d && t - d < n {
                 let i = t - d;
                 let c = self.table.first(hashes[i]);
+                let len = lengths.next().unwrap_or(0);
                 if c != NIL {
-                    let e: *const Option<Entry> = &self.entries[c as usize];
-                    // An entry may straddle two lines: both.
-                    prefetch(e);
-                    prefetch(e.cast::<u8>().wrapping_add(size_of::<Option<Entry>>() - 1));
+                    let r: *const KeyRecord = &self.records[c as usize];
+                    prefetch(r);
+                    // The second line only if the key reaches into it (an
+                    // equal key does).
+                    if len > 64 - 2 * size_of::<u32>() {
+                        prefetch(r.cast::<u8>().wrapping_add(64));
+                    }
+                    if then == Then::ReadEntries {
+                        // 32-byte entries from an aligned slab: one line.
+                        prefetch::<EntrySlot>(&self.entries[c as usize]);
+                    }
                 }
                 out[i] = c;
             }
             if t >= 2 * d && t - 2 * d < n {
                 let i = t - 2 * d;
-                if out[i] != NIL {
-                    let e = self.get(out[i]);
-                    if e.layout == layout {
-                        // Every line of the key, the last one included.
-                        let (p, len) = (e.key.as_ptr(), e.key.len());
-                        let mut off = 0;
-                        while off < len {
-                            prefetch(p.wrapping_add(off));
-                            off += 64;
-                        }
-                        prefetch(p.wrapping_add(len.saturating_sub(1)));
-                    } else {
-                        out[i] = RETRY;
-                    }
-                }
-            }
-            if t >= 3 * d && t - 3 * d < n {
-                let i = t - 3 * d;
                 let Some(key) = keys.next() else {
                     debug_assert!(false, "one key per hash");
                     return;
                 };
-                let retry = match out[i] {
-                    NIL => false,
-                    RETRY => true,
-                    slot => *self.get(slot).key != *key,
-                };
-                if retry {
+                let c = out[i];
+                if c != NIL && !self.is(c, layout, key) {
                     out[i] = self.find(layout, key, hashes[i]).unwrap_or(NIL);
                 }
             }
         }
     }
 
-    /// Inserts an entry whose `(layout, key)` is known to be absent, under
-    /// `hash`: [`hash`](Self::hash) of its layout and key (only tests force
-    /// another, to make keys collide; such an entry cannot be removed).
-    pub fn insert(&mut self, entry: Entry, hash: u32) -> u32 {
-        debug_assert!(self.find(entry.layout, &entry.key, hash).is_none());
+    /// Inserts `key` under `layout` with its entry, known to be absent,
+    /// under `hash`: [`hash`](Self::hash) of its layout and key (only tests
+    /// force another, to make keys collide; such an entry cannot be
+    /// removed).
+    pub fn insert(&mut self, layout: u32, key: &[u8], entry: Entry, hash: u32) -> u32 {
+        debug_assert!(self.find(layout, key, hash).is_none());
+        let record = KeyRecord::new(layout, key);
         let slot = match self.free.pop() {
             Some(slot) => {
-                debug_assert!(self.entries[slot as usize].is_none());
-                self.entries[slot as usize] = Some(entry);
+                debug_assert!(self.entries[slot as usize].0.is_none());
+                self.entries[slot as usize] = EntrySlot(Some(entry));
+                self.records[slot as usize] = record;
                 slot
             }
             None => {
                 let slot = u32::try_from(self.entries.len())
                     .expect("invariant: max_keys keeps slots below u32::MAX");
-                self.entries.push(Some(entry));
+                self.entries.push(EntrySlot(Some(entry)));
+                self.records.push(record);
                 slot
             }
         };
+        if key.len() > INLINE_KEY_BYTES {
+            self.long_keys.insert(slot, key.into());
+        }
         self.table.insert(hash, slot);
         slot
+    }
+
+    /// The key bytes of the live entry in `slot`.
+    #[inline]
+    pub fn key(&self, slot: u32) -> &[u8] {
+        debug_assert!(self.is_live(slot), "slot {slot} names no live entry");
+        let r = &self.records[slot as usize];
+        let len = r.len as usize;
+        if len <= INLINE_KEY_BYTES {
+            &r.bytes[..len]
+        } else {
+            &self.long_keys[&slot]
+        }
+    }
+
+    /// The interned layout of the live entry in `slot`.
+    #[inline]
+    pub fn layout(&self, slot: u32) -> u32 {
+        debug_assert!(self.is_live(slot), "slot {slot} names no live entry");
+        self.records[slot as usize].layout
+    }
+
+    /// Checks the key records against the keys kept whole (for the
+    /// directory's invariant checker): every live key longer than a record
+    /// holds is kept whole, with the record's length and prefix, and
+    /// nothing else is.
+    pub fn check_records(&self) -> Result<(), String> {
+        let mut long = 0;
+        for (slot, _) in self.iter() {
+            let r = &self.records[slot as usize];
+            if r.len as usize <= INLINE_KEY_BYTES {
+                continue;
+            }
+            long += 1;
+            match self.long_keys.get(&slot) {
+                None => return Err(format!("slot {slot}: a {}-byte key not kept whole", r.len)),
+                Some(k) if k.len() != r.len as usize || k[..INLINE_KEY_BYTES] != r.bytes => {
+                    return Err(format!(
+                        "slot {slot}: the whole key differs from its record"
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        if long != self.long_keys.len() {
+            return Err(format!(
+                "{long} live keys are longer than a record, {} kept whole",
+                self.long_keys.len()
+            ));
+        }
+        Ok(())
     }
 
     /// The hash the entry in `slot` is stored under (its key hashed again:
     /// for callers that do not have it at hand).
     pub fn hash_of(&self, slot: u32) -> u32 {
-        let e = self.get(slot);
-        self.hash(e.layout, &e.key)
+        self.hash(self.layout(slot), self.key(slot))
     }
 
     /// Removes the entry in `slot`, stored under `hash`, from the table and
@@ -294,8 +499,13 @@ impl KeyIndex {
         let removed = self.table.remove(hash, slot);
         assert!(removed, "invariant: every live slot is in the table");
         let entry = self.entries[slot as usize]
+            .0
             .take()
             .expect("invariant: removing a live slot");
+        if self.records[slot as usize].len as usize > INLINE_KEY_BYTES {
+            self.long_keys.remove(&slot);
+        }
+        self.records[slot as usize] = KeyRecord::VACANT;
         self.free.push(slot);
         entry
     }
@@ -303,6 +513,7 @@ impl KeyIndex {
     #[inline]
     pub fn get(&self, slot: u32) -> &Entry {
         self.entries[slot as usize]
+            .0
             .as_ref()
             .expect("invariant: slot names a live entry")
     }
@@ -310,6 +521,7 @@ impl KeyIndex {
     #[inline]
     pub fn get_mut(&mut self, slot: u32) -> &mut Entry {
         self.entries[slot as usize]
+            .0
             .as_mut()
             .expect("invariant: slot names a live entry")
     }
@@ -321,7 +533,9 @@ impl KeyIndex {
     /// Whether `slot` holds a live entry.
     #[inline]
     pub fn is_live(&self, slot: u32) -> bool {
-        self.entries.get(slot as usize).is_some_and(Option::is_some)
+        self.entries
+            .get(slot as usize)
+            .is_some_and(|e| e.0.is_some())
     }
 
     /// Every live entry with its slot, in slot order.
@@ -329,7 +543,7 @@ impl KeyIndex {
         self.entries
             .iter()
             .enumerate()
-            .filter_map(|(slot, e)| e.as_ref().map(|e| (slot as u32, e)))
+            .filter_map(|(slot, e)| e.0.as_ref().map(|e| (slot as u32, e)))
     }
 
     /// Appends `slot` to the front of a region's key list whose head is
@@ -372,14 +586,12 @@ impl KeyIndex {
 mod tests {
     use super::*;
 
-    fn entry(layout: u32, key: &[u8]) -> Entry {
+    fn entry() -> Entry {
         Entry {
-            key: key.into(),
             region: 0,
             page: 0,
             generation: 0,
             len_bytes: 1,
-            layout,
             pins: 0,
             region_prev: NIL,
             region_next: NIL,
@@ -389,7 +601,7 @@ mod tests {
     /// Inserts `key` under `layout` with its true hash.
     fn add(ix: &mut KeyIndex, layout: u32, key: &[u8]) -> u32 {
         let hash = ix.hash(layout, key);
-        ix.insert(entry(layout, key), hash)
+        ix.insert(layout, key, entry(), hash)
     }
 
     #[test]
@@ -410,7 +622,8 @@ mod tests {
         let slots: Vec<u32> = keys.iter().map(|k| add(&mut ix, 0, k)).collect();
         for (k, &s) in keys.iter().zip(&slots).step_by(2) {
             let hash = ix.hash(0, k);
-            assert_eq!(&*ix.remove(s, hash).key, k.as_slice());
+            assert_eq!(ix.key(s), k.as_slice());
+            ix.remove(s, hash);
         }
         assert_eq!(ix.len(), 5_000);
         let again = add(&mut ix, 0, b"new");
@@ -450,6 +663,11 @@ mod tests {
                     layout,
                     keys[..len].iter().map(Vec::as_slice),
                     &hashes[..len],
+                    if len % 2 == 0 {
+                        Then::Done
+                    } else {
+                        Then::ReadEntries
+                    },
                     &mut out,
                 );
                 assert_eq!(out.len(), len);
@@ -470,11 +688,17 @@ mod tests {
         let n = 4 * PIPELINE_DISTANCE as u32 + 7;
         let keys: Vec<Vec<u8>> = (0..n).map(|i| i.to_le_bytes().to_vec()).collect();
         for k in keys.iter().step_by(2) {
-            ix.insert(entry(0, k), 42);
+            ix.insert(0, k, entry(), 42);
         }
         let hashes = vec![42u32; keys.len()];
         let mut out = Vec::new();
-        ix.find_batch(0, keys.iter().map(Vec::as_slice), &hashes, &mut out);
+        ix.find_batch(
+            0,
+            keys.iter().map(Vec::as_slice),
+            &hashes,
+            Then::ReadEntries,
+            &mut out,
+        );
         for (i, k) in keys.iter().enumerate() {
             assert_eq!(out[i], ix.find(0, k, 42).unwrap_or(NIL), "key {i}");
             assert_eq!(out[i] != NIL, i % 2 == 0, "key {i}");
@@ -486,14 +710,116 @@ mod tests {
         // The same bytes and the same 32-bit hash under two layouts, the
         // other layout's entry first in the probe.
         let mut ix = KeyIndex::new([9, 10]);
-        let other = ix.insert(entry(1, b"k"), 42);
-        let ours = ix.insert(entry(0, b"k"), 42);
+        let other = ix.insert(1, b"k", entry(), 42);
+        let ours = ix.insert(0, b"k", entry(), 42);
         assert_eq!(ix.table.first(42), other, "the other layout's comes first");
         let mut out = Vec::new();
         for (layout, expected) in [(0, ours), (1, other), (2, NIL)] {
-            ix.find_batch(layout, [&b"k"[..]].into_iter(), &[42], &mut out);
+            ix.find_batch(layout, [&b"k"[..]].into_iter(), &[42], Then::Done, &mut out);
             assert_eq!(out, vec![expected], "layout {layout}");
         }
+    }
+
+    /// Keys around the record's inline length: shorter, exactly as long,
+    /// one byte longer, much longer, and pairs equal in their first
+    /// `INLINE_KEY_BYTES` bytes that differ after (the record alone cannot
+    /// tell those apart) or only in length.
+    fn keys_around_the_inline_length() -> Vec<Vec<u8>> {
+        let mut keys = Vec::new();
+        for len in [0, 1, 56, 57, 64, 119, 120, 121, 200, 512] {
+            keys.push((0..len).map(|i| (i * 7 + len) as u8).collect::<Vec<u8>>());
+        }
+        let prefix: Vec<u8> = (0..INLINE_KEY_BYTES).map(|i| i as u8).collect();
+        for tail in [&b""[..], b"a", b"b", b"ab", &[0u8; 300]] {
+            let mut k = prefix.clone();
+            k.extend_from_slice(tail);
+            keys.push(k);
+        }
+        keys.push(prefix[..INLINE_KEY_BYTES - 1].to_vec());
+        keys
+    }
+
+    #[test]
+    fn keys_longer_than_a_record_are_found_removed_and_told_apart_by_their_tails() {
+        let mut ix = KeyIndex::new([11, 12]);
+        let keys = keys_around_the_inline_length();
+        let slots: Vec<u32> = keys.iter().map(|k| add(&mut ix, 0, k)).collect();
+        for (k, &s) in keys.iter().zip(&slots) {
+            assert_eq!(ix.key(s), k.as_slice(), "key of {} bytes", k.len());
+            assert_eq!(ix.layout(s), 0);
+            assert_eq!(ix.find(0, k, ix.hash(0, k)), Some(s));
+            assert_eq!(ix.find(1, k, ix.hash(1, k)), None);
+        }
+        let long = |k: &Vec<u8>| k.len() > INLINE_KEY_BYTES;
+        assert_eq!(ix.long_keys.len(), keys.iter().filter(|k| long(k)).count());
+        // The same hash for every key: each one's first candidate is
+        // usually another key, often one with the same record prefix.
+        let mut forced = KeyIndex::new([13, 14]);
+        let forced_slots: Vec<u32> = keys
+            .iter()
+            .map(|k| forced.insert(0, k, entry(), 42))
+            .collect();
+        let mut out = Vec::new();
+        forced.find_batch(
+            0,
+            keys.iter().map(Vec::as_slice),
+            &vec![42; keys.len()],
+            Then::ReadEntries,
+            &mut out,
+        );
+        assert_eq!(out, forced_slots);
+        // Removing every other key frees its box; the rest stay findable.
+        for (i, (k, &s)) in keys.iter().zip(&slots).enumerate() {
+            if i % 2 == 0 {
+                ix.remove(s, ix.hash(0, k));
+            }
+        }
+        for (i, k) in keys.iter().enumerate() {
+            let found = ix.find(0, k, ix.hash(0, k));
+            assert_eq!(found.is_some(), i % 2 == 1, "key {i} of {} bytes", k.len());
+        }
+        let live_long = keys
+            .iter()
+            .enumerate()
+            .filter(|(i, k)| i % 2 == 1 && long(k));
+        assert_eq!(ix.long_keys.len(), live_long.count());
+        // A freed slot reused by a short key keeps no trace of a long one.
+        let reused = add(&mut ix, 0, b"short");
+        assert_eq!(ix.key(reused), b"short");
+        assert!(!ix.long_keys.contains_key(&reused));
+    }
+
+    #[test]
+    fn the_slab_grows_by_chunks_and_keeps_every_slot_in_place() {
+        let mut ix = KeyIndex::new([15, 16]);
+        let n = 2 * CHUNK_SLOTS + 3;
+        let keys: Vec<Vec<u8>> = (0..n as u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        let first = add(&mut ix, 0, &keys[0]);
+        let record: *const KeyRecord = &ix.records[first as usize];
+        for k in &keys[1..] {
+            add(&mut ix, 0, k);
+        }
+        assert_eq!(ix.records.chunks.len(), 3);
+        assert!(
+            std::ptr::eq(record, &ix.records[first as usize]),
+            "records never move"
+        );
+        assert_eq!(ix.records.len(), ix.entries.len());
+        for (i, k) in keys.iter().enumerate() {
+            let s = ix.find(0, k, ix.hash(0, k)).expect("registered");
+            assert_eq!(s as usize, i);
+            assert_eq!(
+                (&raw const ix.records[i]).addr() % 64,
+                0,
+                "record {i} aligned"
+            );
+            assert_eq!(
+                (&raw const ix.entries[i]).addr() % 32,
+                0,
+                "entry {i} aligned"
+            );
+        }
+        assert_eq!(ix.iter().count(), n);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 use cxlkv_dataplane::ids::{Generation, PageIndex};
 
 use super::error::DirectoryError;
-use super::keys::{Entry, KeyIndex, NIL};
+use super::keys::{Entry, KeyIndex, NIL, Then};
 use super::lru::Lru;
 use super::regions::{Owner, RegionTable};
 use super::sequence::{CachedBody, CachedReply, SeqCheck};
@@ -160,13 +160,13 @@ impl Directory {
             return RegisterOutcome::Rejected(reason);
         }
         let es = self.keys.insert(
+            lix,
+            e.key,
             Entry {
-                key: e.key.into(),
                 region: rs,
                 page: loc.page.0,
                 generation: loc.generation.0,
                 len_bytes: loc.len_bytes,
-                layout: lix,
                 pins: 0,
                 region_prev: NIL,
                 region_next: NIL,
@@ -354,8 +354,13 @@ impl Directory {
             return Ok(reply);
         };
         self.hash_keys(lix, keys.clone())?;
-        self.keys
-            .find_batch(lix, keys, &self.scratch_hashes, &mut self.scratch_slots);
+        self.keys.find_batch(
+            lix,
+            keys,
+            &self.scratch_hashes,
+            Then::ReadEntries,
+            &mut self.scratch_slots,
+        );
         self.lookup_stamp += 1;
         let stamp = self.lookup_stamp;
         let mut hits = 0u64;
@@ -429,8 +434,13 @@ impl Directory {
             }
             Some(lix) => {
                 self.hash_keys(lix, keys.clone())?;
-                self.keys
-                    .find_batch(lix, keys, &self.scratch_hashes, &mut self.scratch_slots);
+                self.keys.find_batch(
+                    lix,
+                    keys,
+                    &self.scratch_hashes,
+                    Then::Done,
+                    &mut self.scratch_slots,
+                );
                 found.extend(self.scratch_slots.iter().map(|&es| es != NIL));
             }
         }
@@ -692,8 +702,13 @@ impl Directory {
                         .iter()
                         .map(|&kh| KeyIndex::entry_hash(kh, l)),
                 );
-                self.keys
-                    .find_batch(l, keys, &self.scratch_hashes, &mut self.scratch_slots);
+                self.keys.find_batch(
+                    l,
+                    keys,
+                    &self.scratch_hashes,
+                    Then::ReadEntries,
+                    &mut self.scratch_slots,
+                );
             }
         }
         Ok(())
@@ -710,6 +725,7 @@ impl Directory {
         if let Some(lru) = &mut self.lru {
             lru.unlink(es);
         }
+        let key_len = self.keys.key(es).len();
         let entry = self.keys.remove(es, hash);
         region.keys -= 1;
         region.page_states.release(entry.page);
@@ -717,7 +733,7 @@ impl Directory {
         let t = &mut self.totals;
         t.page_bytes -= page_size_bytes;
         t.value_bytes -= u64::from(entry.len_bytes);
-        t.key_bytes -= entry.key.len() as u64;
+        t.key_bytes -= key_len as u64;
         match region.owner {
             Owner::Present(owner) => {
                 let id = region.handle.region;
