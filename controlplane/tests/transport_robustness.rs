@@ -448,6 +448,14 @@ fn a_loop_that_dies_is_reported_by_its_handle_and_its_watch() {
             std::thread::sleep(Duration::from_millis(1));
         }
         let failure = f.server.failure().expect("the loop's end is a failure");
+        let Endpoint::Unix(path) = &f.unix else {
+            unreachable!("a Unix endpoint")
+        };
+        assert!(
+            !path.exists(),
+            "{backend:?}: the dead loop's socket {} is left behind",
+            path.display()
+        );
         assert!(
             failure.contains("panicked") && failure.contains("asked to panic"),
             "{backend:?}: {failure}"

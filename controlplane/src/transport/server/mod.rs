@@ -1811,22 +1811,34 @@ impl Server {
         {
             core.fault = self.fault;
         }
+        // Unix socket paths are ours to remove (we created them in `bind`),
+        // however the loop ends: a guard, so that a loop that panics does
+        // not leave them behind (its listeners close as it unwinds).
+        let _paths = RemoveOnDrop(
+            listeners
+                .iter()
+                .filter_map(|l| match l {
+                    Listener::Unix(u) => u.local_addr().ok()?.as_pathname().map(ToOwned::to_owned),
+                    _ => None,
+                })
+                .collect(),
+        );
         let result = match backend {
             Backend::Uring => uring::run(&mut core, &listeners),
             Backend::Fallback => epoll::run(&mut core, &listeners),
         };
-        // Unix socket paths are ours to remove (we created them in `bind`).
-        for l in &listeners {
-            if let Listener::Unix(u) = l
-                && let Some(p) = u
-                    .local_addr()
-                    .ok()
-                    .and_then(|a| a.as_pathname().map(ToOwned::to_owned))
-            {
-                let _ = std::fs::remove_file(p);
-            }
-        }
         result.map(|()| core.handler)
+    }
+}
+
+/// Removes its paths when dropped, unwinding included.
+struct RemoveOnDrop(Vec<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
     }
 }
 
