@@ -23,9 +23,10 @@
 //! separate allocations, last read one window of calls ago). `--random 1`
 //! draws each call's keys at random from all registered keys instead of a
 //! window of consecutive ones (requests in another order than
-//! registrations); it implies `--fresh 1`. With `--op all` the operations take turns
-//! on the same window, so the later ones find its keys in cache: compare
-//! one `--op` at a time.
+//! registrations; a key may be drawn twice in one call, and then takes and
+//! drops two pins); it implies `--fresh 1`. With `--op all` the operations
+//! take turns on the same window, so the later ones find its keys in cache:
+//! compare one `--op` at a time.
 
 use std::time::Instant;
 
@@ -218,9 +219,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let span = args.keys - args.batch;
     for call in 0..args.calls {
         let start = (call * args.batch) % span;
-        let drawn: Vec<&Vec<u8>>;
         let window: Vec<&Vec<u8>> = if args.random {
-            drawn = (0..args.batch)
+            (0..args.batch)
                 .map(|_| {
                     // xorshift64: any fixed sequence of keys will do.
                     draw ^= draw << 13;
@@ -228,8 +228,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     draw ^= draw << 17;
                     &keys[(draw % args.keys as u64) as usize]
                 })
-                .collect();
-            drawn
+                .collect()
         } else {
             keys[start..start + args.batch].iter().collect()
         };

@@ -15,7 +15,7 @@
 //! session 20): whether a key is there is the question every `exists` and
 //! `lookup` asks, and with the key in a box of its own it cost three
 //! dependent cache misses per key — the table, the entry (for the layout
-//! and the box's address), the key bytes (two or three lines) — five or six
+//! and the box's address), the key bytes (two or three lines) — four to six
 //! lines in all, which a batch's pipeline can only overlap as far as the
 //! core's line-fill buffers allow (about a dozen misses in flight). The
 //! record's address follows from the slot, and it holds everything a
