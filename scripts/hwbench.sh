@@ -24,7 +24,7 @@
 # scripts/bench-targets.tsv. Re-run the report alone with
 #   scripts/bench_report.py RESULTS_DIR
 #
-# Threads and chunk sizes. Scenarios read them from the environment:
+# Threads and chunk sizes reach scenarios through the environment:
 #   CXLKV_BENCH_THREADS=N             (--threads N): taken by alloc (cases
 #                                     threads=1 and threads=N) and pool (N
 #                                     clients in its multi-client cases)
@@ -32,9 +32,10 @@
 #                                     taken by copy (its sizes) and store (one
 #                                     case per size)
 # and, when `cxlkv bench --help` declares the flag, also as `--threads N` /
-# `--chunk-sizes LIST` on the command line. A scenario that takes one echoes
-# the value in its records (`threads`, `chunk_bytes`) and refuses a malformed
-# one; the others do not read them. run-info.txt says which of the chosen
+# `--chunk-sizes LIST` on the command line (cxlkv declares both since
+# 2026-12-01; older binaries read only the variables). A scenario that takes
+# one echoes the value in its records (`threads`, `chunk_bytes`) and refuses
+# a malformed one; the others ignore them (a flag with a note on stderr). run-info.txt says which of the chosen
 # scenarios took them, and a warning is printed when none did. (Contract for
 # scenario authors: list a scenario that reads one in THREADS_TAKEN_BY /
 # CHUNKS_TAKEN_BY below, and echo the values used as record fields

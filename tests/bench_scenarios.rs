@@ -421,3 +421,80 @@ fn alloc_and_pool_take_their_threads_from_the_environment() {
     assert!(!out.status.success(), "a malformed thread count is refused");
     assert!(out.stdout.is_empty());
 }
+
+#[test]
+fn the_threads_flag_overrides_the_environment_and_is_range_checked() {
+    let alloc = bench_with(
+        "alloc",
+        &["--threads", "3"],
+        &[("CXLKV_BENCH_THREADS", "5")],
+    );
+    let cases: Vec<&str> = alloc.iter().filter_map(|r| r["case"].as_str()).collect();
+    assert_eq!(cases, ["threads=1", "threads=3"]);
+    for bad in ["0", "1025", "many"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .args(["bench", "alloc", "--quick", "--json", "--threads", bad])
+            .output()
+            .expect("run cxlkv bench");
+        assert!(!out.status.success(), "--threads {bad} is refused");
+        assert!(out.stdout.is_empty());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("--threads"), "names the flag: {stderr}");
+    }
+}
+
+#[test]
+fn the_chunk_sizes_flag_sets_the_sizes_and_a_flag_a_scenario_does_not_take_is_noted() {
+    let copy = bench_with(
+        "copy",
+        &["--chunk-sizes", "64KiB"],
+        &[("CXLKV_BENCH_CHUNK_SIZES", "1MiB")],
+    );
+    // One size, on `/dev/shm` and (where huge pages can be had) hugetlbfs.
+    let cases: Vec<&str> = copy.iter().filter_map(|r| r["case"].as_str()).collect();
+    assert!(cases.contains(&"size=64KiB,dest=shm"), "{cases:?}");
+    assert!(
+        cases.iter().all(|c| c.starts_with("size=64KiB,")),
+        "{cases:?}"
+    );
+    assert!(copy.iter().all(|r| r["sizes_from"] == "--chunk-sizes"));
+
+    // `directory-memory` takes neither: both flags are noted as ignored and
+    // the scenario runs as without them.
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args([
+            "bench",
+            "directory-memory",
+            "--quick",
+            "--reps",
+            "1",
+            "--json",
+        ])
+        .args(["--threads", "2", "--chunk-sizes", "1MiB"])
+        .output()
+        .expect("run cxlkv bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--threads is ignored by `directory-memory` (taken by: alloc, pool)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("--chunk-sizes is ignored by `directory-memory` (taken by: copy, store)"),
+        "{stderr}"
+    );
+
+    // A malformed list is refused even where it would be ignored, before
+    // anything runs.
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["bench", "directory-memory", "--quick", "--json"])
+        .args(["--chunk-sizes", "1MB"])
+        .output()
+        .expect("run cxlkv bench");
+    assert!(
+        !out.status.success(),
+        "a malformed --chunk-sizes is refused"
+    );
+    assert!(out.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--chunk-sizes"));
+}

@@ -2,7 +2,7 @@
 //! against a `parking_lot::Mutex<Vec<u32>>` free list of the same pages.
 //!
 //! Cases `threads=1` and `threads=2` (both threads on one region), or
-//! `threads=1` and `threads=N` with `CXLKV_BENCH_THREADS=N` (field
+//! `threads=1` and `threads=N` with `--threads N` or `CXLKV_BENCH_THREADS=N` (field
 //! `threads`). The allocator's state lives in this process's memory, not
 //! in a pool: `--pool` does not apply (`pool` = `none`, `dest` = `heap`).
 //! Each
@@ -228,7 +228,7 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
     } else {
         PAIRS_PER_THREAD
     };
-    let cases = match super::env_threads()? {
+    let cases = match super::threads(args)? {
         Some(n) if n > 1 => vec![1, n],
         Some(_) => vec![1],
         None => CASES_THREADS.to_vec(),

@@ -44,7 +44,7 @@
 //! or file instead (overwriting its first bytes; refused while a pool
 //! manager holds it), named by its kind (`dest=devdax`, `dest=hugetlb`,
 //! `dest=shm`, `dest=file`). Sizes: 64 KiB to 64 MiB, or
-//! `CXLKV_BENCH_CHUNK_SIZES` (`sizes_from` says which).
+//! `--chunk-sizes` or `CXLKV_BENCH_CHUNK_SIZES` (`sizes_from` says which).
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -121,8 +121,8 @@ pub fn run(args: &BenchArgs, reporter: &mut Reporter) -> anyhow::Result<()> {
     } else {
         (SIZES, REP_BYTES, MAX_REP_BYTES)
     };
-    let (sizes, sizes_from) = match super::env_chunk_sizes()? {
-        Some(sizes) => (sizes, super::CHUNK_SIZES_ENV),
+    let (sizes, sizes_from) = match super::chunk_sizes(args)? {
+        Some((sizes, from)) => (sizes, from),
         None => (default_sizes.to_vec(), "default"),
     };
     let llc_bytes = llc_bytes().unwrap_or_else(|| {

@@ -11,17 +11,17 @@
 //! measures on `--pool` when given (`pool_target`), and every record of
 //! those says where (`pool`, `dest`).
 //!
-//! **Threads and chunk sizes** come from the environment, as
-//! `scripts/hwbench.sh` passes them: `CXLKV_BENCH_THREADS=N` (taken by
-//! `alloc` and `pool`) and `CXLKV_BENCH_CHUNK_SIZES=64KiB,1MiB,…` (taken by
-//! `copy` and `store`); a scenario that takes one echoes it in its records
-//! (`threads`, `chunk_bytes`), a malformed value is an error, and the other
-//! scenarios do not read them ([`env_threads`], [`env_chunk_sizes`]).
-//! `BenchArgs` declares no `--threads`/`--chunk-sizes` flag, so `cxlkv
-//! bench` refuses those on its command line; were it to gain them (with
-//! these variables as their `env`), the scenarios must read the parsed
-//! flags instead of the environment, or a value given as a flag alone
-//! would be ignored.
+//! **Threads and chunk sizes** come from the flags `--threads N` and
+//! `--chunk-sizes LIST`, or, when a flag is not given, from the environment,
+//! as `scripts/hwbench.sh` passes them too: `CXLKV_BENCH_THREADS=N` and
+//! `CXLKV_BENCH_CHUNK_SIZES=64KiB,1MiB,…`. They are taken by the scenarios in
+//! [`THREADS_TAKEN_BY`] and [`CHUNK_SIZES_TAKEN_BY`], which echo them in
+//! their records (`threads`, `chunk_bytes`, and `sizes_from`: which of the
+//! two gave the sizes); a malformed value is an error. The other scenarios
+//! do not read them: a flag given to one of those is checked and then
+//! ignored with a note on standard error ([`check_flags`]), the variables
+//! are not read at all (hwbench sets them for every scenario of a run).
+//! Scenarios read them through [`threads`] and [`chunk_sizes`] only.
 
 pub mod alloc;
 pub mod copy;
@@ -42,6 +42,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde::Serialize;
+
+use crate::cli::BenchArgs;
 
 /// Which direction of a figure is better; decides how `ratio` is formed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,8 +200,61 @@ pub const MAX_CHUNK_BYTES: usize = 1 << 30;
 /// Most sizes in [`CHUNK_SIZES_ENV`].
 pub const MAX_CHUNK_SIZES: usize = 32;
 
+/// Scenarios that take a thread count (`scripts/hwbench.sh` keeps the same
+/// list in `THREADS_TAKEN_BY`; a unit test compares them).
+pub const THREADS_TAKEN_BY: &[&str] = &["alloc", "pool"];
+/// Scenarios that take chunk sizes (hwbench's `CHUNKS_TAKEN_BY`).
+pub const CHUNK_SIZES_TAKEN_BY: &[&str] = &["copy", "store"];
+
+/// Before scenario `name` runs: a malformed `--chunk-sizes` is refused
+/// whichever scenario it was given to (`--threads` is checked by the
+/// parser), and a flag the scenario does not take is noted as ignored.
+pub fn check_flags(name: &str, args: &BenchArgs, reporter: &Reporter) -> anyhow::Result<()> {
+    if let Some(raw) = &args.chunk_sizes {
+        parse_chunk_sizes(raw).with_context(|| format!("--chunk-sizes {raw:?}"))?;
+    }
+    let ignored = [
+        ("--threads", args.threads.is_some(), THREADS_TAKEN_BY),
+        (
+            "--chunk-sizes",
+            args.chunk_sizes.is_some(),
+            CHUNK_SIZES_TAKEN_BY,
+        ),
+    ];
+    for (flag, given, takers) in ignored {
+        if given && !takers.contains(&name) {
+            reporter.note(&format!(
+                "{flag} is ignored by `{name}` (taken by: {})",
+                takers.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The thread count for a scenario in [`THREADS_TAKEN_BY`]: `--threads`
+/// (range-checked by the parser), else [`THREADS_ENV`], else `None` (the
+/// scenario's own cases).
+pub fn threads(args: &BenchArgs) -> anyhow::Result<Option<usize>> {
+    match args.threads {
+        Some(n) => Ok(Some(n)),
+        None => env_threads(),
+    }
+}
+
+/// The chunk sizes for a scenario in [`CHUNK_SIZES_TAKEN_BY`], with where
+/// they came from (a record's `sizes_from`): `--chunk-sizes`, else
+/// [`CHUNK_SIZES_ENV`], else `None` (the scenario's own sizes).
+pub fn chunk_sizes(args: &BenchArgs) -> anyhow::Result<Option<(Vec<usize>, &'static str)>> {
+    if let Some(raw) = &args.chunk_sizes {
+        let sizes = parse_chunk_sizes(raw).with_context(|| format!("--chunk-sizes {raw:?}"))?;
+        return Ok(Some((sizes, "--chunk-sizes")));
+    }
+    Ok(env_chunk_sizes()?.map(|sizes| (sizes, CHUNK_SIZES_ENV)))
+}
+
 /// The thread count in [`THREADS_ENV`], if set (1..=[`MAX_THREADS`]).
-pub fn env_threads() -> anyhow::Result<Option<usize>> {
+fn env_threads() -> anyhow::Result<Option<usize>> {
     let Some(raw) = env_value(THREADS_ENV)? else {
         return Ok(None);
     };
@@ -217,7 +272,7 @@ pub fn env_threads() -> anyhow::Result<Option<usize>> {
 /// The sizes in [`CHUNK_SIZES_ENV`], if set: comma-separated, each a number
 /// of bytes with an optional `B`, `KiB`, `MiB` or `GiB`, at most
 /// [`MAX_CHUNK_BYTES`]; duplicates dropped, order kept.
-pub fn env_chunk_sizes() -> anyhow::Result<Option<Vec<usize>>> {
+fn env_chunk_sizes() -> anyhow::Result<Option<Vec<usize>>> {
     let Some(raw) = env_value(CHUNK_SIZES_ENV)? else {
         return Ok(None);
     };
@@ -332,6 +387,26 @@ mod tests {
         assert_eq!(size_label(64 << 10), "64KiB");
         assert_eq!(size_label(16 << 20), "16MiB");
         assert_eq!(size_label(1000), "1000");
+    }
+
+    #[test]
+    fn the_scenarios_that_take_threads_and_chunk_sizes_are_the_ones_hwbench_names() {
+        let script = include_str!("../../scripts/hwbench.sh");
+        let listed = |var: &str| -> Vec<String> {
+            let prefix = format!("readonly {var}=\"");
+            let line = script
+                .lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .unwrap_or_else(|| panic!("hwbench.sh sets {var}"));
+            let names = line.strip_suffix('"').expect("a quoted list");
+            names.split_whitespace().map(str::to_owned).collect()
+        };
+        assert_eq!(listed("THREADS_TAKEN_BY"), THREADS_TAKEN_BY);
+        assert_eq!(listed("CHUNKS_TAKEN_BY"), CHUNK_SIZES_TAKEN_BY);
+        let known: Vec<&str> = crate::cli::SCENARIOS.iter().map(|(n, _, _)| *n).collect();
+        for name in THREADS_TAKEN_BY.iter().chain(CHUNK_SIZES_TAKEN_BY) {
+            assert!(known.contains(name), "{name} is not a scenario");
+        }
     }
 
     #[test]

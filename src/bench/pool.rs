@@ -30,7 +30,7 @@
 //! `--state-dir DIR` puts them on a real file system to include the sync.
 //! The daemon serves `--pool` when given (its header block is zeroed first,
 //! see `pool_target`), else a temporary `/dev/shm` file (`pool`, `dest`).
-//! The multi-client cases use `CXLKV_BENCH_THREADS` clients when set (else
+//! The multi-client cases use `--threads` (or `CXLKV_BENCH_THREADS`) clients when set (else
 //! 4, 2 with `--quick`; echoed as `threads`).
 //! Fields: `ops_per_s` (alloc+free pairs per second, all clients), `p50_us`,
 //! `p99_us` (one pair's latency), and the baseline's.
@@ -456,7 +456,7 @@ fn run_case(
 
 /// Entry point (registered in `cli::SCENARIOS`).
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
-    let threads = super::env_threads()?;
+    let threads = super::threads(args)?;
     let clients = threads.unwrap_or(if args.quick { 2 } else { 4 });
     let mut cases = vec![
         Case {

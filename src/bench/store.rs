@@ -74,7 +74,7 @@ const MAX_REP_BYTES: usize = 4 << 30;
 const QUICK_MAX_REP_BYTES: usize = 512 * MIB;
 /// Assumed last-level cache where sysfs does not say.
 const FALLBACK_LLC_BYTES: usize = 64 * MIB;
-/// Bytes per batch of a case built from `CXLKV_BENCH_CHUNK_SIZES`, and its
+/// Bytes per batch of a case built from `--chunk-sizes` (or its variable), and its
 /// bounds on chunks per batch.
 const ENV_BATCH_BYTES: usize = 64 * MIB;
 const ENV_MAX_BATCH: usize = 16;
@@ -88,13 +88,13 @@ const CASES: &[(usize, usize)] = &[(MIB, 1), (4 * MIB, 16), (32 * MIB, 4)];
 /// Entry point (registered in `cli::SCENARIOS`).
 pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     let target = BenchPool::from_args(args)?;
-    let (cases, sizes_from): (Vec<(usize, usize)>, &str) = match super::env_chunk_sizes()? {
-        Some(sizes) => (
+    let (cases, sizes_from): (Vec<(usize, usize)>, &str) = match super::chunk_sizes(args)? {
+        Some((sizes, from)) => (
             sizes
                 .into_iter()
                 .map(|chunk| (chunk, (ENV_BATCH_BYTES / chunk).clamp(1, ENV_MAX_BATCH)))
                 .collect(),
-            super::CHUNK_SIZES_ENV,
+            from,
         ),
         None => (CASES.to_vec(), "default"),
     };

@@ -79,6 +79,22 @@ pub struct BenchArgs {
     /// `/dev/shm`); one on a real disk includes the cost of `fdatasync`.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
+    /// Threads, for the scenarios that take them: `alloc` (cases
+    /// `threads=1` and `threads=N`), `pool` (N clients); the others ignore it
+    /// (with a note). Overrides `CXLKV_BENCH_THREADS`.
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+            .range(1..=crate::bench::MAX_THREADS as u64)
+    )]
+    pub threads: Option<usize>,
+    /// Chunk sizes, comma-separated (`4096`, `64KiB`, `1MiB`, `1GiB`; at most
+    /// 1 GiB each), for the scenarios that take them: `copy` (its sizes),
+    /// `store` (one case per size); the others ignore it (with a note).
+    /// Overrides `CXLKV_BENCH_CHUNK_SIZES`.
+    #[arg(long, value_name = "LIST")]
+    pub chunk_sizes: Option<String>,
 }
 
 /// Entry point of the `cxlkv` binary.
@@ -145,13 +161,13 @@ fn init_tracing(default_level: &str) {
 }
 
 /// A bench scenario: its name, a one-line description, and its entry point.
-type Scenario = (
+pub(crate) type Scenario = (
     &'static str,
     &'static str,
     fn(&BenchArgs, &mut Reporter) -> anyhow::Result<()>,
 );
 
-const SCENARIOS: &[Scenario] = &[
+pub(crate) const SCENARIOS: &[Scenario] = &[
     (
         "copy",
         "copy_in GB/s vs ptr::copy_nonoverlapping into the pool (--pool, else dest=shm and hugetlb; plus a written-back memcpy baseline)",
@@ -225,7 +241,9 @@ fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
             known.join(", ")
         );
     };
-    let mut reporter = Reporter::new(args.json);
+    let reporter = Reporter::new(args.json);
+    crate::bench::check_flags(name, args, &reporter)?;
+    let mut reporter = reporter;
     run(args, &mut reporter)
 }
 
