@@ -35,11 +35,13 @@
 # `--chunk-sizes LIST` on the command line (cxlkv declares both since
 # 2026-12-01; older binaries read only the variables). A scenario that takes
 # one echoes the value in its records (`threads`, `chunk_bytes`) and refuses
-# a malformed one; the others ignore them (a flag with a note on stderr). run-info.txt says which of the chosen
-# scenarios took them, and a warning is printed when none did. (Contract for
-# scenario authors: list a scenario that reads one in THREADS_TAKEN_BY /
-# CHUNKS_TAKEN_BY below, and echo the values used as record fields
-# `threads` / `chunk_bytes`.)
+# a malformed one; the others ignore them (a flag with a note on stderr).
+# run-info.txt says which of the chosen scenarios took them, and a warning
+# is printed when none did. (Contract for scenario authors: list a scenario
+# that reads one in THREADS_TAKEN_BY / CHUNKS_TAKEN_BY below and in
+# bench::THREADS_TAKEN_BY / CHUNK_SIZES_TAKEN_BY (a unit test compares
+# them), and echo the values used as record fields `threads` /
+# `chunk_bytes`.)
 #
 # --pool. Every scenario that starts a server or maps a pool measures on it
 # (each record's `pool` and `dest` fields say so); alloc and directory-memory

@@ -2,14 +2,14 @@
 //! against a `parking_lot::Mutex<Vec<u32>>` free list of the same pages.
 //!
 //! Cases `threads=1` and `threads=2` (both threads on one region), or
-//! `threads=1` and `threads=N` with `--threads N` or `CXLKV_BENCH_THREADS=N` (field
-//! `threads`). The allocator's state lives in this process's memory, not
-//! in a pool: `--pool` does not apply (`pool` = `none`, `dest` = `heap`).
-//! Each
-//! repetition times both subjects back to back, alternating which goes first,
-//! on freshly spawned threads that start together behind a barrier after a
-//! warm-up; the figures are the medians over `--reps`. `ours` and `baseline`
-//! are in millions of pairs per second over all threads (higher is better);
+//! `threads=1` and `threads=N` with `--threads N` or
+//! `CXLKV_BENCH_THREADS=N` (field `threads`). The allocator's state lives
+//! in this process's memory, not in a pool: `--pool` does not apply
+//! (`pool` = `none`, `dest` = `heap`). Each repetition times both subjects
+//! back to back, alternating which goes first, on freshly spawned threads
+//! that start together behind a barrier after a warm-up; the figures are
+//! the medians over `--reps`. `ours` and `baseline` are in millions of
+//! pairs per second over all threads (higher is better);
 //! `ns_per_pair` is the mean time one thread spends on one pair
 //! (`threads × 1000 / ours`), `baseline_ns_per_pair` the same for the mutex.
 //!

@@ -30,8 +30,8 @@
 //! `--state-dir DIR` puts them on a real file system to include the sync.
 //! The daemon serves `--pool` when given (its header block is zeroed first,
 //! see `pool_target`), else a temporary `/dev/shm` file (`pool`, `dest`).
-//! The multi-client cases use `--threads` (or `CXLKV_BENCH_THREADS`) clients when set (else
-//! 4, 2 with `--quick`; echoed as `threads`).
+//! The multi-client cases use `--threads` (or `CXLKV_BENCH_THREADS`)
+//! clients when set (else 4, 2 with `--quick`; echoed as `threads`).
 //! Fields: `ops_per_s` (alloc+free pairs per second, all clients), `p50_us`,
 //! `p99_us` (one pair's latency), and the baseline's.
 

@@ -74,8 +74,8 @@ const MAX_REP_BYTES: usize = 4 << 30;
 const QUICK_MAX_REP_BYTES: usize = 512 * MIB;
 /// Assumed last-level cache where sysfs does not say.
 const FALLBACK_LLC_BYTES: usize = 64 * MIB;
-/// Bytes per batch of a case built from `--chunk-sizes` (or its variable), and its
-/// bounds on chunks per batch.
+/// Bytes per batch of a case built from `--chunk-sizes` (or its variable),
+/// and its bounds on chunks per batch.
 const ENV_BATCH_BYTES: usize = 64 * MIB;
 const ENV_MAX_BATCH: usize = 16;
 /// Most batches a contestant stores per repetition (small chunks would

@@ -241,9 +241,8 @@ fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
             known.join(", ")
         );
     };
-    let reporter = Reporter::new(args.json);
+    let mut reporter = Reporter::new(args.json);
     crate::bench::check_flags(name, args, &reporter)?;
-    let mut reporter = reporter;
     run(args, &mut reporter)
 }
 
