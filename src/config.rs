@@ -546,7 +546,7 @@ impl Config {
         c.directory = self.directory.directory_config();
         c.pool_manager = Some(match &s.pool_daemon {
             None => {
-                let resolved = self.pool.resolve()?;
+                let resolved = self.pool.resolve_embedded()?;
                 // What the embedded pool manager will open, also in the
                 // fields that describe the embedded pool without one, so
                 // that no field names a pool that is not used.
@@ -905,6 +905,39 @@ impl PoolConfig {
             tcp,
         })
     }
+
+    /// [`resolve`](Self::resolve) for the pool manager `cxlkv serve`
+    /// embeds. It has no listener of its own, so `socket`, `tcp`,
+    /// `tcp_secret_file` and `tcp_insecure` do not apply: they are neither
+    /// checked nor read (a file shared with a `cxlkv pool` daemon, or a
+    /// secret only the daemon's user can read, does not stop `serve`), and
+    /// a warning names those that are set.
+    pub fn resolve_embedded(&self) -> Result<ResolvedPool, ConfigError> {
+        let ignored: Vec<&str> = [
+            ("socket", self.socket.is_some()),
+            ("tcp", self.tcp.is_some()),
+            ("tcp_secret_file", self.tcp_secret_file.is_some()),
+            ("tcp_insecure", self.tcp_insecure),
+        ]
+        .into_iter()
+        .filter_map(|(key, set)| set.then_some(key))
+        .collect();
+        if !ignored.is_empty() {
+            tracing::warn!(
+                keys = %ignored.join(", "),
+                "[pool] keys of the pool daemon's listener are ignored: the pool manager \
+                 embedded in `cxlkv serve` does not listen"
+            );
+        }
+        PoolConfig {
+            socket: None,
+            tcp: None,
+            tcp_secret_file: None,
+            tcp_insecure: false,
+            ..self.clone()
+        }
+        .resolve()
+    }
 }
 
 fn default_state_dir(first_pool: &Path) -> PathBuf {
@@ -1158,6 +1191,28 @@ mod tests {
             p.resolve().unwrap().service.tcp_auth,
             TcpAuth::Secret(_)
         ));
+    }
+
+    #[test]
+    fn the_pool_daemons_listener_keys_do_not_apply_to_the_embedded_pool_manager() {
+        // Keys `cxlkv pool` would refuse: a bad address, a secret file that
+        // does not exist, and both a secret and `tcp_insecure`.
+        let mut c = Config::default();
+        c.pool.socket = Some("/nonexistent/pool.sock".into());
+        c.pool.tcp = Some("not an address".into());
+        c.pool.tcp_secret_file = Some("/nonexistent/secret".into());
+        c.pool.tcp_insecure = true;
+        assert!(c.pool.resolve().is_err(), "the daemon checks them");
+        let server = c.server_config().expect("serve does not read them");
+        let Some(crate::server::PoolManagerConfig::Embedded(embedded)) = server.pool_manager else {
+            panic!("the embedded pool manager");
+        };
+        assert!(matches!(embedded.tcp_auth, TcpAuth::Disabled));
+        // What does apply still is checked.
+        c.pool.group_max_records = 0;
+        c.pool.sync = SyncMode::Group;
+        let e = c.server_config().unwrap_err().to_string();
+        assert!(e.contains("group_max_records"), "{e}");
     }
 
     #[test]

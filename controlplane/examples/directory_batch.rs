@@ -9,7 +9,7 @@
 //!
 //! ```sh
 //! cargo run --release -p cxlkv-controlplane --example directory_batch -- \
-//!     [--keys 65536] [--batch 512] [--calls 4000] [--op all|exists|lookup|lookup_pin] \
+//!     [--keys 65536] [--batch 512] [--calls 4000] [--op all|exists|lookup|lookup_pin|stats] \
 //!     [--pollute BYTES] [--fresh 0|1] [--random 0|1]
 //! ```
 //!
@@ -26,7 +26,9 @@
 //! registrations; a key may be drawn twice in one call, and then takes and
 //! drops two pins); it implies `--fresh 1`. With `--op all` the operations
 //! take turns on the same window, so the later ones find its keys in cache:
-//! compare one `--op` at a time.
+//! compare one `--op` at a time. `--op stats` pins every key once and
+//! times the statistics snapshot (`Directory::stats`) with none and with
+//! all of those pins long-held.
 
 use std::time::Instant;
 
@@ -87,8 +89,8 @@ fn parse_args() -> Result<Args, String> {
     if a.batch == 0 || a.batch >= a.keys || a.calls == 0 {
         return Err("need 0 < batch < keys and calls > 0".into());
     }
-    if a.op != "all" && !OPS.contains(&a.op.as_str()) {
-        return Err(format!("--op: one of all, {}", OPS.join(", ")));
+    if a.op != "all" && a.op != "stats" && !OPS.contains(&a.op.as_str()) {
+        return Err(format!("--op: one of all, stats, {}", OPS.join(", ")));
     }
     Ok(a)
 }
@@ -192,6 +194,40 @@ fn percentiles(name: &str, v: &mut [f64]) {
     );
 }
 
+/// `--op stats`: every key pinned once by the session (`batch` keys per
+/// lookup), then `calls` statistics snapshots (at most 100) while no pin is
+/// long-held, and as many once every pin is (the clock moved past
+/// `long_held_pin`): what a `Stats` request costs the server's loop.
+fn stats_with_every_key_pinned(
+    dir: &mut Directory,
+    caller: &Caller,
+    next: &mut impl FnMut() -> Sequence,
+    keys: &[Vec<u8>],
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    for window in keys.chunks(args.batch) {
+        let window = window.iter().map(|k| &k[..]);
+        dir.lookup(caller, Some(next()), LAYOUT, window, 1, Time::ZERO)?;
+    }
+    let late = Time::ZERO.saturating_add(DirectoryConfig::default().long_held_pin * 2);
+    println!(
+        "{} keys of {KEY_BYTES} bytes, each pinned once by one session",
+        keys.len()
+    );
+    for (label, now) in [("stats young", Time::ZERO), ("stats long", late)] {
+        let mut t = Vec::new();
+        for _ in 0..args.calls.min(100) {
+            let began = Instant::now();
+            let stats = std::hint::black_box(dir.stats(now));
+            t.push(began.elapsed().as_secs_f64() * 1e6);
+            let expected = if now == late { keys.len() as u64 } else { 0 };
+            assert_eq!(stats.long_held_pins.count, expected);
+        }
+        percentiles(label, &mut t);
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args().map_err(|e| format!("directory_batch: {e}"))?;
     let Populated {
@@ -207,6 +243,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             replies_received_below: seq,
         }
     };
+    if args.op == "stats" {
+        return stats_with_every_key_pinned(&mut dir, &caller, &mut next, &keys, &args);
+    }
     let mut junk = vec![0u8; args.pollute];
     let mut times: Vec<(&str, Vec<f64>)> = OPS
         .iter()

@@ -683,6 +683,48 @@ fn long_held_pins_are_reported_in_stats() {
 }
 
 #[test]
+fn stats_count_every_long_held_pin_and_list_the_oldest_first_up_to_the_limit() {
+    let mut w = World::new();
+    let mut owner = w.hello("owner");
+    let r = w.region(&mut owner, L);
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("k{i}").into_bytes()).collect();
+    for (i, k) in keys.iter().enumerate() {
+        w.put(&mut owner, k, loc(r, i as u32, 1));
+    }
+    let mut readers = [w.hello("r0"), w.hello("r1"), w.hello("r2")];
+    // Key i is pinned at second i, by reader i % 3, with i % 3 + 1 pins.
+    for (i, k) in keys.iter().enumerate() {
+        w.lookup_pin(&mut readers[i % 3], &[k], (i % 3 + 1) as u32);
+        w.now = w.now.saturating_add(Duration::from_secs(1));
+    }
+    let config = DirectoryConfig::default();
+    assert_eq!(config.long_held_pin, Duration::from_secs(60));
+    assert_eq!(config.long_held_pins_listed, 16);
+    // Now second 89: key i's pin is 89 - i seconds old, long-held for
+    // i <= 29.
+    w.now = w.now.saturating_add(Duration::from_secs(49));
+    let long = w.dir.stats(w.now).long_held_pins;
+    assert_eq!(long.count, 30);
+    let listed: Vec<(SessionId, &str, u32, u64)> = long
+        .oldest
+        .iter()
+        .map(|p| (p.session, p.instance.as_str(), p.pins, p.held_for.as_secs()))
+        .collect();
+    let expected: Vec<(SessionId, &str, u32, u64)> = (0..16)
+        .map(|i| {
+            let reader = &readers[i % 3];
+            (
+                reader.session,
+                reader.name.as_str(),
+                (i % 3 + 1) as u32,
+                89 - i as u64,
+            )
+        })
+        .collect();
+    assert_eq!(listed, expected);
+}
+
+#[test]
 fn a_pin_has_no_expiry_while_its_session_lives_and_eviction_never_takes_it() {
     // LRU eviction on and the pool above its high watermark: neither time
     // nor memory pressure takes a pin or the key it holds.

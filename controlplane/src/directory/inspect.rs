@@ -2,8 +2,9 @@
 //! state digest. The last two walk the whole state (O(keys + pins)); tests and
 //! the deterministic simulation call them after every step, the server never.
 
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasher, Hash, Hasher};
+use std::time::Duration;
 
 use foldhash::fast::FixedState;
 
@@ -12,7 +13,7 @@ use super::keys::NIL;
 use super::keys::mix;
 use super::regions::Owner;
 use super::stats::{DirectoryStats, InstanceStats, LongHeldPin, LongHeldPins, OpStats, PoolStats};
-use super::types::{InstanceId, Layout, Location, OpKind, RegionDescriptor, Time};
+use super::types::{InstanceId, Layout, Location, OpKind, RegionDescriptor, SessionId, Time};
 use cxlkv_dataplane::ids::RegionId;
 
 /// What the directory holds for one key.
@@ -169,42 +170,64 @@ impl Directory {
 
     /// Pins held longer than `long_held_pin`: every one counted, the
     /// `long_held_pins_listed` oldest listed (part of [`stats`](Self::stats);
-    /// the server also logs them periodically). Walks every pin held.
+    /// the server also logs them periodically). Walks every pin held, and
+    /// keeps only the oldest few while it does: a bounded heap of their
+    /// ranks, the instance named only for those listed. (It collected every
+    /// long-held pin first, each with its instance's name copied, then
+    /// selected: with 1 M pins all long-held a snapshot took 69–95 ms of the
+    /// server's loop, now 6–9 ms, the walk alone 2.4–4.5 ms;
+    /// `examples/directory_batch --op stats`, reliability defect 35.)
     pub fn long_held_pins(&self, now: Time) -> LongHeldPins {
+        /// A long-held pin while the walk runs. Ordered oldest first, then
+        /// by session; the heap's top is the youngest of those kept.
+        #[derive(PartialEq, Eq, PartialOrd, Ord)]
+        struct Rank {
+            held_for: std::cmp::Reverse<Duration>,
+            session: SessionId,
+            instance: u32,
+            pins: u32,
+        }
         let threshold = self.config.long_held_pin;
-        let mut long: Vec<LongHeldPin> = Vec::new();
+        let listed = self.config.long_held_pins_listed;
+        let mut oldest: BinaryHeap<Rank> = BinaryHeap::with_capacity(listed.min(1024) + 1);
         let mut count = 0u64;
         for (&session, s) in &self.sessions {
             for (_, held) in s.pins.iter() {
                 let held_for = now.saturating_since(held.since);
-                if held_for >= threshold {
-                    count += 1;
-                    long.push(LongHeldPin {
-                        session,
-                        instance: self.instance(s.instance).id.clone(),
-                        pins: held.count,
-                        held_for,
-                    });
+                if held_for < threshold {
+                    continue;
+                }
+                count += 1;
+                let rank = Rank {
+                    held_for: std::cmp::Reverse(held_for),
+                    session,
+                    instance: s.instance,
+                    pins: held.count,
+                };
+                if oldest.len() < listed {
+                    oldest.push(rank);
+                } else if let Some(mut youngest) = oldest.peek_mut()
+                    && rank < *youngest
+                {
+                    // Replaced in place; the heap restores its order when
+                    // `youngest` goes out of scope.
+                    *youngest = rank;
                 }
             }
         }
-        // Only the oldest few are listed: select them (linear), then sort
-        // those, rather than sorting every long-held pin.
-        let oldest_first = |a: &LongHeldPin, b: &LongHeldPin| {
-            b.held_for.cmp(&a.held_for).then(a.session.cmp(&b.session))
-        };
-        let listed = self.config.long_held_pins_listed;
-        if listed < long.len() {
-            if listed > 0 {
-                long.select_nth_unstable_by(listed - 1, oldest_first);
-            }
-            long.truncate(listed);
-        }
-        long.sort_by(oldest_first);
         LongHeldPins {
             threshold,
             count,
-            oldest: long,
+            oldest: oldest
+                .into_sorted_vec()
+                .into_iter()
+                .map(|r| LongHeldPin {
+                    session: r.session,
+                    instance: self.instance(r.instance).id.clone(),
+                    pins: r.pins,
+                    held_for: r.held_for.0,
+                })
+                .collect(),
         }
     }
 
