@@ -573,6 +573,124 @@ impl FaultPlan for DropReturnReplies {
     }
 }
 
+/// Drops the replies of `RequestRegion` while armed.
+struct DropRegionGrants {
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FaultPlan for DropRegionGrants {
+    fn on_reply(&mut self, reply: &ReplyInfo) -> ReplyFault {
+        if reply.request_kind == Some(Kind::RequestRegion.as_u16())
+            && self.armed.load(Ordering::Relaxed)
+        {
+            ReplyFault::Drop
+        } else {
+            ReplyFault::Deliver
+        }
+    }
+}
+
+/// A region request granted by the directory whose every answer was lost
+/// leaves the instance owning a region the client does not know. It must
+/// not stay that way for the instance's lifetime: the client keeps the
+/// request, sends it again with its number once the directory answers, and
+/// adopts the grant (no new region is requested for the room it gives),
+/// and an idle region so adopted is returned like any other.
+#[test]
+fn a_region_grant_whose_answer_was_lost_is_adopted_not_leaked() {
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let server = Server::start_with_faults(
+        server_config("faults-lost-grant"),
+        Box::new(DropRegionGrants {
+            armed: Arc::clone(&armed),
+        }),
+    )
+    .unwrap();
+    let mut cfg = client_config(&server);
+    cfg.request_timeout_ms = 300;
+    cfg.max_retries = 1;
+    // Long enough that the adopted region is still there for the put
+    // below on a loaded machine; short enough to see it returned after.
+    cfg.idle_region_return_ms = 3000;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client
+        .layout_with(
+            PAGE,
+            FINGERPRINT,
+            LayoutOptions {
+                initial_reservation_bytes: 4 << 20,
+                region_size_bytes: 4 << 20,
+                auto_expand: true,
+            },
+        )
+        .unwrap();
+    let pages = (4 << 20) / PAGE;
+    let items: Vec<(Vec<u8>, Vec<u8>)> = (0..pages).map(|i| (key(i), chunk(i, 64))).collect();
+    for batch in items.chunks(256) {
+        layout.batch_put(batch).unwrap();
+    }
+    assert_eq!(layout.free_pages(), 0, "the first region is full");
+
+    // The next put needs a second region; the directory grants it, and no
+    // answer reaches the client.
+    armed.store(true, Ordering::Relaxed);
+    let extra = (key(pages), chunk(pages, 64));
+    let err = layout
+        .put(&extra.0, &extra.1)
+        .expect_err("no answer to the region request");
+    assert!(err.to_string().contains("request_region"), "{err}");
+    assert_eq!(client.unresolved_region_requests(), 1);
+    assert_eq!(
+        server.directory_stats().unwrap().regions,
+        2,
+        "it was granted"
+    );
+    assert_eq!(
+        layout.region_bytes(),
+        4 << 20,
+        "the client does not know it"
+    );
+    let acquired = client.stats().regions_acquired;
+
+    // Answers get through again: the kept request is sent again with its
+    // number and the grant adopted.
+    armed.store(false, Ordering::Relaxed);
+    assert!(
+        wait_until(Duration::from_secs(10), || layout.region_bytes() == 8 << 20),
+        "adopted in the background"
+    );
+    assert_eq!(client.unresolved_region_requests(), 0);
+    assert_eq!(client.stats().regions_acquired, acquired + 1);
+    assert_eq!(
+        server.directory_stats().unwrap().regions,
+        2,
+        "no third region"
+    );
+    layout.put(&extra.0, &extra.1).unwrap();
+    assert_eq!(
+        client.stats().regions_acquired,
+        acquired + 1,
+        "the put used the adopted region"
+    );
+
+    // Emptied, the adopted region is returned like any idle region.
+    let keys: Vec<&[u8]> = items.iter().map(|(k, _)| k.as_slice()).collect();
+    for batch in keys.chunks(256) {
+        layout.batch_delete(batch).unwrap();
+    }
+    layout.batch_delete(&[extra.0.as_slice()]).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || server
+            .directory_stats()
+            .unwrap()
+            .regions
+            == 1),
+        "{:?}",
+        client.stats()
+    );
+    assert_eq!(layout.region_bytes(), 4 << 20);
+}
+
 /// An idle region's return that ran at the directory but whose answer was
 /// lost must not be put back in use: the directory freed the region, and
 /// the pool manager may grant it to another instance. The client retires

@@ -18,6 +18,21 @@
 //! others retry their allocation once it is in); without it the allocation
 //! fails with `OutOfMemory`. The client-side `quota_bytes` bounds the
 //! regions taken, across layouts.
+//!
+//! **A grant whose answer was lost.** A region request whose attempts all
+//! go unanswered may have been granted: the directory then holds a region
+//! for this instance that the client knows nothing of, and that would stay
+//! the instance's, unused, for as long as the instance lives. So the
+//! request is kept with its sequence number (`UnresolvedRegion`) and the
+//! maintenance thread sends it again until it is answered; the directory
+//! answers a retried number from its reply cache, and a grant is then
+//! adopted as if its first answer had arrived (mapped, allocatable, and
+//! returned later like any idle region). A request refused on a retry
+//! never ran; one whose number the directory no longer remembers
+//! (`SequenceTooOld`, `ReplyEvicted`) cannot be resolved and is dropped
+//! with a warning. A directory restart voids the number, and the request
+//! is sent again as a new one (a grant the old directory made is the
+//! reattach's business: `session.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -35,10 +50,31 @@ use super::error::ClientError;
 use super::lease::PageLease;
 use super::regions::{self, OwnedRegion};
 use super::rpc::{Fail, Mode};
+use super::seq::SeqTicket;
 use super::shared::Shared;
 
 /// Most regions one allocation call may add to its layout.
 const MAX_EXPANSIONS_PER_CALL: usize = 64;
+
+/// Most region requests kept for resending while their outcome is unknown:
+/// each holds its sequence number, and with it the window of numbers the
+/// client may use. Beyond it the number is released, and a grant that may
+/// have happened stays with the instance until it goes (logged).
+const MAX_UNRESOLVED_REGIONS: usize = 8;
+
+/// A region request whose answer was lost (module docs).
+#[derive(Debug)]
+pub(crate) struct UnresolvedRegion {
+    ticket: SeqTicket,
+    layout: Arc<LayoutState>,
+}
+
+/// What a `RegionGranted` says.
+struct Grant {
+    desc: proto::RegionDesc,
+    layout: Layout,
+    token: proto::RegionToken,
+}
 
 /// A `ReturnRegion` that did not succeed.
 #[derive(Debug)]
@@ -254,7 +290,7 @@ impl Shared {
 
     /// Adds a region to `layout` unless another thread already made room for
     /// `needed_pages`.
-    pub fn expand(&self, layout: &LayoutState, needed_pages: u64) -> Result<(), ClientError> {
+    pub fn expand(&self, layout: &Arc<LayoutState>, needed_pages: u64) -> Result<(), ClientError> {
         let _one_at_a_time = layout.expand_lock.lock();
         if layout.free_pages() >= needed_pages {
             return Ok(());
@@ -263,7 +299,13 @@ impl Shared {
     }
 
     /// Requests one region for `layout`, maps it and makes it allocatable.
-    pub fn acquire_region(&self, layout: &LayoutState, initial: bool) -> Result<(), ClientError> {
+    /// If no attempt is answered, the request is kept and sent again in the
+    /// background (module docs); this call fails either way.
+    pub fn acquire_region(
+        &self,
+        layout: &Arc<LayoutState>,
+        initial: bool,
+    ) -> Result<(), ClientError> {
         let len = layout.region_size_bytes;
         if let Some(quota) = self.cfg.quota_bytes {
             // Relaxed: a gauge; racing expansions of two layouts may both
@@ -277,20 +319,61 @@ impl Shared {
                 });
             }
         }
+        let mut ticket = self.ticket().map_err(Fail::into_error)?;
+        match self.request_region(layout, &mut ticket) {
+            Ok(grant) => {
+                self.seqs.release(ticket);
+                self.adopt_region(layout, grant, initial)
+            }
+            Err(Fail::Indeterminate(e)) => {
+                self.park_region_request(UnresolvedRegion {
+                    ticket,
+                    layout: Arc::clone(layout),
+                });
+                Err(e)
+            }
+            Err(fail) => {
+                self.seqs.release(ticket);
+                Err(fail.into_error())
+            }
+        }
+    }
+
+    /// One `RequestRegion` for `layout` under `ticket`, with its retries.
+    fn request_region(&self, layout: &LayoutState, ticket: &mut SeqTicket) -> Result<Grant, Fail> {
         let mut req = RequestRegion {
             meta: Default::default(),
             layout: layout.layout,
-            len_bytes: len,
+            len_bytes: layout.region_size_bytes,
         };
-        let (desc, granted_layout, token) = self
-            .mutating_call::<_, RegionGranted, _>("request_region", Mode::NORMAL, &mut req, |g| {
-                Ok((
-                    proto::RegionDesc::from(&g.desc),
-                    Layout::from(&g.layout),
-                    g.token.to_native(),
-                ))
-            })
-            .map_err(Fail::into_error)?;
+        self.exchange::<_, RegionGranted, _>(
+            "request_region",
+            Mode::NORMAL,
+            Some(ticket),
+            &mut req,
+            |g| {
+                Ok(Grant {
+                    desc: proto::RegionDesc::from(&g.desc),
+                    layout: Layout::from(&g.layout),
+                    token: g.token.to_native(),
+                })
+            },
+        )
+    }
+
+    /// Maps a granted region into `layout` and makes it allocatable; a
+    /// region that cannot be used is given back.
+    fn adopt_region(
+        &self,
+        layout: &LayoutState,
+        grant: Grant,
+        initial: bool,
+    ) -> Result<(), ClientError> {
+        let Grant {
+            desc,
+            layout: granted_layout,
+            token,
+        } = grant;
         let mapped = if granted_layout == layout.layout {
             self.pool(desc.pool, desc.region_id()).and_then(|pool| {
                 regions::map_owned(pool, desc, layout.layout, token, &self.observers, initial)
@@ -321,6 +404,62 @@ impl Shared {
             .map_err(|_| ClientError::RegionTableFull {
                 region: desc.region_id(),
             })
+    }
+
+    fn park_region_request(&self, request: UnresolvedRegion) {
+        let mut parked = self.unresolved_regions.lock();
+        if parked.len() < MAX_UNRESOLVED_REGIONS {
+            parked.push(request);
+            return;
+        }
+        drop(parked);
+        tracing::warn!(
+            "a region request went unanswered with {MAX_UNRESOLVED_REGIONS} others already \
+             unresolved: a region it may have been granted stays this instance's until it goes"
+        );
+        self.seqs.release(request.ticket);
+    }
+
+    /// Sends every unresolved region request again (maintenance thread):
+    /// a grant is adopted, a refusal ends it, no answer keeps it.
+    pub fn resolve_region_requests(&self) {
+        let parked = std::mem::take(&mut *self.unresolved_regions.lock());
+        for mut request in parked {
+            match self.request_region(&request.layout, &mut request.ticket) {
+                Ok(grant) => {
+                    self.seqs.release(request.ticket);
+                    let _one_at_a_time = request.layout.expand_lock.lock();
+                    if let Err(e) = self.adopt_region(&request.layout, grant, false) {
+                        tracing::warn!(error = %e, "a region granted late could not be used");
+                    }
+                }
+                Err(Fail::Indeterminate(ClientError::Server { code, .. }))
+                    if matches!(
+                        ErrorCode::from_u16(code),
+                        Some(ErrorCode::SequenceTooOld | ErrorCode::ReplyEvicted)
+                    ) =>
+                {
+                    tracing::warn!(
+                        "a region request whose answer was lost can no longer be resolved: \
+                         a region it may have been granted stays this instance's until it goes"
+                    );
+                    self.seqs.release(request.ticket);
+                }
+                Err(Fail::Indeterminate(_)) => self.unresolved_regions.lock().push(request),
+                // Refused (it never ran: a refusal does not consume a
+                // number), or failed before it was sent this time — which
+                // says nothing about the attempt whose answer was lost.
+                Err(Fail::Definite(ClientError::Server { .. })) => {
+                    self.seqs.release(request.ticket)
+                }
+                Err(_) => self.unresolved_regions.lock().push(request),
+            }
+        }
+    }
+
+    /// Region requests whose outcome is still unknown.
+    pub fn unresolved_region_requests(&self) -> usize {
+        self.unresolved_regions.lock().len()
     }
 
     /// Gives region `region` back (it must hold no key).

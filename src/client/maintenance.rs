@@ -1,5 +1,5 @@
 //! The client's one background thread: heartbeats, deferred unpins, idle
-//! regions, unmapping, parked registrations.
+//! regions, unmapping, parked registrations and region requests.
 //!
 //! It sleeps on a condition variable and wakes (a) when a guard queues the
 //! first unpin — it then waits `unpin_delay_us` (≤ 1 ms) for more and sends
@@ -10,7 +10,8 @@
 //! [`TICK`] for housekeeping: retired mappings whose last view is gone are
 //! unmapped (so `munmap` and the engines' unmap callbacks run here), idle
 //! regions beyond a layout's initial reservation are returned, and parked
-//! registrations are sent again. Close wakes it and joins it.
+//! registrations and unanswered region requests are sent again. Close wakes
+//! it and joins it.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -149,6 +150,9 @@ fn housekeeping(shared: &Shared, returning: &mut HashSet<u64>, now_ms: u64) {
     shared.retired.sweep();
     if shared.unresolved_batches() > 0 {
         shared.resolve_unresolved();
+    }
+    if shared.unresolved_region_requests() > 0 {
+        shared.resolve_region_requests();
     }
 }
 

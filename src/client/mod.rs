@@ -303,6 +303,12 @@ impl Client {
         self.inner.shared.unresolved_batches()
     }
 
+    /// Region requests whose outcome is still unknown (kept, retried in the
+    /// background; a late grant is adopted by its layout).
+    pub fn unresolved_region_requests(&self) -> usize {
+        self.inner.shared.unresolved_region_requests()
+    }
+
     /// Ends the session: sends pending unpins, stops the maintenance thread
     /// and closes the connection (the directory releases the session's pins;
     /// the instance's keys stay). Guards and leases still alive keep their

@@ -166,6 +166,7 @@ pub(crate) fn connect(
         unpins: Default::default(),
         live_pins: Default::default(),
         unresolved: Default::default(),
+        unresolved_regions: Default::default(),
         reregister_pending: Default::default(),
         epoch_seen: AtomicU64::new(welcome.directory_epoch),
         #[cfg(test)]

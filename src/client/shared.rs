@@ -24,7 +24,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use super::config::ClientConfig;
 use super::error::ClientError;
 use super::index::KeyIndex;
-use super::layout::LayoutState;
+use super::layout::{LayoutState, UnresolvedRegion};
 use super::pools::Pool;
 use super::read::{LivePins, UnpinQueue};
 use super::regions::{self, OwnedRegion, PeerRegion, Retired};
@@ -92,6 +92,8 @@ pub(crate) struct Shared {
     pub live_pins: LivePins,
     /// Registrations whose outcome is unknown, retried in the background.
     pub unresolved: Mutex<Vec<Unresolved>>,
+    /// Region requests whose outcome is unknown, retried in the background.
+    pub unresolved_regions: Mutex<Vec<UnresolvedRegion>>,
     /// A directory restart happened and the key index has not been fully
     /// registered again yet.
     pub reregister_pending: AtomicBool,
