@@ -445,13 +445,16 @@ impl Shared {
                     );
                     self.seqs.release(request.ticket);
                 }
+                // Still no answer.
                 Err(Fail::Indeterminate(_)) => self.unresolved_regions.lock().push(request),
-                // Refused (it never ran: a refusal does not consume a
-                // number), or failed before it was sent this time — which
-                // says nothing about the attempt whose answer was lost.
+                // Refused: under the number whose answer was lost, the
+                // directory would have answered from its reply cache had
+                // that attempt run (a refusal does not consume a number).
                 Err(Fail::Definite(ClientError::Server { .. })) => {
                     self.seqs.release(request.ticket)
                 }
+                // Failed here before this attempt was sent: says nothing
+                // about the one whose answer was lost.
                 Err(_) => self.unresolved_regions.lock().push(request),
             }
         }
