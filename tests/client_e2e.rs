@@ -234,17 +234,7 @@ fn idle_regions_beyond_the_initial_reservation_are_returned() {
     let mut cfg = client_config(&server);
     cfg.idle_region_return_ms = 50;
     let client = Client::connect(cfg).unwrap();
-    let layout = client
-        .layout_with(
-            PAGE,
-            FINGERPRINT,
-            LayoutOptions {
-                initial_reservation_bytes: 4 << 20,
-                region_size_bytes: 4 << 20,
-                auto_expand: true,
-            },
-        )
-        .unwrap();
+    let layout = small_region_layout(&client);
     let items: Vec<(Vec<u8>, Vec<u8>)> = (0..100).map(|i| (key(i), chunk(i, 64))).collect();
     layout.batch_put(&items).unwrap();
     assert_eq!(layout.region_bytes(), 8 << 20);

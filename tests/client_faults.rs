@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use client_support::*;
-use cxlkv::client::{Client, DeleteOutcome, LayoutOptions, RegisterOutcome};
+use cxlkv::client::{Client, DeleteOutcome, RegisterOutcome};
 use cxlkv::server::Server;
 use cxlkv_controlplane::proto::Kind;
 use cxlkv_controlplane::transport::fault::{
@@ -613,18 +613,8 @@ fn a_region_grant_whose_answer_was_lost_is_adopted_not_leaked() {
     // below on a loaded machine; short enough to see it returned after.
     cfg.idle_region_return_ms = 3000;
     let client = Client::connect(cfg).unwrap();
-    let layout = client
-        .layout_with(
-            PAGE,
-            FINGERPRINT,
-            LayoutOptions {
-                initial_reservation_bytes: 4 << 20,
-                region_size_bytes: 4 << 20,
-                auto_expand: true,
-            },
-        )
-        .unwrap();
-    let pages = (4 << 20) / PAGE;
+    let layout = small_region_layout(&client);
+    let pages = SMALL_REGION_BYTES / PAGE;
     let items: Vec<(Vec<u8>, Vec<u8>)> = (0..pages).map(|i| (key(i), chunk(i, 64))).collect();
     for batch in items.chunks(256) {
         layout.batch_put(batch).unwrap();
@@ -647,7 +637,7 @@ fn a_region_grant_whose_answer_was_lost_is_adopted_not_leaked() {
     );
     assert_eq!(
         layout.region_bytes(),
-        4 << 20,
+        SMALL_REGION_BYTES,
         "the client does not know it"
     );
     let acquired = client.stats().regions_acquired;
@@ -656,7 +646,8 @@ fn a_region_grant_whose_answer_was_lost_is_adopted_not_leaked() {
     // number and the grant adopted.
     armed.store(false, Ordering::Relaxed);
     assert!(
-        wait_until(Duration::from_secs(10), || layout.region_bytes() == 8 << 20),
+        wait_until(Duration::from_secs(10), || layout.region_bytes()
+            == 2 * SMALL_REGION_BYTES),
         "adopted in the background"
     );
     assert_eq!(client.unresolved_region_requests(), 0);
@@ -688,7 +679,7 @@ fn a_region_grant_whose_answer_was_lost_is_adopted_not_leaked() {
         "{:?}",
         client.stats()
     );
-    assert_eq!(layout.region_bytes(), 4 << 20);
+    assert_eq!(layout.region_bytes(), SMALL_REGION_BYTES);
 }
 
 /// An idle region's return that ran at the directory but whose answer was
@@ -707,17 +698,7 @@ fn an_idle_region_whose_return_had_no_answer_is_retired_not_reused() {
     cfg.request_timeout_ms = 300;
     cfg.max_retries = 1;
     let client = Client::connect(cfg).unwrap();
-    let layout = client
-        .layout_with(
-            PAGE,
-            FINGERPRINT,
-            LayoutOptions {
-                initial_reservation_bytes: 4 << 20,
-                region_size_bytes: 4 << 20,
-                auto_expand: true,
-            },
-        )
-        .unwrap();
+    let layout = small_region_layout(&client);
     let items: Vec<(Vec<u8>, Vec<u8>)> = (0..100).map(|i| (key(i), chunk(i, 64))).collect();
     layout.batch_put(&items).unwrap();
     assert_eq!(layout.region_bytes(), 8 << 20);

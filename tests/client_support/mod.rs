@@ -10,7 +10,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
-use cxlkv::client::ClientConfig;
+use cxlkv::client::{Client, ClientConfig, LayoutHandle, LayoutOptions};
 use cxlkv::server::{Server, ServerConfig, ServerHandle};
 
 /// Environment variable naming the role a child process runs.
@@ -23,6 +23,26 @@ pub const CHILD_TIMEOUT: Duration = Duration::from_secs(60);
 /// Page size of the test layouts.
 pub const PAGE: u64 = 64 << 10;
 pub const FINGERPRINT: u64 = 0xC0FFEE;
+
+/// Region size of [`small_region_layout`].
+pub const SMALL_REGION_BYTES: u64 = 4 << 20;
+
+/// The test layout in regions of [`SMALL_REGION_BYTES`] (64 pages), one
+/// reserved up front, more taken as needed: a test fills a region in a
+/// few puts.
+pub fn small_region_layout(client: &Client) -> LayoutHandle {
+    client
+        .layout_with(
+            PAGE,
+            FINGERPRINT,
+            LayoutOptions {
+                initial_reservation_bytes: SMALL_REGION_BYTES,
+                region_size_bytes: SMALL_REGION_BYTES,
+                auto_expand: true,
+            },
+        )
+        .unwrap()
+}
 
 /// A server with timers short enough for tests: a session dies 2 s after
 /// its last request, an instance 300 ms after its last session.
