@@ -559,30 +559,25 @@ fn a_registration_that_never_left_the_client_fails_definitely_and_frees_its_page
     );
 }
 
-/// Drops every `ReturnRegion` reply: the directory frees the region, the
-/// client never learns it.
-struct DropReturnReplies;
+/// Drops the replies to requests of one kind while armed.
+struct DropRepliesOf {
+    kind: Kind,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
 
-impl FaultPlan for DropReturnReplies {
-    fn on_reply(&mut self, reply: &ReplyInfo) -> ReplyFault {
-        if reply.request_kind == Some(Kind::ReturnRegion.as_u16()) {
-            ReplyFault::Drop
-        } else {
-            ReplyFault::Deliver
+impl DropRepliesOf {
+    /// Armed from the start, for good.
+    fn always(kind: Kind) -> Self {
+        Self {
+            kind,
+            armed: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         }
     }
 }
 
-/// Drops the replies of `RequestRegion` while armed.
-struct DropRegionGrants {
-    armed: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl FaultPlan for DropRegionGrants {
+impl FaultPlan for DropRepliesOf {
     fn on_reply(&mut self, reply: &ReplyInfo) -> ReplyFault {
-        if reply.request_kind == Some(Kind::RequestRegion.as_u16())
-            && self.armed.load(Ordering::Relaxed)
-        {
+        if reply.request_kind == Some(self.kind.as_u16()) && self.armed.load(Ordering::Relaxed) {
             ReplyFault::Drop
         } else {
             ReplyFault::Deliver
@@ -601,7 +596,8 @@ fn a_region_grant_whose_answer_was_lost_is_adopted_not_leaked() {
     let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let server = Server::start_with_faults(
         server_config("faults-lost-grant"),
-        Box::new(DropRegionGrants {
+        Box::new(DropRepliesOf {
+            kind: Kind::RequestRegion,
             armed: Arc::clone(&armed),
         }),
     )
@@ -690,7 +686,9 @@ fn a_region_grant_whose_answer_was_lost_is_adopted_not_leaked() {
 fn an_idle_region_whose_return_had_no_answer_is_retired_not_reused() {
     let server = Server::start_with_faults(
         server_config("faults-lost-return"),
-        Box::new(DropReturnReplies),
+        // Every `ReturnRegion` reply dropped: the directory frees the
+        // region, the client never learns it.
+        Box::new(DropRepliesOf::always(Kind::ReturnRegion)),
     )
     .unwrap();
     let mut cfg = client_config(&server);
