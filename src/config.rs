@@ -414,7 +414,8 @@ pub struct DirectorySection {
     pub long_pin_ms: u64,
     /// Most entries per batch request (at most 4096).
     pub max_batch: usize,
-    /// Most pins one lookup takes per key (at most 1024).
+    /// Most pins one lookup takes per key (128..=1024: an L1 tier takes up
+    /// to 128 read holds on a key in one call).
     pub max_pins_per_call: u32,
     /// Most keys held.
     pub max_keys: usize,

@@ -74,7 +74,12 @@ impl LayoutHandle {
         let n = keys.len();
         let reply =
             shared.mutating_call::<_, LookupReply, _>("lookup", Mode::NORMAL, &mut msg, |reply| {
-                let locations: Vec<Option<Location>> = reply.locations().collect();
+                #[allow(unused_mut)]
+                let mut locations: Vec<Option<Location>> = reply.locations().collect();
+                #[cfg(test)]
+                if super::staged::SHORT_LOOKUP_REPLY.take() {
+                    locations.pop();
+                }
                 if locations.len() != n {
                     return Err(ClientError::BadReply {
                         op: "lookup",
@@ -89,15 +94,7 @@ impl LayoutHandle {
             });
         let (locations, regions) = match reply {
             Ok(found) => found,
-            Err(Fail::Indeterminate(e)) => {
-                // The lookup may have run and taken pins that no reply told
-                // us about; they would last as long as the session. End it:
-                // its pins go with it, and the reattach takes the live
-                // guards' pins again (the same rule as `staged.rs`).
-                shared.end_session("a pinning lookup went unanswered");
-                return Err(e);
-            }
-            Err(f) => return Err(f.into_error()),
+            Err(f) => return Err(super::staged::pinning_lookup_failed(shared, f)),
         };
         #[cfg(test)]
         if RECONNECT_BEFORE_COUNTING.replace(false) {
@@ -431,6 +428,77 @@ mod tests {
         drop(newer);
         reader.flush_unpins().unwrap();
         assert_eq!(pins_held(), before - 1, "the newer view's pin released");
+    }
+
+    /// Found by a review of the L1 tier (session 22): a reattach took a
+    /// key's pins again with one lookup capped at the protocol's per-key
+    /// limit, and counted the rest as lost — views left readable but
+    /// unprotected (and a directory announcing a lower limit refused the
+    /// lookup, failing the reconnect). A count above the directory's limit
+    /// is now taken by several lookups.
+    #[test]
+    fn a_reattach_takes_again_more_pins_on_a_key_than_one_lookup_may_take() {
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("repin-split");
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let limit = rl.shared().limits().max_pins_per_key;
+        let views: Vec<_> = (0..=limit)
+            .map(|_| rl.get(b"k").unwrap().expect("found"))
+            .collect();
+        let want = u64::from(limit) + 1;
+        rl.shared().end_session("test: a reconnect");
+        assert!(rl.exists(b"k").unwrap(), "the next request reattached");
+        assert_eq!(reader.stats().views_invalidated, 0, "every pin taken again");
+        // The replaced session's pins go when the server sees its
+        // connection close; then the current session's are what is left.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pins_held(&reader) > want && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(pins_held(&reader), want, "one pin per live view");
+        assert_eq!(views[0].bytes(), b"the writer's bytes");
+        drop(views);
+        reader.flush_unpins().unwrap();
+        assert_eq!(pins_held(&reader), 0, "every view's release unpinned");
+        assert_eq!(wl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+    }
+
+    /// Found by a review of the L1 tier (session 22; the reference's
+    /// scenario 12): a pinning lookup whose reply was well formed but could
+    /// not be read (one location short) was taken for a refusal, so the
+    /// pins the directory took for it were never counted nor released, and
+    /// the keys stayed pinned for the session's lifetime. Its session is
+    /// now ended, as for a lost reply, and the pins go with it.
+    #[test]
+    fn a_pinning_lookup_whose_reply_cannot_be_read_does_not_leave_its_pins() {
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("short-reply");
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        crate::client::staged::SHORT_LOOKUP_REPLY.set(true);
+        let err = rl.get(b"k").unwrap_err();
+        assert!(
+            matches!(err, ClientError::BadReply { op: "lookup", .. }),
+            "{err:?}"
+        );
+        assert!(rl.exists(b"k").unwrap(), "the next request reattached");
+        assert!(reader.stats().reconnects >= 1, "the session was ended");
+        delete_when_unpinned(&wl, b"k");
+        assert_eq!(pins_held(&reader), 0);
+    }
+
+    /// The same for the L1 tier's pinning lookup (`lookup_pinned`): the
+    /// reserve reports the key unavailable and leaves no pin behind.
+    #[test]
+    fn a_tier_reserve_whose_reply_cannot_be_read_does_not_leave_its_pins() {
+        use crate::tier::{Holds, L1Tier, TierConfig};
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("tier-short-reply");
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let tier = L1Tier::new(rl.clone(), TierConfig::default()).unwrap();
+        crate::client::staged::SHORT_LOOKUP_REPLY.set(true);
+        let got = tier.reserve_read(&[b"k"], Holds::total(3)).unwrap();
+        assert!(got[0].page.is_none(), "{:?}", got[0].code);
+        assert!(rl.exists(b"k").unwrap(), "the next request reattached");
+        assert!(reader.stats().reconnects >= 1, "the session was ended");
+        delete_when_unpinned(&wl, b"k");
+        tier.check_invariants().unwrap();
     }
 
     /// The writer deletes `key` (once nobody pins it any more); panics

@@ -483,13 +483,21 @@ impl Shared {
         }
         let layouts: Vec<_> = self.layouts.read().clone();
         let max_batch = (self.limits().max_batch as usize).clamp(1, proto::MAX_BATCH);
-        let max_pins = proto::MAX_PINS_PER_KEY as u32;
+        // The new session's limit, not the protocol's: a directory refuses
+        // a lookup taking more pins per key than it announced. A count
+        // above it is taken by several lookups of the key.
+        let max_pins = self
+            .limits()
+            .max_pins_per_key
+            .clamp(1, proto::MAX_PINS_PER_KEY as u32);
         let mut groups: HashMap<(u32, u32), Vec<Vec<u8>>> = HashMap::new();
         for ((ix, key), &count) in pins.iter() {
-            groups
-                .entry((*ix, count.min(max_pins)))
-                .or_default()
-                .push(key.to_vec());
+            let mut left = count;
+            while left > 0 {
+                let take = left.min(max_pins);
+                groups.entry((*ix, take)).or_default().push(key.to_vec());
+                left -= take;
+            }
         }
         for ((ix, count), keys) in groups {
             let Some(layout) = layouts.get(ix as usize) else {
@@ -534,15 +542,13 @@ impl Shared {
                     }
                     // Views whose pins are not taken again stay readable but
                     // unprotected; their drops must not release pins they no
-                    // longer hold — nor those of newer views of the key.
+                    // longer hold — nor those of newer views of the key. (A
+                    // key split over several lookups: the first that finds
+                    // it missing or moved takes the whole count out of the
+                    // ledger, and each lookup that took pins gives back its
+                    // own.)
                     let lost = if now.is_none() || moved {
                         pins.remove(&k).unwrap_or(0)
-                    } else if let Some(n) = pins.get_mut(&k)
-                        && *n > max_pins
-                    {
-                        let excess = *n - max_pins;
-                        *n = max_pins;
-                        excess
                     } else {
                         0
                     };

@@ -78,6 +78,32 @@ thread_local! {
     /// placements on this thread fail as if the page's region could not be
     /// mapped.
     pub(crate) static FAIL_PLACEMENTS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// Test fail point (the reference's short reply): the next pinning
+    /// lookup's reply on this thread is read as one location short.
+    pub(crate) static SHORT_LOOKUP_REPLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The error of a pinning lookup that failed, after making sure no pin it
+/// may have taken outlives it: pins the directory may hold that no reply
+/// told us about would last as long as the session, so the session is ended
+/// and they go with it (the reattach takes the live views' pins again).
+/// That is the case when the reply was lost, and when it came well formed
+/// but could not be read (a `BadReply` from the caller's check of it).
+pub(crate) fn pinning_lookup_failed(shared: &Shared, fail: Fail) -> ClientError {
+    match fail {
+        Fail::Indeterminate(e) => {
+            shared.end_session("a pinning lookup went unanswered");
+            e
+        }
+        Fail::Definite(e @ ClientError::BadReply { op: "lookup", .. }) => {
+            shared.end_session("a pinning lookup's reply could not be read");
+            e
+        }
+        // A refusal took no pin. `Void` only without `renew_void`: the
+        // directory that may have taken pins restarted, and its pins went
+        // with it.
+        f => f.into_error(),
+    }
 }
 
 /// A chunk in place in the pool: the mapping that holds it (kept mapped
@@ -136,10 +162,16 @@ impl LayoutHandle {
     ) -> Result<Vec<PinnedLookup>, ClientError> {
         let shared = self.shared();
         shared.check_open()?;
-        if pins == 0 || pins as usize > proto::MAX_PINS_PER_KEY {
+        // The directory's limit (at most the protocol's), checked here so
+        // that an over-limit count is refused before it reaches the wire.
+        let max_pins = shared
+            .limits()
+            .max_pins_per_key
+            .clamp(1, proto::MAX_PINS_PER_KEY as u32);
+        if pins == 0 || pins > max_pins {
             return Err(ClientError::Config {
                 field: "pins",
-                reason: format!("{pins} is not in 1..={}", proto::MAX_PINS_PER_KEY),
+                reason: format!("{pins} is not in 1..={max_pins} (the directory's limit)"),
             });
         }
         let mut msg = proto::LookupFrom {
@@ -151,7 +183,12 @@ impl LayoutHandle {
         let n = keys.len();
         let reply =
             shared.mutating_call::<_, LookupReply, _>("lookup", Mode::NORMAL, &mut msg, |reply| {
-                let locations: Vec<Option<Location>> = reply.locations().collect();
+                #[allow(unused_mut)]
+                let mut locations: Vec<Option<Location>> = reply.locations().collect();
+                #[cfg(test)]
+                if SHORT_LOOKUP_REPLY.take() {
+                    locations.pop();
+                }
                 if locations.len() != n {
                     return Err(ClientError::BadReply {
                         op: "lookup",
@@ -166,15 +203,7 @@ impl LayoutHandle {
             });
         let (locations, regions) = match reply {
             Ok(found) => found,
-            Err(Fail::Definite(e)) => return Err(e),
-            Err(Fail::Indeterminate(e)) => {
-                // Pins may have been taken that no reply told us about.
-                shared.end_session("a pinning lookup went unanswered");
-                return Err(e);
-            }
-            // Only without `renew_void`; kept total: the directory that may
-            // have taken pins restarted, and its pins went with it.
-            Err(f @ Fail::Void) => return Err(f.into_error()),
+            Err(f) => return Err(pinning_lookup_failed(shared, f)),
         };
         let served_by = SERVED_BY.get();
         let raced = {

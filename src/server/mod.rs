@@ -331,6 +331,13 @@ impl ServerConfig {
                 proto::MAX_PINS_PER_KEY
             ));
         }
+        if self.directory.max_pins_per_call < crate::tier::Holds::MAX {
+            return bad(format!(
+                "directory.max_pins_per_call = {} is under {}, the most read holds an L1 tier takes on a key in one call",
+                self.directory.max_pins_per_call,
+                crate::tier::Holds::MAX
+            ));
+        }
         if self.directory_id.is_empty() || self.directory_id.len() > proto::MAX_NAME_BYTES {
             return bad(format!(
                 "directory_id must be 1..={} bytes",
@@ -898,6 +905,24 @@ mod tests {
     use std::path::Path;
 
     use super::socket_path_in_runtime_dir as path;
+    use super::{ServerConfig, ServerError};
+
+    /// Found by a review of the L1 tier (session 22): a directory letting
+    /// a lookup take fewer pins per key than a tier's 128 read holds
+    /// refused such reserves (the tier reported the keys missing) and the
+    /// reattach that takes them again.
+    #[test]
+    fn a_pin_limit_per_call_under_the_tiers_most_holds_is_refused() {
+        let mut cfg = ServerConfig::ephemeral("pin-limit");
+        cfg.directory.max_pins_per_call = crate::tier::Holds::MAX - 1;
+        let err = cfg.validate().unwrap_err();
+        assert!(
+            matches!(&err, ServerError::Config(m) if m.contains("max_pins_per_call = 127")),
+            "{err}"
+        );
+        cfg.directory.max_pins_per_call = crate::tier::Holds::MAX;
+        cfg.validate().unwrap();
+    }
 
     #[test]
     fn the_default_socket_is_in_run_for_root_then_the_runtime_dir_then_tmp() {
