@@ -400,7 +400,10 @@ typedef struct cxlkv_config {
     uint32_t flags;
     // The server's Unix socket (NUL-terminated), or NULL with `tcp_addr`.
     const char *socket_path;
-    // `"host:port"` of a TCP listener, or NULL with `socket_path`.
+    // `"host:port"` of a TCP listener, or NULL with `socket_path`: an IP
+    // address (`"127.0.0.1:7411"`, `"[::1]:7411"`) or a host name
+    // (`"localhost:7411"`), resolved by `cxlkv_connect` to its first
+    // address (`CXLKV_STATUS_INVALID_ARGUMENT` if it does not resolve).
     const char *tcp_addr;
     // The TCP listener's pre-shared secret (NULL: none).
     const uint8_t *client_secret;
@@ -514,6 +517,12 @@ typedef struct cxlkv_session_info {
     uint64_t owned_keys;
     // Registrations whose outcome is still unknown.
     uint64_t unresolved_registrations;
+    // Most keys one batch call may carry (the directory's limit; the
+    // protocol's 4096 while disconnected): a longer batch is refused with
+    // `CXLKV_STATUS_BATCH_TOO_LARGE`. Since size 48.
+    uint32_t max_batch;
+    // Longest key the directory accepts, in bytes. Since size 48.
+    uint32_t max_key_bytes;
 } cxlkv_session_info;
 
 // The directory's totals (one round trip). Set `out->size` first.

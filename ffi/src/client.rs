@@ -314,13 +314,19 @@ pub struct cxlkv_session_info {
     pub owned_keys: u64,
     /// Registrations whose outcome is still unknown.
     pub unresolved_registrations: u64,
+    /// Most keys one batch call may carry (the directory's limit; the
+    /// protocol's 4096 while disconnected): a longer batch is refused with
+    /// `CXLKV_STATUS_BATCH_TOO_LARGE`. Since size 48.
+    pub max_batch: u32,
+    /// Longest key the directory accepts, in bytes. Since size 48.
+    pub max_key_bytes: u32,
 }
 
-const _: () = assert!(size_of::<cxlkv_session_info>() == 40);
+const _: () = assert!(size_of::<cxlkv_session_info>() == 48);
 
 // SAFETY: repr(C), `size: u32` first, integers only, no padding (asserted).
 unsafe impl Versioned for cxlkv_session_info {
-    const SIZES: &'static [usize] = &[size_of::<cxlkv_session_info>()];
+    const SIZES: &'static [usize] = &[40, size_of::<cxlkv_session_info>()];
 }
 
 /// Writes the session's state into `*out` (no round trip).
@@ -344,6 +350,8 @@ pub unsafe extern "C" fn cxlkv_query_session(
             directory_epoch: c.directory_epoch().unwrap_or(0),
             owned_keys: c.owned_keys() as u64,
             unresolved_registrations: c.unresolved_registrations() as u64,
+            max_batch: c.max_batch() as u32,
+            max_key_bytes: c.max_key_bytes() as u32,
         };
         // SAFETY: passed on to the caller.
         unsafe { args::write_versioned(out, &v, "out") }

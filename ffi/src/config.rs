@@ -12,7 +12,7 @@
 use std::ffi::{CStr, OsStr};
 use std::ffi::{c_char, c_void};
 use std::mem::size_of;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
@@ -109,7 +109,10 @@ pub struct cxlkv_config {
     pub flags: u32,
     /// The server's Unix socket (NUL-terminated), or NULL with `tcp_addr`.
     pub socket_path: *const c_char,
-    /// `"host:port"` of a TCP listener, or NULL with `socket_path`.
+    /// `"host:port"` of a TCP listener, or NULL with `socket_path`: an IP
+    /// address (`"127.0.0.1:7411"`, `"[::1]:7411"`) or a host name
+    /// (`"localhost:7411"`), resolved by `cxlkv_connect` to its first
+    /// address (`CXLKV_STATUS_INVALID_ARGUMENT` if it does not resolve).
     pub tcp_addr: *const c_char,
     /// The TCP listener's pre-shared secret (NULL: none).
     pub client_secret: *const u8,
@@ -314,6 +317,28 @@ fn check_flags(flags: u32, known: u32, arg: &str) -> Result<(), FfiError> {
     Ok(())
 }
 
+/// `config.tcp_addr` as a socket address: an IP address as it is, a host
+/// name resolved once, now, to its first address — as the server's own
+/// configuration reads `HOST:PORT` (`src/config.rs`, whose helper is not
+/// public).
+fn host_port(addr: &str) -> Result<SocketAddr, FfiError> {
+    if let Ok(a) = addr.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    addr.to_socket_addrs()
+        .map_err(|e| {
+            FfiError::invalid(format!(
+                "`config.tcp_addr` {addr:?} is not host:port, or the host does not resolve ({e})"
+            ))
+        })?
+        .next()
+        .ok_or_else(|| {
+            FfiError::invalid(format!(
+                "`config.tcp_addr` {addr:?}: the host resolves to no address"
+            ))
+        })
+}
+
 /// The client configuration `config` describes, and its map callbacks.
 ///
 /// # Safety
@@ -332,12 +357,7 @@ pub(crate) unsafe fn client_config(
     let tcp = unsafe { args::opt_str(c.tcp_addr, "config.tcp_addr") }?;
     let mut cfg = match (socket, tcp) {
         (Some(path), None) => ClientConfig::unix(path),
-        (None, Some(addr)) => {
-            let addr: SocketAddr = addr.parse().map_err(|e| {
-                FfiError::invalid(format!("`config.tcp_addr` {addr:?} is not host:port: {e}"))
-            })?;
-            ClientConfig::tcp(addr)
-        }
+        (None, Some(addr)) => ClientConfig::tcp(host_port(addr)?),
         (None, None) => {
             return Err(FfiError::invalid(
                 "set one of `config.socket_path` and `config.tcp_addr`",

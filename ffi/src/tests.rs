@@ -6,6 +6,7 @@
 
 use std::ffi::{CStr, CString, c_void};
 use std::mem::{MaybeUninit, size_of};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cxlkv::server::{Server, ServerConfig, ServerHandle};
@@ -45,9 +46,15 @@ struct Fixture {
 
 impl Fixture {
     fn new(tag: &str) -> Self {
+        Self::with(tag, |_| {})
+    }
+
+    /// A server configured as `new`'s, then by `edit`.
+    fn with(tag: &str, edit: impl FnOnce(&mut ServerConfig)) -> Self {
         let serial = SERIAL.lock();
         let mut cfg = ServerConfig::ephemeral(tag);
         cfg.pool_size_bytes = 64 << 20;
+        edit(&mut cfg);
         let server = Server::start(cfg).expect("server starts");
         let socket = CString::new(server.socket_path().as_os_str().as_encoded_bytes()).unwrap();
         Self {
@@ -722,6 +729,87 @@ fn stats_structs_report_what_the_caller_can_hold() {
     ok(unsafe { cxlkv_instance_id(client, buf.as_mut_ptr(), buf.len(), &mut len) });
     assert!(len > 0);
     close(client, layout);
+}
+
+/// The session's batch and key limits are the directory's; a caller
+/// compiled against the 40-byte struct is still answered (its size's
+/// fields only).
+#[test]
+fn the_session_info_tells_the_directorys_batch_and_key_limits() {
+    let fx = Fixture::with("ffi-limits", |cfg| cfg.directory.max_batch = 64);
+    let (client, layout) = fx.connect();
+    let mut info = cxlkv_session_info {
+        size: size_of::<cxlkv_session_info>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_session(client, &mut info) });
+    assert_eq!(info.max_batch, 64);
+    assert_eq!(
+        info.max_key_bytes as usize,
+        cxlkv_controlplane::proto::MAX_KEY_BYTES
+    );
+    let mut old = cxlkv_session_info {
+        size: 40,
+        max_batch: 7,
+        ..Default::default()
+    };
+    // SAFETY: live out struct, larger than the size it declares.
+    ok(unsafe { cxlkv_query_session(client, &mut old) });
+    assert_ne!(old.session_id, 0);
+    assert_eq!(old.max_batch, 7, "nothing written past the declared size");
+    close(client, layout);
+}
+
+#[test]
+fn a_tcp_addr_may_name_its_host() {
+    const SECRET: &[u8] = b"ffi-tcp-host-secret";
+    // Listen where `localhost` resolves first: "localhost:<port>" reaches it.
+    let local = ("localhost", 0)
+        .to_socket_addrs()
+        .expect("localhost resolves")
+        .next()
+        .expect("to an address");
+    let fx = Fixture::with("ffi-tcp-host", |cfg| {
+        cfg.tcp_listen = Some(SocketAddr::new(local.ip(), 0));
+        cfg.tcp_secret = Some(SECRET.to_vec());
+    });
+    let port = fx
+        .server
+        .as_ref()
+        .and_then(|s| s.tcp_addr())
+        .expect("a TCP listener")
+        .port();
+    let connect = |addr: &str| {
+        let addr = CString::new(addr).unwrap();
+        let mut config = fx.config();
+        config.socket_path = std::ptr::null();
+        config.tcp_addr = addr.as_ptr();
+        config.client_secret = SECRET.as_ptr();
+        config.client_secret_len = SECRET.len();
+        let mut client = std::ptr::null_mut();
+        // SAFETY: live config with valid strings and secret, live out slot.
+        let s = unsafe { cxlkv_connect(&config, &mut client) };
+        (s, client)
+    };
+    let (s, client) = connect(&format!("localhost:{port}"));
+    ok(s);
+    let mut info = cxlkv_session_info {
+        size: size_of::<cxlkv_session_info>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live, sized out struct.
+    ok(unsafe { cxlkv_query_session(client, &mut info) });
+    assert_ne!(info.session_id, 0, "a session over TCP by host name");
+    // SAFETY: a handle (checked).
+    ok(unsafe { cxlkv_close(client) });
+    for bad in ["localhost", "localhost:port", "localhost:99999", ":1"] {
+        let (s, client) = connect(bad);
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT, "{bad:?}");
+        assert!(client.is_null(), "{bad:?}");
+        let message = last_error();
+        assert!(message.contains("`config.tcp_addr`"), "{bad:?}: {message}");
+    }
 }
 
 mod tier {

@@ -191,7 +191,14 @@ USAGE_FIELDS = (
     "instance_quota_bytes",
     "pool_free_bytes",
 )
-SESSION_FIELDS = ("session_id", "directory_epoch", "owned_keys", "unresolved_registrations")
+SESSION_FIELDS = (
+    "session_id",
+    "directory_epoch",
+    "owned_keys",
+    "unresolved_registrations",
+    "max_batch",
+    "max_key_bytes",
+)
 DIRECTORY_FIELDS = (
     "uptime_ms",
     "directory_epoch",
@@ -250,7 +257,10 @@ class Usage(Structure):
 
 
 class SessionInfo(Structure):
-    _fields_ = _counters(*SESSION_FIELDS)
+    _fields_ = _counters(*SESSION_FIELDS[:4]) + [
+        ("max_batch", c_uint32),
+        ("max_key_bytes", c_uint32),
+    ]
 
 
 class DirectoryStats(Structure):

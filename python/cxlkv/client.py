@@ -44,6 +44,7 @@ raw address taken from one).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import threading
@@ -187,9 +188,11 @@ class _Pin:
     __slots__ = ("_raw", "_client")
 
     def __init__(self, raw: N.View, client: "Client"):
+        # The hold first: if the session is already gone it raises, and
+        # this pin never owns the guard (nor gives back a hold it lacks).
+        client._hold()
         self._raw = raw
         self._client = client
-        client._hold()
 
     def release(self) -> None:
         raw, self._raw = self._raw, None
@@ -220,10 +223,12 @@ class View:
         self.location = Location._from(raw.location)
         self._len = raw.len_bytes
         self._address = raw.data
-        # The pin holds the client (its session and map callbacks) until
-        # released; every memoryview holds the pin.
-        self._pin = _Pin(raw, client)
         self._exports = _Exports()
+        # The pin holds the client (its session and map callbacks) until
+        # released; every memoryview holds the pin. Made last: a view whose
+        # construction failed never took the guard (Layout.batch_get
+        # releases it).
+        self._pin = _Pin(raw, client)
 
     def __len__(self) -> int:
         return self._len
@@ -404,13 +409,21 @@ class Lease:
 
 
 def _key(k: BytesLike) -> bytes:
-    return k.encode() if isinstance(k, str) else bytes(k)
+    """A key's bytes: ``str`` as UTF-8, bytes-like objects as they are.
+    Anything else is refused: ``bytes(5)`` is five zero bytes, so an
+    ``int`` would otherwise name a different key silently."""
+    if isinstance(k, str):
+        return k.encode()
+    if isinstance(k, (bytes, bytearray, memoryview)):
+        return bytes(k)
+    raise TypeError(f"a key is bytes, bytearray, memoryview or str, not {type(k).__name__}")
 
 
 class Layout:
     """A layout (page size + fingerprint) of a client: its own regions and
-    key space. Every ``batch_*`` call is one round trip. Keys are ``bytes``
-    or ``str`` (UTF-8)."""
+    key space. Every ``batch_*`` call is one round trip. Keys are ``bytes``,
+    ``bytearray``, ``memoryview`` or ``str`` (UTF-8); anything else raises
+    ``TypeError``."""
 
     def __init__(self, handle: int, client: "Client"):
         self._handle = handle
@@ -457,15 +470,18 @@ class Layout:
     def batch_alloc(self, n: int) -> list[Lease]:
         """``n`` writable pages, all or none."""
         raw = (ctypes.c_void_p * max(n, 1))()
-        check(N.lib.cxlkv_batch_alloc(self._h(), n, raw))
-        leases: list[Lease] = []
-        try:
-            for i in range(n):
-                leases.append(Lease(raw[i], self))
-        except BaseException:
-            for i in range(len(leases), n):
-                N.lib.cxlkv_lease_abort(raw[i])
-            raise
+        # The call's own hold keeps a close() on another thread from ending
+        # the session before each lease has taken its hold.
+        with self._client._using():
+            check(N.lib.cxlkv_batch_alloc(self._h(), n, raw))
+            leases: list[Lease] = []
+            try:
+                for i in range(n):
+                    leases.append(Lease(raw[i], self))
+            except BaseException:
+                for i in range(len(leases), n):
+                    N.lib.cxlkv_lease_abort(raw[i])
+                raise
         return leases
 
     def register(self, key: BytesLike, lease: Lease) -> RegisterResult:
@@ -536,14 +552,26 @@ class Layout:
         keep: list = []
         karr = _bytes_array(keys, keep)
         out = (N.View * max(len(keys), 1))()
-        check(N.lib.cxlkv_batch_get(self._h(), karr, len(keys), out))
-        views = ViewBatch()
-        for i, k in enumerate(keys):
-            if out[i].guard:
-                raw = N.View.from_buffer_copy(out[i])
-                views.append(View(k, raw, self._client))
-            else:
-                views.append(None)
+        # The call's own hold keeps a close() on another thread from ending
+        # the session (and with it the pins just taken) before each view's
+        # pin has taken its hold.
+        with self._client._using():
+            check(N.lib.cxlkv_batch_get(self._h(), karr, len(keys), out))
+            views = ViewBatch()
+            try:
+                for i, k in enumerate(keys):
+                    if out[i].guard:
+                        raw = N.View.from_buffer_copy(out[i])
+                        views.append(View(k, raw, self._client))
+                    else:
+                        views.append(None)
+            except BaseException:
+                # The guards no view took (a view's pin is made last, so
+                # the view that failed took none).
+                for i in range(len(views), len(keys)):
+                    if out[i].guard:
+                        N.lib.cxlkv_release(ctypes.byref(out[i]))
+                raise
         return views
 
     def exists(self, key: BytesLike) -> bool:
@@ -621,13 +649,18 @@ class Client:
         **more: int,
     ) -> "Client":
         """Connects to a server on ``socket_path`` (or ``tcp_addr``,
-        ``"host:port"``). ``on_map(region_id, offset_bytes, base_address,
+        ``"host:port"``: an IP address or a host name, resolved now to its
+        first address). ``on_map(region_id, offset_bytes, base_address,
         len_bytes)`` and ``on_unmap(...)`` are told of every region mapped
         and unmapped (from any thread; exceptions in them are printed and
-        ignored). Other ``cxlkv_config`` integer settings may be passed by
-        name (``max_retries=5``, ``unpin_delay_us=0``, ...); lengths,
-        pointers and ``size`` may not (``TypeError``), and a value out of
-        the field's range raises :class:`ArgumentError`."""
+        ignored). They run under the client's mapping locks, so they must
+        not call into cxlkv — no method of this or another client, layout,
+        view, lease or tier, from the callback or a thread it waits for: a
+        call that maps a region would deadlock. Other ``cxlkv_config``
+        integer settings may be passed by name (``max_retries=5``,
+        ``unpin_delay_us=0``, ...); lengths, pointers and ``size`` may not
+        (``TypeError``), and a value out of the field's range raises
+        :class:`ArgumentError`."""
         cfg = N.Config()
         check(N.lib.cxlkv_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
         keep: list = []
@@ -680,9 +713,31 @@ class Client:
         return self._handle
 
     def _hold(self) -> None:
-        """A view's pin, a lease or a tier now depends on the session."""
+        """A view's pin, a lease or a tier now depends on the session.
+        Raises :class:`ClosedError` if the session already ended (a holder
+        made from a call that did not hold it through :meth:`_using`)."""
         with self._lock:
+            if self._handle is None:
+                raise ClosedError(Status.CLOSED, "the client was closed")
             self._holds += 1
+
+    @contextlib.contextmanager
+    def _using(self):
+        """Holds the session for the length of a call that makes holders
+        (views, leases, a tier): between the C call returning what depends
+        on the session and those objects taking their own holds, a
+        :meth:`close` on another thread must not see no hold and end the
+        session (releasing the pins just taken). The check that the client
+        is open and the hold are one step under the lock, so a close that
+        came first is seen here (:class:`ClosedError`), and one that comes
+        later is deferred until this hold goes."""
+        with self._lock:
+            self._check_open()
+            self._holds += 1
+        try:
+            yield
+        finally:
+            self._unhold()
 
     def _unhold(self) -> None:
         """The reverse of :meth:`_hold`; ends the session if it was closed
@@ -701,7 +756,9 @@ class Client:
         raise :class:`ClosedError`. The session ends — pending unpins are
         sent first — now if no view is unreleased, no lease unconsumed and
         no tier open, else when the last of them is released, registered,
-        aborted, closed or collected. (When the session ends, the directory
+        aborted, closed or collected; a call returning views, leases or a
+        tier on another thread holds the session until they hold it (see
+        :meth:`_using`). (When the session ends, the directory
         releases its pins and the instance's pages may go to others: a view
         or lease used after that could read or write reused memory, which
         is why the end waits for them.) Idempotent; an error of a deferred
@@ -772,7 +829,9 @@ class Client:
         return {f: getattr(out, f) for f in N.USAGE_FIELDS}
 
     def session(self) -> dict:
-        """Session id, directory epoch, owned keys, unresolved registrations."""
+        """Session id, directory epoch, owned keys, unresolved registrations,
+        and the directory's limits: ``max_batch`` (most keys per batch call)
+        and ``max_key_bytes``."""
         out = N.sized(N.SessionInfo)
         check(N.lib.cxlkv_query_session(self._h(), ctypes.byref(out)))
         return {f: getattr(out, f) for f in N.SESSION_FIELDS}

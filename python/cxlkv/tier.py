@@ -212,10 +212,13 @@ class L1Tier:
         self._layout = layout
         self._client = layout._client
         handle = ctypes.c_void_p()
-        check(N.lib.cxlkv_tier_open(layout._h(), ctypes.byref(cfg), ctypes.byref(handle)))
-        # An open tier's reservations are pins of the client's session.
-        self._client._hold()
-        self._handle = handle.value
+        # An open tier's reservations are pins of the client's session: the
+        # call holds the session (a close() on another thread is deferred)
+        # until the tier has taken its own hold.
+        with self._client._using():
+            check(N.lib.cxlkv_tier_open(layout._h(), ctypes.byref(cfg), ctypes.byref(handle)))
+            self._client._hold()
+            self._handle = handle.value
 
     # --- plumbing -----------------------------------------------------------
 
@@ -228,6 +231,12 @@ class L1Tier:
     def _track(self, page: TierPage) -> None:
         ref = weakref.ref(page)
         with self._pages_lock:
+            if self._handle is None:
+                # close() (on another thread) ran while the call that
+                # returned this page was in flight: its revalidation did not
+                # see the page, and the reservation ended with the tier.
+                page._release()
+                return
             refs = self._pages.get(page.key)
             if refs is None:
                 self._pages[page.key] = [ref]
@@ -285,7 +294,7 @@ class L1Tier:
         read_keys = sorted({p.key for p in pages if not p.writable})
         current: dict[bytes, Optional[int]] = {}
         if read_keys and self._handle is not None:
-            for k, (code, page) in zip(read_keys, self._call_pages("unsafe", read_keys)):
+            for k, (code, page) in zip(read_keys, self._held_pages(read_keys)):
                 current[k] = page.address() if code == TierCode.SUCCESS else None
         for p in pages:
             if p.writable:
@@ -295,6 +304,17 @@ class L1Tier:
                 p._release()
         del pages
         self._prune(keys)
+
+    def _held_pages(self, keys: Sequence[bytes]) -> list:
+        """``unsafe_read`` of any number of keys (untracked pages), in
+        batches the session accepts: the pages tracked may be of more keys
+        than one call may carry (after ``clear`` or ``sweep_now``, every
+        key with a live page)."""
+        limit = max(1, self._client.session()["max_batch"])
+        out: list = []
+        for at in range(0, len(keys), limit):
+            out += self._call_pages("unsafe", keys[at : at + limit])
+        return out
 
     def _call_pages(self, op: str, keys: Sequence[bytes], *extra) -> list:
         keep: list = []
@@ -448,7 +468,14 @@ class L1Tier:
         it."""
         self._guard(None)
         check(N.lib.cxlkv_tier_clear(self._h(), bool(force)))
-        self._revalidate(None, writes_ended=force)
+        if force:
+            # Nothing is staged any more: every page's reservation ended,
+            # no need to ask which.
+            for p in self._live_pages():
+                p._release()
+            self._prune(None)
+        else:
+            self._revalidate(None, writes_ended=False)
 
     def is_key_evictable(self, key: BytesLike) -> bool:
         out = ctypes.c_bool()

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -37,7 +38,10 @@ def cxlkv_binary() -> str:
 
 
 class Server:
-    def __init__(self, session_lease_ms: int = 2000):
+    """``env``: more environment for the server (its ``CXLKV_*``
+    settings, e.g. ``CXLKV_DIRECTORY_MAX_BATCH``)."""
+
+    def __init__(self, session_lease_ms: int = 2000, env: Optional[dict] = None):
         self.dir = tempfile.mkdtemp(prefix="cxlkv-py-")
         self.socket = os.path.join(self.dir, "cxlkv.sock")
         self.pool = f"/dev/shm/cxlkv-py-{uuid.uuid4().hex}.pool"
@@ -51,7 +55,7 @@ class Server:
                 "--grace-ms", "300",
             ],
             stdout=subprocess.PIPE,
-            env={**os.environ, "CXLKV_LOG": "warn"},
+            env={**os.environ, "CXLKV_LOG": "warn", **(env or {})},
             text=True,
         )
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)

@@ -176,6 +176,33 @@ def test_bytes_like_inputs_are_accepted(layout):
         assert bytes(a) == b"from a bytearray" and bytes(b) == b"from a read-only memoryview"
 
 
+@pytest.mark.parametrize("bad", [5, 0, 1.5, None, [1, 2]])
+def test_a_key_that_is_not_bytes_or_str_is_refused_not_converted(layout, bad):
+    # bytes(5) is five zero bytes: an int must not name that key silently.
+    name = type(bad).__name__
+    calls = [
+        lambda: layout.put(bad, b"x"),
+        lambda: layout.get(bad),
+        lambda: layout.exists(bad),
+        lambda: layout.delete(bad),
+        lambda: layout.batch_get([b"ok", bad]),
+        lambda: layout.register(bad, layout.alloc()),
+    ]
+    with cxlkv.L1Tier(layout) as tier:
+        calls += [
+            lambda: tier.reserve_read([bad]),
+            lambda: tier.reserve_write([bad], [False]),
+            lambda: tier.delete([bad]),
+            lambda: tier.is_key_evictable(bad),
+            lambda: tier.inspect(bad),
+        ]
+        for call in calls:
+            with pytest.raises(TypeError, match=f"not {name}"):
+                call()
+    assert not layout.exists(bytes(5))
+    assert layout.put(b"\0" * 5, b"zeros").inserted, "nothing was written under five zero bytes"
+
+
 def test_a_refused_batch_register_takes_no_lease(client, layout, fingerprint):
     layout.alloc().abort()  # the layout has a region: free_pages is steady
     before = layout.info()["free_pages"]

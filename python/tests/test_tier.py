@@ -488,3 +488,46 @@ def test_another_processes_read_hold_blocks_delete_until_its_finish(server, tier
     finally:
         other.kill()
         other.wait()
+
+
+SMALL_BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def small_batch_server():
+    """A server whose sessions carry at most SMALL_BATCH keys per call."""
+    from conftest import Server
+
+    s = Server(env={"CXLKV_DIRECTORY_MAX_BATCH": str(SMALL_BATCH)})
+    yield s
+    s.stop()
+
+
+def test_more_live_pages_than_one_call_carries_are_revalidated_in_batches(
+    small_batch_server, fingerprint
+):
+    # After clear or sweep_now the tier asks which of every tracked read
+    # page is still held: more keys than the session's batch limit.
+    keys = [key(1000 + i) for i in range(SMALL_BATCH + 36)]
+    with cxlkv.Client.connect(small_batch_server.socket, region_size_bytes=4 << 20) as client:
+        with client.layout(PAGE, fingerprint) as lay, L1Tier(lay) as tier:
+            with pytest.raises(cxlkv.ArgumentError) as e:
+                tier.reserve_read(keys)
+            assert e.value.status == cxlkv.Status.BATCH_TOO_LARGE, "the limit is the server's"
+            for at in range(0, len(keys), SMALL_BATCH):
+                batch = keys[at : at + SMALL_BATCH]
+                assert lay.batch_put([(k, bytes([fill(k)]) * 64) for k in batch])
+            pages = []
+            for at in range(0, len(keys), SMALL_BATCH):
+                results = tier.reserve_read(keys[at : at + SMALL_BATCH])
+                assert [code for code, _ in results] == [TierCode.SUCCESS] * len(results)
+                pages += [page for _, page in results]
+            assert tier.sweep_now() == (0, 0)
+            assert not any(p.released for p in pages), "every read is still held"
+            tier.clear()
+            assert not any(p.released for p in pages), "a non-force clear keeps held reads"
+            tier.clear(force=True)
+            assert all(p.released for p in pages), "a forced clear ended every reservation"
+            assert tier.report_status()["read_locked_count"] == 0
+            assert tier.sweep_now() == (0, 0)
+            tier.check_invariants()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 
 import pytest
 
@@ -148,3 +149,87 @@ def test_closing_a_client_with_an_unreleased_view_defers_the_session_end(server,
         assert client._handle is None
         assert peer.delete(b"d").outcome == "deleted"
         client.close()  # idempotent
+
+
+def _close_on_another_thread(client):
+    """What a close() on another thread does at this point: run it there,
+    to its end."""
+    t = threading.Thread(target=client.close)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "close() returned"
+
+
+def test_a_close_racing_a_get_waits_for_the_view_it_returns(server, fingerprint, monkeypatch):
+    # The window: cxlkv_batch_get has returned pinned guards, the view's pin
+    # has not taken its hold yet. A close() there must not end the session
+    # (which releases the pins) under the view about to be returned.
+    with cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20) as peer_client:
+        peer = peer_client.layout(PAGE, fingerprint)
+        client = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
+        lay = client.layout(PAGE, fingerprint)
+        lay.put(b"race", b"protected")
+        pin_init = cxlkv.client._Pin.__init__
+
+        def close_first(pin, raw, c):
+            _close_on_another_thread(c)
+            pin_init(pin, raw, c)
+
+        monkeypatch.setattr(cxlkv.client._Pin, "__init__", close_first)
+        view = lay.get(b"race")
+        monkeypatch.undo()
+        assert peer.delete(b"race").outcome == "pinned", "the view's pin outlived the close"
+        assert client._closed and client._handle is not None, "the end waits for the view"
+        assert bytes(view) == b"protected"
+        view.release()  # the last holder: the session ends now
+        assert client._handle is None
+        assert peer.delete(b"race").outcome == "deleted"
+        with pytest.raises(cxlkv.ClosedError):
+            client._hold()  # nothing can depend on an ended session any more
+
+
+def test_a_close_racing_an_alloc_waits_for_the_leases_it_returns(server, fingerprint, monkeypatch):
+    client = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
+    lay = client.layout(PAGE, fingerprint)
+    lease_init = cxlkv.client.Lease.__init__
+
+    def close_first(lease, handle, layout):
+        _close_on_another_thread(layout._client)
+        lease_init(lease, handle, layout)
+
+    monkeypatch.setattr(cxlkv.client.Lease, "__init__", close_first)
+    leases = lay.batch_alloc(2)
+    monkeypatch.undo()
+    assert client._closed and client._handle is not None, "the end waits for the leases"
+    for lease in leases:
+        lease.write(b"still the instance's page")
+    leases[0].abort()
+    assert client._handle is not None
+    leases[1].abort()  # the last holder: the session ends now
+    assert client._handle is None
+
+
+def test_a_close_racing_a_tier_open_waits_for_the_tier(server, fingerprint, monkeypatch):
+    client = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
+    lay = client.layout(PAGE, fingerprint)
+    tier_open, checked = cxlkv.tier.N.lib.cxlkv_tier_open, cxlkv.tier.check
+    opened = []
+
+    def record_open(*args):
+        opened.append(True)
+        return tier_open(*args)
+
+    def close_after_the_open(status):
+        # The check of cxlkv_tier_open's status: the tier is open in C, the
+        # Python tier has not taken its hold yet.
+        checked(status)
+        if opened and not client._closed:
+            _close_on_another_thread(client)
+
+    monkeypatch.setattr(cxlkv.tier.N.lib, "cxlkv_tier_open", record_open)
+    monkeypatch.setattr(cxlkv.tier, "check", close_after_the_open)
+    tier = cxlkv.L1Tier(lay)
+    monkeypatch.undo()
+    assert client._closed and client._handle is not None, "the end waits for the tier"
+    tier.close()  # the last holder: the session ends now
+    assert client._handle is None

@@ -303,6 +303,18 @@ impl Client {
         self.inner.shared.unresolved_batches()
     }
 
+    /// Most keys one batch call may carry: the directory's limit, announced
+    /// at the start of the session (the protocol's `MAX_BATCH` while
+    /// disconnected). A longer batch is refused (`BatchTooLarge`).
+    pub fn max_batch(&self) -> usize {
+        (self.inner.shared.limits().max_batch as usize).clamp(1, proto::MAX_BATCH)
+    }
+
+    /// Longest key the directory accepts (as [`Client::max_batch`]).
+    pub fn max_key_bytes(&self) -> usize {
+        (self.inner.shared.limits().max_key_bytes as usize).min(proto::MAX_KEY_BYTES)
+    }
+
     /// Region requests whose outcome is still unknown (kept, retried in the
     /// background; a late grant is adopted by its layout).
     pub fn unresolved_region_requests(&self) -> usize {
