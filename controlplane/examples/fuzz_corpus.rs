@@ -5,7 +5,7 @@
 //!   kind selector byte;
 //! - `journal_scan`: journals of a real pool manager's records (empty,
 //!   allocations, allocations and frees, a torn tail, records partly covered
-//!   by a checkpoint, a whole file with its header);
+//!   by a checkpoint, a whole file with its header, in format 2 and 1);
 //! - `checkpoint_decode`: checkpoint images (empty and populated) for the
 //!   raw mode, and inputs for the structured mode;
 //! - `directory_ops`: a few operation streams from a fixed pseudo-random
@@ -18,7 +18,7 @@
 use std::path::{Path, PathBuf};
 
 use cxlkv_controlplane::pool::header::{self, BlockState};
-use cxlkv_controlplane::pool::journal::file_header;
+use cxlkv_controlplane::pool::journal::{file_header, header_slot};
 use cxlkv_controlplane::pool::{
     AllocTag, Caller, DirectoryId, InstanceId, ManagerConfig, MonotonicMs, PoolIdentity,
     PoolManager, PoolTarget, PoolUuid, Record, Reply, Request, Secret, checkpoint,
@@ -130,6 +130,11 @@ fn main() -> std::io::Result<()> {
     let mut file = file_header().to_vec();
     file.extend_from_slice(&body);
     write(&dir, "whole_file.bin", &with_header(0, &file))?;
+    // A journal of format 1 (one header slot, records from offset 32),
+    // which recovery still reads.
+    let mut file = header_slot(1, 0).to_vec();
+    file.extend_from_slice(&body);
+    write(&dir, "whole_file_format_1.bin", &with_header(0, &file))?;
 
     let dir = root.join("checkpoint_decode");
     let (manager, records) = manager_run(20);

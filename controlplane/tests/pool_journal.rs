@@ -14,7 +14,7 @@ use std::fs;
 use std::path::Path;
 
 use cxlkv_controlplane::pool::journal::{
-    JOURNAL_FILE, JOURNAL_HEADER_BYTES, JournalError, file_header_acknowledging,
+    DROPPED_PREFIX, JOURNAL_FILE, JOURNAL_HEADER_BYTES, JournalError, file_header_acknowledging,
 };
 use cxlkv_controlplane::pool::ledger::Ledger;
 use cxlkv_controlplane::pool::record::RecordFault;
@@ -244,7 +244,7 @@ fn every_cut_recovers_the_committed_prefix(dir: &Path, h: &History) {
         if let Some(d) = &rec.report.dropped {
             assert_eq!(d.stop.offset_bytes, boundaries[whole]);
             assert_eq!(
-                fs::read(&d.saved_to).unwrap(),
+                fs::read(d.saved_to.as_ref().unwrap()).unwrap(),
                 &journal[boundaries[whole] as usize..cut]
             );
         }
@@ -539,12 +539,43 @@ fn journal_crash_points_bit_flip_inside_the_last_commit_is_cut_as_a_torn_tail() 
         let d = back.report.dropped.as_ref().expect("the flip is reported");
         assert_eq!(d.stop.offset_bytes, start as u64);
         assert!(d.stop.fault.is_torn_or_corrupt());
-        assert_eq!(fs::read(&d.saved_to).unwrap(), &flipped[start..]);
+        assert_eq!(
+            fs::read(d.saved_to.as_ref().unwrap()).unwrap(),
+            &flipped[start..]
+        );
         assert_eq!(
             fs::metadata(copy.path().join(JOURNAL_FILE)).unwrap().len(),
             start as u64
         );
     }
+}
+
+/// Found by a review of the recovery path (session 22): the tails cut off
+/// are kept under `journal.dropped.<offset>.<n>`, at most 100 names per
+/// offset, and once a manager crashing in a loop at one offset had used
+/// them all, recovery refused to start. The tail is then only logged.
+#[test]
+fn a_torn_tail_whose_names_are_all_taken_is_dropped_without_refusing() {
+    let (dir, records, journal) = eight_committed_allocations("dropped-names");
+    let k = records.len() - 1;
+    let (start, len, _) = records[k];
+    let copy = crashed_copy(dir.path(), &journal, start + len / 2);
+    for n in 0..100 {
+        let name = format!("{DROPPED_PREFIX}{start}.{n}");
+        fs::write(copy.path().join(name), b"an earlier tail").unwrap();
+    }
+    let back = open_store(copy.path(), StoreConfig::default(), GRACE_MS, 0);
+    let prefix: Vec<Record> = records[..k].iter().map(|e| e.2).collect();
+    assert_eq!(back.manager.snapshot(), replay(&prefix));
+    let d = back.report.dropped.as_ref().expect("the cut is reported");
+    assert_eq!(
+        (d.stop.offset_bytes, d.saved_to.as_ref()),
+        (start as u64, None)
+    );
+    assert_eq!(
+        fs::metadata(copy.path().join(JOURNAL_FILE)).unwrap().len(),
+        start as u64
+    );
 }
 
 /// The journal cut inside an acknowledged commit (a lost write, a file
@@ -671,6 +702,42 @@ fn a_corrupt_checkpoint_refuses_to_start() {
     )
     .unwrap_err();
     assert!(matches!(e, StoreError::CorruptCheckpoint { .. }), "{e}");
+}
+
+/// Found by a review of the recovery path (session 22): the checkpoint was
+/// read whole, whatever its size, before its header was looked at. A file
+/// larger than any ledger encodes to is now refused unread (here a sparse
+/// one, so the test writes nothing).
+#[test]
+fn a_checkpoint_larger_than_any_ledger_is_refused_unread() {
+    let dir = shm_dir("huge-ckpt");
+    let (mut r, _) = store_with_regions(dir.path(), 2);
+    r.store.checkpoint(&r.manager).unwrap();
+    drop(r);
+    let max = cxlkv_controlplane::pool::checkpoint::MAX_CHECKPOINT_BYTES;
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join(CHECKPOINT_FILE))
+        .unwrap();
+    f.set_len(max + 1).unwrap();
+    drop(f);
+    let e = PoolStore::open(
+        dir.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            StoreError::CorruptCheckpoint {
+                source: cxlkv_controlplane::pool::checkpoint::CheckpointError::TooLarge { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
 #[test]

@@ -195,12 +195,19 @@ class _Pin:
         self._client = client
 
     def release(self) -> None:
-        raw, self._raw = self._raw, None
+        client = getattr(self, "_client", None)  # unset if __init__ raised
+        if client is None:
+            return
+        # Taken under the client's lock: two threads releasing one view must
+        # not both release its guard and both give back its hold (one hold
+        # too few would end the session under other views).
+        with client._lock:
+            raw, self._raw = self._raw, None
         if raw is None:
             return
         status = N.lib.cxlkv_release(ctypes.byref(raw))
         err = error_for(status) if status != 0 else None  # this thread's message, now
-        client, self._client = self._client, None
+        self._client = None
         client._unhold()
         if err is not None:
             raise err

@@ -3,7 +3,8 @@
 //! `Journal::recover`), replaying into an empty ledger.
 //!
 //! Input: one flag byte, then the file. Flag bit 0 set: a valid file header
-//! is put in front (so mutations go to the records, not the magic); bits 1..
+//! (format 2) is put in front (so mutations go to the records, not the
+//! magic); without it the input may spell out either format; bits 1..
 //! give the checkpoint's sequence number (records at or below it are
 //! skipped).
 //!
@@ -44,11 +45,15 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let end = report.valid_end_bytes as usize;
-    assert!(end >= JOURNAL_HEADER_BYTES && end <= file.len());
+    // Where records start: 4096 (format 2), or 32 for a format-1 file the
+    // input spelled out itself.
+    let start = report.records_start_bytes as usize;
+    assert!(start == JOURNAL_HEADER_BYTES || (report.format_version == 1 && start == 32));
+    assert!(end >= start && end <= file.len());
     assert_eq!(report.stop.is_none(), end == file.len());
 
     // Every accepted record: valid CRC, canonical, consecutive.
-    let mut at = JOURNAL_HEADER_BYTES;
+    let mut at = start;
     let mut boundaries = vec![at];
     let mut prev: Option<u64> = None;
     let mut applied = 0u64;
@@ -85,19 +90,19 @@ fuzz_target!(|data: &[u8]| {
         .expect("a replayed ledger keeps its invariants");
 
     // A tear inside the accepted prefix keeps the whole records before it.
-    let span = end - JOURNAL_HEADER_BYTES;
+    let span = end - start;
     if span > 0 {
         let hash = rest.iter().fold(0usize, |h, b| {
             h.wrapping_mul(131).wrapping_add(usize::from(*b))
         });
-        let cut = JOURNAL_HEADER_BYTES + hash % span;
+        let cut = start + hash % span;
         let (torn, _) = replay(&file[..cut], checkpoint_seq).expect("a torn journal recovers");
         let kept = boundaries
             .iter()
             .copied()
             .filter(|&b| b <= cut)
             .max()
-            .unwrap_or(JOURNAL_HEADER_BYTES);
+            .unwrap_or(start);
         assert_eq!(
             torn.valid_end_bytes as usize, kept,
             "a tear keeps the whole records before it"

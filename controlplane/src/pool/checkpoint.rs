@@ -34,6 +34,12 @@ pub const CHECKPOINT_HEADER_BYTES: usize = 32;
 const POOL_BYTES: usize = 48;
 const REGION_BYTES: usize = 56;
 const FIXED_BODY_BYTES: usize = 8 + 8 + 4 + 4 + 8;
+/// The largest checkpoint a ledger within its limits encodes to: recovery
+/// refuses a larger file before reading it.
+pub const MAX_CHECKPOINT_BYTES: u64 = (CHECKPOINT_HEADER_BYTES
+    + FIXED_BODY_BYTES
+    + MAX_POOLS * POOL_BYTES
+    + MAX_REGIONS * REGION_BYTES) as u64;
 
 /// Why a checkpoint image is unusable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -57,6 +63,8 @@ pub enum CheckpointError {
     Reserved,
     #[error("{field} is {value}, beyond what a pool manager can have counted (2^62)")]
     Counter { field: &'static str, value: u64 },
+    #[error("{len_bytes} bytes, more than the {max_bytes} of the largest ledger")]
+    TooLarge { len_bytes: u64, max_bytes: u64 },
 }
 
 /// Largest sequence number or region id a checkpoint may hold: far beyond

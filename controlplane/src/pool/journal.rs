@@ -237,38 +237,60 @@ fn slot_claim(slot: &[u8], version: u32) -> Option<u64> {
 /// read, and recovery goes on with the claim of the slot left whole — or,
 /// if none is (format 1 has one slot), without a claim (the records are
 /// checked by their own CRCs) — and writes a good slot again.
+///
+/// The format decides where records start, so it is never taken from a
+/// damaged field alone: a slot whole in format 2 makes the file format 2,
+/// a whole format-1 slot format 1; with no slot whole, format 2 needs slot
+/// 1 to show our magic too (a format-1 file holds records there) — slot 0
+/// claiming format 2 without it is refused, since a format-1 file whose
+/// version was damaged looks the same and reading it from offset 4096
+/// would cut its records.
 fn check_file_header(b: &[u8]) -> Result<FileHeader, &'static str> {
     if b.len() < V1_HEADER_BYTES {
         return Err("shorter than the file header");
     }
     let ours = |s: &[u8]| s[0..8] == JOURNAL_MAGIC;
-    let first = &b[..JOURNAL_SLOT_BYTES];
-    if ours(first) && le_u32(&first[8..12]) == 1 {
-        return Ok(FileHeader {
-            version: 1,
-            records_start: V1_HEADER_BYTES,
-            acknowledged: slot_claim(first, 1),
-            next_slot: 0,
-        });
-    }
+    let version = |s: &[u8]| le_u32(&s[8..12]);
     let slots: Vec<&[u8]> = JOURNAL_SLOT_OFFSETS
         .iter()
         .filter_map(|&at| b.get(at..at + JOURNAL_SLOT_BYTES))
         .collect();
-    if !slots.iter().any(|s| ours(s)) {
-        return Err("wrong magic");
-    }
-    let current = |s: &&[u8]| ours(s) && le_u32(&s[8..12]) == JOURNAL_FORMAT_VERSION;
-    if !slots.iter().any(current) {
-        return Err("unsupported format version");
-    }
-    if b.len() < JOURNAL_HEADER_BYTES {
-        return Err("shorter than the file header");
-    }
     let claims: Vec<Option<u64>> = slots
         .iter()
         .map(|s| slot_claim(s, JOURNAL_FORMAT_VERSION))
         .collect();
+    let first = slots[0];
+    if claims.iter().all(Option::is_none) {
+        let v1 = slot_claim(first, 1);
+        let second_says_v2 = slots
+            .get(1)
+            .is_some_and(|s| ours(s) && version(s) == JOURNAL_FORMAT_VERSION);
+        if v1.is_some() || (ours(first) && version(first) == 1 && !second_says_v2) {
+            return Ok(FileHeader {
+                version: 1,
+                records_start: V1_HEADER_BYTES,
+                acknowledged: v1,
+                next_slot: 0,
+            });
+        }
+        if !slots.iter().any(|s| ours(s)) {
+            return Err("wrong magic");
+        }
+        if !slots
+            .iter()
+            .any(|s| ours(s) && version(s) == JOURNAL_FORMAT_VERSION)
+        {
+            return Err("unsupported format version");
+        }
+        if !slots.get(1).is_some_and(|s| ours(s)) {
+            return Err(
+                "damaged: no slot passes its checksum, and slot 1 does not tell format 2 from a format-1 file with a damaged version",
+            );
+        }
+    }
+    if b.len() < JOURNAL_HEADER_BYTES {
+        return Err("shorter than the file header");
+    }
     let acknowledged = claims.iter().flatten().copied().max();
     let newest = claims
         .iter()
@@ -529,16 +551,15 @@ impl Journal {
         let mut end_bytes = report.valid_end_bytes;
         if let Some(stop) = report.stop {
             let tail = &image[stop.offset_bytes as usize..];
-            let to = save_dropped(dir, stop.offset_bytes, tail)?;
+            saved = save_dropped(dir, stop.offset_bytes, tail)?;
             tracing::warn!(
                 journal = %path.display(),
                 offset_bytes = stop.offset_bytes,
                 dropped_bytes = stop.dropped_bytes,
                 fault = %stop.fault,
-                saved_to = %to.display(),
+                saved_to = %saved.as_deref().map_or("nowhere (see above)".into(), |p| p.display().to_string()),
                 "journal ends with a torn or corrupt record; dropping it and everything after it"
             );
-            saved = Some(to);
         }
         if report.skipped > 0 && report.replayed == 0 {
             // A crash after installing a checkpoint and before restarting the
@@ -811,8 +832,17 @@ fn recovery_step(_step: RecoveryStep) {
     RECOVERY_STEPS.with(|s| s.borrow_mut().push(_step));
 }
 
-/// Keeps a dropped tail next to the journal, under a name no other file has.
-fn save_dropped(dir: &Path, offset_bytes: u64, tail: &[u8]) -> Result<PathBuf, JournalError> {
+/// Keeps a dropped tail next to the journal, under a name no other file
+/// has; `None` when every name for its offset is taken. Those tails are an
+/// operator's to look at, never read again: a manager crashing in a loop at
+/// the same offset must not end up refusing to start because the names ran
+/// out (the tail itself was never acknowledged), so the tail is then only
+/// logged as dropped.
+fn save_dropped(
+    dir: &Path,
+    offset_bytes: u64,
+    tail: &[u8],
+) -> Result<Option<PathBuf>, JournalError> {
     for n in 0..MAX_DROPPED_NAMES {
         let path = dir.join(format!("{DROPPED_PREFIX}{offset_bytes}.{n}"));
         let mut f = match OpenOptions::new()
@@ -829,13 +859,15 @@ fn save_dropped(dir: &Path, offset_bytes: u64, tail: &[u8]) -> Result<PathBuf, J
         f.write_all(tail).map_err(io_err("write", &path))?;
         f.sync_all().map_err(io_err("fsync", &path))?;
         fsync_dir(dir).map_err(io_err("fsync", dir))?;
-        return Ok(path);
+        return Ok(Some(path));
     }
-    Err(JournalError::Io {
-        op: "find a free name for the dropped tail in",
-        path: dir.to_path_buf(),
-        source: io::Error::new(io::ErrorKind::AlreadyExists, "too many dropped tails kept"),
-    })
+    tracing::warn!(
+        dir = %dir.display(),
+        offset_bytes,
+        kept = MAX_DROPPED_NAMES,
+        "the dropped tail is not kept: {MAX_DROPPED_NAMES} tails cut at this offset are kept already (remove {DROPPED_PREFIX}{offset_bytes}.* once inspected)"
+    );
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -997,6 +1029,31 @@ mod tests {
         let report = scan(&img, 0, |_| Ok(())).unwrap();
         assert_eq!((report.replayed, report.format_version), (1, 2));
         assert_eq!(report.next_header_slot, 0);
+    }
+
+    /// The format is never read from one damaged field: a format-2 file
+    /// whose slot 0 reads version 1 is still format 2 by slot 1, and a
+    /// format-1 file whose version reads 2 is refused rather than read from
+    /// offset 4096 (which would cut its records).
+    #[test]
+    fn a_damaged_version_does_not_change_where_records_are_read() {
+        let mut img = image(&[1, 2]);
+        img[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let report = scan(&img, 0, |_| Ok(())).unwrap();
+        assert_eq!((report.format_version, report.replayed), (2, 2));
+        set_slot(&mut img, 1, 0, true);
+        let report = scan(&img, 0, |_| Ok(())).unwrap();
+        assert_eq!(
+            (report.format_version, report.replayed),
+            (2, 2),
+            "slot 1 torn too"
+        );
+        let mut v1 = v1_image(0, &(1..=40).collect::<Vec<_>>());
+        v1[8..12].copy_from_slice(&2u32.to_le_bytes());
+        assert!(matches!(
+            scan(&v1, 0, |_| Ok(())).unwrap_err(),
+            ScanError::BadHeader(why) if why.starts_with("damaged")
+        ));
     }
 
     /// A format-1 journal (one slot, records from offset 32).

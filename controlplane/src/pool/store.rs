@@ -178,7 +178,9 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Sto
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DroppedTail {
     pub stop: Stop,
-    pub saved_to: PathBuf,
+    /// Where the tail was kept; `None` when every name for its offset was
+    /// taken (it was only logged).
+    pub saved_to: Option<PathBuf>,
 }
 
 /// What recovery found and did.
@@ -264,8 +266,8 @@ impl PoolStore {
         };
 
         let ckpt_path = dir.join(CHECKPOINT_FILE);
-        let (checkpoint_loaded, checkpoint_seq, mut ledger) = match fs::read(&ckpt_path) {
-            Ok(image) => {
+        let (checkpoint_loaded, checkpoint_seq, mut ledger) = match read_checkpoint(&ckpt_path)? {
+            Some(image) => {
                 let (seq, snapshot) =
                     checkpoint::decode(&image).map_err(|source| StoreError::CorruptCheckpoint {
                         path: ckpt_path.clone(),
@@ -284,8 +286,7 @@ impl PoolStore {
                 fsync_dir(dir).map_err(io_err("fsync", dir))?;
                 (true, seq, ledger)
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => (false, 0, Ledger::new()),
-            Err(e) => return Err(io_err("read", &ckpt_path)(e)),
+            None => (false, 0, Ledger::new()),
         };
 
         let (journal, scan, saved) =
@@ -299,10 +300,10 @@ impl PoolStore {
         let report = RecoveryReport {
             checkpoint_loaded,
             scan,
-            dropped: scan
-                .stop
-                .zip(saved)
-                .map(|(stop, saved_to)| DroppedTail { stop, saved_to }),
+            dropped: scan.stop.map(|stop| DroppedTail {
+                stop,
+                saved_to: saved,
+            }),
             stale_checkpoint_tmp_removed,
             secret_created,
             pools: ledger.pools().count(),
@@ -496,6 +497,37 @@ impl PoolStore {
             }
         })
     }
+}
+
+/// The checkpoint's bytes, `None` if there is none. A file larger than any
+/// ledger encodes to is refused before it is read (a garbage file of any
+/// size would otherwise be read whole into memory).
+fn read_checkpoint(path: &Path) -> Result<Option<Vec<u8>>, StoreError> {
+    let mut f = match fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err("open", path)(e)),
+    };
+    let max_bytes = checkpoint::MAX_CHECKPOINT_BYTES;
+    let len_bytes = f.metadata().map_err(io_err("stat", path))?.len();
+    let too_large = |len_bytes| StoreError::CorruptCheckpoint {
+        path: path.to_path_buf(),
+        source: checkpoint::CheckpointError::TooLarge {
+            len_bytes,
+            max_bytes,
+        },
+    };
+    if len_bytes > max_bytes {
+        return Err(too_large(len_bytes));
+    }
+    let mut image = Vec::with_capacity(len_bytes as usize);
+    // Bounded even if the file grows after the stat.
+    io::Read::read_to_end(&mut io::Read::take(&mut f, max_bytes + 1), &mut image)
+        .map_err(io_err("read", path))?;
+    if image.len() as u64 > max_bytes {
+        return Err(too_large(image.len() as u64));
+    }
+    Ok(Some(image))
 }
 
 fn create_dir(dir: &Path) -> Result<(), StoreError> {

@@ -493,7 +493,6 @@ impl Core {
     /// and its command receiver (not yet running).
     fn open(cfg: ServiceConfig) -> Result<(Self, CoreLink, mpsc::Receiver<Command>), ServiceError> {
         check_config(&cfg)?;
-        let origin = Instant::now();
         let recovered = PoolStore::open(
             &cfg.state_dir,
             cfg.store,
@@ -516,6 +515,11 @@ impl Core {
                 cfg.lease_ms,
             )?);
         }
+        // Time 0 of the recovered state (every region's grace period ends
+        // at `grace_ms` after it) is now, once replay and the pools' opening
+        // are done: directories can reattach only from here, and a long
+        // replay must not eat into the time they have.
+        let origin = Instant::now();
         if cfg.pass_fds && pools.len() > crate::transport::MAX_FDS_PER_FRAME {
             tracing::warn!(
                 pools = pools.len(),
