@@ -721,13 +721,7 @@ fn a_checkpoint_larger_than_any_ledger_is_refused_unread() {
         .unwrap();
     f.set_len(max + 1).unwrap();
     drop(f);
-    let e = PoolStore::open(
-        dir.path(),
-        StoreConfig::default(),
-        Default::default(),
-        MonotonicMs(0),
-    )
-    .unwrap_err();
+    let e = refused(dir.path());
     assert!(
         matches!(
             e,
