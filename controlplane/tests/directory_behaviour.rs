@@ -1843,6 +1843,56 @@ fn orphaned_keys_are_evicted_above_the_watermark_but_never_from_a_region_with_a_
     w.dir.check_invariants().unwrap();
 }
 
+/// Found by a review of the directory (session 22): a periodic pool report
+/// replaced the directory's count of the bytes it had freed since the last
+/// one, including frees sent after the report was asked for — which the
+/// report cannot know about. Until the next report the pools looked fuller
+/// than they were, and orphan eviction went on below the low watermark,
+/// evicting readable keys for nothing. A report now applies as of its
+/// mark: the frees sent after it stay counted.
+#[test]
+fn a_pool_report_asked_for_before_a_free_does_not_undo_it() {
+    let mut w = eviction_world(false);
+    let mut a = w.hello("a");
+    let b = w.hello("b");
+    let first = w.region(&mut a, L);
+    let second = w.region(&mut a, L);
+    for p in 0..2 {
+        w.put(&mut a, &[b'x', p as u8], loc(first, p, 1));
+        w.put(&mut a, &[b'y', p as u8], loc(second, p, 1));
+    }
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 2);
+    // 92 % full: one region freed brings it to 72 %, under the low mark.
+    let (total, free) = (5 * REGION_BYTES, 2 * REGION_BYTES / 5);
+    w.dir.pool_usage(POOL, total, free);
+    // A report is asked for now; before its answer, a tick evicts the first
+    // region and sends its free.
+    let mark = w.dir.pool_report_mark();
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.pool.freed, vec![first]);
+    // The answer counts the pool as it was when asked.
+    w.dir.pool_usage_as_of(&mark, POOL, total, free);
+    w.advance(Duration::from_millis(100));
+    w.advance(Duration::from_millis(100));
+    let seconds: [&[u8]; 2] = [b"y\x00", b"y\x01"];
+    assert_eq!(
+        w.exists(&b, &seconds),
+        vec![true; 2],
+        "nothing more is evicted: the free is still counted"
+    );
+    assert_eq!(w.pool.freed, vec![first]);
+    // A report asked for after the free counts it itself.
+    let mark = w.dir.pool_report_mark();
+    w.dir
+        .pool_usage_as_of(&mark, POOL, total, free + REGION_BYTES);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.dir.stats(w.now).keys, 2);
+    w.dir.check_invariants().unwrap();
+}
+
 /// A region whose keys outnumber a tick's budget is finished first on the
 /// next tick: rotating to the next orphan instead would take a bite out of
 /// every orphaned region (readable keys lost) before freeing any.

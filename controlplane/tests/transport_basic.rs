@@ -164,6 +164,102 @@ fn an_expired_deadline_times_out_and_the_late_reply_is_dropped() {
     }
 }
 
+/// Found by a review of the client's reader hand-off (session 22): a
+/// leader that left because its own deadline passed handed the reader role
+/// to the first parked waiter in the table — which could be itself (still
+/// registered, still unanswered) — so the other waiters stayed parked with
+/// nobody reading, and timed out with their replies in the socket. Here:
+/// A (never answered) leads when C parks behind it; C's reply comes after
+/// A's deadline.
+#[test]
+fn a_leader_that_times_out_passes_the_reader_role_to_another_waiter() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+
+    use cxlkv_controlplane::frame::{Decoded, FrameDecoder, encode_frame};
+    use cxlkv_controlplane::transport::{ClientConfig, IoConfig, RpcClient};
+
+    const LEADS_FIRST: u16 = 1; // answered after 100 ms
+    const NEVER: u16 = 2; // never answered
+    const LATE: u16 = 3; // answered 1.5 s after the start
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let t0 = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
+            let mut d = FrameDecoder::new();
+            let mut due: Vec<(Instant, u16, u64)> = Vec::new();
+            let mut buf = vec![0u8; 65536];
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(n) = s.read(&mut buf) {
+                    if n == 0 {
+                        return;
+                    }
+                    d.push(&buf[..n]);
+                }
+                while let Ok(Some(Decoded::Frame(f))) = d.decode() {
+                    let (kind, id) = (f.header.kind, f.header.request_id);
+                    match kind {
+                        LEADS_FIRST => {
+                            due.push((Instant::now() + Duration::from_millis(100), kind, id))
+                        }
+                        LATE => due.push((t0 + Duration::from_millis(1500), kind, id)),
+                        _ => {}
+                    }
+                }
+                let now = Instant::now();
+                due.retain(|&(at, kind, id)| {
+                    if now < at {
+                        return true;
+                    }
+                    let mut out = Vec::new();
+                    encode_frame(&mut out, kind + 100, id, b"reply").unwrap();
+                    s.write_all(&out).unwrap();
+                    false
+                });
+            }
+        })
+    };
+    let cfg = ClientConfig {
+        io: IoConfig {
+            spin_us: 0,
+            ..IoConfig::default()
+        },
+        ..ClientConfig::default()
+    };
+    let c = RpcClient::connect(&Endpoint::Unix(path), cfg).unwrap();
+    let never = c.start(NEVER, b"a", Duration::from_secs(1)).unwrap();
+    let first = c.start(LEADS_FIRST, b"l", Duration::from_secs(10)).unwrap();
+    let first = std::thread::spawn(move || first.wait().map(|_| ()));
+    let never = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30)); // parks behind the first leader
+        never.wait().map(|_| ())
+    });
+    std::thread::sleep(Duration::from_millis(250)); // the never-answered one leads now
+    let late = c.start(LATE, b"c", Duration::from_secs(10)).unwrap();
+    let started = Instant::now();
+    let got = late.wait();
+    let took = started.elapsed();
+    assert!(first.join().unwrap().is_ok());
+    assert!(never.join().unwrap().is_err(), "never answered");
+    stop.store(true, Ordering::Relaxed);
+    drop(c);
+    let _ = server.join();
+    assert!(
+        got.is_ok() && took < Duration::from_secs(5),
+        "the late reply came 1.5 s after the start, but the call got {:?} after {took:?}",
+        got.map(|_| ())
+    );
+}
+
 #[test]
 fn unix_peers_are_identified_by_kernel_credentials() {
     for backend in backends() {

@@ -83,7 +83,11 @@ pub(crate) enum Event {
         attempt: u32,
         result: Result<(), PoolServiceError>,
     },
-    PoolStats(Result<proto::PoolStatsReply, PoolServiceError>),
+    /// A pool report, with the directory's mark of when it was asked for.
+    PoolStats(
+        Result<proto::PoolStatsReply, PoolServiceError>,
+        dir::PoolReportMark,
+    ),
     Control(Control),
 }
 
@@ -1322,16 +1326,17 @@ impl DirectoryHandler {
                         }
                     }
                 }
-                Event::PoolStats(Ok(stats)) => {
+                Event::PoolStats(Ok(stats), mark) => {
                     for p in &stats.pools {
-                        self.dir.pool_usage(
+                        self.dir.pool_usage_as_of(
+                            &mark,
                             cxlkv_dataplane::ids::PoolId(p.pool),
                             p.total_bytes,
                             p.free_bytes,
                         );
                     }
                 }
-                Event::PoolStats(Err(e)) => {
+                Event::PoolStats(Err(e), _) => {
                     tracing::warn!(error = %e, "pool manager statistics unavailable")
                 }
                 Event::Control(Control::Stats(reply)) => {
@@ -1365,8 +1370,13 @@ impl DirectoryHandler {
             self.next_pin_report = now + threshold.max(LONG_PIN_REPORT_MIN_EVERY);
             self.report_long_held_pins();
         }
+        self.apply_effects(out);
         if now >= self.next_pool_stats {
+            // After the effects: every free decided so far is submitted
+            // before this request, so the report counts exactly the frees
+            // the mark counts (the pool manager answers in order).
             self.next_pool_stats = now + POOL_STATS_EVERY;
+            let mark = self.dir.pool_report_mark();
             let mailbox = Arc::clone(&self.mailbox);
             let completer = self.completer.clone();
             self.pool.submit(
@@ -1376,11 +1386,10 @@ impl DirectoryHandler {
                         PoolReply::Stats(s) => Ok(s),
                         other => Err(unexpected_reply(&other)),
                     });
-                    mailbox.post(Event::PoolStats(result), &completer);
+                    mailbox.post(Event::PoolStats(result, mark), &completer);
                 }),
             );
         }
-        self.apply_effects(out);
     }
 
     /// Logs the pins held past the threshold, if any (DESIGN §4: long-held

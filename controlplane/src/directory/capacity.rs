@@ -19,7 +19,7 @@ use super::types::{
     Caller, Completion, DeferredId, Effect, Layout, OpKind, PoolRequestId, RegionGrant,
     RegionHandle, RegionReply, Reply, Sequence, Time,
 };
-use super::{Directory, Fingerprint, MAX_REGION_WAITERS, PendingRegion};
+use super::{Directory, Fingerprint, MAX_REGION_WAITERS, PendingRegion, PoolReportMark};
 
 /// What the reply cache held for a region request.
 enum PriorRegion {
@@ -316,14 +316,51 @@ impl Directory {
         Ok(self.reply(slot, ()))
     }
 
-    /// The pool manager's fill level of `pool` (after each of its operations,
-    /// or periodically). Drives eviction and the usage piggyback.
+    /// The pool manager's fill level of `pool`, counting every allocation
+    /// and free of this directory so far (as at start-up). Drives eviction
+    /// and the usage piggyback.
     pub fn pool_usage(&mut self, pool: PoolId, total_bytes: u64, free_bytes: u64) {
+        let mark = self.pool_report_mark();
+        self.pool_usage_as_of(&mark, pool, total_bytes, free_bytes);
+    }
+
+    /// Marks the moment a pool report is asked for: the frees sent to the
+    /// pool manager so far (call it once they are all submitted, right
+    /// before the report's request).
+    pub fn pool_report_mark(&self) -> PoolReportMark {
+        PoolReportMark {
+            freed_total: self
+                .pools
+                .iter()
+                .map(|(&pool, u)| (pool, u.freed_total))
+                .collect(),
+        }
+    }
+
+    /// The pool manager's fill level of `pool`, as of `mark` (periodic
+    /// reports). The pool manager answers in the order it was asked, so the
+    /// report counts every allocation whose answer came before it — all
+    /// those counted here — and every free sent before the mark; frees sent
+    /// after it are still to come off its free bytes, and stay counted.
+    /// (Resetting them too let orphan eviction go on below the watermark
+    /// until the next report.)
+    pub fn pool_usage_as_of(
+        &mut self,
+        mark: &PoolReportMark,
+        pool: PoolId,
+        total_bytes: u64,
+        free_bytes: u64,
+    ) {
+        let freed_at_mark = mark
+            .freed_total
+            .iter()
+            .find(|(p, _)| *p == pool)
+            .map_or(0, |&(_, b)| b);
         let p = self.pools.entry(pool).or_default();
         p.reported_total_bytes = total_bytes;
         p.reported_free_bytes = free_bytes.min(total_bytes);
         p.allocated_since = 0;
-        p.freed_since = 0;
+        p.freed_since = p.freed_total.saturating_sub(freed_at_mark);
     }
 
     /// Fraction of all reported pool bytes allocated (0 before any report).

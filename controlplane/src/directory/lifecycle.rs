@@ -641,7 +641,7 @@ impl Directory {
         self.pools
             .entry(region.handle.pool)
             .or_default()
-            .freed_since += region.handle.len_bytes;
+            .freed(region.handle.len_bytes);
         self.effects.push(Effect::FreeRegion {
             handle: region.handle,
             owner: region.owner_id,
@@ -652,7 +652,10 @@ impl Directory {
     /// Gives back a region that has no record (unclaimed after a restart, or
     /// granted after its requester left).
     pub(super) fn free_handle(&mut self, handle: RegionHandle, owner: InstanceId) {
-        self.pools.entry(handle.pool).or_default().freed_since += handle.len_bytes;
+        self.pools
+            .entry(handle.pool)
+            .or_default()
+            .freed(handle.len_bytes);
         self.effects.push(Effect::FreeRegion { handle, owner });
         self.counters.outcomes.regions_freed += 1;
     }

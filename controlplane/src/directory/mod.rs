@@ -191,9 +191,26 @@ struct PoolUsage {
     /// Bytes this directory allocated / freed since the report.
     allocated_since: u64,
     freed_since: u64,
+    /// Bytes this directory ever freed in the pool (never reset): what a
+    /// [`PoolReportMark`] records.
+    freed_total: u64,
+}
+
+/// What the directory had freed in each pool when a pool report was asked
+/// for ([`Directory::pool_report_mark`]), so that the report, when it comes,
+/// replaces only what it can know about ([`Directory::pool_usage_as_of`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolReportMark {
+    freed_total: Vec<(PoolId, u64)>,
 }
 
 impl PoolUsage {
+    /// A region of `len_bytes` was given back (its free is on its way).
+    fn freed(&mut self, len_bytes: u64) {
+        self.freed_since = self.freed_since.saturating_add(len_bytes);
+        self.freed_total = self.freed_total.saturating_add(len_bytes);
+    }
+
     fn estimated_free(&self) -> u64 {
         self.reported_free_bytes
             .saturating_add(self.freed_since)

@@ -718,7 +718,7 @@ impl PendingCall {
                 ClientStats::bump(&inner.stats.leader_turns);
                 inner.lead(&mut reader, id, now, self.deadline);
                 drop(reader);
-                inner.hand_off();
+                inner.hand_off(id);
                 idle_since = None;
                 continue;
             }
@@ -775,6 +775,9 @@ impl Inner {
         let (result, was_parked) = self.table.lock().release(id);
         if was_parked {
             self.parked.fetch_sub(1, Ordering::Relaxed);
+            // A leader may have just unparked this waiter to read next; it
+            // leaves instead, so the turn goes on to another.
+            self.hand_off(id);
         }
         if let Some(r) = result {
             return r;
@@ -798,8 +801,12 @@ impl Inner {
         }
     }
 
-    /// Unparks a waiter whose reply is outstanding if nobody reads.
-    fn hand_off(&self) {
+    /// Unparks a waiter whose reply is outstanding if nobody reads — never
+    /// request `exclude`'s own, the caller's: a leader leaving because its
+    /// own deadline passed still has its entry registered and unanswered,
+    /// and waking itself would leave every other waiter parked with the
+    /// reader free (their replies unread until their deadlines).
+    fn hand_off(&self, exclude: u64) {
         // SeqCst fence: see "Handoff invariant" in the module essay; the
         // loads after it may be Relaxed.
         fence(Ordering::SeqCst);
@@ -811,7 +818,7 @@ impl Inner {
             .lock()
             .entries
             .iter()
-            .find(|e| e.id != 0 && e.result.is_none() && e.waiter.is_some())
+            .find(|e| e.id != 0 && e.id != exclude && e.result.is_none() && e.waiter.is_some())
             .and_then(|e| e.waiter.clone());
         if let Some(t) = next {
             t.unpark();
