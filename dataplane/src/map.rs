@@ -25,7 +25,10 @@
 //! `MADV_POPULATE_WRITE` (Linux 5.14+), which also reports failure (tmpfs or
 //! the huge page pool exhausted) as an error now instead of a `SIGBUS` on a
 //! later write. Where the kernel or mapping type refuses it (`EINVAL`), the
-//! range is mapped again with `MAP_POPULATE` and the first mapping dropped.
+//! range is mapped again with `MAP_POPULATE` and the first mapping dropped —
+//! without that report: `mmap` does not fail when it cannot populate, so on
+//! such a kernel a full tmpfs or huge page pool is still met as a `SIGBUS`
+//! at the first write.
 //! `MADV_POPULATE_WRITE` is also the fastest: mapping a fresh 64 MiB
 //! `/dev/shm` region and writing every page took a median 89 ms with it,
 //! 138 ms with `MAP_POPULATE` (which prefaults shared
@@ -449,8 +452,10 @@ impl MappedRegion {
                 region_len_bytes: self.len_bytes,
             });
         }
-        // A region of more than 2^32 pages (16 TiB of 4 KiB pages) uses only
-        // the first 2^32: page indices are u32 on the wire.
+        // Page indices are u32 on the wire: a count beyond that reads as
+        // u32::MAX, which the page allocator refuses like any region of more
+        // than its `MAX_PAGES` (`TooManyPages`), so such a region is not
+        // used at all.
         Ok(u32::try_from(pages).unwrap_or(u32::MAX))
     }
 
