@@ -596,8 +596,8 @@ fn parse_endpoint(s: &str) -> Result<cxlkv_controlplane::transport::Endpoint, St
 
 /// `HOST:PORT` as a socket address: an IP address (`127.0.0.1:7411`,
 /// `[::1]:7411`) as it is, a host name (`localhost:7411`) resolved once,
-/// now, to its first address.
-fn host_port(s: &str) -> Result<SocketAddr, String> {
+/// now, to its first address. (Also how the C API reads `tcp_addr`.)
+pub fn host_port(s: &str) -> Result<SocketAddr, String> {
     use std::net::ToSocketAddrs;
     if let Ok(addr) = s.parse::<SocketAddr>() {
         return Ok(addr);

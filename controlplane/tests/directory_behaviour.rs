@@ -1843,6 +1843,26 @@ fn orphaned_keys_are_evicted_above_the_watermark_but_never_from_a_region_with_a_
     w.dir.check_invariants().unwrap();
 }
 
+/// An eviction world where instance "a" wrote `keys_each` keys (`x…` and
+/// `y…`) into each of two regions, then went: both regions orphaned, the
+/// first older. Returns the world, a live client "b" and the first region.
+fn two_orphaned_regions(keys_each: u32) -> (World, Client, RegionId) {
+    let mut w = eviction_world(false);
+    let mut a = w.hello("a");
+    let b = w.hello("b");
+    let first = w.region(&mut a, L);
+    let second = w.region(&mut a, L);
+    for p in 0..keys_each {
+        w.put(&mut a, &[b'x', p as u8], loc(first, p, 1));
+        w.put(&mut a, &[b'y', p as u8], loc(second, p, 1));
+    }
+    w.dir.session_closed(a.session, w.now);
+    w.keep_alive(&b);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 2);
+    (w, b, first)
+}
+
 /// Found by a review of the directory (session 22): a periodic pool report
 /// replaced the directory's count of the bytes it had freed since the last
 /// one, including frees sent after the report was asked for — which the
@@ -1852,19 +1872,7 @@ fn orphaned_keys_are_evicted_above_the_watermark_but_never_from_a_region_with_a_
 /// mark: the frees sent after it stay counted.
 #[test]
 fn a_pool_report_asked_for_before_a_free_does_not_undo_it() {
-    let mut w = eviction_world(false);
-    let mut a = w.hello("a");
-    let b = w.hello("b");
-    let first = w.region(&mut a, L);
-    let second = w.region(&mut a, L);
-    for p in 0..2 {
-        w.put(&mut a, &[b'x', p as u8], loc(first, p, 1));
-        w.put(&mut a, &[b'y', p as u8], loc(second, p, 1));
-    }
-    w.dir.session_closed(a.session, w.now);
-    w.keep_alive(&b);
-    w.advance(Duration::from_secs(31));
-    assert_eq!(w.dir.stats(w.now).orphaned_regions, 2);
+    let (mut w, b, first) = two_orphaned_regions(2);
     // 92 % full: one region freed brings it to 72 %, under the low mark.
     let (total, free) = (5 * REGION_BYTES, 2 * REGION_BYTES / 5);
     w.dir.pool_usage(POOL, total, free);
@@ -1898,19 +1906,7 @@ fn a_pool_report_asked_for_before_a_free_does_not_undo_it() {
 /// every orphaned region (readable keys lost) before freeing any.
 #[test]
 fn orphan_eviction_finishes_the_region_it_started_before_touching_the_next() {
-    let mut w = eviction_world(false);
-    let mut a = w.hello("a");
-    let b = w.hello("b");
-    let first = w.region(&mut a, L);
-    let second = w.region(&mut a, L);
-    for p in 0..4 {
-        w.put(&mut a, &[b'x', p as u8], loc(first, p, 1));
-        w.put(&mut a, &[b'y', p as u8], loc(second, p, 1));
-    }
-    w.dir.session_closed(a.session, w.now);
-    w.keep_alive(&b);
-    w.advance(Duration::from_secs(31));
-    assert_eq!(w.dir.stats(w.now).orphaned_regions, 2);
+    let (mut w, b, first) = two_orphaned_regions(4);
     // 95 % full; one region freed brings it to 75 %, under the low mark.
     w.dir.pool_usage(POOL, 5 * REGION_BYTES, REGION_BYTES / 4);
     w.advance(Duration::from_millis(100));

@@ -12,7 +12,6 @@
 use std::ffi::{CStr, OsStr};
 use std::ffi::{c_char, c_void};
 use std::mem::size_of;
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
@@ -317,28 +316,6 @@ fn check_flags(flags: u32, known: u32, arg: &str) -> Result<(), FfiError> {
     Ok(())
 }
 
-/// `config.tcp_addr` as a socket address: an IP address as it is, a host
-/// name resolved once, now, to its first address — as the server's own
-/// configuration reads `HOST:PORT` (`src/config.rs`, whose helper is not
-/// public).
-fn host_port(addr: &str) -> Result<SocketAddr, FfiError> {
-    if let Ok(a) = addr.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    addr.to_socket_addrs()
-        .map_err(|e| {
-            FfiError::invalid(format!(
-                "`config.tcp_addr` {addr:?} is not host:port, or the host does not resolve ({e})"
-            ))
-        })?
-        .next()
-        .ok_or_else(|| {
-            FfiError::invalid(format!(
-                "`config.tcp_addr` {addr:?}: the host resolves to no address"
-            ))
-        })
-}
-
 /// The client configuration `config` describes, and its map callbacks.
 ///
 /// # Safety
@@ -357,7 +334,10 @@ pub(crate) unsafe fn client_config(
     let tcp = unsafe { args::opt_str(c.tcp_addr, "config.tcp_addr") }?;
     let mut cfg = match (socket, tcp) {
         (Some(path), None) => ClientConfig::unix(path),
-        (None, Some(addr)) => ClientConfig::tcp(host_port(addr)?),
+        (None, Some(addr)) => ClientConfig::tcp(
+            cxlkv::config::host_port(addr)
+                .map_err(|e| FfiError::invalid(format!("`config.tcp_addr` {e}")))?,
+        ),
         (None, None) => {
             return Err(FfiError::invalid(
                 "set one of `config.socket_path` and `config.tcp_addr`",
