@@ -7,8 +7,12 @@
 //! The real-process checks (SIGKILL of a `cxlkv pool` daemon, directory
 //! processes, a second daemon) are in the root package's `tests/`.
 
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::frame::Frame;
@@ -130,8 +134,12 @@ struct Wire {
 
 impl Wire {
     fn connect(path: &Path) -> Self {
+        Self::connect_to(&Endpoint::Unix(path.to_owned()))
+    }
+
+    fn connect_to(endpoint: &Endpoint) -> Self {
         Self {
-            client: RpcClient::connect(&Endpoint::Unix(path.to_owned()), ClientConfig::default())
+            client: RpcClient::connect(endpoint, ClientConfig::default())
                 .expect("connect to the pool service"),
         }
     }
@@ -314,6 +322,185 @@ fn a_retried_allocation_after_a_restart_returns_the_committed_region() {
     assert_eq!(w.alloc("dir-a", 7).unwrap(), h, "the tag found the region");
     let other = w.alloc("dir-a", 8).unwrap();
     assert_ne!(other.region, h.region);
+    core.shutdown().unwrap();
+}
+
+/// A TCP connection is a caller of its own: closing it starts its
+/// directory's grace period (a Unix connection's caller is its process).
+fn tcp_core(dir: &Dir, grace_ms: u64) -> (PoolCore, Endpoint) {
+    let mut core = PoolCore::start(config(dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    let eps = core
+        .listen(
+            &[Endpoint::Tcp("127.0.0.1:0".parse().unwrap())],
+            ServerConfig::default(),
+        )
+        .unwrap();
+    (core, eps[0].clone())
+}
+
+fn regions(w: &Wire) -> u64 {
+    let st: PoolStatsReply = w
+        .call(&PoolStats {
+            meta: RequestMeta::default(),
+        })
+        .unwrap();
+    st.pools[0].regions
+}
+
+#[test]
+fn an_allocation_retried_on_a_new_connection_and_answered_from_the_cache_is_kept() {
+    let dir = Dir::new("replay-kept");
+    let grace_ms = 200;
+    let (core, ep) = tcp_core(&dir, grace_ms);
+    let w = Wire::connect_to(&ep);
+    w.hello("dir-a");
+    let h = w.alloc("dir-a", 1).unwrap();
+    // Its reply lost with the connection: the region waits for a reattach
+    // that the directory, not knowing it, will not present.
+    drop(w);
+    let w = Wire::connect_to(&ep);
+    w.hello("dir-a");
+    assert_eq!(w.alloc("dir-a", 1).unwrap(), h, "answered from the cache");
+    std::thread::sleep(Duration::from_millis(4 * grace_ms));
+    assert_eq!(
+        regions(&w),
+        1,
+        "the retry's answer keeps the region, as presenting its handle would"
+    );
+    assert_eq!(core.stats().reclaimed, 0);
+    core.shutdown().unwrap();
+}
+
+#[test]
+fn an_allocation_retried_after_its_region_was_reclaimed_is_not_answered_with_it() {
+    let dir = Dir::new("replay-gone");
+    let grace_ms = 100;
+    let (core, ep) = tcp_core(&dir, grace_ms);
+    let w = Wire::connect_to(&ep);
+    w.hello("dir-a");
+    let h = w.alloc("dir-a", 1).unwrap();
+    drop(w);
+    eventually("the region to be reclaimed", || core.stats().reclaimed == 1);
+    let w = Wire::connect_to(&ep);
+    w.hello("dir-a");
+    let (code, msg) = w.alloc("dir-a", 1).unwrap_err();
+    assert_eq!(
+        code,
+        ErrorCode::UnknownRegion,
+        "region {} is gone: {msg}",
+        h.region
+    );
+    assert_eq!(regions(&w), 0);
+    core.shutdown().unwrap();
+}
+
+/// A TCP proxy in front of the pool service that, while `cut` is set,
+/// closes a connection as soon as the service sends anything on it: requests
+/// are carried out, their replies lost.
+struct CuttingProxy {
+    addr: std::net::SocketAddr,
+    cut: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+impl CuttingProxy {
+    fn start(upstream: &Endpoint) -> Self {
+        let Endpoint::Tcp(up) = upstream.clone() else {
+            panic!("a TCP upstream")
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, st) = (Arc::clone(&cut), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !st.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((down, _)) => {
+                        down.set_nonblocking(false).unwrap();
+                        let up = TcpStream::connect(up).unwrap();
+                        Self::pipe(down.try_clone().unwrap(), up.try_clone().unwrap(), None);
+                        Self::pipe(up, down, Some(Arc::clone(&c)));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    Err(e) => panic!("accept: {e}"),
+                }
+            }
+        });
+        Self { addr, cut, stop }
+    }
+
+    /// Copies `from` to `to` until either ends; with `cut` set, ends both
+    /// instead of copying.
+    fn pipe(mut from: TcpStream, mut to: TcpStream, cut: Option<Arc<AtomicBool>>) {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = match from.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                if cut.as_ref().is_some_and(|c| c.load(Ordering::SeqCst)) {
+                    break;
+                }
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            let _ = from.shutdown(Shutdown::Both);
+            let _ = to.shutdown(Shutdown::Both);
+        });
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn an_allocation_that_timed_out_after_it_ran_is_freed_once_the_manager_answers() {
+    let dir = Dir::new("abandoned");
+    // Longer than every wait below: the region is not reclaimed meanwhile.
+    let (core, ep) = tcp_core(&dir, 120_000);
+    let observer = Wire::connect_to(&ep);
+    let proxy = CuttingProxy::start(&ep);
+    let mut rc = RemoteConfig::new(Endpoint::Tcp(proxy.addr), "dir-abandoned");
+    rc.reconnect_backoff_ms = 20;
+    rc.request_timeout_ms = 200;
+    rc.retry_window_ms = 500;
+    let (remote, _) = RemotePool::connect(rc).unwrap();
+    proxy.cut.store(true, Ordering::SeqCst);
+    let (tx, rx) = std::sync::mpsc::channel();
+    remote.submit(
+        alloc("i"),
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    );
+    let answer = rx.recv_timeout(TIMEOUT).expect("an answer");
+    assert_eq!(
+        answer.unwrap_err().error_code(),
+        Some(ErrorCode::Timeout),
+        "every reply was lost"
+    );
+    assert_eq!(
+        regions(&observer),
+        1,
+        "the allocation ran; its directory was told it timed out"
+    );
+    proxy.cut.store(false, Ordering::SeqCst);
+    eventually("the abandoned allocation's region to be freed", || {
+        regions(&observer) == 0
+    });
+    let h = allocated(remote.call(alloc("i"), TIMEOUT));
+    assert_eq!(list_all(&remote), vec![h], "the session goes on");
+    drop(remote);
+    drop(proxy);
     core.shutdown().unwrap();
 }
 

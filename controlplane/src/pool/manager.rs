@@ -614,6 +614,31 @@ impl PoolManager {
         (n, first)
     }
 
+    /// A retried allocation that the service's reply cache answers with
+    /// `region` (the manager never saw the retry): keeps the region as a
+    /// retry reaching [`Request::Alloc`] with its tag would — taken off the
+    /// reaper's queue, since the directory will use it — or, when it is no
+    /// longer live (reclaimed or freed since), says so: the answer must not
+    /// hand out a region whose bytes may be granted again. Volatile state
+    /// only; nothing to journal.
+    pub fn keep_retried(&mut self, caller: &Caller, region: RegionId) -> Result<(), PoolError> {
+        let directory = self.bound(caller)?;
+        match self.ledger.region(region) {
+            Some(r) if r.owner.directory == directory => {
+                if let Some(deadline) = self.pending.remove(&region) {
+                    self.reap_queue.remove(&(deadline, region));
+                }
+                Ok(())
+            }
+            Some(r) => Err(PoolError::WrongOwner {
+                region,
+                owner: r.owner.directory,
+                caller: directory,
+            }),
+            None => Err(PoolError::RegionAlreadyFreed { region }),
+        }
+    }
+
     fn bound(&self, caller: &Caller) -> Result<DirectoryId, PoolError> {
         self.callers
             .get(caller)

@@ -930,9 +930,20 @@ impl Core {
                         ),
                     ));
                 }
-                self.mutating(dir, seq, |core| {
+                let answer = self.mutating(dir, seq, |core| {
                     core.alloc(&caller, &dir_name, pool, len_bytes, &instance_id, seq, now)
-                })
+                })?;
+                // Run now or answered from the cache: in the second case the
+                // retry may come on a later connection, after the first one's
+                // close put the region on the reaper's queue (its directory
+                // never learnt of it, so will not present it), or after the
+                // region was reclaimed. Keep it, or refuse to name it.
+                if let PoolReply::Allocated(h) = &answer {
+                    self.manager
+                        .keep_retried(&caller, RegionId(h.region))
+                        .map_err(|e| PoolServiceError::from(&e))?;
+                }
+                Ok(answer)
             }
             Op::Free { seq, region, token } => {
                 let (caller, dir, _) = self.bound(session)?;

@@ -15,6 +15,16 @@
 //! until `retry_window_ms` after its submission; `Busy` is retried the same
 //! way. Then it fails with `Timeout`.
 //!
+//! **Abandoned allocations.** An `AllocRegion` that times out may still
+//! have run: its reply, not the request, may be what was lost. Its caller
+//! is answered `Timeout` and takes it as refused, so a region allocated
+//! anyway would belong to nobody until this directory's session ended. The
+//! driver therefore keeps resending such an allocation (same `seq`, in its
+//! place in `seq` order, with no deadline) until the daemon answers it; an
+//! answer that allocated is freed at once with a `FreeRegion` of its own
+//! (also resent until answered). At most [`MAX_ABANDONED`] are kept; one
+//! more is logged and left to the session's end.
+//!
 //! **Reconnect.** When the connection breaks, the driver reconnects (a pause
 //! of `reconnect_backoff_ms` between attempts), sends `PoolHello` again and
 //! then `ReattachRegions` with every region this session holds — those it
@@ -111,6 +121,9 @@ impl RemoteConfig {
     }
 }
 
+/// Abandoned requests (see the module essay) kept at once.
+pub const MAX_ABANDONED: usize = 64;
+
 struct Submission {
     seq: u64,
     request: PoolRequest,
@@ -126,7 +139,9 @@ struct Shared {
 /// The remote [`PoolService`] (see the module essay).
 pub struct RemotePool {
     tx: Option<mpsc::SyncSender<Submission>>,
-    next_seq: Mutex<u64>,
+    /// Shared with the driver, which takes a `seq` for the frees that undo
+    /// abandoned allocations.
+    next_seq: Arc<Mutex<u64>>,
     shared: Arc<Shared>,
     join: Option<JoinHandle<()>>,
 }
@@ -223,12 +238,14 @@ impl RemotePool {
             closing: AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::sync_channel(cfg.max_queued);
-        let next_seq = session.welcome.last_seq + 1;
+        let next_seq = Arc::new(Mutex::new(session.welcome.last_seq + 1));
         let driver = Driver {
             client: Some(client),
             cfg,
             rx,
             flights: VecDeque::new(),
+            abandoned: 0,
+            next_seq: Arc::clone(&next_seq),
             held: BTreeMap::new(),
             shared: Arc::clone(&shared),
             scratch: Vec::new(),
@@ -246,7 +263,7 @@ impl RemotePool {
         Ok((
             Self {
                 tx: Some(tx),
-                next_seq: Mutex::new(next_seq),
+                next_seq,
                 shared,
                 join: Some(join),
             },
@@ -326,6 +343,9 @@ struct Flight {
     call: Option<PendingCall>,
     /// Do not resend before this (after `Busy`).
     not_before: Option<Instant>,
+    /// Its caller was answered already (see "Abandoned allocations"): it
+    /// is resent until the daemon answers, with no deadline.
+    abandoned: bool,
 }
 
 struct Driver {
@@ -333,6 +353,10 @@ struct Driver {
     client: Option<RpcClient>,
     rx: mpsc::Receiver<Submission>,
     flights: VecDeque<Flight>,
+    /// How many of `flights` are abandoned (at most [`MAX_ABANDONED`]);
+    /// they do not count against `max_inflight` when taking submissions.
+    abandoned: usize,
+    next_seq: Arc<Mutex<u64>>,
     /// Regions this session holds: re-presented after a reconnect.
     held: BTreeMap<u64, RegionHandle>,
     shared: Arc<Shared>,
@@ -363,7 +387,7 @@ impl Driver {
                     Err(_) => return,
                 }
             }
-            while open && self.flights.len() < self.cfg.max_inflight {
+            while open && self.flights.len() - self.abandoned < self.cfg.max_inflight {
                 match self.rx.try_recv() {
                     Ok(sub) => self.push(sub),
                     Err(TryRecvError::Empty) => break,
@@ -431,6 +455,7 @@ impl Driver {
                 payload,
                 call: None,
                 not_before: None,
+                abandoned: false,
             }),
             Err(e) => (sub.done)(Err(e)),
         }
@@ -442,30 +467,83 @@ impl Driver {
         Ok((M::KIND.as_u16(), payload.to_vec()))
     }
 
-    /// Fails the flights whose retry window has passed.
+    /// Fails the flights whose retry window has passed; an allocation among
+    /// them stays, abandoned (see the module essay), while there is room.
     fn expire(&mut self) {
         let window = Duration::from_millis(self.cfg.retry_window_ms);
         let now = Instant::now();
         let mut keep = VecDeque::with_capacity(self.flights.len());
-        for f in self.flights.drain(..) {
-            if f.call.is_none() && now >= f.sub.submitted + window {
-                (f.sub.done)(Err(PoolServiceError::new(
-                    ErrorCode::Timeout,
-                    format!(
-                        "no answer from the pool manager within {} ms (retried)",
-                        self.cfg.retry_window_ms
-                    ),
-                    self.cfg.retry_window_ms,
-                )));
-            } else {
+        for mut f in self.flights.drain(..) {
+            if f.abandoned || f.call.is_some() || now < f.sub.submitted + window {
                 keep.push_back(f);
+                continue;
+            }
+            let done = std::mem::replace(&mut f.sub.done, Box::new(drop));
+            done(Err(PoolServiceError::new(
+                ErrorCode::Timeout,
+                format!(
+                    "no answer from the pool manager within {} ms (retried)",
+                    self.cfg.retry_window_ms
+                ),
+                self.cfg.retry_window_ms,
+            )));
+            if !matches!(f.sub.request, PoolRequest::Alloc { .. }) {
+                continue;
+            }
+            if self.abandoned < MAX_ABANDONED {
+                tracing::warn!(
+                    seq = f.sub.seq,
+                    "an allocation timed out; resending it until the pool manager answers, to free what it allocated"
+                );
+                f.abandoned = true;
+                self.abandoned += 1;
+                keep.push_back(f);
+            } else {
+                tracing::error!(
+                    seq = f.sub.seq,
+                    max = MAX_ABANDONED,
+                    "an allocation timed out with too many abandoned ones pending; a region it allocated stays held until this directory's session ends"
+                );
             }
         }
         self.flights = keep;
     }
 
+    /// Queues a free of `handle`, allocated by an abandoned request. It
+    /// takes the next `seq` (so it may travel ahead of submissions still in
+    /// the channel; the daemon's reply cache takes `seq`s in any order).
+    fn undo(&mut self, handle: RegionHandle) {
+        let region = handle.region;
+        let mut next = self.next_seq.lock();
+        let sub = Submission {
+            seq: *next,
+            request: PoolRequest::Free {
+                region,
+                token: handle.token,
+            },
+            done: Box::new(move |r| match r {
+                Ok(_) => tracing::info!(region, "freed the region of an abandoned allocation"),
+                Err(e) => {
+                    tracing::error!(region, error = %e, "cannot free the region of an abandoned allocation")
+                }
+            }),
+            submitted: Instant::now(),
+        };
+        *next += 1;
+        drop(next);
+        let before = self.flights.len();
+        self.push(sub);
+        if self.flights.len() > before
+            && let Some(f) = self.flights.back_mut()
+        {
+            f.abandoned = true;
+            self.abandoned += 1;
+        }
+    }
+
     fn fail_all(&mut self, why: &str) {
         let err = || PoolServiceError::new(ErrorCode::SessionEnded, why, 0);
+        self.abandoned = 0;
         for f in self.flights.drain(..) {
             (f.sub.done)(Err(err()));
         }
@@ -600,6 +678,29 @@ impl Driver {
         match outcome {
             Outcome::Done(result) => {
                 let f = self.flights.pop_front().expect("the front exists");
+                if f.abandoned {
+                    self.abandoned -= 1;
+                    match (&f.sub.request, &result) {
+                        (PoolRequest::Alloc { .. }, Ok(PoolReply::Allocated(h))) => {
+                            self.undo(h.clone());
+                        }
+                        (PoolRequest::Alloc { .. }, Err(e))
+                            if e.error_code() == Some(ErrorCode::SequenceTooOld) =>
+                        {
+                            tracing::error!(
+                                seq = f.sub.seq,
+                                error = %e,
+                                "an abandoned allocation's outcome cannot be told; a region it allocated stays held until this directory's session ends"
+                            );
+                        }
+                        (PoolRequest::Alloc { .. }, Err(e)) => tracing::info!(
+                            seq = f.sub.seq,
+                            error = %e,
+                            "an abandoned allocation was refused; nothing to free"
+                        ),
+                        _ => {}
+                    }
+                }
                 (f.sub.done)(result);
             }
             Outcome::Resend { after_busy } => {
