@@ -1,8 +1,8 @@
 //! `cxlkv serve` as a process: it starts with no arguments, prints where it
-//! listens, serves, and shuts down cleanly on SIGTERM or SIGINT (exit 0, socket file
-//! removed, the pool manager's state kept), and a second start finds the
-//! region granted before the signal (the instance reattaches with its
-//! token). On both transport backends (`CXLKV_IO`).
+//! listens, serves, and shuts down cleanly on SIGTERM, SIGINT or SIGHUP
+//! (exit 0, socket file removed, the pool manager's state kept), and a
+//! second start finds the region granted before the signal (the instance
+//! reattaches with its token). On both transport backends (`CXLKV_IO`).
 //!
 //! The environment points the socket and the pool at private paths (same
 //! 2 GiB default size), so that the test never meets a real server or pool
@@ -181,6 +181,13 @@ fn serve_starts_with_no_arguments_and_stops_cleanly_on_sigterm() {
 #[test]
 fn serve_stops_cleanly_on_sigint_too() {
     serve_once("auto", "per-record", libc::SIGINT);
+}
+
+/// A closed terminal (session 23's server review: SIGHUP killed the server
+/// without a graceful stop, its socket file left behind).
+#[test]
+fn serve_stops_cleanly_on_sighup_too() {
+    serve_once("auto", "per-record", libc::SIGHUP);
 }
 
 #[test]

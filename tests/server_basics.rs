@@ -121,11 +121,22 @@ fn an_existing_socket_is_replaced_only_when_nobody_listens_on_it() {
     drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
     assert!(path.exists());
     let first = Server::start(cfg.clone()).expect("a stale socket is replaced");
-    // Answering: a second server on the same socket is refused.
+    // Answering: a second server on the same socket is refused — before it
+    // creates its pool (a server review, session 23: a refused start left
+    // a pool file and state directory of its own behind).
     let mut second = ServerConfig::ephemeral("sock-reuse-2");
     second.socket_path = path.clone();
+    second.remove_pool_on_shutdown = false;
+    let second_pool = second.pool_path.clone();
     let e = Server::start(second).map(|_| ()).unwrap_err();
     assert!(matches!(e, ServerError::AlreadyRunning { .. }), "{e}");
+    assert!(!second_pool.exists(), "the refused server created its pool");
+    let mut state = second_pool.into_os_string();
+    state.push(".state");
+    assert!(
+        !std::path::Path::new(&state).exists(),
+        "the refused server created its pool manager's state directory"
+    );
     drop(first);
 
     // Silent: a listener that never accepts (connecting still succeeds).

@@ -7,8 +7,9 @@
 //! fences its pools, listens on its Unix socket (and TCP if configured),
 //! prints one line `listening <endpoint>…` on standard output once it
 //! serves, and logs with `tracing` on standard error (`CXLKV_LOG`, default
-//! `info` for this command). SIGTERM or SIGINT stop it gracefully: no new
-//! requests, the journal committed and checkpointed, the locks released; a
+//! `info` for this command). SIGTERM or SIGINT (or SIGHUP) stop it
+//! gracefully: no new requests, the journal committed and checkpointed,
+//! the locks released; a
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start (another
 //! manager holds the state directory or a pool, a corrupt state, a foreign

@@ -7,8 +7,8 @@
 //! `[pool]`; flags, then `CXLKV_<SECTION>_<KEY>`, then the file, then
 //! defaults). Once it serves it prints one line `listening <endpoint>…` on
 //! standard output; logs go to standard error (`CXLKV_LOG`, default `info`).
-//! SIGTERM or SIGINT stop it gracefully: every connection closed (sessions
-//! end, pins released), region frees in flight waited for, the embedded pool
+//! SIGTERM or SIGINT (or SIGHUP) stop it gracefully: every connection
+//! closed (sessions end, pins released), region frees in flight waited for, the embedded pool
 //! manager's journal committed and checkpointed, the socket file removed; a
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start, when its stop

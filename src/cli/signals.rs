@@ -20,14 +20,15 @@ use std::time::{Duration, Instant};
 /// How long a graceful stop may take before the command exits without
 /// finishing it. It waits for region frees in flight (at most 2 s) and for
 /// the journal's commit and checkpoint; 30 s leaves a slow device ample
-/// room and stays inside the common service-manager stop timeouts (90 s for
-/// systemd).
+/// room and stays inside the service manager's stop timeout (systemd's
+/// default 90 s; the units in `deploy/systemd` set `TimeoutStopSec=45s`, so
+/// that this deadline, not a SIGKILL, ends a stuck stop).
 pub(crate) const STOP_DEADLINE: Duration = Duration::from_secs(30);
 
 /// How often a stop in progress is checked for a second signal.
 const STOP_POLL: Duration = Duration::from_millis(20);
 
-/// Blocks SIGTERM and SIGINT in the calling thread (and so in every thread
+/// Blocks SIGTERM, SIGINT and SIGHUP in the calling thread (and so in every thread
 /// it starts afterwards), to be taken with `sigtimedwait`.
 pub(crate) fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
     // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
@@ -38,6 +39,8 @@ pub(crate) fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGINT);
+        // A closed terminal: stop as gracefully as when asked to.
+        libc::sigaddset(&mut set, libc::SIGHUP);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
     };
     anyhow::ensure!(rc == 0, "pthread_sigmask failed with {rc}");
@@ -62,6 +65,7 @@ pub(crate) fn signal_name(sig: i32) -> String {
     match sig {
         libc::SIGTERM => "SIGTERM".into(),
         libc::SIGINT => "SIGINT".into(),
+        libc::SIGHUP => "SIGHUP".into(),
         other => format!("signal {other}"),
     }
 }

@@ -313,31 +313,43 @@ impl ServerConfig {
         })
     }
 
-    /// Checks the fields the directory does not check itself.
+    /// Checks the fields the directory does not check itself (first, where
+    /// the server's range is narrower than the directory's own), then the
+    /// directory's.
     pub fn validate(&self) -> Result<(), ServerError> {
         let bad = |m: String| Err(ServerError::Config(m));
-        self.directory.validate()?;
-        if self.directory.max_batch > proto::MAX_BATCH {
+        let d = &self.directory;
+        if !(1..=proto::MAX_BATCH).contains(&d.max_batch) {
             return bad(format!(
-                "directory.max_batch = {} is over the protocol's MAX_BATCH = {}",
-                self.directory.max_batch,
+                "directory.max_batch = {} is not in 1..={} (the protocol's MAX_BATCH)",
+                d.max_batch,
                 proto::MAX_BATCH
             ));
         }
-        if self.directory.max_pins_per_call as usize > proto::MAX_PINS_PER_KEY {
+        let pins = crate::tier::Holds::MAX..=proto::MAX_PINS_PER_KEY as u32;
+        if !pins.contains(&d.max_pins_per_call) {
             return bad(format!(
-                "directory.max_pins_per_call = {} is over the protocol's MAX_PINS_PER_KEY = {}",
-                self.directory.max_pins_per_call,
-                proto::MAX_PINS_PER_KEY
+                "directory.max_pins_per_call = {} is not in {}..={}: at least the most read holds an L1 tier takes on a key in one call, at most the protocol's MAX_PINS_PER_KEY",
+                d.max_pins_per_call,
+                pins.start(),
+                pins.end()
             ));
         }
-        if self.directory.max_pins_per_call < crate::tier::Holds::MAX {
+        if d.session_lease < MIN_SESSION_LEASE {
             return bad(format!(
-                "directory.max_pins_per_call = {} is under {}, the most read holds an L1 tier takes on a key in one call",
-                self.directory.max_pins_per_call,
-                crate::tier::Holds::MAX
+                "directory.session_lease (lease_ms) = {} ms is under {} ms: clients heartbeat every third of it, and a shorter lease ends live sessions (and drops their pins) on any scheduling hiccup",
+                d.session_lease.as_millis(),
+                MIN_SESSION_LEASE.as_millis()
             ));
         }
+        if d.instance_grace < MIN_INSTANCE_GRACE {
+            return bad(format!(
+                "directory.instance_grace (grace_ms) = {} ms is under {} ms: an instance must have time to reconnect before its regions are freed under its mappings",
+                d.instance_grace.as_millis(),
+                MIN_INSTANCE_GRACE.as_millis()
+            ));
+        }
+        self.directory.validate()?;
         if self.directory_id.is_empty() || self.directory_id.len() > proto::MAX_NAME_BYTES {
             return bad(format!(
                 "directory_id must be 1..={} bytes",
@@ -375,7 +387,62 @@ impl ServerConfig {
         if self.default_region_bytes == 0 {
             return bad("default_region_bytes must be positive".into());
         }
+        if self.default_region_bytes > d.max_region_bytes {
+            return bad(format!(
+                "default_region_bytes = {} is over directory.max_region_bytes = {}: every request for the default would be refused",
+                self.default_region_bytes, d.max_region_bytes
+            ));
+        }
+        if let Some(q) = d.max_instance_quota_bytes
+            && self.default_region_bytes > q
+        {
+            return bad(format!(
+                "default_region_bytes = {} is over the instance quota directory.max_instance_quota_bytes (quota_bytes) = {q}: no instance could take a region of the default size",
+                self.default_region_bytes
+            ));
+        }
+        if self.pool_manager.is_none() && self.default_region_bytes >= self.pool_size_bytes {
+            return bad(format!(
+                "default_region_bytes = {} does not fit the embedded pool of pool_size_bytes = {} (its first block holds the pool header)",
+                self.default_region_bytes, self.pool_size_bytes
+            ));
+        }
         Ok(())
+    }
+}
+
+/// Shortest `directory.session_lease` a server accepts.
+pub const MIN_SESSION_LEASE: Duration = Duration::from_millis(100);
+/// Shortest `directory.instance_grace` a server accepts.
+pub const MIN_INSTANCE_GRACE: Duration = Duration::from_millis(100);
+
+/// The configuration file's name for a directory field, where the two
+/// differ (`[directory]` keys, docs/operations.md).
+fn config_file_key(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "session_lease" => "lease_ms",
+        "instance_grace" => "grace_ms",
+        "max_instance_quota_bytes" => "quota_bytes",
+        "long_held_pin" => "long_pin_ms",
+        "reply_cache_bytes_per_instance" => "reply_cache_bytes",
+        "eviction.orphans" => "orphan_eviction",
+        "eviction.pool_high_watermark" => "high_watermark",
+        "eviction.pool_low_watermark" => "low_watermark",
+        "eviction.lru" => "lru",
+        "eviction.lru_high_fill" => "lru_high_fill",
+        "eviction.lru_low_fill" => "lru_low_fill",
+        "eviction.max_evictions_per_tick" => "max_evictions_per_tick",
+        _ => return None,
+    })
+}
+
+fn directory_error_hint(e: &ConfigError) -> String {
+    match e {
+        ConfigError::OutOfRange { field, .. } => match config_file_key(field) {
+            Some(key) => format!(" (in a configuration file: [directory] {key})"),
+            None => String::new(),
+        },
+        _ => String::new(),
     }
 }
 
@@ -385,7 +452,7 @@ impl ServerConfig {
 pub enum ServerError {
     #[error("invalid server configuration: {0}")]
     Config(String),
-    #[error(transparent)]
+    #[error("invalid directory configuration: {0}{hint}", hint = directory_error_hint(.0))]
     Directory(#[from] ConfigError),
     #[error("the pool manager: {0}")]
     PoolService(String),
@@ -489,6 +556,9 @@ impl Server {
             tracing::error!(error = %why, "server start failed");
         };
         let started = (|| {
+            // Before the pool is opened (or created): a server already
+            // listening here fails the start without touching any file.
+            prepare_socket(&config.socket_path)?;
             let opened = pool::open(&pool_cfg, &config.directory_id)?;
             let mut pool_core = opened.core;
             let result = (|| {
@@ -534,7 +604,6 @@ impl Server {
                 .metrics_listen
                 .map(MetricsEndpoint::bind)
                 .transpose()?;
-            prepare_socket(&config.socket_path)?;
             let mut endpoints = vec![Endpoint::Unix(config.socket_path.clone())];
             if let Some(addr) = config.tcp_listen {
                 endpoints.push(Endpoint::Tcp(addr));
@@ -922,6 +991,71 @@ mod tests {
         );
         cfg.directory.max_pins_per_call = crate::tier::Holds::MAX;
         cfg.validate().unwrap();
+    }
+
+    fn refused(cfg: &ServerConfig) -> String {
+        cfg.validate().expect_err("refused").to_string()
+    }
+
+    /// Found by a review of the server's configuration (session 23): a
+    /// 1 ms lease ended heartbeating sessions (and dropped their pins) nine
+    /// times a second, a zero grace freed regions under their mappings.
+    #[test]
+    fn a_lease_or_grace_too_short_for_live_clients_is_refused() {
+        let mut cfg = ServerConfig::ephemeral("short-lease");
+        cfg.directory.session_lease = std::time::Duration::from_millis(1);
+        let m = refused(&cfg);
+        assert!(m.contains("lease_ms) = 1 ms is under 100 ms"), "{m}");
+        cfg.directory.session_lease = super::MIN_SESSION_LEASE;
+        cfg.directory.instance_grace = std::time::Duration::ZERO;
+        let m = refused(&cfg);
+        assert!(m.contains("grace_ms) = 0 ms is under 100 ms"), "{m}");
+        cfg.directory.instance_grace = super::MIN_INSTANCE_GRACE;
+        cfg.validate().unwrap();
+    }
+
+    /// Same review: a default region over the largest region a request may
+    /// take, over the quota or over the pool started and then refused every
+    /// client that asked for the default.
+    #[test]
+    fn a_default_region_no_request_could_get_is_refused() {
+        let mut cfg = ServerConfig::ephemeral("region-default");
+        cfg.directory.max_region_bytes = 8 << 20;
+        cfg.default_region_bytes = 16 << 20;
+        assert!(refused(&cfg).contains("over directory.max_region_bytes"));
+        cfg.directory.max_region_bytes = 1 << 40;
+        cfg.directory.max_instance_quota_bytes = Some(8 << 20);
+        assert!(refused(&cfg).contains("over the instance quota"));
+        cfg.directory.max_instance_quota_bytes = None;
+        cfg.default_region_bytes = cfg.pool_size_bytes;
+        assert!(refused(&cfg).contains("does not fit the embedded pool"));
+        cfg.default_region_bytes = 4 << 20;
+        cfg.validate().unwrap();
+    }
+
+    /// Same review: the directory's own range for a field the server
+    /// narrows was reported instead of the server's, and under the
+    /// directory's field names rather than the configuration file's.
+    #[test]
+    fn a_refused_value_is_reported_with_its_real_range_and_file_key() {
+        let mut cfg = ServerConfig::ephemeral("ranges");
+        cfg.directory.max_batch = 5000;
+        assert!(
+            refused(&cfg).contains("not in 1..=4096"),
+            "{}",
+            refused(&cfg)
+        );
+        cfg.directory.max_batch = 4096;
+        cfg.directory.max_pins_per_call = 2000;
+        assert!(
+            refused(&cfg).contains("not in 128..=1024"),
+            "{}",
+            refused(&cfg)
+        );
+        cfg.directory.max_pins_per_call = 1024;
+        cfg.directory.eviction.pool_low_watermark = 0.95;
+        let m = refused(&cfg);
+        assert!(m.contains("[directory] low_watermark"), "{m}");
     }
 
     #[test]
