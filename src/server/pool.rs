@@ -7,7 +7,7 @@
 //! pool manager is asked for every region it holds for this directory id
 //! ([`recover`]); the server confirms them to the pool manager at once (its
 //! reaper would otherwise reclaim them after its own grace period), and
-//! hands them to `Directory::recover`, which keeps those whose owners
+//! hands those confirmed to `Directory::recover`, which keeps those whose owners
 //! reattach within the instance grace period and frees the others.
 
 use std::path::PathBuf;
@@ -138,6 +138,7 @@ pub(crate) fn recover(pool: &dyn PoolService) -> Result<Vec<RecoveredRegion>, Se
             break;
         }
     }
+    let mut refused = std::collections::HashSet::new();
     for chunk in handles.chunks(proto::MAX_REATTACH_REGIONS) {
         match call(
             pool,
@@ -146,19 +147,24 @@ pub(crate) fn recover(pool: &dyn PoolService) -> Result<Vec<RecoveredRegion>, Se
             },
         )? {
             PoolReply::Reattached(r) => {
-                for refused in &r.refused {
+                for no in &r.refused {
                     tracing::warn!(
-                        region = refused.region,
-                        code = refused.code,
-                        "the pool manager did not confirm a region of this directory"
+                        region = no.region,
+                        code = no.code,
+                        "the pool manager did not confirm a region of this directory; not recovered"
                     );
+                    refused.insert(no.region);
                 }
             }
             other => return Err(unexpected("ReattachRegions", &other)),
         }
     }
+    // A region refused here (reclaimed since it was listed, say) is not
+    // this directory's any more: recovering it would let its owner reattach
+    // to bytes the pool manager may grant to someone else.
     handles
         .iter()
+        .filter(|h| !refused.contains(&h.region))
         .map(|h| {
             let owner = InstanceId::new(&h.owner.instance_id).map_err(|e| {
                 ServerError::PoolService(format!("region {} has owner label {e}", h.region))
@@ -201,4 +207,63 @@ pub(crate) fn default_state_dir(path: &std::path::Path) -> PathBuf {
     let mut s = path.as_os_str().to_owned();
     s.push(".state");
     PathBuf::from(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use cxlkv_controlplane::pool::service::{PoolCallback, PoolReply, PoolRequest, PoolService};
+    use cxlkv_controlplane::proto::{
+        OwnerLabel, PoolWelcome, RefusedRegion, RegionHandle, RegionList, RegionToken,
+        RegionsReattached,
+    };
+
+    /// Lists two regions and refuses the second at the reattach (as a pool
+    /// manager does for one its reaper reclaimed in between).
+    #[derive(Debug)]
+    struct ReclaimsOne;
+
+    fn handle(region: u64) -> RegionHandle {
+        RegionHandle {
+            region,
+            pool: 0,
+            offset_bytes: region << 21,
+            len_bytes: 1 << 21,
+            owner: OwnerLabel {
+                directory_id: "d".into(),
+                instance_id: "i".into(),
+            },
+            token: RegionToken([region as u8; 32]),
+        }
+    }
+
+    impl PoolService for ReclaimsOne {
+        fn submit(&self, request: PoolRequest, done: PoolCallback) {
+            done(Ok(match request {
+                PoolRequest::List { .. } => PoolReply::Regions(RegionList {
+                    handles: vec![handle(1), handle(2)],
+                    more: false,
+                }),
+                PoolRequest::Reattach { .. } => PoolReply::Reattached(RegionsReattached {
+                    accepted: vec![1],
+                    refused: vec![RefusedRegion {
+                        region: 2,
+                        code: cxlkv_controlplane::proto::ErrorCode::UnknownRegion.as_u16(),
+                    }],
+                }),
+                other => panic!("unexpected request {other:?}"),
+            }))
+        }
+
+        fn welcome(&self) -> PoolWelcome {
+            unreachable!("not asked")
+        }
+    }
+
+    /// Found by a review of the server (session 23).
+    #[test]
+    fn a_region_the_pool_manager_refuses_at_the_reattach_is_not_recovered() {
+        let recovered = super::recover(&ReclaimsOne).unwrap();
+        let ids: Vec<u64> = recovered.iter().map(|r| r.handle.region.0).collect();
+        assert_eq!(ids, vec![1]);
+    }
 }
