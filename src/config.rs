@@ -611,10 +611,7 @@ pub fn host_port(s: &str) -> Result<SocketAddr, String> {
 }
 
 fn de_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    match Bytes::deserialize(d)? {
-        Bytes::Int(n) => Ok(n),
-        Bytes::Text(s) => parse_bytes(&s).map_err(serde::de::Error::custom),
-    }
+    de_opt_bytes(d)?.ok_or_else(|| serde::de::Error::custom("a byte count is required"))
 }
 
 /// One pool of `[pool] pools`.
@@ -648,12 +645,14 @@ pub enum VisibilityName {
     Flush,
 }
 
-/// An integer, or a string with a binary suffix.
+/// An integer, or a string with a binary suffix (anything else is refused
+/// with a message saying so, not serde's "did not match any variant").
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum Bytes {
     Int(u64),
     Text(String),
+    Other(toml::Value),
 }
 
 fn de_opt_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -661,6 +660,9 @@ fn de_opt_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D
         None => Ok(None),
         Some(Bytes::Int(n)) => Ok(Some(n)),
         Some(Bytes::Text(s)) => parse_bytes(&s).map(Some).map_err(serde::de::Error::custom),
+        Some(Bytes::Other(v)) => Err(serde::de::Error::custom(format!(
+            "{v} is not a byte count: a non-negative integer or a string such as \"64MiB\""
+        ))),
     }
 }
 
@@ -1387,5 +1389,23 @@ mod tests {
         assert!(parse_bytes("2GB").is_err());
         assert!(parse_bytes("x").is_err());
         assert!(parse_bytes("99999999999TiB").is_err());
+    }
+
+    /// Found by a review of the configuration (session 23): serde's "data
+    /// did not match any variant of untagged enum Bytes" instead.
+    #[test]
+    fn a_byte_count_of_the_wrong_kind_is_refused_saying_what_a_byte_count_is() {
+        for (text, shown) in [
+            ("default_region_bytes = -5", "-5"),
+            ("default_region_bytes = 1.5", "1.5"),
+            ("default_region_bytes = true", "true"),
+        ] {
+            let f = file(&format!("[server]\n{text}\n"));
+            let e = load(Some(f.path()), env(&[]), &[]).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{shown} is not a byte count")) && !e.contains("variant"),
+                "{text}: {e}"
+            );
+        }
     }
 }
