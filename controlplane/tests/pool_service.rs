@@ -303,6 +303,25 @@ fn a_retried_seq_is_answered_once_and_a_seq_older_than_the_cache_is_refused() {
     core.shutdown().unwrap();
 }
 
+/// Found by a review of the pool service (session 23): a seq of `u64::MAX`
+/// was taken (and journaled as a tag), and every later welcome's
+/// `last_seq + 1` overflowed.
+#[test]
+fn a_seq_near_overflow_is_refused_and_changes_nothing() {
+    let dir = Dir::new("seq-max");
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, 60_000)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let w = Wire::connect(&dir.socket());
+    w.hello("dir-a");
+    let (code, _) = w.alloc("dir-a", u64::MAX).unwrap_err();
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert_eq!(regions(&w), 0);
+    let w2 = Wire::connect(&dir.socket());
+    assert_eq!(w2.hello("dir-a").last_seq, 0);
+    core.shutdown().unwrap();
+}
+
 #[test]
 fn a_retried_allocation_after_a_restart_returns_the_committed_region() {
     let dir = Dir::new("tag");
@@ -394,16 +413,20 @@ fn an_allocation_retried_after_its_region_was_reclaimed_is_not_answered_with_it(
     core.shutdown().unwrap();
 }
 
-/// A TCP proxy in front of the pool service that, while `cut` is set,
-/// closes a connection as soon as the service sends anything on it: requests
-/// are carried out, their replies lost.
-struct CuttingProxy {
+/// A TCP proxy in front of the pool service. While `cut` is set it closes
+/// a connection as soon as the service sends anything on it (requests are
+/// carried out, their replies lost with the connection); while `mute` is
+/// set it drops what the service sends and keeps the connection open (a
+/// silent daemon; the stream is unframed once it does, so a test does not
+/// unmute).
+struct Proxy {
     addr: std::net::SocketAddr,
     cut: Arc<AtomicBool>,
+    mute: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
 }
 
-impl CuttingProxy {
+impl Proxy {
     fn start(upstream: &Endpoint) -> Self {
         let Endpoint::Tcp(up) = upstream.clone() else {
             panic!("a TCP upstream")
@@ -412,8 +435,9 @@ impl CuttingProxy {
         listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
+        let mute = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
-        let (c, st) = (Arc::clone(&cut), Arc::clone(&stop));
+        let (c, m, st) = (Arc::clone(&cut), Arc::clone(&mute), Arc::clone(&stop));
         std::thread::spawn(move || {
             while !st.load(Ordering::Relaxed) {
                 match listener.accept() {
@@ -421,7 +445,7 @@ impl CuttingProxy {
                         down.set_nonblocking(false).unwrap();
                         let up = TcpStream::connect(up).unwrap();
                         Self::pipe(down.try_clone().unwrap(), up.try_clone().unwrap(), None);
-                        Self::pipe(up, down, Some(Arc::clone(&c)));
+                        Self::pipe(up, down, Some((Arc::clone(&c), Arc::clone(&m))));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(Duration::from_millis(2));
@@ -430,12 +454,21 @@ impl CuttingProxy {
                 }
             }
         });
-        Self { addr, cut, stop }
+        Self {
+            addr,
+            cut,
+            mute,
+            stop,
+        }
     }
 
-    /// Copies `from` to `to` until either ends; with `cut` set, ends both
-    /// instead of copying.
-    fn pipe(mut from: TcpStream, mut to: TcpStream, cut: Option<Arc<AtomicBool>>) {
+    /// Copies `from` to `to` until either ends; `faults` (cut, mute) apply
+    /// to the service's side.
+    fn pipe(
+        mut from: TcpStream,
+        mut to: TcpStream,
+        faults: Option<(Arc<AtomicBool>, Arc<AtomicBool>)>,
+    ) {
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 64 << 10];
             loop {
@@ -443,8 +476,13 @@ impl CuttingProxy {
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 };
-                if cut.as_ref().is_some_and(|c| c.load(Ordering::SeqCst)) {
-                    break;
+                if let Some((cut, mute)) = &faults {
+                    if cut.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    if mute.load(Ordering::SeqCst) {
+                        continue;
+                    }
                 }
                 if to.write_all(&buf[..n]).is_err() {
                     break;
@@ -456,10 +494,26 @@ impl CuttingProxy {
     }
 }
 
-impl Drop for CuttingProxy {
+impl Drop for Proxy {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
+}
+
+/// Submits `request`; its answer (the error code, if any) comes on `tx`.
+fn submit_to(
+    remote: &RemotePool,
+    request: PoolRequest,
+    label: &'static str,
+    tx: &std::sync::mpsc::Sender<(&'static str, Option<ErrorCode>)>,
+) {
+    let tx = tx.clone();
+    remote.submit(
+        request,
+        Box::new(move |r| {
+            let _ = tx.send((label, r.err().and_then(|e| e.error_code())));
+        }),
+    );
 }
 
 #[test]
@@ -468,7 +522,7 @@ fn an_allocation_that_timed_out_after_it_ran_is_freed_once_the_manager_answers()
     // Longer than every wait below: the region is not reclaimed meanwhile.
     let (core, ep) = tcp_core(&dir, 120_000);
     let observer = Wire::connect_to(&ep);
-    let proxy = CuttingProxy::start(&ep);
+    let proxy = Proxy::start(&ep);
     let mut rc = RemoteConfig::new(Endpoint::Tcp(proxy.addr), "dir-abandoned");
     rc.reconnect_backoff_ms = 20;
     rc.request_timeout_ms = 200;
@@ -476,16 +530,11 @@ fn an_allocation_that_timed_out_after_it_ran_is_freed_once_the_manager_answers()
     let (remote, _) = RemotePool::connect(rc).unwrap();
     proxy.cut.store(true, Ordering::SeqCst);
     let (tx, rx) = std::sync::mpsc::channel();
-    remote.submit(
-        alloc("i"),
-        Box::new(move |r| {
-            let _ = tx.send(r);
-        }),
-    );
+    submit_to(&remote, alloc("i"), "alloc", &tx);
     let answer = rx.recv_timeout(TIMEOUT).expect("an answer");
     assert_eq!(
-        answer.unwrap_err().error_code(),
-        Some(ErrorCode::Timeout),
+        answer,
+        ("alloc", Some(ErrorCode::Timeout)),
         "every reply was lost"
     );
     assert_eq!(
@@ -499,6 +548,44 @@ fn an_allocation_that_timed_out_after_it_ran_is_freed_once_the_manager_answers()
     });
     let h = allocated(remote.call(alloc("i"), TIMEOUT));
     assert_eq!(list_all(&remote), vec![h], "the session goes on");
+    drop(remote);
+    drop(proxy);
+    core.shutdown().unwrap();
+}
+
+/// Found by a review of the pool service (session 23): with the front
+/// flight an abandoned allocation (resent until answered), the requests on
+/// the wire behind it were never waited for, so never timed out.
+#[test]
+fn requests_behind_an_abandoned_allocation_still_time_out_when_the_daemon_is_silent() {
+    let dir = Dir::new("muted");
+    let (core, ep) = tcp_core(&dir, 120_000);
+    let proxy = Proxy::start(&ep);
+    let mut rc = RemoteConfig::new(Endpoint::Tcp(proxy.addr), "dir-muted");
+    rc.reconnect_backoff_ms = 20;
+    rc.request_timeout_ms = 200;
+    rc.retry_window_ms = 500;
+    let (remote, _) = RemotePool::connect(rc).unwrap();
+    proxy.mute.store(true, Ordering::SeqCst);
+    let (tx, rx) = std::sync::mpsc::channel();
+    submit_to(&remote, alloc("i"), "alloc", &tx);
+    submit_to(&remote, PoolRequest::Stats, "stats", &tx);
+    let mut answers = Vec::new();
+    while answers.len() < 2 {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(a) => answers.push(a),
+            Err(_) => break,
+        }
+    }
+    answers.sort_by_key(|(label, _)| *label);
+    assert_eq!(
+        answers,
+        vec![
+            ("alloc", Some(ErrorCode::Timeout)),
+            ("stats", Some(ErrorCode::Timeout))
+        ],
+        "a retry window of 0.5 s, and 10 s more"
+    );
     drop(remote);
     drop(proxy);
     core.shutdown().unwrap();

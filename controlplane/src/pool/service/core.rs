@@ -985,6 +985,18 @@ impl Core {
         seq: u64,
         run: impl FnOnce(&mut Self) -> Result<Result<Cached, PoolServiceError>, PoolServiceError>,
     ) -> Result<PoolReply, PoolServiceError> {
+        // Kept far from overflow: `last_seq + 1` is where a directory's next
+        // session counts from (and a seq is an allocation's journaled tag).
+        if seq > crate::directory::MAX_SEQUENCE {
+            return Err(PoolServiceError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "seq {seq} is above the largest accepted, {}",
+                    crate::directory::MAX_SEQUENCE
+                ),
+                crate::directory::MAX_SEQUENCE,
+            ));
+        }
         let cache = self
             .caches
             .entry(dir)

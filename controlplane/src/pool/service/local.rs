@@ -76,7 +76,7 @@ impl LocalPool {
                 let pool = Self {
                     link,
                     session,
-                    next_seq: Mutex::new(welcome.last_seq + 1),
+                    next_seq: Mutex::new(welcome.last_seq.saturating_add(1)),
                     welcome: welcome.clone(),
                 };
                 Ok((pool, PoolSession { welcome, fds }))

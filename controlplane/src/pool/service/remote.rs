@@ -238,7 +238,7 @@ impl RemotePool {
             closing: AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::sync_channel(cfg.max_queued);
-        let next_seq = Arc::new(Mutex::new(session.welcome.last_seq + 1));
+        let next_seq = Arc::new(Mutex::new(session.welcome.last_seq.saturating_add(1)));
         let driver = Driver {
             client: Some(client),
             cfg,
@@ -322,7 +322,9 @@ impl PoolService for RemotePool {
 
 impl Drop for RemotePool {
     /// Fails what is still queued (`SessionEnded`) and stops the driver; may
-    /// wait for one request attempt in flight (`request_timeout_ms`).
+    /// wait for the driver's step in progress: one request attempt
+    /// (`request_timeout_ms`) or one reconnection (backoff, connect, hello,
+    /// and a `request_timeout_ms` per reattach chunk).
     fn drop(&mut self) {
         // Release/Acquire: nothing else is published with the flag; the
         // dropped sender tells the driver the same thing through the channel.
@@ -467,14 +469,17 @@ impl Driver {
         Ok((M::KIND.as_u16(), payload.to_vec()))
     }
 
-    /// Fails the flights whose retry window has passed; an allocation among
-    /// them stays, abandoned (see the module essay), while there is room.
+    /// Fails the flights whose retry window has passed, on the wire or not
+    /// (only the front one is waited for: one behind an abandoned
+    /// allocation would otherwise wait as long as the daemon stays silent);
+    /// an allocation among them stays, abandoned (see the module essay),
+    /// while there is room.
     fn expire(&mut self) {
         let window = Duration::from_millis(self.cfg.retry_window_ms);
         let now = Instant::now();
         let mut keep = VecDeque::with_capacity(self.flights.len());
         for mut f in self.flights.drain(..) {
-            if f.abandoned || f.call.is_some() || now < f.sub.submitted + window {
+            if f.abandoned || now < f.sub.submitted + window {
                 keep.push_back(f);
                 continue;
             }
