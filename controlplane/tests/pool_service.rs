@@ -418,12 +418,19 @@ fn an_allocation_retried_after_its_region_was_reclaimed_is_not_answered_with_it(
 /// carried out, their replies lost with the connection); while `mute` is
 /// set it drops what the service sends and keeps the connection open (a
 /// silent daemon; the stream is unframed once it does, so a test does not
-/// unmute).
+/// unmute); once `freeze` is set it forwards nothing either way and never
+/// closes either side (a directory host gone without a FIN).
 struct Proxy {
     addr: std::net::SocketAddr,
-    cut: Arc<AtomicBool>,
-    mute: Arc<AtomicBool>,
+    faults: Arc<Faults>,
     stop: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+struct Faults {
+    cut: AtomicBool,
+    mute: AtomicBool,
+    freeze: AtomicBool,
 }
 
 impl Proxy {
@@ -434,18 +441,18 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
-        let cut = Arc::new(AtomicBool::new(false));
-        let mute = Arc::new(AtomicBool::new(false));
+        let faults = Arc::new(Faults::default());
         let stop = Arc::new(AtomicBool::new(false));
-        let (c, m, st) = (Arc::clone(&cut), Arc::clone(&mute), Arc::clone(&stop));
+        let (f, st) = (Arc::clone(&faults), Arc::clone(&stop));
         std::thread::spawn(move || {
             while !st.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((down, _)) => {
                         down.set_nonblocking(false).unwrap();
                         let up = TcpStream::connect(up).unwrap();
-                        Self::pipe(down.try_clone().unwrap(), up.try_clone().unwrap(), None);
-                        Self::pipe(up, down, Some((Arc::clone(&c), Arc::clone(&m))));
+                        let to_service = (down.try_clone().unwrap(), up.try_clone().unwrap());
+                        Self::pipe(to_service, false, Arc::clone(&f), Arc::clone(&st));
+                        Self::pipe((up, down), true, Arc::clone(&f), Arc::clone(&st));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(Duration::from_millis(2));
@@ -454,35 +461,50 @@ impl Proxy {
                 }
             }
         });
-        Self {
-            addr,
-            cut,
-            mute,
-            stop,
-        }
+        Self { addr, faults, stop }
     }
 
-    /// Copies `from` to `to` until either ends; `faults` (cut, mute) apply
-    /// to the service's side.
+    /// Copies `from` to `to` until either ends (`from_service`: the
+    /// service's side, where `cut` and `mute` apply).
     fn pipe(
-        mut from: TcpStream,
-        mut to: TcpStream,
-        faults: Option<(Arc<AtomicBool>, Arc<AtomicBool>)>,
+        (mut from, mut to): (TcpStream, TcpStream),
+        from_service: bool,
+        faults: Arc<Faults>,
+        stop: Arc<AtomicBool>,
     ) {
         std::thread::spawn(move || {
+            from.set_read_timeout(Some(Duration::from_millis(10)))
+                .unwrap();
             let mut buf = vec![0u8; 64 << 10];
             loop {
-                let n = match from.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                if let Some((cut, mute)) = &faults {
-                    if cut.load(Ordering::SeqCst) {
-                        break;
+                let read = from.read(&mut buf);
+                // Checked after the read too: a close that arrives once
+                // frozen is not passed on either.
+                if faults.freeze.load(Ordering::SeqCst) {
+                    // Both sockets stay open, silent, until the test ends.
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(10));
                     }
-                    if mute.load(Ordering::SeqCst) {
+                    return;
+                }
+                let n = match read {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
                         continue;
                     }
+                    Err(_) => break,
+                };
+                if from_service && faults.cut.load(Ordering::SeqCst) {
+                    break;
+                }
+                if from_service && faults.mute.load(Ordering::SeqCst) {
+                    continue;
                 }
                 if to.write_all(&buf[..n]).is_err() {
                     break;
@@ -528,7 +550,7 @@ fn an_allocation_that_timed_out_after_it_ran_is_freed_once_the_manager_answers()
     rc.request_timeout_ms = 200;
     rc.retry_window_ms = 500;
     let (remote, _) = RemotePool::connect(rc).unwrap();
-    proxy.cut.store(true, Ordering::SeqCst);
+    proxy.faults.cut.store(true, Ordering::SeqCst);
     let (tx, rx) = std::sync::mpsc::channel();
     submit_to(&remote, alloc("i"), "alloc", &tx);
     let answer = rx.recv_timeout(TIMEOUT).expect("an answer");
@@ -542,7 +564,7 @@ fn an_allocation_that_timed_out_after_it_ran_is_freed_once_the_manager_answers()
         1,
         "the allocation ran; its directory was told it timed out"
     );
-    proxy.cut.store(false, Ordering::SeqCst);
+    proxy.faults.cut.store(false, Ordering::SeqCst);
     eventually("the abandoned allocation's region to be freed", || {
         regions(&observer) == 0
     });
@@ -566,7 +588,7 @@ fn requests_behind_an_abandoned_allocation_still_time_out_when_the_daemon_is_sil
     rc.request_timeout_ms = 200;
     rc.retry_window_ms = 500;
     let (remote, _) = RemotePool::connect(rc).unwrap();
-    proxy.mute.store(true, Ordering::SeqCst);
+    proxy.faults.mute.store(true, Ordering::SeqCst);
     let (tx, rx) = std::sync::mpsc::channel();
     submit_to(&remote, alloc("i"), "alloc", &tx);
     submit_to(&remote, PoolRequest::Stats, "stats", &tx);
@@ -587,6 +609,57 @@ fn requests_behind_an_abandoned_allocation_still_time_out_when_the_daemon_is_sil
         "a retry window of 0.5 s, and 10 s more"
     );
     drop(remote);
+    drop(proxy);
+    core.shutdown().unwrap();
+}
+
+/// Found by a review of the pool service (session 23): a directory whose
+/// host vanished (no FIN, no RST) kept its connection, so its regions were
+/// never reclaimed and its id stayed taken until the daemon restarted.
+#[test]
+fn a_directory_whose_host_vanished_loses_its_regions_and_its_id_is_free_again() {
+    let dir = Dir::new("vanished");
+    let grace_ms = 200;
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    let eps = core
+        .listen(
+            &[Endpoint::Tcp("127.0.0.1:0".parse().unwrap())],
+            ServerConfig {
+                idle_timeout_ms: Some(500),
+                ..ServerConfig::default()
+            },
+        )
+        .unwrap();
+    let ep = eps[0].clone();
+    // A connection of its own per look: an idle one would be closed.
+    let regions_now = || regions(&Wire::connect_to(&ep));
+    let proxy = Proxy::start(&ep);
+    let mut rc = RemoteConfig::new(Endpoint::Tcp(proxy.addr), "dir-v");
+    rc.ping_ms = 100;
+    let (remote, _) = RemotePool::connect(rc).unwrap();
+    allocated(remote.call(alloc("i"), TIMEOUT));
+    // Pings keep an idle directory's connection open past the timeout.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(core.stats().reclaimed, 0, "a live, idle directory");
+    proxy.faults.freeze.store(true, Ordering::SeqCst);
+    drop(remote);
+    let mut cfg = RemoteConfig::new(ep.clone(), "dir-v");
+    cfg.ping_ms = 100;
+    let start = Instant::now();
+    let replacement = loop {
+        match RemotePool::connect(cfg.clone()) {
+            Ok((r, _)) => break r,
+            Err(e) => assert!(
+                start.elapsed() < EVENTUALLY,
+                "the replacement is still refused: {e}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    eventually("the vanished directory's region to be reclaimed", || {
+        regions_now() == 0
+    });
+    drop(replacement);
     drop(proxy);
     core.shutdown().unwrap();
 }

@@ -269,6 +269,37 @@ fn a_partial_frame_held_too_long_closes_that_connection() {
     }
 }
 
+/// `idle_timeout_ms`: a connection that sends nothing is closed; one that
+/// keeps sending is not (the pool service's way of noticing a directory
+/// host gone without closing).
+#[test]
+fn a_connection_silent_for_the_idle_timeout_is_closed_and_a_talking_one_is_not() {
+    for backend in backends() {
+        let mut cfg = server_config(backend);
+        cfg.idle_timeout_ms = Some(300);
+        let f = start(backend, cfg);
+        let talking = f.client(&f.unix);
+        let mut silent = Raw::connect(&f.unix);
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_millis(900) {
+            talking
+                .call(ECHO, b"ping", Duration::from_secs(5))
+                .expect("a talking connection is served");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(silent.closed_by_server(), "{backend:?}");
+        f.wait_until("idle timeout", |s| {
+            s.disconnects
+                .lock()
+                .iter()
+                .any(|(_, r)| *r == DisconnectReason::IdleTimeout)
+        });
+        talking
+            .call(ECHO, b"still", Duration::from_secs(5))
+            .expect("never idle, never closed");
+    }
+}
+
 #[test]
 fn a_peer_that_stops_reading_is_dropped_when_its_queue_overflows() {
     for backend in backends() {

@@ -212,6 +212,12 @@ pub struct ServerConfig {
     /// or whose peer ended its stream — may take to take its last replies
     /// (`DisconnectReason::DrainTimeout`).
     pub partial_frame_timeout_ms: u64,
+    /// A connection that delivers no frame for this long, with none of its
+    /// requests in flight, is closed (`DisconnectReason::IdleTimeout`): how
+    /// a server learns of a peer whose host vanished without closing (no
+    /// FIN, no RST), when its protocol has the peer send something
+    /// periodically. `None`: never (the default).
+    pub idle_timeout_ms: Option<u64>,
     /// Completions posted from other threads and not yet picked up by the
     /// loop; `Completer` calls fail with `Full` beyond this.
     pub max_pending_completions: usize,
@@ -229,6 +235,7 @@ impl Default for ServerConfig {
             max_inflight_per_conn: 1024,
             max_send_queue_bytes: 2 * crate::frame::MAX_FRAME_BYTES,
             partial_frame_timeout_ms: 30_000,
+            idle_timeout_ms: None,
             max_pending_completions: 65_536,
             loop_watch: None,
         }

@@ -371,6 +371,13 @@ impl PoolCore {
         server_cfg.max_inflight_per_conn = server_cfg
             .max_inflight_per_conn
             .min(super::MAX_INFLIGHT_PER_CONN);
+        // A directory's connection sends something at least every
+        // `RemoteConfig::ping_ms`; one silent for this long lost its peer
+        // (a host gone without closing), whose regions then wait out the
+        // grace period as after a close.
+        server_cfg
+            .idle_timeout_ms
+            .get_or_insert(super::IDLE_TIMEOUT_MS);
         let server = crate::transport::Server::bind(server_cfg, endpoints)?;
         let bound = server.endpoints().to_vec();
         let handler = PoolWireHandler::new(self.link.clone(), server.completer());

@@ -89,6 +89,7 @@ mod cache;
 mod core;
 pub mod local;
 pub mod names;
+pub mod paths;
 pub mod pools;
 pub mod remote;
 pub mod wire;
@@ -190,6 +191,14 @@ pub struct ServiceConfig {
 
 /// Smallest accepted `lease_ms` (the renewal period is a third of it).
 pub const MIN_LEASE_MS: u64 = 300;
+
+/// A directory connection that sends nothing for this long is closed, as if
+/// its peer had closed it (its regions wait for a reattach): how the
+/// service learns of a directory whose host vanished without closing. The
+/// default of [`PoolCore::listen`](core::PoolCore::listen)'s
+/// `idle_timeout_ms`; a [`RemotePool`] pings every
+/// [`RemoteConfig::ping_ms`](remote::RemoteConfig::ping_ms) (5 s) when idle.
+pub const IDLE_TIMEOUT_MS: u64 = 30_000;
 
 impl ServiceConfig {
     /// Every check [`PoolCore::start`](core::PoolCore::start) makes before it

@@ -25,6 +25,11 @@
 //! (also resent until answered). At most [`MAX_ABANDONED`] are kept; one
 //! more is logged and left to the session's end.
 //!
+//! **Pings.** With nothing to send for `ping_ms` (5 s), the driver sends a
+//! `PoolStats`: the daemon closes connections silent for its idle timeout
+//! (30 s), which is how it notices a directory host gone without closing,
+//! and a daemon gone that way is noticed here (the ping times out).
+//!
 //! **Reconnect.** When the connection breaks, the driver reconnects (a pause
 //! of `reconnect_backoff_ms` between attempts), sends `PoolHello` again and
 //! then `ReattachRegions` with every region this session holds — those it
@@ -75,6 +80,12 @@ pub struct RemoteConfig {
     pub max_queued: usize,
     /// Requests on the wire at once.
     pub max_inflight: usize,
+    /// With nothing else to send for this long, send a `PoolStats`: the
+    /// daemon closes a connection silent for its idle timeout
+    /// ([`IDLE_TIMEOUT_MS`](super::IDLE_TIMEOUT_MS), 30 s), and a daemon
+    /// gone without closing is noticed (the ping times out, the driver
+    /// reconnects). Well under the daemon's idle timeout.
+    pub ping_ms: u64,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -90,6 +101,7 @@ impl std::fmt::Debug for RemoteConfig {
             reconnect_backoff_ms,
             max_queued,
             max_inflight,
+            ping_ms,
         } = self;
         f.debug_struct("RemoteConfig")
             .field("endpoint", endpoint)
@@ -101,6 +113,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("reconnect_backoff_ms", reconnect_backoff_ms)
             .field("max_queued", max_queued)
             .field("max_inflight", max_inflight)
+            .field("ping_ms", ping_ms)
             .finish()
     }
 }
@@ -117,6 +130,7 @@ impl RemoteConfig {
             reconnect_backoff_ms: 200,
             max_queued: 4096,
             max_inflight: 128,
+            ping_ms: 5_000,
         }
     }
 }
@@ -223,10 +237,10 @@ impl RemotePool {
     /// Connects, says `PoolHello`, and starts the driver. Fails if the daemon
     /// is unreachable now (later outages are ridden out, see the essay).
     pub fn connect(cfg: RemoteConfig) -> Result<(Self, PoolSession), PoolServiceError> {
-        if cfg.max_inflight == 0 || cfg.max_queued == 0 {
+        if cfg.max_inflight == 0 || cfg.max_queued == 0 || cfg.ping_ms == 0 {
             return Err(PoolServiceError::new(
                 ErrorCode::InvalidArgument,
-                "max_inflight and max_queued must be positive",
+                "max_inflight, max_queued and ping_ms must be positive",
                 0,
             ));
         }
@@ -384,9 +398,18 @@ impl Driver {
                 if !open {
                     return;
                 }
-                match self.rx.recv() {
+                match self
+                    .rx
+                    .recv_timeout(Duration::from_millis(self.cfg.ping_ms))
+                {
                     Ok(sub) => self.push(sub),
-                    Err(_) => return,
+                    Err(mpsc::RecvTimeoutError::Timeout) => self.push(Submission {
+                        seq: 0,
+                        request: PoolRequest::Stats,
+                        done: Box::new(drop),
+                        submitted: Instant::now(),
+                    }),
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 }
             }
             while open && self.flights.len() - self.abandoned < self.cfg.max_inflight {

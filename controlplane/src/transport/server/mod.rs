@@ -166,6 +166,8 @@ pub enum DisconnectReason {
     SendQueueFull { limit_bytes: usize },
     /// A frame stayed incomplete longer than `partial_frame_timeout_ms`.
     PartialFrameTimeout,
+    /// No frame arrived for `idle_timeout_ms`, nothing in flight.
+    IdleTimeout,
     /// The handler (or an admission refusal) closed it.
     ClosedByServer,
     /// A socket error.
@@ -746,6 +748,8 @@ pub(crate) struct Conn {
     /// because it is probed twice per request.
     inflight: HashMap<u64, InFlight, foldhash::fast::RandomState>,
     partial_since: Option<Instant>,
+    /// When its last frame arrived (or it was accepted): `idle_timeout_ms`.
+    last_frame: Instant,
     /// When the connection left `Open` (`InputEnded` or `Draining`): it is
     /// closed `partial_frame_timeout_ms` later if still there.
     closing_since: Option<Instant>,
@@ -853,6 +857,10 @@ impl<H: Handler> Core<H> {
         }
         ServerStats::bump(&self.shared.stats.accepted);
         self.live += 1;
+        let now = Instant::now();
+        if let Some(idle) = self.cfg.idle_timeout_ms {
+            self.schedule(now + Duration::from_millis(idle));
+        }
         self.conns[slot as usize] = Some(Conn {
             fd,
             id,
@@ -861,6 +869,7 @@ impl<H: Handler> Core<H> {
             state: ConnState::Open,
             inflight: HashMap::default(),
             partial_since: None,
+            last_frame: now,
             closing_since: None,
             frames_in: 0,
             #[cfg(feature = "fault-injection")]
@@ -906,6 +915,7 @@ impl<H: Handler> Core<H> {
                 Ok(Some(Decoded::Rejected { header, error })) => {
                     ServerStats::bump(&stats.frames_rejected);
                     conn.partial_since = None;
+                    conn.last_frame = now;
                     rejected = Some(header.request_id);
                     handler.on_rejected(id, header, Rejection::Frame(error), &mut out);
                 }
@@ -913,6 +923,7 @@ impl<H: Handler> Core<H> {
                     ServerStats::bump(&stats.frames_in);
                     conn.frames_in += 1;
                     conn.partial_since = None;
+                    conn.last_frame = now;
                     let rid = frame.header.request_id;
                     #[cfg(feature = "fault-injection")]
                     let nth_of_kind = {
@@ -1169,8 +1180,10 @@ impl<H: Handler> Core<H> {
             }
         }
         let timeout = Duration::from_millis(self.cfg.partial_frame_timeout_ms);
+        let idle = self.cfg.idle_timeout_ms.map(Duration::from_millis);
         let mut stuck = Vec::new();
         let mut undrained = Vec::new();
+        let mut idled = Vec::new();
         #[cfg(feature = "fault-injection")]
         let mut due = Vec::new();
         for (slot, c) in self.conns.iter().enumerate() {
@@ -1190,6 +1203,18 @@ impl<H: Handler> Core<H> {
                     undrained.push(slot as u32);
                 } else {
                     earliest(since + timeout);
+                }
+            }
+            if let Some(idle) = idle
+                && c.state == ConnState::Open
+            {
+                if !c.inflight.is_empty() {
+                    // Busy, not idle: looked at again one period on.
+                    earliest(now + idle);
+                } else if now >= c.last_frame + idle {
+                    idled.push(slot as u32);
+                } else {
+                    earliest(c.last_frame + idle);
                 }
             }
             #[cfg(feature = "fault-injection")]
@@ -1215,6 +1240,9 @@ impl<H: Handler> Core<H> {
         }
         for slot in undrained {
             self.close(slot, DisconnectReason::DrainTimeout);
+        }
+        for slot in idled {
+            self.close(slot, DisconnectReason::IdleTimeout);
         }
         self.next_timer_at = next;
         next
