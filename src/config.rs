@@ -349,7 +349,8 @@ pub struct ServerSection {
     pub max_connections: usize,
     /// The directory's stable identity at the pool manager.
     pub directory_id: String,
-    /// Region size when a client asks for the default.
+    /// Region size when a request asks for the default (0 bytes; cxlkv's
+    /// own clients always ask for their layout's region size).
     #[serde(deserialize_with = "de_bytes")]
     pub default_region_bytes: u64,
     /// How often the directory's timers run.

@@ -176,7 +176,7 @@ impl LayoutHandle {
         let mut leases = Vec::with_capacity(n);
         let mut expansions = 0;
         loop {
-            self.state.take_pages(n, &mut leases);
+            self.state.take_pages(n, &mut leases, &self.client);
             if leases.len() == n {
                 return Ok(leases);
             }
@@ -193,14 +193,16 @@ impl LayoutHandle {
 }
 
 impl LayoutState {
-    /// Takes free pages, lowest region first, until `out` holds `n`.
-    fn take_pages(&self, n: usize, out: &mut Vec<PageLease>) {
+    /// Takes free pages, lowest region first, until `out` holds `n`; each
+    /// lease keeps `client` alive.
+    fn take_pages(&self, n: usize, out: &mut Vec<PageLease>, client: &Client) {
         let snapshot = self.regions.read();
         for (_, region) in snapshot.iter() {
             while out.len() < n {
                 match region.alloc.alloc() {
                     Some((page, generation)) => {
                         out.push(PageLease::new(
+                            client.clone(),
                             Arc::clone(region),
                             self.ix,
                             page,

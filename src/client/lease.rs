@@ -12,6 +12,16 @@
 //! back to the allocator (exactly once — the allocator refuses a second free
 //! of the same grant).
 //!
+//! **A lease keeps its client.** The page lies in a region of this
+//! instance, which the directory frees once the instance is gone (its
+//! session ended and its grace period passed) — and may then grant to
+//! another writer. So a lease holds the client, and with it the session,
+//! alive until it is dropped or registered. A lease parked with a
+//! registration whose outcome is unknown (`write.rs`) lets go of it: the
+//! client keeps those itself, and they must not keep it alive. After an
+//! explicit [`Client::close`](super::Client::close) a lease can no longer
+//! be written (its region is revoked).
+//!
 //! **Publication.** Before registration the bytes must be visible to every
 //! reader (DESIGN §3): `register` publishes them under the pool's visibility
 //! mode unless they were written by a non-temporal [`PageLease::write`]
@@ -26,10 +36,12 @@ use cxlkv_dataplane::ids::{Generation, PageIndex};
 use cxlkv_dataplane::map::PageViewMut;
 use cxlkv_dataplane::visibility;
 
+use super::Client;
 use super::error::ClientError;
 use super::regions::OwnedRegion;
 
-/// One allocated, not yet registered page (see the module docs).
+/// One allocated, not yet registered page (see the module docs). Keeps its
+/// client alive until it is registered, dropped or parked.
 pub struct PageLease {
     region: Arc<OwnedRegion>,
     layout_ix: u32,
@@ -46,10 +58,14 @@ pub struct PageLease {
     touched: bool,
     /// Registration took the page (it must not be freed on drop).
     consumed: bool,
+    /// The client, held alive while the user owns the lease; `None` once
+    /// parked ([`PageLease::detach`]). Dropped last (fields drop in order).
+    client: Option<Client>,
 }
 
 impl PageLease {
     pub(crate) fn new(
+        client: Client,
         region: Arc<OwnedRegion>,
         layout_ix: u32,
         page: PageIndex,
@@ -65,7 +81,16 @@ impl PageLease {
             published_bytes: 0,
             touched: false,
             consumed: false,
+            client: Some(client),
         }
+    }
+
+    /// Lets go of the client: the lease is about to be kept by the client
+    /// itself (a parked registration), where holding it would keep the
+    /// client alive for good — and could drop its last handle on the
+    /// maintenance thread, which resends parked batches.
+    pub(crate) fn detach(&mut self) {
+        self.client = None;
     }
 
     /// The layout's page size: the most a chunk can hold.
@@ -235,17 +260,35 @@ impl Drop for PageLease {
 
 #[cfg(test)]
 mod tests {
-    use crate::client::{Client, ClientConfig, LayoutHandle, LayoutOptions};
+    use std::time::{Duration, Instant};
+
+    use crate::client::{Client, ClientConfig, ClientError, LayoutHandle, LayoutOptions};
     use crate::server::{Server, ServerConfig, ServerHandle};
+
+    /// A server's configuration: a small pool, 4 MiB regions.
+    fn server_config(tag: &str) -> ServerConfig {
+        let mut cfg = ServerConfig::ephemeral(tag);
+        cfg.pool_size_bytes = 64 << 20;
+        cfg.default_region_bytes = 4 << 20;
+        cfg
+    }
 
     /// A server (small pool, 4 MiB regions), a client and a 4 KiB layout
     /// that owns no region yet.
     fn one_layout(tag: &str) -> (ServerHandle, Client, LayoutHandle) {
-        let mut cfg = ServerConfig::ephemeral(tag);
-        cfg.pool_size_bytes = 64 << 20;
-        cfg.default_region_bytes = 4 << 20;
-        let server = Server::start(cfg).expect("the server starts");
-        let client = Client::connect(ClientConfig::unix(server.socket_path())).expect("connect");
+        let server = Server::start(server_config(tag)).expect("the server starts");
+        layout_on(server, |_| {})
+    }
+
+    /// A client of `server` (its configuration adjusted by `tune`) and a
+    /// 4 KiB layout that owns no region yet.
+    fn layout_on(
+        server: ServerHandle,
+        tune: impl FnOnce(&mut ClientConfig),
+    ) -> (ServerHandle, Client, LayoutHandle) {
+        let mut cfg = ClientConfig::unix(server.socket_path());
+        tune(&mut cfg);
+        let client = Client::connect(cfg).expect("connect");
         let opts = LayoutOptions {
             initial_reservation_bytes: 0,
             region_size_bytes: 4 << 20,
@@ -260,7 +303,6 @@ mod tests {
     /// checking the keys, which `batch_register` then refused.
     #[test]
     fn a_put_with_a_key_the_directory_would_refuse_allocates_nothing() {
-        use crate::client::ClientError;
         let (_server, client, layout) = one_layout("put-keys");
         let before = client.stats();
         for key in [Vec::new(), vec![b'k'; 4096]] {
@@ -298,5 +340,89 @@ mod tests {
         assert!(!lease.needs_publish);
         lease.set_len(200).unwrap();
         assert!(lease.needs_publish);
+    }
+
+    /// Sessions the server holds open, waiting up to 10 s for it to reach
+    /// `want` (a session ends when the server sees its connection close).
+    fn sessions_when(server: &ServerHandle, want: u64) -> u64 {
+        let sessions = || server.directory_stats().expect("stats").sessions;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sessions() != want && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        sessions()
+    }
+
+    /// Found by a review of the client: a lease kept its region mapped but
+    /// not its client, so a lease outliving its `Client` and `LayoutHandle`
+    /// wrote a region of an instance whose session had ended — a region
+    /// the directory frees (and may grant to another writer) once the
+    /// instance's grace period passes. A lease keeps its client now; the
+    /// session ends with the last lease.
+    #[test]
+    fn a_lease_that_outlives_its_client_keeps_the_session() {
+        let (server, client, layout) = one_layout("lease-outlives");
+        let mut lease = layout.alloc().unwrap();
+        let open = server.directory_stats().unwrap().sessions;
+        drop(layout);
+        drop(client);
+        // A session that ended is seen by the server within milliseconds.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            let now = server.directory_stats().unwrap().sessions;
+            assert_eq!(now, open, "the session ended under a live lease");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        lease.write(b"bytes").unwrap();
+        drop(lease);
+        assert_eq!(
+            sessions_when(&server, open - 1),
+            open - 1,
+            "the last lease ends it"
+        );
+    }
+
+    /// An explicit close ends the session under live leases (as it does
+    /// under views): such a lease can no longer be written.
+    #[test]
+    fn a_lease_cannot_be_written_after_its_client_is_closed() {
+        let (_server, client, layout) = one_layout("lease-closed");
+        let mut lease = layout.alloc().unwrap();
+        client.close().unwrap();
+        assert!(matches!(
+            lease.write(b"bytes"),
+            Err(ClientError::RegionRevoked { .. })
+        ));
+        assert!(matches!(layout.alloc(), Err(ClientError::Closed)));
+    }
+
+    /// A registration whose outcome is unknown is parked with its leases,
+    /// which the client keeps: they must not keep it alive in turn (a
+    /// cycle: the session would never end), nor be the last handle the
+    /// maintenance thread drops.
+    #[cfg(feature = "fault-injection")]
+    #[test]
+    fn a_parked_registration_does_not_keep_its_client_alive() {
+        use cxlkv_controlplane::proto::Kind;
+        use cxlkv_controlplane::transport::fault::{FaultScript, ReplyMatch};
+        let script = FaultScript::new();
+        let server =
+            Server::start_with_faults(server_config("lease-parked"), Box::new(script.clone()))
+                .expect("the server starts");
+        let (server, client, layout) = layout_on(server, |cfg| {
+            cfg.request_timeout_ms = 200;
+            cfg.max_retries = 1;
+        });
+        let _ = script.drop_reply(ReplyMatch::request_kind(Kind::Register.as_u16()));
+        assert!(layout.put(b"lost", b"bytes").is_err());
+        assert_eq!(client.unresolved_registrations(), 1);
+        let open = server.directory_stats().unwrap().sessions;
+        drop(layout);
+        drop(client);
+        assert_eq!(
+            sessions_when(&server, open - 1),
+            open - 1,
+            "the session ended"
+        );
     }
 }

@@ -8,8 +8,6 @@
 //! [`ReadGuard`] after `acquire` (a fence, or a cache invalidation of the
 //! chunk on a `Flush` pool) — its bytes are the pool's bytes.
 
-use std::sync::Arc;
-
 use cxlkv_controlplane::proto::{
     self, DeleteFrom, DeleteOutcome, DeleteReply, ExistsFrom, ExistsReply, Location, LookupFrom,
     LookupReply, RegionDesc,
@@ -166,7 +164,7 @@ impl LayoutHandle {
         )?;
         visibility::acquire(mode, view.as_bytes());
         Ok(ReadGuard::new(
-            Arc::clone(shared),
+            self.client.clone(),
             mapping,
             self.state.ix,
             key.into(),
@@ -394,6 +392,68 @@ mod tests {
         }
         assert_eq!(outcome, DeleteOutcome::Deleted, "the pin outlived its view");
         assert!(reader.stats().reconnects >= 1);
+    }
+
+    /// Found by a review of the client: more views of one key than one
+    /// `Unpin` entry may release (`MAX_PINS_PER_KEY`), dropped between two
+    /// flushes, were merged into one count the directory refuses. The
+    /// unpins were given up and the session ended, and the client's own
+    /// delete found the key `Pinned` by itself — against "drop a guard,
+    /// then delete the key: never `Pinned` by yourself" (`read.rs`).
+    #[test]
+    fn a_client_that_dropped_every_view_of_a_key_can_delete_it() {
+        let (_server, (_writer, wl), (reader, rl)) = writer_and_reader("many-views");
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let views: Vec<_> = (0..=proto::MAX_PINS_PER_KEY)
+            .map(|_| rl.get(b"k").unwrap().expect("found"))
+            .collect();
+        let (before, session) = (reader.stats(), reader.session_id());
+        // Keeps the maintenance thread from flushing part of the queue
+        // early (as when guards drop faster than `unpin_delay_us`).
+        rl.shared()
+            .unpin_timer_armed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(views);
+        assert_eq!(rl.delete(b"k").unwrap(), DeleteOutcome::Deleted);
+        let after = reader.stats();
+        assert_eq!(after.unpins_dropped, before.unpins_dropped, "{after:?}");
+        assert_eq!(after.unpins_not_held, before.unpins_not_held, "{after:?}");
+        assert_eq!(reader.session_id(), session, "the session was ended");
+    }
+
+    /// Found by a review of the client: a guard kept the client's shared
+    /// state but not the client, so dropping the last `Client` and
+    /// `LayoutHandle` ended the session under it — its pin released, the
+    /// key deletable and its page reusable while the guard still read it.
+    /// A guard keeps its client now; the session ends with the last guard.
+    #[test]
+    fn a_view_that_outlives_its_client_is_still_pinned() {
+        let (server, (_writer, wl), (reader, rl)) = writer_and_reader("outlive");
+        wl.put(b"k", b"the writer's bytes").unwrap();
+        let guard = rl.get(b"k").unwrap().expect("found");
+        let sessions = || server.directory_stats().unwrap().sessions;
+        let open = sessions();
+        drop(rl);
+        drop(reader);
+        // A session that ended is seen by the server within milliseconds;
+        // this one must not end at all while the guard lives.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while std::time::Instant::now() < deadline {
+            let outcome = wl.delete(b"k").unwrap();
+            assert_eq!(
+                outcome,
+                DeleteOutcome::Pinned { pins: 1 },
+                "a live guard's key; the guard reads {:?}",
+                String::from_utf8_lossy(&guard)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(sessions(), open);
+        assert_eq!(guard.bytes(), b"the writer's bytes");
+        // The last handle gone, the session ends (nothing else keeps it).
+        drop(guard);
+        delete_when_unpinned(&wl, b"k");
+        assert_eq!(sessions(), open - 1);
     }
 
     /// Found by `cxlkv chaos` (torn reads of held views after server

@@ -37,6 +37,14 @@
 //!   broken connections are reattached with backoff; after a directory
 //!   restart the instance registers its keys again. A registration whose
 //!   outcome is unknown keeps its pages until it is resolved.
+//! - Every handle keeps the session: a [`Client`], a [`LayoutHandle`], a
+//!   [`ReadGuard`] and a [`PageLease`] each hold the client alive, so the
+//!   session ends (and with it the pins, and later the instance and its
+//!   regions) only when the last of them is dropped — a view that outlives
+//!   every `Client` handle is still pinned, a lease still writes a region
+//!   of a live instance — or on an explicit [`Client::close`], which ends
+//!   it at once whatever is still alive. Nothing the client keeps for
+//!   itself (parked registrations, the maintenance thread) holds it alive.
 //!
 //! Module map: `config` (settings), `error`, `pools` (opening the pools),
 //! `regions` (owned and peer mappings), `layout` (layouts, allocation,
@@ -97,13 +105,19 @@ const _: () = {
 };
 
 /// A connection to the cxlkv directory and the pools it serves. Cheap to
-/// clone (clones share everything); the session ends when the last clone
-/// and the last [`LayoutHandle`] are dropped, or on [`Client::close`].
+/// clone (clones share everything); the session ends when the last clone,
+/// the last [`LayoutHandle`], the last [`ReadGuard`] and the last
+/// [`PageLease`] are dropped (each holds a clone), or on [`Client::close`].
 #[derive(Debug, Clone)]
 pub struct Client {
     inner: Arc<ClientInner>,
 }
 
+/// What the handles share; dropping the last reference ends the session
+/// ([`ClientInner::shutdown`]). Only handles the user owns hold one — never
+/// [`Shared`] nor anything it keeps (that would be a cycle keeping the
+/// client alive for good), and never the maintenance thread (the last
+/// reference dropped there would make it join itself).
 #[derive(Debug)]
 struct ClientInner {
     shared: Arc<Shared>,
@@ -111,6 +125,10 @@ struct ClientInner {
 }
 
 impl Client {
+    fn shared(&self) -> &Arc<Shared> {
+        &self.inner.shared
+    }
+
     /// Connects, opens a session and starts the maintenance thread.
     pub fn connect(cfg: ClientConfig) -> Result<Client, ClientError> {
         Self::connect_with_observers(cfg, Vec::new())
@@ -321,11 +339,17 @@ impl Client {
         self.inner.shared.unresolved_region_requests()
     }
 
-    /// Ends the session: sends pending unpins, stops the maintenance thread
-    /// and closes the connection (the directory releases the session's pins;
-    /// the instance's keys stay). Guards and leases still alive keep their
-    /// mappings until they drop. Other clones of this client fail with
-    /// `Closed` afterwards.
+    /// Ends the session now, whatever handles are still alive: sends pending
+    /// unpins, stops the maintenance thread and closes the connection (the
+    /// directory releases the session's pins; the instance's keys stay).
+    /// Other clones of this client and its layouts fail with `Closed`
+    /// afterwards. [`ReadGuard`]s still alive keep their mappings until they
+    /// drop, but they are **no longer pinned**: another client may delete a
+    /// view's key and its page be reused under it. Drop views first, or copy
+    /// out what must outlive the close. [`PageLease`]s still alive can no
+    /// longer be written (`RegionRevoked`): the instance's regions go back
+    /// to the pool once its grace period ends. (Dropping every handle
+    /// instead ends the session only when the last view and lease are gone.)
     pub fn close(self) -> Result<(), ClientError> {
         let flushed = self.inner.shared.flush_unpins_and_wait();
         self.inner.shutdown();
@@ -340,13 +364,27 @@ impl ClientInner {
             return;
         }
         shared.wake_maintenance();
-        if let Some(thread) = self.maintenance.lock().take()
-            && thread.join().is_err()
-        {
-            tracing::error!("the client maintenance thread panicked");
+        if let Some(thread) = self.maintenance.lock().take() {
+            if thread.thread().id() == std::thread::current().id() {
+                // The last handle dropped on the maintenance thread (which
+                // owns none: see `ClientInner`). Joining would wait for
+                // itself; it returns on its own once it sees `closing`.
+                tracing::error!("the last client handle was dropped on its maintenance thread");
+            } else if thread.join().is_err() {
+                tracing::error!("the client maintenance thread panicked");
+            }
         }
         // Dropping the connection closes it once in-flight calls are done.
         drop(shared.conn.lock().take());
+        // The instance's regions go back to the pool when its grace period
+        // ends: a lease still alive (after an explicit close) must not
+        // write them any more.
+        for layout in shared.layouts.read().iter() {
+            for (_, region) in layout.regions.read().iter() {
+                // Release: see `Shared::drop_owned_regions`.
+                region.revoked.store(true, Ordering::Release);
+            }
+        }
         shared.retired.sweep();
     }
 }

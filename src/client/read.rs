@@ -6,6 +6,13 @@
 //! so the page's owner cannot reuse it while the guard lives. Dropping the
 //! guard releases the pin.
 //!
+//! **A guard keeps its client.** Pins belong to the session, which ends
+//! when the client does: so a guard holds the client alive (a clone of
+//! its handle), and a view that outlives every `Client` and `LayoutHandle`
+//! is still pinned; the session ends when the last guard goes. Only an
+//! explicit [`Client::close`](super::Client::close) ends it under live
+//! guards, which then stay mapped but unpinned.
+//!
 //! **Deferred, batched unpins.** A dropped guard queues its unpin; the
 //! queue is sent as one `Unpin` per layout (a) by the maintenance thread
 //! within `unpin_delay_us` (≤ 1 ms) of the first queued entry, or (b) before
@@ -33,24 +40,27 @@ use cxlkv_controlplane::proto::Location;
 use cxlkv_dataplane::map::MappedRegion;
 use parking_lot::{Mutex, MutexGuard};
 
-use super::shared::Shared;
+use super::Client;
 
 /// A pinned, read-only view of one chunk in the shared pool. Derefs to the
-/// chunk's bytes; dropping it releases the pin (see the module docs).
+/// chunk's bytes; dropping it releases the pin (see the module docs). Keeps
+/// its client, and so the session holding the pin, alive.
 pub struct ReadGuard {
-    shared: Arc<Shared>,
     mapping: Arc<MappedRegion>,
     layout_ix: u32,
     key: Box<[u8]>,
     location: Location,
     page_size_bytes: usize,
+    /// Dropped last (fields drop in order): when this is the client's last
+    /// handle, the shutdown it runs finds the mapping released.
+    client: Client,
 }
 
 impl ReadGuard {
     /// Builds a guard whose view was checked to lie in `mapping` (the caller
     /// holds one pin on `key` for it, registered in [`LivePins`]).
     pub(crate) fn new(
-        shared: Arc<Shared>,
+        client: Client,
         mapping: Arc<MappedRegion>,
         layout_ix: u32,
         key: Box<[u8]>,
@@ -67,12 +77,12 @@ impl ReadGuard {
                 .is_ok()
         );
         Self {
-            shared,
             mapping,
             layout_ix,
             key,
             location,
             page_size_bytes,
+            client,
         }
     }
 
@@ -120,7 +130,7 @@ impl fmt::Debug for ReadGuard {
 impl Drop for ReadGuard {
     fn drop(&mut self) {
         let key = std::mem::take(&mut self.key);
-        self.shared.release_pin(self.layout_ix, key);
+        self.client.shared().release_pin(self.layout_ix, key);
     }
 }
 
@@ -289,17 +299,32 @@ impl UnpinQueue {
 }
 
 /// Groups taken entries into one `(layout, keys, counts)` batch per layout,
-/// merging repeated keys into a count.
-pub(crate) fn group_unpins(entries: Vec<(u32, Box<[u8]>)>) -> Vec<(u32, Vec<Vec<u8>>, Vec<u32>)> {
-    let mut by_layout: HashMap<u32, HashMap<Box<[u8]>, u32>> = HashMap::new();
+/// merging repeated keys into a count. A count is at most
+/// `max_pins_per_entry` (the session's per-key limit, which the directory
+/// enforces on every `Unpin` entry): a key released more often than that
+/// appears in several entries, each within the limit.
+pub(crate) fn group_unpins(
+    entries: Vec<(u32, Box<[u8]>)>,
+    max_pins_per_entry: u32,
+) -> Vec<(u32, Vec<Vec<u8>>, Vec<u32>)> {
+    assert!(max_pins_per_entry >= 1, "an unpin count is at least 1");
+    let mut by_layout: HashMap<u32, HashMap<Box<[u8]>, u64>> = HashMap::new();
     for (layout, key) in entries {
         *by_layout.entry(layout).or_default().entry(key).or_insert(0) += 1;
     }
     let mut out: Vec<_> = by_layout
         .into_iter()
-        .map(|(layout, keys)| {
-            let (keys, counts): (Vec<Vec<u8>>, Vec<u32>) =
-                keys.into_iter().map(|(k, n)| (k.into_vec(), n)).unzip();
+        .map(|(layout, by_key)| {
+            let (mut keys, mut counts) = (Vec::new(), Vec::new());
+            for (key, mut left) in by_key {
+                while left > 0 {
+                    let count = left.min(u64::from(max_pins_per_entry));
+                    keys.push(key.to_vec());
+                    // At most `max_pins_per_entry`, a u32.
+                    counts.push(count as u32);
+                    left -= count;
+                }
+            }
             (layout, keys, counts)
         })
         .collect();
@@ -319,7 +344,7 @@ mod tests {
             (1, Box::from(&b"a"[..])),
             (1, Box::from(&b"b"[..])),
         ];
-        let groups = group_unpins(entries);
+        let groups = group_unpins(entries, 1024);
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[0], (0, vec![b"a".to_vec()], vec![1]));
         let (layout, keys, counts) = &groups[1];
@@ -327,6 +352,31 @@ mod tests {
         let mut pairs: Vec<_> = keys.iter().cloned().zip(counts.iter().copied()).collect();
         pairs.sort();
         assert_eq!(pairs, vec![(b"a".to_vec(), 2), (b"b".to_vec(), 1)]);
+    }
+
+    /// Found by a review of the client: more releases of one key than one
+    /// `Unpin` entry may count (`MAX_PINS_PER_KEY`), queued between two
+    /// flushes, were merged into one count the directory refuses; the
+    /// unpins were given up and the session ended. The count is split.
+    #[test]
+    fn a_key_released_more_often_than_one_entry_may_count_is_split_over_entries() {
+        let limit = cxlkv_controlplane::proto::MAX_PINS_PER_KEY as u32;
+        let entries = |n: u32| (0..n).map(|_| (0, Box::from(&b"k"[..]))).collect();
+        let groups = group_unpins(entries(2 * limit + 1), limit);
+        assert_eq!(groups.len(), 1);
+        let (layout, keys, mut counts) = groups.into_iter().next().expect("one layout");
+        assert_eq!(layout, 0);
+        assert!(keys.iter().all(|k| k == b"k"), "{keys:?}");
+        counts.sort_unstable();
+        assert_eq!(
+            counts,
+            vec![1, limit, limit],
+            "every pin, in entries within the limit"
+        );
+        // A session announcing a lower limit gets entries within its own.
+        let (_, _, counts) = group_unpins(entries(7), 3).remove(0);
+        assert!(counts.iter().all(|&c| (1..=3).contains(&c)), "{counts:?}");
+        assert_eq!(counts.iter().sum::<u32>(), 7);
     }
 
     #[test]

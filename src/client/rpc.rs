@@ -208,17 +208,38 @@ impl Encoded {
     }
 }
 
+/// One started `Unpin`: its ticket, the call, its payload (for resends) and
+/// the pins each of its entries releases.
+pub(crate) struct StartedUnpin {
+    pub ticket: SeqTicket,
+    pub call: Result<PendingCall, TransportError>,
+    pub encoded: Encoded,
+    pub counts: Vec<u32>,
+}
+
 /// Unpins sent ahead of a request, awaiting their replies.
 pub(crate) struct InflightUnpins {
     conn_no: u64,
-    /// Per `Unpin` request: its number, its call, its encoding (for a
-    /// retry) and how many keys it names.
-    calls: Vec<(
-        SeqTicket,
-        Result<PendingCall, TransportError>,
-        Encoded,
-        usize,
-    )>,
+    calls: Vec<StartedUnpin>,
+}
+
+/// Most pins one `Unpin` entry (or pinning `Lookup`) may carry per key on a
+/// session with `limits`: its announced limit, never above the protocol's.
+pub(crate) fn max_pins_per_key(limits: &proto::Limits) -> u32 {
+    limits
+        .max_pins_per_key
+        .clamp(1, proto::MAX_PINS_PER_KEY as u32)
+}
+
+/// Pins of the entries an `UnpinReply` reports as not held (each such entry
+/// released nothing): the unit of `unpins_not_held`.
+pub(crate) fn not_held_pins(counts: &[u32], reply: &Archived<UnpinReply>) -> u64 {
+    counts
+        .iter()
+        .zip(reply.outcomes.iter())
+        .filter(|(_, o)| matches!(UnpinOutcome::from(*o), UnpinOutcome::NotPinned))
+        .map(|(&c, _)| u64::from(c))
+        .sum()
 }
 
 /// The pause before resending a request the directory refused as busy.
@@ -529,16 +550,19 @@ impl Shared {
         }
         let taken = std::mem::take(&mut *queue);
         let n = taken.len();
+        // The limits of the session these unpins go to: the directory
+        // refuses a longer batch, or an entry releasing more pins.
         let max_batch = (conn.limits.max_batch as usize).clamp(1, proto::MAX_BATCH);
+        let max_pins = max_pins_per_key(&conn.limits);
         let layouts = self.layouts.read();
         let mut calls = Vec::new();
-        for (layout_ix, keys, counts) in group_unpins(taken) {
+        for (layout_ix, keys, counts) in group_unpins(taken, max_pins) {
             let Some(layout) = layouts.get(layout_ix as usize).map(|l| l.layout) else {
                 continue;
             };
             for (keys, counts) in keys.chunks(max_batch).zip(counts.chunks(max_batch)) {
                 let Ok(ticket) = self.ticket() else {
-                    self.give_up_unpins(conn, keys.len());
+                    self.give_up_unpins(conn, counts);
                     continue;
                 };
                 let msg = proto::UnpinFrom {
@@ -553,7 +577,7 @@ impl Shared {
                 };
                 let Ok(encoded) = msg.encode() else {
                     self.seqs.release(ticket);
-                    self.give_up_unpins(conn, keys.len());
+                    self.give_up_unpins(conn, counts);
                     continue;
                 };
                 self.note_sent();
@@ -575,12 +599,16 @@ impl Shared {
                     )
                 };
                 self.stats.bump(&self.stats.unpin_batches);
-                calls.push((ticket, call, encoded, keys.len()));
+                calls.push(StartedUnpin {
+                    ticket,
+                    call,
+                    encoded,
+                    counts: counts.to_vec(),
+                });
             }
         }
         drop(layouts);
-        self.unpins
-            .sent(n, calls.iter().map(|(ticket, ..)| ticket.seq));
+        self.unpins.sent(n, calls.iter().map(|c| c.ticket.seq));
         drop(queue);
         Some(InflightUnpins {
             conn_no: conn.conn_no,
@@ -595,7 +623,13 @@ impl Shared {
     /// again for a live guard).
     pub fn finish_unpins(&self, conn: &Conn, inflight: InflightUnpins) {
         debug_assert_eq!(conn.conn_no, inflight.conn_no);
-        for (ticket, call, encoded, keys) in inflight.calls {
+        for StartedUnpin {
+            ticket,
+            call,
+            encoded,
+            counts,
+        } in inflight.calls
+        {
             let mut attempts = 0;
             let mut call = call;
             loop {
@@ -611,14 +645,8 @@ impl Shared {
                         match proto::access_reply::<UnpinReply>(frame) {
                             Ok(Ok(r)) => {
                                 self.absorb(r.reply_meta());
-                                let not_held = r
-                                    .outcomes
-                                    .iter()
-                                    .filter(|o| {
-                                        matches!(UnpinOutcome::from(*o), UnpinOutcome::NotPinned)
-                                    })
-                                    .count();
-                                self.stats.add(&self.stats.unpins_not_held, not_held as u64);
+                                let not_held = not_held_pins(&counts, r);
+                                self.stats.add(&self.stats.unpins_not_held, not_held);
                                 answered = true;
                                 false
                             }
@@ -636,7 +664,7 @@ impl Shared {
                 attempts += 1;
                 if !retry || attempts > self.cfg.max_retries || !conn.usable() {
                     if !answered {
-                        self.give_up_unpins(conn, keys);
+                        self.give_up_unpins(conn, &counts);
                     }
                     break;
                 }
@@ -655,19 +683,20 @@ impl Shared {
         }
     }
 
-    /// `n` unpins for `conn`'s session that will not be answered (never
-    /// sent, refused, or unanswered after every retry). Their pins may
-    /// still be held, and nothing else would release them while the session
-    /// lives — the key could not be deleted until it ends. So the session
-    /// is ended (the connection marked dead): the next request reattaches,
-    /// the old session's pins go when the server sees its connection close,
-    /// and the live views are pinned again on the new one (the rule of a
-    /// pinning lookup whose answer was lost).
-    fn give_up_unpins(&self, conn: &Conn, n: usize) {
-        self.stats.add(&self.stats.unpins_dropped, n as u64);
+    /// Unpin entries releasing `counts` pins for `conn`'s session that will
+    /// not be answered (never sent, refused, or unanswered after every
+    /// retry). Their pins may still be held, and nothing else would release
+    /// them while the session lives — the key could not be deleted until it
+    /// ends. So the session is ended (the connection marked dead): the next
+    /// request reattaches, the old session's pins go when the server sees
+    /// its connection close, and the live views are pinned again on the new
+    /// one (the rule of a pinning lookup whose answer was lost).
+    fn give_up_unpins(&self, conn: &Conn, counts: &[u32]) {
+        let pins: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+        self.stats.add(&self.stats.unpins_dropped, pins);
         if conn.usable() {
             tracing::warn!(
-                unpins = n,
+                pins,
                 "unpins could not be delivered; ending the session to release their pins"
             );
             // Relaxed: a hint read by the next request, which reconnects

@@ -16,10 +16,11 @@
 //!   the reply cache are intact, so the requests that were in flight are
 //!   retried with their numbers and answered exactly once.
 //! - *Recovered* (the directory restarted): every ticket issued before is
-//!   void ([`super::seq`]), regions it refuses are dropped (with their keys),
-//!   and the instance registers every key of its index again before the
-//!   procedure returns — a flag keeps that pending across further broken
-//!   attempts until it completes.
+//!   void and no longer holds the sequence window back ([`super::seq`]);
+//!   regions it refuses are dropped (with their keys), and the instance
+//!   registers every key of its index again — one fresh number per batch,
+//!   as many batches as it takes — before the procedure returns; a flag
+//!   keeps that pending across further broken attempts until it completes.
 //! - In both cases the old session's pins are gone: the unpins still queued
 //!   for it are dropped and the pins of live read guards are taken again
 //!   (keys that cannot be pinned any more are counted as invalidated views).
@@ -486,10 +487,7 @@ impl Shared {
         // The new session's limit, not the protocol's: a directory refuses
         // a lookup taking more pins per key than it announced. A count
         // above it is taken by several lookups of the key.
-        let max_pins = self
-            .limits()
-            .max_pins_per_key
-            .clamp(1, proto::MAX_PINS_PER_KEY as u32);
+        let max_pins = super::rpc::max_pins_per_key(&self.limits());
         let mut groups: HashMap<(u32, u32), Vec<Vec<u8>>> = HashMap::new();
         for ((ix, key), &count) in pins.iter() {
             let mut left = count;

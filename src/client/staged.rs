@@ -52,7 +52,7 @@ use std::sync::atomic::Ordering;
 use cxlkv_controlplane::frame::Frame;
 use cxlkv_controlplane::proto::{
     self, ArchivedDirectoryReply, ErrorCode, Location, LookupReply, Message, RegionDesc,
-    RequestMeta, Unpin, UnpinOutcome, UnpinReply,
+    RequestMeta, Unpin, UnpinReply,
 };
 use cxlkv_controlplane::transport::{ClientError as TransportError, PendingCall};
 use cxlkv_dataplane::map::MappedRegion;
@@ -61,8 +61,7 @@ use cxlkv_dataplane::visibility;
 use super::error::ClientError;
 use super::layout::LayoutHandle;
 use super::lease::PageLease;
-use super::rpc::{Encoded, Fail, Mode};
-use super::seq::SeqTicket;
+use super::rpc::{Encoded, Fail, Mode, StartedUnpin, max_pins_per_key, not_held_pins};
 use super::shared::{Conn, Shared};
 
 thread_local! {
@@ -142,15 +141,6 @@ pub(crate) struct PinRelease {
     pub round_trips: u64,
 }
 
-/// One started `Unpin`: its ticket, the call, its payload (for resends) and
-/// the pins it carries.
-struct StartedUnpin {
-    ticket: SeqTicket,
-    call: Result<PendingCall, TransportError>,
-    encoded: Encoded,
-    counts: Vec<u32>,
-}
-
 impl LayoutHandle {
     /// One `Lookup` round trip taking `pins` pins on every key found (see the
     /// module docs); one result per key, in order. The caller owns the pins
@@ -164,10 +154,7 @@ impl LayoutHandle {
         shared.check_open()?;
         // The directory's limit (at most the protocol's), checked here so
         // that an over-limit count is refused before it reaches the wire.
-        let max_pins = shared
-            .limits()
-            .max_pins_per_key
-            .clamp(1, proto::MAX_PINS_PER_KEY as u32);
+        let max_pins = max_pins_per_key(&shared.limits());
         if pins == 0 || pins > max_pins {
             return Err(ClientError::Config {
                 field: "pins",
@@ -276,13 +263,15 @@ impl LayoutHandle {
 
     /// Releases `count` pins of each `(key, count)` now and waits for the
     /// directory's answers (see the module docs). A key may appear more than
-    /// once; counts above the protocol's per-entry limit are split.
+    /// once; counts above the session's per-entry limit are split, and
+    /// messages carry at most its `max_batch` entries.
     pub(crate) fn release_pins(&self, items: &[(&[u8], u64)]) -> Result<PinRelease, ClientError> {
         let shared = self.shared();
         shared.check_open()?;
         let mut report = PinRelease::default();
-        let per_entry = proto::MAX_PINS_PER_KEY as u64;
-        let max_batch = (shared.limits().max_batch as usize).clamp(1, proto::MAX_BATCH);
+        let limits = shared.limits();
+        let per_entry = u64::from(max_pins_per_key(&limits));
+        let max_batch = (limits.max_batch as usize).clamp(1, proto::MAX_BATCH);
         // Upper bound of the messages needed, so that every ticket is taken
         // before the ledger is locked (a reconnect needs that lock and the
         // tickets of in-flight requests).
@@ -350,6 +339,7 @@ impl LayoutHandle {
                 // up (`Shared::give_up_unpins`).
                 drop(ledger);
                 report.lost_with_session += taken;
+                shared.stats.add(&shared.stats.unpins_dropped, taken);
                 if taken > 0 {
                     tracing::warn!(error = %e, pins = taken, "unpins could not be numbered");
                     shared.end_session("unpins could not be numbered");
@@ -362,6 +352,7 @@ impl LayoutHandle {
                     // Out of the ledger and the session is gone (or going):
                     // the pins die with it and are never taken again.
                     report.lost_with_session += taken;
+                    shared.stats.add(&shared.stats.unpins_dropped, taken);
                     drop(ledger);
                     for t in tickets {
                         shared.seqs.release(t);
@@ -429,10 +420,14 @@ impl LayoutHandle {
                     report.not_held += not_held_pins;
                     report.released += pins - not_held_pins;
                 }
-                UnpinAnswer::SessionGone => report.lost_with_session += pins,
+                UnpinAnswer::SessionGone => {
+                    report.lost_with_session += pins;
+                    shared.stats.add(&shared.stats.unpins_dropped, pins);
+                }
                 UnpinAnswer::Undelivered => {
                     undelivered = true;
                     report.lost_with_session += pins;
+                    shared.stats.add(&shared.stats.unpins_dropped, pins);
                 }
             }
             shared.seqs.release(s.ticket);
@@ -604,16 +599,6 @@ impl Shared {
             tracing::warn!(error = %e, "reattach after ending the session failed; the next request retries");
         }
     }
-}
-
-/// Pins of the entries an `UnpinReply` reports as not held.
-fn not_held_pins(counts: &[u32], reply: &proto::Archived<UnpinReply>) -> u64 {
-    counts
-        .iter()
-        .zip(reply.outcomes.iter())
-        .filter(|(_, o)| matches!(UnpinOutcome::from(*o), UnpinOutcome::NotPinned))
-        .map(|(&c, _)| u64::from(c))
-        .sum()
 }
 
 impl LayoutHandle {

@@ -82,11 +82,15 @@ counters!(
     rejections,
     /// Unpin requests sent.
     unpin_batches,
-    /// Unpins the directory reported as not held (double release).
+    /// Pins whose release the directory reported as not held (double
+    /// release), counted in pins, as every unpin counter is: a dropped
+    /// guard's release is one pin, a staged release of `n` pins is `n`,
+    /// whether or not they went out in one entry.
     unpins_not_held,
-    /// Unpins given up: their session ended before they were sent or
-    /// answered (its pins went with it), or they could not be delivered
-    /// (the session is then ended, so that their pins go too).
+    /// Pins whose release was given up (in pins, as `unpins_not_held`):
+    /// their session ended before the unpin was sent or answered (its pins
+    /// went with it), or it could not be delivered (the session is then
+    /// ended, so that its pins go too).
     unpins_dropped,
     /// Views whose pins could not be taken again after a reconnect (the key
     /// was deleted or not yet re-registered meanwhile).

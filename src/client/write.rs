@@ -19,22 +19,26 @@
 //! have been registered. Freeing its pages could hand a registered page to
 //! a new writer, so they are kept: the batch is parked (with its sequence
 //! number) and the maintenance thread sends it again until it gets an
-//! answer. A page freed meanwhile by a notice (registered, then deleted by
-//! someone) is dropped from the batch before each resend. If the directory
-//! answers that the number is too old or its reply was dropped, the batch is
-//! sent under a fresh number: the directory then answers `Duplicate` with
-//! our own location for keys that did register, and refuses a page whose
-//! registration was already deleted (`StaleGeneration`), so nothing is
-//! registered twice.
+//! answer. Parked, its leases stop keeping the client alive (the client
+//! keeps them itself: `lease.rs`). A page freed meanwhile by a notice
+//! (registered, then deleted by someone) is dropped from the batch before
+//! each resend. If the directory answers that the number is too old or its
+//! reply was dropped, the batch is sent under a fresh number: the directory
+//! then answers `Duplicate` with our own location for keys that did
+//! register, and refuses a page whose registration was already deleted
+//! (`StaleGeneration`), so nothing is registered twice.
 //!
 //! **Directory restarts.** A batch in flight when the directory restarted
 //! carries a number the new directory refuses (it went to the previous
-//! incarnation). It is sent again under a fresh number — but first, pages
-//! that a freed-page notice released meanwhile are taken out (their key was
-//! registered and deleted under the old directory; the page may already be
-//! another writer's): they count as `Inserted`. The new directory has no
-//! history that could refuse them, so this check is what keeps a reused page
-//! from being registered under the old key.
+//! incarnation). That number stops holding the sequence window back at the
+//! restart (`seq.rs`), so a parked batch never keeps the reattach that
+//! would resolve it from completing. The batch is sent again under a fresh
+//! number — but first, pages that a freed-page notice released meanwhile
+//! are taken out (their key was registered and deleted under the old
+//! directory; the page may already be another writer's): they count as
+//! `Inserted`. The new directory has no history that could refuse them, so
+//! this check is what keeps a reused page from being registered under the
+//! old key.
 
 use std::sync::Arc;
 
@@ -324,8 +328,13 @@ impl Shared {
         lease.consume();
     }
 
-    fn park(&self, batch: Unresolved) {
+    fn park(&self, mut batch: Unresolved) {
         self.stats.bump(&self.stats.registers_unresolved);
+        // Kept by the client from now on: its leases must not keep it alive
+        // (see `PageLease::detach`).
+        for e in &mut batch.entries {
+            e.lease.detach();
+        }
         let mut parked = self.unresolved.lock();
         if parked.len() < MAX_UNRESOLVED {
             parked.push(batch);

@@ -163,7 +163,9 @@ pub struct ServerConfig {
     /// Remove the embedded pool files and the pool manager's state
     /// directory on shutdown (temporary servers: tests, benches).
     pub remove_pool_on_shutdown: bool,
-    /// Region size when a client asks for "the default" (0 bytes).
+    /// Region size when a request asks for "the default" (0 bytes): raw
+    /// protocol clients; cxlkv's own clients always ask for their
+    /// `LayoutOptions::region_size_bytes`.
     pub default_region_bytes: u64,
     /// How often the directory's timers run (lease and grace expiry,
     /// eviction, free retries).
