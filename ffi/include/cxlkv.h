@@ -822,8 +822,12 @@ cxlkv_status cxlkv_connect(const struct cxlkv_config *config, struct cxlkv_clien
 // instance's keys stay. Layouts of this client fail with
 // `CXLKV_STATUS_CLOSED` afterwards (free them with `cxlkv_layout_close`);
 // views and leases stay mapped until released, but views are no longer
-// pinned: another client may delete a view's key and its page be reused.
-// Release views first, or copy out what must outlive the close. The
+// pinned (another client may delete a view's key and its page be reused),
+// and leases can no longer be written through the API
+// (`cxlkv_lease_data`, `cxlkv_lease_write` fail; an address taken before
+// must not be written either: the region may be freed once the instance's
+// grace period ends). Release views and leases first, or copy out what
+// must outlive the close. The
 // handle is freed even when the status reports that the final unpins
 // could not be sent.
 //

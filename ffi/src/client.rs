@@ -4,8 +4,9 @@
 //! session alive (they hold clones), so `cxlkv_close` ends the session for
 //! all of them: their later calls fail with `CXLKV_STATUS_CLOSED`, while
 //! views and leases still alive keep their mappings until released (but
-//! not their pins: the session that held them has ended). The regions stay
-//! mapped until the last handle made from the client is freed.
+//! not their pins, nor leases their region: the session that held them has
+//! ended). The regions stay mapped until the last handle made from the
+//! client is freed.
 
 use std::ffi::c_char;
 use std::mem::size_of;
@@ -130,8 +131,12 @@ pub unsafe extern "C" fn cxlkv_connect(
 /// instance's keys stay. Layouts of this client fail with
 /// `CXLKV_STATUS_CLOSED` afterwards (free them with `cxlkv_layout_close`);
 /// views and leases stay mapped until released, but views are no longer
-/// pinned: another client may delete a view's key and its page be reused.
-/// Release views first, or copy out what must outlive the close. The
+/// pinned (another client may delete a view's key and its page be reused),
+/// and leases can no longer be written through the API
+/// (`cxlkv_lease_data`, `cxlkv_lease_write` fail; an address taken before
+/// must not be written either: the region may be freed once the instance's
+/// grace period ends). Release views and leases first, or copy out what
+/// must outlive the close. The
 /// handle is freed even when the status reports that the final unpins
 /// could not be sent.
 ///
