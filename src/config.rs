@@ -620,8 +620,9 @@ fn de_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
 #[serde(deny_unknown_fields)]
 pub struct PoolEntry {
     pub path: PathBuf,
-    /// For a file: created (0600) at this size if missing, grown if shorter.
-    /// For a device: its minimum size.
+    /// For a file: created (0600) at this size if missing (or holding no
+    /// pool yet); an initialised pool is never resized, a larger size is
+    /// refused. For a device: its minimum size.
     #[serde(default, deserialize_with = "de_opt_bytes")]
     pub size_bytes: Option<u64>,
     /// Region alignment (default 2 MiB).

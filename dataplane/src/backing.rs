@@ -22,7 +22,10 @@
 //!   sizing, alignment, mapping) on a fake device.
 //! - **File on tmpfs** (`/dev/shm`): the embedded default. Created and sized
 //!   on demand ([`OpenOptions::create_size_bytes`]); RAM-backed and sparse, so
-//!   memory is used only where regions are populated.
+//!   memory is used only where regions are populated — which is why sizing
+//!   checks the filesystem's size first ([`check_room`]): `ftruncate` there
+//!   succeeds far beyond it, and the shortfall would surface only when
+//!   regions are populated.
 //! - **File on hugetlbfs** (2 MiB or 1 GiB pages) or on any other filesystem
 //!   (e.g. ext4/xfs mounted with `-o dax` over persistent or CXL memory).
 //!   Recognised by the filesystem magic from `fstatfs`.
@@ -188,7 +191,12 @@ impl OpenOptions {
 
     /// Require at least this many bytes (rounded up to the alignment). A file
     /// is created (mode 0600) if missing and grown if shorter, never shrunk; a
-    /// device, which cannot grow, must already be this large.
+    /// device, which cannot grow, must already be this large. On tmpfs and on
+    /// hugetlbfs mounted with a size, a file is not sized beyond what the file
+    /// system holds in all ([`BackingError::ExceedsFilesystem`]); beyond what
+    /// is free now, it is sized with a warning. This layer knows nothing of
+    /// what the file holds: the pool manager does not ask an initialised pool
+    /// to grow (its header records its size).
     pub fn create_size_bytes(mut self, size_bytes: u64) -> Self {
         self.create_size_bytes = Some(size_bytes);
         self
@@ -238,6 +246,20 @@ pub enum BackingError {
         path: PathBuf,
         size_bytes: u64,
         min_bytes: u64,
+    },
+    #[error(
+        "pool {} would be {size_bytes} bytes ({}), more than the {fs} mounted at {} holds in all: \
+         {total_bytes} bytes ({}). Ask for a smaller pool (a size of at most {total_bytes} bytes, less what \
+         other files there use), or {advice}",
+        path.display(), human_bytes(*size_bytes), mount.display(), human_bytes(*total_bytes)
+    )]
+    ExceedsFilesystem {
+        path: PathBuf,
+        size_bytes: u64,
+        fs: BackingKind,
+        mount: PathBuf,
+        total_bytes: u64,
+        advice: &'static str,
     },
     #[error("cannot size pool file {} to {size_bytes} bytes", path.display())]
     Resize {
@@ -346,7 +368,7 @@ pub fn open(
         euid,
     };
     if creating {
-        fs_options.create(true).mode(0o600);
+        fs_options.mode(0o600);
         // The creator sizes and serves the file: one another user put in
         // its place (typically in the shared /dev/shm) must not be used.
         // (Checked before the open too, which the kernel may refuse first
@@ -363,10 +385,26 @@ pub fn open(
             _ => {}
         }
     }
-    let file = fs_options.open(path).map_err(|source| BackingError::Open {
+    let open_error = |source| BackingError::Open {
         path: path.to_owned(),
         source,
-    })?;
+    };
+    // Exclusive creation first, so that a file refused below is removed only
+    // if this call created it.
+    let (file, created) = if creating {
+        match fs_options.clone().create_new(true).open(path) {
+            Ok(file) => (file, true),
+            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => (
+                // `create` still: a symlink of ours to a missing file is
+                // followed and its target created, as it always was.
+                fs_options.create(true).open(path).map_err(open_error)?,
+                false,
+            ),
+            Err(err) => return Err(open_error(err)),
+        }
+    } else {
+        (fs_options.open(path).map_err(open_error)?, false)
+    };
     let meta = file.metadata().map_err(|source| BackingError::Stat {
         path: path.to_owned(),
         source,
@@ -386,12 +424,17 @@ pub fn open(
         return Ok(Arc::new(DevDax::open_file(path, file, dev, options)?));
     }
     if file_type.is_file() {
-        return Ok(Arc::new(FileBacking::open_file(
-            path,
-            file,
-            meta.len(),
-            options,
-        )?));
+        return match FileBacking::open_file(path, file, &meta, options) {
+            Ok(backing) => Ok(Arc::new(backing)),
+            Err(err) => {
+                if created {
+                    // Best effort: an empty file this call created is not
+                    // left behind by a refusal.
+                    let _ = std::fs::remove_file(path);
+                }
+                Err(err)
+            }
+        };
     }
     let file_type = if file_type.is_dir() {
         "directory"
@@ -571,10 +614,11 @@ impl FileBacking {
     fn open_file(
         path: &Path,
         file: File,
-        len_bytes: u64,
+        meta: &std::fs::Metadata,
         options: &OpenOptions,
     ) -> Result<Self, BackingError> {
-        let (kind, fs_block_bytes) = classify_filesystem(path, &file)?;
+        let fs = stat_filesystem(path, &file)?;
+        let (kind, fs_block_bytes) = (fs.kind, fs.block_bytes);
         let requested_align = options.align_bytes.unwrap_or(DEFAULT_ALIGN_BYTES);
         check_align(path, requested_align)?;
         // On hugetlbfs the file can only be sized and mapped in whole huge
@@ -586,10 +630,11 @@ impl FileBacking {
             requested_align
         };
         check_align(path, align_bytes)?;
-        let mut file_len_bytes = len_bytes;
+        let mut file_len_bytes = meta.len();
         if let Some(want) = options.create_size_bytes {
             let want = round_up(want, align_bytes).max(align_bytes);
             if file_len_bytes < want {
+                check_filesystem_room(path, want, meta, &fs)?;
                 file.set_len(want).map_err(|source| BackingError::Resize {
                     path: path.to_owned(),
                     size_bytes: want,
@@ -618,9 +663,162 @@ impl FileBacking {
     }
 }
 
-/// The filesystem a file lives on, and that filesystem's block size (the huge
-/// page size on hugetlbfs).
-fn classify_filesystem(path: &Path, file: &File) -> Result<(BackingKind, u64), BackingError> {
+/// What `fstatfs` says about the filesystem a pool file lives on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FsStat {
+    kind: BackingKind,
+    /// The block size (the huge page size on hugetlbfs).
+    block_bytes: u64,
+    /// Blocks in all, and blocks free to this user: the space numbers.
+    space: FsSpace,
+}
+
+/// A filesystem's size in `statfs` terms (`f_bsize`, `f_blocks`,
+/// `f_bavail`). tmpfs reports its `size=` limit here and hugetlbfs the huge
+/// pages of its `size=`; both report 0 blocks when mounted without a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsSpace {
+    pub block_bytes: u64,
+    pub total_blocks: u64,
+    pub avail_blocks: u64,
+}
+
+/// Whether a file of some size fits on a filesystem ([`check_room`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// It fits in the space free now.
+    Fits,
+    /// The filesystem reports no limit (0 blocks): nothing to check.
+    Unlimited,
+    /// It fits in the filesystem but needs more than is free now: other
+    /// files must go before all of it can be populated.
+    ExceedsFree { needed_bytes: u64, free_bytes: u64 },
+    /// It is larger than the whole filesystem: it can never be populated.
+    ExceedsTotal { total_bytes: u64 },
+}
+
+/// Whether a file of `size_bytes`, of which `allocated_bytes` already hold
+/// blocks, fits on a filesystem with `space`. Pure, for the sizing check of
+/// tmpfs and hugetlbfs files: `ftruncate` there succeeds far beyond the
+/// filesystem's size (files are sparse), and the shortfall would show only
+/// when regions are populated (an error, or `SIGBUS` on old kernels).
+pub fn check_room(size_bytes: u64, allocated_bytes: u64, space: FsSpace) -> Room {
+    // hugetlbfs without `size=` but with `min_size=` reports u64::MAX
+    // blocks: saturating arithmetic reads that as "no limit" as well.
+    if space.total_blocks == 0 {
+        return Room::Unlimited;
+    }
+    let total_bytes = space.total_blocks.saturating_mul(space.block_bytes);
+    if size_bytes > total_bytes {
+        return Room::ExceedsTotal { total_bytes };
+    }
+    let needed_bytes = size_bytes.saturating_sub(allocated_bytes);
+    let free_bytes = space.avail_blocks.saturating_mul(space.block_bytes);
+    if needed_bytes > free_bytes {
+        return Room::ExceedsFree {
+            needed_bytes,
+            free_bytes,
+        };
+    }
+    Room::Fits
+}
+
+/// Refuses to size a tmpfs or hugetlbfs pool file to more than its
+/// filesystem holds, and warns when it needs more than is free now. Other
+/// filesystems allocate on write and report their own errors; devices are
+/// sized by sysfs.
+fn check_filesystem_room(
+    path: &Path,
+    size_bytes: u64,
+    meta: &std::fs::Metadata,
+    fs: &FsStat,
+) -> Result<(), BackingError> {
+    let advice = match fs.kind {
+        BackingKind::Tmpfs => {
+            "enlarge the file system (`mount -o remount,size=...`; in Docker `--shm-size`, in \
+             Kubernetes a memory-backed emptyDir with a larger sizeLimit)"
+        }
+        BackingKind::Hugetlbfs => {
+            "mount hugetlbfs with a larger `size=` (and reserve that many huge pages, see \
+             docs/operations.md)"
+        }
+        _ => return Ok(()),
+    };
+    // `st_blocks` counts 512-byte units whatever the filesystem's block size.
+    let allocated_bytes = meta.blocks().saturating_mul(512);
+    match check_room(size_bytes, allocated_bytes, fs.space) {
+        Room::Fits | Room::Unlimited => Ok(()),
+        Room::ExceedsFree {
+            needed_bytes,
+            free_bytes,
+        } => {
+            tracing::warn!(
+                path = %path.display(),
+                size_bytes,
+                needed_bytes,
+                free_bytes,
+                mount = %mount_point(path).display(),
+                fs = %fs.kind,
+                "the pool is larger than the space free on its file system now: regions past it \
+                 will fail to populate (\"pool memory exhausted\") until other files there are removed"
+            );
+            Ok(())
+        }
+        Room::ExceedsTotal { total_bytes } => Err(BackingError::ExceedsFilesystem {
+            path: path.to_owned(),
+            size_bytes,
+            fs: fs.kind,
+            mount: mount_point(path),
+            total_bytes,
+            advice,
+        }),
+    }
+}
+
+/// The mount point of the filesystem holding the existing file `path`: the
+/// highest directory above it on the same device (for error messages; the
+/// path itself if that cannot be told).
+fn mount_point(path: &Path) -> PathBuf {
+    let Ok(dev) = std::fs::metadata(path).map(|m| m.dev()) else {
+        return path.to_owned();
+    };
+    let Some(mut dir) = std::fs::canonicalize(path)
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+    else {
+        return path.to_owned();
+    };
+    // Bounded by the number of components of `dir`.
+    while let Some(parent) = dir.parent() {
+        match std::fs::metadata(parent) {
+            Ok(m) if m.dev() == dev => dir = parent.to_path_buf(),
+            _ => break,
+        }
+    }
+    dir
+}
+
+/// `bytes` for people: the largest binary unit that keeps one decimal.
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    let mut unit = "bytes";
+    let mut value = bytes as f64;
+    for u in UNITS {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = u;
+    }
+    if unit == "bytes" {
+        format!("{bytes} bytes")
+    } else {
+        format!("{value:.1} {unit}")
+    }
+}
+
+/// The filesystem a file lives on: kind, block size and space.
+fn stat_filesystem(path: &Path, file: &File) -> Result<FsStat, BackingError> {
     // Widen the magic constants and `f_type` alike: their C types differ
     // between libcs (`long`, `unsigned int`), the values do not.
     const TMPFS_MAGIC: u64 = 0x0102_1994;
@@ -646,7 +844,20 @@ fn classify_filesystem(path: &Path, file: &File) -> Result<(BackingKind, u64), B
         HUGETLBFS_MAGIC => BackingKind::Hugetlbfs,
         _ => BackingKind::OtherFile,
     };
-    Ok((kind, block_bytes))
+    // The block counts' C types differ between libcs too; all are unsigned
+    // or hold non-negative values, and a negative one (hugetlbfs's -1 for
+    // "no limit") widens to u64::MAX, read as no limit.
+    #[allow(clippy::unnecessary_cast)]
+    let space = FsSpace {
+        block_bytes,
+        total_blocks: st.f_blocks as u64,
+        avail_blocks: st.f_bavail as u64,
+    };
+    Ok(FsStat {
+        kind,
+        block_bytes,
+        space,
+    })
 }
 
 fn check_align(path: &Path, align_bytes: u64) -> Result<(), BackingError> {
@@ -937,13 +1148,13 @@ pub(crate) mod tests {
         );
     }
 
-    /// A hugetlbfs mount on a fresh temporary directory, unmounted on drop.
-    struct HugetlbfsMount {
+    /// A filesystem mounted on a fresh temporary directory, unmounted on drop.
+    struct TestMount {
         dir: tempfile::TempDir,
     }
 
-    impl HugetlbfsMount {
-        fn new() -> io::Result<Self> {
+    impl TestMount {
+        fn new(fstype: &std::ffi::CStr, data: &std::ffi::CStr) -> io::Result<Self> {
             let dir = tempfile::tempdir()?;
             let target = std::ffi::CString::new(
                 dir.path()
@@ -956,9 +1167,9 @@ pub(crate) mod tests {
                 libc::mount(
                     c"none".as_ptr(),
                     target.as_ptr(),
-                    c"hugetlbfs".as_ptr(),
+                    fstype.as_ptr(),
                     0,
-                    c"pagesize=2M".as_ptr().cast(),
+                    data.as_ptr().cast(),
                 )
             };
             if rc != 0 {
@@ -968,7 +1179,7 @@ pub(crate) mod tests {
         }
     }
 
-    impl Drop for HugetlbfsMount {
+    impl Drop for TestMount {
         fn drop(&mut self) {
             if let Ok(target) =
                 std::ffi::CString::new(self.dir.path().as_os_str().as_encoded_bytes())
@@ -995,7 +1206,7 @@ pub(crate) mod tests {
                 return;
             }
         };
-        let mount = match HugetlbfsMount::new() {
+        let mount = match TestMount::new(c"hugetlbfs", c"pagesize=2M") {
             Ok(m) => m,
             Err(err) => {
                 eprintln!("skipping hugetlbfs test: cannot mount hugetlbfs: {err}");
@@ -1046,6 +1257,148 @@ pub(crate) mod tests {
         // Rounded up to the alignment.
         assert_eq!(backing.size_bytes(), 6 * MIB);
         assert_eq!(std::fs::metadata(&path.0).expect("stat").len(), 6 * MIB);
+    }
+
+    #[test]
+    fn room_is_refused_above_the_filesystem_and_warned_above_the_free_space() {
+        let space = FsSpace {
+            block_bytes: 4096,
+            total_blocks: 16 * MIB / 4096,
+            avail_blocks: 4 * MIB / 4096,
+        };
+        assert_eq!(check_room(4 * MIB, 0, space), Room::Fits);
+        assert_eq!(
+            check_room(8 * MIB, 0, space),
+            Room::ExceedsFree {
+                needed_bytes: 8 * MIB,
+                free_bytes: 4 * MIB
+            }
+        );
+        // Blocks the file already holds are not needed again.
+        assert_eq!(check_room(8 * MIB, 4 * MIB, space), Room::Fits);
+        assert_eq!(
+            check_room(16 * MIB, 0, space),
+            Room::ExceedsFree {
+                needed_bytes: 16 * MIB,
+                free_bytes: 4 * MIB
+            },
+            "exactly the filesystem's size fits it"
+        );
+        assert_eq!(
+            check_room(16 * MIB + 4096, 16 * MIB, space),
+            Room::ExceedsTotal {
+                total_bytes: 16 * MIB
+            },
+            "never larger than the whole filesystem, whatever is allocated"
+        );
+        // The default 2 GiB pool on Docker's 64 MiB /dev/shm.
+        let docker_shm = FsSpace {
+            block_bytes: 4096,
+            total_blocks: 64 * MIB / 4096,
+            avail_blocks: 64 * MIB / 4096,
+        };
+        assert_eq!(
+            check_room(DEFAULT_POOL_SIZE_BYTES, 0, docker_shm),
+            Room::ExceedsTotal {
+                total_bytes: 64 * MIB
+            }
+        );
+        // tmpfs `size=0` and hugetlbfs without `size=` report no blocks.
+        let unlimited = FsSpace {
+            block_bytes: 2 * MIB,
+            total_blocks: 0,
+            avail_blocks: 0,
+        };
+        assert_eq!(check_room(u64::MAX, 0, unlimited), Room::Unlimited);
+        // hugetlbfs: huge pages are the blocks; -1 ("no maximum") is no limit.
+        let huge = FsSpace {
+            block_bytes: 2 * MIB,
+            total_blocks: 4,
+            avail_blocks: 1,
+        };
+        assert_eq!(
+            check_room(10 * MIB, 0, huge),
+            Room::ExceedsTotal {
+                total_bytes: 8 * MIB
+            }
+        );
+        let no_max = FsSpace {
+            block_bytes: 2 * MIB,
+            total_blocks: u64::MAX,
+            avail_blocks: u64::MAX - 3,
+        };
+        assert_eq!(check_room(1 << 40, 0, no_max), Room::Fits);
+    }
+
+    /// `ftruncate` on tmpfs succeeds far beyond the filesystem's size (the
+    /// file is sparse), so without the check this open would succeed.
+    /// Nothing is written: the refusal comes before any sizing, and the
+    /// file this open created is removed again.
+    #[test]
+    fn a_tmpfs_pool_larger_than_dev_shm_is_refused_and_not_left_behind() {
+        let path = ShmPath::new("toolarge");
+        let dev_shm = std::fs::File::open(DEFAULT_POOL_DIR).expect("open /dev/shm");
+        let fs = stat_filesystem(Path::new(DEFAULT_POOL_DIR), &dev_shm).expect("statfs");
+        if fs.kind != BackingKind::Tmpfs || fs.space.total_blocks == 0 {
+            eprintln!("skipping: /dev/shm is not a tmpfs with a size ({fs:?})");
+            return;
+        }
+        let total = fs.space.total_blocks * fs.space.block_bytes;
+        let want = round_up(total + 1, DEFAULT_ALIGN_BYTES);
+        let err = open(&path.0, &OpenOptions::new().create_size_bytes(want))
+            .expect_err("larger than /dev/shm");
+        match &err {
+            BackingError::ExceedsFilesystem {
+                size_bytes,
+                fs,
+                mount,
+                total_bytes,
+                ..
+            } => {
+                assert_eq!(*size_bytes, want);
+                assert_eq!(*fs, BackingKind::Tmpfs);
+                assert_eq!(mount, Path::new(DEFAULT_POOL_DIR));
+                assert_eq!(*total_bytes, total);
+            }
+            other => panic!("unexpected {other}"),
+        }
+        let msg = err.to_string();
+        for needle in ["/dev/shm", &total.to_string(), "smaller pool", "--shm-size"] {
+            assert!(msg.contains(needle), "{needle:?} missing from: {msg}");
+        }
+        assert!(!path.0.exists(), "the refused file is not left behind");
+    }
+
+    /// The same on a tmpfs of 8 MiB (Docker's /dev/shm in miniature): a pool
+    /// of 16 MiB is refused, naming the mount; an existing file is left as
+    /// it was; 6 MiB fits.
+    #[test]
+    fn a_pool_larger_than_a_small_tmpfs_is_refused_naming_the_mount() {
+        let mount = match TestMount::new(c"tmpfs", c"size=8m") {
+            Ok(m) => m,
+            Err(err) => {
+                eprintln!("skipping small-tmpfs test: cannot mount a tmpfs: {err}");
+                return;
+            }
+        };
+        let path = mount.dir.path().join("pool");
+        std::fs::write(&path, b"").expect("an empty existing file");
+        let err = open(&path, &OpenOptions::new().create_size_bytes(16 * MIB))
+            .expect_err("16 MiB on an 8 MiB tmpfs");
+        assert!(
+            matches!(&err, BackingError::ExceedsFilesystem { mount: m, total_bytes, .. }
+                if m == mount.dir.path() && *total_bytes == 8 * MIB),
+            "{err}"
+        );
+        assert!(err.to_string().contains("8.0 MiB"), "{err}");
+        assert_eq!(
+            std::fs::metadata(&path).expect("kept").len(),
+            0,
+            "an existing file is left as it was"
+        );
+        let backing = open(&path, &OpenOptions::new().create_size_bytes(6 * MIB))
+            .expect("6 MiB fits in 8 MiB");
+        assert_eq!(backing.size_bytes(), 6 * MIB);
     }
 
     #[test]

@@ -152,7 +152,8 @@ pub struct ServerConfig {
     /// The directory's stable identity at the pool manager.
     pub directory_id: String,
     pub directory: DirectoryConfig,
-    /// The embedded pool file, created (or grown) to `pool_size_bytes`,
+    /// The embedded pool file, created at `pool_size_bytes` when missing
+    /// (an initialised pool is never resized: a larger size is refused),
     /// when `pool_manager` is not set.
     pub pool_path: PathBuf,
     pub pool_size_bytes: u64,

@@ -337,6 +337,18 @@ pub fn verify(header: &Header, size_bytes: u64, alignment_bytes: u64) -> Result<
     Ok(())
 }
 
+/// The bytes of the block [`encode_identity`] writes.
+pub const IDENTITY_RANGE: std::ops::Range<usize> = IDENTITY_AT..IDENTITY_AT + SECTION_BYTES;
+
+/// The bytes of the block [`write_lease`] writes for `lease`: its slot. A
+/// driver that keeps a copy of the header writes back only these, so that
+/// the other slot — which another host's manager may be writing, that is
+/// the lease protocol — is never rewritten from a stale copy.
+pub fn lease_slot_range(lease: &ManagerLease) -> std::ops::Range<usize> {
+    let at = SLOT_AT[(lease.seq % 2) as usize];
+    at..at + SECTION_BYTES
+}
+
 /// Writes `lease` into its slot (`seq % 2`), leaving the other slot — the
 /// previous lease — intact.
 pub fn write_lease(block: &mut [u8], lease: &ManagerLease) -> Result<(), HeaderError> {
@@ -357,8 +369,7 @@ pub fn write_lease(block: &mut [u8], lease: &ManagerLease) -> Result<(), HeaderE
     w.bytes(&lease.holder.0);
     let crc = section_crc(&slot);
     slot[CRC_AT..].copy_from_slice(&crc.to_le_bytes());
-    let at = SLOT_AT[(lease.seq % 2) as usize];
-    block[at..at + SECTION_BYTES].copy_from_slice(&slot);
+    block[lease_slot_range(lease)].copy_from_slice(&slot);
     Ok(())
 }
 
@@ -568,6 +579,28 @@ mod tests {
         assert_eq!((h.lease, h.torn_lease_slots), (Some(first), 1));
         assert!(h.has_served());
         assert_eq!(header(&full).lease, Some(second));
+    }
+
+    #[test]
+    fn identity_and_lease_writes_touch_only_their_ranges() {
+        let mut b = vec![0u8; BLOCK];
+        encode_identity(&mut b, &identity()).unwrap();
+        assert!(b[IDENTITY_RANGE.end..].iter().all(|&x| x == 0));
+        for seq in [1, 2] {
+            let before = b.clone();
+            let lease = ManagerLease {
+                seq,
+                epoch: 1,
+                expires_unix_ms: 9,
+                holder: ME,
+            };
+            write_lease(&mut b, &lease).unwrap();
+            let range = lease_slot_range(&lease);
+            assert!(range.end <= HEADER_BYTES && range.start >= IDENTITY_RANGE.end);
+            for (i, (x, y)) in before.iter().zip(&b).enumerate() {
+                assert!(x == y || range.contains(&i), "byte {i} outside {range:?}");
+            }
+        }
     }
 
     #[test]

@@ -642,8 +642,8 @@ impl Core {
                 handled += 1;
                 // A round of syncing commands on a slow device can outlast a
                 // lease renewal period: the round ends early for it.
-                let renewal_due = handled.is_multiple_of(RENEWAL_CHECK_EVERY)
-                    && self.now() >= self.next_renew;
+                let renewal_due =
+                    handled.is_multiple_of(RENEWAL_CHECK_EVERY) && self.now() >= self.next_renew;
                 if handled < MAX_COMMANDS_PER_ROUND && !renewal_due {
                     next = rx.try_recv().ok();
                 }

@@ -6,8 +6,8 @@
 //!
 //! One thread, the **core** ([`PoolCore`]), owns everything stateful: the
 //! [`PoolManager`](super::PoolManager), the [`PoolStore`](super::PoolStore) (journal and checkpoints), the owner
-//! names file ([`names`]), the open pools with their mapped header blocks
-//! and leases ([`pools`]), the per-directory reply caches and the queue of
+//! names file ([`names`]), the open pools with their header blocks
+//! and leases ([`pools`], [`paths`]), the per-directory reply caches and the queue of
 //! replies held for durability. Everything else talks to it through one
 //! channel of commands, so requests are applied in the order they arrive and
 //! no lock is held across a `fdatasync`.
@@ -134,8 +134,11 @@ const _: () = assert!(REPLY_CACHE_LEN >= MAX_INFLIGHT_PER_CONN);
 pub struct PoolSpec {
     /// A `/dev/daxX.Y` device or a file (tmpfs, hugetlbfs, DAX filesystem).
     pub path: PathBuf,
-    /// For a file: create it (mode 0600) if missing, grow it if shorter.
-    /// For a device: the size it must have at least. `None`: open as is.
+    /// For a file: create it (mode 0600) at this size if missing, or size it
+    /// if it holds no pool yet (first block all zero); an initialised pool
+    /// is never resized, and a larger size than its header's is refused
+    /// (see `pools`). For a device: the size it must have at least. `None`:
+    /// open as is.
     pub create_size_bytes: Option<u64>,
     /// Region alignment (power of two ≥ 4 KiB); default 2 MiB, raised to the
     /// device's or hugetlbfs's page size.
