@@ -240,6 +240,7 @@ impl OpenPool {
             Some(read_existing(
                 path,
                 spec.align_bytes.unwrap_or(DEFAULT_ALIGN_BYTES),
+                spec.create_size_bytes.is_some(),
             )?)
         } else {
             None
@@ -757,7 +758,8 @@ fn check_holds_block(file: &File, align_bytes: u64) -> io::Result<()> {
 /// "Sizing"): only a regular file is read — its first `min(len, HEADER_BYTES)`
 /// bytes, and the rest of its first block up to `align_bytes` when those
 /// are zero. A header that does not decode is refused here, untouched.
-fn read_existing(path: &Path, align_bytes: u64) -> Result<Found, OpenError> {
+fn read_existing(path: &Path, align_bytes: u64, creating: bool) -> Result<Found, OpenError> {
+    use std::os::unix::fs::MetadataExt;
     let io_error = |op| {
         move |source| OpenError::Io {
             path: path.to_path_buf(),
@@ -765,6 +767,30 @@ fn read_existing(path: &Path, align_bytes: u64) -> Result<Found, OpenError> {
             source,
         }
     };
+    // The ownership rule `backing::open` applies to a pool it may create,
+    // applied before this read: a file or symlink another user planted in
+    // its place (in the shared /dev/shm, say) is not read through either.
+    if creating {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        let link = std::fs::symlink_metadata(path).map_err(io_error("stat"))?;
+        if link.uid() != euid && link.uid() != 0 {
+            let what = if link.file_type().is_symlink() {
+                "is a symlink of"
+            } else {
+                "is a file of"
+            };
+            return Err(OpenError::Backing {
+                path: path.to_path_buf(),
+                source: BackingError::NotOwned {
+                    path: path.to_path_buf(),
+                    what,
+                    uid: link.uid(),
+                    euid,
+                },
+            });
+        }
+    }
     let meta = std::fs::metadata(path).map_err(io_error("stat"))?;
     if !meta.is_file() {
         return Ok(Found::NotAFile);
