@@ -135,6 +135,90 @@ fn an_admin_can_end_a_session_which_releases_its_pins() {
     );
 }
 
+/// Found by a review of the protocol (session 23): `EndSession` skipped
+/// the reply window, so a retry of the same `seq` (its reply lost) got
+/// `SessionEnded` — which a client takes for the end of its own session —
+/// and so did an admin naming a session that was not live.
+#[test]
+fn a_retried_end_session_gets_its_first_answer_and_an_unknown_target_is_invalid() {
+    let server = Server::start(config_on("end-retry", backends()[0])).unwrap();
+    let (mut admin, region) = session_with_region(&server, "admin");
+    admin
+        .register(vec![(b"k".to_vec(), loc(region, 0))])
+        .unwrap();
+    let mut victim = Raw::connect_unix(server.socket_path());
+    let session_id = victim.hello("victim").0.unwrap().session_id;
+    victim.lookup(&[b"k"], 2).unwrap();
+    let msg = proto::EndSession {
+        meta: admin.rw(),
+        session_id,
+    };
+    let first: proto::SessionEnded = admin.call(&msg).unwrap();
+    assert_eq!(first.pins_released, 2);
+    let again: proto::SessionEnded = admin.call(&msg).expect("the cached answer");
+    assert_eq!(again.pins_released, 2, "the first answer, not a second run");
+    let unknown = proto::EndSession {
+        meta: admin.rw(),
+        session_id: session_id + 1000,
+    };
+    expect_code(
+        admin.call::<_, proto::SessionEnded>(&unknown),
+        ErrorCode::InvalidArgument,
+    );
+    assert_eq!(
+        admin.delete(&[b"k"]).unwrap().outcomes,
+        vec![DeleteOutcome::Deleted],
+        "the admin's own session lives on"
+    );
+}
+
+/// Same review: the name given to an anonymous instance was
+/// `anon-<epoch>-<counter>`, both in every client's own welcome, so a
+/// client could take the next one first and make the next anonymous hello
+/// fail with `InstanceInUse`.
+#[test]
+fn an_anonymous_instance_name_cannot_be_taken_first() {
+    let server = Server::start(config_on("anon", backends()[0])).unwrap();
+    let p = server.socket_path();
+    let first = Raw::connect_unix(p).hello("").0.unwrap();
+    assert!(
+        first.instance_id.starts_with("anon-"),
+        "{}",
+        first.instance_id
+    );
+    let squatter = Raw::connect_unix(p);
+    let guess = format!("anon-{:x}-2", first.directory_epoch);
+    squatter.hello(&guess).0.unwrap();
+    let next = Raw::connect_unix(p)
+        .hello("")
+        .0
+        .expect("an anonymous hello never collides");
+    assert_ne!(next.instance_id, guess);
+    assert_ne!(next.instance_id, first.instance_id);
+}
+
+/// Same review: `MapRegion` took up to the protocol's 4096 ids whatever
+/// batch limit the directory announced.
+#[test]
+fn map_region_keeps_to_the_announced_batch_limit() {
+    let mut cfg = config_on("map-batch", backends()[0]);
+    cfg.directory.max_batch = 64;
+    let server = Server::start(cfg).unwrap();
+    let (c, region) = session_with_region(&server, "m");
+    let over = c.call::<_, proto::RegionMap>(&proto::MapRegion {
+        meta: c.ro(),
+        regions: (0..65).collect(),
+    });
+    expect_code(over, ErrorCode::BatchTooLarge);
+    let at: proto::RegionMap = c
+        .call(&proto::MapRegion {
+            meta: c.ro(),
+            regions: (region..region + 64).collect(),
+        })
+        .unwrap();
+    assert_eq!(at.descs.len(), 64);
+}
+
 #[test]
 fn shutdown_closes_every_live_session_and_counts_them() {
     for backend in backends() {

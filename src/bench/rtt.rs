@@ -259,8 +259,21 @@ fn raw_recv(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> io::Result
 }
 
 /// The raw echo peer: for every `req` bytes received, `rep` bytes back;
-/// spins.
+/// spins. See [`raw_echo_server_of`].
 fn raw_echo_server(kind: Kind, req: usize, rep: usize) -> anyhow::Result<(Child, RawSock)> {
+    raw_echo_server_of(kind, vec![(req, rep)])
+}
+
+/// The raw echo peer of a cycle of messages: the `i`-th request received is
+/// `msgs[i % len].0` bytes and answered with `msgs[i % len].1`; spins. The
+/// replies to every request a receive completed go out in one `send` — a
+/// transport ceiling, as our server answers a turn's requests with one
+/// write.
+fn raw_echo_server_of(kind: Kind, msgs: Vec<(usize, usize)>) -> anyhow::Result<(Child, RawSock)> {
+    anyhow::ensure!(
+        !msgs.is_empty() && msgs.iter().all(|&(req, _)| req > 0),
+        "a raw exchange needs messages of at least one byte"
+    );
     let (child, sock) = match kind {
         Kind::Unix => {
             let p = temp_socket_path("raw");
@@ -269,7 +282,7 @@ fn raw_echo_server(kind: Kind, req: usize, rep: usize) -> anyhow::Result<(Child,
             let child = fork_child(move || {
                 if let Ok((s, _)) = l.accept() {
                     let _ = s.set_nonblocking(true);
-                    raw_echo_loop(s.as_fd(), req, rep);
+                    raw_echo_loop(s.as_fd(), &msgs);
                 }
             })?;
             let s = UnixStream::connect(&p)?;
@@ -283,7 +296,7 @@ fn raw_echo_server(kind: Kind, req: usize, rep: usize) -> anyhow::Result<(Child,
                 if let Ok((s, _)) = l.accept() {
                     let _ = s.set_nodelay(true);
                     let _ = s.set_nonblocking(true);
-                    raw_echo_loop(s.as_fd(), req, rep);
+                    raw_echo_loop(s.as_fd(), &msgs);
                 }
             })?;
             let s = TcpStream::connect(addr)?;
@@ -298,20 +311,24 @@ fn raw_echo_server(kind: Kind, req: usize, rep: usize) -> anyhow::Result<(Child,
     Ok((child, sock))
 }
 
-fn raw_echo_loop(fd: BorrowedFd<'_>, req: usize, rep: usize) {
-    let reply = vec![0x5Au8; rep];
+fn raw_echo_loop(fd: BorrowedFd<'_>, msgs: &[(usize, usize)]) {
     let mut buf = vec![0u8; 64 << 10];
-    let mut pending = 0usize;
+    let mut out: Vec<u8> = Vec::new();
+    // Bytes of the current request received so far, and which it is.
+    let (mut pending, mut next) = (0usize, 0usize);
     loop {
         match sys::recv(fd, &mut buf) {
             Ok(0) => return,
             Ok(n) => {
                 pending += n;
-                while pending >= req {
-                    pending -= req;
-                    if raw_send(fd, &reply, Instant::now() + RAW_TIMEOUT).is_err() {
-                        return;
-                    }
+                out.clear();
+                while pending >= msgs[next].0 {
+                    pending -= msgs[next].0;
+                    out.resize(out.len() + msgs[next].1, 0x5A);
+                    next = (next + 1) % msgs.len();
+                }
+                if !out.is_empty() && raw_send(fd, &out, Instant::now() + RAW_TIMEOUT).is_err() {
+                    return;
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
@@ -327,16 +344,30 @@ pub(super) fn raw_latencies(
     n: usize,
     gap: Option<Duration>,
 ) -> anyhow::Result<Vec<f64>> {
-    let (_child, sock) = raw_echo_server(kind, req_bytes, rep_bytes)?;
-    let req = vec![0xA5u8; req_bytes];
-    let mut rep = vec![0u8; rep_bytes];
+    raw_exchanges(kind, &[(req_bytes, rep_bytes)], n, gap)
+}
+
+/// Raw exchanges of several messages (µs each): every request of `msgs`
+/// sent with a `send` of its own, back to back, then every reply read — as
+/// a client with requests queued ahead of its call sends them.
+pub(super) fn raw_exchanges(
+    kind: Kind,
+    msgs: &[(usize, usize)],
+    n: usize,
+    gap: Option<Duration>,
+) -> anyhow::Result<Vec<f64>> {
+    let (_child, sock) = raw_echo_server_of(kind, msgs.to_vec())?;
+    let reqs: Vec<Vec<u8>> = msgs.iter().map(|&(req, _)| vec![0xA5u8; req]).collect();
+    let mut rep = vec![0u8; msgs.iter().map(|&(_, rep)| rep).sum()];
     let mut out = Vec::with_capacity(n);
     for i in 0..n + n / 10 {
         if let Some(g) = gap {
             std::thread::sleep(g);
         }
         let t = Instant::now();
-        raw_send(sock.fd(), &req, t + RAW_TIMEOUT)?;
+        for req in &reqs {
+            raw_send(sock.fd(), req, t + RAW_TIMEOUT)?;
+        }
         raw_recv(sock.fd(), &mut rep, t + RAW_TIMEOUT)?;
         if i >= n / 10 {
             out.push(t.elapsed().as_secs_f64() * 1e6);
@@ -489,14 +520,18 @@ fn throughput_case(
     let (req_bytes, rep_bytes) = (ours.request_wire_bytes, ours.reply_wire_bytes);
     let (mut ours_rate, mut raw_rate) = (Vec::new(), Vec::new());
     for _ in 0..args.reps {
-        // Raw: 64 requests written back to back, then 64 replies read.
+        // Raw: 64 requests written back to back, each with a `send` of its
+        // own (as our client starts each call), then 64 replies read; the
+        // peer answers what each receive completed with one `send`.
         let (_child, sock) = raw_echo_server(case.kind, req_bytes, rep_bytes)?;
-        let reqs = vec![0xA5u8; req_bytes * INFLIGHT];
+        let req = vec![0xA5u8; req_bytes];
         let mut reps = vec![0u8; rep_bytes * INFLIGHT];
         let t = Instant::now();
         for _ in 0..rounds {
             let dl = Instant::now() + RAW_TIMEOUT;
-            raw_send(sock.fd(), &reqs, dl)?;
+            for _ in 0..INFLIGHT {
+                raw_send(sock.fd(), &req, dl)?;
+            }
             raw_recv(sock.fd(), &mut reps, dl)?;
         }
         raw_rate.push((rounds * INFLIGHT) as f64 / t.elapsed().as_secs_f64());

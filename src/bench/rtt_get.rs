@@ -10,11 +10,15 @@
 //! `requests_per_get` is what the client's own counter saw during the timed
 //! gets (2 when every get carried the previous one's unpin; the maintenance
 //! thread may send one itself after `unpin_delay_us`). The baseline
-//! exchanges the same bytes in one ping-pong: `request_wire_bytes` =
-//! `Unpin` + `Lookup` frames, `reply_wire_bytes` = their two replies, each
-//! measured before the first rep by sending the same messages (same layout,
-//! same key, the same server) on a session of the bench's own
-//! (`lookup_*_wire_bytes`, `unpin_*_wire_bytes`).
+//! exchanges the same messages the same way: the `Unpin` frame's bytes and
+//! then the `Lookup` frame's, each with a `send` of its own, answered by the
+//! raw peer each as it completes, then both replies read
+//! (`request_wire_bytes` = the two requests, `reply_wire_bytes` = the two
+//! replies; each size measured before the first rep by sending the same
+//! messages — same layout, same key, the same server — on a session of the
+//! bench's own: `lookup_*_wire_bytes`, `unpin_*_wire_bytes`). (Until session
+//! 23 the baseline sent the summed bytes in one ping-pong, one request and
+//! one reply fewer than ours: a faster baseline than the same work.)
 //!
 //! `ratio`, `ratio_paired_median`, `ratio_min`/`ratio_max`,
 //! `server_backend` and `client_backend` are as in the other rtt cases
@@ -35,7 +39,7 @@ use cxlkv_controlplane::transport::Endpoint;
 
 use super::forked_server::{ForkedServer, bench_config};
 use super::pool_target::BenchPool;
-use super::rtt::{Kind, paired_ratios, raw_latencies, with_paired};
+use super::rtt::{Kind, paired_ratios, raw_exchanges, with_paired};
 use super::server::{Client as SessionClient, payload, populate};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
@@ -68,7 +72,13 @@ pub(super) fn run(args: &BenchArgs, r: &mut Reporter, target: &BenchPool) -> any
     let (mut ours_p50, mut raw_p50, mut all_ours) = (Vec::new(), Vec::new(), Vec::new());
     let (mut requests, mut gets) = (0u64, 0u64);
     for _ in 0..args.reps {
-        let mut raw = raw_latencies(Kind::Unix, (request_wire, reply_wire), n, None)?;
+        // Two messages, each sent on its own, as our client sends the
+        // queued unpin and then the lookup.
+        let msgs = [
+            (wire.unpin_request, wire.unpin_reply),
+            (wire.lookup_request, wire.lookup_reply),
+        ];
+        let mut raw = raw_exchanges(Kind::Unix, &msgs, n, None)?;
         raw_p50.push(percentile(&mut raw, 50.0));
         let (mut ours, sent) = our_latencies(&server, n)?;
         requests += sent;

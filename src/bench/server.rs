@@ -20,8 +20,10 @@
 //! call arrives instead of having gone to sleep (`Windows`). `lookup` takes
 //! one pin per key; the matching `Unpin` follows each call **outside** the
 //! timed section, so every timed lookup starts from the same state (no pins
-//! held) and pays for taking its pins, as a reader that pins, reads and
-//! unpins does. Mutating requests say `replies_received_below = seq`, as a
+//! held) and pays for taking its pins — but not for releasing them, which a
+//! reader that pins, reads and unpins also pays (the client sends its
+//! queued unpins ahead of its next request: `cxlkv bench rtt`'s `op=get`
+//! times that whole cycle for one key). Mutating requests say `replies_received_below = seq`, as a
 //! client that has all its replies does, so the reply cache stays small.
 //!
 //! **Baseline.** A forked child that busy-polls a Unix socket and answers

@@ -610,7 +610,19 @@ impl DirectoryHandler {
         };
         let name = if h.instance_id.is_empty() {
             self.anon_instances += 1;
-            format!("anon-{:x}-{}", self.dir.epoch(), self.anon_instances)
+            // Unpredictable: another client that could guess the next
+            // name (epoch and counter are in its own welcome) could take it
+            // first and make this hello fail with `InstanceInUse`. (A
+            // failed draw leaves zeros: the counter still makes it unique
+            // among anonymous names.)
+            let mut r = [0u8; 8];
+            let _ = cxlkv_controlplane::pool::sys::random_bytes(&mut r);
+            format!(
+                "anon-{:x}-{}-{:016x}",
+                self.dir.epoch(),
+                self.anon_instances,
+                u64::from_le_bytes(r)
+            )
         } else {
             h.instance_id.as_str().to_owned()
         };
@@ -890,6 +902,14 @@ impl DirectoryHandler {
                         self.send(out, conn, request_id, &reply);
                     })
             }
+            AnyRequest::MapRegion(m) if m.regions().len() > self.dir.config().max_batch => {
+                // The batch limit this directory announced (the protocol's
+                // own bound was checked at the edge).
+                Err(DirectoryError::BatchTooLarge {
+                    len: m.regions().len(),
+                    max: self.dir.config().max_batch,
+                })
+            }
             AnyRequest::MapRegion(m) => self.dir.heartbeat(&caller, now).map(|r| {
                 let descs = m
                     .regions()
@@ -954,7 +974,11 @@ impl DirectoryHandler {
         }
         let target = SessionId(e.session_id.to_native());
         let now = self.now();
-        let ended = self.dir.end_session(target, now)?;
+        let seq = Sequence {
+            seq: e.meta.seq.to_native(),
+            replies_received_below: e.meta.replies_received_below.to_native(),
+        };
+        let ended = self.dir.end_session_request(caller, seq, target, now)?;
         // The caller may have ended its own session: then the reply carries
         // no notices (there is no live session to renew).
         let meta = match self.dir.heartbeat(caller, now) {

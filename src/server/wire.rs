@@ -136,6 +136,8 @@ pub(crate) fn directory_error_code(e: &DirectoryError) -> (ErrorCode, u64) {
     let n = |x: usize| x as u64;
     match e {
         D::UnknownSession { .. } | D::SessionEnded { .. } => (C::SessionEnded, 0),
+        // Not the caller's session: its own is fine.
+        D::NoSuchTarget { .. } => (C::InvalidArgument, 0),
         D::TcpSecretRequired => (C::AuthenticationRequired, 0),
         D::InvalidInstanceId { max_bytes, .. } => (C::InvalidArgument, n(*max_bytes)),
         D::InstanceIdInUse { .. } => (C::InstanceInUse, 0),

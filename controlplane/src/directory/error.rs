@@ -19,6 +19,10 @@ pub enum DirectoryError {
     UnknownSession { session: SessionId },
     #[error("session {session} has ended; reattach to continue")]
     SessionEnded { session: SessionId },
+    /// `EndSession` named a session that is not live (never was, or ended
+    /// before): the caller's own session is fine.
+    #[error("no live session {session} to end")]
+    NoSuchTarget { session: SessionId },
     #[error("TCP peer did not present the pre-shared client secret")]
     TcpSecretRequired,
     #[error("invalid instance id ({len_bytes} bytes): 1..={max_bytes} printable ASCII bytes")]

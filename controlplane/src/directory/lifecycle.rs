@@ -10,13 +10,14 @@ use foldhash::fast::FixedState;
 use super::error::DirectoryError;
 use super::notices::NoticeQueue;
 use super::regions::{Owner, Region};
-use super::sequence::ReplyWindow;
+use super::sequence::{CachedBody, ReplyWindow};
 use super::sessions::{Instance, Session};
 use super::types::{
     Caller, Effect, EndedSession, InstanceId, InstanceSecret, OpKind, Peer, ReattachKind,
-    Reattached, RegionHandle, RegionStatus, Reply, SessionEndReason, SessionId, Time, Welcome,
+    Reattached, RegionHandle, RegionStatus, Reply, Sequence, SessionEndReason, SessionId, Time,
+    Welcome,
 };
-use super::{Directory, Hello, MAX_SEQUENCE, Reattach};
+use super::{Directory, Fingerprint, Hello, MAX_SEQUENCE, Reattach};
 
 /// Most processes an instance remembers as holders
 /// (`Instance::holder_pids`); beyond them it cannot be taken over early.
@@ -342,20 +343,64 @@ impl Directory {
         }
     }
 
-    /// Admin: ends a session, releasing its pins; its next call fails with
-    /// `SessionEnded`.
+    /// Admin, from within the process: ends session `target`, releasing its
+    /// pins; its next call fails with `SessionEnded`. A target that is not
+    /// live is `NoSuchTarget`.
     pub fn end_session(
         &mut self,
-        session: SessionId,
+        target: SessionId,
         now: Time,
     ) -> Result<EndedSession, DirectoryError> {
-        let r = if self.sessions.contains_key(&session) {
-            Ok(self.kill_session(session, SessionEndReason::EndedByAdmin, now))
+        let r = if self.sessions.contains_key(&target) {
+            Ok(self.kill_session(target, SessionEndReason::EndedByAdmin, now))
         } else {
-            Err(self.missing_session(session))
+            Err(DirectoryError::NoSuchTarget { session: target })
         };
         self.count_call(OpKind::EndSession, 0, r.is_err());
         r
+    }
+
+    /// The `EndSession` request: `caller`'s session ends session `target`
+    /// as [`end_session`](Self::end_session) does, exactly-once under `seq`
+    /// as every mutating request (a retry gets the first answer; the
+    /// caller's own session is unaffected by a `NoSuchTarget`).
+    pub fn end_session_request(
+        &mut self,
+        caller: &Caller,
+        seq: Sequence,
+        target: SessionId,
+        now: Time,
+    ) -> Result<EndedSession, DirectoryError> {
+        let r = self.end_session_inner(caller, seq, target, now);
+        self.count_call(OpKind::EndSession, 0, r.is_err());
+        r
+    }
+
+    fn end_session_inner(
+        &mut self,
+        caller: &Caller,
+        seq: Sequence,
+        target: SessionId,
+        now: Time,
+    ) -> Result<EndedSession, DirectoryError> {
+        let slot = self.enter(caller, now)?;
+        let mut fp = Fingerprint::new(OpKind::EndSession, None);
+        fp.add(target.0);
+        let retried = self.replay(slot, caller, seq, fp, |body| match body {
+            CachedBody::EndSession(e) => Some(*e),
+            _ => None,
+        })?;
+        if let Some(reply) = retried {
+            return Ok(reply.body);
+        }
+        if !self.sessions.contains_key(&target) {
+            return Err(DirectoryError::NoSuchTarget { session: target });
+        }
+        let ended = self.kill_session(target, SessionEndReason::EndedByAdmin, now);
+        // The caller's instance (`slot`) outlives its session ending here
+        // (an instance without sessions waits out its grace period).
+        self.record(slot, caller, seq, fp, CachedBody::EndSession(ended));
+        Ok(ended)
     }
 
     /// Expires sessions past their lease and instances past their grace

@@ -46,8 +46,8 @@ use std::collections::VecDeque;
 use super::MAX_SEQUENCE;
 use super::error::DirectoryError;
 use super::types::{
-    DeleteOutcome, LookupReply, PoolRequestId, RegionGrant, RegisterOutcome, SessionId,
-    UnpinOutcome,
+    DeleteOutcome, EndedSession, LookupReply, PoolRequestId, RegionGrant, RegisterOutcome,
+    SessionId, UnpinOutcome,
 };
 
 /// A reply kept for retries.
@@ -70,6 +70,7 @@ pub(crate) enum CachedBody {
     RegionPending(PoolRequestId),
     RegionGranted(RegionGrant),
     RegionReturned,
+    EndSession(EndedSession),
 }
 
 impl CachedReply {
@@ -85,7 +86,8 @@ impl CachedReply {
             CachedBody::Delete(v) => v.len() * size_of::<DeleteOutcome>(),
             CachedBody::RegionPending(_)
             | CachedBody::RegionGranted(_)
-            | CachedBody::RegionReturned => 0,
+            | CachedBody::RegionReturned
+            | CachedBody::EndSession(_) => 0,
         };
         size_of::<Self>() + heap
     }
