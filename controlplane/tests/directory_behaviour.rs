@@ -653,9 +653,10 @@ fn admin_end_session_releases_pins_and_fails_the_next_call_clearly() {
             session: reader.session
         })
     );
+    // Not `UnknownSession`: that speaks of the caller's own session.
     assert_eq!(
         w.dir.end_session(SessionId(999), w.now),
-        Err(DirectoryError::UnknownSession {
+        Err(DirectoryError::NoSuchTarget {
             session: SessionId(999)
         })
     );
