@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use cxlkv_controlplane::pool::header::{self, BlockState};
 use cxlkv_controlplane::pool::service::pools::OpenError;
 use cxlkv_controlplane::pool::service::{
-    PoolCore, PoolReply, PoolRequest, PoolService, PoolSpec, ServiceConfig, ServiceError, TcpAuth,
+    LocalPool, PoolCore, PoolReply, PoolRequest, PoolService, PoolSpec, ServiceConfig,
+    ServiceError, TcpAuth,
 };
 use cxlkv_controlplane::pool::{StoreConfig, SyncPolicy};
 use cxlkv_controlplane::proto::ErrorCode;
@@ -85,6 +86,23 @@ fn open_error(cfg: ServiceConfig) -> OpenError {
         Err(other) => panic!("expected a pool refusal, got {other}"),
         Ok(_) => panic!("expected a pool refusal, the service started"),
     }
+}
+
+/// Truncates the served `pool_path` to zero, as a client holding its
+/// descriptor can: the pool goes offline (allocations answer
+/// `OutOfSpace`) and, several renewal periods later, the core still runs.
+fn truncate_and_see_the_pool_go_offline(core: &PoolCore, pool: &LocalPool, pool_path: &Path) {
+    OpenOptions::new()
+        .write(true)
+        .open(pool_path)
+        .and_then(|f| f.set_len(0))
+        .expect("truncate the served pool file");
+    eventually("the pool to go offline", || {
+        pool.call(alloc(), TIMEOUT)
+            .is_err_and(|e| e.error_code() == Some(ErrorCode::OutOfSpace))
+    });
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(core.is_running(), "the core did not stop");
 }
 
 fn file_len(path: &Path) -> u64 {
@@ -189,18 +207,7 @@ fn a_truncated_pool_file_takes_the_pool_offline_and_the_service_survives() {
         pool.call(alloc(), TIMEOUT),
         Ok(PoolReply::Allocated(_))
     ));
-    OpenOptions::new()
-        .write(true)
-        .open(&pool_path)
-        .and_then(|f| f.set_len(0))
-        .expect("truncate the served pool file");
-    eventually("the pool to go offline", || {
-        pool.call(alloc(), TIMEOUT)
-            .is_err_and(|e| e.error_code() == Some(ErrorCode::OutOfSpace))
-    });
-    // Several renewal periods later the service still answers.
-    std::thread::sleep(Duration::from_millis(400));
-    assert!(core.is_running(), "the core did not stop");
+    truncate_and_see_the_pool_go_offline(&core, &pool, &pool_path);
     assert!(matches!(
         pool.call(PoolRequest::Stats, TIMEOUT),
         Ok(PoolReply::Stats(_))
@@ -339,17 +346,7 @@ fn a_truncated_hugetlbfs_pool_takes_the_pool_offline_and_the_service_survives() 
             })
             .is_some_and(|l| l.seq > 2)
     });
-    OpenOptions::new()
-        .write(true)
-        .open(&pool_path)
-        .and_then(|f| f.set_len(0))
-        .expect("truncate the served pool file");
-    eventually("the pool to go offline", || {
-        pool.call(alloc(), TIMEOUT)
-            .is_err_and(|e| e.error_code() == Some(ErrorCode::OutOfSpace))
-    });
-    std::thread::sleep(Duration::from_millis(400));
-    assert!(core.is_running(), "the core did not stop");
+    truncate_and_see_the_pool_go_offline(&core, &pool, &pool_path);
     drop(pool);
     core.shutdown().expect("clean shutdown");
     std::fs::remove_file(&pool_path).expect("free the pool's huge pages");

@@ -351,13 +351,17 @@ impl Directory {
         target: SessionId,
         now: Time,
     ) -> Result<EndedSession, DirectoryError> {
-        let r = if self.sessions.contains_key(&target) {
-            Ok(self.kill_session(target, SessionEndReason::EndedByAdmin, now))
-        } else {
-            Err(DirectoryError::NoSuchTarget { session: target })
-        };
+        let r = self.end_live(target, now);
         self.count_call(OpKind::EndSession, 0, r.is_err());
         r
+    }
+
+    /// Ends `target` if it is live.
+    fn end_live(&mut self, target: SessionId, now: Time) -> Result<EndedSession, DirectoryError> {
+        if !self.sessions.contains_key(&target) {
+            return Err(DirectoryError::NoSuchTarget { session: target });
+        }
+        Ok(self.kill_session(target, SessionEndReason::EndedByAdmin, now))
     }
 
     /// The `EndSession` request: `caller`'s session ends session `target`
@@ -393,10 +397,7 @@ impl Directory {
         if let Some(reply) = retried {
             return Ok(reply.body);
         }
-        if !self.sessions.contains_key(&target) {
-            return Err(DirectoryError::NoSuchTarget { session: target });
-        }
-        let ended = self.kill_session(target, SessionEndReason::EndedByAdmin, now);
+        let ended = self.end_live(target, now)?;
         // The caller's instance (`slot`) outlives its session ending here
         // (an instance without sessions waits out its grace period).
         self.record(slot, caller, seq, fp, CachedBody::EndSession(ended));
