@@ -418,20 +418,8 @@ impl OpenPool {
         let align = self.backing.align_bytes();
         match &self.header_io {
             HeaderIo::File(file) | HeaderIo::Hugetlbfs { file, .. } => {
-                const CHUNK_BYTES: u64 = 64 << 10;
-                let mut chunk = vec![0u8; CHUNK_BYTES as usize];
-                let mut at = HEADER_BYTES as u64;
-                // Bounded by align / CHUNK_BYTES reads.
-                while at < align {
-                    let n = (align - at).min(CHUNK_BYTES) as usize;
-                    read_at(file, &mut chunk[..n], at)
-                        .map_err(self.io_error("read the header block"))?;
-                    if chunk[..n].iter().any(|&b| b != 0) {
-                        return Ok(false);
-                    }
-                    at += n as u64;
-                }
-                Ok(true)
+                zero_between(file, HEADER_BYTES as u64, align)
+                    .map_err(self.io_error("read the header block"))
             }
             HeaderIo::Device(block) => {
                 let mut view = self.device_view(block)?;
@@ -741,6 +729,23 @@ fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
     })
 }
 
+/// Whether `file`'s bytes `[from, end)` are all zero (read in 64 KiB
+/// chunks: `end - from` is at most one block, so the reads are bounded).
+fn zero_between(file: &File, from: u64, end: u64) -> io::Result<bool> {
+    const CHUNK_BYTES: u64 = 64 << 10;
+    let mut chunk = vec![0u8; CHUNK_BYTES.min(end.saturating_sub(from)) as usize];
+    let mut at = from;
+    while at < end {
+        let n = (end - at).min(CHUNK_BYTES) as usize;
+        read_at(file, &mut chunk[..n], at)?;
+        if chunk[..n].iter().any(|&b| b != 0) {
+            return Ok(false);
+        }
+        at += n as u64;
+    }
+    Ok(true)
+}
+
 /// Refuses to write into a file shorter than its header block: `pwrite`
 /// would grow a truncated file again, hiding what happened to it.
 fn check_holds_block(file: &File, align_bytes: u64) -> io::Result<()> {
@@ -814,21 +819,13 @@ fn read_existing(path: &Path, align_bytes: u64, creating: bool) -> Result<Found,
     match header::decode(&bytes) {
         Ok(BlockState::Initialised(h)) => Ok(Found::Initialised(h.identity)),
         Ok(BlockState::Fresh) => {
-            const CHUNK_BYTES: u64 = 64 << 10;
-            let end = len.min(align_bytes);
-            let mut chunk = vec![0u8; CHUNK_BYTES as usize];
-            let mut at = HEADER_BYTES as u64;
-            // Bounded by align_bytes / CHUNK_BYTES reads.
-            while at < end {
-                let n = (end - at).min(CHUNK_BYTES) as usize;
-                file.read_exact_at(&mut chunk[..n], at)
-                    .map_err(io_error("read the header block"))?;
-                if chunk[..n].iter().any(|&b| b != 0) {
-                    return Err(not_a_pool([0; 8]));
-                }
-                at += n as u64;
+            if zero_between(&file, HEADER_BYTES as u64, len.min(align_bytes))
+                .map_err(io_error("read the header block"))?
+            {
+                Ok(Found::ZeroBlock)
+            } else {
+                Err(not_a_pool([0; 8]))
             }
-            Ok(Found::ZeroBlock)
         }
         Err(source) => Err(OpenError::Header {
             path: path.to_path_buf(),
