@@ -72,6 +72,7 @@ struct Totals {
     pool_restarts: u64,
     torn_tail_bytes: u64,
     partitions: u64,
+    pool_link_breaks: u64,
     dropped: u64,
     duplicated: u64,
     notices: u64,
@@ -89,6 +90,7 @@ impl Totals {
         self.pool_restarts += r.pool_restarts;
         self.torn_tail_bytes += r.pool.torn_tail_bytes;
         self.partitions += r.partitions;
+        self.pool_link_breaks += r.pool_link_breaks;
         self.dropped += r.net.dropped;
         self.duplicated += r.net.duplicated;
         self.notices += r.notices_checked;
@@ -166,8 +168,8 @@ fn main() {
     println!(
         "seeds {} (from {}, {:?}), failures {}, events {}, invariant checks {}, simulated {:.0} s, \
          wall {secs:.0} s, {:.1} seeds/s, {:.0} events/s; faults: {} client crashes, {} directory \
-         restarts, {} pool restarts ({} torn-tail bytes), {} partitions, {} dropped and {} duplicated \
-         messages; {} notices checked, {} replies compared",
+         restarts, {} pool restarts ({} torn-tail bytes), {} partitions, {} pool connection breaks, \
+         {} dropped and {} duplicated messages; {} notices checked, {} replies compared",
         t.seeds,
         args.first,
         args.scale,
@@ -182,6 +184,7 @@ fn main() {
         t.pool_restarts,
         t.torn_tail_bytes,
         t.partitions,
+        t.pool_link_breaks,
         t.dropped,
         t.duplicated,
         t.notices,

@@ -62,6 +62,13 @@ fn a_seed_replays_exactly() {
     }
 }
 
+// The seeds named below found their defects in the worlds the simulation
+// drew before it put the pool service's exactly-once front (reply cache,
+// `keep_retried`) and connection identities in front of the pool manager;
+// they run somewhat different worlds since. The manager's own tag path they
+// exercised is what answers retries after a pool-manager restart (the
+// cache is volatile), and `tests/pool_tag_retries.rs` pins it down.
+
 /// Seeds 23,819, 55,862 and 1,184,000 once leaked a region: a copy of a
 /// tagged pool allocation ran again after the first copy had been answered
 /// — refused for space (23,819), allocated and since freed (55,862), or

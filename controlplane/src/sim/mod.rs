@@ -16,10 +16,21 @@
 //! messages on one may be lost, delayed, duplicated and reordered, but a
 //! message sent to one incarnation of a process never reaches the next. A
 //! client's requests name their connection; the directory's requests to the
-//! pool manager name both ends' incarnations, are dropped when either has
-//! died, and the directory ignores answers from an incarnation it has left. (The
-//! pool manager's exactly-once answers to tagged allocations rely on this;
-//! see `pool::tag_answers`.)
+//! pool manager name both ends' incarnations and the connection, are dropped
+//! when either has died or the directory has left that connection, and the
+//! directory ignores answers from an incarnation it has left. (The pool
+//! manager's exactly-once answers to tagged allocations rely on this; see
+//! `pool::tag_answers`.)
+//!
+//! The directory reaches the pool manager over TCP in half the seeds — the
+//! pool manager's caller is then the connection, whose close ends it, and
+//! the connection also breaks with both processes alive — and over the
+//! local socket in the others (the caller is the directory's process, ended
+//! by the liveness probe). Its mutating requests carry a `seq`, resent
+//! unchanged on a new connection, and pass through the pool service's
+//! exactly-once front (`pool::service::cache::exactly_once`: the reply
+//! cache, then `PoolManager::keep_retried` for an allocation's answer), as
+//! the service runs them.
 //!
 //! ## A run
 //!

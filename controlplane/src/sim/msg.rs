@@ -102,13 +102,17 @@ pub(crate) enum PoolRequest {
     Attach {
         handles: Vec<Handle>,
     },
+    /// Mutating requests carry the directory's `seq`, which the pool
+    /// service's reply cache answers retries by (and which tags an
+    /// allocation, as the service tags it).
     Alloc {
         instance: u64,
         len_bytes: u64,
-        tag: u64,
+        seq: u64,
     },
     Free {
         handle: Handle,
+        seq: u64,
     },
 }
 
@@ -149,12 +153,17 @@ pub(crate) enum Message {
         /// request dies with its connection, as on a real stream socket, so
         /// it never reaches a later incarnation.
         pool_incarnation: u32,
+        /// The directory's connection to the pool manager (numbers are
+        /// never reused): a message on a connection the directory has left
+        /// is dropped, in both directions.
+        pool_conn: u64,
         id: u64,
         request: PoolRequest,
     },
     FromPool {
         pool_incarnation: u32,
         directory_incarnation: u32,
+        pool_conn: u64,
         id: u64,
         reply: PoolReply,
     },

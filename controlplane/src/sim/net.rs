@@ -50,10 +50,13 @@ pub(crate) enum Event {
     },
     PoolCrash,
     PoolStart,
-    /// The pool manager's liveness probe finds a directory process dead.
+    /// The pool manager learns that a directory's caller is gone: its
+    /// liveness probe finds the process dead, or its TCP connection closed.
     PoolCallerGone {
-        directory_incarnation: u32,
+        caller: crate::pool::Caller,
     },
+    /// The directory's pool-manager connection breaks, both processes alive.
+    BreakPoolLink,
     /// Some client's link partitions for a while.
     PartitionClient,
     PartitionPoolLink,

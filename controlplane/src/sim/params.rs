@@ -92,6 +92,13 @@ pub(crate) struct Params {
     pub directory_restarts: u32,
     pub pool_restarts: u32,
     pub admin_end_session_every_ns: u64,
+    /// The directory reaches the pool manager over TCP: the pool manager's
+    /// caller is the connection, whose close ends it (else the local
+    /// socket: the caller is the directory's process).
+    pub pool_over_tcp: bool,
+    /// Mean time between breaks of the directory's pool-manager
+    /// connection with both processes alive (0: none).
+    pub pool_link_break_every_ns: u64,
     /// Group commit: replies wait for a commit up to this long (0: per
     /// record).
     pub commit_delay_max_ns: u64,
@@ -104,7 +111,7 @@ pub(crate) struct Params {
 }
 
 impl Params {
-    pub fn draw(rng: &mut SimRng, scale: Scale) -> Self {
+    pub fn draw(rng: &mut SimRng, scale: Scale, seed: u64) -> Self {
         let long = scale == Scale::Long;
         let hostile = rng.chance(0.85);
         let clients = if long {
@@ -193,6 +200,22 @@ impl Params {
             client_op_interval_ns: rng.range(2, 40) * MS,
             max_outstanding: rng.range(1, 4) as usize,
             directory,
+            pool_over_tcp: false,
+            pool_link_break_every_ns: 0,
         }
+        .with_pool_link(seed, hostile)
+    }
+
+    /// The pool link's kind and breaks, drawn from a stream of their own:
+    /// a seed that reaches the pool manager over the local socket without
+    /// breaks replays the world it did before these existed (the seeds
+    /// named in regression tests among them).
+    fn with_pool_link(mut self, seed: u64, hostile: bool) -> Self {
+        let mut rng = SimRng::new(seed ^ 0x706f_6f6c_6c69_6e6b);
+        self.pool_over_tcp = rng.chance(0.5);
+        if hostile && rng.chance(0.5) {
+            self.pool_link_break_every_ns = rng.range(200, 2_000) * MS;
+        }
+        self
     }
 }

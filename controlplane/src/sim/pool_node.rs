@@ -21,6 +21,13 @@ use crate::pool::{
     Reply, Request, Secret, checkpoint,
 };
 
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+
+use crate::pool::PoolError;
+use crate::pool::service::REPLY_CACHE_LEN;
+use crate::pool::service::cache::{SeqCache, exactly_once};
+
 use super::msg::{Message, PoolReply, PoolReplyBody, PoolRequest};
 use super::net::{Ctx, Event};
 use super::params::{BLOCK_BYTES, MS, POOL_GRACE_MS};
@@ -38,6 +45,22 @@ pub(crate) fn directory_process(incarnation: u32) -> Caller {
         start_time_ticks: u64::from(incarnation),
     })
 }
+
+/// Who the pool manager sees on a directory's connection: over TCP, the
+/// connection itself (its close is the caller's end); on the local socket,
+/// the directory's process (ended by the liveness probe).
+pub(crate) fn pool_caller(over_tcp: bool, directory_incarnation: u32, pool_conn: u64) -> Caller {
+    if over_tcp {
+        Caller::Remote {
+            connection: pool_conn,
+        }
+    } else {
+        directory_process(directory_incarnation)
+    }
+}
+
+/// The pool service's reply cache, with the simulation's answers.
+type ReplyCache = SeqCache<Result<PoolReplyBody, PoolError>>;
 
 /// Records pushed and not yet committed, encoded as the journal encodes them.
 #[derive(Debug, Default)]
@@ -80,6 +103,9 @@ pub struct PoolCounters {
 pub(crate) struct PoolNode {
     pub incarnation: u32,
     pub manager: Option<PoolManager>,
+    /// The service's per-directory reply caches (volatile: a restart loses
+    /// them, as the service's do).
+    caches: BTreeMap<DirectoryId, ReplyCache>,
     secret: [u8; 32],
     disk: Disk,
     sink: MemJournal,
@@ -125,6 +151,7 @@ impl PoolNode {
                     grace_ms: POOL_GRACE_MS,
                 },
             )),
+            caches: BTreeMap::new(),
             secret,
             disk: Disk {
                 checkpoint: None,
@@ -203,13 +230,21 @@ impl PoolNode {
         }
     }
 
-    /// One request from directory incarnation `from`. The reply goes out
-    /// now if nothing is pending, else with the next commit.
-    pub fn handle(&mut self, ctx: &mut Ctx, from: u32, id: u64, request: PoolRequest) {
+    /// One request from `caller`, of directory incarnation `from` on its
+    /// connection `pool_conn`. The reply goes out now if nothing is
+    /// pending, else with the next commit.
+    pub fn handle(
+        &mut self,
+        ctx: &mut Ctx,
+        caller: Caller,
+        from: u32,
+        pool_conn: u64,
+        id: u64,
+        request: PoolRequest,
+    ) -> Result<(), String> {
         let Some(manager) = self.manager.as_mut() else {
-            return;
+            return Ok(());
         };
-        let caller = directory_process(from);
         let now = MonotonicMs(ctx.now / MS);
         let result = match request {
             PoolRequest::Rejoin => manager
@@ -267,32 +302,28 @@ impl PoolNode {
                 PoolRequest::Alloc {
                     instance,
                     len_bytes,
-                    tag,
+                    seq,
                 },
-            ) => manager
-                .handle(
-                    &caller,
-                    Request::Alloc {
-                        target: PoolTarget::Any,
-                        len_bytes,
-                        instance: InstanceId(instance),
-                        tag: AllocTag(tag),
-                    },
-                    now,
-                    &mut self.sink,
-                )
-                .map(|r| match r {
-                    Reply::Allocated(h) => PoolReplyBody::Allocated(h),
-                    other => unreachable!("alloc answered {other:?}"),
-                }),
-            (Ok(()), PoolRequest::Free { handle }) => manager
-                .handle(&caller, Request::Free { handle }, now, &mut self.sink)
-                .map(|_| PoolReplyBody::Freed),
+            ) => self.mutating(
+                &caller,
+                seq,
+                Request::Alloc {
+                    target: PoolTarget::Any,
+                    len_bytes,
+                    instance: InstanceId(instance),
+                    tag: AllocTag(seq),
+                },
+                now,
+            )?,
+            (Ok(()), PoolRequest::Free { handle, seq }) => {
+                self.mutating(&caller, seq, Request::Free { handle }, now)?
+            }
         };
         let free_bytes = self.free_bytes();
         let reply = Message::FromPool {
             pool_incarnation: self.incarnation,
             directory_incarnation: from,
+            pool_conn,
             id,
             reply: PoolReply {
                 result,
@@ -301,6 +332,54 @@ impl PoolNode {
             },
         };
         self.release_or_hold(ctx, reply);
+        Ok(())
+    }
+
+    /// A mutating request through the pool service's exactly-once front,
+    /// as `pool::service::core` runs it: refused uncached from a caller
+    /// that has not attached (the service's `HelloRequired`); answered from
+    /// the reply cache when its `seq` is there, else run by the manager and
+    /// cached; an allocation's answer, run now or replayed, kept at the
+    /// manager. `Err`: the `seq` fell out of the cache, which the
+    /// simulation's directory never lets happen.
+    fn mutating(
+        &mut self,
+        caller: &Caller,
+        seq: u64,
+        request: Request<'_>,
+        now: MonotonicMs,
+    ) -> Result<Result<PoolReplyBody, PoolError>, String> {
+        let manager = self.manager.as_mut().expect("handle() runs only while up");
+        let attached = manager
+            .directory(DIRECTORY, now)
+            .is_some_and(|d| d.attached_by == Some(*caller));
+        if !attached {
+            return Ok(Err(PoolError::NotAttached { caller: *caller }));
+        }
+        let cache = self
+            .caches
+            .entry(DIRECTORY)
+            .or_insert_with(|| SeqCache::new(REPLY_CACHE_LEN));
+        let sink = &mut self.sink;
+        let Ok(answer) = exactly_once(cache, seq, || {
+            Ok::<_, Infallible>(manager.handle(caller, request, now, sink).map(|r| match r {
+                Reply::Allocated(h) => PoolReplyBody::Allocated(h),
+                Reply::Freed { .. } => PoolReplyBody::Freed,
+                other => unreachable!("a mutating request answered {other:?}"),
+            }))
+        })
+        .map_err(|t| {
+            format!(
+                "pool request seq {} fell out of the reply cache (oldest cached {}): whether it ran cannot be told",
+                t.seq, t.oldest
+            )
+        })?;
+        if let Ok(PoolReplyBody::Allocated(h)) = &answer
+            && let Err(e) = manager.keep_retried(caller, h.region)
+        {
+            return Ok(Err(e));
+        }
+        Ok(answer)
     }
 
     fn free_bytes(&self) -> u64 {
@@ -366,19 +445,21 @@ impl PoolNode {
         let Some(manager) = self.manager.as_mut() else {
             return;
         };
-        let report = manager.tick(MonotonicMs(ctx.now / MS), &mut self.sink);
+        let now = MonotonicMs(ctx.now / MS);
+        let report = manager.tick(now, &mut self.sink);
         self.counters.reclaimed += report.reclaimed.len() as u64;
+        // The service drops the reply caches of directories the manager
+        // forgot (every minute there; every tick here).
+        self.caches
+            .retain(|d, _| manager.directory(*d, now).is_some());
         if !self.sink.pending_records.is_empty() {
             self.schedule_commit(ctx);
         }
     }
 
-    pub fn caller_gone(&mut self, ctx: &Ctx, directory_incarnation: u32) {
+    pub fn caller_gone(&mut self, ctx: &Ctx, caller: &Caller) {
         if let Some(manager) = self.manager.as_mut() {
-            manager.caller_gone(
-                &directory_process(directory_incarnation),
-                MonotonicMs(ctx.now / MS),
-            );
+            manager.caller_gone(caller, MonotonicMs(ctx.now / MS));
         }
     }
 
@@ -451,6 +532,7 @@ impl PoolNode {
             self.counters.torn_tail_bytes += (keep - whole) as u64;
         }
         self.held.clear();
+        self.caches.clear();
         self.commit_scheduled = false;
         self.crash_armed = false;
         self.incarnation += 1;

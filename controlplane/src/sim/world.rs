@@ -23,7 +23,7 @@ use super::params::{
     INSTANCE_GRACE_NS, LAYOUTS, LinkFaults, MS, POOL_GRACE_MS, Params, SEC, SESSION_LEASE_NS,
     Scale, TICK_NS,
 };
-use super::pool_node::{PoolCounters, PoolNode, owner_label};
+use super::pool_node::{PoolCounters, PoolNode, directory_process, owner_label, pool_caller};
 use super::rng::SimRng;
 
 /// How long the world may take to settle after faults heal, to clean up,
@@ -67,6 +67,8 @@ pub struct Report {
     pub directory_restarts: u64,
     pub pool_restarts: u64,
     pub partitions: u64,
+    /// Breaks of the directory's pool-manager connection, both ends alive.
+    pub pool_link_breaks: u64,
     pub net: NetCounters,
     pub pool: PoolCounters,
     pub client: ClientCounters,
@@ -109,7 +111,6 @@ enum PoolWork {
         request: PoolRequestId,
         instance: u64,
         len_bytes: u64,
-        tag: u64,
     },
     Free {
         handle: Handle,
@@ -119,6 +120,8 @@ enum PoolWork {
 #[derive(Debug, Clone)]
 struct PoolOut {
     work: PoolWork,
+    /// Its `seq`, the same on every resend (an allocation's tag).
+    seq: u64,
     sent_ns: Option<u64>,
 }
 
@@ -157,6 +160,8 @@ struct DirNode {
     pool_out: BTreeMap<u64, PoolOut>,
     /// The pool-manager incarnation this directory is attached to.
     attached_to: Option<u32>,
+    /// The connection its pool requests go on.
+    pool_conn: u64,
     attach: Option<(u64, u64)>,
     next_pool_id: u64,
     /// How each allocation it resolved was answered (the region, or `None`
@@ -299,6 +304,8 @@ pub(crate) struct World {
     oracle: Oracle,
     phase: Phase,
     next_conn: ConnId,
+    /// The next directory → pool-manager connection's number.
+    next_pool_conn: u64,
     /// The directory incarnation each connection was opened to.
     conn_incarnation: BTreeMap<ConnId, u32>,
     /// The incarnation that sent the reply being delivered.
@@ -314,7 +321,7 @@ pub(crate) struct World {
 impl World {
     pub fn new(seed: u64, scale: Scale, trace: bool) -> Result<Self, Failure> {
         let mut rng = SimRng::new(seed);
-        let params = Params::draw(&mut rng, scale);
+        let params = Params::draw(&mut rng, scale, seed);
         let mut ctx = Ctx::new(rng, params.clients, params.client_link, params.pool_link);
         ctx.trace = trace;
         let fail = |what: String| Failure {
@@ -348,6 +355,7 @@ impl World {
                 handles: BTreeMap::new(),
                 pool_out: BTreeMap::new(),
                 attached_to: None,
+                pool_conn: 1,
                 attach: None,
                 next_pool_id: 1,
                 allocs_resolved: BTreeMap::new(),
@@ -360,6 +368,7 @@ impl World {
             },
             phase: Phase::Run,
             next_conn: 1,
+            next_pool_conn: 2,
             conn_incarnation: BTreeMap::new(),
             reply_from: None,
             verified_stamps: [0; 2],
@@ -408,6 +417,7 @@ impl World {
         first(ctx, p.client_partition_every_ns, Event::PartitionClient);
         first(ctx, p.pool_partition_every_ns, Event::PartitionPoolLink);
         first(ctx, p.admin_end_session_every_ns, Event::AdminEndSession);
+        first(ctx, p.pool_link_break_every_ns, Event::BreakPoolLink);
     }
 
     fn again(&mut self, every: u64, ev: Event) {
@@ -525,8 +535,7 @@ impl World {
                 directory_incarnation,
             } => {
                 if directory_incarnation == self.dirn.incarnation {
-                    self.dirn.attached_to = None;
-                    self.dirn.attach = None;
+                    self.pool_reconnect();
                 }
                 Ok(())
             }
@@ -552,10 +561,19 @@ impl World {
                 self.pool.start(&mut self.ctx)?;
                 Ok(())
             }
-            Event::PoolCallerGone {
-                directory_incarnation,
-            } => {
-                self.pool.caller_gone(&self.ctx, directory_incarnation);
+            Event::PoolCallerGone { caller } => {
+                self.pool.caller_gone(&self.ctx, &caller);
+                Ok(())
+            }
+            Event::BreakPoolLink => {
+                if self.phase == Phase::Run {
+                    if self.dirn.state != DirState::Down {
+                        self.report.pool_link_breaks += 1;
+                        self.trace(|| format!("pool connection {} breaks", self.dirn.pool_conn));
+                        self.pool_reconnect();
+                    }
+                    self.again(self.params.pool_link_break_every_ns, Event::BreakPoolLink);
+                }
                 Ok(())
             }
             Event::PartitionClient => {
@@ -727,6 +745,7 @@ impl World {
                 },
             );
         }
+        let old_pool_conn = self.dirn.pool_conn;
         self.dirn = DirNode {
             incarnation: old + 1,
             state: DirState::Down,
@@ -736,6 +755,7 @@ impl World {
             handles: BTreeMap::new(),
             pool_out: BTreeMap::new(),
             attached_to: None,
+            pool_conn: self.next_pool_conn,
             attach: None,
             next_pool_id: 1,
             allocs_resolved: BTreeMap::new(),
@@ -746,13 +766,38 @@ impl World {
         }
         let down = self.ctx.rng.range(10 * MS, 1_500 * MS);
         self.ctx.after(down, Event::DirectoryStart);
-        let probe = self.ctx.rng.range(MS, 500 * MS);
-        self.ctx.after(
-            probe,
-            Event::PoolCallerGone {
-                directory_incarnation: old,
-            },
-        );
+        self.next_pool_conn += 1;
+        // Over TCP the pool manager sees the connection close; on the local
+        // socket its liveness probe finds the process gone, later.
+        let (caller, after) = if self.params.pool_over_tcp {
+            (
+                pool_caller(true, old, old_pool_conn),
+                self.ctx.notify_delay(),
+            )
+        } else {
+            (directory_process(old), self.ctx.rng.range(MS, 500 * MS))
+        };
+        self.ctx.after(after, Event::PoolCallerGone { caller });
+    }
+
+    /// The directory's connection to the pool manager is gone: its next
+    /// request goes on a new one, which attaches first. Over TCP the pool
+    /// manager sees the old one close, which ends its caller there.
+    fn pool_reconnect(&mut self) {
+        let old = self.dirn.pool_conn;
+        self.dirn.pool_conn = self.next_pool_conn;
+        self.next_pool_conn += 1;
+        self.dirn.attached_to = None;
+        self.dirn.attach = None;
+        if self.params.pool_over_tcp {
+            let d = self.ctx.notify_delay();
+            self.ctx.after(
+                d,
+                Event::PoolCallerGone {
+                    caller: pool_caller(true, self.dirn.incarnation, old),
+                },
+            );
+        }
     }
 
     fn directory_start(&mut self) -> Result<(), String> {
@@ -775,6 +820,7 @@ impl World {
         let msg = Message::ToPool {
             directory_incarnation: self.dirn.incarnation,
             pool_incarnation: self.dirn.attached_to.unwrap_or(self.pool.incarnation),
+            pool_conn: self.dirn.pool_conn,
             id,
             request,
         };
@@ -840,18 +886,21 @@ impl World {
             return;
         };
         out.sent_ns = Some(self.ctx.now);
+        let seq = out.seq;
         let request = match &out.work {
             PoolWork::Alloc {
                 instance,
                 len_bytes,
-                tag,
                 ..
             } => PoolRequest::Alloc {
                 instance: *instance,
                 len_bytes: *len_bytes,
-                tag: *tag,
+                seq,
             },
-            PoolWork::Free { handle } => PoolRequest::Free { handle: *handle },
+            PoolWork::Free { handle } => PoolRequest::Free {
+                handle: *handle,
+                seq,
+            },
         };
         self.send_pool(id, request);
     }
@@ -859,10 +908,14 @@ impl World {
     fn queue_pool_work(&mut self, work: PoolWork) {
         let id = self.dirn.next_pool_id;
         self.dirn.next_pool_id += 1;
+        // Unique among the directory's requests across its restarts (ids
+        // restart at 1), and rising, as the service's reply cache wants.
+        let seq = u64::from(self.dirn.incarnation + 1) << 40 | id;
         self.dirn.pool_out.insert(
             id,
             PoolOut {
                 work,
+                seq,
                 sent_ns: None,
             },
         );
@@ -894,14 +947,10 @@ impl World {
                     ..
                 } => {
                     let instance = self.instance_number(&owner)?;
-                    // Tags must be unique among the directory's live regions
-                    // across its restarts: request ids restart at 1.
-                    let tag = u64::from(self.dirn.incarnation + 1) << 40 | request.0;
                     self.queue_pool_work(PoolWork::Alloc {
                         request,
                         instance,
                         len_bytes,
-                        tag,
                     });
                 }
                 Effect::FreeRegion { handle, owner } => {
@@ -973,19 +1022,30 @@ impl World {
             Message::ToPool {
                 directory_incarnation,
                 pool_incarnation,
+                pool_conn,
                 id,
                 request,
             } => {
                 if pool_incarnation != self.pool.incarnation
                     || directory_incarnation != self.dirn.incarnation
+                    || pool_conn != self.dirn.pool_conn
                 {
-                    // Its connection closed when one of its ends died. (A
-                    // dead directory's attach must not bind its caller after
-                    // the pool manager's probe found the process gone.)
+                    // Its connection closed when one of its ends died, or
+                    // the directory left it. (A dead directory's attach
+                    // must not bind its caller after the pool manager's
+                    // probe found the process gone.)
                     return Ok(());
                 }
-                self.pool
-                    .handle(&mut self.ctx, directory_incarnation, id, request);
+                let caller =
+                    pool_caller(self.params.pool_over_tcp, directory_incarnation, pool_conn);
+                self.pool.handle(
+                    &mut self.ctx,
+                    caller,
+                    directory_incarnation,
+                    pool_conn,
+                    id,
+                    request,
+                )?;
                 if self.pool.crash_due() {
                     self.pool_crash_now();
                 }
@@ -994,11 +1054,13 @@ impl World {
             Message::FromPool {
                 pool_incarnation,
                 directory_incarnation,
+                pool_conn,
                 id,
                 reply,
             } => {
                 if directory_incarnation != self.dirn.incarnation
                     || self.dirn.state == DirState::Down
+                    || pool_conn != self.dirn.pool_conn
                 {
                     return Ok(());
                 }

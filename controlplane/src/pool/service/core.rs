@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::cache::{Cached, SeqCache, Verdict};
+use super::cache::{Cached, SeqCache, exactly_once};
 use super::names::{self, NameKind, NamesFile};
 use super::pools::OpenPool;
 use super::wire::{self, PoolWireHandler};
@@ -476,7 +476,7 @@ struct Core {
     /// Open sessions per caller: a local caller is its process, which may
     /// hold several connections.
     caller_sessions: HashMap<Caller, usize>,
-    caches: HashMap<DirectoryId, SeqCache>,
+    caches: HashMap<DirectoryId, SeqCache<Cached>>,
     held: VecDeque<Outgoing>,
     origin: Instant,
     next_renew: MonotonicMs,
@@ -1012,24 +1012,19 @@ impl Core {
                 crate::directory::MAX_SEQUENCE,
             ));
         }
-        let cache = self
+        // Out of the map while `run` has `self` (nothing it runs reads the
+        // caches).
+        let mut cache = self
             .caches
-            .entry(dir)
-            .or_insert_with(|| SeqCache::new(REPLY_CACHE_LEN));
-        match cache.check(seq) {
-            Verdict::Replay(c) => return from_cached(c),
-            Verdict::TooOld(e) => return Err(e),
-            Verdict::Run => {}
-        }
-        // Outer Err: refused before the state machine (not cached, seq not
-        // consumed); inner: the state machine's answer (cached).
-        let answer = run(self)?;
-        let cached = answer.unwrap_or_else(Cached::Failed);
-        self.caches
-            .get_mut(&dir)
-            .expect("inserted above")
-            .insert(seq, cached.clone());
-        from_cached(cached)
+            .remove(&dir)
+            .unwrap_or_else(|| SeqCache::new(REPLY_CACHE_LEN));
+        // Outer Err of `run`: refused before the state machine (not cached,
+        // seq not consumed); inner: the state machine's answer (cached).
+        let answer = exactly_once(&mut cache, seq, || {
+            run(self).map(|a| a.unwrap_or_else(Cached::Failed))
+        });
+        self.caches.insert(dir, cache);
+        from_cached(answer??)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -85,7 +85,7 @@
 //!
 //! [`liveness::identify`]: super::liveness::identify
 
-mod cache;
+pub(crate) mod cache;
 mod core;
 pub mod local;
 pub mod names;
