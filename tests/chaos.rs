@@ -1,11 +1,12 @@
-//! The short form of the chaos soak (`cxlkv chaos`, issue 10), and a
-//! regression test for a defect it found.
+//! The short form of the chaos soak (`cxlkv chaos`, issue 10), a
+//! regression test for a defect it found, and one for the harness itself.
 //!
 //! `short_chaos_run_loses_leaks_and_tears_nothing` runs `cxlkv chaos
 //! --duration 20 --json` (four instances: writers, a reader, a tier user;
 //! random kills; server and pool-manager restarts by SIGKILL and SIGTERM)
-//! and asserts on its report. The seed is fixed (`CXLKV_CHAOS_SEED`
-//! overrides it) so that a failure reproduces with the same command.
+//! and asserts on its report: every counter of a violation 0, no violation
+//! recorded. The seed is fixed (`CXLKV_CHAOS_SEED` overrides it) so that a
+//! failure reproduces with the same command.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -54,14 +55,18 @@ fn short_chaos_run_loses_leaks_and_tears_nothing() {
         "lost_orphan_keys",
         "corrupt_keys",
         "leaked_pins",
+        "dead_sessions",
+        "pin_total_mismatches",
         "leaked_pages",
         "region_mismatches",
+        "regions_left",
         "unaccounted_keys",
         "resurrected_keys",
         "torn_reads",
         "errors",
         "instance_crashes",
         "daemon_crashes",
+        "daemon_stop_failures",
         "reattach_failures",
         "leftover_processes",
     ] {
@@ -77,9 +82,51 @@ fn short_chaos_run_loses_leaks_and_tears_nothing() {
     ] {
         assert!(report_u64(&report, positive) > 0, "{positive}: {report:#}");
     }
+    assert_eq!(
+        report["violations"].as_array().map(Vec::len),
+        Some(0),
+        "{report:#}"
+    );
     assert!(report["aborted"].is_null(), "{report:#}");
+    assert!(
+        report["run_dir"].is_null(),
+        "kept only on failure: {report:#}"
+    );
     assert_eq!(report["seed"].as_u64().map(|s| s.to_string()), Some(seed));
     assert!(out.status.success(), "exit {}: {report:#}", out.status);
+}
+
+/// A `--grace-ms` under the server's minimum used to start the pool manager,
+/// then fail with "the server did not start within 60 s" (the server had
+/// refused the grace at once; its reason was only in a log file removed
+/// with the run directory). It is refused before anything starts, by the
+/// flag's name.
+#[test]
+fn a_grace_the_server_would_refuse_is_refused_at_once_by_its_flag() {
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["chaos", "--duration", "1", "--grace-ms", "50", "--json"])
+        .env_remove("CXLKV_CONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("cxlkv chaos runs");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "it passed: {said}");
+    assert!(said.contains("--grace-ms 50"), "{said}");
+    assert!(!said.contains("within 60 s"), "{said}");
+    assert!(
+        out.stdout.is_empty(),
+        "no report of a run that never began: {said}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "it was not refused at once: {:?}",
+        started.elapsed()
+    );
 }
 
 /// Kills the process on drop if the test did not stop it.

@@ -90,6 +90,10 @@ pub struct Tally {
     pub keys_gone_by_eviction: u64,
     pub torn_reads: u64,
     pub leaked_pins: u64,
+    /// Dead incarnations still shown with a session (each counted once).
+    pub dead_sessions: u64,
+    /// Checks at which the pin total was not the sum over instances.
+    pub pin_total_mismatches: u64,
     pub region_mismatches: u64,
     pub unaccounted_keys: u64,
     pub resurrected_keys: u64,
@@ -105,6 +109,25 @@ impl Tally {
         tracing::error!("chaos invariant violated: {msg}");
         if self.violations.len() < MAX_VIOLATIONS {
             self.violations.push(msg);
+        }
+    }
+
+    /// Counts dead incarnations the directory still shows with sessions or
+    /// pins once settled: `(instance id, pins, sessions)`. Each id is
+    /// counted once per run (`reported`); a session without pins is a
+    /// dead session just as much as one holding pins.
+    fn dead_holders(&mut self, holding: Vec<(String, u64, u32)>, reported: &mut HashSet<String>) {
+        for (id, pins, sessions) in holding {
+            if !reported.insert(id.clone()) {
+                continue;
+            }
+            self.leaked_pins += pins;
+            if sessions > 0 {
+                self.dead_sessions += 1;
+            }
+            self.violation(format!(
+                "dead instance {id} still has {sessions} sessions and {pins} pins after {PIN_SETTLE_MS} ms"
+            ));
         }
     }
 }
@@ -496,15 +519,9 @@ impl Checker {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                for (id, pins, sessions) in holding {
-                    if self.pins_reported.insert(id.clone()) {
-                        self.tally.leaked_pins += pins;
-                        self.tally.violation(format!(
-                            "dead instance {id} still has {sessions} sessions and {pins} pins after {PIN_SETTLE_MS} ms"
-                        ));
-                    }
-                }
+                self.tally.dead_holders(holding, &mut self.pins_reported);
                 if !consistent {
+                    self.tally.pin_total_mismatches += 1;
                     self.tally.violation(format!(
                         "directory pins total {} but its instances hold {sum}",
                         stats.totals.pins
@@ -662,5 +679,21 @@ mod tests {
         assert!(!h.died_before_a_restart(0, 1, 1_500));
         assert!(h.died_before_a_restart(0, 1, 2_000));
         assert!(!h.died_before_a_restart(0, 2, 9_000), "live writers never");
+    }
+
+    #[test]
+    fn a_dead_instance_still_holding_a_session_without_pins_is_counted_once() {
+        let mut tally = Tally::default();
+        let mut reported = HashSet::new();
+        tally.dead_holders(vec![("w0.1".into(), 0, 1)], &mut reported);
+        assert_eq!(tally.dead_sessions, 1);
+        assert_eq!(tally.leaked_pins, 0);
+        assert_eq!(tally.violations.len(), 1, "{:?}", tally.violations);
+        // Seen again at the next check: not counted twice.
+        tally.dead_holders(vec![("w0.1".into(), 0, 1)], &mut reported);
+        assert_eq!(tally.dead_sessions, 1);
+        // Pins without a session (its session ended, its pins did not).
+        tally.dead_holders(vec![("r1.1".into(), 3, 0)], &mut reported);
+        assert_eq!((tally.dead_sessions, tally.leaked_pins), (1, 3));
     }
 }

@@ -30,7 +30,17 @@
 //! manager's free space must come back to its value before the first
 //! instance started, within the directory's grace period. Then the server
 //! and the pool manager are stopped with SIGTERM, the run directory is
-//! removed, and any process still mentioning it is reported.
+//! removed — unless the run did not pass: its logs and ledgers are the
+//! evidence, and the report says where they are — and any process still
+//! mentioning it is reported.
+//!
+//! A run passes only when every counter of a violation is 0 and no
+//! violation was recorded ([`ChaosReport::passed`]): every check that
+//! records a violation also counts it in a field of its own. A child that
+//! exits by itself — found at a step, or when it is stopped — is a crash.
+//! The children do not inherit the operator's `CXLKV_*` configuration
+//! variables (module `procs`); the transport backend of a run is chosen
+//! with `CXLKV_IO` ([`io_from_env`]), passed to every child explicitly.
 //!
 //! Every wait is bounded; a Ctrl-C (SIGINT) or SIGTERM ends the loop early
 //! and still runs the cleanup.
@@ -42,15 +52,17 @@ pub mod payload;
 mod procs;
 
 use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde::Serialize;
 
 use check::{Checker, History};
+use cxlkv_controlplane::transport::{BackendChoice, IO_ENV, TransportError};
 use ledger::now_ms;
 use payload::SplitMix64;
-use procs::{Proc, Stop, arg};
+use procs::{ChildEnv, Proc, Stop, Stopped, arg};
 
 /// The workload's layout: 16 KiB pages (a chunk is 1..=16 KiB), regions of
 /// 2 MiB (128 pages, the pool alignment).
@@ -69,6 +81,11 @@ const POOL_GRACE_MS: u64 = 120_000;
 const REATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Slack over the directory's grace period for the final reclaim.
 const RECLAIM_SLACK: Duration = Duration::from_secs(60);
+/// Longest `--grace-ms`: the final reclaim waits for the grace period.
+pub const MAX_GRACE_MS: u64 = 3_600_000;
+/// Longest `--duration` (a week): every deadline of the run stays far from
+/// overflowing the clock.
+pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// What an instance does (module [`instance`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -119,8 +136,80 @@ pub struct ChaosConfig {
     pub pool_restart_every: u64,
     /// The directory's instance grace period (`--grace-ms` of the server).
     pub grace_ms: u64,
-    /// Keep the run directory (ledgers, logs) instead of removing it.
+    /// Keep the run directory (ledgers, logs) even when the run passed (one
+    /// that did not pass is always kept).
     pub keep_run_dir: bool,
+    /// The transport backend of every process of the run (`CXLKV_IO` of
+    /// each child; `None`: their default), see [`io_from_env`].
+    pub io: Option<String>,
+}
+
+/// A chaos configuration that cannot give a meaningful run, found before
+/// anything starts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChaosConfigError {
+    #[error("--instances must be at least 1")]
+    NoInstances,
+    #[error("--kill-interval-ms must be at least 1")]
+    NoKillInterval,
+    #[error(
+        "--grace-ms {grace_ms} is under {min_ms} ms, the shortest instance grace period a server accepts (it would refuse to start)"
+    )]
+    GraceTooShort { grace_ms: u64, min_ms: u64 },
+    #[error("--grace-ms {grace_ms} is over {max_ms} ms (the run's end waits for the grace period)")]
+    GraceTooLong { grace_ms: u64, max_ms: u64 },
+    #[error("--duration {duration_s} s is over {max_s} s")]
+    DurationTooLong { duration_s: u64, max_s: u64 },
+}
+
+impl ChaosConfig {
+    /// Checks every knob, including those passed through to the server
+    /// against the server's own limits ([`crate::server::MIN_INSTANCE_GRACE`]),
+    /// so that a bad one is refused at once and by its flag's name instead
+    /// of by a server that does not come up.
+    pub fn validate(&self) -> Result<(), ChaosConfigError> {
+        let min_grace_ms = crate::server::MIN_INSTANCE_GRACE.as_millis() as u64;
+        if self.instances == 0 {
+            return Err(ChaosConfigError::NoInstances);
+        }
+        if self.kill_interval_ms == 0 {
+            return Err(ChaosConfigError::NoKillInterval);
+        }
+        if self.grace_ms < min_grace_ms {
+            return Err(ChaosConfigError::GraceTooShort {
+                grace_ms: self.grace_ms,
+                min_ms: min_grace_ms,
+            });
+        }
+        if self.grace_ms > MAX_GRACE_MS {
+            return Err(ChaosConfigError::GraceTooLong {
+                grace_ms: self.grace_ms,
+                max_ms: MAX_GRACE_MS,
+            });
+        }
+        if self.duration > MAX_DURATION {
+            return Err(ChaosConfigError::DurationTooLong {
+                duration_s: self.duration.as_secs(),
+                max_s: MAX_DURATION.as_secs(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The transport backend the driver's `CXLKV_IO` chooses for the run,
+/// checked the way the transport reads it: `None` when it is unset, empty
+/// or `auto` (each process picks its default), else the value, which the
+/// driver's own client uses and every child gets explicitly (the children's
+/// other `CXLKV_*` variables are removed). `CXLKV_TRANSPORT_BACKEND` is
+/// not passed on: it is configuration of the servers only, and the run's
+/// servers take no configuration from the operator's environment.
+pub fn io_from_env() -> Result<Option<String>, TransportError> {
+    Ok(match BackendChoice::Auto.resolve_env()? {
+        BackendChoice::Auto => None,
+        _ => std::env::var(IO_ENV).ok(),
+    })
 }
 
 /// The result of a run: printed as one JSON object by `cxlkv chaos --json`.
@@ -129,6 +218,8 @@ pub struct ChaosReport {
     pub seed: u64,
     pub duration_s: f64,
     pub instances: u32,
+    /// The transport backend the run asked for (`CXLKV_IO`), or `auto`.
+    pub io: String,
     pub steps: u64,
     pub kills: u64,
     pub server_restarts: u64,
@@ -138,6 +229,9 @@ pub struct ChaosReport {
     pub instance_crashes: u64,
     /// The server or the pool manager exited without being told to.
     pub daemon_crashes: u64,
+    /// The server or the pool manager did not exit with status 0 after
+    /// SIGTERM (at a restart or at the end), or could not be reaped.
+    pub daemon_stop_failures: u64,
     /// Live instances that had not reattached 30 s after a server restart.
     pub reattach_failures: u64,
     pub checks: u64,
@@ -157,10 +251,18 @@ pub struct ChaosReport {
     pub keys_gone_by_eviction: u64,
     pub orphan_evictions: u64,
     pub leaked_pins: u64,
+    /// Dead incarnations the directory still showed with a session.
+    pub dead_sessions: u64,
+    /// Checks at which the directory's pin total was not the sum of its
+    /// instances' pins.
+    pub pin_total_mismatches: u64,
     /// Pages of pool space not back after everything was deleted, plus
     /// keys the directory still held.
     pub leaked_pages: u64,
     pub region_mismatches: u64,
+    /// Regions the directory still held after everything was deleted and
+    /// the reclaim wait was over.
+    pub regions_left: u64,
     pub unaccounted_keys: u64,
     /// Keys answered `Deleted` that existed again later.
     pub resurrected_keys: u64,
@@ -180,23 +282,33 @@ pub struct ChaosReport {
     pub violations: Vec<String>,
     /// Why the run stopped early, if it did.
     pub aborted: Option<String>,
+    /// Where the run directory (child logs, ledgers) was kept: with
+    /// `--keep-run-dir`, or because the run did not pass.
+    pub run_dir: Option<String>,
 }
 
 impl ChaosReport {
-    /// True when no invariant was violated and nothing was left behind.
+    /// True when no invariant was violated and nothing was left behind:
+    /// every counter of a violation is 0 and no violation was recorded (a
+    /// check that only records one still fails the run).
     pub fn passed(&self) -> bool {
-        self.lost_keys == 0
+        self.violations.is_empty()
+            && self.lost_keys == 0
             && self.lost_orphan_keys == 0
             && self.corrupt_keys == 0
             && self.leaked_pins == 0
+            && self.dead_sessions == 0
+            && self.pin_total_mismatches == 0
             && self.leaked_pages == 0
             && self.region_mismatches == 0
+            && self.regions_left == 0
             && self.unaccounted_keys == 0
             && self.resurrected_keys == 0
             && self.torn_reads == 0
             && self.errors == 0
             && self.instance_crashes == 0
             && self.daemon_crashes == 0
+            && self.daemon_stop_failures == 0
             && self.reattach_failures == 0
             && self.leftover_processes == 0
             && self.aborted.is_none()
@@ -241,6 +353,7 @@ struct Driver<'a> {
     slots: Vec<Slot>,
     history: History,
     checker: Checker,
+    child_env: ChildEnv,
     report: ChaosReport,
     /// Incarnations killed since the last pin check.
     recently_dead: Vec<String>,
@@ -250,13 +363,10 @@ struct Driver<'a> {
 
 /// Runs a chaos soak (see the module essay). `stop_requested` is polled
 /// between and inside steps (Ctrl-C). Errors are returned only when the
-/// run cannot start; a failure later is reported in `aborted`.
+/// run cannot start (a bad configuration, [`ChaosConfig::validate`]); a
+/// failure later is reported in `aborted`, and the run directory is kept.
 pub fn run(cfg: &ChaosConfig, stop_requested: &dyn Fn() -> bool) -> anyhow::Result<ChaosReport> {
-    anyhow::ensure!(cfg.instances >= 1, "--instances must be at least 1");
-    anyhow::ensure!(
-        cfg.kill_interval_ms >= 1,
-        "--kill-interval-ms must be at least 1"
-    );
+    cfg.validate()?;
     let dir = tempfile::Builder::new()
         .prefix(&format!("cxlkv-chaos-{}-", cfg.seed))
         .tempdir_in("/dev/shm")
@@ -283,9 +393,11 @@ pub fn run(cfg: &ChaosConfig, stop_requested: &dyn Fn() -> bool) -> anyhow::Resu
             .collect(),
         history: History::default(),
         checker,
+        child_env: ChildEnv::new(cfg.io.clone()),
         report: ChaosReport {
             seed: cfg.seed,
             instances: cfg.instances,
+            io: cfg.io.clone().unwrap_or_else(|| "auto".into()),
             ..ChaosReport::default()
         },
         recently_dead: Vec::new(),
@@ -304,9 +416,18 @@ pub fn run(cfg: &ChaosConfig, stop_requested: &dyn Fn() -> bool) -> anyhow::Resu
         tracing::error!(pid, cmd, "process left behind");
     }
     d.report.leftover_processes = leftovers.len() as u64;
-    if cfg.keep_run_dir {
+    let passed = d.report.passed();
+    if cfg.keep_run_dir || !passed {
         let kept = dir.keep();
-        tracing::warn!(dir = %kept.display(), "run directory kept");
+        if passed {
+            tracing::warn!(dir = %kept.display(), "run directory kept");
+        } else {
+            tracing::error!(
+                dir = %kept.display(),
+                "the run did not pass: its run directory (child logs, ledgers) is kept; remove it when done"
+            );
+        }
+        d.report.run_dir = Some(kept.display().to_string());
     }
     Ok(d.report)
 }
@@ -333,8 +454,8 @@ impl Driver<'_> {
             POOL_GRACE_MS.to_string(),
         ];
         let log = self.log_path("pool");
-        let cmd = procs::command(&args, &log)?;
-        self.pool = Some(Proc::spawn_daemon("the pool manager".into(), cmd)?);
+        let cmd = procs::command(&args, &log, &self.child_env)?;
+        self.pool = Some(Proc::spawn_daemon("the pool manager".into(), cmd, log)?);
         Ok(())
     }
 
@@ -352,8 +473,8 @@ impl Driver<'_> {
             self.cfg.grace_ms.to_string(),
         ];
         let log = self.log_path("server");
-        let cmd = procs::command(&args, &log)?;
-        self.server = Some(Proc::spawn_daemon("the server".into(), cmd)?);
+        let cmd = procs::command(&args, &log, &self.child_env)?;
+        self.server = Some(Proc::spawn_daemon("the server".into(), cmd, log)?);
         Ok(())
     }
 
@@ -380,8 +501,8 @@ impl Driver<'_> {
         ];
         let id = instance::instance_id(role, slot, incarnation);
         let log = self.log_path(&id);
-        let cmd = procs::command(&args, &log)?;
-        self.slots[slot as usize].proc = Some(Proc::spawn(id, cmd)?);
+        let cmd = procs::command(&args, &log, &self.child_env)?;
+        self.slots[slot as usize].proc = Some(Proc::spawn(id, cmd, log)?);
         Ok(())
     }
 
@@ -422,9 +543,7 @@ impl Driver<'_> {
             self.reap_crashed()?;
             self.reap_crashed_daemons()?;
             let slot = self.rng.below(u64::from(self.cfg.instances)) as u32;
-            if let Some(mut p) = self.slots[slot as usize].proc.take() {
-                p.stop(Stop::Kill);
-            }
+            self.kill_instance(slot);
             self.died(slot);
             self.report.kills += 1;
             self.start_instance(slot)?;
@@ -447,6 +566,64 @@ impl Driver<'_> {
         self.finish()
     }
 
+    /// Counts a crash: `p` exited by itself with `status`.
+    fn crashed(&mut self, p: &Proc, status: ExitStatus, daemon: bool) {
+        if daemon {
+            self.report.daemon_crashes += 1;
+        } else {
+            self.report.instance_crashes += 1;
+        }
+        let who = if daemon {
+            p.name.clone()
+        } else {
+            format!("instance {}", p.name)
+        };
+        self.checker.tally.violation(format!(
+            "{who} exited by itself ({status}); the end of its log {}:\n{}",
+            p.log.display(),
+            procs::log_tail(&p.log)
+        ));
+    }
+
+    /// SIGKILLs slot `slot`'s process, if it has one (false if not); one
+    /// that had already exited by itself is counted as a crash.
+    fn kill_instance(&mut self, slot: u32) -> bool {
+        let Some(mut p) = self.slots[slot as usize].proc.take() else {
+            return false;
+        };
+        match p.stop(Stop::Kill) {
+            Stopped::ExitedBefore(status) => self.crashed(&p, status, false),
+            Stopped::ByUs(_) => {}
+            // Reported with the leftover processes at the end.
+            Stopped::NotReaped => tracing::error!(name = %p.name, "not reaped after SIGKILL"),
+        }
+        true
+    }
+
+    /// Stops the server or the pool manager with `how`. One that had
+    /// already exited by itself is a crash; one that did not exit with
+    /// status 0 after SIGTERM, or could not be reaped, a stop failure.
+    fn stop_daemon(&mut self, mut p: Proc, how: Stop) {
+        let failure = match p.stop(how) {
+            Stopped::ExitedBefore(status) => {
+                self.crashed(&p, status, true);
+                return;
+            }
+            Stopped::ByUs(status) if how == Stop::Term && !status.success() => {
+                format!("ended ({status}) after SIGTERM instead of exiting with 0")
+            }
+            Stopped::ByUs(_) => return,
+            Stopped::NotReaped => format!("could not be reaped after {}", how.signal_name()),
+        };
+        self.report.daemon_stop_failures += 1;
+        self.checker.tally.violation(format!(
+            "{} {failure}; the end of its log {}:\n{}",
+            p.name,
+            p.log.display(),
+            procs::log_tail(&p.log)
+        ));
+    }
+
     /// Restarts instances that exited by themselves (each is a crash).
     fn reap_crashed(&mut self) -> anyhow::Result<()> {
         for slot in 0..self.cfg.instances {
@@ -455,15 +632,9 @@ impl Driver<'_> {
                 .as_mut()
                 .and_then(Proc::exited);
             if let Some(status) = exited {
-                let name = self.slots[slot as usize]
-                    .proc
-                    .take()
-                    .map(|p| p.name)
-                    .unwrap_or_default();
-                self.report.instance_crashes += 1;
-                self.checker.tally.violation(format!(
-                    "instance {name} exited by itself ({status}); see its log"
-                ));
+                if let Some(p) = self.slots[slot as usize].proc.take() {
+                    self.crashed(&p, status, false);
+                }
                 self.died(slot);
                 self.start_instance(slot)?;
             }
@@ -474,19 +645,15 @@ impl Driver<'_> {
     /// Restarts the server or the pool manager if it exited by itself.
     fn reap_crashed_daemons(&mut self) -> anyhow::Result<()> {
         if let Some(status) = self.pool.as_mut().and_then(Proc::exited) {
-            self.pool = None;
-            self.report.daemon_crashes += 1;
-            self.checker
-                .tally
-                .violation(format!("the pool manager exited by itself ({status})"));
+            if let Some(p) = self.pool.take() {
+                self.crashed(&p, status, true);
+            }
             self.start_pool()?;
         }
         if let Some(status) = self.server.as_mut().and_then(Proc::exited) {
-            self.server = None;
-            self.report.daemon_crashes += 1;
-            self.checker
-                .tally
-                .violation(format!("the server exited by itself ({status})"));
+            if let Some(p) = self.server.take() {
+                self.crashed(&p, status, true);
+            }
             self.start_server()?;
         }
         Ok(())
@@ -506,13 +673,8 @@ impl Driver<'_> {
     fn restart_server(&mut self, how: Stop) -> anyhow::Result<()> {
         let before = self.attached_ids()?;
         self.history.server_restarts.push(now_ms());
-        if let Some(mut s) = self.server.take() {
-            let status = s.stop(how);
-            if how == Stop::Term && !status.is_some_and(|s| s.success()) {
-                self.checker.tally.violation(format!(
-                    "the server's exit after SIGTERM was {status:?}, not success"
-                ));
-            }
+        if let Some(s) = self.server.take() {
+            self.stop_daemon(s, how);
         }
         self.report.server_restarts += 1;
         if how == Stop::Kill {
@@ -545,13 +707,8 @@ impl Driver<'_> {
     }
 
     fn restart_pool(&mut self, how: Stop) -> anyhow::Result<()> {
-        if let Some(mut p) = self.pool.take() {
-            let status = p.stop(how);
-            if how == Stop::Term && !status.is_some_and(|s| s.success()) {
-                self.checker.tally.violation(format!(
-                    "the pool manager's exit after SIGTERM was {status:?}, not success"
-                ));
-            }
+        if let Some(p) = self.pool.take() {
+            self.stop_daemon(p, how);
         }
         self.report.pool_restarts += 1;
         if how == Stop::Kill {
@@ -569,12 +726,12 @@ impl Driver<'_> {
         self.checker.check_resurrected(&self.history)
     }
 
-    /// The end of the run: kill every instance, check once more, delete
+    /// The end of the run: kill every instance (one that had exited by
+    /// itself since the last step is a crash), check once more, delete
     /// everything, and wait for the pool to come back to its baseline.
     fn finish(&mut self) -> anyhow::Result<()> {
         for slot in 0..self.cfg.instances {
-            if let Some(mut p) = self.slots[slot as usize].proc.take() {
-                p.stop(Stop::Kill);
+            if self.kill_instance(slot) {
                 self.died(slot);
             }
         }
@@ -604,6 +761,7 @@ impl Driver<'_> {
             if back || Instant::now() >= deadline {
                 let missing = self.report.baseline_free_bytes.saturating_sub(free);
                 self.report.leaked_pages = missing.div_ceil(PAGE_SIZE_BYTES) + dir.totals.keys;
+                self.report.regions_left = dir.totals.regions;
                 if !back {
                     self.checker.tally.violation(format!(
                         "after deleting everything: {missing} bytes of the pool not free, {} keys and {} regions left in the directory",
@@ -619,26 +777,15 @@ impl Driver<'_> {
     }
 
     /// Stops everything (instances, then server and pool manager with
-    /// SIGTERM) and folds the checker's tally into the report.
+    /// SIGTERM; crashes and stop failures counted as during the run) and
+    /// folds the checker's tally into the report.
     fn cleanup(&mut self) {
         self.checker.close();
-        for slot in &mut self.slots {
-            if let Some(mut p) = slot.proc.take() {
-                p.stop(Stop::Kill);
-            }
+        for slot in 0..self.cfg.instances {
+            self.kill_instance(slot);
         }
-        for (what, proc) in [
-            ("server", self.server.take()),
-            ("pool manager", self.pool.take()),
-        ] {
-            if let Some(mut p) = proc {
-                let status = p.stop(Stop::Term);
-                if !status.is_some_and(|s| s.success()) {
-                    self.checker.tally.violation(format!(
-                        "the {what}'s final exit after SIGTERM was {status:?}"
-                    ));
-                }
-            }
+        for p in [self.server.take(), self.pool.take()].into_iter().flatten() {
+            self.stop_daemon(p, Stop::Term);
         }
         let t = std::mem::take(&mut self.checker.tally);
         let r = &mut self.report;
@@ -654,6 +801,8 @@ impl Driver<'_> {
         r.keys_gone_by_eviction = t.keys_gone_by_eviction;
         r.orphan_evictions = t.orphan_evictions;
         r.leaked_pins += t.leaked_pins;
+        r.dead_sessions = t.dead_sessions;
+        r.pin_total_mismatches = t.pin_total_mismatches;
         r.region_mismatches = t.region_mismatches;
         r.unaccounted_keys = t.unaccounted_keys;
         r.resurrected_keys = t.resurrected_keys;
@@ -664,5 +813,103 @@ impl Driver<'_> {
         r.expected_error_kinds = t.expected_errors;
         r.ledger_malformed_lines = t.ledger_malformed_lines;
         r.violations = t.violations;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ChaosConfig {
+        ChaosConfig {
+            duration: Duration::from_secs(20),
+            instances: 4,
+            seed: 1,
+            kill_interval_ms: 1000,
+            server_restart_every: 3,
+            pool_restart_every: 4,
+            grace_ms: 5000,
+            keep_run_dir: false,
+            io: None,
+        }
+    }
+
+    #[test]
+    fn a_report_with_a_recorded_violation_does_not_pass_even_with_every_counter_zero() {
+        assert!(ChaosReport::default().passed());
+        let report = ChaosReport {
+            violations: vec!["the server exited with exit status: 1 after SIGTERM, not 0".into()],
+            ..ChaosReport::default()
+        };
+        assert!(!report.passed());
+    }
+
+    #[test]
+    fn each_counter_of_a_check_that_records_a_violation_fails_the_run() {
+        type Set = fn(&mut ChaosReport);
+        let counters: [(&str, Set); 4] = [
+            ("daemon_stop_failures", |r| r.daemon_stop_failures = 1),
+            ("dead_sessions", |r| r.dead_sessions = 1),
+            ("pin_total_mismatches", |r| r.pin_total_mismatches = 1),
+            ("regions_left", |r| r.regions_left = 1),
+        ];
+        for (name, set) in counters {
+            let mut report = ChaosReport::default();
+            set(&mut report);
+            assert!(!report.passed(), "{name} = 1 passed");
+        }
+    }
+
+    #[test]
+    fn a_grace_period_the_server_would_refuse_is_refused_up_front_by_its_flag() {
+        let min_ms = crate::server::MIN_INSTANCE_GRACE.as_millis() as u64;
+        let short = ChaosConfig {
+            grace_ms: min_ms - 1,
+            ..config()
+        };
+        let err = short.validate().expect_err("under the server's minimum");
+        assert_eq!(
+            err,
+            ChaosConfigError::GraceTooShort {
+                grace_ms: min_ms - 1,
+                min_ms
+            }
+        );
+        assert!(err.to_string().contains("--grace-ms"), "{err}");
+        let at_min = ChaosConfig {
+            grace_ms: min_ms,
+            ..config()
+        };
+        assert_eq!(at_min.validate(), Ok(()));
+        let long = ChaosConfig {
+            grace_ms: MAX_GRACE_MS + 1,
+            ..config()
+        };
+        assert!(matches!(
+            long.validate(),
+            Err(ChaosConfigError::GraceTooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn a_duration_or_counts_that_cannot_make_a_run_are_refused_up_front() {
+        let cases = [
+            ChaosConfig {
+                instances: 0,
+                ..config()
+            },
+            ChaosConfig {
+                kill_interval_ms: 0,
+                ..config()
+            },
+            ChaosConfig {
+                duration: MAX_DURATION + Duration::from_secs(1),
+                ..config()
+            },
+        ];
+        for cfg in cases {
+            assert!(cfg.validate().is_err(), "{cfg:?} accepted");
+        }
+        assert_eq!(config().validate(), Ok(()));
     }
 }

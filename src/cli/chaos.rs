@@ -6,9 +6,14 @@
 //! nothing else; without `--json` a pretty-printed one and a verdict line.
 //! Logs go to standard error (`CXLKV_LOG`, default `warn`; the children's
 //! logs, `CXLKV_CHAOS_CHILD_LOG`, default `warn`, go to files in the run
-//! directory, kept with `--keep-run-dir`). It exits non-zero when an
-//! invariant was violated. SIGINT (Ctrl-C) or SIGTERM end the soak early:
-//! the final checks and the cleanup still run and the report says
+//! directory, kept with `--keep-run-dir` and whenever the run did not pass:
+//! the report's `run_dir` says where). It exits non-zero when an invariant
+//! was violated, and with an error before starting anything when a flag is
+//! out of range (e.g. a `--grace-ms` the server would refuse). The
+//! children get none of the operator's `CXLKV_*` variables; `CXLKV_IO`
+//! (`uring` / `fallback`) chooses the transport backend of the whole run
+//! and is passed to each of them. SIGINT (Ctrl-C) or SIGTERM end the soak
+//! early: the final checks and the cleanup still run and the report says
 //! `"interrupted": true`.
 
 use std::cell::Cell;
@@ -48,10 +53,11 @@ pub struct ChaosArgs {
     pub pool_restart_every: u64,
     /// The directory's instance grace period, in ms (how long a dead
     /// instance's empty regions wait, and restarted directories wait for
-    /// their instances).
+    /// their instances); at least the server's minimum, 100.
     #[arg(long, default_value_t = 5000)]
     pub grace_ms: u64,
-    /// Keep the run directory (ledgers, child logs) for inspection.
+    /// Keep the run directory (ledgers, child logs) even when the run
+    /// passed (a run that did not pass always keeps it).
     #[arg(long)]
     pub keep_run_dir: bool,
 }
@@ -98,6 +104,7 @@ pub fn run(args: &ChaosArgs) -> anyhow::Result<bool> {
         pool_restart_every: args.pool_restart_every,
         grace_ms: args.grace_ms,
         keep_run_dir: args.keep_run_dir,
+        io: chaos::io_from_env()?,
     };
     let report = chaos::run(&cfg, &stop_requested)?;
     let passed = report.passed();
@@ -110,6 +117,9 @@ pub fn run(args: &ChaosArgs) -> anyhow::Result<bool> {
             if passed { "PASSED" } else { "FAILED" },
             report.seed
         );
+        if let Some(dir) = &report.run_dir {
+            println!("chaos: run directory kept: {dir}");
+        }
     }
     Ok(passed)
 }
