@@ -3,15 +3,16 @@
 //! exactly those operations field by field, and the `/metrics` endpoint
 //! serves a valid Prometheus exposition whose counters, gauges and
 //! histograms match them (and every metric the Grafana dashboard queries);
-//! its HTTP edge answers bad requests with the right status. Last, `cxlkv
-//! serve --metrics-addr` as a process announces its endpoint, which
-//! answers, next to `cxlkv stats`.
+//! its HTTP edge answers bad requests with the right status; `cxlkv stats
+//! --tcp` reaches a server by host name. Last, `cxlkv serve --metrics-addr`
+//! as a process announces its endpoint, which answers, next to `cxlkv
+//! stats`.
 
 mod client_support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -230,6 +231,33 @@ fn stats_json_reports_exactly_the_operations_done() {
         assert!(text.contains(needle), "{needle:?} missing from\n{text}");
     }
     drop(client);
+}
+
+/// `cxlkv stats --tcp HOST:PORT` takes a host name, as `serve --tcp` does
+/// (it used to refuse one: "invalid socket address syntax").
+#[test]
+fn stats_over_tcp_reaches_a_server_named_by_its_host() {
+    // Listen where `localhost` resolves first: "localhost:<port>" reaches it.
+    let local = ("localhost", 0)
+        .to_socket_addrs()
+        .expect("localhost resolves")
+        .next()
+        .expect("to an address");
+    let mut cfg = server_config("ops-tools-tcp");
+    cfg.tcp_listen = Some(SocketAddr::new(local.ip(), 0));
+    cfg.tcp_insecure_no_secret = true;
+    let server = Server::start(cfg).expect("server starts");
+    let port = server.tcp_addr().expect("a TCP listener").port();
+
+    let out = cxlkv(&["stats", "--json", "--tcp", &format!("localhost:{port}")]);
+    let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    let observer = r["observer_instance"].as_str().unwrap();
+    let sessions = r["sessions"].as_array().unwrap();
+    let mine = sessions
+        .iter()
+        .find(|s| s["instance_id"] == observer)
+        .unwrap_or_else(|| panic!("the tool's session is listed: {sessions:?}"));
+    assert_eq!(mine["transport"], "tcp");
 }
 
 /// One HTTP exchange; the status and the body.

@@ -228,15 +228,20 @@ fn serve_with_nothing_set_resolves_to_the_embedded_default_pool_and_socket() {
 /// `cxlkv serve --print-config` with no `CXLKV_*` variable but `env`, and
 /// `args` after it: (exit status, stdout, stderr).
 fn print_config(env: &[(&str, &str)], args: &[&str]) -> (bool, String, String) {
+    print_config_of("serve", env, args)
+}
+
+/// [`print_config`] of the subcommand `command` (`serve` or `pool`).
+fn print_config_of(command: &str, env: &[(&str, &str)], args: &[&str]) -> (bool, String, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
-    cmd.args(["serve", "--print-config"]).args(args);
+    cmd.args([command, "--print-config"]).args(args);
     for (k, _) in std::env::vars_os() {
         if k.to_string_lossy().starts_with("CXLKV_") {
             cmd.env_remove(k);
         }
     }
     cmd.envs(env.iter().copied());
-    let out = cmd.output().expect("cxlkv serve --print-config");
+    let out = cmd.output().expect("cxlkv --print-config runs");
     let text = |b: Vec<u8>| String::from_utf8(b).expect("UTF-8");
     (out.status.success(), text(out.stdout), text(out.stderr))
 }
@@ -279,6 +284,58 @@ fn print_config_fails_for_a_configuration_that_could_not_start() {
         err.contains("would not start") && err.contains("lease_ms = 100"),
         "{err}"
     );
+}
+
+/// `cxlkv pool --print-config` makes every check the daemon makes before it
+/// opens anything, as `serve --print-config` does, and prints `[transport]`
+/// too: both commands fail, naming the key, for a transport backend or a
+/// pool lease the daemon refuses (`pool` used to print and exit 0).
+#[test]
+fn print_config_of_serve_and_pool_fails_naming_the_key_the_daemon_refuses() {
+    for command in ["serve", "pool"] {
+        let (ok, text, err) = print_config_of(command, &[], &["--pool", "/dev/dax9.9"]);
+        assert!(ok, "{command}: {err}");
+        assert!(
+            text.contains("backend: Auto"),
+            "{command} prints [transport]:\n{text}"
+        );
+
+        let (ok, text, err) = print_config_of(
+            command,
+            &[("CXLKV_TRANSPORT_BACKEND", "bogus")],
+            &["--pool", "/dev/dax9.9"],
+        );
+        assert!(!ok, "{command} accepted backend = bogus:\n{text}");
+        assert!(
+            err.contains("[transport] backend") && err.contains("bogus"),
+            "{command}: {err}"
+        );
+
+        let (ok, text, err) = print_config_of(
+            command,
+            &[("CXLKV_POOL_LEASE_MS", "1")],
+            &["--pool", "/dev/dax9.9"],
+        );
+        assert!(!ok, "{command} accepted lease_ms = 1:\n{text}");
+        assert!(
+            err.contains("would not start") && err.contains("lease_ms = 1 "),
+            "{command}: {err}"
+        );
+
+        // The transport reads `CXLKV_IO` at bind, under `backend = "auto"`.
+        let (ok, text, err) = print_config_of(
+            command,
+            &[("CXLKV_IO", "bogus")],
+            &["--pool", "/dev/dax9.9"],
+        );
+        assert!(!ok, "{command} accepted CXLKV_IO=bogus:\n{text}");
+        assert!(err.contains("CXLKV_IO"), "{command}: {err}");
+    }
+    // The flag too.
+    let (ok, text, err) =
+        print_config_of("pool", &[], &["--pool", "/dev/dax9.9", "--lease-ms", "1"]);
+    assert!(!ok, "accepted --lease-ms 1:\n{text}");
+    assert!(err.contains("lease_ms = 1 "), "{err}");
 }
 
 /// A `serve` process on its own socket and pool (named after `tag`), its

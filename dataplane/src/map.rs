@@ -36,8 +36,12 @@
 //! faulting lazily (`cargo bench --bench map`, busy shared machine; see
 //! `docs/architecture.md`). [`Populate::Lazy`] is for peer regions, read a
 //! few pages at a time: pages fault in on first access. On tmpfs
-//! `MADV_HUGEPAGE` is requested (effective only where shmem THP is enabled);
-//! hugetlbfs and device DAX map huge pages by themselves.
+//! `MADV_HUGEPAGE` is requested: effective where the mount's `huge=` option
+//! is `advise` (`never`, the default, ignores it; `always` and `within_size`
+//! need no request), unless `/sys/kernel/mm/transparent_hugepage/shmem_enabled`
+//! overrides every mount with `deny` or `force` (its other values concern
+//! only the kernel's internal shmem mount). hugetlbfs and device DAX map huge
+//! pages by themselves.
 //!
 //! **Observers.** Engines that register host memory with a GPU must hear of
 //! every mapping and of every unmapping before it happens. A [`MapObservers`]

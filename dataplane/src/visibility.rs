@@ -29,9 +29,10 @@
 //! copy satisfies `publish` by itself; the copy engine reports which path ran.
 //!
 //! CPU support is detected once at run time (`cpuid`). On architectures other
-//! than x86-64, `Flush` degrades to a sequentially consistent fence and
-//! [`line_flush`] reports [`LineFlush::Unsupported`]: correct only where the
-//! platform is coherent, which callers can check and refuse otherwise.
+//! than x86-64 there is no line instruction ([`line_flush`] reports
+//! [`LineFlush::Unsupported`]): `Flush` would run fences only, correct only
+//! where the platform is coherent, so [`check_mode`] refuses it — the client
+//! and the pool manager call it when they open a pool.
 //!
 //! **Forcing a choice.** [`publish`] and [`acquire`] run the best instruction
 //! this CPU has, so on one machine only one of the fallbacks ever executes. A

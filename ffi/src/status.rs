@@ -14,12 +14,15 @@
 //!   `cxlkv_tier_result`s, not statuses).
 //!
 //! [`FfiError`] carries a status and the message that `cxlkv_last_error`
-//! hands back; every error of the layers below converts into one.
+//! hands back; every error of the layers below converts into one, its
+//! message stating the causes the error's own text leaves out
+//! ([`ErrorChain`]: `"cannot open pool /dev/dax0.0: Permission denied (os
+//! error 13)"`, not the bare first half).
 
 use std::ffi::c_char;
 use std::fmt;
 
-use cxlkv::client::ClientError;
+use cxlkv::client::{ClientError, ErrorChain};
 use cxlkv::tier::TierError;
 use cxlkv_controlplane::proto::ErrorCode;
 
@@ -331,7 +334,7 @@ impl fmt::Display for FfiError {
 
 impl From<ClientError> for FfiError {
     fn from(e: ClientError) -> Self {
-        Self::new(client_status(&e), e.to_string())
+        Self::new(client_status(&e), e.with_causes().to_string())
     }
 }
 
@@ -350,7 +353,7 @@ impl From<TierError> for FfiError {
             TierError::Invariant(_) => S::CXLKV_STATUS_TIER_INVARIANT,
             _ => S::CXLKV_STATUS_OTHER,
         };
-        Self::new(status, e.to_string())
+        Self::new(status, ErrorChain(&e).to_string())
     }
 }
 
@@ -398,6 +401,58 @@ mod tests {
         for pair in ALL_STATUSES.windows(2) {
             assert!((pair[0] as i32) < (pair[1] as i32), "{pair:?}");
         }
+    }
+
+    /// A data-plane error keeps its `io::Error` as its source only; the
+    /// message `cxlkv_last_error` returns used to stop at "cannot open pool
+    /// /dev/dax0.0", without the `EACCES` that says why.
+    #[test]
+    fn a_pool_error_message_names_its_os_cause() {
+        use cxlkv_dataplane::backing::BackingError;
+        use cxlkv_dataplane::backing::Extent;
+        use cxlkv_dataplane::ids::RegionId;
+        use cxlkv_dataplane::map::MapError;
+        use std::io;
+
+        // EACCES, "Permission denied" on Linux.
+        let eacces = || io::Error::from_raw_os_error(13);
+        let e = FfiError::from(ClientError::Backing(BackingError::Open {
+            path: "/dev/dax0.0".into(),
+            source: eacces(),
+        }));
+        assert_eq!(e.status, S::CXLKV_STATUS_POOL);
+        assert_eq!(
+            e.message,
+            format!("cannot open pool /dev/dax0.0: {}", eacces())
+        );
+        assert!(e.message.contains("Permission denied"), "{e}");
+
+        let e = FfiError::from(ClientError::Map(MapError::Mmap {
+            region: RegionId(7),
+            extent: Extent::new(0, 2 << 20),
+            path: "/dev/dax0.0".into(),
+            source: io::Error::from_raw_os_error(12),
+        }));
+        assert_eq!(e.status, S::CXLKV_STATUS_MAP);
+        assert!(
+            e.message.contains("region r7")
+                && e.message
+                    .ends_with(&io::Error::from_raw_os_error(12).to_string()),
+            "{e}"
+        );
+    }
+
+    /// A cause the message already states is not appended again.
+    #[test]
+    fn a_cause_the_message_states_is_not_repeated() {
+        let e = ClientError::Connect(cxlkv_controlplane::transport::ClientError::Connect {
+            endpoint: "unix:/run/cxlkv/cxlkv.sock".into(),
+            source: std::io::Error::from_raw_os_error(111),
+        });
+        let text = e.to_string();
+        let e = FfiError::from(e);
+        assert_eq!(e.message, text);
+        assert_eq!(e.message.matches("(os error 111)").count(), 1, "{e}");
     }
 
     #[test]

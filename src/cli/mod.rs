@@ -255,4 +255,33 @@ mod tests {
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
     }
+
+    /// `--tcp HOST:PORT` of `stats` and `top` takes a host name, as
+    /// `serve --tcp`, `pool --tcp` and the C API's `tcp_addr` do (it used to
+    /// be parsed as an IP socket address only).
+    #[test]
+    fn stats_and_top_take_a_host_name_in_tcp() {
+        use crate::client::ServerAddr;
+        let client_config = |tool: &str, addr: &str| {
+            let cli = Cli::try_parse_from(["cxlkv", tool, "--tcp", addr])
+                .unwrap_or_else(|e| panic!("{tool} --tcp {addr}: {e}"));
+            let (Command::Stats(stats::StatsArgs { connect, .. })
+            | Command::Top(top::TopArgs { connect, .. })) = &cli.command
+            else {
+                panic!("{tool} parsed as {:?}", cli.command)
+            };
+            connect.client_config(tool)
+        };
+        for tool in ["stats", "top"] {
+            let cfg = client_config(tool, "localhost:7411").expect("localhost resolves");
+            match cfg.server {
+                ServerAddr::Tcp(addr) => {
+                    assert!(addr.ip().is_loopback() && addr.port() == 7411, "{addr}")
+                }
+                other => panic!("{tool}: {other:?}"),
+            }
+            let e = client_config(tool, "localhost").unwrap_err().to_string();
+            assert!(e.contains("--tcp") && e.contains("host:port"), "{e}");
+        }
+    }
 }

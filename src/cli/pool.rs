@@ -77,7 +77,8 @@ pub struct PoolArgs {
     /// Do not pass pool descriptors to local directories.
     #[arg(long)]
     pub no_pass_fds: bool,
-    /// Print the resolved configuration and exit.
+    /// Print the resolved configuration (`[pool]` and `[transport]`) and
+    /// exit; exits 1, naming the key, if the daemon would refuse it.
     #[arg(long)]
     pub print_config: bool,
 }
@@ -172,9 +173,27 @@ impl PoolArgs {
 pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
     let signals = block_stop_signals()?;
     let cfg = config::load_from_process(args.config.as_deref(), &args.overrides()?)?;
+    // Both sections the daemon reads, resolved before anything starts: a
+    // `[transport]` key it would refuse fails here, printed or not.
     let resolved = cfg.pool.resolve()?;
+    let mut server_cfg = cfg.transport.server_config()?;
     if args.print_config {
-        println!("{resolved:#?}");
+        // Every section the daemon reads (secrets `<redacted>` by their
+        // `Debug`).
+        println!("pool: {resolved:#?}\ntransport: {server_cfg:#?}");
+        // The checks `PoolCore::start` makes before it opens anything, so
+        // that a printed configuration that could not start says so.
+        resolved
+            .service
+            .validate()
+            .context("this configuration would not start")?;
+        // `CXLKV_IO` under `backend = "auto"`, which the transport reads at
+        // bind.
+        server_cfg
+            .io
+            .backend
+            .resolve_env()
+            .context("this configuration would not start")?;
         return Ok(());
     }
     let mut core =
@@ -185,7 +204,6 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
     }
     // The transport's handle lives in the core: its loop reports here.
     let transport = LoopWatch::new();
-    let mut server_cfg = cfg.transport.server_config()?;
     server_cfg.loop_watch = Some(transport.clone());
     let bound = core
         .listen(&endpoints, server_cfg)

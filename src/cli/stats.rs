@@ -16,7 +16,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -39,10 +38,11 @@ pub struct ConnectArgs {
     /// socket `cxlkv serve` listens on by default).
     #[arg(long, conflicts_with = "tcp")]
     pub socket: Option<PathBuf>,
-    /// Connect over TCP instead, `host:port` (the pools must be reachable
-    /// at the paths the server announces).
-    #[arg(long)]
-    pub tcp: Option<SocketAddr>,
+    /// Connect over TCP instead, `host:port`: an IP address, or a host name
+    /// resolved when connecting to its first address, as `serve --tcp`
+    /// (the pools must be reachable at the paths the server announces).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub tcp: Option<String>,
     /// File with the TCP listener's secret (mode 0600 or stricter).
     #[arg(long, requires = "tcp")]
     pub tcp_secret_file: Option<PathBuf>,
@@ -52,7 +52,9 @@ impl ConnectArgs {
     /// A client configuration for the tool `tool` (part of its instance id).
     pub fn client_config(&self, tool: &str) -> anyhow::Result<ClientConfig> {
         let mut cfg = match (&self.tcp, &self.socket) {
-            (Some(addr), _) => ClientConfig::tcp(*addr),
+            (Some(addr), _) => ClientConfig::tcp(
+                config::host_port(addr).map_err(|e| anyhow::anyhow!("--tcp: {e}"))?,
+            ),
             (None, Some(path)) => ClientConfig::unix(path.clone()),
             (None, None) => {
                 let file = config::load_from_process(self.config.as_deref(), &[])?;
@@ -76,9 +78,10 @@ impl ConnectArgs {
     /// Connects, naming the endpoint on failure.
     pub fn connect(&self, tool: &str) -> anyhow::Result<Client> {
         let cfg = self.client_config(tool)?;
-        // The client's message already names the endpoint and the cause
-        // (its sources repeat them: not chained again here).
-        Client::connect(cfg).map_err(|e| anyhow::anyhow!("{e}"))
+        // The client's message names the endpoint; its causes are added
+        // where it does not state them (a pool that cannot be opened), and
+        // not again where it does (a refused connection).
+        Client::connect(cfg).map_err(|e| anyhow::anyhow!("{}", e.with_causes()))
     }
 }
 

@@ -1,5 +1,12 @@
 //! The client's errors: one enum, each variant naming what went wrong and
 //! with which input; server refusals keep the server's [`ErrorCode`].
+//!
+//! A variant's message does not always state its cause: the data plane's
+//! errors keep the `io::Error` as their `source()` (`"cannot open pool
+//! /dev/dax0.0"`, the `EACCES` below it), and the client passes them on
+//! `transparent`. Where an error leaves the process as text — the C API's
+//! `cxlkv_last_error`, a log line, a string kept for later — it goes
+//! through [`ErrorChain`], which appends the causes the message lacks.
 
 use cxlkv_controlplane::proto::{ErrorCode, Kind, ProtoError};
 use cxlkv_controlplane::transport;
@@ -126,6 +133,34 @@ pub enum ClientError {
     Closed,
 }
 
+/// Most causes [`ErrorChain`] follows (a chain is a few levels deep; the
+/// bound keeps a cyclic `source()` from looping).
+const MAX_CAUSES: usize = 16;
+
+/// An error with its causes, `"outer: cause: cause"`, for text that leaves
+/// the process. A cause whose text the message already contains is left
+/// out (many messages embed their source: `"cannot connect to {endpoint}:
+/// {source}"`), so that nothing is said twice.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut text = self.0.to_string();
+        let mut cause = self.0.source();
+        for _ in 0..MAX_CAUSES {
+            let Some(c) = cause else { break };
+            let said = c.to_string();
+            if !said.is_empty() && !text.contains(&said) {
+                text.push_str(": ");
+                text.push_str(&said);
+            }
+            cause = c.source();
+        }
+        f.write_str(&text)
+    }
+}
+
 fn limit_suffix(limit: u64) -> String {
     if limit == 0 {
         String::new()
@@ -135,6 +170,12 @@ fn limit_suffix(limit: u64) -> String {
 }
 
 impl ClientError {
+    /// This error and the causes its message does not state (see
+    /// [`ErrorChain`]).
+    pub fn with_causes(&self) -> ErrorChain<'_> {
+        ErrorChain(self)
+    }
+
     /// The server's error code, when the server refused the request.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
@@ -155,5 +196,39 @@ impl ClientError {
             message: message.to_owned(),
             limit,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eacces() -> std::io::Error {
+        std::io::Error::from_raw_os_error(libc::EACCES)
+    }
+
+    #[test]
+    fn the_chain_states_a_cause_the_message_leaves_out() {
+        let e = ClientError::from(BackingError::Open {
+            path: "/dev/dax0.0".into(),
+            source: eacces(),
+        });
+        assert_eq!(e.to_string(), "cannot open pool /dev/dax0.0");
+        let text = e.with_causes().to_string();
+        assert!(
+            text.starts_with("cannot open pool /dev/dax0.0: Permission denied"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_chain_does_not_repeat_a_cause_the_message_states() {
+        let e = ClientError::Connect(transport::ClientError::Connect {
+            endpoint: "unix:/run/cxlkv/cxlkv.sock".into(),
+            source: eacces(),
+        });
+        let text = e.with_causes().to_string();
+        assert_eq!(text, e.to_string());
+        assert_eq!(text.matches("Permission denied").count(), 1, "{text}");
     }
 }

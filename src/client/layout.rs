@@ -432,7 +432,7 @@ impl Shared {
                     self.seqs.release(request.ticket);
                     let _one_at_a_time = request.layout.expand_lock.lock();
                     if let Err(e) = self.adopt_region(&request.layout, grant, false) {
-                        tracing::warn!(error = %e, "a region granted late could not be used");
+                        tracing::warn!(error = %e.with_causes(), "a region granted late could not be used");
                     }
                 }
                 Err(Fail::Indeterminate(ClientError::Server { code, .. }))

@@ -79,7 +79,7 @@ fn flush_deferred_unpins(shared: &Shared) {
             return;
         }
         if let Err(e) = shared.flush_unpins() {
-            tracing::debug!(error = %e, "deferred unpin flush failed");
+            tracing::debug!(error = %e.with_causes(), "deferred unpin flush failed");
             shared.unpin_timer_armed.store(false, Ordering::Release);
             return;
         }
@@ -117,7 +117,7 @@ fn heartbeat(shared: &Shared) {
         meta: Default::default(),
     };
     if let Err(e) = shared.read_call::<_, HeartbeatReply, _>("heartbeat", &mut msg, |_| Ok(())) {
-        tracing::warn!(error = %e, "heartbeat failed");
+        tracing::warn!(error = %e.with_causes(), "heartbeat failed");
     }
 }
 

@@ -87,7 +87,7 @@ pub use config::{
 pub use cxlkv_controlplane::proto::{
     DeleteOutcome, Location, RegisterOutcome, RejectReason, Usage,
 };
-pub use error::ClientError;
+pub use error::{ClientError, ErrorChain};
 pub use layout::LayoutHandle;
 pub use lease::PageLease;
 pub use read::ReadGuard;

@@ -22,7 +22,7 @@ use cxlkv_dataplane::ids::RegionId;
 use cxlkv_dataplane::map::{MapObservers, MappedRegion, Populate};
 use cxlkv_dataplane::visibility::{self, Visibility};
 
-use super::error::ClientError;
+use super::error::{ClientError, ErrorChain};
 
 /// One opened pool.
 #[derive(Debug)]
@@ -122,8 +122,9 @@ fn open_checked(
     }
     let block = read_header_block(backing.as_ref(), visibility).map_err(|e| {
         pool_err(format!(
-            "cannot read the identity header of {}: {e}",
-            path.display()
+            "cannot read the identity header of {}: {}",
+            path.display(),
+            ErrorChain(&e)
         ))
     })?;
     match header::decode(&block) {

@@ -215,8 +215,8 @@ impl Shared {
             match self.reattach_once() {
                 Ok(()) => return Ok(()),
                 Err(Attempt::Fatal(e)) => {
-                    tracing::error!(error = %e, "the instance cannot be resumed");
-                    self.set_fatal(e.to_string());
+                    tracing::error!(error = %e.with_causes(), "the instance cannot be resumed");
+                    self.set_fatal(e.with_causes().to_string());
                     return Err(e);
                 }
                 Err(Attempt::Retry(e)) => {
@@ -224,10 +224,10 @@ impl Shared {
                     if elapsed >= timeout {
                         return Err(ClientError::ReconnectFailed {
                             elapsed_ms: elapsed.as_millis() as u64,
-                            last: e.to_string(),
+                            last: e.with_causes().to_string(),
                         });
                     }
-                    tracing::debug!(error = %e, "reattach failed; backing off");
+                    tracing::debug!(error = %e.with_causes(), "reattach failed; backing off");
                     std::thread::sleep(backoff.min(timeout - elapsed));
                     backoff = (backoff * 2).min(max_backoff);
                 }

@@ -341,7 +341,7 @@ impl LayoutHandle {
                 report.lost_with_session += taken;
                 shared.stats.add(&shared.stats.unpins_dropped, taken);
                 if taken > 0 {
-                    tracing::warn!(error = %e, pins = taken, "unpins could not be numbered");
+                    tracing::warn!(error = %e.with_causes(), pins = taken, "unpins could not be numbered");
                     shared.end_session("unpins could not be numbered");
                 }
                 return Ok(report);
@@ -596,7 +596,7 @@ impl Shared {
         let conn_no = conn.conn_no;
         drop(conn);
         if let Err(e) = self.reconnect(conn_no) {
-            tracing::warn!(error = %e, "reattach after ending the session failed; the next request retries");
+            tracing::warn!(error = %e.with_causes(), "reattach after ending the session failed; the next request retries");
         }
     }
 }

@@ -133,7 +133,7 @@ impl LayoutHandle {
                     .collect())
             }
             Err(Fail::Indeterminate(e)) => {
-                let reason = e.to_string();
+                let reason = e.with_causes().to_string();
                 shared.park(Unresolved {
                     ticket,
                     layout: Arc::clone(&self.state),

@@ -380,6 +380,8 @@ impl ServerConfig {
         if self.tick_ms == 0 || self.tick_ms > 10_000 {
             return bad(format!("tick_ms = {} is not in 1..=10000", self.tick_ms));
         }
+        // `CXLKV_IO` under `backend = "auto"`: refused at bind otherwise.
+        self.io.backend.resolve_env()?;
         if let PoolManagerConfig::Embedded(c) = self.pool_manager_config() {
             if c.pools.is_empty() {
                 return bad("the embedded pool manager needs at least one pool".into());
