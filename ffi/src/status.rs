@@ -347,6 +347,7 @@ impl From<TierError> for FfiError {
             TierError::Config { .. } => S::CXLKV_STATUS_CONFIG,
             TierError::Reentrant { .. } => S::CXLKV_STATUS_TIER_REENTRANT,
             TierError::Closed { .. } => S::CXLKV_STATUS_TIER_CLOSED,
+            TierError::ClientClosed { .. } => S::CXLKV_STATUS_CLOSED,
             TierError::Invariant(_) => S::CXLKV_STATUS_TIER_INVARIANT,
             _ => S::CXLKV_STATUS_OTHER,
         };
@@ -398,6 +399,14 @@ mod tests {
         for pair in ALL_STATUSES.windows(2) {
             assert!((pair[0] as i32) < (pair[1] as i32), "{pair:?}");
         }
+    }
+
+    #[test]
+    fn a_tier_of_a_closed_client_answers_closed_as_its_layouts_do() {
+        let e = FfiError::from(TierError::ClientClosed { op: "delete" });
+        assert_eq!(e.status, S::CXLKV_STATUS_CLOSED);
+        let e = FfiError::from(TierError::Closed { op: "delete" });
+        assert_eq!(e.status, S::CXLKV_STATUS_TIER_CLOSED);
     }
 
     #[test]
