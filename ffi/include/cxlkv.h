@@ -1490,7 +1490,8 @@ cxlkv_status cxlkv_tier_sweep_now(const struct cxlkv_tier *tier,
                                   uint64_t *out_writes,
                                   uint64_t *out_reads);
 
-// Checks the tier's invariants (I1, I2, I4 and its mirrors):
+// Checks the tier's invariants (I1–I4 and the tier's mirrors of its
+// staged keys; in a debug build of the library, I7 too):
 // `CXLKV_STATUS_TIER_INVARIANT`, with the broken one in the message, if
 // one does not hold.
 //

@@ -350,6 +350,7 @@ impl From<TierError> for FfiError {
             TierError::Config { .. } => S::CXLKV_STATUS_CONFIG,
             TierError::Reentrant { .. } => S::CXLKV_STATUS_TIER_REENTRANT,
             TierError::Closed { .. } => S::CXLKV_STATUS_TIER_CLOSED,
+            TierError::ClientClosed { .. } => S::CXLKV_STATUS_CLOSED,
             TierError::Invariant(_) => S::CXLKV_STATUS_TIER_INVARIANT,
             _ => S::CXLKV_STATUS_OTHER,
         };
@@ -453,6 +454,14 @@ mod tests {
         let e = FfiError::from(e);
         assert_eq!(e.message, text);
         assert_eq!(e.message.matches("(os error 111)").count(), 1, "{e}");
+    }
+
+    #[test]
+    fn a_tier_of_a_closed_client_answers_closed_as_its_layouts_do() {
+        let e = FfiError::from(TierError::ClientClosed { op: "delete" });
+        assert_eq!(e.status, S::CXLKV_STATUS_CLOSED);
+        let e = FfiError::from(TierError::Closed { op: "delete" });
+        assert_eq!(e.status, S::CXLKV_STATUS_TIER_CLOSED);
     }
 
     #[test]

@@ -975,6 +975,46 @@ mod tier {
         close(client, layout);
     }
 
+    /// A tier whose client was closed answers `CLOSED`, as the client's
+    /// layouts do — not per-key codes (`OUT_OF_MEMORY`, `KEY_IS_LOCKED`)
+    /// that the closed client's failures would otherwise read as — and
+    /// can still be closed.
+    #[test]
+    fn a_tier_of_a_closed_client_answers_closed() {
+        let fx = Fixture::new("ffi-tier-client-closed");
+        let (client, layout) = fx.connect();
+        let mut tier = std::ptr::null_mut();
+        // SAFETY: NULL config, live out slot.
+        ok(unsafe { cxlkv_tier_open(layout, std::ptr::null(), &mut tier) });
+        // SAFETY: a handle (checked).
+        ok(unsafe { cxlkv_close(client) });
+
+        let keys = [bytes(b"c0")];
+        let temporary = [0u8];
+        let mut pages = [NO_PAGE_FOR_TESTS];
+        // SAFETY: one key, one flag, one page slot.
+        let s = unsafe {
+            cxlkv_tier_reserve_write(
+                tier,
+                keys.as_ptr(),
+                temporary.as_ptr(),
+                1,
+                100,
+                0,
+                pages.as_mut_ptr(),
+            )
+        };
+        assert_eq!(s, CXLKV_STATUS_CLOSED, "{}", last_error());
+        assert_eq!(pages[0].code, cxlkv_tier_code::CXLKV_TIER_NOT_DONE);
+        let mut codes = [cxlkv_tier_code::CXLKV_TIER_SUCCESS];
+        // SAFETY: one key, one code slot.
+        let s = unsafe { cxlkv_tier_delete(tier, keys.as_ptr(), 1, false, codes.as_mut_ptr()) };
+        assert_eq!(s, CXLKV_STATUS_CLOSED, "{}", last_error());
+        assert_eq!(codes, [cxlkv_tier_code::CXLKV_TIER_NOT_DONE]);
+        ok(cxlkv_tier_close(tier));
+        ok(cxlkv_layout_close(layout));
+    }
+
     /// A failed tier call's per-key outputs read `NOT_DONE`, never the
     /// `SUCCESS` (0) a zero-initialised array starts with, nor an earlier
     /// call's results.

@@ -9,7 +9,9 @@
 //! pool, zero copy). A call is refused as a whole — a status, nothing
 //! changed — only for bad arguments (a key repeated within the call, an
 //! unsupported write mode, lengths over the limits), a re-entrant call from
-//! a listener, or a closed tier.
+//! a listener, a closed tier (`CXLKV_STATUS_TIER_CLOSED`), or a closed
+//! client (`CXLKV_STATUS_CLOSED`, as its layouts answer: every call but
+//! `cxlkv_tier_close`).
 //!
 //! **Page addresses** stay valid while the tier holds the reservation that
 //! returned them: until the matching finish, `delete`, `clear`,
@@ -1108,7 +1110,8 @@ pub unsafe extern "C" fn cxlkv_tier_sweep_now(
     })
 }
 
-/// Checks the tier's invariants (I1, I2, I4 and its mirrors):
+/// Checks the tier's invariants (I1–I4 and the tier's mirrors of its
+/// staged keys; in a debug build of the library, I7 too):
 /// `CXLKV_STATUS_TIER_INVARIANT`, with the broken one in the message, if
 /// one does not hold.
 ///

@@ -839,8 +839,19 @@ class Client:
         """Session id, directory epoch, owned keys, unresolved registrations,
         and the directory's limits: ``max_batch`` (most keys per batch call)
         and ``max_key_bytes``."""
+        self._check_open()
+        return self._held_session()
+
+    def _held_session(self) -> dict:
+        """:meth:`session` for a holder of the session (an open tier): the
+        C client lives as long as it is held, so this works after
+        :meth:`close` too (a tier's listener may close the client in the
+        middle of a tier call, whose follow-up still needs the limits)."""
+        handle = self._handle
+        if handle is None:
+            raise ClosedError(Status.CLOSED, "the client was closed")
         out = N.sized(N.SessionInfo)
-        check(N.lib.cxlkv_query_session(self._h(), ctypes.byref(out)))
+        check(N.lib.cxlkv_query_session(handle, ctypes.byref(out)))
         return {f: getattr(out, f) for f in N.SESSION_FIELDS}
 
     def directory_stats(self) -> dict:

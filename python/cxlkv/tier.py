@@ -35,7 +35,9 @@ An open tier holds its client's session: :meth:`Client.close
 <cxlkv.Client.close>` ends it only once the tier is closed too (the tier's
 read reservations are pins of that session). After the client's close,
 every operation but :meth:`L1Tier.close` raises
-:class:`~cxlkv.errors.ClosedError`.
+:class:`~cxlkv.errors.ClosedError`; a call during which the client is
+closed (by one of its listeners, say) completes: it returns its results,
+and the pages whose reservation it ended are released.
 
 Listeners are Python objects with any of the methods ``reserved_read``,
 ``read_finished``, ``reserved_write``, ``write_finished``,
@@ -59,6 +61,7 @@ from . import _native as N
 from .client import BytesLike, Layout, Location, _as_buffer, _bytes_array, _Exports, _key
 from .errors import (
     ArgumentError,
+    Error,
     HandleError,
     Status,
     TierArgumentError,
@@ -223,9 +226,18 @@ class L1Tier:
     # --- plumbing -----------------------------------------------------------
 
     def _h(self) -> int:
+        self._client._check_open()
+        return self._h_held()
+
+    def _h_held(self) -> int:
+        """The handle for what a call does after its C call took effect
+        (revalidating its pages). Unlike :meth:`_h`, it does not refuse a
+        closed client: a listener of that call may have closed it, and the
+        follow-up must still run, or pages whose reservation ended would
+        stay usable. It can: the tier holds the client's session, so the C
+        client lives until the tier is closed."""
         if self._handle is None:
             raise HandleError(Status.BAD_HANDLE, "the tier was closed")
-        self._client._check_open()
         return self._handle
 
     def _track(self, page: TierPage) -> None:
@@ -294,7 +306,17 @@ class L1Tier:
         read_keys = sorted({p.key for p in pages if not p.writable})
         current: dict[bytes, Optional[int]] = {}
         if read_keys and self._handle is not None:
-            for k, (code, page) in zip(read_keys, self._held_pages(read_keys)):
+            try:
+                held = self._held_pages(read_keys)
+            except Error:
+                # The call took effect, but which reservations it ended
+                # cannot be asked (the tier was closed on another thread):
+                # every page of these keys is taken as ended. One still held
+                # is only a page to ask for again (``unsafe_read``); raising
+                # instead would hide the call's results and leave usable a
+                # page that may be reused.
+                held = []
+            for k, (code, page) in zip(read_keys, held):
                 current[k] = page.address() if code == TierCode.SUCCESS else None
         for p in pages:
             if p.writable:
@@ -310,17 +332,19 @@ class L1Tier:
         batches the session accepts: the pages tracked may be of more keys
         than one call may carry (after ``clear`` or ``sweep_now``, every
         key with a live page)."""
-        limit = max(1, self._client.session()["max_batch"])
+        limit = max(1, self._client._held_session()["max_batch"])
         out: list = []
         for at in range(0, len(keys), limit):
-            out += self._call_pages("unsafe", keys[at : at + limit])
+            out += self._call_pages("unsafe", keys[at : at + limit], held=True)
         return out
 
-    def _call_pages(self, op: str, keys: Sequence[bytes], *extra) -> list:
+    def _call_pages(self, op: str, keys: Sequence[bytes], *extra, held: bool = False) -> list:
+        """The C call ``op`` for ``keys``; ``held``: a follow-up of a call
+        that took effect (see :meth:`_h_held`)."""
         keep: list = []
         karr = _bytes_array(keys, keep)
         out = (N.TierPage * max(len(keys), 1))()
-        h = self._h()
+        h = self._h_held() if held else self._h()
         if op == "reserve_read":
             check(N.lib.cxlkv_tier_reserve_read(h, karr, len(keys), extra[0], out))
         elif op == "unsafe":
@@ -553,10 +577,13 @@ class L1Tier:
         """Where ``key`` stands here: ``stage`` (``untracked``,
         ``write_staged``, ``read_staged``), ``temporary``, ``holds``,
         ``pinned``."""
+        return self._inspect(self._h(), key)
+
+    def _inspect(self, handle: int, key: BytesLike) -> dict:
         out = N.sized(N.TierKeyStage)
         keep: list = []
         addr, n = _as_buffer(_key(key), keep)
-        check(N.lib.cxlkv_tier_inspect(self._h(), addr, n, ctypes.byref(out)))
+        check(N.lib.cxlkv_tier_inspect(handle, addr, n, ctypes.byref(out)))
         return {
             "stage": N.TIER_STAGES.get(out.stage, str(out.stage)),
             "temporary": bool(out.temporary),
@@ -577,7 +604,11 @@ class L1Tier:
         live = self._live_pages()
         write_keys = [p.key for p in live if p.writable]
         if write_keys:
-            stages = {k: self.inspect(k)["stage"] for k in set(write_keys)}
+            try:
+                h = self._h_held()
+                stages = {k: self._inspect(h, k)["stage"] for k in set(write_keys)}
+            except Error:
+                stages = {}  # cannot be asked: every write page taken as ended
             for p in live:
                 if p.writable and stages.get(p.key) != "write_staged":
                     p._release()

@@ -427,6 +427,55 @@ def test_a_close_refused_from_a_listener_leaves_the_tier_open(server, layout, fi
         assert peer.delete(k).outcome == "deleted", "the close released the tier's pins"
 
 
+def _closing_client_on(callback: str, client: cxlkv.Client) -> object:
+    """A listener whose ``callback`` closes ``client``, in the middle of a
+    tier call."""
+
+    class Closer:
+        pass
+
+    closer = Closer()
+    setattr(closer, callback, lambda keys: client.close())
+    return closer
+
+
+@pytest.mark.parametrize("op", ["finish_read", "delete", "clear"])
+def test_a_listener_closing_the_client_does_not_undo_the_call_that_took_effect(
+    client, layout, op
+):
+    # Found by a review: the call's C side took effect, then its
+    # revalidation of the pages asked the closed client and raised
+    # ClosedError — finish_read's page stayed usable though its pin was gone.
+    held = key(46)
+    t = L1Tier(layout)
+    write(t, held)
+    [(code, page)] = t.reserve_read([held])
+    assert code == TierCode.SUCCESS
+    if op == "finish_read":
+        t.register_listener(_closing_client_on("read_finished", client))
+        assert t.finish_read([held]) == [TierCode.SUCCESS]
+        assert page.released, "the reservation ended with the call"
+        with pytest.raises(cxlkv.ViewReleasedError):
+            page.memoryview()
+    else:
+        if op == "delete":
+            t.register_listener(_closing_client_on("deleted", client))
+            assert t.delete([held]) == [TierCode.KEY_IS_LOCKED]
+        else:
+            temp = key(47)
+            [(code, _)] = t.reserve_write([temp], [True], CHUNK_BYTES)
+            assert code == TierCode.SUCCESS
+            assert t.finish_write([temp]) == [TierCode.SUCCESS]
+            t.register_listener(_closing_client_on("deleted", client))
+            t.clear()  # reclaims the idle temporary: `deleted` fires
+        assert not page.released, "the held read is still held"
+        assert bytes(page) == bytes([fill(held)]) * CHUNK_BYTES
+    with pytest.raises(cxlkv.ClosedError):
+        t.reserve_read([held])
+    t.close()
+    assert page.released
+
+
 def test_reserve_write_with_more_flags_than_keys_is_a_length_mismatch(tier):
     with pytest.raises(cxlkv.TierArgumentError) as e:
         tier.reserve_write([key(42)], [False, True], CHUNK_BYTES)

@@ -126,6 +126,15 @@ pub(crate) enum PinnedLookup {
     Unresolvable(ClientError),
 }
 
+/// A pinning lookup's answer: one result per key, in order, and the
+/// release of the pins it took on keys it could not place (`None` when
+/// there were none).
+#[derive(Debug)]
+pub(crate) struct PinnedLookups {
+    pub found: Vec<PinnedLookup>,
+    pub rollback: Option<Result<PinRelease, ClientError>>,
+}
+
 /// What a counted release did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct PinRelease {
@@ -143,13 +152,14 @@ pub(crate) struct PinRelease {
 
 impl LayoutHandle {
     /// One `Lookup` round trip taking `pins` pins on every key found (see the
-    /// module docs); one result per key, in order. The caller owns the pins
-    /// and releases them with [`LayoutHandle::release_pins`].
+    /// module docs); one result per key, in order, with the rollback's
+    /// release for the caller to count. The caller owns the pins of the
+    /// keys found and releases them with [`LayoutHandle::release_pins`].
     pub(crate) fn lookup_pinned<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
         pins: u32,
-    ) -> Result<Vec<PinnedLookup>, ClientError> {
+    ) -> Result<PinnedLookups, ClientError> {
         let shared = self.shared();
         shared.check_open()?;
         // The directory's limit (at most the protocol's), checked here so
@@ -226,11 +236,12 @@ impl LayoutHandle {
                 }
             }
         }
-        if !rollback.is_empty() {
-            // Best effort, like every release: its outcome is in the stats.
-            let _ = self.release_pins(&rollback);
-        }
-        Ok(out)
+        // Best effort, like every release: the caller counts or logs it.
+        let rollback = (!rollback.is_empty()).then(|| self.release_pins(&rollback));
+        Ok(PinnedLookups {
+            found: out,
+            rollback,
+        })
     }
 
     /// The view of a found location: the layout's own region, a cached peer
@@ -460,20 +471,31 @@ impl LayoutHandle {
         })
     }
 
-    /// Bytes of pages allocated in every region this client owns (any
-    /// layout), and the bytes of those regions.
-    pub(crate) fn client_pages_in_use(&self) -> (u64, u64) {
-        let mut used = 0u64;
-        let mut owned = 0u64;
+    /// The pages of every region this client owns (any layout).
+    pub(crate) fn client_pages(&self) -> ClientPages {
+        let mut pages = ClientPages::default();
         for layout in self.shared().layouts.read().iter() {
             for (_, r) in layout.regions.read().iter() {
                 let total = u64::from(r.alloc.page_count());
                 let free = u64::from(r.alloc.free_pages()).min(total);
-                used += (total - free) * r.page_size_bytes as u64;
-                owned += r.desc.len_bytes;
+                let page_size_bytes = r.page_size_bytes as u64;
+                pages.used_bytes += (total - free) * page_size_bytes;
+                pages.usable_bytes += total * page_size_bytes;
+                pages.region_bytes += r.desc.len_bytes;
             }
         }
-        (used, owned)
+        pages
+    }
+
+    /// Whether the client was closed (its requests all fail with
+    /// [`ClientError::Closed`]).
+    pub(crate) fn client_closed(&self) -> bool {
+        matches!(self.shared().check_open(), Err(ClientError::Closed))
+    }
+
+    /// Bytes of each region this layout takes when it grows.
+    pub(crate) fn region_size_bytes(&self) -> u64 {
+        self.state.region_size_bytes
     }
 
     /// Whether this layout takes a new region when it is full.
@@ -485,6 +507,19 @@ impl LayoutHandle {
     pub(crate) fn quota_bytes(&self) -> Option<u64> {
         self.shared().cfg.quota_bytes
     }
+}
+
+/// The pages of a client's owned regions, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ClientPages {
+    /// Pages allocated × their page size.
+    pub used_bytes: u64,
+    /// Pages the regions hold × their page size: what can ever be in use.
+    /// Less than `region_bytes` when a page size does not divide its
+    /// region (the tail is never allocated).
+    pub usable_bytes: u64,
+    /// Bytes of the regions (what the quota and the pool count).
+    pub region_bytes: u64,
 }
 
 /// How one unpin ended.

@@ -36,8 +36,9 @@
 //! Per-key outcomes are [`TierCode`]s; a call is refused as a whole (and
 //! changes nothing) only for bad arguments — a key repeated within the
 //! call, `keys`/`is_temporary` of different lengths, an unsupported write
-//! mode, a key or batch over the limits — or when called re-entrantly or
-//! after `close`.
+//! mode, a key or batch over the limits — or when called re-entrantly,
+//! after `close`, or after the client's close (`ClientClosed`: its session
+//! is gone, so no per-key answer would be true).
 //!
 //! # Where cxlkv does better than the reference
 //!
@@ -405,9 +406,12 @@ impl L1Tier {
 
     /// `(used, total)` bytes, with no round trip: `used` = pages allocated
     /// in this client's owned regions × their page size; `total` = the
-    /// bytes of those regions plus, when this layout auto-expands, the
-    /// pool's free bytes the client may still grow into (bounded by its
-    /// quota), as of the latest reply.
+    /// pages those regions hold × their page size plus, when this layout
+    /// auto-expands, the pages of the whole regions of this layout that
+    /// still fit in the pool's free bytes and under the client's quota, as
+    /// of the latest reply. Only bytes that can be in use count: when an
+    /// allocation fails for want of room, `total - used` is less than a
+    /// page.
     pub fn get_memory_usage(&self) -> (u64, u64) {
         self.inner.memory_usage()
     }
@@ -457,10 +461,13 @@ impl L1Tier {
 
     /// Stops and joins the sweeper, waits for the `accessed` listeners
     /// `touch_keys` is calling, then drains the staging without notifying:
-    /// every read pin released (one batched unpin), every private temporary
-    /// and every write page reclaimed — each exactly once. Shared pages are
-    /// not touched. Once it returns, no listener is running or will run.
-    /// Idempotent; later calls fail with `Closed`. The client stays open.
+    /// every read pin released (batched: one `Unpin` per `max_batch`
+    /// entries), every private temporary and every write page reclaimed —
+    /// each exactly once. Shared pages are not touched. Once it returns, no
+    /// listener is running or will run.
+    /// Idempotent; later calls fail with `Closed`. The client stays open;
+    /// after the client's close this is the one operation that still works
+    /// (the read pins died with the client's session).
     pub fn close(&self) -> Result<(), TierError> {
         const OP: &str = "close";
         if self.inner.held_by_this_thread() || self.inner.accessing_on_this_thread() {
@@ -547,21 +554,34 @@ impl Inner {
         ACCESSING.with(|a| a.borrow().contains(&self.id))
     }
 
+    /// Refuses a closed tier, and a tier whose client is closed.
     fn check_open(&self, op: &'static str) -> Result<(), TierError> {
         // Acquire: pairs with the Release in `close`.
         if self.closed.load(Ordering::Acquire) {
             return Err(TierError::Closed { op });
         }
+        self.check_client_open(op)
+    }
+
+    /// A closed client fails every request with `Closed`, which each
+    /// operation would otherwise read as its own per-key answer — a miss, a
+    /// lack of memory, a key to retry later — none of them true: the call
+    /// is refused as a whole instead.
+    fn check_client_open(&self, op: &'static str) -> Result<(), TierError> {
+        if self.layout.client_closed() {
+            return Err(TierError::ClientClosed { op });
+        }
         Ok(())
     }
 
-    /// Takes the tier's lock for `op`, refusing a re-entrant call and a
-    /// closed tier.
+    /// Takes the tier's lock for `op`, refusing a re-entrant call, a
+    /// closed tier and a closed client.
     fn lock(&self, op: &'static str) -> Result<Locked<'_>, TierError> {
         let st = self.lock_even_closed(op)?;
         if st.closed {
             return Err(TierError::Closed { op });
         }
+        self.check_client_open(op)?;
         Ok(st)
     }
 
@@ -746,21 +766,45 @@ impl Inner {
         Ok(())
     }
 
+    /// `(used, total)`: `total` counts only bytes that can be in use —
+    /// the owned regions' pages (a region's tail past its last whole page
+    /// never is) and the pages of the whole regions this layout can still
+    /// take — so that `used` reaches `total` (within a page) when the next
+    /// allocation fails, and a watermark on `used / total` fires before.
     fn memory_usage(&self) -> (u64, u64) {
-        let (used, owned) = self.layout.client_pages_in_use();
+        let pages = self.layout.client_pages();
+        let total = pages
+            .usable_bytes
+            .saturating_add(self.growable_bytes(pages.region_bytes));
+        (pages.used_bytes, total)
+    }
+
+    /// Page bytes of the regions this layout may still take, as of the
+    /// latest reply: none without auto-expansion; else as many whole
+    /// regions as fit in the pool's free bytes and under the quotas
+    /// (growth is by whole regions, refused when one does not fit), each
+    /// worth its whole pages.
+    fn growable_bytes(&self, owned_region_bytes: u64) -> u64 {
         if !self.layout.auto_expands() {
-            return (used, owned);
+            return 0;
         }
         let usage = self.layout.cached_usage();
-        let mut growable = usage.pool_free_bytes;
+        let mut room = usage.pool_free_bytes;
         let quotas = [
             self.layout.quota_bytes(),
             (usage.instance_quota_bytes > 0).then_some(usage.instance_quota_bytes),
         ];
         for quota in quotas.into_iter().flatten() {
-            growable = growable.min(quota.saturating_sub(owned));
+            room = room.min(quota.saturating_sub(owned_region_bytes));
         }
-        (used, owned.saturating_add(growable))
+        let region_bytes = self.layout.region_size_bytes();
+        let page_size_bytes = self.layout.page_size_bytes();
+        debug_assert!(
+            region_bytes >= page_size_bytes && page_size_bytes > 0,
+            "a layout's regions hold at least one page"
+        );
+        let page_bytes_per_region = region_bytes / page_size_bytes * page_size_bytes;
+        (room / region_bytes).saturating_mul(page_bytes_per_region)
     }
 }
 

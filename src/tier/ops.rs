@@ -12,7 +12,7 @@ use super::events::Callback;
 use super::staging::{PendingRead, PendingWrite, Staging};
 use super::types::{Holds, KeyPage, SweepReport, TierCode, TierError, TierPage, WriteMode};
 use super::{Counters, Inner, L1Tier, TierEvent};
-use crate::client::staged::PinnedLookup;
+use crate::client::staged::{PinRelease, PinnedLookup, PinnedLookups};
 use crate::client::{ClientError, DeleteOutcome, PageLease, RegisterOutcome};
 use cxlkv_controlplane::proto::Location;
 
@@ -521,10 +521,11 @@ impl L1Tier {
     /// instances may be using it). Non-force: reclaims every idle private
     /// temporary and keeps every held read and staged write; notifies
     /// `deleted` / `KeysEvicted` only when something was reclaimed.
-    /// `force`: drains everything — every pin released (one batched
-    /// unpin), every private and write page reclaimed — and notifies with
-    /// the dropped keys (reads, then writes), always. Force is unsafe for
-    /// operations in flight, as in the reference.
+    /// `force`: drains everything — every pin released (batched: one
+    /// `Unpin` per `max_batch` entries), every private and write page
+    /// reclaimed — and notifies with the dropped keys (reads, then writes),
+    /// always. Force is unsafe for operations in flight, as in the
+    /// reference.
     pub fn clear(&self, force: bool) -> Result<(), TierError> {
         const OP: &str = "clear";
         let inner = &self.inner;
@@ -563,11 +564,17 @@ impl L1Tier {
 impl Inner {
     /// One pinning lookup of `keys` (`holds` pins each); a failure of the
     /// round trip is a miss for every key (the client has already made sure
-    /// no pin of unknown state survives it).
+    /// no pin of unknown state survives it). The release of the pins it
+    /// rolled back (keys found but not placeable) is counted as any other.
     fn lookup(&self, keys: &[&[u8]], holds: Holds) -> Vec<PinnedLookup> {
         Counters::add(&self.counters.lookups, 1);
         match self.layout.lookup_pinned(keys, holds.get()) {
-            Ok(found) => found,
+            Ok(PinnedLookups { found, rollback }) => {
+                if let Some(released) = rollback {
+                    self.count_release(released);
+                }
+                found
+            }
             Err(e) => {
                 tracing::warn!(error = %e, keys = keys.len(), "pinning lookup failed; keys reported missing");
                 keys.iter().map(|_| PinnedLookup::Missing).collect()
@@ -645,14 +652,21 @@ impl Inner {
         indices.into_iter().zip(codes).collect()
     }
 
-    /// Releases pins now (one batched, synchronous unpin; see
-    /// `client::staged`). Like the reference's "safe unpin", a failure is
-    /// logged, never raised: the pins then die with the session.
+    /// Releases pins now (synchronous, batched: one `Unpin` per
+    /// `max_batch` entries, a count above the per-entry limit taking
+    /// several; see `client::staged`). Like the reference's "safe unpin",
+    /// a failure is logged, never raised: the pins then die with the
+    /// session.
     fn release(&self, items: &[(&[u8], u64)]) {
         if items.is_empty() {
             return;
         }
-        match self.layout.release_pins(items) {
+        self.count_release(self.layout.release_pins(items));
+    }
+
+    /// Counts what a release did (and logs what it could not do).
+    fn count_release(&self, released: Result<PinRelease, ClientError>) {
+        match released {
             Ok(r) => {
                 Counters::add(&self.counters.unpin_round_trips, r.round_trips);
                 Counters::add(&self.counters.pins_released, r.released);
@@ -669,7 +683,7 @@ impl Inner {
         }
     }
 
-    /// Empties the staging: one batched unpin of every read's pins, every
+    /// Empties the staging: batched unpins of every read's pins, every
     /// private and write page reclaimed. Returns the dropped keys (reads,
     /// then writes). Notifies nobody.
     pub(super) fn drain(&self, st: &mut Staging) -> Vec<Box<[u8]>> {

@@ -4,8 +4,8 @@
 //! message) leaves an entry that the maps cannot tell from an in-flight one;
 //! time is the only abandonment signal. Every `max(1 s, min(write_ttl,
 //! read_ttl) / 4)` the thread runs one sweep (`Inner::sweep`): expired
-//! writes give their pages back, expired reads release their pins (one
-//! batched unpin) and private temporaries their pages. It never calls a
+//! writes give their pages back, expired reads release their pins
+//! (batched unpins) and private temporaries their pages. It never calls a
 //! listener or publishes an event (a late `finish_*` then answers
 //! `KeyNotExist` and the engine recomputes). It stops when its channel's
 //! sender is dropped: `close` does that and joins it, which waits at most

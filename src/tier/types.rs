@@ -394,6 +394,11 @@ pub enum TierError {
     Reentrant { op: &'static str },
     #[error("{op}: the tier is closed")]
     Closed { op: &'static str },
+    /// The tier's client was closed: its session, and with it every pin
+    /// and registration path, is gone, so no operation can be answered per
+    /// key. Only the tier's `close` is left to do.
+    #[error("{op}: the tier's client is closed")]
+    ClientClosed { op: &'static str },
     #[error("cannot start the sweeper thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error(transparent)]

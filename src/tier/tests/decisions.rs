@@ -237,6 +237,65 @@ fn close_is_idempotent_and_locked_calls_fail_afterwards() {
     assert!(h.tier.is_key_evictable(&k));
 }
 
+/// The call must be refused as a whole because the client is closed.
+fn refused_as_client_closed<T: std::fmt::Debug>(op: &str, r: Result<T, TierError>) {
+    match r {
+        Err(TierError::ClientClosed { .. }) => {}
+        other => panic!("{op} after the client's close: {other:?}"),
+    }
+}
+
+/// Found by a review: after the client's close (the tier still open) each
+/// operation read the client's `Closed` as a per-key answer —
+/// `reserve_write` `OutOfMemory` for every key, `reserve_read`
+/// `KeyNotExist`, `delete` `KeyIsLocked` (which a controller retries),
+/// `finish_write` `KeyInWrongState` — where Python raised `ClosedError` and
+/// C layouts answered `CLOSED`.
+#[test]
+fn after_the_clients_close_every_tier_call_is_refused_as_closed() {
+    let h = harness("client-closed");
+    let (held, staged, other, new) = (key(1), key(2), key(3), key(4));
+    h.seed(&held);
+    h.seed(&other);
+    h.reserve_read(&[&held], ONE);
+    h.reserve(&[&staged], false);
+    h.listen();
+    h.bus.clear();
+    h.client.clone().close().unwrap();
+    let t = &h.tier;
+    refused_as_client_closed("reserve_read", t.reserve_read(&[&held, &other], ONE));
+    refused_as_client_closed("unsafe_read", t.unsafe_read(&[&held]));
+    refused_as_client_closed("finish_read", t.finish_read(&[&held], ONE));
+    refused_as_client_closed(
+        "reserve_write",
+        t.reserve_write(&[&new], &[false], CHUNK, WriteMode::New),
+    );
+    refused_as_client_closed("finish_write", t.finish_write(&[&staged]));
+    refused_as_client_closed(
+        "finish_write_and_reserve_read",
+        t.finish_write_and_reserve_read(&[&staged], ONE),
+    );
+    refused_as_client_closed("delete", t.delete(&[&other], false));
+    refused_as_client_closed("touch_keys", t.touch_keys(&[&held]));
+    refused_as_client_closed("clear", t.clear(false));
+    refused_as_client_closed("clear(force)", t.clear(true));
+    refused_as_client_closed(
+        "register_listener",
+        t.register_listener(Arc::clone(&h.rec) as Arc<dyn Listener>),
+    );
+    refused_as_client_closed("report_status", t.report_status());
+    refused_as_client_closed("inspect", t.inspect(&held));
+    refused_as_client_closed("check_invariants", t.check_invariants());
+    refused_as_client_closed("sweep_now", t.sweep_now());
+    assert!(h.rec.all().is_empty(), "nothing was notified");
+    assert!(h.bus.all().is_empty(), "nothing was published");
+    t.close().expect("close still works after the client's");
+    assert!(matches!(
+        t.reserve_read(&[&held], ONE).unwrap_err(),
+        TierError::Closed { .. }
+    ));
+}
+
 #[test]
 fn the_unlocked_queries_answer_none_as_the_spec_says() {
     let h = harness("none");
