@@ -280,6 +280,13 @@ pub enum BackingError {
         reason: &'static str,
     },
     #[error(
+        "pool {} does not exist, and a pool file is not created under /dev outside /dev/shm: a path \
+         there names a device (is the DAX device configured? `daxctl list`, `cxl list`), and a file \
+         in its place would be served from memory under the device's name",
+        path.display()
+    )]
+    NoDevice { path: PathBuf },
+    #[error(
         "pool {} {what} uid {uid}, not this user (uid {euid}) or root: another user may have planted it \
          (it could read every chunk, or point at a file of ours); remove it or choose another path",
         path.display()
@@ -348,6 +355,29 @@ pub fn check_page_size(page_size_bytes: u64) -> Result<(), LayoutError> {
     Ok(())
 }
 
+/// Whether a missing `path` would be created under `/dev` outside
+/// `/dev/shm` — where a path names a device, such as `/dev/dax0.0` before
+/// the region is configured. (devtmpfs is tmpfs to `fstatfs`, so the file
+/// system cannot tell; a hugetlbfs mount there, such as `/dev/hugepages`,
+/// is a place for pool files.)
+fn names_a_device(path: &Path) -> bool {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let Ok(dir) = parent.canonicalize() else {
+        return false;
+    };
+    if !dir.starts_with("/dev") || dir.starts_with("/dev/shm") {
+        return false;
+    }
+    let hugetlbfs = File::open(&dir)
+        .ok()
+        .and_then(|d| stat_filesystem(&dir, &d).ok())
+        .is_some_and(|fs| fs.kind == BackingKind::Hugetlbfs);
+    !hugetlbfs
+}
+
 /// Opens a pool, detecting what it lives in: a character device (or a path
 /// given [`OpenOptions::assume_devdax`]) is device DAX; a regular file is
 /// classified by its filesystem (tmpfs, hugetlbfs, other).
@@ -372,9 +402,20 @@ pub fn open(
         // The creator sizes and serves the file: one another user put in
         // its place (typically in the shared /dev/shm) must not be used.
         // (Checked before the open too, which the kernel may refuse first
-        // with a bare EACCES: `fs.protected_regular`.)
+        // with a bare EACCES: `fs.protected_regular`.) A device node is
+        // not such a file: its owner is whoever udev made it, and opening
+        // it is the kernel's permission check.
         match std::fs::symlink_metadata(path) {
-            Ok(m) if m.uid() != euid && m.uid() != 0 => {
+            Err(err) if err.kind() == io::ErrorKind::NotFound && names_a_device(path) => {
+                return Err(BackingError::NoDevice {
+                    path: path.to_owned(),
+                });
+            }
+            Ok(m)
+                if (m.file_type().is_file() || m.file_type().is_symlink())
+                    && m.uid() != euid
+                    && m.uid() != 0 =>
+            {
                 let what = if m.file_type().is_symlink() {
                     "is a symlink of"
                 } else {
@@ -935,6 +976,58 @@ pub(crate) mod tests {
             let _ = std::fs::remove_file(&self.0);
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+
+    #[test]
+    fn a_missing_path_under_dev_is_refused_as_an_unconfigured_device_not_created() {
+        let path = PathBuf::from(format!("/dev/cxlkv-test-missing-{}", std::process::id()));
+        // Removes what a regression would create there.
+        let _created = ShmPath(path.clone());
+        let Err(err) = open(&path, &OpenOptions::new().create_size_bytes(2 * MIB)) else {
+            panic!("no pool file is created in /dev");
+        };
+        assert!(
+            matches!(&err, BackingError::NoDevice { path: p } if *p == path),
+            "{err}"
+        );
+        assert!(err.to_string().contains("daxctl"), "{err}");
+        assert!(
+            std::fs::symlink_metadata(&path).is_err(),
+            "nothing was created at {}",
+            path.display()
+        );
+        // /dev/shm stays the place for pool files.
+        let shm = ShmPath::new("dev-rule");
+        let pool = open(&shm.0, &OpenOptions::new().create_size_bytes(2 * MIB))
+            .expect("a pool file is created under /dev/shm");
+        assert_eq!(pool.kind(), BackingKind::Tmpfs);
+    }
+
+    #[test]
+    fn a_device_node_of_another_user_is_opened_as_a_device_not_refused_as_planted() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let node = dir.path().join("dax-like");
+        let c_node = std::ffi::CString::new(node.as_os_str().as_encoded_bytes())
+            .expect("no NUL in a temp path");
+        // /dev/null's numbers: a character device that is not device DAX.
+        // SAFETY: `c_node` is a NUL-terminated path that outlives the call.
+        let rc =
+            unsafe { libc::mknod(c_node.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+        if rc != 0 {
+            eprintln!(
+                "skipped: cannot make a device node here ({}); needs root",
+                io::Error::last_os_error()
+            );
+            return;
+        }
+        std::os::unix::fs::chown(&node, Some(65_534), Some(65_534)).expect("chown the node");
+        let Err(err) = open(&node, &OpenOptions::new().create_size_bytes(2 * MIB)) else {
+            panic!("/dev/null's numbers are not device DAX");
+        };
+        assert!(
+            matches!(err, BackingError::NotDevDax { .. }),
+            "a device node is judged as a device, not as a planted file: {err}"
+        );
     }
 
     /// A fake device-DAX device: a regular file plus a sysfs tree with the
