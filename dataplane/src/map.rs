@@ -445,6 +445,42 @@ impl MappedRegion {
         Ok(())
     }
 
+    /// Writes `src` at `offset`, for bytes other hosts may be reading or
+    /// writing nearby meanwhile (a pool's header on a device, whose other
+    /// lease slots their managers rewrite), which no [`PageViewMut`] may
+    /// cover: volatile stores, then the written lines made visible under
+    /// `mode` ([`crate::visibility::publish`]'s instructions, by address).
+    ///
+    /// # Safety
+    ///
+    /// No reference to these bytes may exist in this process while it runs
+    /// (no [`PageView`] or [`PageViewMut`] over them); other processes'
+    /// accesses form none.
+    pub unsafe fn write_shared(
+        &self,
+        offset: usize,
+        src: &[u8],
+        mode: crate::visibility::Visibility,
+    ) -> Result<(), MapError> {
+        let end = offset
+            .checked_add(src.len())
+            .filter(|&end| end <= self.len_bytes)
+            .ok_or(MapError::LenExceedsPage {
+                len_bytes: offset.saturating_add(src.len()),
+                page_size_bytes: self.len_bytes,
+            })?;
+        for (i, &b) in src.iter().enumerate() {
+            // SAFETY: `offset + i < end <= len_bytes`, so the byte lies in
+            // this live mapping; a volatile store of a `u8` has no alignment
+            // requirement, and the caller guarantees no reference of this
+            // process covers it.
+            unsafe { std::ptr::write_volatile(self.base.as_ptr().add(offset + i), b) };
+        }
+        let start = self.base.as_ptr() as usize + offset;
+        crate::visibility::publish_addresses(mode, start, end - offset);
+        Ok(())
+    }
+
     /// How many whole pages of `page_size_bytes` the region holds (≥ 1).
     pub fn page_count(&self, page_size_bytes: usize) -> Result<u32, MapError> {
         check_page_size(page_size_bytes as u64)?;
@@ -870,6 +906,50 @@ mod tests {
                 Err(MapError::LenExceedsPage { .. })
             ));
             assert!(region.read_shared(usize::MAX, &mut tail, mode).is_err());
+        }
+    }
+
+    #[test]
+    fn shared_writes_land_within_the_mapping_only_and_are_seen_by_another_mapping() {
+        use crate::visibility::Visibility;
+        let (_path, backing) = pool("shared-write", 2 * MIB);
+        let observers = MapObservers::new();
+        let map_it = |id| {
+            map(
+                &*backing,
+                id,
+                Extent::new(0, 2 * MIB),
+                Populate::Lazy,
+                &observers,
+            )
+            .expect("map")
+        };
+        let (writer, reader) = (map_it(10), map_it(11));
+        for (k, mode) in [Visibility::Coherent, Visibility::Flush]
+            .into_iter()
+            .enumerate()
+        {
+            let src: Vec<u8> = (0..100).map(|i| (i + k) as u8).collect();
+            // SAFETY: no view of these bytes exists in this test.
+            unsafe { writer.write_shared(4096 + 30, &src, mode) }.expect("in range");
+            let mut out = [0u8; 100];
+            reader.read_shared(4096 + 30, &mut out, mode).unwrap();
+            assert_eq!(out[..], src[..]);
+            // The bytes around are untouched.
+            let mut edge = [0xffu8; 2];
+            reader.read_shared(4096 + 29, &mut edge[..1], mode).unwrap();
+            reader
+                .read_shared(4096 + 130, &mut edge[1..], mode)
+                .unwrap();
+            assert_eq!(edge, [0, 0]);
+            let end = 2 * MIB as usize;
+            // SAFETY: as above.
+            unsafe { writer.write_shared(end - 8, &[7; 8], mode) }.expect("the last bytes");
+            // SAFETY: as above.
+            let over = unsafe { writer.write_shared(end - 7, &[7; 8], mode) };
+            assert!(matches!(over, Err(MapError::LenExceedsPage { .. })));
+            // SAFETY: as above.
+            assert!(unsafe { writer.write_shared(usize::MAX, &[1], mode) }.is_err());
         }
     }
 

@@ -393,6 +393,28 @@ pub(crate) fn acquire_addresses(mode: Visibility, start: usize, len: usize) {
     }
 }
 
+/// [`publish`] of the `len` bytes at address `start`, for bytes no slice
+/// may cover (`MappedRegion::write_shared`). The caller guarantees the range
+/// is mapped (a line holding one of its bytes is then mapped in full).
+pub(crate) fn publish_addresses(mode: Visibility, start: usize, len: usize) {
+    let ops = VisibilityOps::for_mode(mode);
+    match ops.kind {
+        OpsKind::FenceOnly => {
+            fence(Ordering::Release);
+            store_fence();
+        }
+        OpsKind::Lines { write_back, .. } => {
+            if write_back != LineFlush::Unsupported && len > 0 {
+                let first = start & !(CACHE_LINE_BYTES - 1);
+                for line in (first..start + len).step_by(CACHE_LINE_BYTES) {
+                    flush_line(write_back, line);
+                }
+            }
+            store_fence();
+        }
+    }
+}
+
 /// The address of every 64-byte line holding a byte of `bytes`, in order:
 /// the partial first and last lines included, nothing outside — none for an
 /// empty slice, whose pointer may be dangling.

@@ -41,8 +41,11 @@
 //! written into a mapping of the block, but copied by the kernel (through a
 //! pipe, `KernelCopy`), so a truncated file gives `EFAULT`, never a
 //! signal; reads are `pread`s. A device-DAX device has no `read`/`write` and
-//! cannot be truncated: its block is mapped, reads preceded by `acquire` and
-//! writes followed by `publish` under the pool's [`Visibility`]. For a file
+//! cannot be truncated: its block is mapped and accessed only by
+//! `MappedRegion::read_shared` and `write_shared` — no reference is formed
+//! over bytes other hosts' managers write — reads made current first
+//! (`acquire`) and writes made visible after (`publish`) under the pool's
+//! [`Visibility`]. For a file
 //! of visibility `flush`, each header write is followed by `fdatasync`,
 //! which on a DAX file system writes the CPU caches back.
 //!
@@ -75,7 +78,7 @@ use cxlkv_dataplane::backing::{
     self, Backing, BackingError, BackingKind, DEFAULT_ALIGN_BYTES, Extent,
 };
 use cxlkv_dataplane::ids::{PageIndex, RegionId};
-use cxlkv_dataplane::map::{MapError, MapObservers, MappedRegion, PageViewMut, Populate};
+use cxlkv_dataplane::map::{MapError, MapObservers, MappedRegion, Populate};
 use cxlkv_dataplane::visibility::{self, Visibility};
 
 use super::PoolSpec;
@@ -404,10 +407,11 @@ impl OpenPool {
                 read_at(file, &mut bytes, 0).map_err(self.io_error("read the header block"))?;
             }
             HeaderIo::Device(block) => {
-                let mut view = self.device_view(block)?;
-                let block = view.as_mut_bytes();
-                visibility::acquire(self.visibility, &block[..HEADER_BYTES]);
-                bytes.copy_from_slice(&block[..HEADER_BYTES]);
+                // Other hosts' managers may be writing their lease slots:
+                // copied without forming a reference, checked by checksum.
+                block
+                    .read_shared(0, &mut bytes, self.visibility)
+                    .map_err(self.map_error())?;
             }
         }
         Ok(bytes)
@@ -422,10 +426,8 @@ impl OpenPool {
                     .map_err(self.io_error("read the header block"))
             }
             HeaderIo::Device(block) => {
-                let mut view = self.device_view(block)?;
-                let block = view.as_mut_bytes();
-                visibility::acquire(self.visibility, block);
-                Ok(block[HEADER_BYTES..].iter().all(|&b| b == 0))
+                device_zero_between(block, HEADER_BYTES, align as usize, self.visibility)
+                    .map_err(self.map_error())
             }
         }
     }
@@ -461,24 +463,16 @@ impl OpenPool {
                 copy.copy(bytes, dst).map_err(self.io_error(op))?;
             }
             HeaderIo::Device(block) => {
-                let mut view = self.device_view(block)?;
-                let block = view.as_mut_bytes();
-                block[offset..offset + bytes.len()].copy_from_slice(bytes);
-                visibility::publish(self.visibility, &block[..HEADER_BYTES]);
+                // SAFETY: the header block's sharing contract (module
+                // essay): on a device no view of the block is ever taken in
+                // this process — every access is `read_shared` or
+                // `write_shared` — and a device cannot be truncated, so the
+                // mapping stays backed.
+                unsafe { block.write_shared(offset, bytes, self.visibility) }
+                    .map_err(self.map_error())?;
             }
         }
         Ok(())
-    }
-
-    /// The whole mapped block of a device.
-    fn device_view<'a>(&self, block: &'a MappedRegion) -> Result<PageViewMut<'a>, OpenError> {
-        let align = self.backing.align_bytes() as usize;
-        // SAFETY: the header block's sharing contract (module essay): only
-        // this value maps it in this process and the core takes one view at
-        // a time (`&self` methods are called from the core thread only, and
-        // each view is dropped before the next is taken). A device cannot be
-        // truncated, so the mapping stays backed.
-        unsafe { block.page_mut(align, PageIndex(0), align) }.map_err(self.map_error())
     }
 
     /// Writes the identity of a fresh pool and reads it back.
@@ -711,6 +705,28 @@ impl HeaderIo {
             _ => HeaderIo::File(dup()?),
         })
     }
+}
+
+/// Whether the mapped device block is zero in `[from, to)`, read as
+/// [`MappedRegion::read_shared`] reads (no reference formed over bytes
+/// other hosts may be writing), a chunk at a time.
+fn device_zero_between(
+    block: &MappedRegion,
+    from: usize,
+    to: usize,
+    mode: Visibility,
+) -> Result<bool, MapError> {
+    let mut chunk = vec![0u8; 64 << 10];
+    let mut at = from;
+    while at < to {
+        let n = chunk.len().min(to - at);
+        block.read_shared(at, &mut chunk[..n], mode)?;
+        if chunk[..n].iter().any(|&b| b != 0) {
+            return Ok(false);
+        }
+        at += n;
+    }
+    Ok(true)
 }
 
 /// `pread` of exactly `buf.len()` bytes at `offset`; a file that ends
@@ -948,6 +964,49 @@ impl KernelCopy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The device header path's zero scan (on a tmpfs mapping, as a device
+    /// is mapped): a byte anywhere in the range, also past the first chunk,
+    /// makes it non-zero; bytes outside do not.
+    #[test]
+    fn a_device_blocks_zero_scan_sees_every_byte_of_its_range_and_no_other() {
+        let dir = tempfile::Builder::new()
+            .prefix("cxlkv-devzero-")
+            .tempdir_in("/dev/shm")
+            .unwrap();
+        let align = 2 << 20;
+        let backing = backing::open(
+            dir.path().join("pool"),
+            &backing::OpenOptions::new().create_size_bytes(align),
+        )
+        .unwrap();
+        // SAFETY: this test is the only user of the file and the mapping,
+        // accessed by `read_shared`/`write_shared` only.
+        let block = unsafe {
+            MappedRegion::map(
+                &*backing,
+                HEADER_BLOCK_REGION,
+                Extent::new(0, align),
+                Populate::Eager,
+                &MapObservers::new(),
+            )
+        }
+        .unwrap();
+        let len = align as usize;
+        for mode in [Visibility::Coherent, Visibility::Flush] {
+            assert!(device_zero_between(&block, HEADER_BYTES, len, mode).unwrap());
+            let at = HEADER_BYTES + (200 << 10) + 3;
+            // SAFETY: no view of the block exists.
+            unsafe { block.write_shared(at, &[1], mode) }.unwrap();
+            assert!(!device_zero_between(&block, HEADER_BYTES, len, mode).unwrap());
+            assert!(!device_zero_between(&block, at, at + 1, mode).unwrap());
+            assert!(device_zero_between(&block, HEADER_BYTES, at, mode).unwrap());
+            assert!(device_zero_between(&block, at + 1, len, mode).unwrap());
+            assert!(device_zero_between(&block, at + 1, len + 1, mode).is_err());
+            // SAFETY: as above.
+            unsafe { block.write_shared(at, &[0], mode) }.unwrap();
+        }
+    }
 
     /// The hugetlbfs write path in miniature, on tmpfs: a copy into a
     /// mapping whose file was truncated is an error (a store from this
