@@ -32,7 +32,12 @@ or aborting a lease while one is alive raises ``BufferError``, so no write
 through Python can follow publication, and a lease object is kept alive by
 its memoryviews; an unconsumed lease holds its client's session as a view
 does. (This relies on CPython freeing objects when their last reference
-goes, as the GIL build does.)
+goes, as the GIL build does.) A lease's memoryview is asked of the library
+at each call, which refuses a lease whose region was revoked.
+
+Views, leases, layouts and clients refuse ``copy.copy``, ``copy.deepcopy``
+and pickling (``TypeError``): a copy would share the pin, lease, handle or
+hold on the session, but not the state above that guards it.
 
 Thread safety: a :class:`Client` and its :class:`Layout` objects may be
 used from several threads at once (the C library is thread-safe and ctypes
@@ -47,8 +52,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import operator
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -64,6 +71,58 @@ from .errors import (
 )
 
 BytesLike = Union[bytes, bytearray, memoryview, str]
+
+#: What one key (or one chunk) may be. Each is also an iterable — of
+#: characters or of ints — so one given where a batch is expected would be
+#: taken for that many keys: batch calls refuse them.
+_SINGLE = (str, bytes, bytearray, memoryview)
+
+
+def _c_uint(value: int, ctype, name: str) -> int:
+    """``value`` checked against the unsigned C type ``ctype`` it is passed
+    as: ctypes keeps only the low bits (``2**64 + 5`` becomes 5, ``-1``
+    becomes ``2**64 - 1``), so an int out of range would silently name
+    another fingerprint, length or size. ``name`` (the call and argument)
+    is what the error names."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+    bits = 8 * ctypes.sizeof(ctype)
+    if not 0 <= value < 1 << bits:
+        raise ArgumentError(
+            Status.INVALID_ARGUMENT,
+            f"{name}={value} is out of range for its C type (0 to 2**{bits} - 1)",
+        )
+    return value
+
+
+class _NotCopyable:
+    """Refuses ``copy.copy``, ``copy.deepcopy`` and pickling. The object
+    owns something that must be given back exactly once — a view's pin, a
+    lease, a handle, a hold on the session — and the state that guards
+    that (a released flag, the live memoryviews); a copy would share the
+    one but not the other: a view's copy would still read its chunk after
+    ``release()``, a lease's copy would give its hold on the session back
+    twice."""
+
+    __slots__ = ()
+
+    def _refuse(self, what: str):
+        raise TypeError(
+            f"a {type(self).__name__} cannot be {what}: it owns a pin, lease, handle or "
+            "hold on the session that only this object may give back"
+        )
+
+    def __copy__(self):
+        self._refuse("copied")
+
+    def __deepcopy__(self, memo):
+        self._refuse("copied")
+
+    def __reduce__(self):
+        self._refuse("pickled")
+
 
 def _as_buffer(obj: BytesLike, keep: list) -> tuple[int, int]:
     """``(address, length)`` of ``obj``'s bytes, without a copy for bytes,
@@ -179,7 +238,7 @@ class DeleteResult:
         return cls(name, raw.pins)
 
 
-class _Pin:
+class _Pin(_NotCopyable):
     """Owns one view's guard; releases it once, explicitly or when
     collected. Until then it holds its client (a hold on the session, and
     the map callbacks that the release may call): every memoryview of the
@@ -219,7 +278,7 @@ class _Pin:
             pass
 
 
-class View:
+class View(_NotCopyable):
     """A chunk in place in the shared pool, pinned until released (see the
     module docs). Use as a context manager, or call :meth:`release`."""
 
@@ -309,7 +368,7 @@ class ViewBatch(list):
         self.release()
 
 
-class Lease:
+class Lease(_NotCopyable):
     """A writable page no key names yet: write it (``write``, or in place
     through :meth:`memoryview` then :meth:`set_len`), then register it with
     :meth:`Layout.register`. Dropped unregistered, its page goes back.
@@ -319,7 +378,6 @@ class Lease:
     __slots__ = (
         "_handle",
         "_capacity",
-        "_address",
         "_len",
         "_exports",
         "_layout",
@@ -330,10 +388,10 @@ class Lease:
     def __init__(self, handle: int, layout: "Layout"):
         self._session = None
         self._handle = handle
-        data, cap = ctypes.c_void_p(), ctypes.c_uint64()
-        check(N.lib.cxlkv_lease_data(handle, ctypes.byref(data), ctypes.byref(cap)))
-        self._capacity = cap.value
-        self._address = data.value
+        # The layout's page size, not asked of cxlkv_lease_data: that call
+        # marks the page written (a write-back when the lease goes, on a
+        # pool that needs one), and is made by memoryview() only.
+        self._capacity = layout._page_size_bytes
         self._len = 0
         self._exports = _Exports()
         self._layout = layout
@@ -352,9 +410,14 @@ class Lease:
 
     def memoryview(self) -> memoryview:
         """The whole page, writable, in place in the pool. Every memoryview
-        of it must be gone before the lease is registered or aborted."""
-        self._live()
-        return self._exports.export(self._address, self._capacity, self, readonly=False)
+        of it must be gone before the lease is registered or aborted.
+        Asks the library each time (no round trip), so a lease whose region
+        was revoked — its client closed in C, a reattach refused — raises
+        :class:`HandleError` (``REGION_REVOKED``) as :meth:`write` does,
+        rather than handing out a page that may be another instance's."""
+        data, cap = ctypes.c_void_p(), ctypes.c_uint64()
+        check(N.lib.cxlkv_lease_data(self._live(), ctypes.byref(data), ctypes.byref(cap)))
+        return self._exports.export(data.value, cap.value, self, readonly=False)
 
     def write(self, data: BytesLike) -> None:
         """Copies ``data`` to the start of the page (non-temporal stores for
@@ -366,6 +429,7 @@ class Lease:
 
     def set_len(self, len_bytes: int) -> None:
         """Sets the chunk's length after writing through :meth:`memoryview`."""
+        len_bytes = _c_uint(len_bytes, ctypes.c_uint64, "Lease.set_len(): len_bytes")
         check(N.lib.cxlkv_lease_set_len(self._live(), len_bytes))
         self._len = len_bytes
 
@@ -426,15 +490,60 @@ def _key(k: BytesLike) -> bytes:
     raise TypeError(f"a key is bytes, bytearray, memoryview or str, not {type(k).__name__}")
 
 
-class Layout:
+def _keys(keys: Iterable[BytesLike], call: str) -> list[bytes]:
+    """The keys of a batch call. One key alone is refused: ``"key"`` is an
+    iterable of the keys ``"k"``, ``"e"``, ``"y"``."""
+    if isinstance(keys, _SINGLE):
+        raise TypeError(
+            f"{call}(keys): expected an iterable of keys, not a single {type(keys).__name__} "
+            "(give one key as [key])"
+        )
+    return [_key(k) for k in keys]
+
+
+def _pairs(items: Iterable[tuple], call: str, second: str) -> list[tuple]:
+    """The ``(key, second)`` pairs of a batch call, keys converted. A
+    mapping is refused — iterating it gives its keys, and a two-character
+    key would unpack as a key and its value (``{"ab": data}`` would store
+    ``b"b"`` under ``"a"``) — and so is a str or bytes-like object as the
+    whole or as one pair, for the same reason."""
+    if isinstance(items, Mapping):
+        raise TypeError(
+            f"{call}(items): expected an iterable of (key, {second}) pairs, not a "
+            f"{type(items).__name__} (pass its .items())"
+        )
+    if isinstance(items, _SINGLE):
+        raise TypeError(
+            f"{call}(items): expected an iterable of (key, {second}) pairs, "
+            f"not a {type(items).__name__}"
+        )
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, _SINGLE) or isinstance(item, Mapping):
+            raise TypeError(
+                f"{call}(items): item {i} is a {type(item).__name__}, not a (key, {second}) pair"
+            )
+        try:
+            k, v = item
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{call}(items): item {i} is not a (key, {second}) pair "
+                f"(a {type(item).__name__})"
+            ) from None
+        out.append((_key(k), v))
+    return out
+
+
+class Layout(_NotCopyable):
     """A layout (page size + fingerprint) of a client: its own regions and
     key space. Every ``batch_*`` call is one round trip. Keys are ``bytes``,
     ``bytearray``, ``memoryview`` or ``str`` (UTF-8); anything else raises
     ``TypeError``."""
 
-    def __init__(self, handle: int, client: "Client"):
+    def __init__(self, handle: int, client: "Client", page_size_bytes: int):
         self._handle = handle
         self._client = client
+        self._page_size_bytes = page_size_bytes  # its leases' capacity
 
     def _h(self) -> int:
         if self._handle is None:
@@ -476,6 +585,7 @@ class Layout:
 
     def batch_alloc(self, n: int) -> list[Lease]:
         """``n`` writable pages, all or none."""
+        n = _c_uint(n, ctypes.c_size_t, "batch_alloc(): n")
         raw = (ctypes.c_void_p * max(n, 1))()
         # The call's own hold keeps a close() on another thread from ending
         # the session before each lease has taken its hold.
@@ -502,9 +612,9 @@ class Layout:
         given twice (:class:`ArgumentError`), a consumed lease
         (:class:`ViewReleasedError`), a lease with a live memoryview
         (``BufferError``)."""
-        entries = list(entries)
+        entries = _pairs(entries, "batch_register", "lease")
         n = len(entries)
-        keys = [_key(k) for k, _ in entries]
+        keys = [k for k, _ in entries]
         leases = [lease for _, lease in entries]
         seen: set[int] = set()
         for lease in leases:
@@ -537,10 +647,11 @@ class Layout:
         return self.batch_put([(key, data)])[0]
 
     def batch_put(self, items: Iterable[tuple[BytesLike, BytesLike]]) -> list[RegisterResult]:
-        """Allocates, copies, publishes and registers each ``(key, data)``."""
-        items = list(items)
+        """Allocates, copies, publishes and registers each ``(key, data)``
+        (an iterable of pairs: a dict is refused, pass its ``.items()``)."""
+        items = _pairs(items, "batch_put", "data")
         keep: list = []
-        karr = _bytes_array([_key(k) for k, _ in items], keep)
+        karr = _bytes_array([k for k, _ in items], keep)
         varr = _bytes_array([v for _, v in items], keep)
         out = (N.RegisterResult * max(len(items), 1))()
         check(N.lib.cxlkv_batch_put(self._h(), karr, varr, len(items), out))
@@ -555,7 +666,7 @@ class Layout:
     def batch_get(self, keys: Iterable[BytesLike]) -> ViewBatch:
         """Pins and maps every key in one round trip (``None`` for absent
         keys)."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "batch_get")
         keep: list = []
         karr = _bytes_array(keys, keep)
         out = (N.View * max(len(keys), 1))()
@@ -585,7 +696,7 @@ class Layout:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Iterable[BytesLike]) -> list[bool]:
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "batch_exists")
         keep: list = []
         karr = _bytes_array(keys, keep)
         out = (ctypes.c_bool * max(len(keys), 1))()
@@ -597,7 +708,7 @@ class Layout:
 
     def batch_delete(self, keys: Iterable[BytesLike]) -> list[DeleteResult]:
         """Deletes keys: ``deleted``, ``pinned`` or ``missing`` each."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "batch_delete")
         keep: list = []
         karr = _bytes_array(keys, keep)
         out = (N.DeleteResult * max(len(keys), 1))()
@@ -620,14 +731,18 @@ _CONNECT_MORE = {
 }
 
 
-class Client:
+class Client(_NotCopyable):
     """A session with the cxlkv server. Use :meth:`connect`; close with
     :meth:`close` or a ``with`` block. Views and leases stay valid after
     close — views readable and pinned — until released (the session ends
     with the last of them, see :meth:`close`)."""
 
-    def __init__(self, handle: int, callbacks: list):
+    def __init__(self, handle: int, callbacks: list, layout_defaults: tuple[int, int, int]):
         self._handle = handle  # the C client, until cxlkv_close
+        # The layout settings it was connected with, as cxlkv_layout_options
+        # fields (initial_reservation_bytes, region_size_bytes, flags): what
+        # layout() fills an option left unset with.
+        self._layout_defaults = layout_defaults
         # ctypes callback objects must outlive every call into them: the
         # objects that can still unmap a region (layouts, leases, views'
         # pins, tiers) hold this client.
@@ -666,8 +781,9 @@ class Client:
         call that maps a region would deadlock. Other ``cxlkv_config``
         integer settings may be passed by name (``max_retries=5``,
         ``unpin_delay_us=0``, ...); lengths, pointers and ``size`` may not
-        (``TypeError``), and a value out of the field's range raises
-        :class:`ArgumentError`."""
+        (``TypeError``). An integer setting, named here or not, out of its
+        field's range raises :class:`ArgumentError` (ctypes would keep only
+        its low bits)."""
         cfg = N.Config()
         check(N.lib.cxlkv_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
         keep: list = []
@@ -681,14 +797,14 @@ class Client:
             cfg.instance_id = instance_id.encode()
         if client_name is not None:
             cfg.client_name = client_name.encode()
-        if region_size_bytes is not None:
-            cfg.region_size_bytes = region_size_bytes
-        if initial_reservation_bytes is not None:
-            cfg.initial_reservation_bytes = initial_reservation_bytes
-        if quota_bytes is not None:
-            cfg.quota_bytes = quota_bytes
-        if request_timeout_ms is not None:
-            cfg.request_timeout_ms = request_timeout_ms
+        for name, value in (
+            ("region_size_bytes", region_size_bytes),
+            ("initial_reservation_bytes", initial_reservation_bytes),
+            ("quota_bytes", quota_bytes),
+            ("request_timeout_ms", request_timeout_ms),
+        ):
+            if value is not None:
+                setattr(cfg, name, _c_uint(value, ctypes.c_uint64, f"connect(): {name}"))
         cfg.flags = (N.CONFIG_EAGER_MAP if eager_map else 0) | (
             0 if auto_expand else N.CONFIG_NO_AUTO_EXPAND
         )
@@ -696,20 +812,19 @@ class Client:
             ctype = _CONNECT_MORE.get(name)
             if ctype is None:
                 raise TypeError(f"connect() got an unexpected keyword argument {name!r}")
-            if not isinstance(value, int):
-                raise TypeError(f"connect(): {name} must be an int, not {type(value).__name__}")
-            if not 0 <= value < 1 << (8 * ctypes.sizeof(ctype)):
-                raise ArgumentError(
-                    Status.INVALID_ARGUMENT, f"connect(): {name}={value} is out of the field's range"
-                )
-            setattr(cfg, name, value)
+            setattr(cfg, name, _c_uint(value, ctype, f"connect(): {name}"))
         callbacks = []
         if on_map is not None or on_unmap is not None:
             cfg.map_callbacks.on_map = _map_fn(on_map, callbacks)
             cfg.map_callbacks.before_unmap = _map_fn(on_unmap, callbacks)
         handle = ctypes.c_void_p()
         check(N.lib.cxlkv_connect(ctypes.byref(cfg), ctypes.byref(handle)))
-        return cls(handle.value, callbacks)
+        layout_defaults = (
+            cfg.initial_reservation_bytes,
+            cfg.region_size_bytes,
+            cfg.flags & N.CONFIG_NO_AUTO_EXPAND,
+        )
+        return cls(handle.value, callbacks, layout_defaults)
 
     def _check_open(self) -> None:
         if self._closed or self._handle is None:
@@ -799,18 +914,36 @@ class Client:
         region_size_bytes: Optional[int] = None,
         auto_expand: Optional[bool] = None,
     ) -> Layout:
-        """The layout ``(page_size_bytes, fingerprint)``; options apply when
-        this client creates it (default: the client's configuration)."""
+        """The layout ``(page_size_bytes, fingerprint)``. The options apply
+        when this client creates it (a layout it already has keeps its
+        own); each one left ``None`` is the client's configuration — what
+        :meth:`connect` was given, else the library's default — whether or
+        not another option is given."""
+        page_size_bytes = _c_uint(page_size_bytes, ctypes.c_uint64, "layout(): page_size_bytes")
+        fingerprint = _c_uint(fingerprint, ctypes.c_uint64, "layout(): fingerprint")
         opts = None
         if (initial_reservation_bytes, region_size_bytes, auto_expand) != (None, None, None):
             opts = N.LayoutOptions()
             check(N.lib.cxlkv_layout_options_init(ctypes.byref(opts), ctypes.sizeof(opts)))
+            # The client's settings first (as cxlkv_layout_open does with
+            # no options at all), then what this call overrides.
+            (
+                opts.initial_reservation_bytes,
+                opts.region_size_bytes,
+                opts.flags,
+            ) = self._layout_defaults
             if initial_reservation_bytes is not None:
-                opts.initial_reservation_bytes = initial_reservation_bytes
+                opts.initial_reservation_bytes = _c_uint(
+                    initial_reservation_bytes,
+                    ctypes.c_uint64,
+                    "layout(): initial_reservation_bytes",
+                )
             if region_size_bytes is not None:
-                opts.region_size_bytes = region_size_bytes
-            if auto_expand is False:
-                opts.flags |= N.CONFIG_NO_AUTO_EXPAND
+                opts.region_size_bytes = _c_uint(
+                    region_size_bytes, ctypes.c_uint64, "layout(): region_size_bytes"
+                )
+            if auto_expand is not None:
+                opts.flags = 0 if auto_expand else N.CONFIG_NO_AUTO_EXPAND
         handle = ctypes.c_void_p()
         check(
             N.lib.cxlkv_layout_open(
@@ -821,7 +954,7 @@ class Client:
                 ctypes.byref(handle),
             )
         )
-        return Layout(handle.value, self)
+        return Layout(handle.value, self, page_size_bytes)
 
     def stats(self) -> dict:
         """The client's counters."""

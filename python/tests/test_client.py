@@ -258,3 +258,74 @@ def test_busy_statuses_are_busy_errors():
     server = cxlkv.errors.error_for(cxlkv.Status.SERVER_BUSY)
     assert isinstance(server, cxlkv.BusyError) and isinstance(server, cxlkv.ServerError)
     assert server.code == 16
+
+
+def test_a_layout_option_given_alone_keeps_the_clients_other_layout_settings(server, fingerprint):
+    # Unset options are the client's configuration (no auto-expansion,
+    # 4 MiB regions), not the library's defaults (auto-expansion, 64 MiB).
+    with cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20, auto_expand=False) as c:
+        with c.layout(PAGE, fingerprint, initial_reservation_bytes=4 << 20) as lay:
+            leases = lay.batch_alloc((4 << 20) // PAGE)
+            with pytest.raises(cxlkv.CapacityError):
+                lay.alloc()
+            assert lay.info()["region_bytes"] == 4 << 20
+            for lease in leases:
+                lease.abort()
+        # An option given alone overrides only itself: auto_expand=True on a
+        # client that does not expand.
+        with c.layout(PAGE, fingerprint + 0x10_0000, auto_expand=True) as lay:
+            leases = lay.batch_alloc((4 << 20) // PAGE + 1)
+            assert lay.info()["region_bytes"] == 8 << 20, "expanded by one 4 MiB region"
+            for lease in leases:
+                lease.abort()
+
+
+@pytest.mark.parametrize("single", ["key", b"key", bytearray(b"key"), memoryview(b"key")])
+def test_a_single_key_given_for_a_batch_of_keys_is_refused_not_split(layout, single):
+    # A str is an iterable of characters (and bytes of ints): "key" must not
+    # be taken for the keys "k", "e", "y".
+    for call in (layout.batch_exists, layout.batch_delete, layout.batch_get):
+        with pytest.raises(TypeError, match="keys"):
+            call(single)
+    assert not layout.exists("k")
+
+
+def test_a_mapping_or_a_bare_string_given_for_batch_pairs_is_refused_not_split(layout):
+    data = b"x" * 10
+    for bad in ({"ab": data}, "ab", b"ab", [("ok", data), "ab"], [("k", data, "extra")]):
+        with pytest.raises(TypeError, match="pair"):
+            layout.batch_put(bad)
+    assert layout.batch_exists(["a", "ok", "k"]) == [False, False, False], "nothing was written"
+    lease = layout.alloc()
+    for bad in ({"ab": lease}, [("k", lease), "ab"]):
+        with pytest.raises(TypeError, match="pair"):
+            layout.batch_register(bad)
+    lease.write(b"not taken")
+    assert layout.register("l", lease).inserted, "the refused calls took no lease"
+
+
+def test_an_int_outside_its_c_type_is_refused_not_truncated(server, client, layout, fingerprint):
+    # ctypes keeps the low bits: 2**64 + F would open fingerprint F.
+    for bad in (
+        lambda: client.layout(PAGE, 1 << 64),
+        lambda: client.layout(PAGE, -1),
+        lambda: client.layout((1 << 64) + PAGE, fingerprint),
+        lambda: client.layout(PAGE, fingerprint, initial_reservation_bytes=-1),
+        lambda: client.layout(PAGE, fingerprint, region_size_bytes=(1 << 64) + (4 << 20)),
+        lambda: layout.batch_alloc(-1),
+        lambda: cxlkv.Client.connect(server.socket, region_size_bytes=(1 << 64) + (4 << 20)),
+        lambda: cxlkv.Client.connect(server.socket, quota_bytes=-1),
+        lambda: cxlkv.Client.connect(server.socket, request_timeout_ms=1 << 64),
+        lambda: cxlkv.Client.connect(server.socket, max_retries=1 << 32),
+    ):
+        with pytest.raises(cxlkv.ArgumentError, match="out of range") as e:
+            bad()
+        assert e.value.status == cxlkv.Status.INVALID_ARGUMENT
+    with layout.alloc() as lease:
+        lease.write(b"abc")
+        for n in ((1 << 64) + 1, -1):
+            with pytest.raises(cxlkv.ArgumentError, match="len_bytes"):
+                lease.set_len(n)
+        assert len(lease) == 3
+    with pytest.raises(TypeError, match="fingerprint"):
+        client.layout(PAGE, 1.5)

@@ -4,8 +4,10 @@ memoryview of it (or a slice, or a memoryview in a reference cycle) lives."""
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
+import pickle
 import threading
 
 import pytest
@@ -233,3 +235,50 @@ def test_a_close_racing_a_tier_open_waits_for_the_tier(server, fingerprint, monk
     assert client._closed and client._handle is not None, "the end waits for the tier"
     tier.close()  # the last holder: the session ends now
     assert client._handle is None
+
+
+def test_a_lease_of_a_revoked_region_refuses_its_memoryview_as_it_refuses_write(
+    server, fingerprint
+):
+    client = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
+    lay = client.layout(PAGE, fingerprint)
+    lease = lay.alloc()
+    page = lease.memoryview()
+    page[:4] = b"mine"
+    del page
+    # What an explicit cxlkv_close does to the instance's unconsumed leases
+    # (as a reattach the directory refused does): their regions are revoked,
+    # the page may go to another instance once the grace period ends.
+    handle, client._handle = client._handle, None
+    cxlkv.client.N.lib.cxlkv_close(handle)
+    with pytest.raises(cxlkv.HandleError) as by_write:
+        lease.write(b"x")
+    with pytest.raises(cxlkv.HandleError) as by_view:
+        lease.memoryview()
+    assert by_view.value.status == by_write.value.status == cxlkv.Status.REGION_REVOKED
+    del by_view, by_write  # (the tracebacks hold the lease)
+    lease.abort()
+    lay.close()
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_views_leases_and_their_owners_refuse_to_be_copied_or_pickled(client, layout, how):
+    # A copy would share the pin (or the lease, or the hold on the session)
+    # but not the state that guards it: after view.release() the copy would
+    # still read a chunk that may be reused, and a copied lease would give
+    # its hold on the session back twice.
+    duplicate = {
+        "copy": copy.copy,
+        "deepcopy": copy.deepcopy,
+        "pickle": pickle.dumps,
+    }[how]
+    layout.put(b"c", b"copied?")
+    view = layout.get(b"c")
+    lease = layout.alloc()
+    for obj in (view, view._pin, lease, layout, client):
+        with pytest.raises(TypeError, match=type(obj).__name__):
+            duplicate(obj)
+    view.release()
+    lease.abort()
+    with layout.get(b"c") as again:
+        assert bytes(again) == b"copied?", "the originals still work"
