@@ -108,11 +108,13 @@ class _NotCopyable:
 
     __slots__ = ()
 
+    #: Why, in the error: what the object owns that a copy would share.
+    _NOT_COPYABLE_WHY = (
+        "it owns a pin, lease, handle or hold on the session that only this object may give back"
+    )
+
     def _refuse(self, what: str):
-        raise TypeError(
-            f"a {type(self).__name__} cannot be {what}: it owns a pin, lease, handle or "
-            "hold on the session that only this object may give back"
-        )
+        raise TypeError(f"a {type(self).__name__} cannot be {what}: {self._NOT_COPYABLE_WHY}")
 
     def __copy__(self):
         self._refuse("copied")

@@ -8,7 +8,13 @@ with lists in input order (a key repeated within one call is refused with
 :class:`~cxlkv.errors.TierArgumentError`, so a list is the reference's map);
 ``reserve_write`` takes the chunk length instead of a tensor layout (the
 layout is bound when the tier is created); and read holds may be given as a
-total (``holds=``) besides the reference's ``extra_count``.
+total (``holds=``) besides the reference's ``extra_count``. A call's
+``keys`` are an iterable of keys: one key alone (a ``str``, ``bytes``,
+``bytearray`` or ``memoryview``, each itself an iterable) raises
+``TypeError`` before anything is done, as in :class:`~cxlkv.Layout`'s batch
+calls. ``extra_count``, ``holds`` and ``len_bytes`` outside their C
+argument's range raise :class:`~cxlkv.errors.ArgumentError` rather than
+losing their high bits (or, for a negative count, becoming one hold).
 
 Pages
 -----
@@ -30,6 +36,12 @@ goes. What Python cannot guard is the tier's own TTL sweeper thread, which
 reclaims an *expired* reservation whatever Python holds (as the reference's
 TTL locks do): keep the TTLs above the longest time a page is used. TTLs
 are given in seconds and rounded up to whole milliseconds.
+
+A tier and its pages refuse ``copy.copy``, ``copy.deepcopy`` and pickling
+(``TypeError``): a copied page is not one the tier tracks, so it would not
+be released when its reservation ends and would go on reading a page that
+may be reused; a copied tier would close the tier's handle and give its
+hold on the session back a second time when collected.
 
 An open tier holds its client's session: :meth:`Client.close
 <cxlkv.Client.close>` ends it only once the tier is closed too (the tier's
@@ -58,7 +70,18 @@ import weakref
 from typing import Callable, Iterable, Optional, Sequence
 
 from . import _native as N
-from .client import BytesLike, Layout, Location, _as_buffer, _bytes_array, _Exports, _key
+from .client import (
+    BytesLike,
+    Layout,
+    Location,
+    _as_buffer,
+    _bytes_array,
+    _c_uint,
+    _Exports,
+    _key,
+    _keys,
+    _NotCopyable,
+)
 from .errors import (
     ArgumentError,
     Error,
@@ -85,8 +108,13 @@ class TierCode(enum.IntEnum):
     NOT_DONE = 7
 
 
-class TierPage:
+class TierPage(_NotCopyable):
     """A chunk's page from a tier reservation (see the module docs)."""
+
+    _NOT_COPYABLE_WHY = (
+        "its tier marks only this object released when the reservation ends (a copy would "
+        "go on reading a page that may be reused)"
+    )
 
     __slots__ = (
         "key",
@@ -167,14 +195,19 @@ def _ttl_ms(name: str, seconds: float) -> int:
     return max(1, math.ceil(round(ms, 6)))
 
 
-def _holds(extra_count: int, holds: Optional[int]) -> int:
-    """The total holds of a call: ``holds`` if given, else ``1 +
-    extra_count`` (the library clamps to 1..=128)."""
-    total = holds if holds is not None else 1 + extra_count
-    return max(0, min(int(total), 1 << 31))
+def _holds(call: str, extra_count: int, holds: Optional[int]) -> int:
+    """The total holds of ``call``: ``holds`` if given, else ``1 +
+    extra_count``. Each is refused outside the C argument's range (a
+    ``uint32_t``) rather than clamped or truncated, so a negative count is
+    an error, not one hold; within it the library clamps the total to
+    1..=128, so ``1 + extra_count`` past the range is passed as its top."""
+    extra_count = _c_uint(extra_count, ctypes.c_uint32, f"{call}(): extra_count")
+    if holds is not None:
+        return _c_uint(holds, ctypes.c_uint32, f"{call}(): holds")
+    return min(1 + extra_count, 0xFFFF_FFFF)
 
 
-class L1Tier:
+class L1Tier(_NotCopyable):
     """The L1 tier over one :class:`~cxlkv.Layout` (see the module docs).
     Thread-safe; a context manager (``close`` at the end). TTLs are in
     seconds, rounded up to whole milliseconds (1 ms to one year)."""
@@ -398,13 +431,14 @@ class L1Tier:
     ) -> list[tuple[TierCode, Optional[TierPage]]]:
         """Takes ``1 + extra_count`` (or ``holds``) read holds per key and
         returns ``(code, page)`` per key."""
-        keys = [_key(k) for k in keys]
-        return self._call_pages("reserve_read", keys, _holds(extra_count, holds))
+        keys = _keys(keys, "reserve_read")
+        total = _holds("reserve_read", extra_count, holds)
+        return self._call_pages("reserve_read", keys, total)
 
     def unsafe_read(self, keys: Iterable[BytesLike]) -> list[tuple[TierCode, Optional[TierPage]]]:
         """The staged pages, with no new hold (between ``reserve_read`` and
         its ``finish_read`` only)."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "unsafe_read")
         results = self._call_pages("unsafe", keys)
         for _, page in results:
             if page is not None:
@@ -415,9 +449,10 @@ class L1Tier:
         self, keys: Iterable[BytesLike], extra_count: int = 0, *, holds: Optional[int] = None
     ) -> list[TierCode]:
         """Releases holds (and the pins behind them, before returning)."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "finish_read")
+        total = _holds("finish_read", extra_count, holds)
         self._guard(keys)
-        codes = self._call_codes(N.lib.cxlkv_tier_finish_read, keys, _holds(extra_count, holds))
+        codes = self._call_codes(N.lib.cxlkv_tier_finish_read, keys, total)
         self._revalidate(keys, writes_ended=False)
         return codes
 
@@ -431,7 +466,10 @@ class L1Tier:
         """Reserves a page per key for a chunk of ``len_bytes`` (default: a
         whole page), written in place through the page's writable
         memoryview. Only ``mode="new"`` (keys are write-once)."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "reserve_write")
+        if isinstance(is_temporary, str):
+            # Its characters would be as many true flags.
+            raise TypeError("reserve_write(is_temporary): expected one flag per key, not a str")
         is_temporary = list(is_temporary)
         if mode not in N.TIER_WRITE_MODES:
             raise ArgumentError(Status.INVALID_ARGUMENT, f"mode {mode!r} is not new, update or all")
@@ -443,6 +481,7 @@ class L1Tier:
         flags = (ctypes.c_uint8 * max(len(keys), 1))(*[1 if t else 0 for t in is_temporary])
         if len_bytes is None:
             len_bytes = self._page_size
+        len_bytes = _c_uint(len_bytes, ctypes.c_uint64, "reserve_write(): len_bytes")
         return self._call_pages(
             "reserve_write", keys, flags, len_bytes, N.TIER_WRITE_MODES[mode]
         )
@@ -450,7 +489,7 @@ class L1Tier:
     def finish_write(self, keys: Iterable[BytesLike]) -> list[TierCode]:
         """Completes writes: temporaries privately, retained keys registered
         (one round trip)."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "finish_write")
         self._guard(keys)
         codes = self._call_codes(N.lib.cxlkv_tier_finish_write, keys)
         self._revalidate(keys, writes_ended=True)
@@ -461,9 +500,10 @@ class L1Tier:
     ) -> list[tuple[TierCode, Optional[TierPage]]]:
         """The L2 → L1 promote: completes the writes and holds the keys for
         reading (never reported as written)."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "finish_write_and_reserve_read")
+        total = _holds("finish_write_and_reserve_read", extra_count, holds)
         self._guard(keys)
-        results = self._call_pages("promote", keys, _holds(extra_count, holds))
+        results = self._call_pages("promote", keys, total)
         fresh = {id(p) for _, p in results if p is not None}
         for p in self._live_pages(keys):
             if p.writable and id(p) not in fresh:
@@ -474,7 +514,7 @@ class L1Tier:
     def delete(self, keys: Iterable[BytesLike], force: bool = False) -> list[TierCode]:
         """Deletes keys (``force`` is accepted and ignored, as in the
         reference)."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "delete")
         self._guard(keys)
         codes = self._call_codes(N.lib.cxlkv_tier_delete, keys, bool(force))
         self._revalidate(keys, writes_ended=False)
@@ -482,7 +522,7 @@ class L1Tier:
 
     def touch_keys(self, keys: Iterable[BytesLike]) -> None:
         """Tells the listeners ``accessed(keys)``."""
-        keys = [_key(k) for k in keys]
+        keys = _keys(keys, "touch_keys")
         keep: list = []
         karr = _bytes_array(keys, keep)
         check(N.lib.cxlkv_tier_touch_keys(self._h(), karr, len(keys)))

@@ -5,8 +5,10 @@ reservation ends, listeners and events, and a reader in another process."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -580,3 +582,91 @@ def test_more_live_pages_than_one_call_carries_are_revalidated_in_batches(
             assert tier.report_status()["read_locked_count"] == 0
             assert tier.sweep_now() == (0, 0)
             tier.check_invariants()
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_tier_and_its_pages_refuse_to_be_copied_or_pickled(tier, how):
+    # A copied page is not tracked by the tier: it would stay unreleased
+    # when its reservation ends and read a page that may be reused. A copied
+    # tier, collected, would close the original's handle and give its hold
+    # on the session back a second time.
+    duplicate = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    write(tier, key(50))
+    [(code, page)] = tier.reserve_read([key(50)])
+    assert code == TierCode.SUCCESS
+    for obj in (page, tier):
+        with pytest.raises(TypeError, match=type(obj).__name__):
+            duplicate(obj)
+    assert bytes(page) == bytes([fill(key(50))]) * CHUNK_BYTES, "the originals still work"
+    assert tier.finish_read([key(50)]) == [TierCode.SUCCESS]
+    assert page.released
+
+
+@pytest.mark.parametrize(
+    "single",
+    ["ka", b"ka", bytearray(b"ka"), memoryview(b"ka")],
+    ids=["str", "bytes", "bytearray", "memoryview"],
+)
+def test_a_single_key_given_for_keys_is_refused_before_anything_is_done(tier, single):
+    # "ka" is an iterable of the keys "k" and "a" (and b"ka" of two ints):
+    # it must not reserve, finish or delete those keys.
+    for k in (b"k", b"a"):
+        write(tier, k)
+    tier.reserve_read([b"k"])
+    rec = Recorder()
+    tier.register_listener(rec)
+    before = tier.stats()
+    calls = {
+        "reserve_read": lambda: tier.reserve_read(single),
+        "unsafe_read": lambda: tier.unsafe_read(single),
+        "finish_read": lambda: tier.finish_read(single),
+        "reserve_write": lambda: tier.reserve_write(single, [False, False], CHUNK_BYTES),
+        "finish_write": lambda: tier.finish_write(single),
+        "finish_write_and_reserve_read": lambda: tier.finish_write_and_reserve_read(single),
+        "delete": lambda: tier.delete(single),
+        "touch_keys": lambda: tier.touch_keys(single),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{name}\(keys\)"):
+            call()
+    # A str for the flags would be as many true flags.
+    with pytest.raises(TypeError, match="is_temporary"):
+        tier.reserve_write([b"x", b"y"], "no", CHUNK_BYTES)
+    assert rec.calls == [], "no call reached the tier"
+    assert tier.stats() == before
+    assert tier.inspect(b"k")["holds"] == 1, "the hold taken before, no other"
+    for k in (b"a", b"x", b"y"):
+        assert tier.inspect(k)["stage"] == "untracked"
+    assert tier.finish_read([b"k"]) == [TierCode.SUCCESS]
+
+
+def test_an_int_outside_its_c_type_is_refused_not_truncated_or_clamped(tier):
+    # ctypes keeps the low bits: a length of 2**64 + n would reserve n
+    # bytes; a negative count used to be clamped to one hold.
+    write(tier, key(51))
+    [(code, page)] = tier.reserve_read([key(51)])
+    assert code == TierCode.SUCCESS
+    for name, bad in (
+        ("extra_count", lambda: tier.reserve_read([key(51)], extra_count=-1)),
+        ("extra_count", lambda: tier.reserve_read([key(51)], extra_count=1 << 32)),
+        ("holds", lambda: tier.reserve_read([key(51)], holds=-1)),
+        ("holds", lambda: tier.reserve_read([key(51)], holds=1 << 32)),
+        ("extra_count", lambda: tier.finish_read([key(51)], extra_count=-2)),
+        ("holds", lambda: tier.finish_read([key(51)], holds=(1 << 32) + 1)),
+        ("len_bytes", lambda: tier.reserve_write([key(52)], [False], (1 << 64) + CHUNK_BYTES)),
+        ("len_bytes", lambda: tier.reserve_write([key(52)], [False], -1)),
+    ):
+        with pytest.raises(cxlkv.ArgumentError, match=rf"{name}=.* out of range") as e:
+            bad()
+        assert e.value.status == cxlkv.Status.INVALID_ARGUMENT
+    assert tier.inspect(key(51))["holds"] == 1, "no hold taken or given back"
+    assert tier.inspect(key(52))["stage"] == "untracked"
+    [(code, _)] = tier.reserve_write([key(53)], [True], CHUNK_BYTES)
+    with pytest.raises(cxlkv.ArgumentError, match="holds"):
+        tier.finish_write_and_reserve_read([key(53)], holds=-1)
+    assert tier.inspect(key(53))["stage"] == "write_staged"
+    with pytest.raises(TypeError, match="holds"):
+        tier.reserve_read([key(51)], holds=1.5)
+    assert tier.finish_read([key(51)]) == [TierCode.SUCCESS]
+    assert page.released
+    assert tier.finish_write([key(53)]) == [TierCode.SUCCESS]
