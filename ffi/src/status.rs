@@ -351,6 +351,7 @@ impl From<TierError> for FfiError {
             TierError::Reentrant { .. } => S::CXLKV_STATUS_TIER_REENTRANT,
             TierError::Closed { .. } => S::CXLKV_STATUS_TIER_CLOSED,
             TierError::ClientClosed { .. } => S::CXLKV_STATUS_CLOSED,
+            TierError::ClientFailed { .. } => S::CXLKV_STATUS_DISCONNECTED,
             TierError::Invariant(_) => S::CXLKV_STATUS_TIER_INVARIANT,
             _ => S::CXLKV_STATUS_OTHER,
         };
@@ -462,6 +463,13 @@ mod tests {
         assert_eq!(e.status, S::CXLKV_STATUS_CLOSED);
         let e = FfiError::from(TierError::Closed { op: "delete" });
         assert_eq!(e.status, S::CXLKV_STATUS_TIER_CLOSED);
+        // One that cannot be resumed answers as its layouts do too.
+        let e = FfiError::from(TierError::ClientFailed {
+            op: "delete",
+            reason: "ownership not proven".into(),
+        });
+        assert_eq!(e.status, S::CXLKV_STATUS_DISCONNECTED);
+        assert!(e.message.contains("ownership not proven"), "{}", e.message);
     }
 
     #[test]

@@ -47,7 +47,9 @@ An open tier holds its client's session: :meth:`Client.close
 <cxlkv.Client.close>` ends it only once the tier is closed too (the tier's
 read reservations are pins of that session). After the client's close,
 every operation but :meth:`L1Tier.close` raises
-:class:`~cxlkv.errors.ClosedError`; a call during which the client is
+:class:`~cxlkv.errors.ClosedError` (and
+:class:`~cxlkv.errors.ConnectionLostError` once the client's instance
+cannot be resumed after a reconnect); a call during which the client is
 closed (by one of its listeners, say) completes: it returns its results,
 and the pages whose reservation it ended are released.
 

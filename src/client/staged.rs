@@ -487,10 +487,12 @@ impl LayoutHandle {
         pages
     }
 
-    /// Whether the client was closed (its requests all fail with
-    /// [`ClientError::Closed`]).
-    pub(crate) fn client_closed(&self) -> bool {
-        matches!(self.shared().check_open(), Err(ClientError::Closed))
+    /// Why every request of this client fails from now on, if one does:
+    /// [`ClientError::Closed`] after its close, or
+    /// [`ClientError::ReconnectFailed`] once its instance cannot be resumed
+    /// (a fatal refusal at reattach; the reason kept).
+    pub(crate) fn client_unusable(&self) -> Option<ClientError> {
+        self.shared().check_open().err()
     }
 
     /// Bytes of each region this layout takes when it grows.

@@ -102,7 +102,7 @@ pub use types::{
     TierError, TierPage, TierStats, TierStatus, WriteMode,
 };
 
-use crate::client::LayoutHandle;
+use crate::client::{ClientError, LayoutHandle};
 use audit::{Said, UnknownOutcome};
 use cxlkv_controlplane::proto::Location;
 use events::Callback;
@@ -568,10 +568,16 @@ impl Inner {
     /// lack of memory, a key to retry later — none of them true: the call
     /// is refused as a whole instead.
     fn check_client_open(&self, op: &'static str) -> Result<(), TierError> {
-        if self.layout.client_closed() {
-            return Err(TierError::ClientClosed { op });
+        match self.layout.client_unusable() {
+            None => Ok(()),
+            Some(ClientError::Closed) => Err(TierError::ClientClosed { op }),
+            // Fatal: the instance cannot be resumed (a passing reconnect
+            // failure is not kept, and is answered per key as before).
+            Some(e) => Err(TierError::ClientFailed {
+                op,
+                reason: e.with_causes().to_string(),
+            }),
         }
-        Ok(())
     }
 
     /// Takes the tier's lock for `op`, refusing a re-entrant call, a

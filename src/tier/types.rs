@@ -399,6 +399,11 @@ pub enum TierError {
     /// key. Only the tier's `close` is left to do.
     #[error("{op}: the tier's client is closed")]
     ClientClosed { op: &'static str },
+    /// The tier's client can never be used again: its instance could not
+    /// be resumed after a reconnect (the directory refused it for good), so,
+    /// as after a close, no operation can be answered per key.
+    #[error("{op}: the tier's client cannot be resumed: {reason}")]
+    ClientFailed { op: &'static str, reason: String },
     #[error("cannot start the sweeper thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error(transparent)]

@@ -237,12 +237,72 @@ fn close_is_idempotent_and_locked_calls_fail_afterwards() {
     assert!(h.tier.is_key_evictable(&k));
 }
 
-/// The call must be refused as a whole because the client is closed.
-fn refused_as_client_closed<T: std::fmt::Debug>(op: &str, r: Result<T, TierError>) {
-    match r {
-        Err(TierError::ClientClosed { .. }) => {}
-        other => panic!("{op} after the client's close: {other:?}"),
+/// Every operation of a tier whose client can no longer be used is
+/// refused as a whole, as `refused` says, and nothing is notified or
+/// published; the tier's own `close` still works.
+fn every_call_is_refused(
+    h: &Harness,
+    keys: [&[u8]; 4],
+    refused: fn(&TierError) -> bool,
+    why: &str,
+) {
+    fn check<T: std::fmt::Debug>(
+        op: &str,
+        r: Result<T, TierError>,
+        refused: fn(&TierError) -> bool,
+        why: &str,
+    ) {
+        match r {
+            Err(e) if refused(&e) => {}
+            other => panic!("{op} {why}: {other:?}"),
+        }
     }
+    let [held, staged, other, new] = keys;
+    let t = &h.tier;
+    check(
+        "reserve_read",
+        t.reserve_read(&[held, other], ONE),
+        refused,
+        why,
+    );
+    check("unsafe_read", t.unsafe_read(&[held]), refused, why);
+    check("finish_read", t.finish_read(&[held], ONE), refused, why);
+    let r = t.reserve_write(&[new], &[false], CHUNK, WriteMode::New);
+    check("reserve_write", r, refused, why);
+    check("finish_write", t.finish_write(&[staged]), refused, why);
+    let r = t.finish_write_and_reserve_read(&[staged], ONE);
+    check("finish_write_and_reserve_read", r, refused, why);
+    check("delete", t.delete(&[other], false), refused, why);
+    check("touch_keys", t.touch_keys(&[held]), refused, why);
+    check("clear", t.clear(false), refused, why);
+    check("clear(force)", t.clear(true), refused, why);
+    let r = t.register_listener(Arc::clone(&h.rec) as Arc<dyn Listener>);
+    check("register_listener", r, refused, why);
+    check("report_status", t.report_status(), refused, why);
+    check("inspect", t.inspect(held), refused, why);
+    check("check_invariants", t.check_invariants(), refused, why);
+    check("sweep_now", t.sweep_now(), refused, why);
+    assert!(h.rec.all().is_empty(), "nothing was notified");
+    assert!(h.bus.all().is_empty(), "nothing was published");
+    t.close().expect("the tier's close still works");
+    assert!(matches!(
+        t.reserve_read(&[held], ONE).unwrap_err(),
+        TierError::Closed { .. }
+    ));
+}
+
+/// A tier with a key held by a read, one staged by a write, one stored, and
+/// listeners registered: what `every_call_is_refused` runs on.
+fn busy_tier(name: &str) -> (Harness, [Vec<u8>; 4]) {
+    let h = harness(name);
+    let (held, staged, other, new) = (key(1), key(2), key(3), key(4));
+    h.seed(&held);
+    h.seed(&other);
+    h.reserve_read(&[&held], ONE);
+    h.reserve(&[&staged], false);
+    h.listen();
+    h.bus.clear();
+    (h, [held, staged, other, new])
 }
 
 /// Found by a review: after the client's close (the tier still open) each
@@ -253,47 +313,32 @@ fn refused_as_client_closed<T: std::fmt::Debug>(op: &str, r: Result<T, TierError
 /// C layouts answered `CLOSED`.
 #[test]
 fn after_the_clients_close_every_tier_call_is_refused_as_closed() {
-    let h = harness("client-closed");
-    let (held, staged, other, new) = (key(1), key(2), key(3), key(4));
-    h.seed(&held);
-    h.seed(&other);
-    h.reserve_read(&[&held], ONE);
-    h.reserve(&[&staged], false);
-    h.listen();
-    h.bus.clear();
+    let (h, [a, b, c, d]) = busy_tier("client-closed");
     h.client.clone().close().unwrap();
-    let t = &h.tier;
-    refused_as_client_closed("reserve_read", t.reserve_read(&[&held, &other], ONE));
-    refused_as_client_closed("unsafe_read", t.unsafe_read(&[&held]));
-    refused_as_client_closed("finish_read", t.finish_read(&[&held], ONE));
-    refused_as_client_closed(
-        "reserve_write",
-        t.reserve_write(&[&new], &[false], CHUNK, WriteMode::New),
+    every_call_is_refused(
+        &h,
+        [&a, &b, &c, &d],
+        |e| matches!(e, TierError::ClientClosed { .. }),
+        "after the client's close",
     );
-    refused_as_client_closed("finish_write", t.finish_write(&[&staged]));
-    refused_as_client_closed(
-        "finish_write_and_reserve_read",
-        t.finish_write_and_reserve_read(&[&staged], ONE),
+}
+
+/// The same for a client whose instance cannot be resumed (a fatal refusal
+/// at reattach: every request of it fails from then on, as after a close).
+#[test]
+fn once_the_client_cannot_be_resumed_every_tier_call_is_refused_as_failed() {
+    let (h, [a, b, c, d]) = busy_tier("client-failed");
+    h.tier
+        .inner
+        .layout
+        .shared()
+        .set_fatal(String::from("ownership not proven (test)"));
+    every_call_is_refused(
+        &h,
+        [&a, &b, &c, &d],
+        |e| matches!(e, TierError::ClientFailed { reason, .. } if reason.contains("ownership not proven")),
+        "once the client cannot be resumed",
     );
-    refused_as_client_closed("delete", t.delete(&[&other], false));
-    refused_as_client_closed("touch_keys", t.touch_keys(&[&held]));
-    refused_as_client_closed("clear", t.clear(false));
-    refused_as_client_closed("clear(force)", t.clear(true));
-    refused_as_client_closed(
-        "register_listener",
-        t.register_listener(Arc::clone(&h.rec) as Arc<dyn Listener>),
-    );
-    refused_as_client_closed("report_status", t.report_status());
-    refused_as_client_closed("inspect", t.inspect(&held));
-    refused_as_client_closed("check_invariants", t.check_invariants());
-    refused_as_client_closed("sweep_now", t.sweep_now());
-    assert!(h.rec.all().is_empty(), "nothing was notified");
-    assert!(h.bus.all().is_empty(), "nothing was published");
-    t.close().expect("close still works after the client's");
-    assert!(matches!(
-        t.reserve_read(&[&held], ONE).unwrap_err(),
-        TierError::Closed { .. }
-    ));
 }
 
 #[test]
