@@ -172,8 +172,11 @@ pub fn decode(image: &[u8]) -> Result<(u64, Snapshot), CheckpointError> {
         });
     }
     let region_count = le_u64(&body[pools_end as usize..]);
-    let expected = pools_end + 8 + (REGION_BYTES as u64).saturating_mul(region_count);
-    if region_count > MAX_REGIONS as u64 || expected != body.len() as u64 {
+    // The count is bounded before any arithmetic on it (a file with valid
+    // checksums may still hold any number here).
+    if region_count > MAX_REGIONS as u64
+        || pools_end + 8 + REGION_BYTES as u64 * region_count != body.len() as u64
+    {
         return Err(CheckpointError::Counts {
             pools: pool_count,
             regions: region_count,
@@ -273,6 +276,35 @@ mod tests {
             })
         ));
         assert!(decode(&encode(1 << 62, &sample())).is_ok());
+    }
+
+    /// Found by a review: a region count near `u64::MAX` in a file whose
+    /// checksums are valid overflowed the expected length (a panic where
+    /// overflow is checked: debug, tests, the fuzzer) before the count was
+    /// bounded. Refused as `Counts` now.
+    #[test]
+    fn a_huge_region_count_with_valid_checksums_is_refused_not_overflowed() {
+        let mut img = encode(0, &Snapshot::default());
+        let (head, body) = img.split_at_mut(CHECKPOINT_HEADER_BYTES);
+        // The empty snapshot's region count is the body's last 8 bytes.
+        let at = body.len() - 8;
+        for count in [
+            u64::MAX,
+            u64::MAX / REGION_BYTES as u64 + 1,
+            MAX_REGIONS as u64 + 1,
+        ] {
+            body[at..].copy_from_slice(&count.to_le_bytes());
+            head[24..28].copy_from_slice(&crc32c::crc32c(body).to_le_bytes());
+            let header_crc = crc32c::crc32c(&head[..28]);
+            head[28..32].copy_from_slice(&header_crc.to_le_bytes());
+            assert!(
+                matches!(
+                    decode(&[&*head, &*body].concat()),
+                    Err(CheckpointError::Counts { regions, .. }) if regions == count
+                ),
+                "count {count}"
+            );
+        }
     }
 
     #[test]

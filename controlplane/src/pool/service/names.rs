@@ -302,8 +302,25 @@ impl NamesFile {
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
             .map_err(io_err("open", &path))?;
+        // The records kept may exist only in the page cache (a names sync
+        // that failed with its pages then marked clean, and a restart in the
+        // same boot): written again and synced before any is relied on —
+        // `note` appends nothing for a name already known, so a name read
+        // here would otherwise never reach the disk, while the journal
+        // commits regions that use it. (The journal's recovery does the
+        // same, `Journal::recover`.)
+        let rewrite = at > HEADER_BYTES;
+        if rewrite {
+            open_step(OpenStep::Rewrite);
+            file.write_all_at(&image[HEADER_BYTES..at], HEADER_BYTES as u64)
+                .map_err(io_err("rewrite", &path))?;
+        }
         if at as u64 != len {
+            open_step(OpenStep::Truncate);
             file.set_len(at as u64).map_err(io_err("truncate", &path))?;
+        }
+        if rewrite || at as u64 != len {
+            open_step(OpenStep::Sync);
             file.sync_all().map_err(io_err("fsync", &path))?;
         }
         Ok(Self {
@@ -459,9 +476,64 @@ fn write_atomically(dir: &Path, path: &Path, image: &[u8]) -> Result<(), NamesEr
     fsync_dir(dir).map_err(io_err("fsync", dir))
 }
 
+/// What `NamesFile::open` did to the file, in order, on this thread
+/// (tests only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpenStep {
+    Rewrite,
+    Truncate,
+    Sync,
+}
+
+#[cfg(test)]
+thread_local! {
+    static OPEN_STEPS: std::cell::RefCell<Vec<OpenStep>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn open_step(_step: OpenStep) {
+    #[cfg(test)]
+    OPEN_STEPS.with(|s| s.borrow_mut().push(_step));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn open_steps(dir: &Path) -> Vec<OpenStep> {
+        OPEN_STEPS.with(|s| s.borrow_mut().clear());
+        NamesFile::open(dir).unwrap();
+        OPEN_STEPS.with(|s| s.borrow().clone())
+    }
+
+    /// Found by a review: a name read at open might exist only in the page
+    /// cache (its sync failed, the pages were marked clean, the manager
+    /// restarted in the same boot); `note` never appends a known name
+    /// again, so the journal could commit a region whose instance name was
+    /// never durable. Open now writes the kept records again and syncs
+    /// them — and does nothing to a file of no records.
+    #[test]
+    fn open_writes_the_kept_names_again_and_syncs_them_before_relying_on_them() {
+        let dir = shm_dir();
+        assert_eq!(open_steps(dir.path()), [], "a new file: nothing to keep");
+        let mut f = NamesFile::open(dir.path()).unwrap();
+        f.note(NameKind::Instance, "inst-1");
+        f.commit().unwrap();
+        drop(f);
+        assert_eq!(open_steps(dir.path()), [OpenStep::Rewrite, OpenStep::Sync]);
+        // A torn tail is cut too, before the one sync.
+        let path = dir.path().join(NAMES_FILE);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes.extend_from_slice(&[0xAB; 5]);
+        fs::write(&path, &bytes).unwrap();
+        assert_eq!(
+            open_steps(dir.path()),
+            [OpenStep::Rewrite, OpenStep::Truncate, OpenStep::Sync]
+        );
+        let f = NamesFile::open(dir.path()).unwrap();
+        let id = label_id(NameKind::Instance, "inst-1");
+        assert_eq!(f.display(NameKind::Instance, id), "inst-1");
+    }
 
     fn shm_dir() -> tempfile::TempDir {
         tempfile::Builder::new()
