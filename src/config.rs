@@ -421,7 +421,17 @@ pub struct DirectorySection {
     /// Most keys held.
     pub max_keys: usize,
     pub max_sessions: usize,
+    /// Sessions of one instance at once.
+    pub max_sessions_per_instance: usize,
     pub max_instances: usize,
+    /// Layouts in use at once (a layout counts while a region of it exists
+    /// or is requested).
+    pub max_layouts: usize,
+    /// Distinct keys one session may hold pins on.
+    pub max_pinned_keys_per_session: usize,
+    /// (session, key) pairs with pins held, over all sessions: bounds the
+    /// directory's pin ledgers (docs/operations.md gives the memory).
+    pub max_pinned_entries: usize,
     /// Width of the exactly-once window, in sequence numbers (a multiple of
     /// 64).
     pub reply_window: u64,
@@ -452,7 +462,11 @@ impl Default for DirectorySection {
             max_pins_per_call: d.max_pins_per_call,
             max_keys: d.max_keys,
             max_sessions: d.max_sessions,
+            max_sessions_per_instance: d.max_sessions_per_instance,
             max_instances: d.max_instances,
+            max_layouts: d.max_layouts,
+            max_pinned_keys_per_session: d.max_pinned_keys_per_session,
+            max_pinned_entries: d.max_pinned_entries,
             reply_window: d.reply_window,
             reply_cache_bytes: d.reply_cache_bytes_per_instance as u64,
             max_region_bytes: d.max_region_bytes,
@@ -485,7 +499,11 @@ impl DirectorySection {
             max_pins_per_call: self.max_pins_per_call,
             max_keys: self.max_keys,
             max_sessions: self.max_sessions,
+            max_sessions_per_instance: self.max_sessions_per_instance,
             max_instances: self.max_instances,
+            max_layouts: self.max_layouts,
+            max_pinned_keys_per_session: self.max_pinned_keys_per_session,
+            max_pinned_entries: self.max_pinned_entries,
             reply_window: self.reply_window,
             reply_cache_bytes_per_instance: usize::try_from(self.reply_cache_bytes)
                 .unwrap_or(usize::MAX),
@@ -1143,6 +1161,48 @@ mod tests {
         assert_eq!(s.directory.max_instance_quota_bytes, Some(1 << 30));
         assert!(s.directory.eviction.lru);
         assert_eq!(s.socket_path, Path::new("/tmp/from-file.sock"));
+    }
+
+    /// Found by a review of the directory: the pin limits and the sessions
+    /// per instance could not be set from the configuration, and there was
+    /// no directory-wide pin limit to set.
+    #[test]
+    fn the_directorys_pin_session_and_layout_limits_are_configurable_and_checked() {
+        let f = file(
+            "[directory]\nmax_pinned_keys_per_session = 1000\nmax_pinned_entries = 5000\nmax_sessions_per_instance = 3\nmax_layouts = 7\n",
+        );
+        let vars = env(&[("CXLKV_DIRECTORY_MAX_PINNED_ENTRIES", "6000")]);
+        let c = load(Some(f.path()), vars, &[]).unwrap();
+        let s = c.server_config().unwrap();
+        let d = &s.directory;
+        assert_eq!(
+            (
+                d.max_pinned_keys_per_session,
+                d.max_pinned_entries,
+                d.max_sessions_per_instance,
+                d.max_layouts
+            ),
+            (1000, 6000, 3, 7)
+        );
+        s.validate().unwrap();
+        for (key, bad) in [
+            ("max_pinned_entries", 0i64),
+            ("max_pinned_keys_per_session", 0),
+            ("max_sessions_per_instance", 0),
+            ("max_layouts", 0),
+        ] {
+            let c = load(None, env(&[]), &[Override::new("directory", key, bad)]).unwrap();
+            let e = c
+                .server_config()
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        let defaults = cxlkv_controlplane::directory::DirectoryConfig::default();
+        let s = Config::default().server_config().unwrap();
+        assert_eq!(s.directory.max_pinned_entries, defaults.max_pinned_entries);
     }
 
     #[test]

@@ -545,6 +545,167 @@ fn a_key_at_the_pin_limit_refuses_a_lookup_naming_it_and_nothing_is_pinned() {
     w.dir.check_invariants().unwrap();
 }
 
+/// Found by a review of the directory: pin ledgers had no directory-wide
+/// bound, only a per-session one (1 Mi keys by default, 32 MiB of ledger
+/// each), so 4 096 sessions pinning the same keys could take 128 GiB. A
+/// pinning lookup that could cross `max_pinned_entries` is refused whole,
+/// as one crossing the session's own limit is, and changes nothing.
+#[test]
+fn a_pinning_lookup_crossing_the_directory_wide_pin_limit_is_refused_and_changes_nothing() {
+    let mut w = World::with(DirectoryConfig {
+        max_pinned_entries: 10,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    let mut b = w.hello("b");
+    let mut c = w.hello("c");
+    let r = w.region(&mut a, L);
+    let keys: Vec<Vec<u8>> = (0..8u8).map(|i| vec![b'k', i]).collect();
+    for (i, k) in keys.iter().enumerate() {
+        w.put(&mut a, k, loc(r, i as u32, 1));
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    // Eight (session, key) pairs: a and b pin two keys in common.
+    w.lookup_pin(&mut a, &refs[..4], 1);
+    w.lookup_pin(&mut b, &refs[2..6], 2);
+    let pins_held = |w: &mut World| -> Vec<u64> {
+        let now = w.now;
+        w.dir
+            .stats(now)
+            .per_instance
+            .iter()
+            .map(|i| i.pins_held)
+            .collect()
+    };
+    let (totals, digest, held) = (w.dir.totals(), w.dir.state_digest(), pins_held(&mut w));
+    assert_eq!((totals.pins, held.clone()), (12, vec![4, 8, 0]));
+
+    // c's three keys would make eleven pairs: refused, nothing pinned, not
+    // even the two that would have fitted.
+    let seq = c.seq();
+    let err = w
+        .dir
+        .lookup(
+            &c.caller(),
+            Some(seq),
+            L,
+            refs[5..8].iter().copied(),
+            1,
+            w.now,
+        )
+        .unwrap_err();
+    assert_eq!(err, DirectoryError::PinnedEntryLimit { max: 10 });
+    assert_eq!(w.dir.totals(), totals);
+    assert_eq!(w.dir.state_digest(), digest, "every ledger as it was");
+    assert_eq!(pins_held(&mut w), held);
+    // A key a session already pins counts too: a second pin by a on one of
+    // its own keys and two new ones is refused the same way.
+    let seq_a = a.seq();
+    let err = w
+        .dir
+        .lookup(
+            &a.caller(),
+            Some(seq_a),
+            L,
+            [refs[0], refs[6], refs[7]],
+            1,
+            w.now,
+        )
+        .unwrap_err();
+    assert_eq!(err, DirectoryError::PinnedEntryLimit { max: 10 });
+    assert_eq!(w.dir.state_digest(), digest);
+    w.dir.check_invariants().unwrap();
+
+    // Up to the limit is fine; pins released make room, and the refused
+    // number was not consumed: c's retry of it runs.
+    w.lookup_pin(&mut b, &refs[6..8], 1);
+    assert_eq!(w.dir.totals().pins, 14);
+    assert_eq!(
+        w.unpin(&mut a, &[(refs[0], 1), (refs[1], 1)]),
+        vec![UnpinOutcome::Unpinned; 2]
+    );
+    let err = w
+        .dir
+        .lookup(
+            &c.caller(),
+            Some(seq),
+            L,
+            refs[5..8].iter().copied(),
+            1,
+            w.now,
+        )
+        .unwrap_err();
+    assert_eq!(
+        err,
+        DirectoryError::PinnedEntryLimit { max: 10 },
+        "8 + 3 > 10"
+    );
+    w.dir.session_closed(b.session, w.now);
+    let found = w
+        .dir
+        .lookup(
+            &c.caller(),
+            Some(seq),
+            L,
+            refs[5..8].iter().copied(),
+            1,
+            w.now,
+        )
+        .unwrap()
+        .body
+        .locations;
+    assert!(found.iter().all(Option::is_some));
+    assert_eq!(w.dir.totals().pins, 2 + 3, "a's two and c's three");
+    w.dir.check_invariants().unwrap();
+}
+
+/// The directory-wide limit bounds the ledgers' memory, not only the pins
+/// held: a ledger thinned out by unpins is rebuilt to fit once all ledgers
+/// together are over their budget (2 buckets per pair the limit allows),
+/// so sessions taking turns at pinning many keys cannot each keep a ledger
+/// sized for their peak.
+#[test]
+fn sessions_taking_turns_at_many_pins_do_not_each_keep_a_ledger_sized_for_their_peak() {
+    let mut w = World::with(DirectoryConfig {
+        max_batch: 4096,
+        // Room for one reader's 2 048 pins while seven others keep one.
+        max_pinned_entries: 2048 + 7,
+        ..DirectoryConfig::default()
+    });
+    let mut owner = w.hello("owner");
+    let keys: Vec<Vec<u8>> = (0..2048u32).map(|i| i.to_le_bytes().to_vec()).collect();
+    let mut region = w.region(&mut owner, L);
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 && i % 64 == 0 {
+            region = w.region(&mut owner, L);
+        }
+        w.put(&mut owner, k, loc(region, (i % 64) as u32, 1));
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    let mut readers: Vec<Client> = (0..8).map(|i| w.hello(&format!("r{i}"))).collect();
+    for r in &mut readers {
+        w.lookup_pin(r, &refs, 1);
+        // All but one key back: each peak took 4 096 buckets (64 KiB).
+        let back: Vec<(&[u8], u32)> = refs[1..].iter().map(|&k| (k, 1)).collect();
+        assert!(
+            w.unpin(r, &back)
+                .iter()
+                .all(|o| *o == UnpinOutcome::Unpinned)
+        );
+        w.dir.check_invariants().unwrap();
+    }
+    // Eight peaks of 4 096 buckets would be 32 768. The first reader's
+    // stays (the ledgers were within their budget of 2 × 2 055 buckets),
+    // the others' are rebuilt at 1 024.
+    let stats = w.dir.stats(w.now);
+    assert_eq!(stats.pins, 8);
+    let ledger_bytes = w.dir.pin_ledger_bytes();
+    assert!(
+        ledger_bytes <= (4096 + 8 * 1024) * 16,
+        "{ledger_bytes} bytes of pin ledgers"
+    );
+}
+
 #[test]
 fn unpin_never_underflows_and_reports_double_unpins() {
     let mut w = World::new();
@@ -1229,6 +1390,42 @@ fn a_failed_region_request_does_not_consume_its_sequence_number() {
     assert!(matches!(retry.body, RegionReply::Deferred(_)));
     let (done, _) = w.pool.service(&mut w.dir);
     assert!(done[0].result.is_ok());
+}
+
+/// Found by a review of the directory: a region request's retry refused
+/// because its request already had every waiter it may have was counted
+/// in `retries_answered` all the same.
+#[test]
+fn a_region_request_retry_refused_for_want_of_waiters_is_not_counted_as_answered() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let seq = a.seq();
+    let request = |w: &mut World, a: &Client| {
+        w.dir
+            .request_region(&a.caller(), seq, L, REGION_BYTES, w.now)
+    };
+    assert!(matches!(
+        request(&mut w, &a).unwrap().body,
+        RegionReply::Deferred(_)
+    ));
+    for _ in 0..7 {
+        assert!(matches!(
+            request(&mut w, &a).unwrap().body,
+            RegionReply::Deferred(_)
+        ));
+    }
+    assert_eq!(
+        request(&mut w, &a).unwrap_err(),
+        DirectoryError::TooManyPendingRegionRequests { max: 8 }
+    );
+    assert_eq!(w.dir.stats(w.now).outcomes.retries_answered, 7);
+    let (done, _) = w.pool.service(&mut w.dir);
+    assert_eq!(done.len(), 8, "the request and its seven retries");
+    assert!(matches!(
+        request(&mut w, &a).unwrap().body,
+        RegionReply::Granted(_)
+    ));
+    assert_eq!(w.dir.stats(w.now).outcomes.retries_answered, 8);
 }
 
 #[test]
@@ -2014,6 +2211,148 @@ fn lru_eviction_takes_the_least_recent_unpinned_keys_and_notifies_owners() {
     assert_eq!(w.exists(&a, &[&keys[0], &keys[1]]), vec![true, true]);
     let notices = w.dir.heartbeat(&a.caller(), w.now).unwrap().notices;
     assert_eq!(notices.len(), 5, "the owner gets its pages back");
+    w.dir.check_invariants().unwrap();
+}
+
+/// Found by a review of the directory: once the LRU had started under pool
+/// pressure it went on evicting live keys after the pressure was gone, down
+/// to `lru_low_fill`, since only the regions' fill could stop it; orphan
+/// eviction stops at the pools' low watermark. Both stop there now.
+#[test]
+fn lru_eviction_stops_once_the_pools_are_down_to_the_low_watermark() {
+    let mut w = eviction_world(true);
+    let mut a = w.hello("a");
+    let keys = w.fill_a_region(&mut a);
+    let keys_region = a.regions[0].handle.region;
+    w.dir.pool_usage(POOL, REGION_BYTES, 0);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.dir.stats(w.now).evictions.lru_keys, 3);
+    // Another instance gave regions back: the pools are half empty. The
+    // regions are still over 90 % full (59 of 64 pages), but nothing more
+    // is evicted.
+    w.dir.pool_usage(POOL, 10 * REGION_BYTES, 5 * REGION_BYTES);
+    for _ in 0..3 {
+        w.advance(Duration::from_millis(100));
+    }
+    let stats = w.dir.stats(w.now);
+    assert_eq!((stats.evictions.lru_keys, stats.keys), (3, 59));
+    // Pressure again, and the regions over 95 % again: the LRU starts
+    // again and goes down to 90 %.
+    w.dir.pool_usage(POOL, REGION_BYTES, 0);
+    for page in 62..64u32 {
+        w.put(&mut a, &page.to_le_bytes(), loc(keys_region, page, 1));
+    }
+    w.advance(Duration::from_millis(100));
+    w.advance(Duration::from_millis(100));
+    let stats = w.dir.stats(w.now);
+    assert_eq!((stats.evictions.lru_keys, stats.keys), (7, 57));
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    let mut expected = vec![false; 7];
+    expected.push(true);
+    assert_eq!(w.exists(&a, &refs[..8]), expected);
+    w.dir.check_invariants().unwrap();
+}
+
+impl World {
+    /// `c` applies every freed-page notice queued for it and acknowledges
+    /// them.
+    fn ack_notices(&mut self, c: &mut Client) {
+        let notices = self.dir.heartbeat(&c.caller(), self.now).unwrap().notices;
+        if let Some(last) = notices.iter().map(|n| n.seq).max() {
+            c.notice_ack = last;
+        }
+        let left = self.dir.heartbeat(&c.caller(), self.now).unwrap().notices;
+        assert!(left.is_empty(), "more than one response's worth");
+    }
+}
+
+/// Found by a review of the directory: a key the LRU passed over because
+/// its owner's notice queue was full was moved to the most-recent end (and
+/// cost a unit of the tick's budget), so a stalled owner's cold keys were
+/// ranked above everyone's recently used ones. They keep their place now,
+/// and the round goes on past them.
+#[test]
+fn keys_of_an_owner_whose_notice_queue_is_full_keep_their_lru_place() {
+    let mut w = World::with(DirectoryConfig {
+        max_batch: 8,
+        notice_queue_limit: 8,
+        eviction: EvictionConfig {
+            lru: true,
+            max_evictions_per_tick: 3,
+            lru_high_fill: 0.14,
+            lru_low_fill: 0.10,
+            ..EvictionConfig::default()
+        },
+        ..DirectoryConfig::default()
+    });
+    let mut s = w.hello("stalled");
+    let mut h = w.hello("healthy");
+    let rs = w.region(&mut s, L);
+    let rh = w.region(&mut h, L);
+    let key = |c: u8, i: u8| vec![c, i];
+    for i in 0..14u8 {
+        w.put(&mut s, &key(b's', i), loc(rs, u32::from(i), 1));
+    }
+    for i in 0..12u8 {
+        w.put(&mut h, &key(b'h', i), loc(rh, u32::from(i), 1));
+    }
+    // h deletes eight of s's keys: s's notice queue is full (s does not
+    // acknowledge), and s's six coldest keys stay, more than a tick may
+    // pass over.
+    let gone: Vec<Vec<u8>> = (6..14).map(|i| key(b's', i)).collect();
+    let gone: Vec<&[u8]> = gone.iter().map(|k| &k[..]).collect();
+    assert!(
+        w.delete(&mut h, &gone)
+            .iter()
+            .all(|o| *o == DeleteOutcome::Deleted)
+    );
+    // h uses four of its keys: least to most recent now s0..s5, h4..h11,
+    // h0..h3 (18 keys of 128 pages: 14 %).
+    let recent: Vec<Vec<u8>> = (0..4).map(|i| key(b'h', i)).collect();
+    let recent: Vec<&[u8]> = recent.iter().map(|k| &k[..]).collect();
+    w.dir
+        .lookup(&h.caller(), None, L, recent.iter().copied(), 0, w.now)
+        .unwrap();
+    let s_keys: Vec<Vec<u8>> = (0..6).map(|i| key(b's', i)).collect();
+    let s_keys: Vec<&[u8]> = s_keys.iter().map(|k| &k[..]).collect();
+
+    // Round one: down to 10 % (12 keys). s's keys are passed over — three
+    // a tick, the next tick going on from where the last stopped — and
+    // h's least recent ones go.
+    w.dir.pool_usage(POOL, 2 * REGION_BYTES, 0);
+    w.advance(Duration::from_millis(100));
+    let e = w.dir.stats(w.now).evictions;
+    assert_eq!((e.lru_keys, e.lru_skipped), (0, 3));
+    for _ in 0..5 {
+        w.advance(Duration::from_millis(100));
+    }
+    let e = w.dir.stats(w.now).evictions;
+    assert_eq!(e.lru_keys, 6);
+    assert_eq!(e.lru_skipped, 6, "each passed over once");
+    assert_eq!(w.exists(&h, &s_keys), vec![true; 6]);
+    assert_eq!(w.exists(&h, &recent), vec![true; 4]);
+    let cold: Vec<Vec<u8>> = (4..10).map(|i| key(b'h', i)).collect();
+    let cold: Vec<&[u8]> = cold.iter().map(|k| &k[..]).collect();
+    assert_eq!(w.exists(&h, &cold), vec![false; 6]);
+
+    // s catches up; h writes six new keys (18 again). Round two takes the
+    // six least recent: s's, which were never used after h's four.
+    w.ack_notices(&mut s);
+    w.ack_notices(&mut h);
+    for i in 12..18u8 {
+        w.put(&mut h, &key(b'h', i), loc(rh, u32::from(i), 1));
+    }
+    for _ in 0..3 {
+        w.advance(Duration::from_millis(100));
+    }
+    let stats = w.dir.stats(w.now);
+    assert_eq!((stats.evictions.lru_keys, stats.keys), (12, 12));
+    assert_eq!(w.exists(&h, &s_keys), vec![false; 6]);
+    assert_eq!(
+        w.exists(&h, &recent),
+        vec![true; 4],
+        "h's recently used keys outrank s's cold ones"
+    );
     w.dir.check_invariants().unwrap();
 }
 

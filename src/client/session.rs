@@ -40,11 +40,12 @@
 //! without a token, so nobody else can claim or free the instance's regions
 //! early (docs/security.md).
 //!
-//! **Fatal.** An instance whose grace period expired (`InstanceGone`), a
-//! refused secret (`AuthenticationFailed`), the tokens of regions the
-//! client holds all refused (`OwnershipNotProven`), or pools that changed
-//! identity cannot be resumed: the client records the reason and every
-//! later call fails with it.
+//! **Fatal.** A reattach refused `InstanceGone` (which this directory
+//! never answers to a reattach: it starts an expired instance afresh, as
+//! above), a refused secret (`AuthenticationFailed`), the tokens of regions
+//! the client holds all refused (`OwnershipNotProven`), or pools that
+//! changed identity cannot be resumed: the client records the reason and
+//! every later call fails with it.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -156,7 +156,10 @@ pub(crate) fn directory_error_code(e: &DirectoryError) -> (ErrorCode, u64) {
         } if len_bytes > max_bytes => (C::KeyTooLong, n(*max_bytes)),
         D::KeyLength { max_bytes, .. } => (C::InvalidArgument, n(*max_bytes)),
         D::InvalidLayout { max_bytes, .. } => (C::InvalidArgument, *max_bytes),
-        D::TooManyLayouts { max } => (C::InvalidArgument, n(*max)),
+        // A capacity limit of the directory, like `max_keys`: the request
+        // is well formed, and the layouts in use are forgotten with their
+        // last region.
+        D::TooManyLayouts { max } => (C::OutOfSpace, n(*max)),
         D::InvalidPinCount { max, .. } => (C::InvalidArgument, u64::from(*max)),
         D::InvalidUnpinCount { .. } | D::MissingSequence { .. } | D::SequenceReused { .. } => {
             (C::InvalidArgument, 0)
@@ -175,10 +178,17 @@ pub(crate) fn directory_error_code(e: &DirectoryError) -> (ErrorCode, u64) {
         D::QuotaExceeded { quota_bytes, .. } => (C::QuotaExceeded, *quota_bytes),
         D::TooManyRegions { max } => (C::QuotaExceeded, n(*max)),
         D::TooManyPendingRegionRequests { max } => (C::Busy, n(*max)),
+        // The directory refused what the pool manager granted (a region
+        // shorter than asked, or one already assigned): it knows no free
+        // extent. A refusal by the pool manager itself reaches the client
+        // with the manager's code and limit (`DirectoryHandler`).
         D::RegionAllocationFailed { .. } => (C::OutOfSpace, 0),
         D::InstanceGone => (C::InstanceGone, 0),
         D::PinLimit { max, .. } => (C::InvalidArgument, u64::from(*max)),
         D::SessionPinLimit { max } => (C::InvalidArgument, n(*max)),
+        // Shared by every session, and gone as pins are released: a retry
+        // may succeed.
+        D::PinnedEntryLimit { max } => (C::Busy, n(*max)),
         D::NoticeBacklog { max, .. } => (C::Busy, n(*max)),
         D::KeyLimit { max } => (C::OutOfSpace, n(*max)),
         _ => (C::Internal, 0),
@@ -261,6 +271,26 @@ mod tests {
             max: 1 << 62,
         });
         assert_eq!((code, limit), (ErrorCode::InvalidArgument, 1 << 62));
+    }
+
+    /// Found by a review of the directory: the layout limit,
+    /// a capacity limit that frees up with the last region of a layout,
+    /// went out as `invalid_argument`; the directory-wide pin limit is
+    /// shared and temporary, so a client retries it.
+    #[test]
+    fn capacity_limits_go_out_as_capacity_codes_with_their_limit() {
+        assert_eq!(
+            directory_error_code(&DirectoryError::TooManyLayouts { max: 256 }),
+            (ErrorCode::OutOfSpace, 256)
+        );
+        assert_eq!(
+            directory_error_code(&DirectoryError::KeyLimit { max: 9 }),
+            (ErrorCode::OutOfSpace, 9)
+        );
+        assert_eq!(
+            directory_error_code(&DirectoryError::PinnedEntryLimit { max: 1 << 22 }),
+            (ErrorCode::Busy, 1 << 22)
+        );
     }
 
     #[test]

@@ -69,6 +69,8 @@ fn config(u: &mut Unstructured<'_>) -> AResult<DirectoryConfig> {
         max_pending_region_requests_per_instance: 2,
         max_region_bytes: 64 << 10,
         max_pinned_keys_per_session: 6,
+        // Below sessions × keys per session, so that the fuzzer meets it.
+        max_pinned_entries: 20,
         session_lease: Duration::from_millis(1000),
         instance_grace: Duration::from_millis(2000),
         reply_window: 64,

@@ -7,19 +7,22 @@
 //! a region together, so that the region can be freed; a region with a
 //! pinned key is passed over until it has none, since its bytes could not
 //! be freed anyway), then — if enabled — the least recently used unpinned
-//! keys anywhere.
+//! keys anywhere, under the same pool watermarks (`evict_lru`).
 
 use cxlkv_dataplane::ids::{PoolId, RegionId};
 
 use super::error::DirectoryError;
 use super::keys::NIL;
+use super::lru::Lru;
 use super::regions::Owner;
 use super::sequence::CachedBody;
 use super::types::{
     Caller, Completion, DeferredId, Effect, Layout, OpKind, PoolRequestId, RegionGrant,
     RegionHandle, RegionReply, Reply, Sequence, Time,
 };
-use super::{Directory, Fingerprint, MAX_REGION_WAITERS, PendingRegion, PoolReportMark};
+use super::{
+    Directory, EvictionConfig, Fingerprint, MAX_REGION_WAITERS, PendingRegion, PoolReportMark,
+};
 
 /// What the reply cache held for a region request.
 enum PriorRegion {
@@ -64,7 +67,9 @@ impl Directory {
         }
         let mut fp = Fingerprint::new(OpKind::RequestRegion, Some(&layout));
         fp.add(len_bytes);
-        let prior = self.replay(slot, caller, seq, fp, |body| match body {
+        // Counted in `retries_answered` below, once answered: a retry that
+        // would join a request with all its waiters taken is refused.
+        let prior = self.replay_uncounted(slot, caller, seq, fp, |body| match body {
             CachedBody::RegionGranted(g) => Some(PriorRegion::Granted(*g)),
             CachedBody::RegionPending(p) => Some(PriorRegion::Pending(*p)),
             _ => None,
@@ -93,6 +98,7 @@ impl Directory {
                     RegionReply::Deferred(deferred)
                 }
             };
+            self.counters.outcomes.retries_answered += 1;
             return Ok(Reply {
                 body,
                 notices,
@@ -111,7 +117,7 @@ impl Directory {
             });
         }
         if let Some(quota_bytes) = inst.quota_bytes {
-            let owned_bytes = inst.owned_bytes + inst.pending_bytes;
+            let owned_bytes = inst.owned_bytes.saturating_add(inst.pending_bytes);
             if owned_bytes.saturating_add(len_bytes) > quota_bytes {
                 return Err(DirectoryError::QuotaExceeded {
                     quota_bytes,
@@ -142,7 +148,13 @@ impl Directory {
             },
         );
         let inst = self.instance_mut(slot);
-        inst.pending_bytes += len_bytes;
+        // At most MAX_PENDING_REGION_REQUESTS_CEILING requests of at most
+        // MAX_REGION_BYTES_CEILING bytes each are pending (`validate`, and
+        // the checks above): below 2^60.
+        inst.pending_bytes = inst
+            .pending_bytes
+            .checked_add(len_bytes)
+            .expect("invariant: pending region bytes are bounded by the configuration's ceilings");
         inst.pending_requests += 1;
         let owner = inst.id.clone();
         self.effects.push(Effect::AllocateRegion {
@@ -172,7 +184,8 @@ impl Directory {
             return Vec::new();
         };
         if let Ok(handle) = &result {
-            self.pools.entry(handle.pool).or_default().allocated_since += handle.len_bytes;
+            let p = self.pools.entry(handle.pool).or_default();
+            p.allocated_since = p.allocated_since.saturating_add(handle.len_bytes);
         }
         let outcome = match (p.instance, result) {
             (_, Err(reason)) => Err(DirectoryError::RegionAllocationFailed { reason }),
@@ -454,31 +467,63 @@ impl Directory {
                 self.lru_evicting = true;
             }
             if self.lru_evicting {
-                let limit = self.config.notice_queue_limit;
-                while budget > 0 && self.region_fill() > cfg.lru_low_fill {
-                    let Some(es) = self.lru.as_ref().and_then(|l| l.least_recent()) else {
-                        break;
-                    };
-                    budget -= 1;
-                    let owner = self.regions.get(self.keys.get(es).region).owner;
-                    if let Owner::Present(o) = owner
-                        && self.instance(o).notices.pending() >= limit
-                    {
-                        if let Some(lru) = &mut self.lru {
-                            lru.touch(es);
-                        }
-                        self.counters.evictions.lru_skipped += 1;
-                        continue;
-                    }
-                    self.remove_entry(es, self.keys.hash_of(es));
-                    self.counters.evictions.lru_keys += 1;
-                }
-                if self.region_fill() <= cfg.lru_low_fill
-                    || self.lru.as_ref().is_none_or(|l| l.len() == 0)
-                {
-                    self.lru_evicting = false;
-                }
+                self.evict_lru(&cfg, budget);
             }
+        }
+    }
+
+    /// The LRU's part of a round (`evict`), at most `budget` keys: the least
+    /// recently used unpinned keys, until the pools are down to the low
+    /// watermark or the held regions to `lru_low_fill` (as orphan eviction
+    /// stops at the low watermark: evicting a live owner's key frees no pool
+    /// bytes, so without this a round started under pool pressure went on
+    /// until the regions emptied to `lru_low_fill`, however empty the pools
+    /// had become meanwhile).
+    ///
+    /// A key whose owner's notice queue is full is passed over where it
+    /// lies (`Lru`'s resume point), at most `max_evictions_per_tick` such
+    /// keys a tick besides the budget — a tick visits at most twice that
+    /// many keys — and later ticks of the round go on past the keys passed
+    /// over rather than walking over them again.
+    fn evict_lru(&mut self, cfg: &EvictionConfig, mut budget: usize) {
+        let limit = self.config.notice_queue_limit;
+        let mut passes_left = cfg.max_evictions_per_tick;
+        let mut cur = self.lru.as_ref().and_then(Lru::scan_start);
+        while budget > 0
+            && self.pool_fill() > cfg.pool_low_watermark
+            && self.region_fill() > cfg.lru_low_fill
+        {
+            let Some(es) = cur else {
+                break;
+            };
+            // Still linked after `es` is removed: a removal unlinks no other
+            // key.
+            cur = self.lru.as_ref().and_then(|l| l.more_recent(es));
+            let owner = self.regions.get(self.keys.get(es).region).owner;
+            if let Owner::Present(o) = owner
+                && self.instance(o).notices.pending() >= limit
+            {
+                self.counters.evictions.lru_skipped += 1;
+                passes_left -= 1;
+                if passes_left == 0 {
+                    break;
+                }
+                continue;
+            }
+            self.remove_entry(es, self.keys.hash_of(es));
+            budget -= 1;
+            self.counters.evictions.lru_keys += 1;
+        }
+        let done = self.pool_fill() <= cfg.pool_low_watermark
+            || self.region_fill() <= cfg.lru_low_fill
+            || self.lru.as_ref().is_none_or(|l| l.len() == 0);
+        if done {
+            self.lru_evicting = false;
+        }
+        if let Some(lru) = &mut self.lru {
+            // A new round starts from the least recent key: owners passed
+            // over may have caught up since.
+            lru.set_resume(if done { None } else { cur });
         }
     }
 }

@@ -23,6 +23,25 @@ pub const MAX_SEQUENCE: u64 = 1 << 62;
 /// in `u32` and cached reply sizes sane).
 pub const MAX_BATCH_CEILING: usize = 1 << 16;
 pub const MAX_KEYS_CEILING: usize = (u32::MAX - 1) as usize;
+/// Largest `max_region_bytes`: 256 TiB. No process can map more (a region
+/// is mapped whole, and x86-64's 4-level page tables give a process 2^47
+/// bytes of address space; 5-level ones 2^56, but no CXL device is within
+/// orders of magnitude of this), and it keeps an instance's byte counts
+/// (owned + pending + one request) far from `u64::MAX`: with at most
+/// [`MAX_PENDING_REGION_REQUESTS_CEILING`] requests pending, the pending
+/// bytes stay below 2^60.
+pub const MAX_REGION_BYTES_CEILING: u64 = 1 << 48;
+/// Largest `max_pending_region_requests_per_instance` (see
+/// [`MAX_REGION_BYTES_CEILING`]).
+pub const MAX_PENDING_REGION_REQUESTS_CEILING: usize = 1 << 12;
+const _: () = assert!(
+    (MAX_REGION_BYTES_CEILING as u128) * (MAX_PENDING_REGION_REQUESTS_CEILING as u128) <= 1 << 60,
+    "an instance's pending region bytes fit a u64 with room to spare"
+);
+/// Largest `max_pinned_entries`: at up to 160 bytes of ledger per pair,
+/// 2^32 pairs are 640 GiB — a ceiling on typing errors, not a size anyone
+/// should run with.
+pub const MAX_PINNED_ENTRIES_CEILING: usize = u32::MAX as usize;
 
 /// Eviction policy (DESIGN §4 "Capacity").
 #[derive(Debug, Clone, PartialEq)]
@@ -35,14 +54,20 @@ pub struct EvictionConfig {
     /// Eviction stops once the pools are at most this full.
     pub pool_low_watermark: f64,
     /// Full LRU over all unpinned keys (for engines without a policy of their
-    /// own). Runs while the pools are above the high watermark *and* the held
-    /// regions are at least `lru_high_fill` full of registered pages, down to
-    /// `lru_low_fill`; evicting a live owner's key hands the page back to the
-    /// owner through a freed-page notice.
+    /// own). Starts when the pools are fuller than `pool_high_watermark`
+    /// *and* the held regions are at least `lru_high_fill` full of
+    /// registered pages; then runs until the pools are at most
+    /// `pool_low_watermark` full *or* the regions at most `lru_low_fill`
+    /// full (the same hysteresis as orphan eviction, on both measures).
+    /// Evicting a live owner's key hands the page back to the owner through
+    /// a freed-page notice; a key whose owner's notice queue is full is
+    /// passed over where it lies (it keeps its place in the LRU order), at
+    /// most `max_evictions_per_tick` of them per tick.
     pub lru: bool,
     pub lru_high_fill: f64,
     pub lru_low_fill: f64,
-    /// Most keys evicted per `tick` (bounds the pause).
+    /// Most keys evicted per `tick`, and most keys the LRU passes over per
+    /// tick (bounds the pause: a tick visits at most twice this many keys).
     pub max_evictions_per_tick: usize,
 }
 
@@ -76,11 +101,34 @@ pub struct DirectoryConfig {
     /// exists or is requested, and is forgotten with the last of them.
     pub max_layouts: usize,
     pub max_regions_per_instance: usize,
+    /// At most [`MAX_PENDING_REGION_REQUESTS_CEILING`].
     pub max_pending_region_requests_per_instance: usize,
-    /// Largest region one request may ask for.
+    /// Largest region one request may ask for (at most
+    /// [`MAX_REGION_BYTES_CEILING`]).
     pub max_region_bytes: u64,
     /// Most distinct keys one session may hold pins on.
     pub max_pinned_keys_per_session: usize,
+    /// Most (session, key) pairs with pins held, over all sessions: the
+    /// directory-wide bound on pin ledgers. A pinning lookup that could
+    /// cross it (counting every key it names as a new pair, as the
+    /// per-session limit does) is refused as a whole (`PinnedEntryLimit`,
+    /// wire code `busy`) and changes nothing.
+    ///
+    /// Memory: a session's pin ledger takes 16 bytes a bucket. It starts
+    /// small and never shrinks below 1 024 buckets (16 KiB, room for 512
+    /// pairs); above that it has fewer than 8 buckets per pair it holds,
+    /// unless unpins thinned it out — and a ledger left thin by an unpin is
+    /// rebuilt to fit whenever all ledgers together hold more than 2
+    /// buckets per pair this limit allows (below that budget a session
+    /// that pins and unpins large batches keeps its table, rather than
+    /// rebuilding it on every call). So all ledgers together stay under
+    /// `16 B × (10 × max_pinned_entries + 1 024 × max_sessions)`: with the
+    /// defaults (4 Mi pairs, 4 096 sessions) 640 MiB + 64 MiB, where
+    /// without this limit 4 096 sessions pinning 1 Mi keys each (their own
+    /// limit) could take 128 GiB. A walk of every pin (stats, `/metrics`,
+    /// the long-held-pin log) is bounded by the same buckets. Four sessions
+    /// at their own limit, or a thousand holding 4 096 pins each, fit.
+    pub max_pinned_entries: usize,
     /// A session without requests for this long is dead.
     pub session_lease: Duration,
     /// An instance without sessions for this long is gone (its regions are
@@ -125,6 +173,7 @@ impl Default for DirectoryConfig {
             max_pending_region_requests_per_instance: 16,
             max_region_bytes: 1 << 40,
             max_pinned_keys_per_session: 1 << 20,
+            max_pinned_entries: 1 << 22,
             session_lease: Duration::from_secs(10),
             instance_grace: Duration::from_secs(30),
             reply_window: 1024,
@@ -222,22 +271,29 @@ impl DirectoryConfig {
             ">= 1",
         )?;
         check(
-            self.max_pending_region_requests_per_instance >= 1,
+            (1..=MAX_PENDING_REGION_REQUESTS_CEILING)
+                .contains(&self.max_pending_region_requests_per_instance),
             "max_pending_region_requests_per_instance",
             self.max_pending_region_requests_per_instance,
-            ">= 1",
+            "1..=4096",
         )?;
         check(
-            self.max_region_bytes >= PAGE_SIZE_ALIGN_BYTES,
+            (PAGE_SIZE_ALIGN_BYTES..=MAX_REGION_BYTES_CEILING).contains(&self.max_region_bytes),
             "max_region_bytes",
             self.max_region_bytes,
-            ">= 4096",
+            "4096..=2^48",
         )?;
         check(
             self.max_pinned_keys_per_session >= 1,
             "max_pinned_keys_per_session",
             self.max_pinned_keys_per_session,
             ">= 1",
+        )?;
+        check(
+            (1..=MAX_PINNED_ENTRIES_CEILING).contains(&self.max_pinned_entries),
+            "max_pinned_entries",
+            self.max_pinned_entries,
+            "1..=2^32-1",
         )?;
         check(
             !self.session_lease.is_zero(),

@@ -136,6 +136,13 @@ pub enum DirectoryError {
     PinLimit { index: usize, max: u32 },
     #[error("session would hold pins on more than {max} distinct keys")]
     SessionPinLimit { max: usize },
+    /// All sessions together would hold pins on more than `max`
+    /// (session, key) pairs (`max_pinned_entries`): a temporary refusal,
+    /// gone as pins are released.
+    #[error(
+        "the directory's sessions would hold pins on more than {max} (session, key) pairs; retry once pins are released"
+    )]
+    PinnedEntryLimit { max: usize },
     #[error(
         "instance {instance} has {pending} unacknowledged freed-page notices; this delete would exceed the limit of {max}"
     )]

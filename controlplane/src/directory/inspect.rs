@@ -11,6 +11,7 @@ use foldhash::fast::FixedState;
 use super::Directory;
 use super::keys::NIL;
 use super::keys::mix;
+use super::pin_ledger;
 use super::regions::Owner;
 use super::stats::{DirectoryStats, InstanceStats, LongHeldPin, LongHeldPins, OpStats, PoolStats};
 use super::types::{InstanceId, Layout, Location, OpKind, RegionDescriptor, SessionId, Time};
@@ -242,6 +243,12 @@ impl Directory {
         }
     }
 
+    /// Bytes the sessions' pin ledgers hold (16 a bucket): bounded through
+    /// `max_pinned_entries` (`DirectoryConfig`).
+    pub fn pin_ledger_bytes(&self) -> u64 {
+        self.totals.ledger_buckets * pin_ledger::BUCKET_BYTES
+    }
+
     /// One key, read without a session and without touching anything (admin
     /// tools, tests, the simulation).
     pub fn inspect_key(&self, layout: &Layout, key: &[u8]) -> Option<KeyInfo> {
@@ -469,7 +476,10 @@ impl Directory {
         // Pins.
         let mut pins_by_entry: HashMap<u32, u64, FixedState> = HashMap::default();
         let mut pin_total = 0u64;
+        let (mut pin_entries, mut ledger_buckets) = (0u64, 0u64);
         for (sid, s) in &self.sessions {
+            pin_entries += s.pins.len() as u64;
+            ledger_buckets += s.pins.buckets() as u64;
             let mut sum = 0u64;
             for (es, held) in s.pins.iter() {
                 ensure!(held.count > 0, "session {sid}: empty ledger entry");
@@ -511,6 +521,18 @@ impl Directory {
         }
         ensure!(pin_total == self.totals.pins, "pin total drifted");
         ensure!(
+            pin_entries == self.totals.pin_entries,
+            "pinned (session, key) pair count drifted"
+        );
+        ensure!(
+            ledger_buckets == self.totals.ledger_buckets,
+            "pin ledger bucket count drifted"
+        );
+        ensure!(
+            pin_entries <= self.config.max_pinned_entries as u64,
+            "{pin_entries} pinned (session, key) pairs, over the limit"
+        );
+        ensure!(
             pinned_keys == self.totals.pinned_keys,
             "pinned key count drifted"
         );
@@ -522,6 +544,14 @@ impl Directory {
             ensure!(
                 lru.iter_from_least_recent().count() == lru.len(),
                 "LRU list and count disagree"
+            );
+            ensure!(
+                lru.resume().is_none_or(|s| lru.is_linked(s)),
+                "LRU resume point names an unlinked slot"
+            );
+            ensure!(
+                self.lru_evicting || lru.resume().is_none(),
+                "LRU resume point set outside an eviction round"
             );
         }
 
@@ -698,6 +728,7 @@ impl Directory {
             .as_ref()
             .map(|l| l.iter_from_least_recent().collect())
             .unwrap_or_default();
+        let lru_resume = self.lru.as_ref().and_then(|l| l.resume());
         // Live entries only: where stale ones sit is not state.
         let orphans: Vec<_> = self
             .orphans
@@ -710,7 +741,7 @@ impl Directory {
             (
                 7u8,
                 &layouts,
-                &lru,
+                (&lru, lru_resume),
                 &orphans,
                 self.next_session,
                 self.next_deferred,

@@ -573,6 +573,8 @@ impl Directory {
         for (slot, held) in session.pins.iter() {
             self.release_pins(slot, held.count);
         }
+        self.totals.pin_entries -= session.pins.len() as u64;
+        self.totals.ledger_buckets -= session.pins.buckets() as u64;
         let inst = self.instance_mut(session.instance);
         inst.sessions.retain(|s| *s != id);
         let empty = inst.sessions.is_empty();

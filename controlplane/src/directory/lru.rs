@@ -6,6 +6,16 @@
 //! key unlinks it and releasing its last pin links it at the most-recent end,
 //! so the least-recent end is always evictable: eviction, touch, link and
 //! unlink are each O(1), with no skipping over pinned keys.
+//!
+//! Eviction may still pass over a key (its owner can take no more freed-page
+//! notices). Such a key keeps its place — moving it to the most-recent end
+//! would rank a stalled owner's cold keys above everyone's recently used
+//! ones — and the list keeps a *resume point*: the next scan of the same
+//! eviction round starts there instead of walking over the same keys
+//! again. Every key less recent than the resume point was passed over in
+//! this round (keys are only ever linked at the most-recent end); unlinking
+//! the resume point moves it to its more recent neighbour, so it always
+//! names a linked slot or none.
 
 use super::keys::NIL;
 
@@ -28,6 +38,8 @@ pub(crate) struct Lru {
     /// Least recently used.
     tail: u32,
     len: usize,
+    /// Where the next eviction scan starts ([`NIL`]: at `tail`).
+    resume: u32,
 }
 
 impl Lru {
@@ -37,6 +49,7 @@ impl Lru {
             head: NIL,
             tail: NIL,
             len: 0,
+            resume: NIL,
         }
     }
 
@@ -80,6 +93,9 @@ impl Lru {
         }
         self.links[slot as usize] = UNLINKED;
         self.len -= 1;
+        if self.resume == slot {
+            self.resume = prev;
+        }
     }
 
     /// Moves a linked `slot` to the most-recent end.
@@ -90,9 +106,43 @@ impl Lru {
         }
     }
 
-    /// The least recently used slot.
+    /// The least recently used slot (tests).
+    #[cfg(test)]
     pub fn least_recent(&self) -> Option<u32> {
         (self.tail != NIL).then_some(self.tail)
+    }
+
+    /// Where an eviction scan starts: the resume point, or the least
+    /// recently used slot.
+    pub fn scan_start(&self) -> Option<u32> {
+        let start = if self.resume != NIL {
+            self.resume
+        } else {
+            self.tail
+        };
+        (start != NIL).then_some(start)
+    }
+
+    /// The next more recently used slot after a linked `slot`.
+    pub fn more_recent(&self, slot: u32) -> Option<u32> {
+        debug_assert!(self.is_linked(slot), "slot {slot} not linked");
+        let prev = self.links[slot as usize].prev;
+        (prev != NIL).then_some(prev)
+    }
+
+    /// Sets where the next scan starts: a linked slot, or `None` for the
+    /// least recently used one.
+    pub fn set_resume(&mut self, slot: Option<u32>) {
+        debug_assert!(
+            slot.is_none_or(|s| self.is_linked(s)),
+            "resume at an unlinked slot"
+        );
+        self.resume = slot.unwrap_or(NIL);
+    }
+
+    /// The resume point, if set (checks and the state digest).
+    pub fn resume(&self) -> Option<u32> {
+        (self.resume != NIL).then_some(self.resume)
     }
 
     pub fn is_linked(&self, slot: u32) -> bool {
@@ -138,5 +188,29 @@ mod tests {
         lru.unlink(3);
         assert_eq!(lru.least_recent(), None);
         assert!(!lru.is_linked(3));
+    }
+
+    #[test]
+    fn the_resume_point_moves_to_the_more_recent_neighbour_when_unlinked() {
+        let mut lru = Lru::new();
+        for s in 0..4 {
+            lru.link_front(s);
+        }
+        // Least to most recent: 0 1 2 3.
+        assert_eq!(lru.scan_start(), Some(0));
+        lru.set_resume(Some(1));
+        assert_eq!(lru.scan_start(), Some(1));
+        lru.touch(1);
+        assert_eq!(lru.resume(), Some(2), "touched away: its neighbour");
+        lru.unlink(2);
+        assert_eq!(lru.resume(), Some(3));
+        assert_eq!(lru.more_recent(3), Some(1));
+        lru.touch(3);
+        assert_eq!(lru.resume(), Some(1));
+        lru.unlink(1);
+        assert_eq!(lru.resume(), Some(3), "the most recent");
+        lru.unlink(3);
+        assert_eq!(lru.resume(), None, "past the most recent: start over");
+        assert_eq!(lru.scan_start(), Some(0));
     }
 }

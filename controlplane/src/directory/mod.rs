@@ -48,7 +48,10 @@
 //!   nothing); `delete` → `Deleted | Pinned | Missing`. Anyone may delete.
 //! - **Pins belong to a session**, with no expiry of their own: they are
 //!   released when the session ends (connection closed, lease expired, admin
-//!   `end_session`). Pins held longer than `long_held_pin` are reported.
+//!   `end_session`). Pins held longer than `long_held_pin` are reported. A
+//!   session pins at most `max_pinned_keys_per_session` distinct keys, and
+//!   all sessions together at most `max_pinned_entries` (session, key)
+//!   pairs: a pinning lookup that could cross either is refused whole.
 //! - **Regions.** Requested for an instance and a layout; the grant carries
 //!   the token. When an owner is gone, each of its regions with no keys is
 //!   freed at once, the others when their last key is deleted; their keys stay
@@ -65,7 +68,7 @@
 //!   actually takes from the pool). Orphaned keys are evicted, region by
 //!   region, oldest orphan first, while the pools are above a watermark
 //!   (default on); an optional LRU evicts the least recently used unpinned key
-//!   in O(1). A pinned key is never evicted.
+//!   in O(1), under the same pool watermarks. A pinned key is never evicted.
 //! - **Usage piggyback.** Every reply to an instance carries its owned and
 //!   used bytes and the pools' free bytes.
 //! - **Restart.** State is in memory. A restarted directory is built with
@@ -126,7 +129,8 @@ use layouts::LayoutTable;
 
 pub use config::{
     ConfigError, DirectoryConfig, EvictionConfig, MAX_BATCH_CEILING, MAX_INSTANCE_ID_BYTES,
-    MAX_KEY_BYTES, MAX_KEYS_CEILING, MAX_PAGE_SIZE_BYTES, MAX_PINS_PER_KEY, MAX_SEQUENCE,
+    MAX_KEY_BYTES, MAX_KEYS_CEILING, MAX_PAGE_SIZE_BYTES, MAX_PENDING_REGION_REQUESTS_CEILING,
+    MAX_PINNED_ENTRIES_CEILING, MAX_PINS_PER_KEY, MAX_REGION_BYTES_CEILING, MAX_SEQUENCE,
     PAGE_SIZE_ALIGN_BYTES,
 };
 pub use error::{DirectoryError, RejectReason};
@@ -247,6 +251,11 @@ struct Totals {
     key_bytes: u64,
     pins: u64,
     pinned_keys: u64,
+    /// (session, key) pairs with pins held: the sessions' ledger lengths
+    /// summed (bounded by `max_pinned_entries`).
+    pin_entries: u64,
+    /// The sessions' ledger buckets summed (`pin_ledger`).
+    ledger_buckets: u64,
     /// Bytes of all region records held (owned or orphaned).
     region_bytes: u64,
 }
@@ -573,6 +582,35 @@ mod tests {
             ..DirectoryConfig::default()
         };
         assert!(bad.validate().is_err());
+    }
+
+    /// Found by a review of the directory: `max_region_bytes` had no upper
+    /// bound, so an instance's pending region bytes (summed unchecked)
+    /// could overflow.
+    #[test]
+    fn region_sizes_and_pending_requests_are_capped_so_byte_counts_cannot_overflow() {
+        let with = |max_region_bytes, pending| DirectoryConfig {
+            max_region_bytes,
+            max_pending_region_requests_per_instance: pending,
+            ..DirectoryConfig::default()
+        };
+        let err = with(u64::MAX, 16).validate().unwrap_err();
+        assert!(err.to_string().contains("max_region_bytes"), "{err}");
+        assert!(with(MAX_REGION_BYTES_CEILING + 1, 16).validate().is_err());
+        with(
+            MAX_REGION_BYTES_CEILING,
+            MAX_PENDING_REGION_REQUESTS_CEILING,
+        )
+        .validate()
+        .unwrap();
+        let err = with(1 << 40, MAX_PENDING_REGION_REQUESTS_CEILING + 1)
+            .validate()
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("max_pending_region_requests_per_instance"),
+            "{err}"
+        );
     }
 
     #[test]

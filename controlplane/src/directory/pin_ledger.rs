@@ -19,11 +19,14 @@
 //! to pin cannot choose slots that all land in one run. The load stays at most 1/2: an
 //! insert probes 1.5 buckets on average, a miss 2.5.
 //!
-//! Memory: 16 bytes per bucket, so 32–64 bytes per key pinned at the
-//! session's peak. Like the map it replaced, a ledger keeps its largest size
-//! until the session ends (shrinking as it empties would make a session that
-//! pins and unpins whole batches rebuild it on every call); the session's
-//! pinned-key limit (`max_pinned_keys_per_session`) bounds it.
+//! Memory: 16 bytes per bucket, so 32–64 bytes per key pinned while the
+//! ledger grows. A ledger keeps its size as it empties (shrinking on every
+//! unpin would make a session that pins and unpins whole batches rebuild it
+//! on every call); the directory rebuilds a thinned-out ledger to fit
+//! ([`PinLedger::shrink_to_fit`]) only when all ledgers together are over
+//! their budget, and never below [`MIN_KEPT_BUCKETS`]. The session's
+//! pinned-key limit (`max_pinned_keys_per_session`) bounds one ledger, the
+//! directory-wide `max_pinned_entries` all of them (`DirectoryConfig`).
 //!
 //! Measured in one process (`examples/directory_batch --op lookup_pin`,
 //! 64 Ki keys, `docs/benchmarks.md` session 11): a lookup taking one pin on
@@ -44,6 +47,18 @@ pub(crate) struct HeldPin {
 const EMPTY: u32 = NIL;
 /// Buckets of a ledger's first allocation.
 const MIN_BUCKETS: usize = 16;
+/// Bytes of one bucket: its slot, count and time.
+pub(crate) const BUCKET_BYTES: u64 =
+    (size_of::<u32>() + size_of::<u32>() + size_of::<Time>()) as u64;
+/// A ledger is never shrunk below this many buckets (16 KiB, room for 512
+/// keys): a session pinning and unpinning batches of up to 512 keys never
+/// rebuilds its ledger.
+pub(crate) const MIN_KEPT_BUCKETS: usize = 1024;
+
+const _: () = assert!(
+    BUCKET_BYTES == 16,
+    "the memory figures in the docs assume 16"
+);
 
 #[derive(Debug)]
 pub(crate) struct PinLedger {
@@ -76,6 +91,29 @@ impl PinLedger {
     /// Keys with pins held.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Buckets allocated (16 bytes each).
+    pub fn buckets(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether the ledger is thin: more than [`MIN_KEPT_BUCKETS`] buckets,
+    /// fewer than one key held per 8 (a ledger that grew holds at least one
+    /// per 4).
+    pub fn is_thin(&self) -> bool {
+        self.slots.len() > MIN_KEPT_BUCKETS && self.len * 8 < self.slots.len()
+    }
+
+    /// Rebuilds a thin ledger at the smallest power of two of at least 4
+    /// buckets per key held (load 1/4, as right after a growth), and at
+    /// least [`MIN_KEPT_BUCKETS`]. Costs one pass over the old buckets,
+    /// paid for by the unpins that thinned it (at least 3/8 of its buckets'
+    /// worth since it last grew or shrank).
+    pub fn shrink_to_fit(&mut self) {
+        debug_assert!(self.is_thin(), "only a thin ledger is shrunk");
+        let buckets = (self.len * 4).next_power_of_two().max(MIN_KEPT_BUCKETS);
+        self.rebuild(buckets);
     }
 
     #[inline]
@@ -192,7 +230,13 @@ impl PinLedger {
 
     /// Twice the buckets (16 at first), every entry placed again.
     fn grow(&mut self) {
-        let buckets = (self.slots.len() * 2).max(MIN_BUCKETS);
+        self.rebuild((self.slots.len() * 2).max(MIN_BUCKETS));
+    }
+
+    /// `buckets` buckets (a power of two, at least twice the keys held),
+    /// every entry placed again.
+    fn rebuild(&mut self, buckets: usize) {
+        debug_assert!(buckets.is_power_of_two() && buckets >= self.len * 2);
         let slots = std::mem::replace(&mut self.slots, vec![EMPTY; buckets]);
         let counts = std::mem::replace(&mut self.counts, vec![0; buckets]);
         let since = std::mem::replace(&mut self.since, vec![Time::ZERO; buckets]);
@@ -205,9 +249,11 @@ impl PinLedger {
         }
     }
 
-    /// Every key with pins held, in no particular order.
+    /// Every key with pins held, in no particular order (an empty ledger's
+    /// buckets are not walked).
     pub fn iter(&self) -> impl Iterator<Item = (u32, HeldPin)> + '_ {
-        self.slots
+        let buckets = if self.len == 0 { 0 } else { self.slots.len() };
+        self.slots[..buckets]
             .iter()
             .zip(&self.counts)
             .zip(&self.since)
@@ -272,6 +318,41 @@ mod tests {
             assert_eq!(l.get(s).map(|h| h.since), Some(t(u64::from(s))), "slot {s}");
         }
         assert_eq!(l.len(), 4);
+    }
+
+    #[test]
+    fn a_thin_ledger_shrinks_to_fit_and_keeps_every_entry() {
+        let mut l = PinLedger::new(0x9E37_79B9);
+        for s in 0..2000 {
+            l.take(s, 1, t(u64::from(s)));
+        }
+        assert_eq!(l.buckets(), 4096);
+        for s in 0..1900 {
+            assert!(l.release(s, 1));
+        }
+        assert!(l.is_thin(), "100 keys in 4096 buckets");
+        l.shrink_to_fit();
+        assert_eq!(l.buckets(), MIN_KEPT_BUCKETS, "never below the floor");
+        assert!(!l.is_thin());
+        assert_eq!(l.len(), 100);
+        for s in 1900..2000 {
+            assert_eq!(l.get(s).map(|h| h.since), Some(t(u64::from(s))), "slot {s}");
+        }
+        for s in 0..1900 {
+            assert_eq!(l.get(s), None);
+        }
+        // Above the floor it keeps 4 buckets per key.
+        for s in 2000..2500 {
+            l.take(s, 1, t(0));
+        }
+        assert_eq!(l.buckets(), 2048);
+        for s in 1900..2250 {
+            assert!(l.release(s, 1));
+        }
+        assert!(l.is_thin(), "250 keys in 2048 buckets");
+        l.shrink_to_fit();
+        assert_eq!((l.buckets(), l.len()), (1024, 250));
+        assert_eq!(l.iter().count(), 250);
     }
 
     #[derive(Debug, Clone)]

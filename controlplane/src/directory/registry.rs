@@ -260,6 +260,12 @@ impl Directory {
                 max: self.config.max_pinned_keys_per_session,
             });
         }
+        // Like the session's own limit, every key named counts as a new
+        // (session, key) pair: no second pass over the ledger to tell.
+        let max_entries = self.config.max_pinned_entries;
+        if self.totals.pin_entries + n as u64 > max_entries as u64 {
+            return Err(DirectoryError::PinnedEntryLimit { max: max_entries });
+        }
         let most = u64::from(pins) * n as u64;
         // No key holds more pins than all keys together: when even the
         // total leaves room, the per-key pass (one more read of every
@@ -282,6 +288,7 @@ impl Directory {
             .sessions
             .get_mut(&session_id)
             .expect("invariant: enter() checked the session");
+        let ledger_before = (session.pins.len(), session.pins.buckets());
         let mut reply = LookupReply {
             locations: Vec::with_capacity(n),
             regions: Vec::new(),
@@ -321,6 +328,9 @@ impl Directory {
             }));
         }
         self.totals.pins += u64::from(pins) * hits;
+        // A ledger only grows here.
+        self.totals.pin_entries += (session.pins.len() - ledger_before.0) as u64;
+        self.totals.ledger_buckets += (session.pins.buckets() - ledger_before.1) as u64;
         let o = &mut self.counters.outcomes;
         o.lookup_hits += hits;
         o.lookup_misses += misses;
@@ -508,6 +518,7 @@ impl Directory {
             .sessions
             .get_mut(&caller.session)
             .expect("invariant: enter() checked the session");
+        let ledger_before = (session.pins.len(), session.pins.buckets());
         let (mut unpinned, mut not_pinned) = (0u64, 0u64);
         for (&es, e) in self.scratch_slots.iter().zip(entries) {
             if es == NIL || !session.pins.release(es, e.count) {
@@ -527,6 +538,18 @@ impl Directory {
             unpinned += 1;
             outcomes.push(UnpinOutcome::Unpinned);
         }
+        // A ledger left thin is rebuilt to fit while the ledgers together
+        // are over their budget. Only an unpin thins a ledger, so every
+        // ledger still thin was left so while all of them were within the
+        // budget: together they stay within it plus what their pins need
+        // (`DirectoryConfig::max_pinned_entries`).
+        let budget = 2 * self.config.max_pinned_entries as u64;
+        if self.totals.ledger_buckets > budget && session.pins.is_thin() {
+            session.pins.shrink_to_fit();
+        }
+        // A ledger only shrinks here.
+        self.totals.pin_entries -= (ledger_before.0 - session.pins.len()) as u64;
+        self.totals.ledger_buckets -= (ledger_before.1 - session.pins.buckets()) as u64;
         self.counters.outcomes.unpinned += unpinned;
         self.counters.outcomes.not_pinned += not_pinned;
         self.record(slot, caller, seq, fp, CachedBody::Unpin(outcomes.clone()));
@@ -824,8 +847,27 @@ impl Directory {
     }
 
     /// Consults the reply window for a mutating request. `Ok(Some(reply))`:
-    /// a retry, answered from the cache; `Ok(None)`: run it.
+    /// a retry, answered from the cache (counted in `retries_answered`);
+    /// `Ok(None)`: run it.
     pub(super) fn replay<T>(
+        &mut self,
+        slot: u32,
+        caller: &Caller,
+        seq: Sequence,
+        fp: Fingerprint,
+        extract: impl FnOnce(&CachedBody) -> Option<T>,
+    ) -> Result<Option<Reply<T>>, DirectoryError> {
+        let retried = self.replay_uncounted(slot, caller, seq, fp, extract)?;
+        if retried.is_some() {
+            self.counters.outcomes.retries_answered += 1;
+        }
+        Ok(retried)
+    }
+
+    /// [`replay`](Self::replay) for a caller that may still refuse the
+    /// retry it found (a region request whose waiters are full): it counts
+    /// the retry in `retries_answered` itself once it answers it.
+    pub(super) fn replay_uncounted<T>(
         &mut self,
         slot: u32,
         caller: &Caller,
@@ -864,7 +906,6 @@ impl Directory {
             _ => {}
         }
         let body = body?;
-        self.counters.outcomes.retries_answered += 1;
         Ok(Some(self.reply(slot, body)))
     }
 

@@ -909,6 +909,7 @@ impl Client {
             | E::RegionAllocationFailed { .. }
             | E::InstanceGone
             | E::SessionPinLimit { .. }
+            | E::PinnedEntryLimit { .. }
             | E::PinLimit { .. }
             | E::KeyLimit { .. } => {
                 let op = self.complete(lid, ctx.now);
