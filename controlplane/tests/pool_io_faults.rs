@@ -112,6 +112,8 @@ fn a_failed_journal_commit_poisons_the_store_and_a_restart_recovers_the_acknowle
         // Bytes 12..16 of the acknowledged seq written, not its checksum:
         // a header torn by the failure, recovered without its claim.
         (IoSite::JournalHeader, 16, libc::ENOSPC, false),
+        // The claim written, its sync failed: no record written yet.
+        (IoSite::JournalHeaderSync, 0, libc::EIO, false),
         (IoSite::JournalRecords, 0, libc::ENOSPC, false),
         // Half the record: a torn tail, cut.
         (IoSite::JournalRecords, 20, libc::ENOSPC, false),
@@ -245,6 +247,7 @@ fn a_storage_failure_stops_the_pool_service_and_the_restart_serves_what_was_ackn
     // makes the names file append first), whether its region may come
     // back).
     let cases = [
+        (IoSite::JournalHeaderSync, 0, libc::EIO, "inst-a", false),
         (IoSite::JournalRecords, 0, libc::ENOSPC, "inst-a", false),
         (IoSite::JournalSync, 0, libc::EIO, "inst-a", true),
         (IoSite::NamesAppend, 0, libc::ENOSPC, "inst-new", false),

@@ -596,6 +596,119 @@ fn a_journal_cut_before_its_acknowledged_records_refuses_to_start() {
     );
 }
 
+/// Found by a review of the commit path (reliability entry 97). Under
+/// entry 40's threat model a sector being written when the power fails may
+/// tear. Commit N+1's records' write starts at the end of commit N, inside
+/// the sector holding N's last bytes, so a power loss during its sync can
+/// damage N — acknowledged. Recovery must then refuse, and it can only if
+/// a header slot on disk claims N.
+///
+/// The crash is taken from what the commit actually did, not assumed:
+/// commit N+1 is stopped where its records' write starts (an injected
+/// failure, so nothing of it is written), and the file is taken as of the
+/// last sync that ran — the header as commit N+1 wrote it if a sync
+/// followed that write, else as it was after commit N (a write not yet
+/// synced may be lost, and the crash keeps the worst case). The 512-byte
+/// sector holding the end of N is then overwritten with garbage (the tear).
+/// With the claim written in the records' sync (the order before the fix)
+/// no sync runs before the records' write, the slots claim N-1 at most,
+/// and recovery took the damage for a torn tail and returned `Ok` without
+/// commit N — this test failed so. With the claim synced first it claims
+/// N, and recovery refuses (`AcknowledgedLost`), changing nothing.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_torn_sector_of_an_acknowledged_commit_refuses_rather_than_cutting_it() {
+    use cxlkv_controlplane::pool::io_faults::{IoFaults, IoSite};
+    const SECTOR: usize = 512;
+    let dir = shm_dir("torn-sector");
+    let path = dir.path().join(JOURNAL_FILE);
+    let (mut r, _) = store_with_regions(dir.path(), 0);
+    let faults = IoFaults::new();
+    r.store.set_io_faults(faults.clone());
+    let c = caller(1);
+    // Commit N: one allocation (one record) per commit, until a record
+    // crosses into a sector and ends inside it — that sector holds no byte
+    // of an earlier commit, and commit N+1's write starts inside it.
+    let (n_start, n_end) = (0..64)
+        .find_map(|i| {
+            let start = r.store.journal_ref().len_bytes() as usize;
+            pool_support::call(&mut r, &c, pool_support::alloc_request(i), 0).unwrap();
+            let end = r.store.journal_ref().len_bytes() as usize;
+            (start / SECTOR != (end - 1) / SECTOR && !end.is_multiple_of(SECTOR))
+                .then_some((start, end))
+        })
+        .expect("an allocation record crosses a sector boundary");
+    let seq_n = r.store.journal_ref().committed_seq();
+    let after_n = fs::read(&path).unwrap();
+    assert_eq!(after_n.len(), n_end);
+
+    // Commit N+1, stopped where its records' write starts.
+    let syncs = || faults.calls(IoSite::JournalHeaderSync) + faults.calls(IoSite::JournalSync);
+    let synced_before = syncs();
+    faults.fail(IoSite::JournalRecords, 1, libc::EIO);
+    let reply = r.manager.handle(
+        &c,
+        pool_support::alloc_request(1_000),
+        MonotonicMs(0),
+        r.store.journal(),
+    );
+    assert!(matches!(reply, Ok(Reply::Allocated(_))), "{reply:?}");
+    r.store
+        .commit()
+        .expect_err("commit N+1 stops at its records' write");
+    let written = fs::read(&path).unwrap();
+    drop(r);
+    assert_eq!(written.len(), n_end, "no record of commit N+1 was written");
+    let mut image = if syncs() > synced_before {
+        written
+    } else {
+        after_n
+    };
+
+    // The sector holding the end of commit N torn: garbage (the file
+    // reaching the sector's end, as commit N+1's write made it).
+    let sector = (n_end - 1) / SECTOR * SECTOR;
+    image.resize(sector + SECTOR, 0);
+    let mut x: u32 = 0x9e37_79b9;
+    for b in &mut image[sector..] {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        *b = x as u8;
+    }
+    let copy = crashed_copy(dir.path(), &image, image.len());
+    match PoolStore::open(
+        copy.path(),
+        StoreConfig::default(),
+        Default::default(),
+        MonotonicMs(0),
+    ) {
+        Ok(back) => panic!(
+            "recovery took the torn sector for a torn tail and cut acknowledged commit N (seq {seq_n}): replayed {}, dropped {:?}",
+            back.report.scan.replayed, back.report.dropped
+        ),
+        Err(e) => assert!(
+            matches!(
+                e,
+                StoreError::Journal(JournalError::AcknowledgedLost {
+                    offset_bytes,
+                    acknowledged_seq,
+                    last_seq,
+                    ..
+                }) if offset_bytes == n_start as u64
+                    && acknowledged_seq == seq_n
+                    && last_seq == seq_n - 1
+            ),
+            "{e}"
+        ),
+    }
+    assert_eq!(
+        fs::read(copy.path().join(JOURNAL_FILE)).unwrap(),
+        image,
+        "nothing was cut"
+    );
+}
+
 #[test]
 fn a_crc_valid_record_this_build_does_not_know_refuses_to_start_and_is_kept() {
     let dir = shm_dir("unknown-kind");

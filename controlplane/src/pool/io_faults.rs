@@ -36,9 +36,12 @@ use std::os::unix::fs::FileExt;
 pub enum IoSite {
     /// The journal's file header, rewritten by a commit (acknowledged seq).
     JournalHeader,
+    /// The `fdatasync` that makes a commit's header write durable before
+    /// its records are written.
+    JournalHeaderSync,
     /// A commit's records, appended to the journal.
     JournalRecords,
-    /// A commit's `fdatasync`.
+    /// The `fdatasync` of a commit's records.
     JournalSync,
     /// Emptying the journal after a checkpoint (truncate and sync).
     JournalRestart,

@@ -16,14 +16,32 @@
 //! 28      4   CRC32C of [0, 28)
 //! ```
 //!
-//! The acknowledged seq is written by every commit that raises it, in the
-//! same sync as its records, with the last seq of the commits before it:
-//! those were synced, so their replies may have left. Commits write the
-//! two slots in turn, so a write torn by a power loss damages one slot
-//! only (its checksum fails) and the other still holds the claim of an
-//! earlier commit; recovery takes the highest claim of the slots whose
-//! checksum holds. Neither write can damage a record: a device that does
-//! not write a sector atomically tears only the sector written.
+//! The acknowledged seq is written by every commit that raises it, with the
+//! last seq of the commits before it: those were synced, so their replies
+//! may have left. Commits write the two slots in turn, so a slot write torn
+//! by a power loss damages that slot only (its checksum fails) and the
+//! other still holds the claim of an earlier commit; recovery takes the
+//! highest claim of the slots whose checksum holds. No slot write can
+//! damage a record: a device that does not write a sector atomically tears
+//! only the sector written.
+//!
+//! A commit's records' write can, though. It starts at the end of the
+//! commit before, usually inside the sector — and the page, which
+//! write-back rewrites whole — that holds that commit's last records,
+//! acknowledged; a power loss during its sync can tear that sector. So the
+//! claim is written and synced *before* the records, in a sync of its own:
+//! were it in theirs, it could be lost while the tear landed (one sync does
+//! not order its pages), and recovery would find the damage above the
+//! older claim, take it for the torn tail of the last commit and cut an
+//! acknowledged one, its byte ranges handed out again. With the claim
+//! durable first, damage any commit's write does to the records before it
+//! is at or below the claim, and recovery refuses. A commit is thus two
+//! syncs, one when the claim already covers every committed record (the
+//! first commit after recovery, which wrote that claim). The claim's sync
+//! is not skipped when the records start on a 4096-byte boundary: that
+//! would save it for about one commit in 512, and whether such a write
+//! shares no page with acknowledged bytes depends on the kernel's page and
+//! the file system's block size, which the journal does not know.
 //!
 //! Format 1 (before December 2026) had one slot at offset 0 and records
 //! from offset 32, so every header write rewrote the sector of the first
@@ -36,9 +54,10 @@
 //! next sequence number — no I/O, no allocation once the buffer has grown to
 //! its working size. [`Journal::commit`] writes the whole pending buffer
 //! with one positioned write at the end of the committed data and one
-//! `fdatasync`. Calling it after every request gives per-record durability;
+//! `fdatasync` (after the claim's write and sync, above). Calling it after
+//! every request gives per-record durability;
 //! calling it once for the records of several requests is group commit (one
-//! sync, then all their replies released). Only after `commit` returns are
+//! commit, then all their replies released). Only after `commit` returns are
 //! the records *committed*. A failed write or sync poisons the journal: every
 //! later commit fails, and the driver must stop (after a failed `fsync` the
 //! kernel may have dropped the dirty pages, so retrying proves nothing).
@@ -587,23 +606,23 @@ impl Journal {
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&path)
                 .map_err(io_err("open", &path))?;
-            recovery_step(RecoveryStep::Records);
+            write_step(WriteStep::Records);
             file.write_all_at(kept, records_start)
                 .map_err(io_err("rewrite", &path))?;
             if end_bytes != len_bytes {
-                recovery_step(RecoveryStep::Truncate);
+                write_step(WriteStep::Truncate);
                 file.set_len(end_bytes).map_err(io_err("truncate", &path))?;
             }
-            recovery_step(RecoveryStep::Sync);
+            write_step(WriteStep::Sync);
             file.sync_all().map_err(io_err("fsync", &path))?;
             let slot = report.next_header_slot;
-            recovery_step(RecoveryStep::Header);
+            write_step(WriteStep::Header);
             file.write_all_at(
                 &header_slot(JOURNAL_FORMAT_VERSION, acknowledged),
                 JOURNAL_SLOT_OFFSETS[slot] as u64,
             )
             .map_err(io_err("rewrite the header of", &path))?;
-            recovery_step(RecoveryStep::Sync);
+            write_step(WriteStep::Sync);
             file.sync_data().map_err(io_err("fsync", &path))?;
             (file, 1 - slot)
         } else {
@@ -619,7 +638,7 @@ impl Journal {
             let mut whole = Vec::with_capacity(JOURNAL_HEADER_BYTES + kept.len());
             whole.extend_from_slice(&file_header_acknowledging(acknowledged));
             whole.extend_from_slice(kept);
-            recovery_step(RecoveryStep::Records);
+            write_step(WriteStep::Records);
             replace_atomically(dir, &whole)?;
             end_bytes = whole.len() as u64;
             let file = OpenOptions::new()
@@ -659,7 +678,9 @@ impl Journal {
     }
 
     /// Writes and syncs every pending record (one `pwrite`, one
-    /// `fdatasync`). See the module essay for the failure rule.
+    /// `fdatasync`), after writing and syncing the header's claim on the
+    /// commits before when it advances. See the module essay for why that
+    /// order, and for the failure rule.
     pub fn commit(&mut self) -> Result<CommitReport, JournalError> {
         if self.poisoned {
             return Err(JournalError::Poisoned {
@@ -675,42 +696,58 @@ impl Journal {
             return Ok(report);
         }
         // Every record before this commit was synced by an earlier one: say
-        // so in the header, in this commit's sync (module essay).
+        // so in the header, durably, before the records' write — which
+        // rewrites the sector holding the last of them — can tear it
+        // (module essay).
         let acknowledged = self.committed_seq();
-        let header = (acknowledged != self.header_acknowledged_seq)
-            .then(|| header_slot(JOURNAL_FORMAT_VERSION, acknowledged));
-        let slot_at = JOURNAL_SLOT_OFFSETS[self.next_header_slot] as u64;
-        let f = &self.faults;
-        let written = header
-            .map_or(Ok(()), |h| {
-                f.write_all_at(IoSite::JournalHeader, &self.file, &h, slot_at)
-            })
-            .and_then(|()| {
-                f.write_all_at(
-                    IoSite::JournalRecords,
-                    &self.file,
-                    &self.pending,
-                    self.end_bytes,
-                )
-            })
-            .and_then(|()| f.op(IoSite::JournalSync, || self.file.sync_data()));
-        if let Err(source) = written {
-            self.poisoned = true;
-            return Err(JournalError::Io {
-                op: "append to",
-                path: self.path.clone(),
-                source,
-            });
-        }
-        if header.is_some() {
+        if acknowledged != self.header_acknowledged_seq {
+            let slot = header_slot(JOURNAL_FORMAT_VERSION, acknowledged);
+            let slot_at = JOURNAL_SLOT_OFFSETS[self.next_header_slot] as u64;
+            write_step(WriteStep::Header);
+            let claimed = self
+                .faults
+                .write_all_at(IoSite::JournalHeader, &self.file, &slot, slot_at)
+                .and_then(|()| {
+                    write_step(WriteStep::Sync);
+                    self.faults
+                        .op(IoSite::JournalHeaderSync, || self.file.sync_data())
+                });
+            self.fail_stop("write the header of", claimed)?;
             self.header_acknowledged_seq = acknowledged;
             self.next_header_slot = 1 - self.next_header_slot;
         }
+        write_step(WriteStep::Records);
+        let written = self
+            .faults
+            .write_all_at(
+                IoSite::JournalRecords,
+                &self.file,
+                &self.pending,
+                self.end_bytes,
+            )
+            .and_then(|()| {
+                write_step(WriteStep::Sync);
+                self.faults
+                    .op(IoSite::JournalSync, || self.file.sync_data())
+            });
+        self.fail_stop("append to", written)?;
         self.end_bytes += self.pending.len() as u64;
         self.records_since_checkpoint += self.pending_records as u64;
         self.pending.clear();
         self.pending_records = 0;
         Ok(report)
+    }
+
+    /// Poisons the journal if `done` failed (fail-stop: module essay).
+    fn fail_stop(&mut self, op: &'static str, done: io::Result<()>) -> Result<(), JournalError> {
+        done.map_err(|source| {
+            self.poisoned = true;
+            JournalError::Io {
+                op,
+                path: self.path.clone(),
+                source,
+            }
+        })
     }
 
     /// Records pushed and not yet committed.
@@ -810,11 +847,12 @@ fn replace_atomically(dir: &Path, contents: &[u8]) -> Result<(), JournalError> {
     fsync_dir(dir).map_err(io_err("fsync", dir))
 }
 
-/// The steps of a recovery's rewrite, in the order they ran on this thread
-/// (tests only: the order is what keeps a header from claiming records
-/// that are not on disk).
+/// The writes and syncs of a recovery's rewrite or a commit, in the order
+/// they ran on this thread (tests only: the order is what keeps a header
+/// from claiming records that are not on disk, and a commit's write from
+/// tearing records no durable claim covers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RecoveryStep {
+enum WriteStep {
     Records,
     Truncate,
     Sync,
@@ -823,13 +861,13 @@ enum RecoveryStep {
 
 #[cfg(test)]
 thread_local! {
-    static RECOVERY_STEPS: std::cell::RefCell<Vec<RecoveryStep>> =
+    static WRITE_STEPS: std::cell::RefCell<Vec<WriteStep>> =
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
-fn recovery_step(_step: RecoveryStep) {
+fn write_step(_step: WriteStep) {
     #[cfg(test)]
-    RECOVERY_STEPS.with(|s| s.borrow_mut().push(_step));
+    WRITE_STEPS.with(|s| s.borrow_mut().push(_step));
 }
 
 /// Keeps a dropped tail next to the journal, under a name no other file
@@ -1127,21 +1165,21 @@ mod tests {
     fn recovery_syncs_the_records_it_keeps_before_a_header_claims_them() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(JOURNAL_FILE), image(&[1, 2, 3])).unwrap();
-        RECOVERY_STEPS.with(|s| s.borrow_mut().clear());
+        WRITE_STEPS.with(|s| s.borrow_mut().clear());
         let (_, report, _) = recover_dir(dir.path());
         assert_eq!(report.next_seq, 4);
-        let steps = RECOVERY_STEPS.with(|s| s.take());
+        let steps = WRITE_STEPS.with(|s| s.take());
         let header = steps
             .iter()
-            .position(|&s| s == RecoveryStep::Header)
+            .position(|&s| s == WriteStep::Header)
             .expect("the header is written");
-        let records = steps.iter().position(|&s| s == RecoveryStep::Records);
-        let sync = steps.iter().position(|&s| s == RecoveryStep::Sync);
+        let records = steps.iter().position(|&s| s == WriteStep::Records);
+        let sync = steps.iter().position(|&s| s == WriteStep::Sync);
         assert!(
             records < sync && sync < Some(header),
             "records written and synced before the header: {steps:?}"
         );
-        assert_eq!(steps.last(), Some(&RecoveryStep::Sync), "{steps:?}");
+        assert_eq!(steps.last(), Some(&WriteStep::Sync), "{steps:?}");
         // The claim is on disk now, in the slot the scan chose.
         let img = std::fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
         let claims: Vec<_> = JOURNAL_SLOT_OFFSETS
@@ -1149,6 +1187,41 @@ mod tests {
             .map(|&at| slot_claim(&img[at..at + JOURNAL_SLOT_BYTES], 2))
             .collect();
         assert_eq!(claims, vec![Some(0), Some(3)]);
+    }
+
+    /// Found by a review of the commit path (reliability entry 97): a
+    /// commit wrote the claim on the commits before it and its own records
+    /// in one sync, and the records' write rewrites the sector holding the
+    /// last acknowledged records — a power loss could tear that sector while
+    /// the claim did not land, and recovery cut the acknowledged commit as a
+    /// torn tail. The claim is synced before the records are written now; a
+    /// commit whose claim is on disk already (the first after recovery)
+    /// writes only its records.
+    #[test]
+    fn a_commit_syncs_its_claim_before_writing_its_records() {
+        use WriteStep::{Header, Records, Sync};
+        let dir = tempfile::tempdir().unwrap();
+        let (mut j, _, _) = recover_dir(dir.path());
+        let mut steps_of_commit = |region| {
+            WRITE_STEPS.with(|s| s.borrow_mut().clear());
+            j.push_record(&Record::Freed {
+                region: RegionId(region),
+            });
+            j.commit().unwrap();
+            WRITE_STEPS.with(|s| s.take())
+        };
+        assert_eq!(
+            steps_of_commit(1),
+            vec![Records, Sync],
+            "recovery's claim covers every committed record"
+        );
+        for region in 2..=4 {
+            assert_eq!(
+                steps_of_commit(region),
+                vec![Header, Sync, Records, Sync],
+                "commit {region}: the claim synced before the records are written"
+            );
+        }
     }
 
     /// Commits write the two slots in turn, so a torn write of one leaves

@@ -181,7 +181,8 @@ impl Counters {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CoreStats {
     pub requests: u64,
-    /// Journal commits (each one `fdatasync`).
+    /// Journal commits (each one `fdatasync`, or two when it advances the
+    /// journal header's claim).
     pub commits: u64,
     /// Journal records committed.
     pub records: u64,
