@@ -577,23 +577,19 @@ fn a_pinning_lookup_crossing_the_directory_wide_pin_limit_is_refused_and_changes
             .map(|i| i.pins_held)
             .collect()
     };
+    // One pin on each of `keys`, as `caller`'s request `seq`.
+    let pin_one = |w: &mut World, caller: &Caller, seq, keys: &[&[u8]]| {
+        let now = w.now;
+        w.dir
+            .lookup(caller, Some(seq), L, keys.iter().copied(), 1, now)
+    };
     let (totals, digest, held) = (w.dir.totals(), w.dir.state_digest(), pins_held(&mut w));
     assert_eq!((totals.pins, held.clone()), (12, vec![4, 8, 0]));
 
     // c's three keys would make eleven pairs: refused, nothing pinned, not
     // even the two that would have fitted.
     let seq = c.seq();
-    let err = w
-        .dir
-        .lookup(
-            &c.caller(),
-            Some(seq),
-            L,
-            refs[5..8].iter().copied(),
-            1,
-            w.now,
-        )
-        .unwrap_err();
+    let err = pin_one(&mut w, &c.caller(), seq, &refs[5..8]).unwrap_err();
     assert_eq!(err, DirectoryError::PinnedEntryLimit { max: 10 });
     assert_eq!(w.dir.totals(), totals);
     assert_eq!(w.dir.state_digest(), digest, "every ledger as it was");
@@ -601,17 +597,7 @@ fn a_pinning_lookup_crossing_the_directory_wide_pin_limit_is_refused_and_changes
     // A key a session already pins counts too: a second pin by a on one of
     // its own keys and two new ones is refused the same way.
     let seq_a = a.seq();
-    let err = w
-        .dir
-        .lookup(
-            &a.caller(),
-            Some(seq_a),
-            L,
-            [refs[0], refs[6], refs[7]],
-            1,
-            w.now,
-        )
-        .unwrap_err();
+    let err = pin_one(&mut w, &a.caller(), seq_a, &[refs[0], refs[6], refs[7]]).unwrap_err();
     assert_eq!(err, DirectoryError::PinnedEntryLimit { max: 10 });
     assert_eq!(w.dir.state_digest(), digest);
     w.dir.check_invariants().unwrap();
@@ -624,33 +610,14 @@ fn a_pinning_lookup_crossing_the_directory_wide_pin_limit_is_refused_and_changes
         w.unpin(&mut a, &[(refs[0], 1), (refs[1], 1)]),
         vec![UnpinOutcome::Unpinned; 2]
     );
-    let err = w
-        .dir
-        .lookup(
-            &c.caller(),
-            Some(seq),
-            L,
-            refs[5..8].iter().copied(),
-            1,
-            w.now,
-        )
-        .unwrap_err();
+    let err = pin_one(&mut w, &c.caller(), seq, &refs[5..8]).unwrap_err();
     assert_eq!(
         err,
         DirectoryError::PinnedEntryLimit { max: 10 },
         "8 + 3 > 10"
     );
     w.dir.session_closed(b.session, w.now);
-    let found = w
-        .dir
-        .lookup(
-            &c.caller(),
-            Some(seq),
-            L,
-            refs[5..8].iter().copied(),
-            1,
-            w.now,
-        )
+    let found = pin_one(&mut w, &c.caller(), seq, &refs[5..8])
         .unwrap()
         .body
         .locations;

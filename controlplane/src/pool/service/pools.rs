@@ -965,34 +965,42 @@ impl KernelCopy {
 mod tests {
     use super::*;
 
-    /// The device header path's zero scan (on a tmpfs mapping, as a device
-    /// is mapped): a byte anywhere in the range, also past the first chunk,
-    /// makes it non-zero; bytes outside do not.
-    #[test]
-    fn a_device_blocks_zero_scan_sees_every_byte_of_its_range_and_no_other() {
+    const ALIGN: u64 = 2 << 20;
+
+    /// A one-block pool file under `/dev/shm` and its header block mapped
+    /// as a device's is: (its directory, its path, the mapping).
+    fn tmpfs_header_block(prefix: &str) -> (tempfile::TempDir, PathBuf, MappedRegion) {
         let dir = tempfile::Builder::new()
-            .prefix("cxlkv-devzero-")
+            .prefix(prefix)
             .tempdir_in("/dev/shm")
             .unwrap();
-        let align = 2 << 20;
-        let backing = backing::open(
-            dir.path().join("pool"),
-            &backing::OpenOptions::new().create_size_bytes(align),
-        )
-        .unwrap();
-        // SAFETY: this test is the only user of the file and the mapping,
-        // accessed by `read_shared`/`write_shared` only.
+        let path = dir.path().join("pool");
+        let backing =
+            backing::open(&path, &backing::OpenOptions::new().create_size_bytes(ALIGN)).unwrap();
+        // SAFETY: each test is the only user of its file and mapping, and
+        // says how it touches the block.
         let block = unsafe {
             MappedRegion::map(
                 &*backing,
                 HEADER_BLOCK_REGION,
-                Extent::new(0, align),
+                Extent::new(0, ALIGN),
                 Populate::Eager,
                 &MapObservers::new(),
             )
         }
         .unwrap();
-        let len = align as usize;
+        (dir, path, block)
+    }
+
+    /// The device header path's zero scan (on a tmpfs mapping, as a device
+    /// is mapped): a byte anywhere in the range, also past the first chunk,
+    /// makes it non-zero; bytes outside do not.
+    #[test]
+    fn a_device_blocks_zero_scan_sees_every_byte_of_its_range_and_no_other() {
+        // The test is the only user of the mapping, accessed by
+        // `read_shared`/`write_shared` only.
+        let (_dir, _path, block) = tmpfs_header_block("cxlkv-devzero-");
+        let len = ALIGN as usize;
         for mode in [Visibility::Coherent, Visibility::Flush] {
             assert!(device_zero_between(&block, HEADER_BYTES, len, mode).unwrap());
             let at = HEADER_BYTES + (200 << 10) + 3;
@@ -1013,27 +1021,10 @@ mod tests {
     /// process would be `SIGBUS`), and the pipe is left empty for the next.
     #[test]
     fn a_kernel_copy_into_a_truncated_mapping_is_an_error_not_a_signal() {
-        let dir = tempfile::Builder::new()
-            .prefix("cxlkv-kcopy-")
-            .tempdir_in("/dev/shm")
-            .unwrap();
-        let path = dir.path().join("pool");
-        let align = 2 << 20;
-        let backing =
-            backing::open(&path, &backing::OpenOptions::new().create_size_bytes(align)).unwrap();
-        // SAFETY: this test is the only user of the file and of the mapping;
-        // after the truncation below the mapping is touched by the kernel
+        // After the truncation below the mapping is touched by the kernel
         // only (`KernelCopy`), never by this process.
-        let block = unsafe {
-            MappedRegion::map(
-                &*backing,
-                HEADER_BLOCK_REGION,
-                Extent::new(0, align),
-                Populate::Eager,
-                &MapObservers::new(),
-            )
-        }
-        .unwrap();
+        let (_dir, path, block) = tmpfs_header_block("cxlkv-kcopy-");
+        let align = ALIGN;
         let copy = KernelCopy::new().unwrap();
         let file = File::open(&path).unwrap();
         let write = |src: &[u8]| {
