@@ -49,7 +49,11 @@ class Server:
             [
                 cxlkv_binary(), "serve",
                 "--socket", self.socket,
-                "--pool", f"{self.pool},size=256MiB",
+                # Room for every test's regions: a closed test client's
+                # regions that still hold keys stay until orphan eviction
+                # (a tick, above the watermark) frees them, and the suite
+                # opens a client per test (tmpfs: only bytes written cost).
+                "--pool", f"{self.pool},size=1GiB",
                 "--state-dir", os.path.join(self.dir, "state"),
                 "--lease-ms", str(session_lease_ms),
                 "--grace-ms", "300",
