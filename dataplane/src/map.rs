@@ -426,20 +426,14 @@ impl MappedRegion {
         dst: &mut [u8],
         mode: crate::visibility::Visibility,
     ) -> Result<(), MapError> {
-        let end = offset
-            .checked_add(dst.len())
-            .filter(|&end| end <= self.len_bytes)
-            .ok_or(MapError::LenExceedsPage {
-                len_bytes: offset.saturating_add(dst.len()),
-                page_size_bytes: self.len_bytes,
-            })?;
-        let start = self.base.as_ptr() as usize + offset;
-        crate::visibility::acquire_addresses(mode, start, end - offset);
+        let start = self.shared_range(offset, dst.len())?;
+        crate::visibility::acquire_addresses(mode, start, dst.len());
         for (i, b) in dst.iter_mut().enumerate() {
-            // SAFETY: `offset + i < end <= len_bytes`, so the byte lies in
-            // this live mapping; a volatile load of a `u8` has no alignment
-            // requirement, and forms no reference another process's
-            // concurrent writes could invalidate.
+            // SAFETY: `offset + i < offset + dst.len() <= len_bytes`
+            // (`shared_range`), so the byte lies in this live mapping; a
+            // volatile load of a `u8` has no alignment requirement, and
+            // forms no reference another process's concurrent writes could
+            // invalidate.
             *b = unsafe { std::ptr::read_volatile(self.base.as_ptr().add(offset + i)) };
         }
         Ok(())
@@ -462,23 +456,30 @@ impl MappedRegion {
         src: &[u8],
         mode: crate::visibility::Visibility,
     ) -> Result<(), MapError> {
-        let end = offset
-            .checked_add(src.len())
-            .filter(|&end| end <= self.len_bytes)
-            .ok_or(MapError::LenExceedsPage {
-                len_bytes: offset.saturating_add(src.len()),
-                page_size_bytes: self.len_bytes,
-            })?;
+        let start = self.shared_range(offset, src.len())?;
         for (i, &b) in src.iter().enumerate() {
-            // SAFETY: `offset + i < end <= len_bytes`, so the byte lies in
-            // this live mapping; a volatile store of a `u8` has no alignment
-            // requirement, and the caller guarantees no reference of this
-            // process covers it.
+            // SAFETY: `offset + i < offset + src.len() <= len_bytes`
+            // (`shared_range`), so the byte lies in this live mapping; a
+            // volatile store of a `u8` has no alignment requirement, and
+            // the caller guarantees no reference of this process covers it.
             unsafe { std::ptr::write_volatile(self.base.as_ptr().add(offset + i), b) };
         }
-        let start = self.base.as_ptr() as usize + offset;
-        crate::visibility::publish_addresses(mode, start, end - offset);
+        crate::visibility::publish_addresses(mode, start, src.len());
         Ok(())
+    }
+
+    /// The address of the `len` bytes at `offset`, after checking they lie
+    /// in the mapping ([`read_shared`](Self::read_shared),
+    /// [`write_shared`](Self::write_shared)).
+    fn shared_range(&self, offset: usize, len: usize) -> Result<usize, MapError> {
+        offset
+            .checked_add(len)
+            .filter(|&end| end <= self.len_bytes)
+            .ok_or(MapError::LenExceedsPage {
+                len_bytes: offset.saturating_add(len),
+                page_size_bytes: self.len_bytes,
+            })?;
+        Ok(self.base.as_ptr() as usize + offset)
     }
 
     /// How many whole pages of `page_size_bytes` the region holds (≥ 1).

@@ -382,12 +382,7 @@ pub(crate) fn acquire_addresses(mode: Visibility, start: usize, len: usize) {
     match ops.kind {
         OpsKind::FenceOnly => fence(Ordering::Acquire),
         OpsKind::Lines { evict, .. } => {
-            if evict != LineFlush::Unsupported && len > 0 {
-                let first = start & !(CACHE_LINE_BYTES - 1);
-                for line in (first..start + len).step_by(CACHE_LINE_BYTES) {
-                    flush_line(evict, line);
-                }
-            }
+            flush_addresses(evict, start, len);
             full_fence();
         }
     }
@@ -404,14 +399,21 @@ pub(crate) fn publish_addresses(mode: Visibility, start: usize, len: usize) {
             store_fence();
         }
         OpsKind::Lines { write_back, .. } => {
-            if write_back != LineFlush::Unsupported && len > 0 {
-                let first = start & !(CACHE_LINE_BYTES - 1);
-                for line in (first..start + len).step_by(CACHE_LINE_BYTES) {
-                    flush_line(write_back, line);
-                }
-            }
+            flush_addresses(write_back, start, len);
             store_fence();
         }
+    }
+}
+
+/// Applies `op` to every cache line holding one of the `len` bytes at
+/// address `start` (none when `len` is 0).
+fn flush_addresses(op: LineFlush, start: usize, len: usize) {
+    if op == LineFlush::Unsupported || len == 0 {
+        return;
+    }
+    let first = start & !(CACHE_LINE_BYTES - 1);
+    for line in (first..start + len).step_by(CACHE_LINE_BYTES) {
+        flush_line(op, line);
     }
 }
 
