@@ -279,9 +279,18 @@ impl MapObserver for Recorder {
 #[test]
 fn observers_see_every_mapping_and_eager_map_maps_peers_at_connect() {
     let server = start_server("e2e-observers");
-    let writer = Client::connect(client_config(&server)).unwrap();
+    let own = Arc::new(Recorder::default());
+    let writer = Client::connect_with_observers(
+        client_config(&server),
+        vec![own.clone() as Arc<dyn MapObserver>],
+    )
+    .unwrap();
     let wl = writer.layout(PAGE, FINGERPRINT).unwrap();
     wl.put(b"k", &chunk(9, 4096)).unwrap();
+    assert!(
+        own.mapped.lock().iter().all(|i| i.writable),
+        "a client's own regions are mapped writable"
+    );
 
     let recorder = Arc::new(Recorder::default());
     let mut cfg = client_config(&server);
@@ -300,6 +309,10 @@ fn observers_see_every_mapping_and_eager_map_maps_peers_at_connect() {
     );
     let info = recorder.mapped.lock()[0];
     assert_eq!(info.region, RegionId(g.location().region));
+    assert!(
+        !info.writable,
+        "a peer's region is mapped read-only: a stray write faults"
+    );
     let addr = g.as_ptr() as usize;
     assert!(addr >= info.base_addr && addr + g.len() <= info.base_addr + info.len_bytes);
     drop(g);

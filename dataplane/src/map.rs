@@ -67,7 +67,10 @@
 //!   the range is unmapped right after;
 //! - bytes reached through it obey the same rules as views:
 //!   [`MappedRegion::map`]'s contract for reads, [`MappedRegion::page_mut`]'s
-//!   (the exclusive right to the page, from the allocator) for writes;
+//!   (the exclusive right to the page, from the allocator) for writes —
+//!   and only a writable mapping can be written at all: a peer's region is
+//!   mapped read-only ([`Access::ReadOnly`], [`MapInfo::writable`] false),
+//!   where a stray write faults;
 //! - only bytes inside `base .. base + len_bytes` may be touched, and no Rust
 //!   reference may be made from it that outlives the mapping or overlaps a
 //!   live [`PageViewMut`].
@@ -92,6 +95,21 @@ pub enum Populate {
     Lazy,
 }
 
+/// What the process may do with a mapping's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Read and write (owned regions, the pool manager's header block).
+    ReadWrite,
+    /// Read only (`PROT_READ`): a peer's region, or a header a client only
+    /// reads. A stray write through any pointer into it — a bug in an
+    /// engine holding a C address, say — faults (`SIGSEGV`) instead of
+    /// corrupting another instance's published pages; [`MappedRegion::page_mut`]
+    /// and [`MappedRegion::write_shared`] refuse it with [`MapError::ReadOnly`].
+    /// Reading under `Visibility::Flush` still works: `clflushopt` is checked
+    /// as a load.
+    ReadOnly,
+}
+
 /// At most this many observers per list: each one runs on every map and unmap.
 pub const MAX_MAP_OBSERVERS: usize = 64;
 
@@ -107,6 +125,10 @@ pub struct MapInfo {
     /// the map types", with the contract in the module docs.
     pub base_addr: usize,
     pub len_bytes: usize,
+    /// False for a read-only mapping ([`Access::ReadOnly`], a peer's
+    /// region): a device registration of it must say so (e.g.
+    /// `cudaHostRegisterReadOnly`), since the pages cannot be written.
+    pub writable: bool,
 }
 
 /// Told when a region is mapped and before it is unmapped.
@@ -218,6 +240,10 @@ pub enum MapError {
     },
     #[error("at most {limit} map observers can be registered")]
     TooManyObservers { limit: usize },
+    #[error("region {region} is mapped read-only (a peer's region): it cannot be written")]
+    ReadOnly { region: RegionId },
+    #[error("a read-only mapping of region {region} cannot be populated for writing")]
+    PopulateReadOnly { region: RegionId },
 }
 
 /// A `MAP_SHARED` mapping of one region of a pool; unmapped on drop.
@@ -227,6 +253,8 @@ pub struct MappedRegion {
     region: RegionId,
     extent: Extent,
     kind: BackingKind,
+    /// Mapped `PROT_READ | PROT_WRITE` (else `PROT_READ` only).
+    writable: bool,
     /// The observers whose `on_map` ran, in order; exactly these get
     /// `before_unmap`.
     notified: Vec<Arc<dyn MapObserver>>,
@@ -248,6 +276,7 @@ impl fmt::Debug for MappedRegion {
             .field("region", &self.region)
             .field("extent", &self.extent)
             .field("kind", &self.kind)
+            .field("writable", &self.writable)
             .field("observers", &self.notified.len())
             .finish_non_exhaustive()
     }
@@ -276,17 +305,76 @@ impl MappedRegion {
         populate: Populate,
         observers: &MapObservers,
     ) -> Result<Self, MapError> {
+        // SAFETY: the caller's contract is `map_with`'s.
+        unsafe {
+            Self::map_with(
+                backing,
+                region,
+                extent,
+                populate,
+                Access::ReadWrite,
+                observers,
+            )
+        }
+    }
+
+    /// Maps `extent` of `backing` as region `region` for reading only
+    /// ([`Access::ReadOnly`], pages faulted in on first read), then tells
+    /// every observer (with `writable: false`).
+    ///
+    /// # Safety
+    ///
+    /// As for [`MappedRegion::map`]: no byte of the extent is written (by
+    /// any process) while a [`PageView`] of it exists.
+    pub unsafe fn map_read_only(
+        backing: &dyn Backing,
+        region: RegionId,
+        extent: Extent,
+        observers: &MapObservers,
+    ) -> Result<Self, MapError> {
+        // SAFETY: the caller's contract is `map_with`'s.
+        unsafe {
+            Self::map_with(
+                backing,
+                region,
+                extent,
+                Populate::Lazy,
+                Access::ReadOnly,
+                observers,
+            )
+        }
+    }
+
+    /// [`MappedRegion::map`] with the access chosen; `Populate::Eager`
+    /// faults pages in for writing, so it needs `Access::ReadWrite`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`MappedRegion::map`].
+    pub unsafe fn map_with(
+        backing: &dyn Backing,
+        region: RegionId,
+        extent: Extent,
+        populate: Populate,
+        access: Access,
+        observers: &MapObservers,
+    ) -> Result<Self, MapError> {
+        if populate == Populate::Eager && access == Access::ReadOnly {
+            return Err(MapError::PopulateReadOnly { region });
+        }
         backing.check_extent(extent)?;
         let too_large = || MapError::TooLarge { region, extent };
         let len_bytes = usize::try_from(extent.len_bytes).map_err(|_| too_large())?;
         let offset = libc::off_t::try_from(extent.offset_bytes).map_err(|_| too_large())?;
         let fd = std::os::fd::AsRawFd::as_raw_fd(&backing.fd());
-        let base = mmap_shared(len_bytes, 0, fd, offset).map_err(|source| MapError::Mmap {
-            region,
-            extent,
-            path: backing.path().to_owned(),
-            source,
-        })?;
+        let writable = access == Access::ReadWrite;
+        let base =
+            mmap_shared(len_bytes, writable, 0, fd, offset).map_err(|source| MapError::Mmap {
+                region,
+                extent,
+                path: backing.path().to_owned(),
+                source,
+            })?;
         // From here on, `mapped`'s drop unmaps on every error path.
         let mut mapped = Self {
             base,
@@ -294,6 +382,7 @@ impl MappedRegion {
             region,
             extent,
             kind: backing.kind(),
+            writable,
             notified: Vec::new(),
         };
         if mapped.kind == BackingKind::Tmpfs {
@@ -359,14 +448,13 @@ impl MappedRegion {
         // the first, which nothing refers to yet. (Not MAP_FIXED over the old
         // range: a failed MAP_FIXED may leave a hole that another thread's
         // mmap could fill before our drop unmapped it.)
-        let fresh =
-            mmap_shared(self.len_bytes, libc::MAP_POPULATE, fd, offset).map_err(|source| {
-                MapError::Populate {
-                    region: self.region,
-                    extent: self.extent,
-                    source,
-                }
-            })?;
+        let fresh = mmap_shared(self.len_bytes, true, libc::MAP_POPULATE, fd, offset).map_err(
+            |source| MapError::Populate {
+                region: self.region,
+                extent: self.extent,
+                source,
+            },
+        )?;
         let old = std::mem::replace(&mut self.base, fresh);
         // SAFETY: `old` is our previous mapping of `len_bytes`; no view or
         // observer knows its address, and `self` now owns `fresh` instead.
@@ -402,6 +490,23 @@ impl MappedRegion {
             extent: self.extent,
             base_addr: self.base.as_ptr() as usize,
             len_bytes: self.len_bytes,
+            writable: self.writable,
+        }
+    }
+
+    /// False for a read-only mapping ([`Access::ReadOnly`]).
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Refuses a write to a read-only mapping.
+    fn check_writable(&self) -> Result<(), MapError> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(MapError::ReadOnly {
+                region: self.region,
+            })
         }
     }
 
@@ -456,6 +561,7 @@ impl MappedRegion {
         src: &[u8],
         mode: crate::visibility::Visibility,
     ) -> Result<(), MapError> {
+        self.check_writable()?;
         let start = self.shared_range(offset, src.len())?;
         for (i, &b) in src.iter().enumerate() {
             // SAFETY: `offset + i < offset + src.len() <= len_bytes`
@@ -533,6 +639,7 @@ impl MappedRegion {
         index: PageIndex,
         len_bytes: usize,
     ) -> Result<PageViewMut<'_>, MapError> {
+        self.check_writable()?;
         let start = self.page_start(page_size_bytes, index, len_bytes)?;
         // SAFETY: `page_start` proved the range lies in our live mapping,
         // which the returned lifetime borrows; the caller guarantees that no
@@ -592,10 +699,12 @@ impl MappedRegion {
     }
 }
 
-/// A new read-write `MAP_SHARED` mapping of `len_bytes` of `fd` at `offset`,
-/// placed by the kernel, with `extra_flags` (e.g. `MAP_POPULATE`).
+/// A new `MAP_SHARED` mapping of `len_bytes` of `fd` at `offset`, placed by
+/// the kernel, read-write or read-only, with `extra_flags` (e.g.
+/// `MAP_POPULATE`).
 fn mmap_shared(
     len_bytes: usize,
+    writable: bool,
     extra_flags: libc::c_int,
     fd: libc::c_int,
     offset: libc::off_t,
@@ -607,7 +716,11 @@ fn mmap_shared(
         libc::mmap(
             std::ptr::null_mut(),
             len_bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
+            if writable {
+                libc::PROT_READ | libc::PROT_WRITE
+            } else {
+                libc::PROT_READ
+            },
             libc::MAP_SHARED | extra_flags,
             fd,
             offset,
@@ -741,6 +854,139 @@ mod tests {
         // SAFETY: each test writes a page only through one view at a time and
         // never truncates its pool file while mapped.
         unsafe { MappedRegion::map(backing, RegionId(region), extent, populate, observers) }
+    }
+
+    #[test]
+    fn a_read_only_mapping_reads_what_a_writer_published_and_refuses_every_write() {
+        let (_path, backing) = pool("read-only", 4 * MIB);
+        let observers = MapObservers::new();
+        let recorder = Arc::new(Recorder::default());
+        observers.register(recorder.clone()).expect("register");
+        let writer = map(
+            &*backing,
+            1,
+            Extent::new(0, 2 * MIB),
+            Populate::Eager,
+            &observers,
+        )
+        .expect("writer");
+        {
+            // SAFETY: no other view of page 1 exists while this one lives.
+            let mut page = unsafe { writer.page_mut(4096, PageIndex(1), 4) }.expect("page");
+            page.as_mut_bytes().copy_from_slice(b"peer");
+        }
+        // SAFETY: the writer is done with page 1 before this view is read.
+        let reader = unsafe {
+            MappedRegion::map_read_only(&*backing, RegionId(1), Extent::new(0, 2 * MIB), &observers)
+        }
+        .expect("reader");
+        assert!(writer.is_writable() && !reader.is_writable());
+        let told: Vec<bool> = recorder.take().iter().map(|(_, i)| i.writable).collect();
+        assert_eq!(
+            told,
+            vec![true, false],
+            "observers learn which mapping is read-only"
+        );
+        assert_eq!(
+            reader.page(4096, PageIndex(1), 4).expect("view").as_bytes(),
+            b"peer"
+        );
+        let mut shared = [0u8; 4];
+        reader
+            .read_shared(4096, &mut shared, crate::visibility::Visibility::Flush)
+            .expect("a read (clflushopt is checked as a load) works read-only");
+        assert_eq!(&shared, b"peer");
+
+        // SAFETY: refused before any byte is touched.
+        let err = unsafe { reader.page_mut(4096, PageIndex(1), 4) }.expect_err("read-only");
+        assert!(
+            matches!(
+                err,
+                MapError::ReadOnly {
+                    region: RegionId(1)
+                }
+            ),
+            "{err}"
+        );
+        // SAFETY: as above.
+        let err =
+            unsafe { reader.write_shared(4096, b"junk", crate::visibility::Visibility::Coherent) }
+                .expect_err("read-only");
+        assert!(matches!(err, MapError::ReadOnly { .. }), "{err}");
+        // SAFETY: refused before mapping.
+        let err = unsafe {
+            MappedRegion::map_with(
+                &*backing,
+                RegionId(2),
+                Extent::new(2 * MIB, 2 * MIB),
+                Populate::Eager,
+                Access::ReadOnly,
+                &observers,
+            )
+        }
+        .expect_err("eager population writes");
+        assert!(matches!(err, MapError::PopulateReadOnly { .. }), "{err}");
+        assert_eq!(
+            reader.page(4096, PageIndex(1), 4).expect("view").as_bytes(),
+            b"peer",
+            "nothing was written"
+        );
+    }
+
+    #[test]
+    fn a_stray_write_through_a_read_only_mappings_address_faults_instead_of_corrupting() {
+        let (_path, backing) = pool("read-only-fault", 2 * MIB);
+        let observers = MapObservers::new();
+        let writer = map(
+            &*backing,
+            1,
+            Extent::new(0, 2 * MIB),
+            Populate::Eager,
+            &observers,
+        )
+        .expect("writer");
+        {
+            // SAFETY: no other view of page 0 exists while this one lives.
+            let mut page = unsafe { writer.page_mut(4096, PageIndex(0), 4) }.expect("page");
+            page.as_mut_bytes().copy_from_slice(b"mine");
+        }
+        // SAFETY: nothing writes page 0 any more.
+        let reader = unsafe {
+            MappedRegion::map_read_only(&*backing, RegionId(1), Extent::new(0, 2 * MIB), &observers)
+        }
+        .expect("reader");
+        let addr = reader.ffi_base_ptr().cast_mut();
+        // SAFETY: the child only does async-signal-safe work (one store,
+        // then `_exit`); the parent waits for it.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // The engine's bug this guards against: a write through a
+            // peer's address. It must fault (SIGSEGV) before the exit.
+            // SAFETY: deliberately unsound in the child only, which dies.
+            unsafe {
+                // No core file for the expected fault.
+                let none = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                libc::setrlimit(libc::RLIMIT_CORE, &none);
+                std::ptr::write_volatile(addr, b'X');
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: `pid` is our child; `status` is a live out slot.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+            "the stray write must fault, status {status:#x}"
+        );
+        assert_eq!(
+            reader.page(4096, PageIndex(0), 4).expect("view").as_bytes(),
+            b"mine",
+            "the published bytes are intact"
+        );
     }
 
     #[test]

@@ -373,6 +373,10 @@ typedef struct cxlkv_map_info {
     // returns (e.g. for `cudaHostRegister` / `cudaHostUnregister`).
     void *base;
     uint64_t len_bytes;
+    // True for a peer's region, mapped read-only (`PROT_READ`): a write
+    // into it faults. A device registration must say so (with CUDA,
+    // `cudaHostRegisterReadOnly`). False for the client's own regions.
+    bool read_only;
 } cxlkv_map_info;
 
 // A region map or unmap callback. Runs on whichever thread maps or unmaps

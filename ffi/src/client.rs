@@ -75,6 +75,7 @@ impl CMapObserver {
             offset_bytes: info.extent.offset_bytes,
             base: std::ptr::without_provenance_mut(info.base_addr),
             len_bytes: info.len_bytes as u64,
+            read_only: !info.writable,
         };
         // SAFETY: a callback the caller registered for exactly this call,
         // with its own user data and a pointer to a live info struct.

@@ -63,6 +63,10 @@ pub struct cxlkv_map_info {
     /// returns (e.g. for `cudaHostRegister` / `cudaHostUnregister`).
     pub base: *mut c_void,
     pub len_bytes: u64,
+    /// True for a peer's region, mapped read-only (`PROT_READ`): a write
+    /// into it faults. A device registration must say so (with CUDA,
+    /// `cudaHostRegisterReadOnly`). False for the client's own regions.
+    pub read_only: bool,
 }
 
 /// A region map or unmap callback. Runs on whichever thread maps or unmaps

@@ -105,6 +105,7 @@ class MapInfo(Structure):
         ("offset_bytes", c_uint64),
         ("base", c_void_p),
         ("len_bytes", c_uint64),
+        ("read_only", c_bool),
     ]
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import inspect
 import operator
 import threading
 import weakref
@@ -777,7 +778,11 @@ class Client(_NotCopyable):
         first address). ``on_map(region_id, offset_bytes, base_address,
         len_bytes)`` and ``on_unmap(...)`` are told of every region mapped
         and unmapped (from any thread; exceptions in them are printed and
-        ignored). They run under the client's mapping locks, so they must
+        ignored). A callback that takes a ``read_only`` keyword (or
+        ``**kwargs``) is also told whether the mapping is read-only: peers'
+        regions are mapped ``PROT_READ`` (a write into them faults), so a
+        device registration of them must say so (CUDA:
+        ``cudaHostRegisterReadOnly``). They run under the client's mapping locks, so they must
         not call into cxlkv — no method of this or another client, layout,
         view, lease or tier, from the callback or a thread it waits for: a
         call that maps a region would deadlock. Other ``cxlkv_config``
@@ -1013,13 +1018,32 @@ class Client(_NotCopyable):
         return n.value
 
 
+def _takes_keyword(f: Callable, name: str) -> bool:
+    """Whether ``f`` accepts the keyword argument ``name`` (by name or
+    through ``**kwargs``); callables whose signature cannot be read do not."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == name and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+        for p in params
+    )
+
+
 def _map_fn(f: Optional[MapCallback], keep: list):
     if f is None:
         return N.MAP_FN()
 
+    wants_read_only = _takes_keyword(f, "read_only")
+
     def trampoline(_user_data, info):
         i = info.contents
-        f(i.region_id, i.offset_bytes, i.base or 0, i.len_bytes)
+        if wants_read_only:
+            f(i.region_id, i.offset_bytes, i.base or 0, i.len_bytes, read_only=bool(i.read_only))
+        else:
+            f(i.region_id, i.offset_bytes, i.base or 0, i.len_bytes)
 
     cb = N.MAP_FN(trampoline)
     keep.append(cb)

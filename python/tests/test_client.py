@@ -147,6 +147,30 @@ def test_map_callbacks_report_every_region_with_its_address(server, fingerprint)
     assert [u[0] for u in unmaps] == [region]
 
 
+def test_a_callback_taking_read_only_learns_that_peer_regions_are_mapped_read_only(server, fingerprint):
+    writer = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
+    wl = writer.layout(PAGE, fingerprint)
+    wl.put(b"ro", b"published")
+    seen = []
+    reader = cxlkv.Client.connect(
+        server.socket,
+        region_size_bytes=4 << 20,
+        on_map=lambda region, _off, _base, _len, read_only: seen.append((region, read_only)),
+    )
+    rl = reader.layout(PAGE, fingerprint)
+    rl.put(b"own", b"mine")
+    with rl.get(b"ro") as view:
+        peer = view.location.region_id
+    with rl.get(b"own") as view:
+        own = view.location.region_id
+    assert (peer, True) in seen, "the writer's region is read-only here"
+    assert (own, False) in seen, "the reader's own region is writable"
+    rl.close()
+    reader.close()
+    wl.close()
+    writer.close()
+
+
 def test_threads_share_one_client(layout):
     errors = []
 

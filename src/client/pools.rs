@@ -19,7 +19,7 @@ use cxlkv_controlplane::pool::header::{self, BlockState, HEADER_BYTES};
 use cxlkv_controlplane::proto::{self, PoolInfo, VisibilityMode};
 use cxlkv_dataplane::backing::{self, Backing, BackingKind, Extent, OpenOptions};
 use cxlkv_dataplane::ids::RegionId;
-use cxlkv_dataplane::map::{MapObservers, MappedRegion, Populate};
+use cxlkv_dataplane::map::{MapObservers, MappedRegion};
 use cxlkv_dataplane::visibility::{self, Visibility};
 
 use super::error::{ClientError, ErrorChain};
@@ -165,16 +165,9 @@ pub(crate) fn read_header_block(
     // forms no view of it (`read_shared` copies with volatile loads: the
     // manager may be rewriting a lease slot, and `decode` checksums the
     // copy, refusing a torn one) and is dropped before returning.
-    let map = unsafe {
-        MappedRegion::map(
-            backing,
-            RegionId(0),
-            extent,
-            Populate::Lazy,
-            &MapObservers::new(),
-        )
-    }
-    .map_err(std::io::Error::other)?;
+    let map =
+        unsafe { MappedRegion::map_read_only(backing, RegionId(0), extent, &MapObservers::new()) }
+            .map_err(std::io::Error::other)?;
     // The manager may be on another host: the header's lines are made
     // current first (on a device, `Flush` unless forced otherwise).
     map.read_shared(0, &mut block, visibility)

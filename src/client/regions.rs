@@ -148,7 +148,8 @@ pub(crate) fn map_owned(
     })
 }
 
-/// Maps a peer's region lazily (pages fault in as they are read).
+/// Maps a peer's region read-only and lazily (pages fault in as they are
+/// read).
 pub(crate) fn map_peer(
     pool: &Pool,
     desc: RegionDesc,
@@ -156,13 +157,14 @@ pub(crate) fn map_peer(
     stamp: u64,
 ) -> Result<PeerRegion, ClientError> {
     // SAFETY: as in `map_owned`: this client only reads peer pages through
-    // read guards holding a pin on a registered, published key.
+    // read guards holding a pin on a registered, published key. Read-only:
+    // a stray write into a peer's pages (an engine's bug through a C
+    // address) faults instead of corrupting what the peer published.
     let mapping = unsafe {
-        MappedRegion::map(
+        MappedRegion::map_read_only(
             pool.backing.as_ref(),
             desc.region_id(),
             extent_of(&desc),
-            Populate::Lazy,
             observers,
         )
     }?;

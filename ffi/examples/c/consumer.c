@@ -35,12 +35,13 @@ static size_t chunk_len(unsigned i) { return 4096u * (i % 4u + 1u) + i; }
 static uint8_t chunk_byte(unsigned i, size_t j) { return (uint8_t)(i * 31u + j * 7u); }
 
 /* Region map callback: an engine would register the range with its GPU
- * here (cudaHostRegister); this one counts. */
+ * here (cudaHostRegister; with cudaHostRegisterReadOnly when
+ * info->read_only, as for every peer's region); this one counts. */
 static void on_map(void *user_data, const cxlkv_map_info *info) {
     unsigned *mapped = user_data;
     (*mapped)++;
-    printf("consumer: mapped region %llu (%llu bytes)\n", (unsigned long long)info->region_id,
-           (unsigned long long)info->len_bytes);
+    printf("consumer: mapped region %llu (%llu bytes%s)\n", (unsigned long long)info->region_id,
+           (unsigned long long)info->len_bytes, info->read_only ? ", read-only" : "");
 }
 
 int main(int argc, char **argv) {
