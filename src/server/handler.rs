@@ -1045,6 +1045,9 @@ impl DirectoryHandler {
             regions_freed: o.regions_freed,
             regions_deferred: o.regions_deferred,
             notices_issued: o.notices_issued,
+            pinned_entries: st.pinned_entries,
+            max_pinned_entries: st.max_pinned_entries,
+            pin_ledger_bytes: st.pin_ledger_bytes,
         };
         let outcomes = proto::OutcomeTotals {
             inserted: o.inserted,
