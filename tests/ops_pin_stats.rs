@@ -4,7 +4,9 @@
 //! `DirectoryStats`, in `/metrics` (each family with its `# HELP` and
 //! `# TYPE`), and in `cxlkv stats` (human and `--json`); they follow the
 //! pins taken, fall back to 0 pairs when the pins are released, and to 0
-//! ledger bytes when the session ends.
+//! ledger bytes when the session ends. And `cxlkv stats --json` prints one
+//! compact JSON object on one line (JSON Lines), as log shippers and
+//! `jq -c` pipelines expect.
 
 mod client_support;
 
@@ -150,5 +152,32 @@ fn pinned_pairs_their_limit_and_ledger_bytes_are_reported_and_fall_back_to_zero(
     assert_eq!(
         t["pin_ledger_bytes"], 0,
         "the stats tool's own session pins nothing"
+    );
+}
+
+/// `cxlkv stats --json` is one JSON Lines record: the whole object on one
+/// line ending in a newline (it was pretty-printed over hundreds of lines,
+/// which `jq -c`-style line pipelines and log shippers split apart).
+#[test]
+fn stats_json_prints_one_compact_object_on_one_line() {
+    let server = start();
+    let socket = server.socket_path().to_str().unwrap().to_owned();
+    let out = cxlkv(&["stats", "--json", "--socket", &socket]);
+    let text = String::from_utf8(out.stdout).expect("UTF-8 on stdout");
+    let line = text
+        .strip_suffix('\n')
+        .unwrap_or_else(|| panic!("the output ends with a newline: {text:?}"));
+    assert!(
+        !line.contains('\n'),
+        "stats --json printed {} lines, not one JSON Lines record:\n{text}",
+        text.lines().count()
+    );
+    let v: Value = serde_json::from_str(line).expect("the line is one JSON value");
+    assert!(v["totals"].is_object(), "{line}");
+    assert!(
+        v["observer_instance"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("cxlkv-stats-")),
+        "{line}"
     );
 }

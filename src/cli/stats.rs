@@ -1,5 +1,6 @@
 //! `cxlkv stats`: one `Stats` request to a running server, printed as a
-//! human report or, with `--json`, as one JSON object.
+//! human report or, with `--json`, as one JSON object on one line (a JSON
+//! Lines record, as `cxlkv demo --json` and `cxlkv chaos --json` print).
 //!
 //! The tool is an ordinary client ([`Client::connect`] with no layout: it
 //! takes no region and registers nothing): it opens a session under the
@@ -90,8 +91,8 @@ impl ConnectArgs {
 pub struct StatsArgs {
     #[command(flatten)]
     pub connect: ConnectArgs,
-    /// Print one JSON object (every row the server returned) and nothing
-    /// else.
+    /// Print one JSON object (every row the server returned) on one line
+    /// and nothing else.
     #[arg(long)]
     pub json: bool,
     /// Rows printed per table in the human report.
@@ -109,7 +110,9 @@ pub fn run(args: &StatsArgs) -> anyhow::Result<()> {
         tracing::debug!(error = %e, "closing the stats session");
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        // Compact: one line per snapshot, for line-oriented consumers
+        // (`jq -c`, log shippers); `jq .` pretty-prints it.
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", render_text(&report, args.rows));
     }
