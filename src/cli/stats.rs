@@ -1,5 +1,6 @@
 //! `cxlkv stats`: one `Stats` request to a running server, printed as a
-//! human report or, with `--json`, as one JSON object.
+//! human report or, with `--json`, as one JSON object on one line (a JSON
+//! Lines record, as `cxlkv demo --json` and `cxlkv chaos --json` print).
 //!
 //! The tool is an ordinary client ([`Client::connect`] with no layout: it
 //! takes no region and registers nothing): it opens a session under the
@@ -90,8 +91,8 @@ impl ConnectArgs {
 pub struct StatsArgs {
     #[command(flatten)]
     pub connect: ConnectArgs,
-    /// Print one JSON object (every row the server returned) and nothing
-    /// else.
+    /// Print one JSON object (every row the server returned) on one line
+    /// and nothing else.
     #[arg(long)]
     pub json: bool,
     /// Rows printed per table in the human report.
@@ -109,7 +110,9 @@ pub fn run(args: &StatsArgs) -> anyhow::Result<()> {
         tracing::debug!(error = %e, "closing the stats session");
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        // Compact: one line per snapshot, for line-oriented consumers
+        // (`jq -c`, log shippers); `jq .` pretty-prints it.
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", render_text(&report, args.rows));
     }
@@ -154,6 +157,7 @@ mirror!(
         notices_pending, layouts, long_held_pins, evictions_orphan, evictions_lru,
         evictions_lru_skipped, sessions_expired, sessions_closed, sessions_ended, instances_gone,
         regions_granted, regions_returned, regions_freed, regions_deferred, notices_issued,
+        pinned_entries, max_pinned_entries, pin_ledger_bytes,
     }
 );
 
@@ -400,6 +404,14 @@ pub fn fill(size_bytes: u64, free_bytes: u64) -> f64 {
     (size_bytes.saturating_sub(free_bytes) as f64 / size_bytes as f64).clamp(0.0, 1.0)
 }
 
+/// `part` of `whole` as `12.5%`; `-` when `whole` is 0 (not reported).
+pub fn percent(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        return "-".to_owned();
+    }
+    format!("{:.1}%", part as f64 * 100.0 / whole as f64)
+}
+
 /// `1.5 GiB`, `512 B`: binary units, one decimal.
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -534,6 +546,14 @@ pub fn render_text(r: &Report, max_rows: usize) -> String {
         out,
         "  pins {} on {} keys; long-held (> {} ms) {}",
         t.pins, t.pinned_keys, r.long_pin_threshold_ms, t.long_held_pins
+    );
+    let _ = writeln!(
+        out,
+        "  pinned (session, key) pairs {} of {} ({}); pin ledgers {}",
+        t.pinned_entries,
+        t.max_pinned_entries,
+        percent(t.pinned_entries, t.max_pinned_entries),
+        human_bytes(t.pin_ledger_bytes)
     );
     let _ = writeln!(
         out,
@@ -800,6 +820,9 @@ pub(crate) mod tests {
         }];
         r.totals.pins = 6;
         r.totals.evictions_orphan = 7;
+        r.totals.pinned_entries = 3;
+        r.totals.max_pinned_entries = 1000;
+        r.totals.pin_ledger_bytes = 16 << 10;
         r
     }
 
@@ -816,6 +839,9 @@ pub(crate) mod tests {
         assert!((r.pools[0].fill - 0.25).abs() < 1e-9, "{}", r.pools[0].fill);
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["totals"]["evictions_orphan"], 7);
+        assert_eq!(json["totals"]["pinned_entries"], 3);
+        assert_eq!(json["totals"]["max_pinned_entries"], 1000);
+        assert_eq!(json["totals"]["pin_ledger_bytes"], 16 << 10);
         assert_eq!(json["instances"][0]["instance_id"], "engine-a");
     }
 
@@ -837,6 +863,7 @@ pub(crate) mod tests {
             "… 1 more",
             "evictions: orphan 7",
             "pins 6",
+            "pinned (session, key) pairs 3 of 1000 (0.3%); pin ledgers 16.0 KiB",
             "engine-b (gone)",
         ] {
             assert!(text.contains(needle), "{needle:?} missing from\n{text}");
@@ -852,5 +879,7 @@ pub(crate) mod tests {
         assert_eq!(human_ns(850), "850ns");
         assert_eq!(human_ns(12_500), "12.5µs");
         assert_eq!(human_ns(3_200_000), "3.2ms");
+        assert_eq!(percent(7, 1000), "0.7%");
+        assert_eq!(percent(0, 0), "-", "a limit not reported");
     }
 }

@@ -424,6 +424,13 @@ fn draw_pins(frame: &mut Frame, area: Rect, history: &History, r: &Report) {
     let lines = vec![
         Line::from(format!("pins {} on {} keys", t.pins, t.pinned_keys)),
         Line::from(format!(
+            "pinned pairs {} of {} ({}), ledgers {}",
+            t.pinned_entries,
+            t.max_pinned_entries,
+            super::stats::percent(t.pinned_entries, t.max_pinned_entries),
+            human_bytes(t.pin_ledger_bytes)
+        )),
+        Line::from(format!(
             "long-held (> {}s) {}",
             r.long_pin_threshold_ms / 1000,
             t.long_held_pins
@@ -658,6 +665,7 @@ mod tests {
             "engine-a",
             "cxlkv-stats-1",
             "pins 6 on",
+            "pinned pairs 3 of 1000 (0.3%), ledgers 16.0 KiB",
             "evictions orphan 7 (+0/s)",
         ] {
             assert!(text.contains(needle), "{needle:?} missing from\n{text}");

@@ -93,7 +93,7 @@ pub enum ClientError {
     RegionTableFull { region: RegionId },
 
     // --- the server ----------------------------------------------------------
-    #[error("{op}: server refused with {code_name} ({code}): {message}{}", limit_suffix(*limit))]
+    #[error("{op}: server refused with {code_name} ({code}): {message}{}", limit_suffix(message, *limit))]
     Server {
         op: &'static str,
         /// The wire error number (kept even when this build does not know it).
@@ -161,12 +161,23 @@ impl std::fmt::Display for ErrorChain<'_> {
     }
 }
 
-fn limit_suffix(limit: u64) -> String {
-    if limit == 0 {
+/// ` (limit N)` after a server's message, unless the limit is 0 (none) or
+/// the message already states it (`too many live regions (limit N)`).
+fn limit_suffix(message: &str, limit: u64) -> String {
+    if limit == 0 || states_limit(message, limit) {
         String::new()
     } else {
         format!(" (limit {limit})")
     }
+}
+
+/// Whether `message` says `limit N` for this very `N` (not a longer number
+/// that starts with its digits).
+fn states_limit(message: &str, limit: u64) -> bool {
+    let said = format!("limit {limit}");
+    message
+        .match_indices(&said)
+        .any(|(at, _)| !message[at + said.len()..].starts_with(|c: char| c.is_ascii_digit()))
 }
 
 impl ClientError {
@@ -218,6 +229,30 @@ mod tests {
         assert!(
             text.starts_with("cannot open pool /dev/dax0.0: Permission denied"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_server_refusal_states_its_limit_once() {
+        let text = |message: &str, limit| {
+            ClientError::server("request_region", 12, message, limit).to_string()
+        };
+        assert_eq!(
+            text("no free extent", 4096),
+            "request_region: server refused with out_of_space (12): no free extent (limit 4096)"
+        );
+        assert_eq!(
+            text("too many live regions (limit 65536)", 65536),
+            "request_region: server refused with out_of_space (12): too many live regions (limit 65536)"
+        );
+        assert_eq!(
+            text("a limit 655360 elsewhere", 65536),
+            "request_region: server refused with out_of_space (12): a limit 655360 elsewhere (limit 65536)",
+            "a longer number is another limit"
+        );
+        assert_eq!(
+            text("no limit", 0),
+            "request_region: server refused with out_of_space (12): no limit"
         );
     }
 

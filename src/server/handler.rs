@@ -1045,6 +1045,9 @@ impl DirectoryHandler {
             regions_freed: o.regions_freed,
             regions_deferred: o.regions_deferred,
             notices_issued: o.notices_issued,
+            pinned_entries: st.pinned_entries,
+            max_pinned_entries: st.max_pinned_entries,
+            pin_ledger_bytes: st.pin_ledger_bytes,
         };
         let outcomes = proto::OutcomeTotals {
             inserted: o.inserted,
@@ -1468,10 +1471,23 @@ impl DirectoryHandler {
                 self.send(out, p.conn, p.request_id, &reply);
             }
             Err(DirectoryError::RegionAllocationFailed { reason }) => {
-                let (code, limit) = failure
-                    .and_then(|f| f.error_code().map(|c| (c, f.limit)))
-                    .unwrap_or((ErrorCode::OutOfSpace, 0));
-                let e = ErrorReply::new(code, format!("region allocation failed: {reason}"), limit);
+                // A refusal by the pool manager goes on with its code, limit
+                // and message; the message alone, since the reply carries
+                // the code and the limit (`reason` is the whole error,
+                // `… (code 12, limit N)`, which the client's rendering
+                // then followed with `(limit N)` again).
+                let e = match failure.and_then(|f| f.error_code().map(|c| (c, f))) {
+                    Some((code, f)) => ErrorReply::new(
+                        code,
+                        format!("region allocation failed: pool manager: {}", f.message),
+                        f.limit,
+                    ),
+                    None => ErrorReply::new(
+                        ErrorCode::OutOfSpace,
+                        format!("region allocation failed: {reason}"),
+                        0,
+                    ),
+                };
                 self.send_error(out, p.conn, p.request_id, &e);
             }
             Err(e) => {

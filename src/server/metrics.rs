@@ -297,6 +297,21 @@ pub fn render(snap: &MetricsSnapshot) -> String {
             "(session, key) pairs pinned longer than the long-pin threshold.",
             t.long_held_pins,
         ),
+        (
+            "cxlkv_pinned_entries",
+            "(session, key) pairs with pins held, all sessions (bounded by cxlkv_max_pinned_entries).",
+            t.pinned_entries,
+        ),
+        (
+            "cxlkv_max_pinned_entries",
+            "The directory's max_pinned_entries: a pinning lookup that could cross it is refused busy.",
+            t.max_pinned_entries,
+        ),
+        (
+            "cxlkv_pin_ledger_bytes",
+            "Bytes the sessions' pin ledgers hold.",
+            t.pin_ledger_bytes,
+        ),
     ] {
         e.single(name, "gauge", help, v);
     }

@@ -61,7 +61,10 @@ macro_rules! ensure {
 }
 
 impl Directory {
-    /// A snapshot of everything the directory counts.
+    /// A snapshot of everything the directory counts. The totals, the pin
+    /// bookkeeping among them (`pinned_entries`, `pin_ledger_bytes`), are
+    /// running counts; what it walks is the instances, the regions and —
+    /// for `long_held_pins` — every pin held.
     pub fn stats(&mut self, now: Time) -> DirectoryStats {
         self.count_call(OpKind::Stats, 0, false);
         let mut per_instance: Vec<InstanceStats> = self
@@ -146,6 +149,9 @@ impl Directory {
             key_bytes: self.totals.key_bytes,
             pins: self.totals.pins,
             pinned_keys: self.totals.pinned_keys,
+            pinned_entries: self.totals.pin_entries,
+            max_pinned_entries: self.config.max_pinned_entries as u64,
+            pin_ledger_bytes: self.pin_ledger_bytes(),
             sessions: self.sessions.len() as u64,
             instances: self.instance_ix.len() as u64,
             regions: self.regions.len() as u64,

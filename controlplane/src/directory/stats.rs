@@ -223,6 +223,16 @@ pub struct DirectoryStats {
     pub key_bytes: u64,
     pub pins: u64,
     pub pinned_keys: u64,
+    /// (session, key) pairs with pins held: what `max_pinned_entries`
+    /// bounds (a pinning lookup that could cross it is refused `busy`).
+    /// Kept as a running count, not walked.
+    pub pinned_entries: u64,
+    /// `DirectoryConfig::max_pinned_entries`, for the ratio.
+    pub max_pinned_entries: u64,
+    /// Bytes the sessions' pin ledgers hold
+    /// ([`Directory::pin_ledger_bytes`](super::Directory::pin_ledger_bytes)):
+    /// a running count of their buckets, not walked.
+    pub pin_ledger_bytes: u64,
     pub sessions: u64,
     pub instances: u64,
     pub regions: u64,

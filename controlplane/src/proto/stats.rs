@@ -123,6 +123,14 @@ pub struct DirectoryTotals {
     pub regions_deferred: u64,
     /// Counter: freed-page notices issued.
     pub notices_issued: u64,
+    /// Gauge: (session, key) pairs with pins held, all sessions: what
+    /// `max_pinned_entries` bounds (a pinning lookup that could cross it
+    /// is refused `Busy`).
+    pub pinned_entries: u64,
+    /// The directory's `max_pinned_entries`.
+    pub max_pinned_entries: u64,
+    /// Gauge: bytes the sessions' pin ledgers hold.
+    pub pin_ledger_bytes: u64,
 }
 
 /// What the key operations answered, summed since start (counters).
