@@ -574,6 +574,15 @@ typedef struct cxlkv_directory_stats {
     uint64_t lookup_misses;
     uint64_t exists_hits;
     uint64_t exists_misses;
+    // Gauge: (session, key) pairs with pins held, all sessions — what
+    // `max_pinned_entries` bounds (a pinning lookup that could cross it is
+    // refused `CXLKV_STATUS_SERVER_BUSY`). Not written for a caller whose
+    // `size` is that of the struct before these last three fields.
+    uint64_t pinned_entries;
+    // The directory's `max_pinned_entries`.
+    uint64_t max_pinned_entries;
+    // Gauge: bytes the sessions' pin ledgers hold.
+    uint64_t pin_ledger_bytes;
 } cxlkv_directory_stats;
 
 // A layout's parameters and occupancy. Set `out->size` first.

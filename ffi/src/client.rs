@@ -469,13 +469,24 @@ pub struct cxlkv_directory_stats {
     pub lookup_misses: u64,
     pub exists_hits: u64,
     pub exists_misses: u64,
+    /// Gauge: (session, key) pairs with pins held, all sessions — what
+    /// `max_pinned_entries` bounds (a pinning lookup that could cross it is
+    /// refused `CXLKV_STATUS_SERVER_BUSY`). Not written for a caller whose
+    /// `size` is that of the struct before these last three fields.
+    pub pinned_entries: u64,
+    /// The directory's `max_pinned_entries`.
+    pub max_pinned_entries: u64,
+    /// Gauge: bytes the sessions' pin ledgers hold.
+    pub pin_ledger_bytes: u64,
 }
 
-const _: () = assert!(size_of::<cxlkv_directory_stats>() == 8 + 38 * 8);
+/// The struct's size before `pinned_entries` was appended.
+const DIRECTORY_STATS_V1_BYTES: usize = 8 + 38 * 8;
+const _: () = assert!(size_of::<cxlkv_directory_stats>() == DIRECTORY_STATS_V1_BYTES + 3 * 8);
 
 // SAFETY: repr(C), `size: u32` first, integers only, no padding (asserted).
 unsafe impl Versioned for cxlkv_directory_stats {
-    const SIZES: &'static [usize] = &[size_of::<cxlkv_directory_stats>()];
+    const SIZES: &'static [usize] = &[DIRECTORY_STATS_V1_BYTES, size_of::<cxlkv_directory_stats>()];
 }
 
 /// Writes the directory's totals into `*out` (one round trip).
@@ -535,6 +546,9 @@ pub unsafe extern "C" fn cxlkv_query_directory(
             lookup_misses: o.lookup_misses,
             exists_hits: o.exists_hits,
             exists_misses: o.exists_misses,
+            pinned_entries: t.pinned_entries,
+            max_pinned_entries: t.max_pinned_entries,
+            pin_ledger_bytes: t.pin_ledger_bytes,
         };
         // SAFETY: passed on to the caller.
         unsafe { args::write_versioned(out, &v, "out") }

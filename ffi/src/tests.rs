@@ -715,6 +715,30 @@ fn stats_structs_report_what_the_caller_can_hold() {
     // SAFETY: live, sized out struct.
     ok(unsafe { cxlkv_query_directory(client, &mut dir) });
     assert_eq!(dir.keys, 1);
+    assert_eq!(dir.size as usize, size_of::<cxlkv_directory_stats>());
+    assert_eq!(dir.max_pinned_entries, 4 << 20, "the default pair limit");
+    // A caller built before the pin fields were appended declares the old
+    // size: answered, and nothing written past it.
+    let old_bytes = size_of::<cxlkv_directory_stats>() - 3 * 8;
+    let mut old = cxlkv_directory_stats {
+        size: old_bytes as u32,
+        pinned_entries: u64::MAX,
+        max_pinned_entries: u64::MAX,
+        pin_ledger_bytes: u64::MAX,
+        ..Default::default()
+    };
+    // SAFETY: live struct, larger than the size it declares.
+    ok(unsafe { cxlkv_query_directory(client, &mut old) });
+    assert_eq!((old.size as usize, old.keys), (old_bytes, 1));
+    assert_eq!(
+        (
+            old.pinned_entries,
+            old.max_pinned_entries,
+            old.pin_ledger_bytes
+        ),
+        (u64::MAX, u64::MAX, u64::MAX),
+        "bytes past the declared size are the caller's"
+    );
     let mut info = cxlkv_session_info {
         size: size_of::<cxlkv_session_info>() as u32,
         ..Default::default()

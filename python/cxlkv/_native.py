@@ -239,6 +239,9 @@ DIRECTORY_FIELDS = (
     "lookup_misses",
     "exists_hits",
     "exists_misses",
+    "pinned_entries",
+    "max_pinned_entries",
+    "pin_ledger_bytes",
 )
 LAYOUT_INFO_FIELDS = (
     "page_size_bytes",

@@ -119,7 +119,9 @@ def test_stats_usage_session_and_directory(client, layout):
     assert client.usage()["instance_used_bytes"] >= PAGE
     session = client.session()
     assert session["session_id"] != 0 and session["owned_keys"] >= 1
-    assert client.directory_stats()["keys"] >= 1
+    d = client.directory_stats()
+    assert d["keys"] >= 1
+    assert d["max_pinned_entries"] > 0 and d["pin_ledger_bytes"] >= 0 and "pinned_entries" in d
     assert client.instance_id
     client.flush_unpins()
     assert client.map_all_regions() >= 0
