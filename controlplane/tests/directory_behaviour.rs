@@ -2594,6 +2594,302 @@ fn reattach_with_a_wrong_secret_is_refused_and_changes_nothing() {
     assert_eq!(w.dir.state_digest(), before);
 }
 
+// --- review findings on reattach (docs/security.md) -------------------------------
+
+/// A peer of another user than `UNIX`'s.
+const OTHER_USER: Peer = Peer::Unix {
+    pid: 200,
+    uid: 2000,
+    gid: 2000,
+};
+
+/// A secret nobody was given.
+const GUESSED: cxlkv_controlplane::directory::InstanceSecret =
+    cxlkv_controlplane::directory::InstanceSecret([0x5a; 32]);
+
+/// Review finding, not a defect: "a TCP `Reattach`'s region list is looked
+/// at before the pre-shared client secret is checked". The peer is the
+/// first thing checked: a list over the length bound, with a bad layout and
+/// duplicates, naming a live instance with a bad `next_seq`, from a TCP
+/// peer without the secret is refused `TcpSecretRequired` and changes
+/// nothing; with the secret, the same list is refused for its length before
+/// any region in it is looked at.
+#[test]
+fn an_unauthenticated_tcp_reattach_is_refused_before_its_region_list_is_looked_at() {
+    let mut w = World::with(DirectoryConfig {
+        max_regions_per_instance: 4,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    w.region(&mut a, L);
+    let real = a.regions[0];
+    let bad_layout = PresentedRegion {
+        handle: real.handle,
+        layout: Layout {
+            page_size_bytes: 0,
+            fingerprint: 0,
+        },
+    };
+    let list = vec![bad_layout, real, real, real, real, real];
+    let reattach = |w: &mut World, secret_matched| {
+        w.dir.reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &list,
+                next_seq: 0,
+                notice_ack: u64::MAX,
+                quota_bytes: None,
+            },
+            Peer::Tcp { secret_matched },
+            w.now,
+        )
+    };
+    let before = w.dir.state_digest();
+    assert_eq!(
+        reattach(&mut w, false).unwrap_err(),
+        DirectoryError::TcpSecretRequired
+    );
+    assert_eq!(w.dir.state_digest(), before, "nothing changed");
+    assert_eq!(
+        reattach(&mut w, true).unwrap_err(),
+        DirectoryError::TooManyReattachRegions { count: 6, max: 4 },
+        "the list is bounded before its entries are looked at"
+    );
+    assert_eq!(w.dir.state_digest(), before);
+    w.dir.check_invariants().unwrap();
+}
+
+/// Review finding, not a defect: "a `Reattach` naming another instance —
+/// another user's, or one it never held — takes it over or blocks its
+/// name". Without the instance's secret, a reattach of a live instance or
+/// of one in its grace period is `SecretMismatch` whoever sends it (another
+/// user, the same user, an authenticated TCP peer) and changes nothing: no
+/// session, no holder recorded, the grace period still running; the owner
+/// resumes with everything. (The secret is the proof a reattach needs; a
+/// name nobody holds is first come, as for `Hello`: docs/security.md.)
+#[test]
+fn a_reattach_without_the_instances_secret_neither_takes_over_nor_blocks_its_name() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let squat = |w: &mut World, peer| {
+        w.dir.reattach(
+            Reattach {
+                instance: "a",
+                secret: GUESSED,
+                regions: &a.regions,
+                next_seq: 1,
+                notice_ack: 0,
+                quota_bytes: None,
+            },
+            peer,
+            w.now,
+        )
+    };
+    for when in ["live", "in its grace period"] {
+        if when != "live" {
+            w.dir.session_closed(a.session, w.now);
+        }
+        for peer in [
+            OTHER_USER,
+            UNIX,
+            Peer::Tcp {
+                secret_matched: true,
+            },
+        ] {
+            let before = w.dir.state_digest();
+            assert!(
+                matches!(
+                    squat(&mut w, peer),
+                    Err(DirectoryError::SecretMismatch { .. })
+                ),
+                "{when}, {peer:?}"
+            );
+            assert_eq!(w.dir.state_digest(), before, "{when}, {peer:?}");
+        }
+    }
+    let back = w
+        .dir
+        .reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &a.regions,
+                next_seq: a.next_seq,
+                notice_ack: 0,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    assert_eq!(back.kind, ReattachKind::Resumed);
+    assert_eq!(back.regions, vec![RegionStatus::Confirmed]);
+    a.session = back.session;
+    assert_eq!(w.exists(&a, &[b"k"]), vec![true]);
+    w.dir.check_invariants().unwrap();
+}
+
+/// Review finding, not a defect: "after an instance expired, a `Reattach`
+/// naming it with any secret resurrects it and claims its regions with
+/// their tokens". It starts an instance of that name afresh (documented:
+/// like a `Hello` of a name not in use) that owns nothing: the expired
+/// instance's region, presented with its genuine token by another user, is
+/// refused; it stays orphaned — its key readable, registering into it and
+/// returning it refused — and is freed when its last key is deleted. The
+/// old owner, back with its old secret, is refused (`SecretMismatch`): the
+/// name went to whoever came first, as a `Hello` would have given it.
+#[test]
+fn a_reattach_of_an_expired_instances_name_with_any_secret_claims_none_of_its_regions() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    w.dir.session_closed(a.session, w.now);
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 1);
+    let resurrect = |w: &mut World, secret, peer| {
+        w.dir.reattach(
+            Reattach {
+                instance: "a",
+                secret,
+                regions: &a.regions,
+                next_seq: 1,
+                notice_ack: 0,
+                quota_bytes: None,
+            },
+            peer,
+            w.now,
+        )
+    };
+    let r = resurrect(&mut w, GUESSED, OTHER_USER).unwrap();
+    assert_eq!(r.kind, ReattachKind::Recovered);
+    assert_eq!(
+        r.regions,
+        vec![RegionStatus::NotOwned],
+        "the token claims nothing"
+    );
+    assert_eq!(r.usage.owned_bytes, 0);
+    let mut s = Client {
+        name: "a".to_owned(),
+        session: r.session,
+        secret: GUESSED,
+        next_seq: 1,
+        notice_ack: 0,
+        regions: Vec::new(),
+    };
+    assert_eq!(w.dir.stats(w.now).orphaned_regions, 1, "still orphaned");
+    let out = w.register(&mut s, &[(b"x", loc(ra, 1, 1))]).unwrap().body;
+    assert_eq!(
+        out,
+        vec![RegisterOutcome::Rejected(RejectReason::NotOwner {
+            region: ra
+        })]
+    );
+    let seq = s.seq();
+    assert!(matches!(
+        w.dir.return_region(&s.caller(), seq, ra, w.now),
+        Err(DirectoryError::NotRegionOwner { .. })
+    ));
+    assert_eq!(w.exists(&s, &[b"k"]), vec![true], "the orphaned key stays");
+    assert!(matches!(
+        resurrect(&mut w, a.secret, UNIX),
+        Err(DirectoryError::SecretMismatch { .. })
+    ));
+    assert_eq!(w.delete(&mut s, &[b"k"]), vec![DeleteOutcome::Deleted]);
+    w.pool.service(&mut w.dir);
+    assert_eq!(w.pool.freed, vec![ra], "freed with its last key");
+    w.dir.check_invariants().unwrap();
+}
+
+/// Review finding, not a defect: "a request parked on the pool manager
+/// holds its instance's sequence window, so the instance's other mutating
+/// requests are refused or stall". The window never waits: a region request
+/// pending at the pool manager holds only its own number (and its cached
+/// body, so that a retry gets the grant). The instance's other mutating
+/// requests run meanwhile on any of its sessions, even past the window's
+/// width (a client breaking its side of the contract: the pending number is
+/// then too old to retry), and the late grant lands as the instance's
+/// region without upsetting anything.
+#[test]
+fn a_region_request_pending_at_the_pool_manager_does_not_hold_the_sequence_window() {
+    let mut w = World::with(DirectoryConfig {
+        reply_window: 64,
+        ..DirectoryConfig::default()
+    });
+    let mut a = w.hello("a");
+    w.region(&mut a, L);
+    let pending = a.seq();
+    let first = w
+        .dir
+        .request_region(&a.caller(), pending, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert!(matches!(first.body, RegionReply::Deferred(_)));
+    // The pool manager does not answer yet.
+    let held: Vec<Effect> = w.dir.drain_effects().collect();
+    let [Effect::AllocateRegion { request, .. }] = held[..] else {
+        panic!("one allocation asked for: {held:?}")
+    };
+    let second = w
+        .dir
+        .reattach(
+            Reattach {
+                instance: "a",
+                secret: a.secret,
+                regions: &a.regions,
+                next_seq: a.next_seq,
+                notice_ack: 0,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    let sessions = [a.session, second.session];
+    let mutate = |w: &mut World, a: &mut Client, i: usize| {
+        a.session = sessions[i % 2];
+        assert_eq!(w.delete(a, &[b"absent"]), vec![DeleteOutcome::Missing]);
+    };
+    for i in 0..10 {
+        mutate(&mut w, &mut a, i);
+    }
+    let retry = w
+        .dir
+        .request_region(&a.caller(), pending, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert!(
+        matches!(retry.body, RegionReply::Deferred(_)),
+        "a retry inside the window joins the pending request"
+    );
+    for i in 10..2 * 64 {
+        mutate(&mut w, &mut a, i);
+    }
+    assert!(matches!(
+        w.dir
+            .request_region(&a.caller(), pending, L, REGION_BYTES, w.now),
+        Err(DirectoryError::SequenceTooOld { .. })
+    ));
+    let handle = RegionHandle {
+        region: RegionId(99),
+        pool: POOL,
+        offset_bytes: 99 << 30,
+        len_bytes: REGION_BYTES,
+        token: RegionToken([99; 32]),
+    };
+    w.pool.live.insert(handle.region, handle);
+    let done = w.dir.region_allocated(request, Ok(handle));
+    assert_eq!(done.len(), 2, "the original and the retry that joined it");
+    assert!(done.iter().all(|c| c.result.is_ok()));
+    assert_eq!(
+        w.dir.stats(w.now).per_instance[0].owned_bytes,
+        2 * REGION_BYTES
+    );
+    mutate(&mut w, &mut a, 0);
+    w.dir.check_invariants().unwrap();
+}
+
 // --- bad input --------------------------------------------------------------------
 
 /// The bad-input tests' world: client "a" with a region under `L` and key
