@@ -874,6 +874,7 @@ impl PoolConfig {
             Some(d) => d.clone(),
             None => default_state_dir(&pools[0].path),
         };
+        check_state_dir_location(&state_dir).map_err(|r| invalid("state_dir", r))?;
         let sync = match self.sync {
             SyncMode::PerRecord => SyncPolicy::PerRecord,
             SyncMode::Group => {
@@ -963,12 +964,30 @@ impl PoolConfig {
     }
 }
 
-fn default_state_dir(first_pool: &Path) -> PathBuf {
-    if first_pool.starts_with(DEFAULT_POOL_DIR) {
+/// The pool manager's state directory when none is configured, for a first
+/// pool at `first_pool`: the one rule of every embedded pool manager
+/// (`cxlkv pool`, `cxlkv serve`, [`crate::server::Server::start`] without
+/// `pool_manager`, `cxlkv demo`).
+///
+/// - A pool under `/dev/shm`: next to it, `<pool path>.state` — the pool is
+///   RAM, so is its state, and a reboot loses both together.
+/// - Anything else — a device (`/dev/daxX.Y`: its directory is devtmpfs,
+///   RAM that a reboot empties while the device keeps its regions, and
+///   root's to write), a hugetlbfs mount, a file on disk: the host's
+///   [`host_state_dir`].
+pub fn default_state_dir(first_pool: &Path) -> PathBuf {
+    if is_under_dev_shm(first_pool) {
         let mut s = first_pool.as_os_str().to_owned();
         s.push(".state");
         return PathBuf::from(s);
     }
+    host_state_dir()
+}
+
+/// The host's pool-manager state directory: `/var/lib/cxlkv/pool` as root,
+/// else `$XDG_STATE_HOME/cxlkv/pool` (`~/.local/state/cxlkv/pool`). Shared
+/// by every pool manager of the user, so never removed with a pool.
+pub fn host_state_dir() -> PathBuf {
     if is_root() {
         return PathBuf::from("/var/lib/cxlkv/pool");
     }
@@ -977,6 +996,30 @@ fn default_state_dir(first_pool: &Path) -> PathBuf {
         .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".local/state")))
         .unwrap_or_else(|| PathBuf::from("/tmp"));
     base.join("cxlkv/pool")
+}
+
+/// Refuses a state directory under `/dev` other than `/dev/shm`: `/dev` is
+/// devtmpfs (RAM: the journal would be lost at reboot while a device pool
+/// keeps its regions) and the kernel's, not a place to create directories.
+/// The check is on the path as written (`..` counts as leaving `/dev/shm`).
+pub fn check_state_dir_location(dir: &Path) -> Result<(), String> {
+    if dir.starts_with("/dev") && !is_under_dev_shm(dir) {
+        return Err(format!(
+            "state directory {} is under /dev (devtmpfs: lost at reboot; only /dev/shm is for files): \
+             set one on a persistent file system, e.g. {}",
+            dir.display(),
+            host_state_dir().display()
+        ));
+    }
+    Ok(())
+}
+
+/// `path` is under [`DEFAULT_POOL_DIR`] (`/dev/shm`) with no `..` in it.
+fn is_under_dev_shm(path: &Path) -> bool {
+    path.starts_with(DEFAULT_POOL_DIR)
+        && !path
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
 }
 
 fn default_socket() -> PathBuf {

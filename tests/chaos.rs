@@ -129,6 +129,65 @@ fn a_grace_the_server_would_refuse_is_refused_at_once_by_its_flag() {
     );
 }
 
+/// `--instances` and `--kill-interval-ms` had no upper (resp. useful
+/// lower) bound: `--instances 100000` forked a process storm and a 1 ms
+/// interval killed and restarted instances back to back. Each out-of-range
+/// value is refused before anything starts, naming the flag, the value and
+/// the range, and the help states the range. (Values just past the limits:
+/// without the bounds the command starts a short run instead.)
+#[test]
+fn instance_counts_and_kill_intervals_out_of_range_are_refused_at_once_by_their_flag() {
+    let cases: [(&str, &str, &str); 4] = [
+        ("--instances", "17", "1..=16"),
+        ("--instances", "0", "1..=16"),
+        ("--kill-interval-ms", "1", "100..=3600000"),
+        ("--kill-interval-ms", "3600001", "100..=3600000"),
+    ];
+    for (flag, value, range) in cases {
+        let started = Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .args([
+                "chaos",
+                "--duration",
+                "1",
+                "--grace-ms",
+                "100",
+                "--json",
+                flag,
+                value,
+            ])
+            .env_remove("CXLKV_CONFIG")
+            .stdin(Stdio::null())
+            .output()
+            .expect("cxlkv chaos runs");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{flag} {value} accepted: {said}");
+        assert!(said.contains(&format!("{flag} {value}")), "{said}");
+        assert!(said.contains(range), "{flag} {value}: {said}");
+        assert!(
+            out.stdout.is_empty(),
+            "{flag} {value}: no report of a run that never began: {said}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{flag} {value} was not refused at once: {:?}",
+            started.elapsed()
+        );
+    }
+    let help = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["chaos", "--help"])
+        .output()
+        .expect("cxlkv chaos --help runs");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for range in ["1..=16", "100..=3600000"] {
+        assert!(help.contains(range), "the help states {range}: {help}");
+    }
+}
+
 /// Kills the process on drop if the test did not stop it.
 struct Guard(Option<Child>);
 

@@ -86,6 +86,19 @@ pub const MAX_GRACE_MS: u64 = 3_600_000;
 /// Longest `--duration` (a week): every deadline of the run stays far from
 /// overflowing the clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Most `--instances`: each is a process (re-started at every kill of it)
+/// holding a region or two of the 256 MiB pool; 16 is four times the
+/// default and every documented run, keeps the pool far below the
+/// orphan-eviction watermark and a 2-vCPU CI machine responsive.
+pub const MAX_INSTANCES: u32 = 16;
+/// Shortest `--kill-interval-ms`: under it the loop kills and restarts
+/// instances back to back (a kill every step, the driver busy restarting
+/// processes instead of the workload running); the documented runs use
+/// 1000 and 1500.
+pub const MIN_KILL_INTERVAL_MS: u64 = 100;
+/// Longest `--kill-interval-ms` (an hour, as `--grace-ms`): a longer one
+/// kills nothing within any sensible run.
+pub const MAX_KILL_INTERVAL_MS: u64 = 3_600_000;
 
 /// What an instance does (module [`instance`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -149,10 +162,10 @@ pub struct ChaosConfig {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChaosConfigError {
-    #[error("--instances must be at least 1")]
-    NoInstances,
-    #[error("--kill-interval-ms must be at least 1")]
-    NoKillInterval,
+    #[error("--instances {instances} is not in 1..={max} (each is a process)")]
+    Instances { instances: u32, max: u32 },
+    #[error("--kill-interval-ms {ms} is not in {min}..={max}")]
+    KillInterval { ms: u64, min: u64, max: u64 },
     #[error(
         "--grace-ms {grace_ms} is under {min_ms} ms, the shortest instance grace period a server accepts (it would refuse to start)"
     )]
@@ -170,11 +183,18 @@ impl ChaosConfig {
     /// of by a server that does not come up.
     pub fn validate(&self) -> Result<(), ChaosConfigError> {
         let min_grace_ms = crate::server::MIN_INSTANCE_GRACE.as_millis() as u64;
-        if self.instances == 0 {
-            return Err(ChaosConfigError::NoInstances);
+        if !(1..=MAX_INSTANCES).contains(&self.instances) {
+            return Err(ChaosConfigError::Instances {
+                instances: self.instances,
+                max: MAX_INSTANCES,
+            });
         }
-        if self.kill_interval_ms == 0 {
-            return Err(ChaosConfigError::NoKillInterval);
+        if !(MIN_KILL_INTERVAL_MS..=MAX_KILL_INTERVAL_MS).contains(&self.kill_interval_ms) {
+            return Err(ChaosConfigError::KillInterval {
+                ms: self.kill_interval_ms,
+                min: MIN_KILL_INTERVAL_MS,
+                max: MAX_KILL_INTERVAL_MS,
+            });
         }
         if self.grace_ms < min_grace_ms {
             return Err(ChaosConfigError::GraceTooShort {
@@ -899,7 +919,19 @@ mod tests {
                 ..config()
             },
             ChaosConfig {
+                instances: MAX_INSTANCES + 1,
+                ..config()
+            },
+            ChaosConfig {
                 kill_interval_ms: 0,
+                ..config()
+            },
+            ChaosConfig {
+                kill_interval_ms: MIN_KILL_INTERVAL_MS - 1,
+                ..config()
+            },
+            ChaosConfig {
+                kill_interval_ms: MAX_KILL_INTERVAL_MS + 1,
                 ..config()
             },
             ChaosConfig {
@@ -911,5 +943,21 @@ mod tests {
             assert!(cfg.validate().is_err(), "{cfg:?} accepted");
         }
         assert_eq!(config().validate(), Ok(()));
+        for edge in [
+            ChaosConfig {
+                instances: MAX_INSTANCES,
+                ..config()
+            },
+            ChaosConfig {
+                kill_interval_ms: MIN_KILL_INTERVAL_MS,
+                ..config()
+            },
+            ChaosConfig {
+                kill_interval_ms: MAX_KILL_INTERVAL_MS,
+                ..config()
+            },
+        ] {
+            assert_eq!(edge.validate(), Ok(()), "{edge:?}");
+        }
     }
 }

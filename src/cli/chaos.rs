@@ -34,13 +34,14 @@ pub struct ChaosArgs {
     /// Print one JSON object and nothing else on stdout.
     #[arg(long)]
     pub json: bool,
-    /// Instance processes (roles cycle writer, reader, tier).
+    /// Instance processes (roles cycle writer, reader, tier); 1..=16.
     #[arg(long, default_value_t = 4)]
     pub instances: u32,
     /// Seed of the run (default: from the clock; printed in the report).
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Kills come at a random moment within each interval of this length.
+    /// Kills come at a random moment within each interval of this length;
+    /// 100..=3600000.
     #[arg(long, default_value_t = 1500)]
     pub kill_interval_ms: u64,
     /// Restart the server every this many kills (alternately SIGKILL and

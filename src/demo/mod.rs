@@ -194,9 +194,15 @@ pub fn run(cfg: &DemoConfig, stop: &AtomicBool) -> anyhow::Result<Report> {
     let region_size_bytes = cfg.region_size_bytes();
     let mut server_cfg = ServerConfig::ephemeral("demo");
     // The private state directory of the embedded pool manager, removed
-    // afterwards even when the pool is the caller's (a device has no
-    // writable directory next to it).
-    let state_dir = sibling(&server_cfg.pool_path, ".state");
+    // afterwards even when the pool is the caller's: the state directory
+    // of the run's ephemeral pool name under /dev/shm (by the rule of every
+    // embedded pool manager, next to it), never one next to a device.
+    let state_dir = crate::config::default_state_dir(&server_cfg.pool_path);
+    anyhow::ensure!(
+        state_dir != crate::config::host_state_dir(),
+        "the demo's scratch state directory would be the host's {}",
+        state_dir.display()
+    );
     let (pool, pool_created) = match &cfg.pool {
         Some(p) => (p.clone(), !p.exists()),
         None => (server_cfg.pool_path.clone(), true),
@@ -253,13 +259,6 @@ pub fn run(cfg: &DemoConfig, stop: &AtomicBool) -> anyhow::Result<Report> {
     report.pool_created = pool_created;
     report.leftover_processes = leftover_processes;
     Ok(report)
-}
-
-/// `path` with `suffix` appended to its file name.
-fn sibling(path: &Path, suffix: &str) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(suffix);
-    PathBuf::from(s)
 }
 
 /// Files and directories removed on drop (whatever the server's shutdown

@@ -158,11 +158,16 @@ pub struct ServerConfig {
     pub pool_path: PathBuf,
     pub pool_size_bytes: u64,
     /// Where the pool manager runs and what it serves. `None`: embedded,
-    /// one pool at `pool_path`, its state directory next to it
-    /// (`<pool_path>.state`), the pool service's defaults otherwise.
+    /// one pool at `pool_path`, its state directory by the rule of every
+    /// embedded pool manager ([`crate::config::default_state_dir`]: next to
+    /// a pool under `/dev/shm`, `<pool_path>.state`; the host's state
+    /// directory for a device or a file elsewhere), the pool service's
+    /// defaults otherwise.
     pub pool_manager: Option<PoolManagerConfig>,
     /// Remove the embedded pool files and the pool manager's state
-    /// directory on shutdown (temporary servers: tests, benches).
+    /// directory on shutdown (temporary servers: tests, benches) — never
+    /// the host's shared state directory
+    /// ([`crate::config::host_state_dir`]).
     pub remove_pool_on_shutdown: bool,
     /// Region size when a request asks for "the default" (0 bytes): raw
     /// protocol clients; cxlkv's own clients always ask for their
@@ -306,7 +311,7 @@ impl ServerConfig {
                 align_bytes: None,
                 visibility: None,
             }],
-            state_dir: pool::default_state_dir(&self.pool_path),
+            state_dir: crate::config::default_state_dir(&self.pool_path),
             store: StoreConfig::default(),
             grace_ms: 30_000,
             lease_ms: 10_000,
@@ -386,6 +391,8 @@ impl ServerConfig {
             if c.pools.is_empty() {
                 return bad("the embedded pool manager needs at least one pool".into());
             }
+            crate::config::check_state_dir_location(&c.state_dir)
+                .map_err(|r| ServerError::Config(format!("embedded pool manager: {r}")))?;
             c.validate()
                 .map_err(|e| ServerError::Config(format!("embedded pool manager: {e}")))?;
         }
@@ -547,15 +554,7 @@ impl Server {
         let mut directory_cfg = config.directory.clone();
         directory_cfg.tcp_requires_secret = !config.tcp_insecure_no_secret;
         let pool_cfg = config.pool_manager_config();
-        let removable = match (&pool_cfg, config.remove_pool_on_shutdown) {
-            (PoolManagerConfig::Embedded(c), true) => c
-                .pools
-                .iter()
-                .map(|p| p.path.clone())
-                .chain([c.state_dir.clone()])
-                .collect(),
-            _ => Vec::new(),
-        };
+        let removable = removable_on_shutdown(&pool_cfg, config.remove_pool_on_shutdown);
         let cleanup = |why: &ServerError| {
             remove_paths(&removable);
             tracing::error!(error = %why, "server start failed");
@@ -722,6 +721,22 @@ fn metrics_source(
 }
 
 /// Removes files and directory trees, logging what cannot be removed.
+/// What `remove_pool_on_shutdown` removes: the embedded pool manager's
+/// pool files and its state directory, unless that is the host's shared
+/// one (where a device or disk pool's state goes by default), which other
+/// pool managers of the user may use.
+fn removable_on_shutdown(pool_cfg: &PoolManagerConfig, remove: bool) -> Vec<PathBuf> {
+    match (pool_cfg, remove) {
+        (PoolManagerConfig::Embedded(c), true) => c
+            .pools
+            .iter()
+            .map(|p| p.path.clone())
+            .chain((c.state_dir != crate::config::host_state_dir()).then(|| c.state_dir.clone()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 fn remove_paths(paths: &[PathBuf]) {
     for p in paths {
         let removed = if p.is_dir() {
@@ -979,7 +994,111 @@ mod tests {
     use std::path::Path;
 
     use super::socket_path_in_runtime_dir as path;
-    use super::{ServerConfig, ServerError};
+    use super::{PoolManagerConfig, ServerConfig, ServerError, removable_on_shutdown};
+    use crate::config::{PoolConfig, PoolEntry, default_state_dir, host_state_dir};
+
+    fn embedded(cfg: &ServerConfig) -> cxlkv_controlplane::pool::service::ServiceConfig {
+        match cfg.pool_manager_config() {
+            PoolManagerConfig::Embedded(c) => c,
+            other => panic!("not embedded: {other:?}"),
+        }
+    }
+
+    /// An API-embedded server over `/dev/daxX.Y` (no `pool_manager`) used
+    /// to put its pool manager's journal at `/dev/daxX.Y.state`: on
+    /// devtmpfs, RAM lost at reboot while the device keeps its regions,
+    /// and as root a directory created in `/dev`. `cxlkv pool` and
+    /// `cxlkv serve` had a second, better rule; every embedded pool manager
+    /// now follows that one.
+    #[test]
+    fn a_device_pools_state_is_kept_off_dev_by_the_one_rule_of_every_embedded_manager() {
+        for pool in [
+            "/dev/dax0.0",
+            "/dev/pmem0",
+            "/dev/hugepages/cxlkv.pool",
+            "/dev/shm/../dax0.0",
+            "/mnt/cxl/cxlkv.pool",
+        ] {
+            let cfg = ServerConfig {
+                pool_path: pool.into(),
+                ..ServerConfig::default()
+            };
+            let state = embedded(&cfg).state_dir;
+            assert!(!state.starts_with("/dev"), "{pool}: state in {state:?}");
+            assert_eq!(state, host_state_dir(), "{pool}");
+            let resolved = PoolConfig {
+                pools: vec![PoolEntry {
+                    path: pool.into(),
+                    size_bytes: None,
+                    align_bytes: None,
+                    visibility: None,
+                }],
+                ..PoolConfig::default()
+            }
+            .resolve()
+            .unwrap();
+            assert_eq!(resolved.service.state_dir, state, "{pool}: two rules");
+            cfg.validate().unwrap();
+        }
+        // A pool in RAM keeps its state in RAM, next to it.
+        let shm = ServerConfig::ephemeral("state-rule");
+        let mut beside = shm.pool_path.clone().into_os_string();
+        beside.push(".state");
+        assert_eq!(embedded(&shm).state_dir, Path::new(&beside));
+        assert_eq!(default_state_dir(&shm.pool_path), Path::new(&beside));
+    }
+
+    /// A state directory configured under `/dev` (not `/dev/shm`) is
+    /// refused before anything is created, naming it.
+    #[test]
+    fn a_state_directory_under_dev_is_refused_by_the_server_and_the_pool_config() {
+        let mut cfg = ServerConfig::ephemeral("state-dev");
+        let mut service = embedded(&cfg);
+        service.state_dir = "/dev/cxlkv-test.state".into();
+        cfg.pool_manager = Some(PoolManagerConfig::Embedded(service));
+        let err = cfg.validate().unwrap_err();
+        assert!(
+            matches!(&err, ServerError::Config(m) if m.contains("/dev/cxlkv-test.state") && m.contains("devtmpfs")),
+            "{err}"
+        );
+        let err = super::Server::start(cfg).map(drop).unwrap_err();
+        assert!(err.to_string().contains("/dev/cxlkv-test.state"), "{err}");
+        assert!(!Path::new("/dev/cxlkv-test.state").exists());
+
+        let err = PoolConfig {
+            state_dir: Some("/dev/dax0.0.state".into()),
+            ..PoolConfig::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("/dev/dax0.0.state"), "{err}");
+        for ok in ["/dev/shm/x.state", "/var/lib/cxlkv/pool", "/devices/x"] {
+            PoolConfig {
+                state_dir: Some(ok.into()),
+                ..PoolConfig::default()
+            }
+            .resolve()
+            .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+    }
+
+    /// `remove_pool_on_shutdown` removes a pool's own state directory, never
+    /// the host's shared one (a device or disk pool's default).
+    #[test]
+    fn removing_a_temporary_pool_never_removes_the_hosts_shared_state_directory() {
+        let shm = ServerConfig::ephemeral("state-rm");
+        let removed = removable_on_shutdown(&shm.pool_manager_config(), true);
+        assert_eq!(removed.len(), 2, "{removed:?}");
+        assert!(removed.contains(&embedded(&shm).state_dir));
+        let disk = ServerConfig {
+            pool_path: "/mnt/cxl/temporary.pool".into(),
+            remove_pool_on_shutdown: true,
+            ..ServerConfig::default()
+        };
+        let removed = removable_on_shutdown(&disk.pool_manager_config(), true);
+        assert_eq!(removed, vec![disk.pool_path.clone()]);
+        assert!(removable_on_shutdown(&shm.pool_manager_config(), false).is_empty());
+    }
 
     /// Found by a review of the L1 tier (session 22): a directory letting
     /// a lookup take fewer pins per key than a tier's 128 read holds

@@ -10,7 +10,6 @@
 //! hands those confirmed to `Directory::recover`, which keeps those whose owners
 //! reattach within the instance grace period and frees the others.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -199,14 +198,6 @@ pub(crate) fn dup_fds(fds: &[std::os::fd::OwnedFd]) -> std::io::Result<Vec<std::
     fds.iter()
         .map(|fd| fd.as_fd().try_clone_to_owned())
         .collect()
-}
-
-/// The pool manager's state directory of an embedded default pool at `path`
-/// (the pool service's convention: next to the pool file).
-pub(crate) fn default_state_dir(path: &std::path::Path) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(".state");
-    PathBuf::from(s)
 }
 
 #[cfg(test)]

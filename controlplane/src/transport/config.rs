@@ -225,7 +225,16 @@ pub struct ServerConfig {
     /// for an owner that does not hold its handle; `None`: a watch of its
     /// own ([`ServerHandle::watch`](super::ServerHandle::watch)).
     pub loop_watch: Option<LoopWatch>,
+    /// Permission bits of each Unix socket file the server binds, set
+    /// whatever the process umask ([`DEFAULT_UNIX_SOCKET_MODE`]). Whoever
+    /// can connect gets the pool's descriptor: keep "others" out.
+    pub unix_socket_mode: u32,
 }
+
+/// The mode of a listening Unix socket file: its owner and its group
+/// (connecting needs write permission). The group is the process's (e.g.
+/// `cxlkv` under the systemd units) or the directory's when it is setgid.
+pub const DEFAULT_UNIX_SOCKET_MODE: u32 = 0o660;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -238,6 +247,7 @@ impl Default for ServerConfig {
             idle_timeout_ms: None,
             max_pending_completions: 65_536,
             loop_watch: None,
+            unix_socket_mode: DEFAULT_UNIX_SOCKET_MODE,
         }
     }
 }

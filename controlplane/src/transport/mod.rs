@@ -150,8 +150,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use client::{ClientError, ClientStats, MAX_CLIENT_INFLIGHT, PendingCall, Reply, RpcClient};
 pub use config::{
-    Backend, BackendChoice, ClientConfig, Endpoint, IO_ENV, IoConfig, MAX_RECV_BUFFER_POOL_BYTES,
-    RecvMode, ServerConfig, TaskRun,
+    Backend, BackendChoice, ClientConfig, DEFAULT_UNIX_SOCKET_MODE, Endpoint, IO_ENV, IoConfig,
+    MAX_RECV_BUFFER_POOL_BYTES, RecvMode, ServerConfig, TaskRun,
 };
 pub use server::{
     Admit, Completer, ConnId, DisconnectReason, Handler, LoopWatch, PeerInfo, Refusal,

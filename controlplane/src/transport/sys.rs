@@ -420,6 +420,37 @@ pub fn classify_existing_socket(
 fn connect_nonblocking(
     path: &std::path::Path,
 ) -> io::Result<Option<std::os::unix::net::UnixStream>> {
+    let (addr, len) = unix_addr(path)?;
+    // SAFETY: socket has no memory preconditions.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket and nothing else owns it.
+    let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    // SAFETY: `addr` is a live sockaddr_un and `len` does not exceed its
+    // size (`unix_addr`); the descriptor is open (owned by `stream`).
+    let rc = unsafe { libc::connect(fd, (&raw const addr).cast::<libc::sockaddr>(), len) };
+    if rc == 0 {
+        return Ok(Some(stream));
+    }
+    let e = io::Error::last_os_error();
+    // A Unix stream connect completes at once or fails: EAGAIN means no
+    // room in the backlog.
+    match e.raw_os_error() {
+        Some(libc::EAGAIN) => Ok(None),
+        _ => Err(e),
+    }
+}
+
+/// The address of the Unix socket at `path`, and its length.
+fn unix_addr(path: &std::path::Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     use std::os::unix::ffi::OsStrExt;
     let bytes = path.as_os_str().as_bytes();
     // SAFETY: an all-zero sockaddr_un is a valid value of the C struct.
@@ -434,61 +465,85 @@ fn connect_nonblocking(
     for (d, &b) in addr.sun_path.iter_mut().zip(bytes) {
         *d = b as libc::c_char;
     }
+    let len = size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    Ok((addr, len as libc::socklen_t))
+}
+
+/// Binds a listening Unix socket at `path` whose file has exactly `mode`
+/// (permission bits), whatever the process umask: `socket`, `bind`,
+/// `chmod`, then `listen`. No peer can connect before `listen`, so none
+/// connects while the file still has the umask's mode (with umask 0, 0777:
+/// anyone). Close-on-exec, blocking (the caller sets what it needs). On a
+/// failure after `bind` the file is removed again.
+pub fn bind_unix_listener(
+    path: &std::path::Path,
+    mode: u32,
+) -> io::Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    let (addr, len) = unix_addr(path)?;
     // SAFETY: socket has no memory preconditions.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` was just returned by socket and nothing else owns it.
-    let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
-    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
-    // SAFETY: `addr` is a live sockaddr_un and `len` does not exceed its size
-    // (checked above); the descriptor is open (owned by `stream`).
-    let rc = unsafe {
-        libc::connect(
-            fd,
-            (&raw const addr).cast::<libc::sockaddr>(),
-            len as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        return Ok(Some(stream));
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `addr` is a live sockaddr_un and `len` does not exceed its
+    // size (`unix_addr`); the descriptor is open (owned by `owned`).
+    let rc = unsafe { libc::bind(fd, (&raw const addr).cast::<libc::sockaddr>(), len) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
-    let e = io::Error::last_os_error();
-    // A Unix stream connect completes at once or fails: EAGAIN means no
-    // room in the backlog.
-    match e.raw_os_error() {
-        Some(libc::EAGAIN) => Ok(None),
-        _ => Err(e),
+    let listened = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot set mode {mode:o} on {}: {e}", path.display()),
+            )
+        })
+        .and_then(|()| {
+            // SAFETY: the descriptor is open (owned by `owned`); listen
+            // takes no pointers.
+            if unsafe { libc::listen(fd, libc::SOMAXCONN) } == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        });
+    if let Err(e) = listened {
+        let _ = std::fs::remove_file(path);
+        return Err(e);
     }
+    Ok(std::os::unix::net::UnixListener::from(owned))
 }
 
 /// Creates the directory a socket at `socket` goes in (0755, with its
 /// parents; `.` for a bare name) and checks it with
 /// [`check_socket_dir`]. What a listener does before binding (the
-/// server's and the pool daemon's).
+/// server's and the pool daemon's). A directory it creates gets 0755
+/// exactly, whatever the umask (a restrictive one would otherwise lock
+/// out the socket's group); an existing one is left as it is.
 pub fn prepare_socket_dir(socket: &std::path::Path) -> io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let dir = match socket.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => std::path::Path::new("."),
+    };
+    let existed = std::fs::symlink_metadata(dir).is_ok();
+    let context = |e: io::Error| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot create the socket directory {}: {e}", dir.display()),
+        )
     };
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o755)
         .create(dir)
-        .map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("cannot create the socket directory {}: {e}", dir.display()),
-            )
-        })?;
+        .map_err(context)?;
+    if !existed {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(context)?;
+    }
     check_socket_dir(dir)
 }
 
@@ -559,6 +614,26 @@ mod tests {
     use super::*;
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
+
+    /// The socket file gets the mode asked for, not the umask's (a
+    /// process umask of 022 would give 0755, of 0 0777), and it accepts
+    /// connections; a failed bind leaves no file behind.
+    #[test]
+    fn a_bound_unix_socket_has_exactly_the_mode_asked_for() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        for mode in [0o600, 0o660] {
+            let path = dir.path().join(format!("s{mode:o}.sock"));
+            let listener = bind_unix_listener(&path, mode).unwrap();
+            let got = std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+            assert_eq!(got, mode, "{}", path.display());
+            let _client = UnixStream::connect(&path).unwrap();
+            let (_server_side, _) = listener.accept().unwrap();
+        }
+        let taken = dir.path().join("s600.sock");
+        assert!(bind_unix_listener(&taken, 0o600).is_err(), "in use");
+        assert!(taken.exists(), "the other listener's file stays");
+    }
 
     #[test]
     fn a_socket_directory_must_be_ours_or_roots_and_not_writable_by_others_unless_sticky() {

@@ -1702,6 +1702,11 @@ impl Server {
                 "connection and in-flight limits must be positive",
             ));
         }
+        if cfg.unix_socket_mode & !0o777 != 0 {
+            return Err(TransportError::Config(
+                "unix_socket_mode has bits outside 0o777 (permission bits only)",
+            ));
+        }
         cfg.io.check_recv_buffers()?;
         let backend = super::pick_backend(&cfg.io)?;
         let mut listeners = Vec::new();
@@ -1713,7 +1718,8 @@ impl Server {
             };
             match ep {
                 Endpoint::Unix(path) => {
-                    let l = UnixListener::bind(path).map_err(bind_err)?;
+                    let l =
+                        sys::bind_unix_listener(path, cfg.unix_socket_mode).map_err(bind_err)?;
                     l.set_nonblocking(true).map_err(bind_err)?;
                     bound.push(ep.clone());
                     listeners.push(Listener::Unix(l));
