@@ -63,7 +63,16 @@
 //! kernel may have dropped the dirty pages, so retrying proves nothing).
 //!
 //! Recovery (`Journal::recover`, run by the store). The journal is read whole and scanned from the
-//! header: records whose sequence number is ≤ the checkpoint's are already in
+//! header — at most [`MAX_JOURNAL_BYTES`] of it, a regular file only,
+//! opened without blocking (`read_bounded`: a FIFO or device there, or a
+//! file growing while read, is refused rather than read for ever).
+//! The limit is the largest journal any valid configuration writes
+//! (`MAX_CHECKPOINT_EVERY_RECORDS` is derived from it), not one derived
+//! from the configuration of this start: a journal written under a larger
+//! `checkpoint_every_records` must still be read after the setting is
+//! lowered. Records are then decoded in place (a record's length field is
+//! checked against `MAX_RECORD_BYTES` before it is used; nothing is
+//! allocated from it): records whose sequence number is ≤ the checkpoint's are already in
 //! the checkpoint and skipped (the crash window between installing a
 //! checkpoint and restarting the journal); the following ones must continue
 //! the sequence exactly and are applied to the ledger. The scan stops at the
@@ -138,11 +147,24 @@ pub enum JournalError {
     Poisoned { path: PathBuf },
     #[error("journal {} has a bad file header ({reason})", path.display())]
     BadHeader { path: PathBuf, reason: &'static str },
-    #[error("journal {} is {len_bytes} bytes, more than the {max_bytes} recovery reads", path.display())]
+    #[error(
+        "journal {} holds more than the {max_bytes} bytes recovery reads ({len_bytes} bytes seen; nothing past offset {max_bytes} is read); refusing to start",
+        path.display()
+    )]
     TooLarge {
         path: PathBuf,
+        /// The size `stat` gave, or the bytes read before the limit stopped
+        /// the read (the file grew after the `stat`).
         len_bytes: u64,
         max_bytes: u64,
+    },
+    #[error(
+        "journal {} is a {file_type}, not a regular file (a device or FIFO there would be read forever, or block the start); refusing to start",
+        path.display()
+    )]
+    NotRegularFile {
+        path: PathBuf,
+        file_type: &'static str,
     },
     #[error(
         "journal {} holds a record at offset {offset_bytes} that this build cannot apply ({fault}); refusing to start rather than truncate it",
@@ -510,17 +532,26 @@ impl Journal {
             }
             create_empty(dir)?;
         }
-        let len_bytes = std::fs::metadata(&path)
-            .map_err(io_err("stat", &path))?
-            .len();
-        if len_bytes > MAX_JOURNAL_BYTES {
-            return Err(JournalError::TooLarge {
-                path,
+        let image = read_bounded(&path, MAX_JOURNAL_BYTES).map_err(|e| match e {
+            BoundedReadError::Io { op, source } => JournalError::Io {
+                op,
+                path: path.clone(),
+                source,
+            },
+            BoundedReadError::NotRegularFile { file_type } => JournalError::NotRegularFile {
+                path: path.clone(),
+                file_type,
+            },
+            BoundedReadError::TooLarge {
                 len_bytes,
-                max_bytes: MAX_JOURNAL_BYTES,
-            });
-        }
-        let image = std::fs::read(&path).map_err(io_err("read", &path))?;
+                max_bytes,
+            } => JournalError::TooLarge {
+                path: path.clone(),
+                len_bytes,
+                max_bytes,
+            },
+        })?;
+        let len_bytes = image.len() as u64;
         let report = scan(&image, checkpoint_seq, apply).map_err(|e| match e {
             ScanError::BadHeader(reason) => JournalError::BadHeader {
                 path: path.clone(),
@@ -820,6 +851,91 @@ impl RecordSink for Journal {
     fn push(&mut self, record: &Record) {
         self.push_record(record);
     }
+}
+
+/// Why [`read_bounded`] read nothing.
+#[derive(Debug)]
+pub(crate) enum BoundedReadError {
+    Io {
+        op: &'static str,
+        source: io::Error,
+    },
+    NotRegularFile {
+        file_type: &'static str,
+    },
+    /// `len_bytes`: what `fstat` gave, or the bytes read before the limit
+    /// stopped the read.
+    TooLarge {
+        len_bytes: u64,
+        max_bytes: u64,
+    },
+}
+
+/// Reads the state file at `path` whole, at most `max_bytes` of it — the
+/// journal, the checkpoint and the names file are read this way at start.
+/// The file is opened without blocking (`O_NONBLOCK`: opening a FIFO for
+/// reading would wait for a writer for ever) and must be a regular file by
+/// `fstat` of the open descriptor (a device reads forever: `/dev/zero`
+/// behind a symlink would grow the buffer until the process dies). Its
+/// size is checked before anything is read, and the read itself stops one
+/// byte past `max_bytes` whatever that size said (a file growing after the
+/// `fstat`), so no more than `max_bytes + 1` bytes are ever held.
+pub(crate) fn read_bounded(path: &Path, max_bytes: u64) -> Result<Vec<u8>, BoundedReadError> {
+    use std::os::unix::fs::FileTypeExt;
+    let io = |op| move |source| BoundedReadError::Io { op, source };
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io("open"))?;
+    let meta = f.metadata().map_err(io("stat"))?;
+    let t = meta.file_type();
+    if !t.is_file() {
+        let file_type = if t.is_fifo() {
+            "FIFO"
+        } else if t.is_char_device() {
+            "character device"
+        } else if t.is_block_device() {
+            "block device"
+        } else if t.is_socket() {
+            "socket"
+        } else if t.is_dir() {
+            "directory"
+        } else {
+            "special file"
+        };
+        return Err(BoundedReadError::NotRegularFile { file_type });
+    }
+    if meta.len() > max_bytes {
+        return Err(BoundedReadError::TooLarge {
+            len_bytes: meta.len(),
+            max_bytes,
+        });
+    }
+    read_at_most(f, meta.len(), max_bytes)
+}
+
+/// Reads `from` to its end, `len_hint` bytes reserved, refusing once more
+/// than `max_bytes` were read (the part of [`read_bounded`] that does not
+/// trust the size it was told).
+fn read_at_most(
+    from: impl io::Read,
+    len_hint: u64,
+    max_bytes: u64,
+) -> Result<Vec<u8>, BoundedReadError> {
+    let mut image = Vec::with_capacity(len_hint.min(max_bytes) as usize);
+    io::Read::read_to_end(
+        &mut io::Read::take(from, max_bytes.saturating_add(1)),
+        &mut image,
+    )
+    .map_err(|source| BoundedReadError::Io { op: "read", source })?;
+    if image.len() as u64 > max_bytes {
+        return Err(BoundedReadError::TooLarge {
+            len_bytes: image.len() as u64,
+            max_bytes,
+        });
+    }
+    Ok(image)
 }
 
 /// Creates an empty journal atomically (see [`replace_atomically`]).
@@ -1251,6 +1367,23 @@ mod tests {
             vec![vec![0, 0], vec![1, 0], vec![1, 2], vec![3, 2]],
             "slots 0 and 1 take turns"
         );
+    }
+
+    /// Entry 112: the read stops one byte past the limit whatever size it
+    /// was told (a file growing after its `fstat`) — here an endless
+    /// reader.
+    #[test]
+    fn a_read_is_cut_one_byte_past_the_limit_whatever_the_size_said() {
+        let endless = io::repeat(0xA5);
+        match read_at_most(endless, 0, 4096) {
+            Err(BoundedReadError::TooLarge {
+                len_bytes: 4097,
+                max_bytes: 4096,
+            }) => {}
+            other => panic!("{:?}", other.map(|image| image.len())),
+        }
+        let image = read_at_most(&[7u8; 4096][..], 4096, 4096).unwrap();
+        assert_eq!(image.len(), 4096, "exactly the limit is read");
     }
 
     #[test]

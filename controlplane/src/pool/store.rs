@@ -45,7 +45,9 @@ use std::path::{Path, PathBuf};
 use super::checkpoint::{self, CheckpointError};
 use super::fence::{FenceError, StateDirLock};
 use super::io_faults::{IoFaults, IoSite};
-use super::journal::{CommitReport, Journal, JournalError, ScanReport, Stop};
+use super::journal::{
+    BoundedReadError, CommitReport, Journal, JournalError, ScanReport, Stop, read_bounded,
+};
 use super::ledger::{InvariantError, Ledger, LedgerError};
 use super::manager::{ManagerConfig, PoolManager};
 use super::sys::{check_state_dir, fsync_dir, random_bytes};
@@ -129,6 +131,14 @@ pub enum StoreError {
     CorruptCheckpoint {
         path: PathBuf,
         source: CheckpointError,
+    },
+    #[error(
+        "checkpoint {} is a {file_type}, not a regular file (a device or FIFO there would be read forever, or block the start); refusing to start",
+        path.display()
+    )]
+    CheckpointNotRegularFile {
+        path: PathBuf,
+        file_type: &'static str,
     },
     #[error("checkpoint {} is inconsistent ({source}); refusing to start", path.display())]
     InconsistentCheckpoint { path: PathBuf, source: LedgerError },
@@ -502,32 +512,32 @@ impl PoolStore {
 /// The checkpoint's bytes, `None` if there is none. A file larger than any
 /// ledger encodes to is refused before it is read (a garbage file of any
 /// size would otherwise be read whole into memory).
+/// (Read as the journal is: opened without blocking, a regular file only,
+/// the read itself bounded — `journal::read_bounded`.)
 fn read_checkpoint(path: &Path) -> Result<Option<Vec<u8>>, StoreError> {
-    let mut f = match fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err("open", path)(e)),
-    };
-    let max_bytes = checkpoint::MAX_CHECKPOINT_BYTES;
-    let len_bytes = f.metadata().map_err(io_err("stat", path))?.len();
-    let too_large = |len_bytes| StoreError::CorruptCheckpoint {
-        path: path.to_path_buf(),
-        source: checkpoint::CheckpointError::TooLarge {
+    match read_bounded(path, checkpoint::MAX_CHECKPOINT_BYTES) {
+        Ok(image) => Ok(Some(image)),
+        Err(BoundedReadError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            Ok(None)
+        }
+        Err(BoundedReadError::Io { op, source }) => Err(io_err(op, path)(source)),
+        Err(BoundedReadError::NotRegularFile { file_type }) => {
+            Err(StoreError::CheckpointNotRegularFile {
+                path: path.to_path_buf(),
+                file_type,
+            })
+        }
+        Err(BoundedReadError::TooLarge {
             len_bytes,
             max_bytes,
-        },
-    };
-    if len_bytes > max_bytes {
-        return Err(too_large(len_bytes));
+        }) => Err(StoreError::CorruptCheckpoint {
+            path: path.to_path_buf(),
+            source: checkpoint::CheckpointError::TooLarge {
+                len_bytes,
+                max_bytes,
+            },
+        }),
     }
-    let mut image = Vec::with_capacity(len_bytes as usize);
-    // Bounded even if the file grows after the stat.
-    io::Read::read_to_end(&mut io::Read::take(&mut f, max_bytes + 1), &mut image)
-        .map_err(io_err("read", path))?;
-    if image.len() as u64 > max_bytes {
-        return Err(too_large(image.len() as u64));
-    }
-    Ok(Some(image))
 }
 
 fn create_dir(dir: &Path) -> Result<(), StoreError> {
