@@ -210,14 +210,37 @@ pub enum JournalError {
         path.display()
     )]
     Missing { path: PathBuf },
+    #[error(
+        "cannot {op} {}: the file system holding it is full ({source}); the pool manager writes this before it serves anything (a commit, or recovery making the records it keeps durable), so it stops or refuses to start. Free space on that file system (the pools and their regions are untouched) and start it again",
+        path.display()
+    )]
+    NoSpace {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+/// True for the errnos of a full file system (`ENOSPC`) or an exhausted
+/// quota (`EDQUOT`).
+pub fn is_out_of_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
+impl JournalError {
+    /// `Io`, or `NoSpace` when `source` says the file system is full.
+    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        let path = path.to_path_buf();
+        if is_out_of_space(&source) {
+            Self::NoSpace { op, path, source }
+        } else {
+            Self::Io { op, path, source }
+        }
+    }
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> JournalError + 'a {
-    move |source| JournalError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| JournalError::io(op, path, source)
 }
 
 /// The header block every journal starts with (the in-memory journals of
@@ -523,6 +546,7 @@ impl Journal {
         dir: &Path,
         checkpoint_seq: u64,
         checkpoint_exists: bool,
+        faults: &IoFaults,
         apply: impl FnMut(&Record) -> Result<(), LedgerError>,
     ) -> Result<(Self, ScanReport, Option<PathBuf>), JournalError> {
         let path = dir.join(JOURNAL_FILE);
@@ -533,11 +557,7 @@ impl Journal {
             create_empty(dir)?;
         }
         let image = read_bounded(&path, MAX_JOURNAL_BYTES).map_err(|e| match e {
-            BoundedReadError::Io { op, source } => JournalError::Io {
-                op,
-                path: path.clone(),
-                source,
-            },
+            BoundedReadError::Io { op, source } => JournalError::io(op, &path, source),
             BoundedReadError::NotRegularFile { file_type } => JournalError::NotRegularFile {
                 path: path.clone(),
                 file_type,
@@ -601,7 +621,7 @@ impl Journal {
         let mut end_bytes = report.valid_end_bytes;
         if let Some(stop) = report.stop {
             let tail = &image[stop.offset_bytes as usize..];
-            saved = save_dropped(dir, stop.offset_bytes, tail)?;
+            saved = save_dropped(dir, stop.offset_bytes, tail, faults)?;
             tracing::warn!(
                 journal = %path.display(),
                 offset_bytes = stop.offset_bytes,
@@ -638,8 +658,9 @@ impl Journal {
                 .open(&path)
                 .map_err(io_err("open", &path))?;
             write_step(WriteStep::Records);
-            file.write_all_at(kept, records_start)
-                .map_err(io_err("rewrite", &path))?;
+            faults
+                .write_all_at(IoSite::RecoveryRewrite, &file, kept, records_start)
+                .map_err(io_err("rewrite the records kept in", &path))?;
             if end_bytes != len_bytes {
                 write_step(WriteStep::Truncate);
                 file.set_len(end_bytes).map_err(io_err("truncate", &path))?;
@@ -690,7 +711,7 @@ impl Journal {
             header_acknowledged_seq: acknowledged,
             next_header_slot: next_slot,
             poisoned: false,
-            faults: IoFaults::default(),
+            faults: faults.clone(),
         };
         Ok((journal, report, saved))
     }
@@ -773,11 +794,7 @@ impl Journal {
     fn fail_stop(&mut self, op: &'static str, done: io::Result<()>) -> Result<(), JournalError> {
         done.map_err(|source| {
             self.poisoned = true;
-            JournalError::Io {
-                op,
-                path: self.path.clone(),
-                source,
-            }
+            JournalError::io(op, &self.path, source)
         })
     }
 
@@ -826,11 +843,7 @@ impl Journal {
         });
         if let Err(source) = done {
             self.poisoned = true;
-            return Err(JournalError::Io {
-                op: "restart",
-                path: self.path.clone(),
-                source,
-            });
+            return Err(JournalError::io("restart", &self.path, source));
         }
         self.end_bytes = JOURNAL_HEADER_BYTES as u64;
         self.records_since_checkpoint = 0;
@@ -987,19 +1000,23 @@ fn write_step(_step: WriteStep) {
 }
 
 /// Keeps a dropped tail next to the journal, under a name no other file
-/// has; `None` when every name for its offset is taken. Those tails are an
-/// operator's to look at, never read again: a manager crashing in a loop at
-/// the same offset must not end up refusing to start because the names ran
-/// out (the tail itself was never acknowledged), so the tail is then only
-/// logged as dropped.
+/// has; `None` when every name for its offset is taken, or when the file
+/// system is full. Those tails are an operator's to look at, never read
+/// again: a manager crashing in a loop at the same offset must not end up
+/// refusing to start because the names ran out (the tail itself was never
+/// acknowledged), so the tail is then only logged as dropped — and neither
+/// must a full disk, which is what usually tears the tail in the first
+/// place (a commit's write cut short by `ENOSPC`): the copy is removed and
+/// the start goes on (reliability entry 113). Any other failure refuses.
 fn save_dropped(
     dir: &Path,
     offset_bytes: u64,
     tail: &[u8],
+    faults: &IoFaults,
 ) -> Result<Option<PathBuf>, JournalError> {
     for n in 0..MAX_DROPPED_NAMES {
         let path = dir.join(format!("{DROPPED_PREFIX}{offset_bytes}.{n}"));
-        let mut f = match OpenOptions::new()
+        let f = match OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
@@ -1008,10 +1025,25 @@ fn save_dropped(
         {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) if is_out_of_space(&e) => return Ok(tail_not_kept(dir, &path, offset_bytes, e)),
             Err(e) => return Err(io_err("create", &path)(e)),
         };
-        f.write_all(tail).map_err(io_err("write", &path))?;
-        f.sync_all().map_err(io_err("fsync", &path))?;
+        let kept = faults
+            .write_all_at(IoSite::RecoveryDroppedTail, &f, tail, 0)
+            .and_then(|()| f.sync_all());
+        match kept {
+            Ok(()) => {}
+            Err(e) if is_out_of_space(&e) => {
+                drop(f);
+                // The part written is no use and takes the space the
+                // start needs: removed (its removal need not be durable).
+                if let Err(removed) = std::fs::remove_file(&path) {
+                    tracing::warn!(path = %path.display(), error = %removed, "cannot remove a partial copy of a dropped tail");
+                }
+                return Ok(tail_not_kept(dir, &path, offset_bytes, e));
+            }
+            Err(e) => return Err(io_err("write", &path)(e)),
+        }
         fsync_dir(dir).map_err(io_err("fsync", dir))?;
         return Ok(Some(path));
     }
@@ -1022,6 +1054,19 @@ fn save_dropped(
         "the dropped tail is not kept: {MAX_DROPPED_NAMES} tails cut at this offset are kept already (remove {DROPPED_PREFIX}{offset_bytes}.* once inspected)"
     );
     Ok(None)
+}
+
+/// Logs that the dropped tail at `offset_bytes` could not be kept at
+/// `path` because the file system is full.
+fn tail_not_kept(dir: &Path, path: &Path, offset_bytes: u64, e: io::Error) -> Option<PathBuf> {
+    tracing::warn!(
+        dir = %dir.display(),
+        path = %path.display(),
+        offset_bytes,
+        error = %e,
+        "the dropped tail is not kept: the file system is full (it was never acknowledged; recovery goes on without the copy)"
+    );
+    None
 }
 
 #[cfg(test)]
@@ -1238,7 +1283,7 @@ mod tests {
 
     fn recover_dir(dir: &Path) -> (Journal, ScanReport, Vec<Record>) {
         let mut got = Vec::new();
-        let (j, report, _) = Journal::recover(dir, 0, false, |r| {
+        let (j, report, _) = Journal::recover(dir, 0, false, &IoFaults::default(), |r| {
             got.push(*r);
             Ok(())
         })

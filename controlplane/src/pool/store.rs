@@ -46,7 +46,8 @@ use super::checkpoint::{self, CheckpointError};
 use super::fence::{FenceError, StateDirLock};
 use super::io_faults::{IoFaults, IoSite};
 use super::journal::{
-    BoundedReadError, CommitReport, Journal, JournalError, ScanReport, Stop, read_bounded,
+    BoundedReadError, CommitReport, Journal, JournalError, ScanReport, Stop, is_out_of_space,
+    read_bounded,
 };
 use super::ledger::{InvariantError, Ledger, LedgerError};
 use super::manager::{ManagerConfig, PoolManager};
@@ -174,14 +175,31 @@ pub enum StoreError {
     },
     #[error("the store failed an earlier write or sync; the pool manager must restart to recover")]
     Poisoned,
+    #[error(
+        "cannot {op} {}: the file system holding it is full ({source}); the pool manager writes this before it serves anything, so it stops or refuses to start. Free space on that file system (the pools and their regions are untouched) and start it again",
+        path.display()
+    )]
+    NoSpace {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl StoreError {
+    /// `Io`, or `NoSpace` when `source` says the file system is full.
+    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        let path = path.to_path_buf();
+        if is_out_of_space(&source) {
+            Self::NoSpace { op, path, source }
+        } else {
+            Self::Io { op, path, source }
+        }
+    }
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| StoreError::io(op, path, source)
 }
 
 /// A torn tail recovery cut off.
@@ -256,6 +274,19 @@ impl PoolStore {
         manager_config: ManagerConfig,
         now: MonotonicMs,
     ) -> Result<Recovered, StoreError> {
+        Self::open_with_io_faults(dir, config, manager_config, now, IoFaults::default())
+    }
+
+    /// [`PoolStore::open`], with storage failures injected into recovery's
+    /// writes that are sites ([`super::io_faults`]) and into everything the
+    /// store writes after (as [`PoolStore::set_io_faults`]).
+    pub fn open_with_io_faults(
+        dir: &Path,
+        config: StoreConfig,
+        manager_config: ManagerConfig,
+        now: MonotonicMs,
+        faults: IoFaults,
+    ) -> Result<Recovered, StoreError> {
         config.validate()?;
         create_dir(dir)?;
         check_state_dir(dir).map_err(|source| StoreError::StateDirUnsafe {
@@ -300,7 +331,9 @@ impl PoolStore {
         };
 
         let (journal, scan, saved) =
-            Journal::recover(dir, checkpoint_seq, checkpoint_loaded, |r| ledger.apply(r))?;
+            Journal::recover(dir, checkpoint_seq, checkpoint_loaded, &faults, |r| {
+                ledger.apply(r)
+            })?;
         ledger.verify().map_err(|source| StoreError::Invariant {
             dir: dir.to_path_buf(),
             source,
@@ -343,7 +376,7 @@ impl PoolStore {
             config,
             checkpoint_seq,
             poisoned: false,
-            faults: IoFaults::default(),
+            faults,
         };
         Ok(Recovered {
             store,
@@ -500,11 +533,7 @@ impl PoolStore {
         r.map_err(|source| {
             self.poisoned = true;
             self.journal.poison();
-            StoreError::Io {
-                op,
-                path: path.to_path_buf(),
-                source,
-            }
+            StoreError::io(op, path, source)
         })
     }
 }

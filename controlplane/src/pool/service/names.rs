@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::pool::io_faults::{IoFaults, IoSite};
-use crate::pool::journal::{BoundedReadError, read_bounded};
+use crate::pool::journal::{BoundedReadError, is_out_of_space, read_bounded};
 use crate::pool::sys::fsync_dir;
 use crate::pool::{DirectoryId, InstanceId};
 use crate::proto::MAX_NAME_BYTES;
@@ -135,6 +135,15 @@ pub enum NamesError {
     },
     #[error("names file {} failed an earlier write; the pool manager must restart", path.display())]
     Poisoned { path: PathBuf },
+    #[error(
+        "cannot {op} {}: the file system holding it is full ({source}); the pool manager writes this before it serves anything (a new name, or the names kept made durable at start), so it stops or refuses to start. Free space on that file system (the pools and their regions are untouched) and start it again",
+        path.display()
+    )]
+    NoSpace {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
 }
 
 /// A name whose id is already taken by another name (see the module essay).
@@ -160,12 +169,20 @@ pub struct NamesFile {
     faults: IoFaults,
 }
 
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> NamesError + 'a {
-    move |source| NamesError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
+impl NamesError {
+    /// `Io`, or `NoSpace` when `source` says the file system is full.
+    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        let path = path.to_path_buf();
+        if is_out_of_space(&source) {
+            Self::NoSpace { op, path, source }
+        } else {
+            Self::Io { op, path, source }
+        }
     }
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> NamesError + 'a {
+    move |source| NamesError::io(op, path, source)
 }
 
 fn header() -> [u8; HEADER_BYTES] {
@@ -424,11 +441,7 @@ impl NamesFile {
         });
         if let Err(source) = written {
             self.poisoned = true;
-            return Err(NamesError::Io {
-                op: "append to",
-                path: self.path.clone(),
-                source,
-            });
+            return Err(NamesError::io("append to", &self.path, source));
         }
         self.end_bytes += self.pending.len() as u64;
         self.pending.clear();
