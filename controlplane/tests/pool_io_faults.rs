@@ -19,11 +19,13 @@ use std::error::Error;
 use std::time::Duration;
 
 use cxlkv_controlplane::pool::io_faults::{IoFaults, IoSite};
+use cxlkv_controlplane::pool::journal::{DROPPED_PREFIX, JOURNAL_FILE, JournalError};
 use cxlkv_controlplane::pool::service::{
     PoolCore, PoolReply, PoolRequest, PoolService, PoolSpec, ServiceConfig, TcpAuth,
 };
 use cxlkv_controlplane::pool::{
-    Caller, DirectoryId, Recovered, Reply, Request, Snapshot, StoreConfig, StoreError, SyncPolicy,
+    Caller, DirectoryId, ManagerConfig, MonotonicMs, PoolStore, Recovered, Reply, Request,
+    Snapshot, StoreConfig, StoreError, SyncPolicy,
 };
 use cxlkv_controlplane::proto::{ErrorCode, RegionHandle};
 use pool_support::{MIB, alloc_request, fresh_header, open_store, shm_dir, store_with_regions};
@@ -304,4 +306,117 @@ fn a_storage_failure_stops_the_pool_service_and_the_restart_serves_what_was_ackn
         drop(pool);
         core.shutdown().unwrap();
     }
+}
+
+/// Reopens `dir` as [`reopen`] does, with `faults` injected into recovery.
+fn reopen_with(dir: &std::path::Path, faults: IoFaults) -> Result<Recovered, StoreError> {
+    PoolStore::open_with_io_faults(
+        dir,
+        StoreConfig {
+            checkpoint_every_records: 1 << 20,
+            ..Default::default()
+        },
+        ManagerConfig { grace_ms: 1_000 },
+        MonotonicMs(0),
+        faults,
+    )
+}
+
+/// A store whose last commit was cut short by `ENOSPC` after 20 bytes of
+/// its record (a full disk's torn tail), closed: its directory and the
+/// acknowledged state.
+fn torn_by_a_full_disk(tag: &str) -> (tempfile::TempDir, Snapshot) {
+    let dir = shm_dir(tag);
+    let (mut r, acknowledged) = store_with_regions(dir.path(), 4);
+    let faults = IoFaults::new();
+    faults.fail_after_bytes(IoSite::JournalRecords, 1, 20, libc::ENOSPC);
+    r.store.set_io_faults(faults);
+    let _ = r.manager.handle(
+        &caller(),
+        alloc_request(9),
+        Default::default(),
+        r.store.journal(),
+    );
+    let e = r.store.commit().expect_err("the commit fails");
+    assert!(
+        matches!(e, StoreError::Journal(JournalError::NoSpace { .. })),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("file system holding it is full"),
+        "{e}"
+    );
+    drop(r);
+    (dir, acknowledged)
+}
+
+fn dropped_copies(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with(DROPPED_PREFIX))
+        .collect()
+}
+
+/// Found by a review of starts on a full disk (reliability entry 106): a
+/// commit cut short by `ENOSPC` leaves a torn tail, and the next start
+/// refused when it could not keep a copy of that tail in
+/// `journal.dropped.*` — a copy for inspection that recovery never reads,
+/// of records never acknowledged — so a full disk kept the pool down until
+/// an operator freed space. The copy is skipped now (its partial file
+/// removed), and the start goes on with the acknowledged state.
+#[test]
+fn a_full_disk_does_not_block_the_start_that_cuts_the_tail_it_tore() {
+    for bytes in [0, 10] {
+        let case = format!("the copy fails after {bytes} bytes");
+        let (dir, acknowledged) = torn_by_a_full_disk("io-full-tail");
+        let faults = IoFaults::new();
+        faults.fail_after_bytes(IoSite::RecoveryDroppedTail, 1, bytes, libc::ENOSPC);
+        let back = reopen_with(dir.path(), faults.clone())
+            .unwrap_or_else(|e| panic!("{case}: the start refused: {e}"));
+        assert_eq!(faults.fired(), 1, "{case}");
+        let dropped = back.report.dropped.clone().expect("a torn tail was cut");
+        assert_eq!(dropped.saved_to, None, "{case}: no copy kept");
+        assert_eq!(dropped_copies(dir.path()), Vec::<String>::new(), "{case}");
+        assert_eq!(back.manager.snapshot(), acknowledged, "{case}");
+        assert_keeps_working(dir.path(), back, &case);
+    }
+}
+
+/// The rewrite of the records recovery keeps is what makes them durable
+/// before anything is answered on their strength (entry 106): a full disk
+/// there still refuses the start — and says so, naming `ENOSPC`, the
+/// journal, and what to do — and changes nothing: a start with space
+/// recovers the acknowledged state.
+#[test]
+fn a_full_disk_at_recoverys_rewrite_refuses_the_start_naming_enospc_and_the_journal() {
+    let dir = shm_dir("io-full-rewrite");
+    let (r, acknowledged) = store_with_regions(dir.path(), 4);
+    drop(r);
+    let faults = IoFaults::new();
+    faults.fail(IoSite::RecoveryRewrite, 1, libc::ENOSPC);
+    let e = match reopen_with(dir.path(), faults.clone()) {
+        Ok(_) => panic!("the start must refuse"),
+        Err(e) => e,
+    };
+    assert_eq!(faults.fired(), 1);
+    assert!(
+        matches!(
+            &e,
+            StoreError::Journal(JournalError::NoSpace { path, .. }) if path.ends_with(JOURNAL_FILE)
+        ),
+        "{e:?}"
+    );
+    let message = e.to_string();
+    for part in [
+        "the file system holding it is full",
+        "No space left on device",
+        "Free space on that file system",
+    ] {
+        assert!(message.contains(part), "{message:?} says {part:?}");
+    }
+    assert_eq!(errno(&e), Some(libc::ENOSPC));
+    let back = reopen(dir.path());
+    assert_eq!(back.manager.snapshot(), acknowledged);
+    assert_keeps_working(dir.path(), back, "after the refused start");
 }

@@ -976,3 +976,73 @@ fn group_commit_writes_several_requests_with_one_commit() {
         snap
     );
 }
+
+/// Opens the store of `dir` on another thread; `None` if it has not
+/// answered within five seconds (the thread is then left blocked).
+fn open_within_5s(dir: &Path) -> Option<Result<(), StoreError>> {
+    let dir = dir.to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = PoolStore::open(
+            &dir,
+            StoreConfig::default(),
+            Default::default(),
+            MonotonicMs(0),
+        );
+        let _ = tx.send(r.map(drop));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(5)).ok()
+}
+
+/// Makes `path` a FIFO (no writer ever opens it).
+fn make_fifo(path: &Path) {
+    let _ = fs::remove_file(path);
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+}
+
+/// Found by a review of recovery's reads (reliability entry 105): the
+/// journal's size was checked with a `stat`, then the file read to its end
+/// by path — a journal that is not a regular file (a FIFO here; a device
+/// such as `/dev/zero` behind a symlink reads forever, growing the buffer
+/// until the process dies) or one growing after the `stat` was read without
+/// bound, and a FIFO blocked the start for ever. Recovery now opens the
+/// file without blocking, refuses anything but a regular file, and never
+/// reads past the limit, whatever the `stat` said.
+#[test]
+fn a_journal_that_is_not_a_regular_file_is_refused_without_blocking() {
+    let dir = shm_dir("fifo-journal");
+    let (r, _) = store_with_regions(dir.path(), 1);
+    drop(r);
+    make_fifo(&dir.path().join(JOURNAL_FILE));
+    let e = open_within_5s(dir.path())
+        .expect("recovery answered within 5 s")
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            StoreError::Journal(JournalError::NotRegularFile { path, .. })
+                if path.ends_with(JOURNAL_FILE)
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("FIFO"), "{e}");
+}
+
+/// The checkpoint and the names file are read the same way (entry 105).
+#[test]
+fn a_checkpoint_that_is_not_a_regular_file_is_refused_without_blocking() {
+    let dir = shm_dir("fifo-ckpt");
+    let (mut r, _) = store_with_regions(dir.path(), 1);
+    r.store.checkpoint(&r.manager).unwrap();
+    drop(r);
+    make_fifo(&dir.path().join(CHECKPOINT_FILE));
+    let e = open_within_5s(dir.path())
+        .expect("recovery answered within 5 s")
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::CheckpointNotRegularFile { path, .. } if path.ends_with(CHECKPOINT_FILE)),
+        "{e}"
+    );
+}

@@ -20,6 +20,7 @@ The L1 tier (LMCache's staged protocol) is :class:`L1Tier`. See
 
 from . import _native
 from .client import (
+    MAX_BATCH,
     Client,
     DeleteResult,
     Layout,
@@ -52,6 +53,7 @@ from .tier import L1Tier, TierCode, TierPage
 __version__ = _native.lib.cxlkv_version().decode()
 
 __all__ = [
+    "MAX_BATCH",
     "ArgumentError",
     "BusyError",
     "CapacityError",

@@ -418,6 +418,12 @@ DELETE_PINNED = 2
 DELETE_MISSING = 3
 
 TIER_MAX_HOLDS = 128
+#: Most entries one batch call of the library carries (``proto::MAX_BATCH``;
+#: every ``cxlkv_batch_*`` and ``cxlkv_tier_*`` call given more returns
+#: ``CXLKV_STATUS_BATCH_TOO_LARGE``). Not in the header: ``test_abi.py``
+#: checks it against the library. The directory's own limit may be lower
+#: (``Client.session()["max_batch"]``); the library enforces that one.
+MAX_BATCH = 4096
 TIER_WRITE_MODES = {"new": 0, "update": 1, "all": 2}
 TIER_EVENTS = {
     1: "L1_READ_RESERVED",

@@ -53,6 +53,7 @@ import contextlib
 import ctypes
 import gc
 import inspect
+import itertools
 import operator
 import threading
 import weakref
@@ -96,6 +97,46 @@ def _c_uint(value: int, ctype, name: str) -> int:
             f"{name}={value} is out of range for its C type (0 to 2**{bits} - 1)",
         )
     return value
+
+
+#: Most entries one batch call carries: the library's limit (see
+#: ``_native.MAX_BATCH``).
+MAX_BATCH = N.MAX_BATCH
+
+
+def _batch_too_large(call: str, n: Union[int, str]) -> ArgumentError:
+    return ArgumentError(
+        Status.BATCH_TOO_LARGE,
+        f"{call}: a batch of {n} exceeds the library's limit of {MAX_BATCH} "
+        "(cxlkv.MAX_BATCH; the directory's may be lower: Client.session()['max_batch'])",
+    )
+
+
+def _batch_count(n: int, call: str) -> int:
+    """A batch size given as an int (``batch_alloc(n)``), refused above
+    :data:`MAX_BATCH` before anything is allocated for it: the library
+    refuses it anyway, and an array of ``10**12`` result slots would raise
+    ``MemoryError`` (or take the memory) first."""
+    n = _c_uint(n, ctypes.c_size_t, f"{call}: n")
+    if n > MAX_BATCH:
+        raise _batch_too_large(call, n)
+    return n
+
+
+def _bounded(items: Iterable, call: str) -> list:
+    """The entries of a batch as a list, at most :data:`MAX_BATCH` of them:
+    a longer one is refused having read no more than one entry past the
+    limit (an endless iterator included) and allocated nothing for it."""
+    try:
+        n = len(items)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n is not None and n > MAX_BATCH:
+        raise _batch_too_large(call, n)
+    out = list(itertools.islice(items, MAX_BATCH + 1))
+    if len(out) > MAX_BATCH:
+        raise _batch_too_large(call, f"more than {MAX_BATCH}")
+    return out
 
 
 class _NotCopyable:
@@ -501,7 +542,7 @@ def _keys(keys: Iterable[BytesLike], call: str) -> list[bytes]:
             f"{call}(keys): expected an iterable of keys, not a single {type(keys).__name__} "
             "(give one key as [key])"
         )
-    return [_key(k) for k in keys]
+    return [_key(k) for k in _bounded(keys, call)]
 
 
 def _pairs(items: Iterable[tuple], call: str, second: str) -> list[tuple]:
@@ -521,7 +562,7 @@ def _pairs(items: Iterable[tuple], call: str, second: str) -> list[tuple]:
             f"not a {type(items).__name__}"
         )
     out = []
-    for i, item in enumerate(items):
+    for i, item in enumerate(_bounded(items, call)):
         if isinstance(item, _SINGLE) or isinstance(item, Mapping):
             raise TypeError(
                 f"{call}(items): item {i} is a {type(item).__name__}, not a (key, {second}) pair"
@@ -588,7 +629,7 @@ class Layout(_NotCopyable):
 
     def batch_alloc(self, n: int) -> list[Lease]:
         """``n`` writable pages, all or none."""
-        n = _c_uint(n, ctypes.c_size_t, "batch_alloc(): n")
+        n = _batch_count(n, "batch_alloc()")
         raw = (ctypes.c_void_p * max(n, 1))()
         # The call's own hold keeps a close() on another thread from ending
         # the session before each lease has taken its hold.

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import itertools
 import math
 import threading
 import weakref
@@ -472,14 +473,18 @@ class L1Tier(_NotCopyable):
         if isinstance(is_temporary, str):
             # Its characters would be as many true flags.
             raise TypeError("reserve_write(is_temporary): expected one flag per key, not a str")
-        is_temporary = list(is_temporary)
+        # Bounded like the keys: one flag per key, an endless iterable read
+        # no further than one flag past them.
+        flags_given = list(itertools.islice(is_temporary, len(keys) + 1))
         if mode not in N.TIER_WRITE_MODES:
             raise ArgumentError(Status.INVALID_ARGUMENT, f"mode {mode!r} is not new, update or all")
-        if len(is_temporary) != len(keys):
+        if len(flags_given) != len(keys):
+            given = len(flags_given) if len(flags_given) <= len(keys) else f"more than {len(keys)}"
             raise TierArgumentError(
                 Status.TIER_LENGTH_MISMATCH,
-                f"reserve_write: {len(keys)} keys but {len(is_temporary)} is_temporary flags",
+                f"reserve_write: {len(keys)} keys but {given} is_temporary flags",
             )
+        is_temporary = flags_given
         flags = (ctypes.c_uint8 * max(len(keys), 1))(*[1 if t else 0 for t in is_temporary])
         if len_bytes is None:
             len_bytes = self._page_size

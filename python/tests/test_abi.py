@@ -207,3 +207,12 @@ def test_a_library_of_another_abi_is_refused_at_import(tmp_path, version, compla
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ImportError:") and "ABI" in out.stdout and complaint in out.stdout
+
+
+def test_max_batch_is_the_librarys_limit():
+    # Not in the header: the library is asked. A batch of MAX_BATCH + 1 is
+    # refused for its length before anything else is looked at; one of
+    # MAX_BATCH gets past that check (to the NULL array here).
+    lib = N.lib
+    assert lib.cxlkv_batch_alloc(None, N.MAX_BATCH + 1, None) == Status.BATCH_TOO_LARGE
+    assert lib.cxlkv_batch_alloc(None, N.MAX_BATCH, None) == Status.INVALID_ARGUMENT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 
 import pytest
@@ -355,3 +356,41 @@ def test_an_int_outside_its_c_type_is_refused_not_truncated(server, client, layo
         assert len(lease) == 3
     with pytest.raises(TypeError, match="fingerprint"):
         client.layout(PAGE, 1.5)
+
+
+def _free_pages(layout) -> int:
+    return layout.info()["free_pages"]
+
+
+def test_a_batch_over_the_librarys_limit_is_refused_before_anything_is_allocated(client, layout):
+    # Reliability entry 107: batch_alloc(10**12) built a 10**12-slot ctypes
+    # array before the library could refuse it — MemoryError, or (for a
+    # size the allocator grants) gigabytes taken for nothing. Key lists and
+    # pairs were read whole first, an endless iterator for ever.
+    limit = cxlkv.MAX_BATCH
+    free = _free_pages(layout)
+    for n in (10**12, 2**63, limit + 1):
+        with pytest.raises(cxlkv.ArgumentError, match=f"batch of {n} exceeds the library's limit of {limit}") as e:
+            layout.batch_alloc(n)
+        assert e.value.status == cxlkv.Status.BATCH_TOO_LARGE
+        assert isinstance(e.value, ValueError)
+    assert _free_pages(layout) == free, "no lease was taken"
+    too_many = [b"k%d" % i for i in range(limit + 1)]
+    endless = lambda: itertools.repeat(b"k")  # noqa: E731
+    for call in (layout.batch_get, layout.batch_exists, layout.batch_delete):
+        for keys, said in ((too_many, str(limit + 1)), (endless(), f"more than {limit}")):
+            with pytest.raises(cxlkv.ArgumentError, match=f"batch of {said} exceeds") as e:
+                call(keys)
+            assert e.value.status == cxlkv.Status.BATCH_TOO_LARGE
+    for items in ([(k, b"v") for k in too_many], itertools.repeat((b"k", b"v"))):
+        with pytest.raises(cxlkv.ArgumentError, match="exceeds the library's limit"):
+            layout.batch_put(items)
+    lease = layout.alloc()
+    lease.write(b"x")
+    with pytest.raises(cxlkv.ArgumentError, match="exceeds the library's limit"):
+        layout.batch_register(itertools.repeat((b"k", lease)))
+    assert layout.register(b"batch-limit-lease", lease).inserted, "the refused call took no lease"
+    # The limit itself is accepted (by the library; the directory's own may
+    # be lower and is the library's to enforce).
+    session_limit = min(limit, client.session()["max_batch"])
+    assert layout.batch_exists([b"absent"] * session_limit) == [False] * session_limit

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import itertools
 import pickle
 import subprocess
 import sys
@@ -670,3 +671,16 @@ def test_an_int_outside_its_c_type_is_refused_not_truncated_or_clamped(tier):
     assert tier.finish_read([key(51)]) == [TierCode.SUCCESS]
     assert page.released
     assert tier.finish_write([key(53)]) == [TierCode.SUCCESS]
+
+
+def test_a_tier_batch_over_the_librarys_limit_is_refused_before_anything_is_allocated(tier):
+    # Reliability entry 107: as the layout's batch calls.
+    endless = itertools.repeat(key(1))
+    for call in (tier.reserve_read, tier.unsafe_read, tier.finish_read, tier.touch_keys):
+        with pytest.raises(cxlkv.ArgumentError, match=f"more than {cxlkv.MAX_BATCH} exceeds") as e:
+            call(endless)
+        assert e.value.status == cxlkv.Status.BATCH_TOO_LARGE
+    with pytest.raises(cxlkv.TierArgumentError, match="more than 1 is_temporary flags") as e:
+        tier.reserve_write([key(43)], itertools.repeat(False), CHUNK_BYTES)
+    assert e.value.status == cxlkv.Status.TIER_LENGTH_MISMATCH
+    assert tier.inspect(key(43))["stage"] == "untracked"

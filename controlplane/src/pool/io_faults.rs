@@ -22,9 +22,13 @@
 //! # }
 //! ```
 //!
-//! Recovery's own writes (the rewrite of the records kept, the removal of a
-//! stale checkpoint) are not sites: a failure there refuses the start, and
-//! the next start does the same work again.
+//! Two of recovery's own writes are sites too, reached through
+//! [`PoolStore::open_with_io_faults`](super::PoolStore::open_with_io_faults):
+//! the rewrite of the journal records kept ([`IoSite::RecoveryRewrite`]) and
+//! the copy of a dropped tail ([`IoSite::RecoveryDroppedTail`]). The others
+//! (the removal of a stale checkpoint, the header rewrite) are not: a
+//! failure there refuses the start, and the next start does the same work
+//! again.
 
 use std::fs::File;
 use std::io;
@@ -55,6 +59,12 @@ pub enum IoSite {
     StateDirSync,
     /// Appending to the names file (write and sync).
     NamesAppend,
+    /// Recovery writing the journal records it keeps again (before their
+    /// sync; a failure refuses the start).
+    RecoveryRewrite,
+    /// Recovery keeping a copy of a dropped tail in
+    /// `journal.dropped.<offset>.<n>` (a full file system skips the copy).
+    RecoveryDroppedTail,
 }
 
 /// Injected storage failures; see the module essay. Clones share rules.

@@ -63,7 +63,16 @@
 //! kernel may have dropped the dirty pages, so retrying proves nothing).
 //!
 //! Recovery (`Journal::recover`, run by the store). The journal is read whole and scanned from the
-//! header: records whose sequence number is ≤ the checkpoint's are already in
+//! header — at most [`MAX_JOURNAL_BYTES`] of it, a regular file only,
+//! opened without blocking (`read_bounded`: a FIFO or device there, or a
+//! file growing while read, is refused rather than read for ever).
+//! The limit is the largest journal any valid configuration writes
+//! (`MAX_CHECKPOINT_EVERY_RECORDS` is derived from it), not one derived
+//! from the configuration of this start: a journal written under a larger
+//! `checkpoint_every_records` must still be read after the setting is
+//! lowered. Records are then decoded in place (a record's length field is
+//! checked against `MAX_RECORD_BYTES` before it is used; nothing is
+//! allocated from it): records whose sequence number is ≤ the checkpoint's are already in
 //! the checkpoint and skipped (the crash window between installing a
 //! checkpoint and restarting the journal); the following ones must continue
 //! the sequence exactly and are applied to the ledger. The scan stops at the
@@ -138,11 +147,24 @@ pub enum JournalError {
     Poisoned { path: PathBuf },
     #[error("journal {} has a bad file header ({reason})", path.display())]
     BadHeader { path: PathBuf, reason: &'static str },
-    #[error("journal {} is {len_bytes} bytes, more than the {max_bytes} recovery reads", path.display())]
+    #[error(
+        "journal {} holds more than the {max_bytes} bytes recovery reads ({len_bytes} bytes seen; nothing past offset {max_bytes} is read); refusing to start",
+        path.display()
+    )]
     TooLarge {
         path: PathBuf,
+        /// The size `stat` gave, or the bytes read before the limit stopped
+        /// the read (the file grew after the `stat`).
         len_bytes: u64,
         max_bytes: u64,
+    },
+    #[error(
+        "journal {} is a {file_type}, not a regular file (a device or FIFO there would be read forever, or block the start); refusing to start",
+        path.display()
+    )]
+    NotRegularFile {
+        path: PathBuf,
+        file_type: &'static str,
     },
     #[error(
         "journal {} holds a record at offset {offset_bytes} that this build cannot apply ({fault}); refusing to start rather than truncate it",
@@ -188,14 +210,37 @@ pub enum JournalError {
         path.display()
     )]
     Missing { path: PathBuf },
+    #[error(
+        "cannot {op} {}: the file system holding it is full ({source}); the pool manager writes this before it serves anything (a commit, or recovery making the records it keeps durable), so it stops or refuses to start. Free space on that file system (the pools and their regions are untouched) and start it again",
+        path.display()
+    )]
+    NoSpace {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+/// True for the errnos of a full file system (`ENOSPC`) or an exhausted
+/// quota (`EDQUOT`).
+pub fn is_out_of_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
+impl JournalError {
+    /// `Io`, or `NoSpace` when `source` says the file system is full.
+    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        let path = path.to_path_buf();
+        if is_out_of_space(&source) {
+            Self::NoSpace { op, path, source }
+        } else {
+            Self::Io { op, path, source }
+        }
+    }
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> JournalError + 'a {
-    move |source| JournalError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| JournalError::io(op, path, source)
 }
 
 /// The header block every journal starts with (the in-memory journals of
@@ -501,6 +546,7 @@ impl Journal {
         dir: &Path,
         checkpoint_seq: u64,
         checkpoint_exists: bool,
+        faults: &IoFaults,
         apply: impl FnMut(&Record) -> Result<(), LedgerError>,
     ) -> Result<(Self, ScanReport, Option<PathBuf>), JournalError> {
         let path = dir.join(JOURNAL_FILE);
@@ -510,17 +556,22 @@ impl Journal {
             }
             create_empty(dir)?;
         }
-        let len_bytes = std::fs::metadata(&path)
-            .map_err(io_err("stat", &path))?
-            .len();
-        if len_bytes > MAX_JOURNAL_BYTES {
-            return Err(JournalError::TooLarge {
-                path,
+        let image = read_bounded(&path, MAX_JOURNAL_BYTES).map_err(|e| match e {
+            BoundedReadError::Io { op, source } => JournalError::io(op, &path, source),
+            BoundedReadError::NotRegularFile { file_type } => JournalError::NotRegularFile {
+                path: path.clone(),
+                file_type,
+            },
+            BoundedReadError::TooLarge {
                 len_bytes,
-                max_bytes: MAX_JOURNAL_BYTES,
-            });
-        }
-        let image = std::fs::read(&path).map_err(io_err("read", &path))?;
+                max_bytes,
+            } => JournalError::TooLarge {
+                path: path.clone(),
+                len_bytes,
+                max_bytes,
+            },
+        })?;
+        let len_bytes = image.len() as u64;
         let report = scan(&image, checkpoint_seq, apply).map_err(|e| match e {
             ScanError::BadHeader(reason) => JournalError::BadHeader {
                 path: path.clone(),
@@ -570,7 +621,7 @@ impl Journal {
         let mut end_bytes = report.valid_end_bytes;
         if let Some(stop) = report.stop {
             let tail = &image[stop.offset_bytes as usize..];
-            saved = save_dropped(dir, stop.offset_bytes, tail)?;
+            saved = save_dropped(dir, stop.offset_bytes, tail, faults)?;
             tracing::warn!(
                 journal = %path.display(),
                 offset_bytes = stop.offset_bytes,
@@ -607,8 +658,9 @@ impl Journal {
                 .open(&path)
                 .map_err(io_err("open", &path))?;
             write_step(WriteStep::Records);
-            file.write_all_at(kept, records_start)
-                .map_err(io_err("rewrite", &path))?;
+            faults
+                .write_all_at(IoSite::RecoveryRewrite, &file, kept, records_start)
+                .map_err(io_err("rewrite the records kept in", &path))?;
             if end_bytes != len_bytes {
                 write_step(WriteStep::Truncate);
                 file.set_len(end_bytes).map_err(io_err("truncate", &path))?;
@@ -659,7 +711,7 @@ impl Journal {
             header_acknowledged_seq: acknowledged,
             next_header_slot: next_slot,
             poisoned: false,
-            faults: IoFaults::default(),
+            faults: faults.clone(),
         };
         Ok((journal, report, saved))
     }
@@ -742,11 +794,7 @@ impl Journal {
     fn fail_stop(&mut self, op: &'static str, done: io::Result<()>) -> Result<(), JournalError> {
         done.map_err(|source| {
             self.poisoned = true;
-            JournalError::Io {
-                op,
-                path: self.path.clone(),
-                source,
-            }
+            JournalError::io(op, &self.path, source)
         })
     }
 
@@ -795,11 +843,7 @@ impl Journal {
         });
         if let Err(source) = done {
             self.poisoned = true;
-            return Err(JournalError::Io {
-                op: "restart",
-                path: self.path.clone(),
-                source,
-            });
+            return Err(JournalError::io("restart", &self.path, source));
         }
         self.end_bytes = JOURNAL_HEADER_BYTES as u64;
         self.records_since_checkpoint = 0;
@@ -820,6 +864,91 @@ impl RecordSink for Journal {
     fn push(&mut self, record: &Record) {
         self.push_record(record);
     }
+}
+
+/// Why [`read_bounded`] read nothing.
+#[derive(Debug)]
+pub(crate) enum BoundedReadError {
+    Io {
+        op: &'static str,
+        source: io::Error,
+    },
+    NotRegularFile {
+        file_type: &'static str,
+    },
+    /// `len_bytes`: what `fstat` gave, or the bytes read before the limit
+    /// stopped the read.
+    TooLarge {
+        len_bytes: u64,
+        max_bytes: u64,
+    },
+}
+
+/// Reads the state file at `path` whole, at most `max_bytes` of it — the
+/// journal, the checkpoint and the names file are read this way at start.
+/// The file is opened without blocking (`O_NONBLOCK`: opening a FIFO for
+/// reading would wait for a writer for ever) and must be a regular file by
+/// `fstat` of the open descriptor (a device reads forever: `/dev/zero`
+/// behind a symlink would grow the buffer until the process dies). Its
+/// size is checked before anything is read, and the read itself stops one
+/// byte past `max_bytes` whatever that size said (a file growing after the
+/// `fstat`), so no more than `max_bytes + 1` bytes are ever held.
+pub(crate) fn read_bounded(path: &Path, max_bytes: u64) -> Result<Vec<u8>, BoundedReadError> {
+    use std::os::unix::fs::FileTypeExt;
+    let io = |op| move |source| BoundedReadError::Io { op, source };
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io("open"))?;
+    let meta = f.metadata().map_err(io("stat"))?;
+    let t = meta.file_type();
+    if !t.is_file() {
+        let file_type = if t.is_fifo() {
+            "FIFO"
+        } else if t.is_char_device() {
+            "character device"
+        } else if t.is_block_device() {
+            "block device"
+        } else if t.is_socket() {
+            "socket"
+        } else if t.is_dir() {
+            "directory"
+        } else {
+            "special file"
+        };
+        return Err(BoundedReadError::NotRegularFile { file_type });
+    }
+    if meta.len() > max_bytes {
+        return Err(BoundedReadError::TooLarge {
+            len_bytes: meta.len(),
+            max_bytes,
+        });
+    }
+    read_at_most(f, meta.len(), max_bytes)
+}
+
+/// Reads `from` to its end, `len_hint` bytes reserved, refusing once more
+/// than `max_bytes` were read (the part of [`read_bounded`] that does not
+/// trust the size it was told).
+fn read_at_most(
+    from: impl io::Read,
+    len_hint: u64,
+    max_bytes: u64,
+) -> Result<Vec<u8>, BoundedReadError> {
+    let mut image = Vec::with_capacity(len_hint.min(max_bytes) as usize);
+    io::Read::read_to_end(
+        &mut io::Read::take(from, max_bytes.saturating_add(1)),
+        &mut image,
+    )
+    .map_err(|source| BoundedReadError::Io { op: "read", source })?;
+    if image.len() as u64 > max_bytes {
+        return Err(BoundedReadError::TooLarge {
+            len_bytes: image.len() as u64,
+            max_bytes,
+        });
+    }
+    Ok(image)
 }
 
 /// Creates an empty journal atomically (see [`replace_atomically`]).
@@ -871,19 +1000,23 @@ fn write_step(_step: WriteStep) {
 }
 
 /// Keeps a dropped tail next to the journal, under a name no other file
-/// has; `None` when every name for its offset is taken. Those tails are an
-/// operator's to look at, never read again: a manager crashing in a loop at
-/// the same offset must not end up refusing to start because the names ran
-/// out (the tail itself was never acknowledged), so the tail is then only
-/// logged as dropped.
+/// has; `None` when every name for its offset is taken, or when the file
+/// system is full. Those tails are an operator's to look at, never read
+/// again: a manager crashing in a loop at the same offset must not end up
+/// refusing to start because the names ran out (the tail itself was never
+/// acknowledged), so the tail is then only logged as dropped — and neither
+/// must a full disk, which is what usually tears the tail in the first
+/// place (a commit's write cut short by `ENOSPC`): the copy is removed and
+/// the start goes on (reliability entry 106). Any other failure refuses.
 fn save_dropped(
     dir: &Path,
     offset_bytes: u64,
     tail: &[u8],
+    faults: &IoFaults,
 ) -> Result<Option<PathBuf>, JournalError> {
     for n in 0..MAX_DROPPED_NAMES {
         let path = dir.join(format!("{DROPPED_PREFIX}{offset_bytes}.{n}"));
-        let mut f = match OpenOptions::new()
+        let f = match OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
@@ -892,10 +1025,25 @@ fn save_dropped(
         {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) if is_out_of_space(&e) => return Ok(tail_not_kept(dir, &path, offset_bytes, e)),
             Err(e) => return Err(io_err("create", &path)(e)),
         };
-        f.write_all(tail).map_err(io_err("write", &path))?;
-        f.sync_all().map_err(io_err("fsync", &path))?;
+        let kept = faults
+            .write_all_at(IoSite::RecoveryDroppedTail, &f, tail, 0)
+            .and_then(|()| f.sync_all());
+        match kept {
+            Ok(()) => {}
+            Err(e) if is_out_of_space(&e) => {
+                drop(f);
+                // The part written is no use and takes the space the
+                // start needs: removed (its removal need not be durable).
+                if let Err(removed) = std::fs::remove_file(&path) {
+                    tracing::warn!(path = %path.display(), error = %removed, "cannot remove a partial copy of a dropped tail");
+                }
+                return Ok(tail_not_kept(dir, &path, offset_bytes, e));
+            }
+            Err(e) => return Err(io_err("write", &path)(e)),
+        }
         fsync_dir(dir).map_err(io_err("fsync", dir))?;
         return Ok(Some(path));
     }
@@ -906,6 +1054,19 @@ fn save_dropped(
         "the dropped tail is not kept: {MAX_DROPPED_NAMES} tails cut at this offset are kept already (remove {DROPPED_PREFIX}{offset_bytes}.* once inspected)"
     );
     Ok(None)
+}
+
+/// Logs that the dropped tail at `offset_bytes` could not be kept at
+/// `path` because the file system is full.
+fn tail_not_kept(dir: &Path, path: &Path, offset_bytes: u64, e: io::Error) -> Option<PathBuf> {
+    tracing::warn!(
+        dir = %dir.display(),
+        path = %path.display(),
+        offset_bytes,
+        error = %e,
+        "the dropped tail is not kept: the file system is full (it was never acknowledged; recovery goes on without the copy)"
+    );
+    None
 }
 
 #[cfg(test)]
@@ -1122,7 +1283,7 @@ mod tests {
 
     fn recover_dir(dir: &Path) -> (Journal, ScanReport, Vec<Record>) {
         let mut got = Vec::new();
-        let (j, report, _) = Journal::recover(dir, 0, false, |r| {
+        let (j, report, _) = Journal::recover(dir, 0, false, &IoFaults::default(), |r| {
             got.push(*r);
             Ok(())
         })
@@ -1251,6 +1412,23 @@ mod tests {
             vec![vec![0, 0], vec![1, 0], vec![1, 2], vec![3, 2]],
             "slots 0 and 1 take turns"
         );
+    }
+
+    /// Entry 112: the read stops one byte past the limit whatever size it
+    /// was told (a file growing after its `fstat`) — here an endless
+    /// reader.
+    #[test]
+    fn a_read_is_cut_one_byte_past_the_limit_whatever_the_size_said() {
+        let endless = io::repeat(0xA5);
+        match read_at_most(endless, 0, 4096) {
+            Err(BoundedReadError::TooLarge {
+                len_bytes: 4097,
+                max_bytes: 4096,
+            }) => {}
+            other => panic!("{:?}", other.map(|image| image.len())),
+        }
+        let image = read_at_most(&[7u8; 4096][..], 4096, 4096).unwrap();
+        assert_eq!(image.len(), 4096, "exactly the limit is read");
     }
 
     #[test]

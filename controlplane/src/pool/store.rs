@@ -45,7 +45,10 @@ use std::path::{Path, PathBuf};
 use super::checkpoint::{self, CheckpointError};
 use super::fence::{FenceError, StateDirLock};
 use super::io_faults::{IoFaults, IoSite};
-use super::journal::{CommitReport, Journal, JournalError, ScanReport, Stop};
+use super::journal::{
+    BoundedReadError, CommitReport, Journal, JournalError, ScanReport, Stop, is_out_of_space,
+    read_bounded,
+};
 use super::ledger::{InvariantError, Ledger, LedgerError};
 use super::manager::{ManagerConfig, PoolManager};
 use super::sys::{check_state_dir, fsync_dir, random_bytes};
@@ -130,6 +133,14 @@ pub enum StoreError {
         path: PathBuf,
         source: CheckpointError,
     },
+    #[error(
+        "checkpoint {} is a {file_type}, not a regular file (a device or FIFO there would be read forever, or block the start); refusing to start",
+        path.display()
+    )]
+    CheckpointNotRegularFile {
+        path: PathBuf,
+        file_type: &'static str,
+    },
     #[error("checkpoint {} is inconsistent ({source}); refusing to start", path.display())]
     InconsistentCheckpoint { path: PathBuf, source: LedgerError },
     #[error("recovered state of {} is inconsistent; refusing to start: {source}", dir.display())]
@@ -164,14 +175,31 @@ pub enum StoreError {
     },
     #[error("the store failed an earlier write or sync; the pool manager must restart to recover")]
     Poisoned,
+    #[error(
+        "cannot {op} {}: the file system holding it is full ({source}); the pool manager writes this before it serves anything, so it stops or refuses to start. Free space on that file system (the pools and their regions are untouched) and start it again",
+        path.display()
+    )]
+    NoSpace {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl StoreError {
+    /// `Io`, or `NoSpace` when `source` says the file system is full.
+    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        let path = path.to_path_buf();
+        if is_out_of_space(&source) {
+            Self::NoSpace { op, path, source }
+        } else {
+            Self::Io { op, path, source }
+        }
+    }
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| StoreError::io(op, path, source)
 }
 
 /// A torn tail recovery cut off.
@@ -246,6 +274,19 @@ impl PoolStore {
         manager_config: ManagerConfig,
         now: MonotonicMs,
     ) -> Result<Recovered, StoreError> {
+        Self::open_with_io_faults(dir, config, manager_config, now, IoFaults::default())
+    }
+
+    /// [`PoolStore::open`], with storage failures injected into recovery's
+    /// writes that are sites ([`super::io_faults`]) and into everything the
+    /// store writes after (as [`PoolStore::set_io_faults`]).
+    pub fn open_with_io_faults(
+        dir: &Path,
+        config: StoreConfig,
+        manager_config: ManagerConfig,
+        now: MonotonicMs,
+        faults: IoFaults,
+    ) -> Result<Recovered, StoreError> {
         config.validate()?;
         create_dir(dir)?;
         check_state_dir(dir).map_err(|source| StoreError::StateDirUnsafe {
@@ -290,7 +331,9 @@ impl PoolStore {
         };
 
         let (journal, scan, saved) =
-            Journal::recover(dir, checkpoint_seq, checkpoint_loaded, |r| ledger.apply(r))?;
+            Journal::recover(dir, checkpoint_seq, checkpoint_loaded, &faults, |r| {
+                ledger.apply(r)
+            })?;
         ledger.verify().map_err(|source| StoreError::Invariant {
             dir: dir.to_path_buf(),
             source,
@@ -333,7 +376,7 @@ impl PoolStore {
             config,
             checkpoint_seq,
             poisoned: false,
-            faults: IoFaults::default(),
+            faults,
         };
         Ok(Recovered {
             store,
@@ -490,11 +533,7 @@ impl PoolStore {
         r.map_err(|source| {
             self.poisoned = true;
             self.journal.poison();
-            StoreError::Io {
-                op,
-                path: path.to_path_buf(),
-                source,
-            }
+            StoreError::io(op, path, source)
         })
     }
 }
@@ -502,32 +541,32 @@ impl PoolStore {
 /// The checkpoint's bytes, `None` if there is none. A file larger than any
 /// ledger encodes to is refused before it is read (a garbage file of any
 /// size would otherwise be read whole into memory).
+/// (Read as the journal is: opened without blocking, a regular file only,
+/// the read itself bounded — `journal::read_bounded`.)
 fn read_checkpoint(path: &Path) -> Result<Option<Vec<u8>>, StoreError> {
-    let mut f = match fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err("open", path)(e)),
-    };
-    let max_bytes = checkpoint::MAX_CHECKPOINT_BYTES;
-    let len_bytes = f.metadata().map_err(io_err("stat", path))?.len();
-    let too_large = |len_bytes| StoreError::CorruptCheckpoint {
-        path: path.to_path_buf(),
-        source: checkpoint::CheckpointError::TooLarge {
+    match read_bounded(path, checkpoint::MAX_CHECKPOINT_BYTES) {
+        Ok(image) => Ok(Some(image)),
+        Err(BoundedReadError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            Ok(None)
+        }
+        Err(BoundedReadError::Io { op, source }) => Err(io_err(op, path)(source)),
+        Err(BoundedReadError::NotRegularFile { file_type }) => {
+            Err(StoreError::CheckpointNotRegularFile {
+                path: path.to_path_buf(),
+                file_type,
+            })
+        }
+        Err(BoundedReadError::TooLarge {
             len_bytes,
             max_bytes,
-        },
-    };
-    if len_bytes > max_bytes {
-        return Err(too_large(len_bytes));
+        }) => Err(StoreError::CorruptCheckpoint {
+            path: path.to_path_buf(),
+            source: checkpoint::CheckpointError::TooLarge {
+                len_bytes,
+                max_bytes,
+            },
+        }),
     }
-    let mut image = Vec::with_capacity(len_bytes as usize);
-    // Bounded even if the file grows after the stat.
-    io::Read::read_to_end(&mut io::Read::take(&mut f, max_bytes + 1), &mut image)
-        .map_err(io_err("read", path))?;
-    if image.len() as u64 > max_bytes {
-        return Err(too_large(image.len() as u64));
-    }
-    Ok(Some(image))
 }
 
 fn create_dir(dir: &Path) -> Result<(), StoreError> {

@@ -43,6 +43,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::pool::io_faults::{IoFaults, IoSite};
+use crate::pool::journal::{BoundedReadError, is_out_of_space, read_bounded};
 use crate::pool::sys::fsync_dir;
 use crate::pool::{DirectoryId, InstanceId};
 use crate::proto::MAX_NAME_BYTES;
@@ -124,8 +125,25 @@ pub enum NamesError {
     },
     #[error("names file {} is unusable ({reason}); refusing to start", path.display())]
     Corrupt { path: PathBuf, reason: String },
+    #[error(
+        "names file {} is a {file_type}, not a regular file (a device or FIFO there would be read forever, or block the start); refusing to start",
+        path.display()
+    )]
+    NotRegularFile {
+        path: PathBuf,
+        file_type: &'static str,
+    },
     #[error("names file {} failed an earlier write; the pool manager must restart", path.display())]
     Poisoned { path: PathBuf },
+    #[error(
+        "cannot {op} {}: the file system holding it is full ({source}); the pool manager writes this before it serves anything (a new name, or the names kept made durable at start), so it stops or refuses to start. Free space on that file system (the pools and their regions are untouched) and start it again",
+        path.display()
+    )]
+    NoSpace {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
 }
 
 /// A name whose id is already taken by another name (see the module essay).
@@ -151,12 +169,20 @@ pub struct NamesFile {
     faults: IoFaults,
 }
 
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> NamesError + 'a {
-    move |source| NamesError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
+impl NamesError {
+    /// `Io`, or `NoSpace` when `source` says the file system is full.
+    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        let path = path.to_path_buf();
+        if is_out_of_space(&source) {
+            Self::NoSpace { op, path, source }
+        } else {
+            Self::Io { op, path, source }
+        }
     }
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> NamesError + 'a {
+    move |source| NamesError::io(op, path, source)
 }
 
 fn header() -> [u8; HEADER_BYTES] {
@@ -244,14 +270,25 @@ impl NamesFile {
         if !path.try_exists().map_err(io_err("stat", &path))? {
             write_atomically(dir, &path, &header())?;
         }
-        let len = fs::metadata(&path).map_err(io_err("stat", &path))?.len();
-        if len > MAX_NAMES_FILE_BYTES {
-            return Err(NamesError::Corrupt {
-                path,
-                reason: format!("{len} bytes, more than {MAX_NAMES_FILE_BYTES}"),
-            });
-        }
-        let image = fs::read(&path).map_err(io_err("read", &path))?;
+        // Opened without blocking, a regular file only, the read bounded
+        // whatever the size said (`journal::read_bounded`).
+        let image = read_bounded(&path, MAX_NAMES_FILE_BYTES).map_err(|e| match e {
+            BoundedReadError::Io { op, source } => io_err(op, &path)(source),
+            BoundedReadError::NotRegularFile { file_type } => NamesError::NotRegularFile {
+                path: path.clone(),
+                file_type,
+            },
+            BoundedReadError::TooLarge {
+                len_bytes,
+                max_bytes,
+            } => NamesError::Corrupt {
+                path: path.clone(),
+                reason: format!(
+                    "{len_bytes} bytes or more, more than the {max_bytes} recovery reads (nothing past offset {max_bytes} is read)"
+                ),
+            },
+        })?;
+        let len = image.len() as u64;
         let corrupt = |reason: String| NamesError::Corrupt {
             path: path.clone(),
             reason,
@@ -404,11 +441,7 @@ impl NamesFile {
         });
         if let Err(source) = written {
             self.poisoned = true;
-            return Err(NamesError::Io {
-                op: "append to",
-                path: self.path.clone(),
-                source,
-            });
+            return Err(NamesError::io("append to", &self.path, source));
         }
         self.end_bytes += self.pending.len() as u64;
         self.pending.clear();
@@ -640,5 +673,36 @@ mod tests {
         let f = NamesFile::open(dir.path()).unwrap();
         assert_eq!(f.len(), 1);
         assert_eq!(f.display(NameKind::Instance, a), "a");
+    }
+
+    /// Reliability entry 105: the names file was read to its end by path
+    /// after a `stat`: a FIFO there blocked the start for ever (a device
+    /// read forever). It is refused now, without blocking.
+    #[test]
+    fn a_names_file_that_is_not_a_regular_file_is_refused_without_blocking() {
+        let dir = shm_dir();
+        let path = dir.path().join(NAMES_FILE);
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dir.path().to_path_buf();
+        std::thread::spawn(move || {
+            let _ = tx.send(NamesFile::open(&d).map(drop));
+        });
+        let e = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("open answered within 5 s")
+            .unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                NamesError::NotRegularFile {
+                    file_type: "FIFO",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }
