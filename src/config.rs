@@ -338,6 +338,11 @@ pub struct ServerSection {
     /// The Unix socket clients connect to. Default:
     /// [`crate::server::default_socket_path`].
     pub socket: Option<PathBuf>,
+    /// The socket's permission bits as a string of octal digits (`"0660"`,
+    /// the default: the server's user and group may connect, whatever the
+    /// umask). Connecting is being handed the pool (docs/security.md).
+    #[serde(deserialize_with = "de_opt_mode")]
+    pub socket_mode: Option<u32>,
     /// Also listen on TCP at this address (`host:port`). Off by default.
     pub tcp: Option<String>,
     /// File holding the pre-shared secret TCP clients present (mode 0600 or
@@ -370,6 +375,7 @@ impl Default for ServerSection {
     fn default() -> Self {
         Self {
             socket: None,
+            socket_mode: None,
             tcp: None,
             tcp_secret_file: None,
             tcp_insecure: false,
@@ -531,6 +537,9 @@ impl Config {
         if let Some(p) = &s.socket {
             c.socket_path = p.clone();
         }
+        if let Some(mode) = s.socket_mode {
+            c.socket_mode = mode;
+        }
         c.tcp_listen = match &s.tcp {
             None => None,
             Some(t) => Some(host_port(t).map_err(|r| invalid("tcp", r))?),
@@ -627,6 +636,47 @@ pub fn host_port(s: &str) -> Result<SocketAddr, String> {
     addrs
         .next()
         .ok_or_else(|| format!("{s:?}: the host resolves to no address"))
+}
+
+/// A file mode: a string of one to four octal digits, optionally after
+/// `0o` (`"0660"`, `"660"`, `"0o660"`). Integers are refused: `660` in TOML
+/// is decimal (0o1224), and `440` would silently mean 0o670.
+fn de_opt_mode<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Text(String),
+        Number(i64),
+    }
+    let text = match Option::<Raw>::deserialize(d)? {
+        None => return Ok(None),
+        Some(Raw::Number(n)) => {
+            return Err(serde::de::Error::custom(format!(
+                "a mode is a string of octal digits (\"0660\"), not the integer {n}"
+            )));
+        }
+        Some(Raw::Text(t)) => t,
+    };
+    parse_mode(&text)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
+fn parse_mode(text: &str) -> Result<u32, String> {
+    let digits = text.strip_prefix("0o").unwrap_or(text);
+    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| (b'0'..=b'7').contains(&b))
+    {
+        return Err(format!(
+            "{text:?} is not a mode: one to four octal digits, e.g. \"0660\""
+        ));
+    }
+    let mode = u32::from_str_radix(digits, 8).map_err(|e| format!("{text:?}: {e}"))?;
+    if mode & !0o777 != 0 {
+        return Err(format!(
+            "{text:?} sets bits beyond the permission bits (setuid, setgid, sticky)"
+        ));
+    }
+    Ok(mode)
 }
 
 fn de_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -1178,6 +1228,37 @@ mod tests {
         // A value no type of the key takes is still refused, naming it.
         let e = load(None, env(&[("CXLKV_SERVER_TICK_MS", "soon")]), &[]).unwrap_err();
         assert!(e.to_string().contains("tick_ms"), "{e}");
+    }
+
+    #[test]
+    fn the_socket_mode_is_octal_text_from_the_file_or_the_environment_and_integers_are_refused() {
+        let f = file("[server]\nsocket_mode = \"0640\"\n");
+        let c = load(Some(f.path()), env(&[]), &[]).unwrap();
+        assert_eq!(c.server_config().unwrap().socket_mode, 0o640);
+        let c = load(
+            Some(f.path()),
+            env(&[("CXLKV_SERVER_SOCKET_MODE", "600")]),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.server_config().unwrap().socket_mode,
+            0o600,
+            "octal digits, not the decimal 600"
+        );
+        let c = load(None, env(&[]), &[]).unwrap();
+        assert_eq!(c.server_config().unwrap().socket_mode, 0o660, "default");
+        for (text, says) in [
+            ("socket_mode = 440", "not the integer 440"),
+            ("socket_mode = \"0980\"", "not a mode"),
+            ("socket_mode = \"\"", "not a mode"),
+            ("socket_mode = \"4660\"", "beyond the permission bits"),
+        ] {
+            let f = file(&format!("[server]\n{text}\n"));
+            let e = load(Some(f.path()), env(&[]), &[]).unwrap_err();
+            let chain = format!("{e} {:?}", e);
+            assert!(chain.contains(says), "{text}: {chain}");
+        }
     }
 
     #[test]

@@ -95,3 +95,28 @@ fn child_starts_a_server_under_the_given_umask_and_checks_every_mode() {
     }
     println!("modes checked");
 }
+
+/// `[server] socket_mode` (here set in the server configuration it
+/// becomes) decides the socket's mode; a mode the owner could not connect
+/// through is refused before anything is created.
+#[test]
+fn a_configured_socket_mode_is_the_sockets_mode_and_one_locking_out_the_owner_is_refused() {
+    let socket_dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(socket_dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let mut cfg = ServerConfig::ephemeral("socket-mode");
+    cfg.socket_path = socket_dir.path().join("server.sock");
+    cfg.socket_mode = 0o600;
+    let server = Server::start(cfg.clone()).expect("the server starts");
+    let seen = mode(&cfg.socket_path);
+    server.shutdown().unwrap();
+    assert_eq!(seen, 0o600, "the configured mode, not the default 0660");
+
+    for bad in [0o060, 0o1660] {
+        cfg.socket_mode = bad;
+        let err = Server::start(cfg.clone())
+            .map(drop)
+            .expect_err("refused before it binds");
+        assert!(err.to_string().contains("socket_mode"), "{bad:#o}: {err}");
+        assert!(!cfg.socket_path.exists(), "{bad:#o}: nothing bound");
+    }
+}

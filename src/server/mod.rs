@@ -141,6 +141,11 @@ pub struct ServerConfig {
     /// Unix socket to listen on. A stale socket file (nobody listening) is
     /// replaced; a live one is an error.
     pub socket_path: PathBuf,
+    /// The Unix socket's permission bits, set before it listens, whatever
+    /// the umask (default 0660: the server's user and group may connect —
+    /// and connecting is being handed the pool, docs/security.md). The
+    /// owner's write bit is required (connecting needs it).
+    pub socket_mode: u32,
     /// Also listen on TCP here (port 0 picks a free port).
     pub tcp_listen: Option<SocketAddr>,
     /// The pre-shared secret TCP clients must present.
@@ -196,6 +201,7 @@ impl std::fmt::Debug for ServerConfig {
         // Destructured whole, so that a new field cannot be left out.
         let Self {
             socket_path,
+            socket_mode,
             tcp_listen,
             tcp_secret,
             tcp_insecure_no_secret,
@@ -216,6 +222,7 @@ impl std::fmt::Debug for ServerConfig {
         } = self;
         let mut d = f.debug_struct("ServerConfig");
         d.field("socket_path", socket_path)
+            .field("socket_mode", &format_args!("{socket_mode:#o}"))
             .field("tcp_listen", tcp_listen)
             .field(
                 "tcp_secret",
@@ -251,6 +258,7 @@ impl Default for ServerConfig {
         let transport_defaults = transport::ServerConfig::default();
         Self {
             socket_path: default_socket_path(),
+            socket_mode: transport_defaults.unix_socket_mode,
             tcp_listen: None,
             tcp_secret: None,
             tcp_insecure_no_secret: false,
@@ -358,6 +366,12 @@ impl ServerConfig {
             ));
         }
         self.directory.validate()?;
+        if self.socket_mode & !0o777 != 0 || self.socket_mode & 0o200 == 0 {
+            return bad(format!(
+                "socket_mode {:#o} must be permission bits (at most 0o777) including the owner's write bit (0o200: connecting needs write permission)",
+                self.socket_mode
+            ));
+        }
         if self.directory_id.is_empty() || self.directory_id.len() > proto::MAX_NAME_BYTES {
             return bad(format!(
                 "directory_id must be 1..={} bytes",
@@ -618,8 +632,15 @@ impl Server {
                 max_inflight_per_conn: config.max_inflight_per_conn,
                 max_send_queue_bytes: config.max_send_queue_bytes,
                 partial_frame_timeout_ms: config.partial_frame_timeout_ms,
+                unix_socket_mode: config.socket_mode,
                 ..transport::ServerConfig::default()
             };
+            if config.socket_mode & 0o002 != 0 {
+                tracing::warn!(
+                    mode = %format_args!("{:#o}", config.socket_mode),
+                    "the Unix socket is world-writable: every local user may connect and map the pool"
+                );
+            }
             let mut server = transport::Server::bind(tcfg.clone(), &endpoints)?;
             prepare(&mut server);
             let tcp_addr = server.endpoints().iter().find_map(|e| match e {
