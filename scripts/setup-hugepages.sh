@@ -96,7 +96,30 @@ take_lock() {
         echo "setup-hugepages: WARNING: flock not found; changing the pool without the shared lock" >&2
         return
     fi
-    exec 9>>"$LOCK" || fail 6 "cannot open the lock file $LOCK"
+    # The lock sits in world-writable /tmp, where another user can create
+    # its name first. Create it only if missing, by hard-linking a fresh
+    # file of ours to the name (link(2) never follows or opens what is
+    # there: a planted FIFO would block an open, a symlink redirect it);
+    # then refuse anything but a regular file of ours or root's, and open it
+    # read-only (flock needs no write access). In a sticky /tmp nobody else
+    # can replace a file of ours or root's between the check and the open.
+    # The library checks the same (dataplane/src/hugepages.rs).
+    if [[ ! -e "$LOCK" && ! -L "$LOCK" ]]; then
+        local fresh
+        fresh="$(mktemp "$LOCK.XXXXXX")" || fail 6 "cannot create the lock file $LOCK"
+        chmod 0644 "$fresh"
+        ln "$fresh" "$LOCK" 2>/dev/null || true  # lost a race: checked below
+        rm -f "$fresh"
+    fi
+    if [[ -L "$LOCK" || ! -f "$LOCK" ]]; then
+        fail 6 "the huge page lock $LOCK is not a regular file (a symlink, FIFO or directory planted there?); remove it and try again"
+    fi
+    local owner
+    owner="$(stat -c %u "$LOCK")" || fail 6 "cannot stat the lock file $LOCK"
+    if [[ "$owner" != "$(id -u)" && "$owner" != 0 ]]; then
+        fail 6 "the huge page lock $LOCK belongs to uid $owner, not to uid $(id -u) or root; remove it if it is stale"
+    fi
+    exec 9<"$LOCK" || fail 6 "cannot open the lock file $LOCK"
     flock -w "$timeout" 9 \
         || fail 6 "the huge page lock $LOCK is still held after ${timeout}s (a cxlkv test or bench is reserving pages); try again"
 }

@@ -589,6 +589,54 @@ fn setup_hugepages_reserve_is_idempotent_and_release_gives_back_only_what_it_add
     assert_eq!(count(&host), 5);
 }
 
+/// The lock's name in world-writable `/tmp` can be taken by another user
+/// first: a planted symlink (whose target the old `exec 9>>` created or
+/// appended to, as root) and a FIFO (which blocked the open forever) are
+/// refused, and nothing changes.
+#[test]
+fn setup_hugepages_refuses_a_planted_symlink_or_fifo_at_the_lock_path() {
+    let tmp = tempfile::tempdir().expect("temporary directory");
+    let root = tmp.path();
+    let (host, _) = fake_sysfs(root, 3);
+    let target = root.join("victim");
+    std::os::unix::fs::symlink(&target, root.join("lock")).expect("plant a symlink");
+    let out = run(&mut hugepages_cmd(root, &["reserve", "8", "--no-mount"]));
+    assert_eq!(out.status.code(), Some(6), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not a regular file"),
+        "{out:?}"
+    );
+    assert!(!target.exists(), "the symlink's target was not created");
+    assert_eq!(count(&host), 3, "the pool is unchanged");
+
+    fs::remove_file(root.join("lock")).expect("remove the symlink");
+    let fifo = std::ffi::CString::new(root.join("lock").to_str().expect("utf-8").as_bytes())
+        .expect("no NUL");
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0, "mkfifo");
+    // Under `timeout`: the unfixed script blocked in the open (exit 124).
+    let mut cmd = Command::new("timeout");
+    cmd.arg("30")
+        .arg("bash")
+        .arg(script("setup-hugepages.sh"))
+        .args(["reserve", "8", "--no-mount"])
+        .env("CXLKV_SYSFS_ROOT", root)
+        .env("CXLKV_HUGEPAGES_STATE", root.join("state"))
+        .env("CXLKV_HUGEPAGES_LOCK", root.join("lock"));
+    let out = run(&mut cmd);
+    assert_eq!(out.status.code(), Some(6), "did not block on the FIFO: {out:?}");
+    assert_eq!(count(&host), 3, "the pool is unchanged");
+
+    // A regular file of ours is used as before.
+    fs::remove_file(root.join("lock")).expect("remove the FIFO");
+    assert!(
+        run(&mut hugepages_cmd(root, &["reserve", "8", "--no-mount"]))
+            .status
+            .success()
+    );
+    assert_eq!(count(&host), 8);
+}
+
 #[test]
 fn setup_hugepages_reserves_on_one_numa_node() {
     let tmp = tempfile::tempdir().expect("temporary directory");
