@@ -624,7 +624,11 @@ fn setup_hugepages_refuses_a_planted_symlink_or_fifo_at_the_lock_path() {
         .env("CXLKV_HUGEPAGES_STATE", root.join("state"))
         .env("CXLKV_HUGEPAGES_LOCK", root.join("lock"));
     let out = run(&mut cmd);
-    assert_eq!(out.status.code(), Some(6), "did not block on the FIFO: {out:?}");
+    assert_eq!(
+        out.status.code(),
+        Some(6),
+        "did not block on the FIFO: {out:?}"
+    );
     assert_eq!(count(&host), 3, "the pool is unchanged");
 
     // A regular file of ours is used as before.

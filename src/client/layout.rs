@@ -41,6 +41,7 @@ use cxlkv_controlplane::proto::{
     self, ErrorCode, Layout, RegionGranted, RequestRegion, ReturnRegion,
 };
 use cxlkv_dataplane::backing::check_page_size;
+use cxlkv_dataplane::ids::RegionId;
 use cxlkv_dataplane::table::RegionTable;
 use parking_lot::Mutex;
 
@@ -69,6 +70,15 @@ pub(crate) struct UnresolvedRegion {
     layout: Arc<LayoutState>,
 }
 
+/// Why a region taken out for return could not be put back.
+#[derive(Debug)]
+pub(crate) enum PutBackRefused {
+    /// Revoked while away: no longer this instance's to use.
+    Revoked(Arc<OwnedRegion>),
+    /// The table refused it.
+    Table(cxlkv_dataplane::table::TableError, Arc<OwnedRegion>),
+}
+
 /// What a `RegionGranted` says.
 struct Grant {
     desc: proto::RegionDesc,
@@ -94,6 +104,9 @@ pub(crate) struct LayoutState {
     pub region_size_bytes: u64,
     pub auto_expand: bool,
     pub regions: RegionTable<Arc<OwnedRegion>>,
+    /// Regions the maintenance thread took out of `regions` to return (see
+    /// [`Away`]).
+    pub away: Away,
     /// One expansion at a time (held across the region request: expansion
     /// is the slow path by design).
     pub expand_lock: Mutex<()>,
@@ -192,7 +205,67 @@ impl LayoutHandle {
     }
 }
 
+/// The regions of a layout taken out of its table for return, from the
+/// moment the maintenance thread picks one until it is given back, retired
+/// or put back. Out of the table they are still this instance's, and a
+/// thread that found one before it left may still hold a page of it, so
+/// every path that must see all of the instance's regions sees these too:
+/// `Reattach` presents them (a restarted directory frees every recovered
+/// region nobody presents, and one put back later would then be written
+/// though the pool manager may have granted it to someone else); a
+/// refusal at reattach and `close` revoke them; a freed-page notice finds
+/// them (`Shared::find_owned`). A region moves between the table and here
+/// only under this lock, and those paths look under it, so none of them
+/// can miss a region in transit.
+#[derive(Debug, Default)]
+pub(crate) struct Away(Mutex<Vec<(RegionId, Arc<OwnedRegion>)>>);
+
+impl Away {
+    pub fn lock(&self) -> parking_lot::MutexGuard<'_, Vec<(RegionId, Arc<OwnedRegion>)>> {
+        self.0.lock()
+    }
+}
+
 impl LayoutState {
+    /// Takes region `id` out of the table into [`Away`], to be returned.
+    pub fn take_away(&self, id: RegionId) -> bool {
+        let mut away = self.away.lock();
+        let Some(region) = self.regions.with(id, Arc::clone) else {
+            return false;
+        };
+        if self.regions.remove(id).is_err() {
+            return false;
+        }
+        away.push((id, region));
+        true
+    }
+
+    /// Whether region `id` is away (taken out for return).
+    pub fn is_away(&self, id: RegionId) -> bool {
+        self.away.lock().iter().any(|(a, _)| *a == id)
+    }
+
+    /// Region `id` is no longer away: returned or retired.
+    pub fn forget_away(&self, id: RegionId) {
+        self.away.lock().retain(|(a, _)| *a != id);
+    }
+
+    /// Puts away region `id` back into the table, in one step under the
+    /// [`Away`] lock — unless it was revoked while away: then it is handed
+    /// back (`Err`) to be retired, never to be used again.
+    pub fn put_back(&self, id: RegionId, region: Arc<OwnedRegion>) -> Result<(), PutBackRefused> {
+        let mut away = self.away.lock();
+        away.retain(|(a, _)| *a != id);
+        // Acquire: pairs with the Release that revokes it (under this lock
+        // too, for an away region).
+        if region.revoked.load(Ordering::Acquire) {
+            return Err(PutBackRefused::Revoked(region));
+        }
+        self.regions
+            .insert(id, region)
+            .map_err(|rejected| PutBackRefused::Table(rejected.error, rejected.value))
+    }
+
     /// Takes free pages, lowest region first, until `out` holds `n`; each
     /// lease keeps `client` alive.
     fn take_pages(&self, n: usize, out: &mut Vec<PageLease>, client: &Client) {
@@ -278,6 +351,7 @@ impl Shared {
                 region_size_bytes,
                 auto_expand: opts.auto_expand,
                 regions: RegionTable::new(),
+                away: Away::default(),
                 expand_lock: Mutex::new(()),
             });
             layouts.push(Arc::clone(&state));

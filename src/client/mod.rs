@@ -380,7 +380,15 @@ impl ClientInner {
         // ends: a lease still alive (after an explicit close) must not
         // write them any more.
         for layout in shared.layouts.read().iter() {
-            for (_, region) in layout.regions.read().iter() {
+            let away = layout.away.lock();
+            let table = layout.regions.read();
+            // Those away for return too: one a lease found before it left
+            // the table is still the lease's to write otherwise.
+            for region in table
+                .iter()
+                .map(|(_, r)| r)
+                .chain(away.iter().map(|(_, r)| r))
+            {
                 // Release: see `Shared::drop_owned_regions`.
                 region.revoked.store(true, Ordering::Release);
             }

@@ -8,8 +8,9 @@
 //! backoff (`reconnect_backoff_min_ms` doubling up to `…_max_ms`) for at most
 //! `reconnect_timeout_ms`, then fails the request. Each attempt opens a
 //! connection and sends `Reattach`: the instance's secret, every region it
-//! owns with its token and layout, its next sequence number and the highest
-//! notice it applied.
+//! owns with its token and layout (those out of their table on their way
+//! back to the directory too: `layout::Away`), its next sequence number and
+//! the highest notice it applied.
 //!
 //! **What a reattach restores.**
 //! - *Resumed* (the directory still knew the instance): keys, notices and
@@ -174,6 +175,10 @@ pub(crate) fn connect(
         #[cfg(test)]
         before_repin: Default::default(),
         #[cfg(test)]
+        before_return: Default::default(),
+        #[cfg(test)]
+        before_put_back: Default::default(),
+        #[cfg(test)]
         unpins_not_sent: Default::default(),
         fatal: Default::default(),
         has_fatal: Default::default(),
@@ -236,11 +241,24 @@ impl Shared {
         }
     }
 
-    /// Every owned region, as `Reattach` presents it.
-    fn owned_regions(&self) -> Vec<WireOwnedRegion> {
+    /// Every owned region, as `Reattach` presents it — those away for
+    /// return included (a restarted directory frees every recovered region
+    /// nobody presents; see [`super::layout::Away`]) — and how many of them
+    /// are in use (in a table, not away).
+    fn owned_regions(&self) -> (Vec<WireOwnedRegion>, usize) {
         let mut out = Vec::new();
+        let mut in_use = 0;
         for layout in self.layouts.read().iter() {
-            for (_, r) in layout.regions.read().iter() {
+            // Under the away lock: a region moving between the table and
+            // the away list is seen on one side.
+            let away = layout.away.lock();
+            let table = layout.regions.read();
+            in_use += table.len();
+            let away = away
+                .iter()
+                // Acquire: pairs with the Release that revokes it.
+                .filter(|(_, r)| !r.revoked.load(Ordering::Acquire));
+            for r in table.iter().map(|(_, r)| r).chain(away.map(|(_, r)| r)) {
                 out.push(WireOwnedRegion {
                     desc: r.desc,
                     layout: r.layout,
@@ -248,15 +266,17 @@ impl Shared {
                 });
             }
         }
-        out
+        (out, in_use)
     }
 
     fn reattach_once(&self) -> Result<(), Attempt> {
         let timeout = self.request_timeout();
         let rpc = RpcClient::connect(&self.cfg.server.endpoint(), self.cfg.transport.clone())
             .map_err(|e| Attempt::Retry(ClientError::Connect(e)))?;
-        let regions = self.owned_regions();
-        let holds_no_region = regions.is_empty();
+        let (regions, in_use) = self.owned_regions();
+        // Regions away for return may have been returned already (the
+        // answer lost with the connection): they prove nothing.
+        let holds_no_region = in_use == 0;
         if regions.len() > proto::MAX_REATTACH_REGIONS {
             return Err(Attempt::Fatal(ClientError::BatchTooLarge {
                 len: regions.len(),
@@ -298,7 +318,8 @@ impl Shared {
             // regions to the pool turns the next reattach into a fresh
             // start (see the module docs). With regions of our own, their
             // tokens were all refused: they were freed under us, and that
-            // is not something a retry explains.
+            // is not something a retry explains. (Regions away for return
+            // do not count: their return may have run, the answer lost.)
             Some(ErrorCode::OwnershipNotProven) if holds_no_region => {
                 self.stats.bump(&self.stats.reattaches_awaiting_grace);
                 Attempt::Retry(e)

@@ -104,6 +104,14 @@ pub(crate) struct Shared {
     /// is set up, before its live views are pinned again.
     #[cfg(test)]
     pub before_repin: TestHook,
+    /// Test fail point: run by the maintenance thread once an idle region
+    /// out of its table is about to be given back (before `ReturnRegion`).
+    #[cfg(test)]
+    pub before_return: TestHook,
+    /// Test fail point: run by the maintenance thread once a region out of
+    /// its table for return was found touched, before it is put back.
+    #[cfg(test)]
+    pub before_put_back: TestHook,
     /// Test fail point: unpins are not sent (as when the connection's
     /// in-flight bound refuses them).
     #[cfg(test)]
@@ -233,22 +241,32 @@ impl Shared {
     }
 
     /// The owned region `region`, whichever layout it belongs to — also one
-    /// taken out of its table for return and not yet given back or put back:
-    /// a thread that found it before may have allocated, registered and
-    /// lost to a delete one of its pages since, and that page's notice must
-    /// free it (unapplied, the page and so the region would never be free
-    /// again; the return then sees the region touched and puts it back).
+    /// out of its table for return (away, see [`super::layout::Away`], or
+    /// removed and not yet handed back): a thread that found it before may
+    /// have allocated, registered and lost to a delete one of its pages
+    /// since, and that page's notice must free it (unapplied, the page and
+    /// so the region would never be free again; the return then sees the
+    /// region touched and puts it back).
     pub fn find_owned(&self, region: u64) -> Option<Arc<OwnedRegion>> {
         let id = RegionId(region);
         let layouts = self.layouts.read();
-        layouts
-            .iter()
-            .find_map(|l| l.regions.with(id, Arc::clone))
-            .or_else(|| {
-                layouts
-                    .iter()
-                    .find_map(|l| l.regions.with_removed(id, Arc::clone))
-            })
+        if let Some(found) = layouts.iter().find_map(|l| l.regions.with(id, Arc::clone)) {
+            return Some(found);
+        }
+        // Rare: looked for again under each layout's away lock, under which
+        // a region moves between the table and the away list, so one in
+        // transit is found on one side or the other.
+        layouts.iter().find_map(|l| {
+            let away = l.away.lock();
+            l.regions
+                .with(id, Arc::clone)
+                .or_else(|| {
+                    away.iter()
+                        .find(|(a, _)| *a == id)
+                        .map(|(_, r)| Arc::clone(r))
+                })
+                .or_else(|| l.regions.with_removed(id, Arc::clone))
+        })
     }
 
     /// What rides on every reply: freed-page notices and usage figures.
@@ -404,22 +422,30 @@ impl Shared {
     }
 
     /// Takes every owned region of every layout out of the tables whose id
-    /// is in `ids` (refused at reattach), forgetting their keys.
+    /// is in `ids` (refused at reattach), forgetting their keys. A region
+    /// away for return is revoked where it is: the maintenance thread then
+    /// retires it whatever its return's outcome, and lets go of its bytes.
     pub fn drop_owned_regions(&self, ids: &[u64]) {
         for &id in ids {
             let region = RegionId(id);
             for layout in self.layouts.read().iter() {
-                let len = layout.regions.with(region, |r| {
-                    // Release: a lease that sees the flag sees it before
-                    // writing (see `PageLease::bytes_mut`).
+                let away = layout.away.lock();
+                // Release: a lease that sees the flag sees it before
+                // writing (see `PageLease::bytes_mut`); the maintenance
+                // thread reads it under the away lock before putting a
+                // region back.
+                let revoke = |r: &OwnedRegion| {
                     r.revoked.store(true, Ordering::Release);
                     r.desc.len_bytes
-                });
+                };
+                let len = layout.regions.with(region, |r| revoke(r));
                 if let Some(len) = len
                     && layout.regions.remove(region).is_ok()
                 {
                     // Relaxed: a gauge, changed under the table's writer lock.
                     self.owned_bytes.fetch_sub(len, Ordering::Relaxed);
+                } else if let Some((_, r)) = away.iter().find(|(a, _)| *a == region) {
+                    revoke(r);
                 }
             }
             let forgotten = self.index.forget_region(id);
