@@ -25,7 +25,10 @@
 //! **Publication.** Before registration the bytes must be visible to every
 //! reader (DESIGN §3): `register` publishes them under the pool's visibility
 //! mode unless they were written by a non-temporal [`PageLease::write`]
-//! (which publishes by itself) and not touched since.
+//! (which publishes by itself) and not touched since. Under
+//! `Visibility::Flush` it also writes back any line the lease may have
+//! written past the chunk, so that no dirty line of a registered page stays
+//! in this host's cache.
 
 use std::fmt;
 use std::sync::Arc;
@@ -34,7 +37,7 @@ use cxlkv_controlplane::proto::Location;
 use cxlkv_dataplane::copy::{self, CopyPath};
 use cxlkv_dataplane::ids::{Generation, PageIndex};
 use cxlkv_dataplane::map::PageViewMut;
-use cxlkv_dataplane::visibility;
+use cxlkv_dataplane::visibility::Visibility;
 
 use super::Client;
 use super::error::ClientError;
@@ -56,6 +59,10 @@ pub struct PageLease {
     /// The page was written through this lease (lines anywhere in it may
     /// be dirty in this host's cache).
     touched: bool,
+    /// Bytes `[0, dirty_end)` may have been written through the lease since
+    /// the last publication wrote them back — past the chunk too
+    /// (`bytes_mut` lends the whole page).
+    dirty_end: usize,
     /// Registration took the page (it must not be freed on drop).
     consumed: bool,
     /// The client, held alive while the user owns the lease; `None` once
@@ -80,6 +87,7 @@ impl PageLease {
             needs_publish: false,
             published_bytes: 0,
             touched: false,
+            dirty_end: 0,
             consumed: false,
             client: Some(client),
         }
@@ -148,6 +156,7 @@ impl PageLease {
         self.published_bytes = 0;
         self.touched = true;
         let page_size = self.page_size_bytes();
+        self.dirty_end = page_size;
         // SAFETY: this lease holds the allocator's exclusive grant of
         // `(page, generation)` (see the module docs): no other lease, read
         // guard or process touches the page until it is registered, which
@@ -172,11 +181,14 @@ impl PageLease {
             });
         }
         let touched_before = self.needs_publish;
+        // `bytes_mut` lends the whole page; this copy writes `src.len()`.
+        let dirty_before = self.dirty_end;
         let path = {
             let mut view = self.bytes_mut()?;
             copy::copy_in(&mut view[..src.len()], src)
         };
         self.len_bytes = src.len();
+        self.dirty_end = dirty_before.max(src.len());
         self.needs_publish = touched_before || !path.satisfies_publish();
         if !self.needs_publish {
             self.published_bytes = src.len();
@@ -186,12 +198,30 @@ impl PageLease {
 
     /// Makes the chunk's bytes visible to readers under the pool's mode (a
     /// fence on a coherent pool). `register` does this when needed.
+    ///
+    /// Under `Visibility::Flush` it also writes back the lines written past
+    /// the chunk (through [`bytes_mut`](Self::bytes_mut), before a shorter
+    /// [`set_len`](Self::set_len)): no reader reads them, but once the lease
+    /// is registered nothing else would write them back, and a line left
+    /// dirty in this host's cache can be evicted over the page at any time
+    /// — after its region has gone to another host too. Only lines past the
+    /// chunk that the lease may have written are added: none for a chunk
+    /// written by [`write`](Self::write) or filling what was written.
     pub fn publish(&mut self) {
         if self.needs_publish {
-            visibility::publish(self.region.visibility, self.chunk());
+            super::regions::write_back(self.region.visibility, self.chunk());
             self.needs_publish = false;
             self.published_bytes = self.len_bytes;
         }
+        if self.dirty_end > self.len_bytes && self.region.visibility == Visibility::Flush {
+            let page = self
+                .region
+                .mapping
+                .page(self.page_size_bytes(), self.page, self.dirty_end)
+                .expect("invariant: the allocator only hands out pages inside its region");
+            super::regions::write_back(self.region.visibility, &page.as_bytes()[self.len_bytes..]);
+        }
+        self.dirty_end = 0;
     }
 
     /// Where the chunk will live once registered.
@@ -245,10 +275,18 @@ impl fmt::Debug for PageLease {
 impl Drop for PageLease {
     fn drop(&mut self) {
         if !self.consumed {
-            if self.touched {
-                // Written: no dirty line may outlive the lease on a
-                // non-coherent pool (`write_back_page`), not even one past
-                // the chunk a publication covered.
+            // Written: no dirty line may outlive the lease on a non-coherent
+            // pool (`write_back_page`), not even one past the chunk a
+            // publication covered — while the page is still this lease's.
+            // A freed-page notice may have freed it (a registration that ran
+            // and whose key was deleted, the lease dropped after its resend
+            // was refused); then the page may be another lease's already,
+            // whose `&mut [u8]` a view formed here would alias, and there is
+            // nothing to write back: a lease is published in full before its
+            // registration is sent. That notice is applied before the
+            // registration's outcome is handed back (`exchange` absorbs a
+            // reply's notices first), so it is seen here.
+            if self.touched && self.still_allocated() {
                 self.region.write_back_page(self.page);
             }
             // A refused free (stale or double: the page was already freed by
@@ -340,6 +378,94 @@ mod tests {
         assert!(!lease.needs_publish);
         lease.set_len(200).unwrap();
         assert!(lease.needs_publish);
+    }
+
+    /// A server (small pool, 4 MiB regions), a client that publishes by
+    /// writing lines back (`visibility = flush`) and a 4 KiB layout.
+    fn flush_layout(tag: &str) -> (ServerHandle, Client, LayoutHandle) {
+        let server = Server::start(server_config(tag)).expect("the server starts");
+        layout_on(server, |cfg| {
+            cfg.visibility = Some(cxlkv_dataplane::visibility::Visibility::Flush)
+        })
+    }
+
+    /// Whether every 64-byte line of `page` lies in one of `ranges`.
+    fn every_line_in(page: std::ops::Range<usize>, ranges: &[std::ops::Range<usize>]) -> bool {
+        (page.start..page.end)
+            .step_by(64)
+            .all(|line| ranges.iter().any(|r| r.contains(&line)))
+    }
+
+    /// Found by a review of the client (session 25): registration published
+    /// only the chunk (`[0, len)`), and a registered lease is not written
+    /// back on drop, so lines written through `bytes_mut` past the chunk
+    /// stayed dirty in this host's cache (`visibility = flush`) — until an
+    /// eviction wrote them over the page, perhaps after its region had gone
+    /// to another host. Registration now writes back every line the lease
+    /// may have written.
+    #[test]
+    fn lines_written_past_the_chunk_are_written_back_at_registration() {
+        use crate::client::regions::test_recorder;
+        let (_server, _client, layout) = flush_layout("lease-past-chunk");
+        let mut lease = layout.alloc().unwrap();
+        let page = lease.page_addresses();
+        lease.bytes_mut().unwrap().fill(7);
+        lease.set_len(100).unwrap();
+        test_recorder::take();
+        assert_eq!(
+            layout.register(b"k", lease).unwrap(),
+            crate::client::RegisterOutcome::Inserted
+        );
+        let written_back = test_recorder::take();
+        assert!(
+            every_line_in(page.clone(), &written_back),
+            "page {page:x?}, written back {written_back:x?}"
+        );
+        // Bytes written by `write` reach no further than its source.
+        let mut lease = layout.alloc().unwrap();
+        let page = lease.page_addresses();
+        lease.write(&[9u8; 1000]).unwrap();
+        test_recorder::take();
+        layout.register(b"k2", lease).unwrap();
+        let written_back = test_recorder::take();
+        assert!(
+            written_back.iter().all(|r| r.end <= page.start + 1024),
+            "page {page:x?}, written back {written_back:x?}"
+        );
+    }
+
+    /// Found by a review of the client (session 25): a lease dropped after
+    /// a freed-page notice had freed its page (a registration that ran, was
+    /// deleted, and whose resend was refused) wrote the page back through a
+    /// shared view of it — while the page may already be another lease's,
+    /// whose `&mut [u8]` it aliased. A lease no longer holding its page
+    /// leaves it alone.
+    #[test]
+    fn a_lease_whose_page_a_notice_freed_leaves_the_page_alone_on_drop() {
+        use crate::client::regions::test_recorder;
+        let (_server, _client, layout) = flush_layout("lease-freed-under");
+        let mut first = layout.alloc().unwrap();
+        first.bytes_mut().unwrap().fill(1);
+        let page = first.page_addresses();
+        // What applying the notice does.
+        first
+            .region
+            .alloc
+            .free(first.page, first.generation)
+            .unwrap();
+        let mut second = layout.alloc().unwrap();
+        assert_eq!(second.page_addresses(), page, "the page is reused");
+        second.bytes_mut().unwrap().fill(2);
+        test_recorder::take();
+        drop(first);
+        let written_back = test_recorder::take();
+        assert!(
+            written_back
+                .iter()
+                .all(|r| r.end <= page.start || r.start >= page.end),
+            "page {page:x?}, written back {written_back:x?}"
+        );
+        assert!(second.still_allocated(), "the second lease keeps the page");
     }
 
     /// Sessions the server holds open, waiting up to 10 s for it to reach

@@ -66,7 +66,7 @@ impl OwnedRegion {
             .mapping
             .page(self.page_size_bytes, index, self.page_size_bytes)
         {
-            cxlkv_dataplane::visibility::publish(self.visibility, page.as_bytes());
+            write_back(self.visibility, page.as_bytes());
         }
     }
 
@@ -79,6 +79,36 @@ impl OwnedRegion {
         for index in 0..self.alloc.page_count() {
             self.write_back_page(cxlkv_dataplane::ids::PageIndex(index));
         }
+    }
+}
+
+/// Publishes (writes back, under `Visibility::Flush`) `bytes` of an owned
+/// page: every publication and write-back of the client's own pages goes
+/// through here.
+pub(crate) fn write_back(visibility: Visibility, bytes: &[u8]) {
+    #[cfg(test)]
+    test_recorder::record(bytes);
+    cxlkv_dataplane::visibility::publish(visibility, bytes);
+}
+
+/// Test-only: the address ranges this thread published or wrote back.
+#[cfg(test)]
+pub(crate) mod test_recorder {
+    use std::cell::RefCell;
+    use std::ops::Range;
+
+    thread_local! {
+        static WRITTEN_BACK: RefCell<Vec<Range<usize>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(super) fn record(bytes: &[u8]) {
+        let start = bytes.as_ptr() as usize;
+        WRITTEN_BACK.with_borrow_mut(|w| w.push(start..start + bytes.len()));
+    }
+
+    /// The ranges recorded on this thread since the last call.
+    pub(crate) fn take() -> Vec<Range<usize>> {
+        WRITTEN_BACK.with_borrow_mut(std::mem::take)
     }
 }
 
