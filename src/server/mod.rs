@@ -150,7 +150,9 @@ pub struct ServerConfig {
     pub tcp_listen: Option<SocketAddr>,
     /// The pre-shared secret TCP clients must present.
     pub tcp_secret: Option<Vec<u8>>,
-    /// Accept TCP clients without a secret (trusted networks only).
+    /// Accept TCP clients without a secret (trusted networks only). Not
+    /// together with `tcp_secret` (refused: the secret would not be asked
+    /// for).
     pub tcp_insecure_no_secret: bool,
     /// Connections served at once; more are refused with `Busy`.
     pub max_connections: usize,
@@ -382,6 +384,16 @@ impl ServerConfig {
             return bad(
                 "a TCP listener needs a client secret (or, on a trusted network, \
                  insecure-no-secret)"
+                    .into(),
+            );
+        }
+        if self.tcp_secret.is_some() && self.tcp_insecure_no_secret {
+            // The directory enforces a secret only when
+            // `tcp_insecure_no_secret` is off: together, the configured
+            // secret would silently not be asked for.
+            return bad(
+                "tcp_secret and tcp_insecure_no_secret contradict each other \
+                 (with both, the secret would not be enforced): set one of them"
                     .into(),
             );
         }
