@@ -439,6 +439,9 @@ impl DirectoryHandler {
         })
     }
 
+    /// Answers `req`; returns whether the answer is deferred (a
+    /// `RequestRegion` waiting for the pool manager: its latency is
+    /// recorded when the answer is queued).
     fn dispatch(
         &mut self,
         conn: ConnId,
@@ -446,7 +449,7 @@ impl DirectoryHandler {
         req: AnyRequest<'_>,
         out: &mut Replies,
         started: Instant,
-    ) {
+    ) -> bool {
         let session = self.conns.get(&conn).and_then(|c| c.session);
         match (req, session) {
             (AnyRequest::Hello(h), None) => self.hello(conn, request_id, h, out),
@@ -486,8 +489,11 @@ impl DirectoryHandler {
                 );
                 self.send_error(out, conn, request_id, &e);
             }
-            (req, Some(s)) => self.session_request(conn, request_id, s, req, out, started),
+            (req, Some(s)) => {
+                return self.session_request(conn, request_id, s, req, out, started);
+            }
         }
+        false
     }
 
     /// The identity the kernel gave the connection, and for TCP whether the
@@ -728,6 +734,8 @@ impl DirectoryHandler {
         self.apply_effects(Some(out));
     }
 
+    /// A request on a connection with a session; returns whether its
+    /// answer is deferred (see [`dispatch`](Self::dispatch)).
     fn session_request(
         &mut self,
         conn: ConnId,
@@ -736,7 +744,8 @@ impl DirectoryHandler {
         req: AnyRequest<'_>,
         out: &mut Replies,
         started: Instant,
-    ) {
+    ) -> bool {
+        let mut deferred = false;
         let meta = req.meta();
         let caller = Caller {
             session: s.id,
@@ -879,6 +888,7 @@ impl DirectoryHandler {
                             self.send(out, conn, request_id, &reply);
                         }
                         RegionReply::Deferred(id) => {
+                            deferred = true;
                             self.pending.insert(
                                 id,
                                 PendingReply {
@@ -948,6 +958,7 @@ impl DirectoryHandler {
             self.send_error(out, conn, request_id, &wire::directory_error(&e));
         }
         self.apply_effects(Some(out));
+        deferred
     }
 
     fn end_session(
@@ -1312,7 +1323,71 @@ impl DirectoryHandler {
     }
 
     /// Applies the events posted since the last wake, runs due timers.
-    pub fn run_events(&mut self, mut out: Option<&mut Replies>) {
+    fn run_events(&mut self, out: &mut Replies) {
+        self.apply_events(Some(&mut *out));
+        let now = Instant::now();
+        self.resubmit_due_frees(now);
+        if now >= self.next_tick {
+            self.next_tick = now + self.tick_every;
+            let t = self.now();
+            self.dir.tick(t);
+        }
+        if now >= self.next_pin_report {
+            let threshold = self.dir.config().long_held_pin;
+            self.next_pin_report = now + threshold.max(LONG_PIN_REPORT_MIN_EVERY);
+            self.report_long_held_pins();
+        }
+        self.apply_effects(Some(out));
+        if now >= self.next_pool_stats {
+            // After the effects: every free decided so far is submitted
+            // before this request, so the report counts exactly the frees
+            // the mark counts (the pool manager answers in order).
+            self.next_pool_stats = now + POOL_STATS_EVERY;
+            let mark = self.dir.pool_report_mark();
+            let mailbox = Arc::clone(&self.mailbox);
+            let completer = self.completer.clone();
+            self.pool.submit(
+                PoolRequest::Stats,
+                Box::new(move |r| {
+                    let result = r.and_then(|reply| match reply {
+                        PoolReply::Stats(s) => Ok(s),
+                        other => Err(unexpected_reply(&other)),
+                    });
+                    mailbox.post(Event::PoolStats(result, mark), &completer);
+                }),
+            );
+        }
+    }
+
+    /// What the shutdown's wait for frees in flight runs once the loop is
+    /// gone: the pool manager's answers applied and failed frees sent again,
+    /// and nothing else. Not the directory's timers: the sessions the
+    /// shutdown closed put their instances in their grace period, and a
+    /// tick during the wait would let a short grace expire and free their
+    /// regions — which their clients still map, and would present again to
+    /// the restarted server.
+    pub fn drain_at_shutdown(&mut self) {
+        self.apply_events(None);
+        self.resubmit_due_frees(Instant::now());
+        self.apply_effects(None);
+    }
+
+    /// Sends again the failed frees whose backoff has passed.
+    fn resubmit_due_frees(&mut self, now: Instant) {
+        if self.free_retries.is_empty() {
+            return;
+        }
+        let due: Vec<FreeRetry>;
+        (due, self.free_retries) = std::mem::take(&mut self.free_retries)
+            .into_iter()
+            .partition(|r| r.due <= now);
+        for r in due {
+            self.submit_free(r.handle, r.owner, r.attempt);
+        }
+    }
+
+    /// Applies the events posted since the last call.
+    fn apply_events(&mut self, mut out: Option<&mut Replies>) {
         for event in self.mailbox.take() {
             match event {
                 Event::Allocated { request, result } => {
@@ -1376,46 +1451,6 @@ impl DirectoryHandler {
                     let _ = reply.send(self.metrics_snapshot());
                 }
             }
-        }
-        let now = Instant::now();
-        if !self.free_retries.is_empty() {
-            let due: Vec<FreeRetry>;
-            (due, self.free_retries) = std::mem::take(&mut self.free_retries)
-                .into_iter()
-                .partition(|r| r.due <= now);
-            for r in due {
-                self.submit_free(r.handle, r.owner, r.attempt);
-            }
-        }
-        if now >= self.next_tick {
-            self.next_tick = now + self.tick_every;
-            let t = self.now();
-            self.dir.tick(t);
-        }
-        if now >= self.next_pin_report {
-            let threshold = self.dir.config().long_held_pin;
-            self.next_pin_report = now + threshold.max(LONG_PIN_REPORT_MIN_EVERY);
-            self.report_long_held_pins();
-        }
-        self.apply_effects(out);
-        if now >= self.next_pool_stats {
-            // After the effects: every free decided so far is submitted
-            // before this request, so the report counts exactly the frees
-            // the mark counts (the pool manager answers in order).
-            self.next_pool_stats = now + POOL_STATS_EVERY;
-            let mark = self.dir.pool_report_mark();
-            let mailbox = Arc::clone(&self.mailbox);
-            let completer = self.completer.clone();
-            self.pool.submit(
-                PoolRequest::Stats,
-                Box::new(move |r| {
-                    let result = r.and_then(|reply| match reply {
-                        PoolReply::Stats(s) => Ok(s),
-                        other => Err(unexpected_reply(&other)),
-                    });
-                    mailbox.post(Event::PoolStats(result, mark), &completer);
-                }),
-            );
         }
     }
 
@@ -1556,9 +1591,13 @@ impl Handler for DirectoryHandler {
             info.last_request = started;
             info.requests += 1;
         }
-        self.dispatch(conn, request_id, req, out, started);
+        let deferred = self.dispatch(conn, request_id, req, out, started);
+        // Every request answered now is counted here, `RequestRegion`
+        // included (a refusal, a grant from the directory's free space, a
+        // retry answered from the reply cache); one waiting for the pool
+        // manager is counted when its answer is queued (`complete_region`).
         if let Some(op) = op
-            && op != OpKind::RequestRegion
+            && !deferred
         {
             self.record_latency(op, started.elapsed());
         }
@@ -1608,6 +1647,6 @@ impl Handler for DirectoryHandler {
     }
 
     fn on_wake(&mut self, out: &mut Replies) {
-        self.run_events(Some(out));
+        self.run_events(out);
     }
 }

@@ -970,10 +970,12 @@ impl ServerHandle {
         };
         let sessions_closed = handler.sessions_closed_at_shutdown();
         // The loop is gone: apply the pool manager's answers here until the
-        // frees in flight are confirmed (or the wait runs out).
+        // frees in flight are confirmed (or the wait runs out). Only that:
+        // the directory's timers would expire the instances whose sessions
+        // the shutdown just closed (`drain_at_shutdown`).
         let deadline = Instant::now() + SHUTDOWN_FREE_WAIT;
         while handler.frees_outstanding() > 0 && Instant::now() < deadline {
-            handler.run_events(None);
+            handler.drain_at_shutdown();
             std::thread::sleep(Duration::from_millis(5));
         }
         let frees_unconfirmed = handler.frees_outstanding();
