@@ -203,3 +203,95 @@ fn the_shutdown_wait_for_frees_does_not_expire_the_instances_it_disconnected() {
     server.shutdown().unwrap();
     daemon.kill();
 }
+
+/// Found by the same review: the server admitted every connection and
+/// never closed one that opened no session, with one `max_connections`
+/// for all listeners — so `max_connections` silent TCP peers, without the
+/// secret, had every later client, Unix ones included, refused `Busy`.
+/// Now TCP connections without a session take at most half the slots, and
+/// any connection without a session is closed at the hello deadline.
+#[test]
+fn silent_tcp_peers_cannot_take_the_unix_clients_slots_and_are_closed_at_the_hello_deadline() {
+    use common::*;
+    use cxlkv_controlplane::proto::ErrorCode;
+    use cxlkv_controlplane::transport::Endpoint;
+    use std::io::Read;
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    for backend in backends() {
+        let mut cfg = config_on("hello-deadline", backend);
+        cfg.tcp_listen = Some("127.0.0.1:0".parse().unwrap());
+        cfg.tcp_secret = Some(b"sesame".to_vec());
+        cfg.max_connections = 4;
+        cfg.hello_timeout_ms = 1000;
+        cfg.tick_ms = 20;
+        let server = cxlkv::server::Server::start(cfg).unwrap();
+        let addr = server.tcp_addr().unwrap();
+        let opened = Instant::now();
+        let silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let seen = |s: &cxlkv::server::ServerHandle| {
+            let t = s.transport_stats().unwrap();
+            t.accepted + t.refused
+        };
+        assert!(wait_until(TIMEOUT, || seen(&server) >= 4), "{backend:?}");
+        let t = server.transport_stats().unwrap();
+        assert_eq!(
+            (t.accepted, t.refused),
+            (2, 2),
+            "{backend:?}: half the slots"
+        );
+
+        // Before the deadline, with the silent peers still connected: a
+        // Unix client gets a session.
+        let unix = Raw::connect_unix(server.socket_path());
+        unix.hello("inst-unix")
+            .0
+            .expect("welcome while silent TCP peers wait");
+        assert!(
+            opened.elapsed() < Duration::from_millis(1000),
+            "{backend:?}: too slow to tell"
+        );
+
+        // Every silent connection ends: refused ones after their `busy`,
+        // admitted ones at the deadline.
+        for mut s in silent {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut sink = Vec::new();
+            match s.read_to_end(&mut sink) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+                Err(e) => panic!("{backend:?}: a silent connection stayed open: {e}"),
+            }
+        }
+        // A TCP peer that talks but never opens a session is closed too.
+        let talker = Raw::connect(&Endpoint::Tcp(addr));
+        let heartbeat = |r: &Raw, within: Duration| {
+            r.try_call::<_, cxlkv_controlplane::proto::HeartbeatReply>(
+                &cxlkv_controlplane::proto::Heartbeat { meta: r.ro() },
+                within,
+            )
+        };
+        expect_code(
+            heartbeat(&talker, TIMEOUT).expect("an answer"),
+            ErrorCode::HelloRequired,
+        );
+        assert!(
+            wait_until(TIMEOUT, || heartbeat(&talker, Duration::from_secs(1))
+                .is_none()),
+            "{backend:?}: a connection answered HelloRequired forever stayed open"
+        );
+
+        // After the deadline: a TCP client with the secret opens a session
+        // and keeps it past the deadline; the Unix session is untouched.
+        let tcp = Raw::connect(&Endpoint::Tcp(addr));
+        tcp.hello_with_secret("inst-tcp", Some(b"sesame"))
+            .0
+            .expect("welcome over TCP");
+        std::thread::sleep(Duration::from_millis(1200));
+        tcp.heartbeat()
+            .expect("a session outlives the hello deadline");
+        unix.heartbeat().expect("the Unix session is intact");
+        server.shutdown().unwrap();
+    }
+}

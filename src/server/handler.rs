@@ -169,6 +169,12 @@ pub(crate) struct HandlerParts {
     pub completer: Completer,
     pub origin: Instant,
     pub tcp_secret: Option<Vec<u8>>,
+    /// A connection without a session this long after it was accepted is
+    /// closed.
+    pub hello_timeout: Duration,
+    /// TCP connections without a session admitted at once; more are
+    /// refused `Busy`.
+    pub max_sessionless_tcp: usize,
     pub max_inflight_per_conn: usize,
     pub default_region_bytes: u64,
     pub tick_every: Duration,
@@ -193,6 +199,13 @@ pub(crate) struct DirectoryHandler {
     origin: Instant,
     tcp_secret: Option<Vec<u8>>,
     server_uid: u32,
+    hello_timeout: Duration,
+    max_sessionless_tcp: usize,
+    /// Every connection accepted, with the time it must have opened a
+    /// session by, in acceptance order (so in deadline order: the timeout
+    /// is fixed). An entry whose connection is gone or has a session is
+    /// dropped when it comes due. At most one per connection.
+    hello_deadlines: VecDeque<(Instant, ConnId)>,
     // Keys the server assigns (no peer chooses them): a fixed fast hash;
     // `conns` is probed on every request.
     conns: HashMap<ConnId, Conn, FixedState>,
@@ -257,6 +270,9 @@ impl DirectoryHandler {
             origin: p.origin,
             tcp_secret: p.tcp_secret,
             server_uid: p.server_uid,
+            hello_timeout: p.hello_timeout,
+            max_sessionless_tcp: p.max_sessionless_tcp.max(1),
+            hello_deadlines: VecDeque::new(),
             conns: HashMap::default(),
             sessions: HashMap::default(),
             pending: HashMap::default(),
@@ -1327,6 +1343,7 @@ impl DirectoryHandler {
         self.apply_events(Some(&mut *out));
         let now = Instant::now();
         self.resubmit_due_frees(now);
+        self.close_sessionless_overdue(now, out);
         if now >= self.next_tick {
             self.next_tick = now + self.tick_every;
             let t = self.now();
@@ -1370,6 +1387,40 @@ impl DirectoryHandler {
         self.apply_events(None);
         self.resubmit_due_frees(Instant::now());
         self.apply_effects(None);
+    }
+
+    /// Closes the connections that have not opened a session within the
+    /// hello timeout: a peer that never says `Hello` (a TCP peer without
+    /// the secret, a port scanner, a stuck client) must not keep a
+    /// connection slot — every later client would be refused `Busy`.
+    fn close_sessionless_overdue(&mut self, now: Instant, out: &mut Replies) {
+        while let Some(&(due, conn)) = self.hello_deadlines.front() {
+            if due > now {
+                break;
+            }
+            self.hello_deadlines.pop_front();
+            let Some(c) = self.conns.get(&conn) else {
+                continue;
+            };
+            if c.session.is_some() {
+                continue;
+            }
+            tracing::info!(
+                conn = %conn,
+                peer = ?c.peer,
+                timeout_ms = self.hello_timeout.as_millis() as u64,
+                "closing a connection that opened no session in time"
+            );
+            out.close(conn);
+        }
+    }
+
+    /// TCP connections that have not opened a session.
+    fn sessionless_tcp(&self) -> usize {
+        self.conns
+            .values()
+            .filter(|c| c.session.is_none() && !matches!(c.peer, PeerInfo::Unix(_)))
+            .count()
     }
 
     /// Sends again the failed frees whose backoff has passed.
@@ -1534,6 +1585,19 @@ impl DirectoryHandler {
     }
 }
 
+/// The frame sent to a connection refused at accept.
+fn refusal(reply: &ErrorReply) -> Option<Refusal> {
+    let mut buf = Vec::new();
+    proto::encode(0, reply, &mut buf).ok()?;
+    let mut plen = [0u8; 4];
+    plen.copy_from_slice(&buf[16..20]);
+    let payload_len = u32::from_le_bytes(plen) as usize;
+    Some(Refusal {
+        kind: Kind::ErrorReply.as_u16(),
+        payload: buf[HEADER_BYTES..HEADER_BYTES + payload_len].to_vec(),
+    })
+}
+
 fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
     PoolServiceError::new(
         ErrorCode::Internal,
@@ -1544,6 +1608,22 @@ fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
 
 impl Handler for DirectoryHandler {
     fn on_connect(&mut self, conn: ConnId, peer: &PeerInfo) -> Admit {
+        // Unauthenticated TCP peers cannot take every slot: Unix clients
+        // and sessions keep the rest (a walk of at most `max_connections`
+        // entries, once per connection).
+        if !matches!(peer, PeerInfo::Unix(_)) && self.sessionless_tcp() >= self.max_sessionless_tcp
+        {
+            let limit = self.max_sessionless_tcp;
+            tracing::debug!(peer = ?peer, limit, "TCP connection refused: too many without a session");
+            let reply = ErrorReply::new(
+                ErrorCode::Busy,
+                format!("{limit} TCP connections without a session already; open one with Hello"),
+                limit as u64,
+            );
+            return Admit::Refuse(refusal(&reply));
+        }
+        self.hello_deadlines
+            .push_back((Instant::now() + self.hello_timeout, conn));
         self.conns.insert(
             conn,
             Conn {
@@ -1564,16 +1644,7 @@ impl Handler for DirectoryHandler {
             format!("connection limit reached ({limit})"),
             limit as u64,
         );
-        let mut buf = Vec::new();
-        let len = proto::encode(0, &reply, &mut buf).ok()?;
-        let _ = len;
-        let mut plen = [0u8; 4];
-        plen.copy_from_slice(&buf[16..20]);
-        let payload_len = u32::from_le_bytes(plen) as usize;
-        Some(Refusal {
-            kind: Kind::ErrorReply.as_u16(),
-            payload: buf[HEADER_BYTES..HEADER_BYTES + payload_len].to_vec(),
-        })
+        refusal(&reply)
     }
 
     fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies) {
