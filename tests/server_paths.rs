@@ -295,3 +295,48 @@ fn silent_tcp_peers_cannot_take_the_unix_clients_slots_and_are_closed_at_the_hel
         server.shutdown().unwrap();
     }
 }
+
+/// A retried `Delete` (its reply lost) was answered with the pins held at
+/// the retry, not those the delete found: after the pins were released,
+/// `Pinned { pins: 0 }` — the reply cache kept only the outcome.
+#[test]
+fn a_retried_delete_reports_the_pins_the_delete_found() {
+    use common::*;
+    use cxlkv_controlplane::proto::{self, DeleteOutcome};
+    let server = cxlkv::server::Server::start(ServerConfig::ephemeral("delete-retry")).unwrap();
+    let (mut owner, region) = session_with_region(&server, "owner");
+    owner
+        .register(vec![(b"k".to_vec(), loc(region, 0))])
+        .unwrap();
+    let mut reader = Raw::connect_unix(server.socket_path());
+    reader.hello("reader").0.unwrap();
+    reader.lookup(&[b"k"], 2).unwrap();
+
+    let meta = owner.rw();
+    let delete = proto::Delete {
+        meta,
+        layout: LAYOUT,
+        keys: vec![b"k".to_vec()],
+    };
+    let first: proto::DeleteReply = owner.call(&delete).unwrap();
+    assert_eq!(first.outcomes, vec![DeleteOutcome::Pinned { pins: 2 }]);
+    // The reader lets go; the owner, which never saw the reply, retries.
+    let meta = reader.rw();
+    let _: proto::UnpinReply = reader
+        .call(&proto::Unpin {
+            meta,
+            layout: LAYOUT,
+            keys: vec![b"k".to_vec()],
+            counts: vec![2],
+        })
+        .unwrap();
+    let retried: proto::DeleteReply = owner.call(&delete).unwrap();
+    assert_eq!(
+        retried.outcomes, first.outcomes,
+        "the retry gets the first reply"
+    );
+    let st = server.directory_stats().unwrap();
+    assert_eq!(st.outcomes.retries_answered, 1);
+    assert_eq!(st.keys, 1, "the retry deleted nothing");
+    server.shutdown().unwrap();
+}

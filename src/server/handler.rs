@@ -866,20 +866,9 @@ impl DirectoryHandler {
                 self.dir
                     .delete(&caller, seq, layout, d.keys(), now)
                     .map(|r| {
-                        let outcomes = r
-                            .body
-                            .iter()
-                            .zip(d.keys())
-                            .map(|(o, key)| {
-                                let pins = match o {
-                                    dir::DeleteOutcome::Pinned => {
-                                        self.dir.inspect_key(&layout, key).map_or(0, |k| k.pins)
-                                    }
-                                    _ => 0,
-                                };
-                                wire::delete_outcome(o, pins)
-                            })
-                            .collect();
+                        // The pin counts come with the outcomes (cached with
+                        // them): a retry gets the first reply's counts.
+                        let outcomes = r.body.iter().map(wire::delete_outcome).collect();
                         let reply = proto::DeleteReply {
                             meta: self.meta(&s, &r.notices, &r.usage),
                             outcomes,
