@@ -352,6 +352,9 @@ pub struct ServerSection {
     pub tcp_insecure: bool,
     /// Connections served at once; more are refused with `Busy`.
     pub max_connections: usize,
+    /// A connection that has not opened a session this long after it was
+    /// accepted is closed.
+    pub hello_timeout_ms: u64,
     /// The directory's stable identity at the pool manager.
     pub directory_id: String,
     /// Region size when a request asks for the default (0 bytes; cxlkv's
@@ -380,6 +383,7 @@ impl Default for ServerSection {
             tcp_secret_file: None,
             tcp_insecure: false,
             max_connections: 1024,
+            hello_timeout_ms: crate::server::DEFAULT_HELLO_TIMEOUT_MS,
             directory_id: crate::server::DEFAULT_DIRECTORY_ID.to_owned(),
             default_region_bytes: crate::server::DEFAULT_REGION_BYTES,
             tick_ms: 100,
@@ -564,6 +568,19 @@ impl Config {
             ));
         }
         c.max_connections = s.max_connections;
+        let hello = crate::server::HELLO_TIMEOUT_MS_RANGE;
+        if !hello.contains(&s.hello_timeout_ms) {
+            return Err(invalid(
+                "hello_timeout_ms",
+                format!(
+                    "{} is not in {}..={}",
+                    s.hello_timeout_ms,
+                    hello.start(),
+                    hello.end()
+                ),
+            ));
+        }
+        c.hello_timeout_ms = s.hello_timeout_ms;
         let t = self.transport.server_config()?;
         c.io = t.io;
         c.max_inflight_per_conn = t.max_inflight_per_conn;
@@ -1329,6 +1346,28 @@ mod tests {
         assert_eq!(s.directory.max_pinned_entries, defaults.max_pinned_entries);
     }
 
+    /// `[server] hello_timeout_ms` (found by a review of `src/server/`,
+    /// session 25: a connection that never said `Hello` held its slot
+    /// forever) is read from the file or the environment and bounded.
+    #[test]
+    fn the_hello_timeout_is_a_server_key_and_is_bounded() {
+        let c = load(None, env(&[("CXLKV_SERVER_HELLO_TIMEOUT_MS", "2500")]), &[]).unwrap();
+        assert_eq!(c.server_config().unwrap().hello_timeout_ms, 2500);
+        for bad in [0i64, 99, 600_001] {
+            let c = load(
+                None,
+                env(&[]),
+                &[Override::new("server", "hello_timeout_ms", bad)],
+            )
+            .unwrap();
+            let e = c.server_config().unwrap_err().to_string();
+            assert!(
+                e.contains("hello_timeout_ms") && e.contains("100..=600000"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
     #[test]
     fn server_defaults_are_the_servers_defaults() {
         let s = Config::default().server_config().unwrap();
@@ -1337,6 +1376,7 @@ mod tests {
         assert_eq!(s.directory, d.directory);
         assert_eq!(s.pool_path, Path::new("/dev/shm/cxlkv.pool"));
         assert_eq!(s.max_connections, d.max_connections);
+        assert_eq!(s.hello_timeout_ms, d.hello_timeout_ms);
         assert!(s.tcp_listen.is_none());
         let e = load(None, env(&[("CXLKV_DIRECTORY_LEASE", "1")]), &[]).unwrap_err();
         assert!(e.to_string().contains("lease"), "{e}");

@@ -360,7 +360,7 @@ fn delete_answers_deleted_pinned_and_missing_without_conflating_them() {
         w.delete(&mut b, &[b"free", b"held", b"never", b"free"]),
         vec![
             DeleteOutcome::Deleted,
-            DeleteOutcome::Pinned,
+            DeleteOutcome::Pinned { pins: 1 },
             DeleteOutcome::Missing,
             DeleteOutcome::Missing
         ]
@@ -693,7 +693,10 @@ fn unpin_never_underflows_and_reports_double_unpins() {
         ]
     );
     // a's pin is untouched by b's unpins.
-    assert_eq!(w.delete(&mut b, &[b"k"]), vec![DeleteOutcome::Pinned]);
+    assert_eq!(
+        w.delete(&mut b, &[b"k"]),
+        vec![DeleteOutcome::Pinned { pins: 1 }]
+    );
     assert_eq!(w.unpin(&mut a, &[(b"k", 1)]), vec![UnpinOutcome::Unpinned]);
     assert_eq!(w.delete(&mut b, &[b"k"]), vec![DeleteOutcome::Deleted]);
     let outcomes = w.dir.stats(w.now).outcomes;
@@ -713,7 +716,10 @@ fn session_death_releases_its_pins_and_defers_or_frees_its_regions() {
     w.put(&mut a, b"k1", loc(with_keys, 0, 1));
     w.put(&mut a, b"k2", loc(with_keys, 1, 1));
     w.lookup_pin(&mut a, &[b"k1"], 3);
-    assert_eq!(w.delete(&mut b, &[b"k1"]), vec![DeleteOutcome::Pinned]);
+    assert_eq!(
+        w.delete(&mut b, &[b"k1"]),
+        vec![DeleteOutcome::Pinned { pins: 3 }]
+    );
 
     w.dir.session_closed(a.session, w.now);
     w.keep_alive(&b);
@@ -870,7 +876,10 @@ fn a_pin_has_no_expiry_while_its_session_lives_and_eviction_never_takes_it() {
     assert_eq!(w.dir.inspect_key(&L, &keys[0]).unwrap().pins, 2);
     assert_eq!(stats.long_held_pins.count, 1);
     assert_eq!(stats.long_held_pins.oldest[0].held_for, held);
-    assert_eq!(w.delete(&mut a, &[&keys[0]]), vec![DeleteOutcome::Pinned]);
+    assert_eq!(
+        w.delete(&mut a, &[&keys[0]]),
+        vec![DeleteOutcome::Pinned { pins: 2 }]
+    );
     assert_eq!(
         w.unpin(&mut a, &[(&keys[0], 2)]),
         vec![UnpinOutcome::Unpinned]

@@ -394,7 +394,9 @@ impl Model {
                 if !self.keys.contains_key(&(layout, k.clone())) {
                     DeleteOutcome::Missing
                 } else if self.pins_on(layout, k) > 0 {
-                    DeleteOutcome::Pinned
+                    DeleteOutcome::Pinned {
+                        pins: self.pins_on(layout, k),
+                    }
                 } else {
                     self.remove_key(layout, k);
                     DeleteOutcome::Deleted

@@ -169,6 +169,12 @@ pub(crate) struct HandlerParts {
     pub completer: Completer,
     pub origin: Instant,
     pub tcp_secret: Option<Vec<u8>>,
+    /// A connection without a session this long after it was accepted is
+    /// closed.
+    pub hello_timeout: Duration,
+    /// TCP connections without a session admitted at once; more are
+    /// refused `Busy`.
+    pub max_sessionless_tcp: usize,
     pub max_inflight_per_conn: usize,
     pub default_region_bytes: u64,
     pub tick_every: Duration,
@@ -193,6 +199,13 @@ pub(crate) struct DirectoryHandler {
     origin: Instant,
     tcp_secret: Option<Vec<u8>>,
     server_uid: u32,
+    hello_timeout: Duration,
+    max_sessionless_tcp: usize,
+    /// Every connection accepted, with the time it must have opened a
+    /// session by, in acceptance order (so in deadline order: the timeout
+    /// is fixed). An entry whose connection is gone or has a session is
+    /// dropped when it comes due. At most one per connection.
+    hello_deadlines: VecDeque<(Instant, ConnId)>,
     // Keys the server assigns (no peer chooses them): a fixed fast hash;
     // `conns` is probed on every request.
     conns: HashMap<ConnId, Conn, FixedState>,
@@ -257,6 +270,9 @@ impl DirectoryHandler {
             origin: p.origin,
             tcp_secret: p.tcp_secret,
             server_uid: p.server_uid,
+            hello_timeout: p.hello_timeout,
+            max_sessionless_tcp: p.max_sessionless_tcp.max(1),
+            hello_deadlines: VecDeque::new(),
             conns: HashMap::default(),
             sessions: HashMap::default(),
             pending: HashMap::default(),
@@ -439,6 +455,9 @@ impl DirectoryHandler {
         })
     }
 
+    /// Answers `req`; returns whether the answer is deferred (a
+    /// `RequestRegion` waiting for the pool manager: its latency is
+    /// recorded when the answer is queued).
     fn dispatch(
         &mut self,
         conn: ConnId,
@@ -446,7 +465,7 @@ impl DirectoryHandler {
         req: AnyRequest<'_>,
         out: &mut Replies,
         started: Instant,
-    ) {
+    ) -> bool {
         let session = self.conns.get(&conn).and_then(|c| c.session);
         match (req, session) {
             (AnyRequest::Hello(h), None) => self.hello(conn, request_id, h, out),
@@ -486,8 +505,11 @@ impl DirectoryHandler {
                 );
                 self.send_error(out, conn, request_id, &e);
             }
-            (req, Some(s)) => self.session_request(conn, request_id, s, req, out, started),
+            (req, Some(s)) => {
+                return self.session_request(conn, request_id, s, req, out, started);
+            }
         }
+        false
     }
 
     /// The identity the kernel gave the connection, and for TCP whether the
@@ -728,6 +750,8 @@ impl DirectoryHandler {
         self.apply_effects(Some(out));
     }
 
+    /// A request on a connection with a session; returns whether its
+    /// answer is deferred (see [`dispatch`](Self::dispatch)).
     fn session_request(
         &mut self,
         conn: ConnId,
@@ -736,7 +760,8 @@ impl DirectoryHandler {
         req: AnyRequest<'_>,
         out: &mut Replies,
         started: Instant,
-    ) {
+    ) -> bool {
+        let mut deferred = false;
         let meta = req.meta();
         let caller = Caller {
             session: s.id,
@@ -841,20 +866,9 @@ impl DirectoryHandler {
                 self.dir
                     .delete(&caller, seq, layout, d.keys(), now)
                     .map(|r| {
-                        let outcomes = r
-                            .body
-                            .iter()
-                            .zip(d.keys())
-                            .map(|(o, key)| {
-                                let pins = match o {
-                                    dir::DeleteOutcome::Pinned => {
-                                        self.dir.inspect_key(&layout, key).map_or(0, |k| k.pins)
-                                    }
-                                    _ => 0,
-                                };
-                                wire::delete_outcome(o, pins)
-                            })
-                            .collect();
+                        // The pin counts come with the outcomes (cached with
+                        // them): a retry gets the first reply's counts.
+                        let outcomes = r.body.iter().map(wire::delete_outcome).collect();
                         let reply = proto::DeleteReply {
                             meta: self.meta(&s, &r.notices, &r.usage),
                             outcomes,
@@ -879,6 +893,7 @@ impl DirectoryHandler {
                             self.send(out, conn, request_id, &reply);
                         }
                         RegionReply::Deferred(id) => {
+                            deferred = true;
                             self.pending.insert(
                                 id,
                                 PendingReply {
@@ -948,6 +963,7 @@ impl DirectoryHandler {
             self.send_error(out, conn, request_id, &wire::directory_error(&e));
         }
         self.apply_effects(Some(out));
+        deferred
     }
 
     fn end_session(
@@ -1312,7 +1328,106 @@ impl DirectoryHandler {
     }
 
     /// Applies the events posted since the last wake, runs due timers.
-    pub fn run_events(&mut self, mut out: Option<&mut Replies>) {
+    fn run_events(&mut self, out: &mut Replies) {
+        self.apply_events(Some(&mut *out));
+        let now = Instant::now();
+        self.resubmit_due_frees(now);
+        self.close_sessionless_overdue(now, out);
+        if now >= self.next_tick {
+            self.next_tick = now + self.tick_every;
+            let t = self.now();
+            self.dir.tick(t);
+        }
+        if now >= self.next_pin_report {
+            let threshold = self.dir.config().long_held_pin;
+            self.next_pin_report = now + threshold.max(LONG_PIN_REPORT_MIN_EVERY);
+            self.report_long_held_pins();
+        }
+        self.apply_effects(Some(out));
+        if now >= self.next_pool_stats {
+            // After the effects: every free decided so far is submitted
+            // before this request, so the report counts exactly the frees
+            // the mark counts (the pool manager answers in order).
+            self.next_pool_stats = now + POOL_STATS_EVERY;
+            let mark = self.dir.pool_report_mark();
+            let mailbox = Arc::clone(&self.mailbox);
+            let completer = self.completer.clone();
+            self.pool.submit(
+                PoolRequest::Stats,
+                Box::new(move |r| {
+                    let result = r.and_then(|reply| match reply {
+                        PoolReply::Stats(s) => Ok(s),
+                        other => Err(unexpected_reply(&other)),
+                    });
+                    mailbox.post(Event::PoolStats(result, mark), &completer);
+                }),
+            );
+        }
+    }
+
+    /// What the shutdown's wait for frees in flight runs once the loop is
+    /// gone: the pool manager's answers applied and failed frees sent again,
+    /// and nothing else. Not the directory's timers: the sessions the
+    /// shutdown closed put their instances in their grace period, and a
+    /// tick during the wait would let a short grace expire and free their
+    /// regions — which their clients still map, and would present again to
+    /// the restarted server.
+    pub fn drain_at_shutdown(&mut self) {
+        self.apply_events(None);
+        self.resubmit_due_frees(Instant::now());
+        self.apply_effects(None);
+    }
+
+    /// Closes the connections that have not opened a session within the
+    /// hello timeout: a peer that never says `Hello` (a TCP peer without
+    /// the secret, a port scanner, a stuck client) must not keep a
+    /// connection slot — every later client would be refused `Busy`.
+    fn close_sessionless_overdue(&mut self, now: Instant, out: &mut Replies) {
+        while let Some(&(due, conn)) = self.hello_deadlines.front() {
+            if due > now {
+                break;
+            }
+            self.hello_deadlines.pop_front();
+            let Some(c) = self.conns.get(&conn) else {
+                continue;
+            };
+            if c.session.is_some() {
+                continue;
+            }
+            tracing::info!(
+                conn = %conn,
+                peer = ?c.peer,
+                timeout_ms = self.hello_timeout.as_millis() as u64,
+                "closing a connection that opened no session in time"
+            );
+            out.close(conn);
+        }
+    }
+
+    /// TCP connections that have not opened a session.
+    fn sessionless_tcp(&self) -> usize {
+        self.conns
+            .values()
+            .filter(|c| c.session.is_none() && !matches!(c.peer, PeerInfo::Unix(_)))
+            .count()
+    }
+
+    /// Sends again the failed frees whose backoff has passed.
+    fn resubmit_due_frees(&mut self, now: Instant) {
+        if self.free_retries.is_empty() {
+            return;
+        }
+        let due: Vec<FreeRetry>;
+        (due, self.free_retries) = std::mem::take(&mut self.free_retries)
+            .into_iter()
+            .partition(|r| r.due <= now);
+        for r in due {
+            self.submit_free(r.handle, r.owner, r.attempt);
+        }
+    }
+
+    /// Applies the events posted since the last call.
+    fn apply_events(&mut self, mut out: Option<&mut Replies>) {
         for event in self.mailbox.take() {
             match event {
                 Event::Allocated { request, result } => {
@@ -1376,46 +1491,6 @@ impl DirectoryHandler {
                     let _ = reply.send(self.metrics_snapshot());
                 }
             }
-        }
-        let now = Instant::now();
-        if !self.free_retries.is_empty() {
-            let due: Vec<FreeRetry>;
-            (due, self.free_retries) = std::mem::take(&mut self.free_retries)
-                .into_iter()
-                .partition(|r| r.due <= now);
-            for r in due {
-                self.submit_free(r.handle, r.owner, r.attempt);
-            }
-        }
-        if now >= self.next_tick {
-            self.next_tick = now + self.tick_every;
-            let t = self.now();
-            self.dir.tick(t);
-        }
-        if now >= self.next_pin_report {
-            let threshold = self.dir.config().long_held_pin;
-            self.next_pin_report = now + threshold.max(LONG_PIN_REPORT_MIN_EVERY);
-            self.report_long_held_pins();
-        }
-        self.apply_effects(out);
-        if now >= self.next_pool_stats {
-            // After the effects: every free decided so far is submitted
-            // before this request, so the report counts exactly the frees
-            // the mark counts (the pool manager answers in order).
-            self.next_pool_stats = now + POOL_STATS_EVERY;
-            let mark = self.dir.pool_report_mark();
-            let mailbox = Arc::clone(&self.mailbox);
-            let completer = self.completer.clone();
-            self.pool.submit(
-                PoolRequest::Stats,
-                Box::new(move |r| {
-                    let result = r.and_then(|reply| match reply {
-                        PoolReply::Stats(s) => Ok(s),
-                        other => Err(unexpected_reply(&other)),
-                    });
-                    mailbox.post(Event::PoolStats(result, mark), &completer);
-                }),
-            );
         }
     }
 
@@ -1499,6 +1574,19 @@ impl DirectoryHandler {
     }
 }
 
+/// The frame sent to a connection refused at accept.
+fn refusal(reply: &ErrorReply) -> Option<Refusal> {
+    let mut buf = Vec::new();
+    proto::encode(0, reply, &mut buf).ok()?;
+    let mut plen = [0u8; 4];
+    plen.copy_from_slice(&buf[16..20]);
+    let payload_len = u32::from_le_bytes(plen) as usize;
+    Some(Refusal {
+        kind: Kind::ErrorReply.as_u16(),
+        payload: buf[HEADER_BYTES..HEADER_BYTES + payload_len].to_vec(),
+    })
+}
+
 fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
     PoolServiceError::new(
         ErrorCode::Internal,
@@ -1509,6 +1597,22 @@ fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
 
 impl Handler for DirectoryHandler {
     fn on_connect(&mut self, conn: ConnId, peer: &PeerInfo) -> Admit {
+        // Unauthenticated TCP peers cannot take every slot: Unix clients
+        // and sessions keep the rest (a walk of at most `max_connections`
+        // entries, once per connection).
+        if !matches!(peer, PeerInfo::Unix(_)) && self.sessionless_tcp() >= self.max_sessionless_tcp
+        {
+            let limit = self.max_sessionless_tcp;
+            tracing::debug!(peer = ?peer, limit, "TCP connection refused: too many without a session");
+            let reply = ErrorReply::new(
+                ErrorCode::Busy,
+                format!("{limit} TCP connections without a session already; open one with Hello"),
+                limit as u64,
+            );
+            return Admit::Refuse(refusal(&reply));
+        }
+        self.hello_deadlines
+            .push_back((Instant::now() + self.hello_timeout, conn));
         self.conns.insert(
             conn,
             Conn {
@@ -1529,16 +1633,7 @@ impl Handler for DirectoryHandler {
             format!("connection limit reached ({limit})"),
             limit as u64,
         );
-        let mut buf = Vec::new();
-        let len = proto::encode(0, &reply, &mut buf).ok()?;
-        let _ = len;
-        let mut plen = [0u8; 4];
-        plen.copy_from_slice(&buf[16..20]);
-        let payload_len = u32::from_le_bytes(plen) as usize;
-        Some(Refusal {
-            kind: Kind::ErrorReply.as_u16(),
-            payload: buf[HEADER_BYTES..HEADER_BYTES + payload_len].to_vec(),
-        })
+        refusal(&reply)
     }
 
     fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies) {
@@ -1556,9 +1651,13 @@ impl Handler for DirectoryHandler {
             info.last_request = started;
             info.requests += 1;
         }
-        self.dispatch(conn, request_id, req, out, started);
+        let deferred = self.dispatch(conn, request_id, req, out, started);
+        // Every request answered now is counted here, `RequestRegion`
+        // included (a refusal, a grant from the directory's free space, a
+        // retry answered from the reply cache); one waiting for the pool
+        // manager is counted when its answer is queued (`complete_region`).
         if let Some(op) = op
-            && op != OpKind::RequestRegion
+            && !deferred
         {
             self.record_latency(op, started.elapsed());
         }
@@ -1608,6 +1707,6 @@ impl Handler for DirectoryHandler {
     }
 
     fn on_wake(&mut self, out: &mut Replies) {
-        self.run_events(Some(out));
+        self.run_events(out);
     }
 }

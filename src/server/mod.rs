@@ -122,6 +122,12 @@ fn socket_path_in_runtime_dir(
 /// manager: a restarted server with the same id finds its regions).
 pub const DEFAULT_DIRECTORY_ID: &str = "cxlkv";
 
+/// How long a connection may take to open a session by default
+/// ([`ServerConfig::hello_timeout_ms`]).
+pub const DEFAULT_HELLO_TIMEOUT_MS: u64 = 5_000;
+/// The `hello_timeout_ms` a server accepts: 100 ms to 10 minutes.
+pub const HELLO_TIMEOUT_MS_RANGE: std::ops::RangeInclusive<u64> = 100..=600_000;
+
 /// How long shutdown waits for region frees the pool manager has not
 /// confirmed yet.
 const SHUTDOWN_FREE_WAIT: Duration = Duration::from_secs(2);
@@ -150,10 +156,18 @@ pub struct ServerConfig {
     pub tcp_listen: Option<SocketAddr>,
     /// The pre-shared secret TCP clients must present.
     pub tcp_secret: Option<Vec<u8>>,
-    /// Accept TCP clients without a secret (trusted networks only).
+    /// Accept TCP clients without a secret (trusted networks only). Not
+    /// together with `tcp_secret` (refused: the secret would not be asked
+    /// for).
     pub tcp_insecure_no_secret: bool,
-    /// Connections served at once; more are refused with `Busy`.
+    /// Connections served at once; more are refused with `Busy`. TCP
+    /// connections that have not opened a session take at most half of
+    /// them (rounded up): the rest stay for Unix clients and sessions.
     pub max_connections: usize,
+    /// A connection that has not opened a session (`Hello`/`Reattach`)
+    /// this long after it was accepted is closed (checked every `tick_ms`).
+    /// In [`HELLO_TIMEOUT_MS_RANGE`].
+    pub hello_timeout_ms: u64,
     /// The directory's stable identity at the pool manager.
     pub directory_id: String,
     pub directory: DirectoryConfig,
@@ -206,6 +220,7 @@ impl std::fmt::Debug for ServerConfig {
             tcp_secret,
             tcp_insecure_no_secret,
             max_connections,
+            hello_timeout_ms,
             directory_id,
             directory,
             pool_path,
@@ -230,6 +245,7 @@ impl std::fmt::Debug for ServerConfig {
             )
             .field("tcp_insecure_no_secret", tcp_insecure_no_secret)
             .field("max_connections", max_connections)
+            .field("hello_timeout_ms", hello_timeout_ms)
             .field("directory_id", directory_id)
             .field("directory", directory);
         // The embedded default pool's fields describe the pool only when no
@@ -263,6 +279,7 @@ impl Default for ServerConfig {
             tcp_secret: None,
             tcp_insecure_no_secret: false,
             max_connections: 1024,
+            hello_timeout_ms: DEFAULT_HELLO_TIMEOUT_MS,
             directory_id: DEFAULT_DIRECTORY_ID.to_owned(),
             directory: DirectoryConfig::default(),
             pool_path: PathBuf::from(DEFAULT_POOL_PATH),
@@ -385,6 +402,16 @@ impl ServerConfig {
                     .into(),
             );
         }
+        if self.tcp_secret.is_some() && self.tcp_insecure_no_secret {
+            // The directory enforces a secret only when
+            // `tcp_insecure_no_secret` is off: together, the configured
+            // secret would silently not be asked for.
+            return bad(
+                "tcp_secret and tcp_insecure_no_secret contradict each other \
+                 (with both, the secret would not be enforced): set one of them"
+                    .into(),
+            );
+        }
         if let Some(s) = &self.tcp_secret
             && (s.is_empty() || s.len() > proto::MAX_SECRET_BYTES)
         {
@@ -395,6 +422,14 @@ impl ServerConfig {
         }
         if self.max_connections == 0 {
             return bad("max_connections must be at least 1".into());
+        }
+        if !HELLO_TIMEOUT_MS_RANGE.contains(&self.hello_timeout_ms) {
+            return bad(format!(
+                "hello_timeout_ms = {} is not in {}..={}: a connection must have time to say Hello, and one that never does holds a connection slot that long",
+                self.hello_timeout_ms,
+                HELLO_TIMEOUT_MS_RANGE.start(),
+                HELLO_TIMEOUT_MS_RANGE.end()
+            ));
         }
         if self.tick_ms == 0 || self.tick_ms > 10_000 {
             return bad(format!("tick_ms = {} is not in 1..=10000", self.tick_ms));
@@ -659,6 +694,8 @@ impl Server {
                 completer: completer.clone(),
                 origin,
                 tcp_secret: config.tcp_secret.clone(),
+                hello_timeout: Duration::from_millis(config.hello_timeout_ms),
+                max_sessionless_tcp: config.max_connections.div_ceil(2),
                 max_inflight_per_conn: tcfg.max_inflight_per_conn,
                 default_region_bytes: config.default_region_bytes,
                 tick_every: Duration::from_millis(config.tick_ms),
@@ -958,10 +995,12 @@ impl ServerHandle {
         };
         let sessions_closed = handler.sessions_closed_at_shutdown();
         // The loop is gone: apply the pool manager's answers here until the
-        // frees in flight are confirmed (or the wait runs out).
+        // frees in flight are confirmed (or the wait runs out). Only that:
+        // the directory's timers would expire the instances whose sessions
+        // the shutdown just closed (`drain_at_shutdown`).
         let deadline = Instant::now() + SHUTDOWN_FREE_WAIT;
         while handler.frees_outstanding() > 0 && Instant::now() < deadline {
-            handler.run_events(None);
+            handler.drain_at_shutdown();
             std::thread::sleep(Duration::from_millis(5));
         }
         let frees_unconfirmed = handler.frees_outstanding();

@@ -119,11 +119,10 @@ pub(crate) fn unpin_outcome(o: &UnpinOutcome) -> proto::UnpinOutcome {
     }
 }
 
-/// `pins` is the key's pin total when the delete found it pinned.
-pub(crate) fn delete_outcome(o: &DeleteOutcome, pins: u32) -> proto::DeleteOutcome {
-    match o {
+pub(crate) fn delete_outcome(o: &DeleteOutcome) -> proto::DeleteOutcome {
+    match *o {
         DeleteOutcome::Deleted => proto::DeleteOutcome::Deleted,
-        DeleteOutcome::Pinned => proto::DeleteOutcome::Pinned { pins },
+        DeleteOutcome::Pinned { pins } => proto::DeleteOutcome::Pinned { pins },
         DeleteOutcome::Missing => proto::DeleteOutcome::Missing,
     }
 }

@@ -313,11 +313,15 @@ impl DirectoryConfig {
             self.notice_queue_limit,
             ">= max_batch",
         )?;
+        // Clients refuse a reply carrying more notices than the protocol's
+        // maximum: an owner with a longer backlog would get no reply it
+        // accepts, ever.
+        const _: () = assert!(crate::proto::MAX_NOTICES_PER_REPLY == 1024);
         check(
-            self.notices_per_response >= 1,
+            (1..=crate::proto::MAX_NOTICES_PER_REPLY).contains(&self.notices_per_response),
             "notices_per_response",
             self.notices_per_response,
-            ">= 1",
+            "1..=1024 (the protocol's MAX_NOTICES_PER_REPLY)",
         )?;
         let e = &self.eviction;
         check(

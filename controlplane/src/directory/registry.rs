@@ -612,7 +612,9 @@ impl Directory {
                 DeleteOutcome::Missing
             } else if self.keys.get(es).pins > 0 {
                 self.counters.outcomes.delete_pinned += 1;
-                DeleteOutcome::Pinned
+                DeleteOutcome::Pinned {
+                    pins: self.keys.get(es).pins,
+                }
             } else {
                 // Found under the layout in use, so `probe_all` hashed it.
                 self.remove_entry(es, self.scratch_hashes[i]);

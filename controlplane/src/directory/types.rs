@@ -301,8 +301,12 @@ pub enum RegisterOutcome {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeleteOutcome {
     Deleted,
-    /// Some session holds a pin on it; nothing changed.
-    Pinned,
+    /// Some session holds a pin on it; nothing changed. `pins`: the pins
+    /// all sessions held on it when the delete ran (a retry answered from
+    /// the reply cache reports the same count, not today's).
+    Pinned {
+        pins: u32,
+    },
     Missing,
 }
 

@@ -781,7 +781,7 @@ impl Client {
                     && let Op::Delete { layout, keys } = op
                 {
                     for (k, o) in keys.into_iter().zip(&r.body) {
-                        if *o == crate::directory::DeleteOutcome::Pinned {
+                        if matches!(o, crate::directory::DeleteOutcome::Pinned { .. }) {
                             self.janitor_todo.push((layout, k));
                         }
                     }

@@ -1,0 +1,342 @@
+//! The server's request paths, as a review of `src/server/` (session 25)
+//! found them wanting: configurations the server accepted and then did not
+//! honour, connections that held a slot without ever opening a session,
+//! retried replies that differed from the first, a shutdown that expired
+//! instances, and answers missing from the latency counts.
+
+mod common;
+mod pool_support;
+
+use cxlkv::server::{ServerConfig, ServerError};
+
+/// A configuration `validate` must refuse, with a message containing each
+/// of `needles`.
+#[track_caller]
+fn refused(cfg: &ServerConfig, needles: &[&str]) {
+    let err = cfg.validate().expect_err("refused");
+    let m = err.to_string();
+    for n in needles {
+        assert!(m.contains(n), "{n:?} not in {m:?}");
+    }
+}
+
+/// A TCP secret with `tcp_insecure_no_secret` was accepted by the Rust
+/// API, and the directory then asked TCP peers for no secret at all (the
+/// configuration file already refused the pair).
+#[test]
+fn a_tcp_secret_with_insecure_no_secret_is_refused_not_silently_unenforced() {
+    let mut cfg = ServerConfig::ephemeral("secret-and-insecure");
+    cfg.tcp_listen = Some("127.0.0.1:0".parse().unwrap());
+    cfg.tcp_secret = Some(b"sesame".to_vec());
+    cfg.tcp_insecure_no_secret = true;
+    refused(
+        &cfg,
+        &["tcp_secret", "tcp_insecure_no_secret", "not be enforced"],
+    );
+    let err = cxlkv::server::Server::start(cfg.clone())
+        .map(drop)
+        .unwrap_err();
+    assert!(matches!(err, ServerError::Config(_)), "{err}");
+    cfg.tcp_insecure_no_secret = false;
+    cfg.validate().unwrap();
+    cfg.tcp_secret = None;
+    cfg.tcp_insecure_no_secret = true;
+    cfg.validate().unwrap();
+}
+
+/// More notices per response than the protocol's maximum made every reply
+/// to an owner with that long a backlog one its client refuses.
+#[test]
+fn notices_per_response_over_the_protocols_maximum_is_refused() {
+    let max = cxlkv_controlplane::proto::MAX_NOTICES_PER_REPLY;
+    let mut cfg = ServerConfig::ephemeral("notices-per-response");
+    cfg.directory.notices_per_response = max + 1;
+    refused(
+        &cfg,
+        &["notices_per_response = 1025", "MAX_NOTICES_PER_REPLY"],
+    );
+    assert!(cfg.directory.validate().is_err());
+    cfg.directory.notices_per_response = max;
+    cfg.validate().unwrap();
+}
+
+/// The `RequestRegion` row of the directory's statistics: (calls, latency
+/// samples).
+fn region_requests(server: &cxlkv::server::ServerHandle) -> (u64, u64) {
+    let st = server.directory_stats().unwrap();
+    let row = st
+        .ops
+        .iter()
+        .find(|o| o.op == cxlkv_controlplane::directory::OpKind::RequestRegion)
+        .expect("a request_region row");
+    (row.counters.calls, row.latency.count)
+}
+
+/// `RequestRegion`s answered at once — a retry answered from the reply
+/// cache, a refusal — never reached the latency histograms (only answers
+/// that waited for the pool manager did), though their counts are per
+/// request received.
+#[test]
+fn region_requests_answered_at_once_are_counted_in_the_latency_histograms() {
+    use common::*;
+    use cxlkv_controlplane::proto::{self, ErrorCode};
+    let server = cxlkv::server::Server::start(ServerConfig::ephemeral("region-latency")).unwrap();
+    let mut c = Raw::connect_unix(server.socket_path());
+    c.hello("inst-a").0.unwrap();
+    let meta = c.rw();
+    let ask = proto::RequestRegion {
+        meta,
+        layout: LAYOUT,
+        len_bytes: 0,
+    };
+    let first: proto::RegionGranted = c.call(&ask).unwrap();
+    assert_eq!(
+        region_requests(&server),
+        (1, 1),
+        "granted by the pool manager"
+    );
+    // The reply was "lost": the same request again, answered from the
+    // directory's reply cache.
+    let again: proto::RegionGranted = c.call(&ask).unwrap();
+    assert_eq!(again.desc, first.desc);
+    // Refused at once: over the largest region a request may take.
+    let meta = c.rw();
+    expect_code(
+        c.call::<_, proto::RegionGranted>(&proto::RequestRegion {
+            meta,
+            layout: LAYOUT,
+            len_bytes: 1 << 50,
+        }),
+        ErrorCode::InvalidArgument,
+    );
+    let (calls, samples) = region_requests(&server);
+    assert_eq!(calls, 3);
+    assert_eq!(samples, calls, "one latency sample per request received");
+    // The `/metrics` histograms are recorded alongside the directory's.
+    server.shutdown().unwrap();
+}
+
+/// The shutdown's wait for frees in flight ran the directory's timers: with
+/// a short grace, an instance whose session the shutdown had just closed
+/// expired during the wait and its region was freed, so its client — which
+/// still maps it — was refused that region when it reattached to the
+/// restarted server.
+#[test]
+fn the_shutdown_wait_for_frees_does_not_expire_the_instances_it_disconnected() {
+    use common::*;
+    use cxlkv::server::{PoolManagerConfig, Server};
+    use cxlkv_controlplane::pool::service::RemoteConfig;
+    use cxlkv_controlplane::proto;
+    use cxlkv_controlplane::transport::Endpoint;
+    use std::time::{Duration, Instant};
+
+    let dir = pool_support::shm_dir("shutdown-wait");
+    let mut daemon = pool_support::Daemon::start(&pool_support::DaemonSpec::new(dir.path()));
+    let config = |grace: Duration| {
+        let mut cfg = ServerConfig::ephemeral("shutdown-wait");
+        cfg.directory_id = "shutdown-wait".into();
+        cfg.pool_manager = Some(PoolManagerConfig::Remote(RemoteConfig::new(
+            Endpoint::Unix(daemon.spec.socket()),
+            "shutdown-wait",
+        )));
+        cfg.directory.instance_grace = grace;
+        cfg.tick_ms = 10;
+        cfg
+    };
+    let server = Server::start(config(cxlkv::server::MIN_INSTANCE_GRACE)).unwrap();
+    let (a, region_a) = {
+        let mut a = Raw::connect_unix(server.socket_path());
+        let welcome = a.hello("inst-a").0.unwrap();
+        let granted = a.request_region(0).unwrap();
+        ((a, welcome), granted)
+    };
+    let (mut b, region_b) = session_with_region(&server, "inst-b");
+
+    // The pool manager stops answering: B's returned region is a free in
+    // flight when the server shuts down.
+    let pid = daemon.pid() as libc::pid_t;
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let meta = b.rw();
+    let _: proto::RegionReturned = b
+        .call(&proto::ReturnRegion {
+            meta,
+            region: region_b,
+        })
+        .unwrap();
+    // It answers again well after the grace has run out, while the
+    // shutdown still waits for that free.
+    let resume = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(800));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+    });
+    let started = Instant::now();
+    let report = server.shutdown().unwrap();
+    resume.join().unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(700),
+        "waited for the free"
+    );
+    assert_eq!(report.frees_unconfirmed, 0, "{report:?}");
+    drop(b);
+
+    // A's client still maps its region: the restarted server accepts it.
+    let server = Server::start(config(Duration::from_secs(30))).unwrap();
+    let (a, welcome) = a;
+    drop(a);
+    let again = Raw::connect_unix(server.socket_path());
+    let reattached: proto::Reattached = again
+        .call(&reattach_msg(
+            "inst-a",
+            welcome.instance_secret,
+            vec![owned(&region_a)],
+            1,
+        ))
+        .unwrap();
+    assert_eq!(
+        reattached.accepted,
+        vec![region_a.desc.region],
+        "{reattached:?}"
+    );
+    assert!(reattached.refused.is_empty(), "{reattached:?}");
+    server.shutdown().unwrap();
+    daemon.kill();
+}
+
+/// Found by the same review: the server admitted every connection and
+/// never closed one that opened no session, with one `max_connections`
+/// for all listeners — so `max_connections` silent TCP peers, without the
+/// secret, had every later client, Unix ones included, refused `Busy`.
+/// Now TCP connections without a session take at most half the slots, and
+/// any connection without a session is closed at the hello deadline.
+#[test]
+fn silent_tcp_peers_cannot_take_the_unix_clients_slots_and_are_closed_at_the_hello_deadline() {
+    use common::*;
+    use cxlkv_controlplane::proto::ErrorCode;
+    use cxlkv_controlplane::transport::Endpoint;
+    use std::io::Read;
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    for backend in backends() {
+        let mut cfg = config_on("hello-deadline", backend);
+        cfg.tcp_listen = Some("127.0.0.1:0".parse().unwrap());
+        cfg.tcp_secret = Some(b"sesame".to_vec());
+        cfg.max_connections = 4;
+        cfg.hello_timeout_ms = 1000;
+        cfg.tick_ms = 20;
+        let server = cxlkv::server::Server::start(cfg).unwrap();
+        let addr = server.tcp_addr().unwrap();
+        let opened = Instant::now();
+        let silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let seen = |s: &cxlkv::server::ServerHandle| {
+            let t = s.transport_stats().unwrap();
+            t.accepted + t.refused
+        };
+        assert!(wait_until(TIMEOUT, || seen(&server) >= 4), "{backend:?}");
+        let t = server.transport_stats().unwrap();
+        assert_eq!(
+            (t.accepted, t.refused),
+            (2, 2),
+            "{backend:?}: half the slots"
+        );
+
+        // Before the deadline, with the silent peers still connected: a
+        // Unix client gets a session.
+        let unix = Raw::connect_unix(server.socket_path());
+        unix.hello("inst-unix")
+            .0
+            .expect("welcome while silent TCP peers wait");
+        assert!(
+            opened.elapsed() < Duration::from_millis(1000),
+            "{backend:?}: too slow to tell"
+        );
+
+        // Every silent connection ends: refused ones after their `busy`,
+        // admitted ones at the deadline.
+        for mut s in silent {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut sink = Vec::new();
+            match s.read_to_end(&mut sink) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+                Err(e) => panic!("{backend:?}: a silent connection stayed open: {e}"),
+            }
+        }
+        // A TCP peer that talks but never opens a session is closed too.
+        let talker = Raw::connect(&Endpoint::Tcp(addr));
+        let heartbeat = |r: &Raw, within: Duration| {
+            r.try_call::<_, cxlkv_controlplane::proto::HeartbeatReply>(
+                &cxlkv_controlplane::proto::Heartbeat { meta: r.ro() },
+                within,
+            )
+        };
+        expect_code(
+            heartbeat(&talker, TIMEOUT).expect("an answer"),
+            ErrorCode::HelloRequired,
+        );
+        assert!(
+            wait_until(TIMEOUT, || heartbeat(&talker, Duration::from_secs(1))
+                .is_none()),
+            "{backend:?}: a connection answered HelloRequired forever stayed open"
+        );
+
+        // After the deadline: a TCP client with the secret opens a session
+        // and keeps it past the deadline; the Unix session is untouched.
+        let tcp = Raw::connect(&Endpoint::Tcp(addr));
+        tcp.hello_with_secret("inst-tcp", Some(b"sesame"))
+            .0
+            .expect("welcome over TCP");
+        std::thread::sleep(Duration::from_millis(1200));
+        tcp.heartbeat()
+            .expect("a session outlives the hello deadline");
+        unix.heartbeat().expect("the Unix session is intact");
+        server.shutdown().unwrap();
+    }
+}
+
+/// A retried `Delete` (its reply lost) was answered with the pins held at
+/// the retry, not those the delete found: after the pins were released,
+/// `Pinned { pins: 0 }` — the reply cache kept only the outcome.
+#[test]
+fn a_retried_delete_reports_the_pins_the_delete_found() {
+    use common::*;
+    use cxlkv_controlplane::proto::{self, DeleteOutcome};
+    let server = cxlkv::server::Server::start(ServerConfig::ephemeral("delete-retry")).unwrap();
+    let (mut owner, region) = session_with_region(&server, "owner");
+    owner
+        .register(vec![(b"k".to_vec(), loc(region, 0))])
+        .unwrap();
+    let mut reader = Raw::connect_unix(server.socket_path());
+    reader.hello("reader").0.unwrap();
+    reader.lookup(&[b"k"], 2).unwrap();
+
+    let meta = owner.rw();
+    let delete = proto::Delete {
+        meta,
+        layout: LAYOUT,
+        keys: vec![b"k".to_vec()],
+    };
+    let first: proto::DeleteReply = owner.call(&delete).unwrap();
+    assert_eq!(first.outcomes, vec![DeleteOutcome::Pinned { pins: 2 }]);
+    // The reader lets go; the owner, which never saw the reply, retries.
+    let meta = reader.rw();
+    let _: proto::UnpinReply = reader
+        .call(&proto::Unpin {
+            meta,
+            layout: LAYOUT,
+            keys: vec![b"k".to_vec()],
+            counts: vec![2],
+        })
+        .unwrap();
+    let retried: proto::DeleteReply = owner.call(&delete).unwrap();
+    assert_eq!(
+        retried.outcomes, first.outcomes,
+        "the retry gets the first reply"
+    );
+    let st = server.directory_stats().unwrap();
+    assert_eq!(st.outcomes.retries_answered, 1);
+    assert_eq!(st.keys, 1, "the retry deleted nothing");
+    server.shutdown().unwrap();
+}
