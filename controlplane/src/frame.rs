@@ -64,8 +64,18 @@ pub const fn padding(payload_len: usize) -> usize {
 }
 
 /// Total bytes on the wire of a frame carrying `payload_len` payload bytes.
+/// For a length within [`MAX_PAYLOAD_BYTES`]; a length read from a header
+/// that may announce more (up to `u32::MAX`, which overflows a 32-bit
+/// `usize` here) goes through [`wire_len`].
 pub const fn frame_len(payload_len: usize) -> usize {
     HEADER_BYTES + payload_len + padding(payload_len)
+}
+
+/// Total bytes on the wire of the frame a header announces, whatever its
+/// `payload_len` (exact on every target: at most `u32::MAX` + 32).
+pub const fn wire_len(payload_len: u32) -> u64 {
+    let len = payload_len as u64;
+    HEADER_BYTES as u64 + len + (FRAME_ALIGN as u64 - len % FRAME_ALIGN as u64) % FRAME_ALIGN as u64
 }
 
 /// The decoded fixed header of a frame.
@@ -219,8 +229,10 @@ pub struct FrameDecoder {
     /// Bytes `start..end` of the byte view hold received, undecoded data.
     start: usize,
     end: usize,
-    /// Payload bytes (with padding) of a rejected frame still to be dropped.
-    skip: usize,
+    /// Payload bytes (with padding) of a rejected frame still to be dropped
+    /// (`u64`: a header may announce up to 4 GiB, more than a 32-bit
+    /// `usize`).
+    skip: u64,
     /// Bytes received since the decoder was created (stream offset of `end`).
     received_total: u64,
     /// A receive is writing into the spare bytes (between
@@ -277,6 +289,15 @@ impl FrameDecoder {
     /// Bytes buffered and not yet decoded.
     pub fn buffered(&self) -> usize {
         self.end - self.start
+    }
+
+    /// The stream is inside a frame: bytes of one are buffered, or a
+    /// rejected frame's payload is still to arrive (and be dropped). A
+    /// receiver times out a peer that stays mid-frame
+    /// (`partial_frame_timeout_ms`); [`FrameDecoder::buffered`] alone
+    /// reads 0 while a rejected payload is being skipped.
+    pub fn mid_frame(&self) -> bool {
+        self.end != self.start || self.skip > 0
     }
 
     /// Free space to receive into: at least `min_bytes`, unless the
@@ -377,7 +398,7 @@ impl FrameDecoder {
     /// out-of-band data (descriptors passed with `SCM_RIGHTS`) to the frame
     /// whose bytes they arrived with.
     pub fn next_frame_offset(&self) -> u64 {
-        self.received_total - (self.end - self.start) as u64 + self.skip as u64
+        self.received_total - (self.end - self.start) as u64 + self.skip
     }
 
     /// Copies all of `data` in (convenience for tests and tools; a receiver
@@ -411,9 +432,7 @@ impl FrameDecoder {
     pub fn decode(&mut self) -> Result<Option<Decoded<'_>>, FrameError> {
         // Drop what is left of a rejected frame's payload first.
         if self.skip > 0 {
-            let n = self.skip.min(self.end - self.start);
-            self.start += n;
-            self.skip -= n;
+            self.drop_skipped();
             if self.skip > 0 {
                 return Ok(None);
             }
@@ -425,15 +444,16 @@ impl FrameDecoder {
         let mut raw = [0u8; HEADER_BYTES];
         raw.copy_from_slice(self.received(self.start, self.start + HEADER_BYTES));
         let header = FrameHeader::decode(&raw)?;
-        let payload_len = header.payload_len as usize;
-        let on_wire = frame_len(payload_len);
+        // The size check comes before any `usize` arithmetic on the length:
+        // `frame_len(u32::MAX)` overflows a 32-bit `usize`.
         let reject = if header.version != PROTOCOL_VERSION {
             Some(FrameError::UnsupportedVersion {
                 found: header.version,
             })
-        } else if payload_len > MAX_PAYLOAD_BYTES {
+        } else if u64::from(header.payload_len) > MAX_PAYLOAD_BYTES as u64 {
             Some(FrameError::Oversized {
-                payload_len,
+                // Fits: `usize` has at least 32 bits here (Linux targets).
+                payload_len: header.payload_len as usize,
                 max: MAX_PAYLOAD_BYTES,
             })
         } else {
@@ -441,12 +461,13 @@ impl FrameDecoder {
         };
         if let Some(error) = reject {
             self.start += HEADER_BYTES;
-            self.skip = on_wire - HEADER_BYTES;
-            let n = self.skip.min(self.end - self.start);
-            self.start += n;
-            self.skip -= n;
+            self.skip = wire_len(header.payload_len) - HEADER_BYTES as u64;
+            self.drop_skipped();
             return Ok(Some(Decoded::Rejected { header, error }));
         }
+        // Within MAX_PAYLOAD_BYTES (checked above): no overflow.
+        let payload_len = header.payload_len as usize;
+        let on_wire = frame_len(payload_len);
         if self.end - self.start < on_wire {
             return Ok(None);
         }
@@ -459,6 +480,14 @@ impl FrameDecoder {
             "payload must be aligned"
         );
         Ok(Some(Decoded::Frame(Frame { header, payload })))
+    }
+
+    /// Drops as much of a rejected frame's payload as is buffered.
+    fn drop_skipped(&mut self) {
+        // Fits in usize: at most the buffered byte count.
+        let n = self.skip.min((self.end - self.start) as u64) as usize;
+        self.start += n;
+        self.skip -= n as u64;
     }
 
     fn reset_if_empty(&mut self) {
@@ -660,6 +689,44 @@ mod tests {
             }
         }
         assert_eq!(starts, vec![0, second_at, third_at]);
+    }
+
+    /// The size check comes before any arithmetic on the announced length:
+    /// `frame_len(u32::MAX as usize)` overflows a 32-bit `usize` (a panic in
+    /// a debug build, a wrong skip in a release one). On 64 bits the
+    /// overflow cannot happen; this pins the answer and the exact skip.
+    #[test]
+    fn a_header_announcing_u32_max_payload_bytes_is_refused_as_oversized_and_skipped_exactly() {
+        let header = FrameHeader {
+            version: PROTOCOL_VERSION,
+            kind: 1,
+            request_id: 7,
+            payload_len: u32::MAX,
+        };
+        let mut d = FrameDecoder::new();
+        d.push(&header.encode());
+        d.push(&[0u8; 100]);
+        match d.decode().unwrap() {
+            Some(Decoded::Rejected { header: h, error }) => {
+                assert_eq!(h, header);
+                assert_eq!(
+                    error,
+                    FrameError::Oversized {
+                        payload_len: u32::MAX as usize,
+                        max: MAX_PAYLOAD_BYTES,
+                    }
+                );
+            }
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+        // The next frame starts after the whole announced payload and its
+        // one byte of padding: 24 + 2^32 bytes into the stream.
+        assert_eq!(wire_len(u32::MAX), HEADER_BYTES as u64 + (1u64 << 32));
+        assert_eq!(d.next_frame_offset(), HEADER_BYTES as u64 + (1u64 << 32));
+        assert!(d.mid_frame(), "the rest of the payload is still to come");
+        for len in [0u32, 1, 5, 8, MAX_PAYLOAD_BYTES as u32] {
+            assert_eq!(wire_len(len), frame_len(len as usize) as u64);
+        }
     }
 
     #[test]

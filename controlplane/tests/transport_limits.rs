@@ -4,12 +4,16 @@
 
 mod transport_common;
 
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use cxlkv_controlplane::transport::{ClientConfig, ClientError, Endpoint, RpcClient};
+use cxlkv_controlplane::frame::{FrameHeader, PROTOCOL_VERSION};
+use cxlkv_controlplane::transport::{
+    ClientConfig, ClientError, DisconnectReason, Endpoint, RpcClient,
+};
 use transport_common::*;
 
 /// A non-blocking connect to `path`: `Some` socket when it went through
@@ -124,4 +128,53 @@ fn a_unix_connect_retried_on_a_full_backlog_succeeds_once_room_appears() {
     rx.recv_timeout(LONG)
         .expect("connect still blocked")
         .expect("connect once the backlog had room");
+}
+
+/// A frame the server rejects (another protocol version) announcing 1 MiB
+/// of payload, of which 100 bytes arrive and then nothing: the payload is
+/// being skipped, no byte of it is buffered, but the peer is mid-frame and
+/// must be closed after `partial_frame_timeout_ms` like any partial frame
+/// (it was never timed out: a peer announcing up to 4 GiB kept its slot
+/// forever).
+#[test]
+fn a_rejected_frame_whose_payload_stalls_is_closed_after_the_partial_frame_timeout() {
+    for backend in server_backends() {
+        let mut cfg = server_config(backend);
+        cfg.partial_frame_timeout_ms = 200;
+        let f = start(backend, cfg);
+        let Endpoint::Unix(path) = &f.unix else {
+            unreachable!()
+        };
+        let mut sock = UnixStream::connect(path).unwrap();
+        sock.set_read_timeout(Some(LONG)).unwrap();
+        let header = FrameHeader {
+            version: PROTOCOL_VERSION + 1,
+            kind: ECHO,
+            request_id: 42,
+            payload_len: 1 << 20,
+        };
+        sock.write_all(&header.encode()).unwrap();
+        sock.write_all(&[0u8; 100]).unwrap();
+        let sent = Instant::now();
+        let mut reason = None;
+        while reason.is_none() && sent.elapsed() < Duration::from_secs(3) {
+            reason = f
+                .seen
+                .disconnects
+                .lock()
+                .first()
+                .map(|(_, why)| why.clone());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            reason,
+            Some(DisconnectReason::PartialFrameTimeout),
+            "{backend:?}: a stalled rejected payload was not timed out within 3 s"
+        );
+        assert_eq!(f.seen.rejections.lock().len(), 1, "{backend:?}");
+        // The peer got the rejection's error reply, then end of stream.
+        let mut rest = Vec::new();
+        let _ = sock.read_to_end(&mut rest);
+        assert!(!rest.is_empty(), "{backend:?}: no error reply");
+    }
 }

@@ -97,7 +97,7 @@ use super::ring::{self, Role};
 use super::spin::Spinner;
 use super::{TransportError, sys};
 use crate::frame::{
-    Decoded, FRAME_ALIGN, FrameDecoder, FrameError, FrameHeader, encode_frame, frame_len, padding,
+    Decoded, FRAME_ALIGN, FrameDecoder, FrameError, FrameHeader, encode_frame, padding, wire_len,
 };
 
 /// Bytes asked of the decoder per receive.
@@ -1084,12 +1084,9 @@ impl Inner {
                     (f.header, Ok(Reply::new(f.header, f.payload, Vec::new())))
                 }
             };
-            let fds = take_fds(
-                fd_batches,
-                at,
-                frame_len(header.payload_len as usize) as u64,
-                &self.stats,
-            );
+            // `wire_len`, not `frame_len`: a rejected (oversized) header's
+            // length may overflow a 32-bit `usize`.
+            let fds = take_fds(fd_batches, at, wire_len(header.payload_len), &self.stats);
             let reply = reply.map(|mut r| {
                 r.fds = fds;
                 r
