@@ -222,7 +222,13 @@ pub enum Decoded<'a> {
 ///
 /// The buffer is 8-aligned and frames are consumed whole, so every payload
 /// handed out is 8-aligned in memory. Memory is bounded by one maximum frame
-/// plus one read's worth of spare capacity.
+/// plus one read's worth of spare capacity, and only while a frame that
+/// large is being received: a decoder left empty with more than
+/// [`SHRINK_ABOVE_BYTES`] of buffer goes back to its initial 64 KiB, so an
+/// idle connection does not keep the memory of the largest frame it ever
+/// received. Each receive gets at most `max(min_bytes, 64 KiB)`
+/// ([`FrameDecoder::spare`]), however large the buffer grew, so a
+/// receiver's per-turn read budget keeps its meaning.
 pub struct FrameDecoder {
     /// Backing storage as `u64` words so the byte view is 8-aligned.
     buf: Vec<u64>,
@@ -258,6 +264,14 @@ const INITIAL_BUFFER_BYTES: usize = 64 << 10;
 /// decoder holds no whole frame: what is left of the last 64 KiB beyond a
 /// maximum frame, less up to `FRAME_ALIGN - 1` bytes of alignment phase.
 pub const MIN_SPARE_AFTER_DECODE: usize = INITIAL_BUFFER_BYTES - (FRAME_ALIGN - 1);
+/// Most [`FrameDecoder::spare`] hands out when asked for less: one
+/// receive's worth, as before the buffer ever grew.
+pub const MAX_SPARE_BYTES: usize = INITIAL_BUFFER_BYTES;
+/// A decoder left empty with a larger buffer than this (it received a
+/// large frame) goes back to the initial size. Below it the buffer is kept:
+/// a client whose frames are a few hundred KiB does not reallocate per
+/// frame.
+pub const SHRINK_ABOVE_BYTES: usize = 256 << 10;
 
 impl Default for FrameDecoder {
     fn default() -> Self {
@@ -307,7 +321,10 @@ impl FrameDecoder {
     /// frame is buffered undecoded (as after [`FrameDecoder::decode`]
     /// returned `None`). A caller holding more bytes than it gets copies
     /// what fits, decodes the frames that completes (making room), and
-    /// asks again.
+    /// asks again. Never more than `max(min_bytes, MAX_SPARE_BYTES)`: a
+    /// buffer grown by one large frame does not let every later receive
+    /// take megabytes at once (past a server's per-connection read budget,
+    /// starving the other connections).
     ///
     /// # Panics
     /// While a receive is pending ([`FrameDecoder::begin_receive`]): making
@@ -332,7 +349,13 @@ impl FrameDecoder {
             }
         }
         let end = self.end;
-        &mut self.bytes_mut()[end..]
+        let len = (self.buf.len() * 8 - end).min(min_bytes.max(MAX_SPARE_BYTES));
+        &mut self.bytes_mut()[end..end + len]
+    }
+
+    /// Bytes of buffer the decoder holds (its memory, not its contents).
+    pub fn capacity(&self) -> usize {
+        self.buf.len() * 8
     }
 
     /// Records that `n` bytes were written at the start of the last
@@ -498,6 +521,11 @@ impl FrameDecoder {
             let phase = (self.received_total % FRAME_ALIGN as u64) as usize;
             self.start = phase;
             self.end = phase;
+            // Empty and nothing writing into it: give back what a large
+            // frame made it grow to.
+            if self.buf.len() * 8 > SHRINK_ABOVE_BYTES {
+                self.buf = vec![0u64; INITIAL_BUFFER_BYTES / 8];
+            }
         }
     }
 }
@@ -859,6 +887,63 @@ mod tests {
             }
         }
         assert_eq!(got, (1..202).collect::<Vec<_>>());
+    }
+
+    /// One maximum frame must not change what later receives get: each
+    /// `spare` / `begin_receive` for 64 KiB gets at most `MAX_SPARE_BYTES`
+    /// (it used to get everything up to the grown capacity, ~8 MiB, which
+    /// let one receive overrun a server's per-turn read budget), and the
+    /// decoder gives its memory back once it is empty.
+    #[test]
+    fn after_a_maximum_frame_receives_stay_bounded_and_the_idle_decoder_shrinks() {
+        let asked = 64 << 10;
+        let mut d = FrameDecoder::new();
+        d.push(&frame(1, 1, &vec![0x5A; MAX_PAYLOAD_BYTES]));
+        // A few bytes of the next frame: the decoder is not empty.
+        let next = frame(2, 2, b"next");
+        d.push(&next[..10]);
+        assert_eq!(expect_frame(&mut d).0.request_id, 1);
+        assert!(d.decode().unwrap().is_none());
+        assert!(d.capacity() >= MAX_FRAME_BYTES, "{}", d.capacity());
+        let room = d.spare(asked).len();
+        assert!(
+            (asked..=MAX_SPARE_BYTES.max(asked)).contains(&room),
+            "{room}"
+        );
+        let (_, len) = d.begin_receive(asked);
+        assert!(len <= MAX_SPARE_BYTES.max(asked), "{len}");
+        d.end_receive(0);
+        // A larger ask still gets what it asks for.
+        assert!(d.spare(1 << 20).len() >= 1 << 20);
+        // The rest of the frame: decoded, the decoder empty, its buffer
+        // back to the initial size.
+        d.push(&next[10..]);
+        assert_eq!(expect_frame(&mut d).0.request_id, 2);
+        assert!(d.decode().unwrap().is_none());
+        assert!(d.capacity() <= SHRINK_ABOVE_BYTES, "{}", d.capacity());
+        // And it still works, aligned, at the stream's phase.
+        receive_into(&mut d, &frame(3, 3, &[1u8; 13]));
+        assert_eq!(expect_frame(&mut d).1, vec![1u8; 13]);
+    }
+
+    /// A decoder is not shrunk under a pending receive (its bytes land in
+    /// the buffer it was given).
+    #[test]
+    fn a_decoder_is_not_shrunk_while_a_receive_is_pending() {
+        let mut d = FrameDecoder::new();
+        d.push(&frame(1, 1, &vec![0x5A; 1 << 20]));
+        let (at, _) = d.begin_receive(64);
+        assert_eq!(expect_frame(&mut d).0.request_id, 1);
+        assert!(d.decode().unwrap().is_none());
+        let cap = d.capacity();
+        assert!(cap > SHRINK_ABOVE_BYTES);
+        let next = frame(2, 2, b"late");
+        // SAFETY: the pending receive's spare bytes, as the kernel would.
+        unsafe { std::ptr::copy_nonoverlapping(next.as_ptr(), at, next.len()) };
+        d.end_receive(next.len());
+        assert_eq!(expect_frame(&mut d).1, b"late".to_vec());
+        assert!(d.decode().unwrap().is_none());
+        assert!(d.capacity() <= SHRINK_ABOVE_BYTES);
     }
 
     /// `push` copies everything it is given, even past the decoder's limit
