@@ -50,9 +50,10 @@
 //! request) and their completions reaped, within `QUIESCE_WAIT`, before the
 //! ring, the send buffers, the provided buffers and (after `run` returns)
 //! the decoders are freed. Closing a ring does not cancel its operations
-//! synchronously: the kernel tears it down later, and until a 6.17 fix a
-//! receive woken meanwhile could still run its task work and write into
-//! memory that was freed (`taskrun = coop | interrupt`). Memory an
+//! synchronously: the kernel tears it down later, and until the kernel
+//! made a closing ring's task work terminate (`io_should_terminate_tw`,
+//! 6.17) a receive woken meanwhile could still run its task work and write
+//! into memory that was freed (`taskrun = coop | interrupt`). Memory an
 //! operation may still use after the wait is leaked, not freed, and the
 //! leak is logged.
 
