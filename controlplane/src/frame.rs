@@ -64,8 +64,18 @@ pub const fn padding(payload_len: usize) -> usize {
 }
 
 /// Total bytes on the wire of a frame carrying `payload_len` payload bytes.
+/// For a length within [`MAX_PAYLOAD_BYTES`]; a length read from a header
+/// that may announce more (up to `u32::MAX`, which overflows a 32-bit
+/// `usize` here) goes through [`wire_len`].
 pub const fn frame_len(payload_len: usize) -> usize {
     HEADER_BYTES + payload_len + padding(payload_len)
+}
+
+/// Total bytes on the wire of the frame a header announces, whatever its
+/// `payload_len` (exact on every target: at most `u32::MAX` + 32).
+pub const fn wire_len(payload_len: u32) -> u64 {
+    let len = payload_len as u64;
+    HEADER_BYTES as u64 + len + (FRAME_ALIGN as u64 - len % FRAME_ALIGN as u64) % FRAME_ALIGN as u64
 }
 
 /// The decoded fixed header of a frame.
@@ -212,15 +222,23 @@ pub enum Decoded<'a> {
 ///
 /// The buffer is 8-aligned and frames are consumed whole, so every payload
 /// handed out is 8-aligned in memory. Memory is bounded by one maximum frame
-/// plus one read's worth of spare capacity.
+/// plus one read's worth of spare capacity, and only while a frame that
+/// large is being received: a decoder left empty with more than
+/// [`SHRINK_ABOVE_BYTES`] of buffer goes back to its initial 64 KiB, so an
+/// idle connection does not keep the memory of the largest frame it ever
+/// received. Each receive gets at most `max(min_bytes, 64 KiB)`
+/// ([`FrameDecoder::spare`]), however large the buffer grew, so a
+/// receiver's per-turn read budget keeps its meaning.
 pub struct FrameDecoder {
     /// Backing storage as `u64` words so the byte view is 8-aligned.
     buf: Vec<u64>,
     /// Bytes `start..end` of the byte view hold received, undecoded data.
     start: usize,
     end: usize,
-    /// Payload bytes (with padding) of a rejected frame still to be dropped.
-    skip: usize,
+    /// Payload bytes (with padding) of a rejected frame still to be dropped
+    /// (`u64`: a header may announce up to 4 GiB, more than a 32-bit
+    /// `usize`).
+    skip: u64,
     /// Bytes received since the decoder was created (stream offset of `end`).
     received_total: u64,
     /// A receive is writing into the spare bytes (between
@@ -246,6 +264,14 @@ const INITIAL_BUFFER_BYTES: usize = 64 << 10;
 /// decoder holds no whole frame: what is left of the last 64 KiB beyond a
 /// maximum frame, less up to `FRAME_ALIGN - 1` bytes of alignment phase.
 pub const MIN_SPARE_AFTER_DECODE: usize = INITIAL_BUFFER_BYTES - (FRAME_ALIGN - 1);
+/// Most [`FrameDecoder::spare`] hands out when asked for less: one
+/// receive's worth, as before the buffer ever grew.
+pub const MAX_SPARE_BYTES: usize = INITIAL_BUFFER_BYTES;
+/// A decoder left empty with a larger buffer than this (it received a
+/// large frame) goes back to the initial size. Below it the buffer is kept:
+/// a client whose frames are a few hundred KiB does not reallocate per
+/// frame.
+pub const SHRINK_ABOVE_BYTES: usize = 256 << 10;
 
 impl Default for FrameDecoder {
     fn default() -> Self {
@@ -279,6 +305,15 @@ impl FrameDecoder {
         self.end - self.start
     }
 
+    /// The stream is inside a frame: bytes of one are buffered, or a
+    /// rejected frame's payload is still to arrive (and be dropped). A
+    /// receiver times out a peer that stays mid-frame
+    /// (`partial_frame_timeout_ms`); [`FrameDecoder::buffered`] alone
+    /// reads 0 while a rejected payload is being skipped.
+    pub fn mid_frame(&self) -> bool {
+        self.end != self.start || self.skip > 0
+    }
+
     /// Free space to receive into: at least `min_bytes`, unless the
     /// buffered bytes and `min_bytes` together exceed the decoder's limit
     /// (one maximum frame plus 64 KiB); then everything up to that limit,
@@ -286,7 +321,10 @@ impl FrameDecoder {
     /// frame is buffered undecoded (as after [`FrameDecoder::decode`]
     /// returned `None`). A caller holding more bytes than it gets copies
     /// what fits, decodes the frames that completes (making room), and
-    /// asks again.
+    /// asks again. Never more than `max(min_bytes, MAX_SPARE_BYTES)`: a
+    /// buffer grown by one large frame does not let every later receive
+    /// take megabytes at once (past a server's per-connection read budget,
+    /// starving the other connections).
     ///
     /// # Panics
     /// While a receive is pending ([`FrameDecoder::begin_receive`]): making
@@ -311,7 +349,13 @@ impl FrameDecoder {
             }
         }
         let end = self.end;
-        &mut self.bytes_mut()[end..]
+        let len = (self.buf.len() * 8 - end).min(min_bytes.max(MAX_SPARE_BYTES));
+        &mut self.bytes_mut()[end..end + len]
+    }
+
+    /// Bytes of buffer the decoder holds (its memory, not its contents).
+    pub fn capacity(&self) -> usize {
+        self.buf.len() * 8
     }
 
     /// Records that `n` bytes were written at the start of the last
@@ -377,7 +421,7 @@ impl FrameDecoder {
     /// out-of-band data (descriptors passed with `SCM_RIGHTS`) to the frame
     /// whose bytes they arrived with.
     pub fn next_frame_offset(&self) -> u64 {
-        self.received_total - (self.end - self.start) as u64 + self.skip as u64
+        self.received_total - (self.end - self.start) as u64 + self.skip
     }
 
     /// Copies all of `data` in (convenience for tests and tools; a receiver
@@ -411,9 +455,7 @@ impl FrameDecoder {
     pub fn decode(&mut self) -> Result<Option<Decoded<'_>>, FrameError> {
         // Drop what is left of a rejected frame's payload first.
         if self.skip > 0 {
-            let n = self.skip.min(self.end - self.start);
-            self.start += n;
-            self.skip -= n;
+            self.drop_skipped();
             if self.skip > 0 {
                 return Ok(None);
             }
@@ -425,15 +467,16 @@ impl FrameDecoder {
         let mut raw = [0u8; HEADER_BYTES];
         raw.copy_from_slice(self.received(self.start, self.start + HEADER_BYTES));
         let header = FrameHeader::decode(&raw)?;
-        let payload_len = header.payload_len as usize;
-        let on_wire = frame_len(payload_len);
+        // The size check comes before any `usize` arithmetic on the length:
+        // `frame_len(u32::MAX)` overflows a 32-bit `usize`.
         let reject = if header.version != PROTOCOL_VERSION {
             Some(FrameError::UnsupportedVersion {
                 found: header.version,
             })
-        } else if payload_len > MAX_PAYLOAD_BYTES {
+        } else if u64::from(header.payload_len) > MAX_PAYLOAD_BYTES as u64 {
             Some(FrameError::Oversized {
-                payload_len,
+                // Fits: `usize` has at least 32 bits here (Linux targets).
+                payload_len: header.payload_len as usize,
                 max: MAX_PAYLOAD_BYTES,
             })
         } else {
@@ -441,12 +484,13 @@ impl FrameDecoder {
         };
         if let Some(error) = reject {
             self.start += HEADER_BYTES;
-            self.skip = on_wire - HEADER_BYTES;
-            let n = self.skip.min(self.end - self.start);
-            self.start += n;
-            self.skip -= n;
+            self.skip = wire_len(header.payload_len) - HEADER_BYTES as u64;
+            self.drop_skipped();
             return Ok(Some(Decoded::Rejected { header, error }));
         }
+        // Within MAX_PAYLOAD_BYTES (checked above): no overflow.
+        let payload_len = header.payload_len as usize;
+        let on_wire = frame_len(payload_len);
         if self.end - self.start < on_wire {
             return Ok(None);
         }
@@ -461,6 +505,14 @@ impl FrameDecoder {
         Ok(Some(Decoded::Frame(Frame { header, payload })))
     }
 
+    /// Drops as much of a rejected frame's payload as is buffered.
+    fn drop_skipped(&mut self) {
+        // Fits in usize: at most the buffered byte count.
+        let n = self.skip.min((self.end - self.start) as u64) as usize;
+        self.start += n;
+        self.skip -= n as u64;
+    }
+
     fn reset_if_empty(&mut self) {
         // Not under a pending receive: its bytes land at `end`.
         if self.start == self.end && !self.receiving {
@@ -469,6 +521,11 @@ impl FrameDecoder {
             let phase = (self.received_total % FRAME_ALIGN as u64) as usize;
             self.start = phase;
             self.end = phase;
+            // Empty and nothing writing into it: give back what a large
+            // frame made it grow to.
+            if self.buf.len() * 8 > SHRINK_ABOVE_BYTES {
+                self.buf = vec![0u64; INITIAL_BUFFER_BYTES / 8];
+            }
         }
     }
 }
@@ -662,6 +719,44 @@ mod tests {
         assert_eq!(starts, vec![0, second_at, third_at]);
     }
 
+    /// The size check comes before any arithmetic on the announced length:
+    /// `frame_len(u32::MAX as usize)` overflows a 32-bit `usize` (a panic in
+    /// a debug build, a wrong skip in a release one). On 64 bits the
+    /// overflow cannot happen; this pins the answer and the exact skip.
+    #[test]
+    fn a_header_announcing_u32_max_payload_bytes_is_refused_as_oversized_and_skipped_exactly() {
+        let header = FrameHeader {
+            version: PROTOCOL_VERSION,
+            kind: 1,
+            request_id: 7,
+            payload_len: u32::MAX,
+        };
+        let mut d = FrameDecoder::new();
+        d.push(&header.encode());
+        d.push(&[0u8; 100]);
+        match d.decode().unwrap() {
+            Some(Decoded::Rejected { header: h, error }) => {
+                assert_eq!(h, header);
+                assert_eq!(
+                    error,
+                    FrameError::Oversized {
+                        payload_len: u32::MAX as usize,
+                        max: MAX_PAYLOAD_BYTES,
+                    }
+                );
+            }
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+        // The next frame starts after the whole announced payload and its
+        // one byte of padding: 24 + 2^32 bytes into the stream.
+        assert_eq!(wire_len(u32::MAX), HEADER_BYTES as u64 + (1u64 << 32));
+        assert_eq!(d.next_frame_offset(), HEADER_BYTES as u64 + (1u64 << 32));
+        assert!(d.mid_frame(), "the rest of the payload is still to come");
+        for len in [0u32, 1, 5, 8, MAX_PAYLOAD_BYTES as u32] {
+            assert_eq!(wire_len(len), frame_len(len as usize) as u64);
+        }
+    }
+
     #[test]
     fn encoder_refuses_oversized_payloads() {
         let mut out = Vec::new();
@@ -792,6 +887,63 @@ mod tests {
             }
         }
         assert_eq!(got, (1..202).collect::<Vec<_>>());
+    }
+
+    /// One maximum frame must not change what later receives get: each
+    /// `spare` / `begin_receive` for 64 KiB gets at most `MAX_SPARE_BYTES`
+    /// (it used to get everything up to the grown capacity, ~8 MiB, which
+    /// let one receive overrun a server's per-turn read budget), and the
+    /// decoder gives its memory back once it is empty.
+    #[test]
+    fn after_a_maximum_frame_receives_stay_bounded_and_the_idle_decoder_shrinks() {
+        let asked = 64 << 10;
+        let mut d = FrameDecoder::new();
+        d.push(&frame(1, 1, &vec![0x5A; MAX_PAYLOAD_BYTES]));
+        // A few bytes of the next frame: the decoder is not empty.
+        let next = frame(2, 2, b"next");
+        d.push(&next[..10]);
+        assert_eq!(expect_frame(&mut d).0.request_id, 1);
+        assert!(d.decode().unwrap().is_none());
+        assert!(d.capacity() >= MAX_FRAME_BYTES, "{}", d.capacity());
+        let room = d.spare(asked).len();
+        assert!(
+            (asked..=MAX_SPARE_BYTES.max(asked)).contains(&room),
+            "{room}"
+        );
+        let (_, len) = d.begin_receive(asked);
+        assert!(len <= MAX_SPARE_BYTES.max(asked), "{len}");
+        d.end_receive(0);
+        // A larger ask still gets what it asks for.
+        assert!(d.spare(1 << 20).len() >= 1 << 20);
+        // The rest of the frame: decoded, the decoder empty, its buffer
+        // back to the initial size.
+        d.push(&next[10..]);
+        assert_eq!(expect_frame(&mut d).0.request_id, 2);
+        assert!(d.decode().unwrap().is_none());
+        assert!(d.capacity() <= SHRINK_ABOVE_BYTES, "{}", d.capacity());
+        // And it still works, aligned, at the stream's phase.
+        receive_into(&mut d, &frame(3, 3, &[1u8; 13]));
+        assert_eq!(expect_frame(&mut d).1, vec![1u8; 13]);
+    }
+
+    /// A decoder is not shrunk under a pending receive (its bytes land in
+    /// the buffer it was given).
+    #[test]
+    fn a_decoder_is_not_shrunk_while_a_receive_is_pending() {
+        let mut d = FrameDecoder::new();
+        d.push(&frame(1, 1, &vec![0x5A; 1 << 20]));
+        let (at, _) = d.begin_receive(64);
+        assert_eq!(expect_frame(&mut d).0.request_id, 1);
+        assert!(d.decode().unwrap().is_none());
+        let cap = d.capacity();
+        assert!(cap > SHRINK_ABOVE_BYTES);
+        let next = frame(2, 2, b"late");
+        // SAFETY: the pending receive's spare bytes, as the kernel would.
+        unsafe { std::ptr::copy_nonoverlapping(next.as_ptr(), at, next.len()) };
+        d.end_receive(next.len());
+        assert_eq!(expect_frame(&mut d).1, b"late".to_vec());
+        assert!(d.decode().unwrap().is_none());
+        assert!(d.capacity() <= SHRINK_ABOVE_BYTES);
     }
 
     /// `push` copies everything it is given, even past the decoder's limit

@@ -259,6 +259,11 @@ pub struct ClientConfig {
     /// Requests in flight on the connection; `call` fails with
     /// `TooManyInFlight` beyond this (it never waits for room).
     pub max_inflight: usize,
+    /// Bound on `RpcClient::connect`'s wait for the connection: a TCP
+    /// handshake, or room in a Unix listener's full backlog (retried until
+    /// then; a server that stopped accepting does not hold the caller
+    /// longer). Past it the connect fails with `ClientError::Connect`
+    /// whose source is `io::ErrorKind::TimedOut`.
     pub connect_timeout_ms: u64,
 }
 

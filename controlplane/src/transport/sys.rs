@@ -416,8 +416,9 @@ pub fn classify_existing_socket(
 
 /// Connects to the Unix socket at `path` without blocking: `None` when the
 /// listener's backlog is full (`EAGAIN`; a blocking connect would wait for
-/// room, without bound, on a listener that never accepts).
-fn connect_nonblocking(
+/// room, without bound, on a listener that never accepts). The stream is
+/// non-blocking.
+pub fn connect_nonblocking(
     path: &std::path::Path,
 ) -> io::Result<Option<std::os::unix::net::UnixStream>> {
     let (addr, len) = unix_addr(path)?;

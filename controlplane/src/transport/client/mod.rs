@@ -97,7 +97,7 @@ use super::ring::{self, Role};
 use super::spin::Spinner;
 use super::{TransportError, sys};
 use crate::frame::{
-    Decoded, FRAME_ALIGN, FrameDecoder, FrameError, FrameHeader, encode_frame, frame_len, padding,
+    Decoded, FRAME_ALIGN, FrameDecoder, FrameError, FrameHeader, encode_frame, padding, wire_len,
 };
 
 /// Bytes asked of the decoder per receive.
@@ -425,6 +425,42 @@ pub struct PendingCall {
     live: bool,
 }
 
+/// First pause between connect attempts while a Unix listener's backlog is
+/// full; doubled per attempt up to [`UNIX_CONNECT_RETRY_MAX`].
+const UNIX_CONNECT_RETRY_MIN: Duration = Duration::from_millis(1);
+const UNIX_CONNECT_RETRY_MAX: Duration = Duration::from_millis(50);
+
+/// Connects to the Unix socket at `path` within `timeout`; the stream is
+/// non-blocking. A Unix stream connect completes at once or finds the
+/// listener's backlog full; a *blocking* socket then sleeps until the
+/// listener accepts, without bound (a wedged server with `SOMAXCONN`
+/// clients queued would hold every caller forever), so the socket is
+/// non-blocking (`EAGAIN` instead) and the connect is retried, with a
+/// growing pause, until `timeout` runs out: then `TimedOut`, naming the
+/// limit.
+fn connect_unix(path: &std::path::Path, timeout: Duration) -> io::Result<UnixStream> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = UNIX_CONNECT_RETRY_MIN;
+    loop {
+        if let Some(s) = sys::connect_nonblocking(path)? {
+            return Ok(s);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the listener's backlog stayed full for connect_timeout_ms = {} ms \
+                     (a server that does not accept)",
+                    timeout.as_millis()
+                ),
+            ));
+        }
+        std::thread::sleep(pause.min(left));
+        pause = (pause * 2).min(UNIX_CONNECT_RETRY_MAX);
+    }
+}
+
 /// The io_uring flags a client ring gets from `io` (see `ring`).
 fn client_io(io: &IoConfig) -> IoConfig {
     IoConfig {
@@ -434,7 +470,8 @@ fn client_io(io: &IoConfig) -> IoConfig {
 }
 
 impl RpcClient {
-    /// Connects (blocking, bounded by `connect_timeout_ms`) and sets up the
+    /// Connects (blocking, bounded by `connect_timeout_ms` on Unix sockets
+    /// and TCP alike) and sets up the
     /// backend: `IoConfig::backend`, else `CXLKV_IO`, else the syscall wire
     /// (the measured default; see [`BackendChoice::Auto`]).
     pub fn connect(endpoint: &Endpoint, cfg: ClientConfig) -> Result<RpcClient, ClientError> {
@@ -457,10 +494,8 @@ impl RpcClient {
         }
         let sock = match endpoint {
             Endpoint::Unix(path) => {
-                // A Unix connect does not block on a listening socket (it
-                // fails with EAGAIN when the backlog is full).
-                let s = UnixStream::connect(path).map_err(err)?;
-                s.set_nonblocking(true).map_err(err)?;
+                let s = connect_unix(path, Duration::from_millis(cfg.connect_timeout_ms))
+                    .map_err(err)?;
                 Sock::Unix(s)
             }
             Endpoint::Tcp(addr) => {
@@ -1049,12 +1084,9 @@ impl Inner {
                     (f.header, Ok(Reply::new(f.header, f.payload, Vec::new())))
                 }
             };
-            let fds = take_fds(
-                fd_batches,
-                at,
-                frame_len(header.payload_len as usize) as u64,
-                &self.stats,
-            );
+            // `wire_len`, not `frame_len`: a rejected (oversized) header's
+            // length may overflow a 32-bit `usize`.
+            let fds = take_fds(fd_batches, at, wire_len(header.payload_len), &self.stats);
             let reply = reply.map(|mut r| {
                 r.fds = fds;
                 r

@@ -899,10 +899,13 @@ impl<H: Handler> Core<H> {
             let mut reset = false;
             match conn.decoder.decode() {
                 Ok(None) => {
-                    conn.partial_since = match (conn.decoder.buffered(), conn.partial_since) {
-                        (0, _) => None,
-                        (_, Some(t)) => Some(t),
-                        (_, None) => Some(now),
+                    // Mid-frame includes a rejected frame's payload still
+                    // being skipped: a peer that announced 4 GiB and
+                    // stalled is timed out like any partial frame.
+                    conn.partial_since = match (conn.decoder.mid_frame(), conn.partial_since) {
+                        (false, _) => None,
+                        (true, Some(t)) => Some(t),
+                        (true, None) => Some(now),
                     };
                     if let Some(t) = conn.partial_since {
                         let due = t + Duration::from_millis(self.cfg.partial_frame_timeout_ms);

@@ -43,6 +43,19 @@
 //! receive) plus a cancel; the slot and descriptor are released only when
 //! no operation of the connection remains in the kernel, since the kernel
 //! may still write into or read from memory those operations point at.
+//!
+//! End of the loop (`quiesce`): however the loop ends — asked to stop, an
+//! error, a handler's panic unwinding — every connection's socket is shut
+//! down, every operation cancelled (`IORING_REGISTER_SYNC_CANCEL`, any
+//! request) and their completions reaped, within `QUIESCE_WAIT`, before the
+//! ring, the send buffers, the provided buffers and (after `run` returns)
+//! the decoders are freed. Closing a ring does not cancel its operations
+//! synchronously: the kernel tears it down later, and until the kernel
+//! made a closing ring's task work terminate (`io_should_terminate_tw`,
+//! 6.17) a receive woken meanwhile could still run its task work and write
+//! into memory that was freed (`taskrun = coop | interrupt`). Memory an
+//! operation may still use after the wait is leaked, not freed, and the
+//! leak is logged.
 
 use std::collections::HashMap;
 use std::io;
@@ -65,6 +78,10 @@ use crate::transport::sys::{self, CmsgBuf};
 
 /// Bound on each wait of the io_uring probe.
 const PROBE_WAIT: Duration = Duration::from_secs(1);
+
+/// Bound on the wait, when the loop ends, for the kernel to finish every
+/// operation (see `quiesce`).
+const QUIESCE_WAIT: Duration = Duration::from_secs(2);
 
 /// Buffer group id of the receive buffer ring.
 const BGID: u16 = 1;
@@ -131,30 +148,66 @@ fn probe_uncached(cfg: &IoConfig) -> io::Result<()> {
     }
     let bufs = BufRing::new(&ring, 2, 64)?;
     let (a, b) = std::os::unix::net::UnixStream::pair()?;
+    let mut armed = false;
+    let result = probe_receive(&mut ring, &a, &b, &mut armed);
+    if armed {
+        // Failed or timed out with the receive still in the kernel: end it
+        // and wait (bounded) for its last completion.
+        let _ = sys::shutdown(a.as_fd());
+        let mut ended = false;
+        armed = !cancel_and_reap(&mut ring, |cqe| {
+            if let Some(cqe) = cqe {
+                ended |= !cqueue::more(cqe.flags());
+            }
+            ended
+        });
+    }
+    // The ring goes before the buffers its receive pointed into — on
+    // every return, not only the successful one (locals drop in reverse
+    // order of declaration, which would free `bufs` first).
+    drop(ring);
+    if armed {
+        tracing::error!("the io_uring probe's receive did not end: its buffers are leaked");
+        std::mem::forget(bufs);
+    } else {
+        drop(bufs);
+    }
+    result
+}
+
+/// The probe's receive: one byte, then end of stream. `armed` says whether
+/// the multishot receive may still be in the kernel.
+fn probe_receive(
+    ring: &mut IoUring,
+    a: &std::os::unix::net::UnixStream,
+    b: &std::os::unix::net::UnixStream,
+    armed: &mut bool,
+) -> io::Result<()> {
     let recv = opcode::RecvMulti::new(types::Fd(a.as_raw_fd()), BGID)
         .build()
         .user_data(1);
-    // SAFETY: the receive writes only into buffers of `bufs`, which outlives
-    // the ring's use of them (the ring is dropped first, below).
+    // SAFETY: the receive writes only into buffers of the probe's
+    // `BufRing`, which is freed only after the receive ended or the ring
+    // was dropped (`probe_uncached`).
     unsafe { ring.submission().push(&recv) }.map_err(|_| io::Error::other("probe ring full"))?;
+    *armed = true;
     ring.submit()?;
     sys::send(b.as_fd(), b"x")?;
     // One byte, then end of stream: the multishot receive completes twice
     // and ends (no MORE flag), so no operation outlives the probe.
     let mut results = Vec::new();
     let until = Instant::now() + PROBE_WAIT;
-    let mut ended = false;
-    while !ended {
+    while *armed {
         let now = Instant::now();
         if now >= until {
             return Err(io::Error::other("multishot receive did not complete"));
         }
-        ring::submit_and_wait(&ring, Some(until - now))?;
+        ring::submit_and_wait(ring, Some(until - now))?;
         for cqe in ring.completion() {
             results.push(cqe.result());
-            ended |= !cqueue::more(cqe.flags());
+            *armed &= cqueue::more(cqe.flags());
         }
-        if !results.is_empty() && !ended {
+        if !results.is_empty() && *armed {
             // The byte arrived: end the stream.
             sys::shutdown(b.as_fd())?;
         }
@@ -165,9 +218,57 @@ fn probe_uncached(cfg: &IoConfig) -> io::Result<()> {
             results.first().map(|r| io::Error::from_raw_os_error(-r))
         )));
     }
-    drop(ring);
-    drop(bufs);
     Ok(())
+}
+
+/// Cancels every operation of `ring` and reaps completions, handing each to
+/// `retire` (`Some`), until `retire(None)` says no operation that matters
+/// is left (true) or [`QUIESCE_WAIT`] passed (false). Operations not yet
+/// submitted are submitted first (one never submitted would never
+/// complete).
+fn cancel_and_reap(
+    ring: &mut IoUring,
+    mut retire: impl FnMut(Option<&cqueue::Entry>) -> bool,
+) -> bool {
+    let _ = ring::submit(ring);
+    let deadline = Instant::now() + QUIESCE_WAIT;
+    match ring.submitter().register_sync_cancel(
+        Some(types::Timespec::from(QUIESCE_WAIT)),
+        types::CancelBuilder::any(),
+    ) {
+        // Cancelled (their completions are posted), or nothing in flight.
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => {
+            // Before 6.0 there is no synchronous cancel (EINVAL): an
+            // asynchronous one of every request (5.19); the wait below is
+            // bounded either way.
+            tracing::debug!(error = %e, "io_uring synchronous cancel failed; cancelling asynchronously");
+            let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any())
+                .build()
+                .user_data(user_data(OP_CANCEL, 0, 0));
+            // SAFETY: a cancel points at no memory.
+            if unsafe { ring.submission().push(&cancel) }.is_ok() {
+                let _ = ring::submit(ring);
+            }
+        }
+    }
+    loop {
+        for cqe in ring.completion() {
+            retire(Some(&cqe));
+        }
+        if retire(None) {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        if let Err(e) = ring::submit_and_wait(ring, Some(deadline - now)) {
+            tracing::warn!(error = %e, "io_uring wait failed while ending the loop");
+            return false;
+        }
+    }
 }
 
 /// Buffers a [`BufRing`] starts with (fewer if `recv_buffer_count` is
@@ -350,16 +451,50 @@ enum Receives {
 struct Driver {
     // Field order matters: the ring is dropped before the buffers its
     // operations point into (and `run` returns, dropping the ring, before
-    // its caller drops the connections' decoders).
+    // its caller drops the connections' decoders). Dropping the ring does
+    // not end its operations, though: `quiesce` does, before.
     ring: IoUring,
     recv: Receives,
     io: Vec<ConnIo>,
     closing: Vec<u32>,
     wake_buf: Box<u64>,
+    /// The read of the wake eventfd (into `wake_buf`) is in the kernel.
+    wake_armed: bool,
+    /// The completions of this turn, taken from the ring; `next_cqe` is
+    /// the first not yet handled (a loop left by an error or a panic
+    /// leaves the rest to `quiesce`).
+    cqes: Vec<cqueue::Entry>,
+    next_cqe: usize,
     listener_fds: Vec<i32>,
     accept_pause: AcceptPause,
     /// Listeners whose accept ended and waits for the pause to end.
     paused_listeners: Vec<u32>,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Operations the last `Driver` dropped on this thread still counted
+    /// in the kernel when it was dropped, their memory about to be freed
+    /// (must be 0: `quiesce` ends them or leaks their memory).
+    static FREED_WITH_OPS_IN_FLIGHT: std::cell::Cell<Option<usize>> =
+        const { std::cell::Cell::new(None) };
+    /// Operations `quiesce` gave up on (their memory leaked) on this thread.
+    static LEAKED_OPS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let left = self.ops_in_flight();
+        if left > 0 {
+            // Not reached: every way out of `run` passes `quiesce`.
+            tracing::error!(
+                ops = left,
+                "io_uring driver dropped with operations in flight"
+            );
+        }
+        #[cfg(test)]
+        FREED_WITH_OPS_IN_FLIGHT.with(|c| c.set(Some(left)));
+    }
 }
 
 pub(crate) fn run<H: Handler>(
@@ -382,10 +517,33 @@ pub(crate) fn run<H: Handler>(
         io: Vec::new(),
         closing: Vec::new(),
         wake_buf: Box::new(0),
+        wake_armed: false,
+        cqes: Vec::with_capacity(io_cfg.ring_entries as usize * 2),
+        next_cqe: 0,
         listener_fds: listeners.iter().map(|l| l.fd().as_raw_fd()).collect(),
         accept_pause: AcceptPause::default(),
         paused_listeners: Vec::new(),
     };
+    // Every way out of the loop — a stop, an error (`?`), a handler's panic
+    // unwinding — passes `quiesce` before the ring and the buffers its
+    // operations point into are freed (module docs).
+    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        serve(&mut d, core, listeners, &io_cfg)
+    }));
+    d.quiesce(core);
+    match served {
+        Ok(result) => result,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+/// The loop, until a stop or an error.
+fn serve<H: Handler>(
+    d: &mut Driver,
+    core: &mut Core<H>,
+    listeners: &[Listener],
+    io_cfg: &IoConfig,
+) -> Result<(), TransportError> {
     for i in 0..listeners.len() {
         d.arm_accept(i as u32)?;
     }
@@ -396,19 +554,21 @@ pub(crate) fn run<H: Handler>(
     // reading, after that work (a long request does not shorten it).
     let mut busy = false;
     let mut spinner = Spinner::default();
-    let mut cqes: Vec<cqueue::Entry> = Vec::with_capacity(io_cfg.ring_entries as usize * 2);
     loop {
         if stop_requested(&core.shared) {
             break;
         }
-        cqes.clear();
-        cqes.extend(d.ring.completion());
+        d.cqes.clear();
+        d.next_cqe = 0;
+        let Driver { ring, cqes, .. } = &mut *d;
+        cqes.extend(ring.completion());
         let now = Instant::now();
         if busy {
             last_activity = now;
         }
-        for cqe in &cqes {
-            d.on_cqe(core, listeners, cqe, now)?;
+        while let Some(cqe) = d.cqes.get(d.next_cqe).cloned() {
+            d.next_cqe += 1;
+            d.on_cqe(core, listeners, &cqe, now)?;
         }
         if d.accept_pause.due(now) {
             for listener in std::mem::take(&mut d.paused_listeners) {
@@ -428,7 +588,7 @@ pub(crate) fn run<H: Handler>(
         if !d.ring.submission().is_empty() {
             d.submit()?;
         }
-        busy = !cqes.is_empty() || had_work || sent;
+        busy = !d.cqes.is_empty() || had_work || sent;
         if busy {
             continue;
         }
@@ -447,12 +607,102 @@ pub(crate) fn run<H: Handler>(
     }
     core.close_all();
     d.teardown(core)?;
-    // Operations still in the kernel die with the ring (dropped before the
-    // buffers): no completion is awaited on shutdown.
+    // What is still in the kernel is ended by `quiesce` (in `run`).
     Ok(())
 }
 
 impl Driver {
+    /// Operations in the kernel that point into memory the driver or the
+    /// core frees: receives, sends, the wake read. (A multishot accept
+    /// points at none.)
+    fn ops_in_flight(&self) -> usize {
+        let conns: usize = self
+            .io
+            .iter()
+            .map(|io| usize::from(io.recv_armed) + usize::from(io.send.is_some()))
+            .sum();
+        conns + usize::from(self.wake_armed)
+    }
+
+    /// Ends every operation before the loop's memory is freed (module
+    /// docs): shuts every connection's socket down (its receive completes,
+    /// its send fails), cancels everything, reaps the completions — those
+    /// a loop left by an error or a panic had taken and not handled
+    /// first — within [`QUIESCE_WAIT`]. Memory an operation may still use
+    /// after that is leaked, and logged. Calls no handler: after a panic
+    /// the handler's state is not to be trusted.
+    fn quiesce<H: Handler>(&mut self, core: &mut Core<H>) {
+        for conn in core.conns.iter().flatten() {
+            let _ = sys::shutdown(conn.fd.as_fd());
+        }
+        let unhandled: Vec<cqueue::Entry> = self.cqes.drain(self.next_cqe..).collect();
+        self.next_cqe = self.cqes.len();
+        for cqe in &unhandled {
+            self.retire(cqe);
+        }
+        // Always, even with nothing counted in flight: the listeners'
+        // multishot accepts are cancelled too (one completing after the
+        // ring closed would leave a descriptor nobody owns).
+        let Driver {
+            ring,
+            io,
+            wake_armed,
+            ..
+        } = self;
+        cancel_and_reap(ring, |cqe| {
+            if let Some(cqe) = cqe {
+                retire(io, wake_armed, cqe);
+            }
+            io.iter().all(|c| !c.recv_armed && c.send.is_none()) && !*wake_armed
+        });
+        let left = self.ops_in_flight();
+        if left > 0 {
+            tracing::error!(
+                ops = left,
+                wait_ms = QUIESCE_WAIT.as_millis() as u64,
+                "io_uring operations were still in the kernel when the loop ended: \
+                 the memory they point into is leaked, not freed"
+            );
+            #[cfg(test)]
+            LEAKED_OPS.with(|c| c.set(c.get() + left));
+            self.leak_in_flight(core);
+        }
+    }
+
+    /// Bookkeeping of a completion seen while ending the loop.
+    fn retire(&mut self, cqe: &cqueue::Entry) {
+        retire(&mut self.io, &mut self.wake_armed, cqe);
+    }
+
+    /// Gives up on operations still in the kernel: the memory each may use
+    /// is leaked (never freed) instead of freed under it.
+    fn leak_in_flight<H: Handler>(&mut self, core: &mut Core<H>) {
+        let mut recv_armed = false;
+        for (slot, io) in self.io.iter_mut().enumerate() {
+            if let Some(op) = io.send.take() {
+                std::mem::forget(op);
+            }
+            if io.recv_armed {
+                io.recv_armed = false;
+                recv_armed = true;
+                if matches!(self.recv, Receives::Direct)
+                    && let Some(conn) = core.conns.get_mut(slot).and_then(Option::as_mut)
+                {
+                    std::mem::forget(std::mem::take(&mut conn.decoder));
+                }
+            }
+        }
+        if recv_armed
+            && let Receives::Provided(bufs) = std::mem::replace(&mut self.recv, Receives::Direct)
+        {
+            std::mem::forget(bufs);
+        }
+        if self.wake_armed {
+            self.wake_armed = false;
+            std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new(0)));
+        }
+    }
+
     fn push(&mut self, sqe: &squeue::Entry) -> Result<(), TransportError> {
         loop {
             // SAFETY: every entry built by this driver points only at memory
@@ -505,6 +755,7 @@ impl Driver {
         let sqe = opcode::Read::new(types::Fd(core.shared.eventfd.as_raw_fd()), buf.cast(), 8)
             .build()
             .user_data(user_data(OP_WAKE, 0, 0));
+        self.wake_armed = true;
         self.push(&sqe)
     }
 
@@ -554,6 +805,7 @@ impl Driver {
             OP_WAKE => {
                 // The eventfd counter was reset by the read; completions are
                 // picked up by the loop right after.
+                self.wake_armed = false;
                 self.arm_wake(core)?;
             }
             OP_ACCEPT => {
@@ -928,5 +1180,137 @@ impl Driver {
             drop(core.release(slot));
         }
         Ok(())
+    }
+}
+
+/// What a completion seen while ending the loop (`Driver::quiesce`) ends:
+/// a receive (unless more completions follow), a send (its frames are
+/// dropped: the kernel is done with them), the wake read. A connection
+/// accepted meanwhile is closed.
+fn retire(io: &mut [ConnIo], wake_armed: &mut bool, cqe: &cqueue::Entry) {
+    let (op, _, slot) = split_user_data(cqe.user_data());
+    let more = cqueue::more(cqe.flags());
+    match op {
+        OP_RECV if !more => {
+            if let Some(io) = io.get_mut(slot as usize) {
+                io.recv_armed = false;
+            }
+        }
+        OP_SEND => {
+            if let Some(io) = io.get_mut(slot as usize) {
+                io.send = None;
+            }
+        }
+        OP_WAKE => *wake_armed = false,
+        OP_ACCEPT if cqe.result() >= 0 => {
+            // SAFETY: a successful accept completion's result is a new
+            // descriptor owned by us; dropping it closes it.
+            drop(unsafe { sys::own_fd(cqe.result()) });
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::frame::{Frame, FrameHeader, encode_frame};
+    use crate::transport::config::{BackendChoice, Endpoint, ServerConfig};
+    use crate::transport::{ConnId, Rejection, Replies, Server};
+
+    const ECHO: u16 = 1;
+    const PANIC: u16 = 9;
+
+    /// Echoes, or panics on `PANIC` (a handler bug).
+    struct PanicOn;
+
+    impl Handler for PanicOn {
+        fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies) {
+            let h = frame.header;
+            assert_ne!(h.kind, PANIC, "the test handler was asked to panic");
+            out.send(conn, h.kind + 100, h.request_id, frame.payload)
+                .unwrap();
+        }
+
+        fn on_rejected(&mut self, _: ConnId, _: FrameHeader, _: Rejection, _: &mut Replies) {}
+    }
+
+    fn request(kind: u16, id: u64) -> Vec<u8> {
+        let mut v = Vec::new();
+        encode_frame(&mut v, kind, id, b"ping").unwrap();
+        v
+    }
+
+    /// A handler's panic unwinds out of the io_uring loop with receives
+    /// armed (an idle connection's, in its decoder or in the provided
+    /// buffers), the wake read armed, and — with `taskrun = interrupt` or
+    /// `coop` — the kernel free to run a receive's task work on this thread
+    /// after its ring was closed. In every task-run mode and both receive
+    /// modes: The loop must end every operation before the
+    /// driver frees its memory (it used to drop the ring and everything
+    /// with them in flight). Runs the loop on a thread of the test's, so
+    /// that the driver's record of what it dropped can be read there.
+    #[test]
+    fn a_handler_panic_ends_every_ring_operation_before_the_loop_frees_their_memory() {
+        let modes = [TaskRun::Interrupt, TaskRun::Coop, TaskRun::Defer]
+            .into_iter()
+            .flat_map(|t| [(t, RecvMode::Direct), (t, RecvMode::Provided)]);
+        for (taskrun, recv) in modes {
+            let mut cfg = ServerConfig::default();
+            cfg.io.backend = BackendChoice::Uring;
+            cfg.io.taskrun = taskrun;
+            cfg.io.recv = recv;
+            if let Err(e) = probe(&cfg.io) {
+                eprintln!("io_uring unavailable, nothing to test: {e}");
+                return;
+            }
+            let path = std::env::temp_dir().join(format!(
+                "cxlkv-uring-quiesce-{}-{taskrun:?}-{recv:?}.sock",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_file(&path);
+            let server = Server::bind(cfg, &[Endpoint::Unix(path.clone())]).unwrap();
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                let run =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| server.run(PanicOn)));
+                let freed = FREED_WITH_OPS_IN_FLIGHT.with(std::cell::Cell::take);
+                let leaked = LEAKED_OPS.with(std::cell::Cell::take);
+                let _ = tx.send((run.is_err(), freed, leaked));
+            });
+            let long = Duration::from_secs(20);
+            // An idle connection with its receive armed: one round trip
+            // proves it was accepted and its receive re-armed.
+            let mut idle = UnixStream::connect(&path).unwrap();
+            idle.set_read_timeout(Some(long)).unwrap();
+            idle.write_all(&request(ECHO, 1)).unwrap();
+            let mut reply = [0u8; 32];
+            idle.read_exact(&mut reply).unwrap();
+            let mut culprit = UnixStream::connect(&path).unwrap();
+            culprit.write_all(&request(PANIC, 2)).unwrap();
+            let (panicked, freed, leaked) = rx.recv_timeout(long).expect("the loop ended");
+            assert!(
+                panicked,
+                "{taskrun:?} {recv:?}: the handler's panic reaches the caller"
+            );
+            assert_eq!(
+                freed,
+                Some(0),
+                "{taskrun:?} {recv:?}: operations in flight when the driver freed its memory"
+            );
+            // And they ended: none had to be given up on (leaked).
+            assert_eq!(
+                leaked, 0,
+                "{taskrun:?} {recv:?}: operations the kernel did not end"
+            );
+            // The idle peer was shut down: end of stream, not a hang.
+            let mut rest = Vec::new();
+            idle.read_to_end(&mut rest).unwrap();
+            let _ = std::fs::remove_file(&path);
+        }
     }
 }
