@@ -856,30 +856,36 @@ mod tests {
         unsafe { MappedRegion::map(backing, RegionId(region), extent, populate, observers) }
     }
 
+    /// Region 1 (the pool's first 2 MiB) mapped writable, `bytes` written
+    /// at the start of its 4 KiB page `page`, then mapped again read-only.
+    fn published_then_read_only(
+        backing: &dyn Backing,
+        observers: &MapObservers,
+        page: u32,
+        bytes: &[u8],
+    ) -> (MappedRegion, MappedRegion) {
+        let extent = Extent::new(0, 2 * MIB);
+        let writer = map(backing, 1, extent, Populate::Eager, observers).expect("writer");
+        {
+            // SAFETY: no other view of the page exists while this one lives.
+            let mut view =
+                unsafe { writer.page_mut(4096, PageIndex(page), bytes.len()) }.expect("page");
+            view.as_mut_bytes().copy_from_slice(bytes);
+        }
+        // SAFETY: nothing writes the page once the reader exists.
+        let reader =
+            unsafe { MappedRegion::map_read_only(backing, RegionId(1), extent, observers) }
+                .expect("reader");
+        (writer, reader)
+    }
+
     #[test]
     fn a_read_only_mapping_reads_what_a_writer_published_and_refuses_every_write() {
         let (_path, backing) = pool("read-only", 4 * MIB);
         let observers = MapObservers::new();
         let recorder = Arc::new(Recorder::default());
         observers.register(recorder.clone()).expect("register");
-        let writer = map(
-            &*backing,
-            1,
-            Extent::new(0, 2 * MIB),
-            Populate::Eager,
-            &observers,
-        )
-        .expect("writer");
-        {
-            // SAFETY: no other view of page 1 exists while this one lives.
-            let mut page = unsafe { writer.page_mut(4096, PageIndex(1), 4) }.expect("page");
-            page.as_mut_bytes().copy_from_slice(b"peer");
-        }
-        // SAFETY: the writer is done with page 1 before this view is read.
-        let reader = unsafe {
-            MappedRegion::map_read_only(&*backing, RegionId(1), Extent::new(0, 2 * MIB), &observers)
-        }
-        .expect("reader");
+        let (writer, reader) = published_then_read_only(&*backing, &observers, 1, b"peer");
         assert!(writer.is_writable() && !reader.is_writable());
         let told: Vec<bool> = recorder.take().iter().map(|(_, i)| i.writable).collect();
         assert_eq!(
@@ -936,25 +942,8 @@ mod tests {
     #[test]
     fn a_stray_write_through_a_read_only_mappings_address_faults_instead_of_corrupting() {
         let (_path, backing) = pool("read-only-fault", 2 * MIB);
-        let observers = MapObservers::new();
-        let writer = map(
-            &*backing,
-            1,
-            Extent::new(0, 2 * MIB),
-            Populate::Eager,
-            &observers,
-        )
-        .expect("writer");
-        {
-            // SAFETY: no other view of page 0 exists while this one lives.
-            let mut page = unsafe { writer.page_mut(4096, PageIndex(0), 4) }.expect("page");
-            page.as_mut_bytes().copy_from_slice(b"mine");
-        }
-        // SAFETY: nothing writes page 0 any more.
-        let reader = unsafe {
-            MappedRegion::map_read_only(&*backing, RegionId(1), Extent::new(0, 2 * MIB), &observers)
-        }
-        .expect("reader");
+        let (_writer, reader) =
+            published_then_read_only(&*backing, &MapObservers::new(), 0, b"mine");
         let addr = reader.ffi_base_ptr().cast_mut();
         // SAFETY: the child only does async-signal-safe work (one store,
         // then `_exit`); the parent waits for it.

@@ -227,21 +227,7 @@ pub fn is_out_of_space(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
 }
 
-impl JournalError {
-    /// `Io`, or `NoSpace` when `source` says the file system is full.
-    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
-        let path = path.to_path_buf();
-        if is_out_of_space(&source) {
-            Self::NoSpace { op, path, source }
-        } else {
-            Self::Io { op, path, source }
-        }
-    }
-}
-
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> JournalError + 'a {
-    move |source| JournalError::io(op, path, source)
-}
+io_errors!(JournalError);
 
 /// The header block every journal starts with (the in-memory journals of
 /// the deterministic simulation and the fuzzers build images with it),

@@ -51,6 +51,34 @@
 //! last installed checkpoint, or refuses to start with a message naming the
 //! file and the reason.
 
+/// For a state file's error type with `Io` and `NoSpace` variants of the
+/// same fields (`op`, `path`, `source`): `fn io` (`NoSpace` when the file
+/// system is full, [`journal::is_out_of_space`]) and, in the calling
+/// module, `fn io_err(op, path)` making one from an `io::Error` (for
+/// `map_err`). Shared by the journal, the store and the names file.
+macro_rules! io_errors {
+    ($error:ident) => {
+        impl $error {
+            /// `Io`, or `NoSpace` when `source` says the file system is full.
+            fn io(op: &'static str, path: &std::path::Path, source: std::io::Error) -> Self {
+                let path = path.to_path_buf();
+                if $crate::pool::journal::is_out_of_space(&source) {
+                    Self::NoSpace { op, path, source }
+                } else {
+                    Self::Io { op, path, source }
+                }
+            }
+        }
+
+        fn io_err<'a>(
+            op: &'static str,
+            path: &'a std::path::Path,
+        ) -> impl FnOnce(std::io::Error) -> $error + 'a {
+            move |source| $error::io(op, path, source)
+        }
+    };
+}
+
 pub mod checkpoint;
 pub mod extents;
 pub mod fence;

@@ -46,8 +46,7 @@ use super::checkpoint::{self, CheckpointError};
 use super::fence::{FenceError, StateDirLock};
 use super::io_faults::{IoFaults, IoSite};
 use super::journal::{
-    BoundedReadError, CommitReport, Journal, JournalError, ScanReport, Stop, is_out_of_space,
-    read_bounded,
+    BoundedReadError, CommitReport, Journal, JournalError, ScanReport, Stop, read_bounded,
 };
 use super::ledger::{InvariantError, Ledger, LedgerError};
 use super::manager::{ManagerConfig, PoolManager};
@@ -186,21 +185,7 @@ pub enum StoreError {
     },
 }
 
-impl StoreError {
-    /// `Io`, or `NoSpace` when `source` says the file system is full.
-    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
-        let path = path.to_path_buf();
-        if is_out_of_space(&source) {
-            Self::NoSpace { op, path, source }
-        } else {
-            Self::Io { op, path, source }
-        }
-    }
-}
-
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
-    move |source| StoreError::io(op, path, source)
-}
+io_errors!(StoreError);
 
 /// A torn tail recovery cut off.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::pool::io_faults::{IoFaults, IoSite};
-use crate::pool::journal::{BoundedReadError, is_out_of_space, read_bounded};
+use crate::pool::journal::{BoundedReadError, read_bounded};
 use crate::pool::sys::fsync_dir;
 use crate::pool::{DirectoryId, InstanceId};
 use crate::proto::MAX_NAME_BYTES;
@@ -169,21 +169,7 @@ pub struct NamesFile {
     faults: IoFaults,
 }
 
-impl NamesError {
-    /// `Io`, or `NoSpace` when `source` says the file system is full.
-    fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
-        let path = path.to_path_buf();
-        if is_out_of_space(&source) {
-            Self::NoSpace { op, path, source }
-        } else {
-            Self::Io { op, path, source }
-        }
-    }
-}
-
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> NamesError + 'a {
-    move |source| NamesError::io(op, path, source)
-}
+io_errors!(NamesError);
 
 fn header() -> [u8; HEADER_BYTES] {
     let mut h = [0u8; HEADER_BYTES];
