@@ -127,12 +127,16 @@ fn pinned_pairs_their_limit_and_ledger_bytes_are_reported_and_fall_back_to_zero(
     assert_eq!(st.pins, 0);
     assert_eq!(st.pinned_entries, 0);
     assert_eq!(st.pin_ledger_bytes, ledger_bytes);
+    // The loop snapshots at most once per interval; a scrape sooner gets
+    // the last text.
+    std::thread::sleep(cxlkv::server::METRICS_MIN_INTERVAL);
     assert_eq!(gauge(addr, "cxlkv_pinned_entries"), 0);
     assert_eq!(stats_json(&socket)["totals"]["pinned_entries"], 0);
 
     // Pinned again, then the session ends with its pins held: the pairs
     // and the ledger go with it.
     let guards = layout.batch_get(&keys).unwrap();
+    std::thread::sleep(cxlkv::server::METRICS_MIN_INTERVAL);
     assert_eq!(gauge(addr, "cxlkv_pinned_entries"), PINNED);
     drop(layout);
     client.close().unwrap();
@@ -145,6 +149,7 @@ fn pinned_pairs_their_limit_and_ledger_bytes_are_reported_and_fall_back_to_zero(
         "{:?}",
         server.directory_stats().unwrap()
     );
+    std::thread::sleep(cxlkv::server::METRICS_MIN_INTERVAL);
     assert_eq!(gauge(addr, "cxlkv_pinned_entries"), 0);
     assert_eq!(gauge(addr, "cxlkv_pin_ledger_bytes"), 0);
     let t = &stats_json(&socket)["totals"];

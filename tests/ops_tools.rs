@@ -588,7 +588,17 @@ fn metrics_are_valid_exposition_and_count_the_operations_done() {
     assert!(queried > 20, "{queried} metric references in the dashboard");
 
     // A scrape is a statistics snapshot: the directory counts it as one
-    // `stats` call, and nothing else changes.
+    // `stats` call, and nothing else changes — once the last snapshot is
+    // older than the interval; a scrape sooner gets the last text again.
+    let (_, _, cached) = http(addr, b"GET /metrics HTTP/1.0\r\n\r\n");
+    assert_eq!(
+        parse_exposition(&cached)
+            .unwrap()
+            .get("cxlkv_requests_total", &[("op", "stats")]),
+        m.get("cxlkv_requests_total", &[("op", "stats")]),
+        "a scrape within the interval takes no snapshot"
+    );
+    std::thread::sleep(cxlkv::server::METRICS_MIN_INTERVAL);
     let (_, _, again) = http(addr, b"GET /metrics?x=1 HTTP/1.0\r\n\r\n");
     let again = parse_exposition(&again).unwrap();
     assert_eq!(

@@ -33,7 +33,11 @@
 //! control event to the loop, which answers with a snapshot (the `Stats`
 //! figures and the fixed-bucket latency histograms of `metrics.rs`); the
 //! text is rendered on the metrics thread. A scrape waits at most
-//! [`METRICS_SNAPSHOT_TIMEOUT`] for the loop.
+//! [`METRICS_SNAPSHOT_TIMEOUT`] for the loop. The loop takes at most one
+//! snapshot per [`METRICS_MIN_INTERVAL`]: a scrape sooner after the last
+//! one gets that one's text ([`ScrapeCache`]), so a local user looping
+//! `curl` on the endpoint cannot keep the loop walking every pin (a
+//! snapshot counts the long-held pins) instead of serving requests.
 //!
 //! ## Identity
 //!
@@ -135,6 +139,11 @@ const SHUTDOWN_FREE_WAIT: Duration = Duration::from_secs(2);
 /// How long a `/metrics` scrape waits for the event loop's snapshot before
 /// it is answered `503`.
 pub const METRICS_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The event loop takes at most one metrics snapshot per this interval
+/// (scrapers ask every 15 s or so; a faster loop of requests gets the last
+/// text again).
+pub const METRICS_MIN_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Everything a server needs to start. `ServerConfig::default()` is what
 /// `cxlkv serve` runs with no arguments; fields may be changed one by one
@@ -758,24 +767,70 @@ fn metrics_source(
     completer: transport::Completer,
 ) -> metrics_http::RenderFn {
     let outstanding = parking_lot::Mutex::new(None::<mpsc::Receiver<metrics::MetricsSnapshot>>);
+    let cache = parking_lot::Mutex::new(ScrapeCache::new(METRICS_MIN_INTERVAL));
     Box::new(move || {
-        let mut slot = outstanding.lock();
-        let rx = slot.take().unwrap_or_else(|| {
-            let (tx, rx) = mpsc::sync_channel(1);
-            mailbox.post(Event::Control(Control::Metrics(tx)), &completer);
-            rx
-        });
-        match rx.recv_timeout(METRICS_SNAPSHOT_TIMEOUT) {
-            Ok(snap) => Ok(metrics::render(&snap)),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                *slot = Some(rx);
-                Err("the server's event loop did not answer in time\n".to_owned())
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Err("the server's event loop is gone\n".to_owned())
-            }
-        }
+        cache.lock().get(Instant::now(), || {
+            snapshot_text(&outstanding, &mailbox, &completer)
+        })
     })
+}
+
+/// The text of the last successful scrape, served again to scrapes within
+/// `min_interval` of it; a failed scrape is not kept.
+#[derive(Debug)]
+struct ScrapeCache {
+    min_interval: Duration,
+    last: Option<(Instant, String)>,
+}
+
+impl ScrapeCache {
+    fn new(min_interval: Duration) -> Self {
+        Self {
+            min_interval,
+            last: None,
+        }
+    }
+
+    /// The cached text if it is younger than `min_interval` at `now`, else
+    /// `fetch`'s (kept if it succeeded).
+    fn get(
+        &mut self,
+        now: Instant,
+        fetch: impl FnOnce() -> Result<String, String>,
+    ) -> Result<String, String> {
+        if let Some((at, text)) = &self.last
+            && now.saturating_duration_since(*at) < self.min_interval
+        {
+            return Ok(text.clone());
+        }
+        let text = fetch()?;
+        self.last = Some((now, text.clone()));
+        Ok(text)
+    }
+}
+
+/// One snapshot from the loop, rendered (see [`metrics_source`]).
+fn snapshot_text(
+    outstanding: &parking_lot::Mutex<Option<mpsc::Receiver<metrics::MetricsSnapshot>>>,
+    mailbox: &Mailbox,
+    completer: &transport::Completer,
+) -> Result<String, String> {
+    let mut slot = outstanding.lock();
+    let rx = slot.take().unwrap_or_else(|| {
+        let (tx, rx) = mpsc::sync_channel(1);
+        mailbox.post(Event::Control(Control::Metrics(tx)), completer);
+        rx
+    });
+    match rx.recv_timeout(METRICS_SNAPSHOT_TIMEOUT) {
+        Ok(snap) => Ok(metrics::render(&snap)),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            *slot = Some(rx);
+            Err("the server's event loop did not answer in time\n".to_owned())
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            Err("the server's event loop is gone\n".to_owned())
+        }
+    }
 }
 
 /// Removes files and directory trees, logging what cannot be removed.
@@ -1050,6 +1105,37 @@ impl Drop for ServerHandle {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn metrics_scrapes_within_the_interval_reuse_the_last_snapshot_and_failures_are_not_kept() {
+        use super::ScrapeCache;
+        use std::time::{Duration, Instant};
+        let mut cache = ScrapeCache::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        let taken = std::cell::Cell::new(0);
+        let fetch = |text: &str| {
+            taken.set(taken.get() + 1);
+            Ok::<_, String>(text.to_owned())
+        };
+        assert_eq!(cache.get(t0, || fetch("a")), Ok("a".into()));
+        for ms in [1, 500, 999] {
+            let at = t0 + Duration::from_millis(ms);
+            assert_eq!(cache.get(at, || fetch("b")), Ok("a".into()), "{ms} ms");
+        }
+        assert_eq!(
+            taken.get(),
+            1,
+            "one snapshot for four scrapes within the second"
+        );
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(cache.get(t1, || fetch("c")), Ok("c".into()));
+        assert_eq!(taken.get(), 2);
+        // A failure is answered as such and not kept: the next scrape asks
+        // the loop again.
+        let t2 = t1 + Duration::from_secs(2);
+        assert!(cache.get(t2, || Err("gone".into())).is_err());
+        assert_eq!(cache.get(t2, || fetch("d")), Ok("d".into()));
+    }
+
     use std::ffi::OsStr;
     use std::path::Path;
 
