@@ -204,8 +204,13 @@ pub(crate) struct DirectoryHandler {
     /// Every connection accepted, with the time it must have opened a
     /// session by, in acceptance order (so in deadline order: the timeout
     /// is fixed). An entry whose connection is gone or has a session is
-    /// dropped when it comes due. At most one per connection.
+    /// dropped when it comes due, or sooner when the queue outgrows twice
+    /// the connections (a peer connecting and closing in a loop would
+    /// otherwise grow it by its accept rate times the timeout).
     hello_deadlines: VecDeque<(Instant, ConnId)>,
+    /// TCP connections without a session (what `max_sessionless_tcp`
+    /// bounds), kept as connections come, open sessions, lose them and go.
+    sessionless_tcp: usize,
     // Keys the server assigns (no peer chooses them): a fixed fast hash;
     // `conns` is probed on every request.
     conns: HashMap<ConnId, Conn, FixedState>,
@@ -273,6 +278,7 @@ impl DirectoryHandler {
             hello_timeout: p.hello_timeout,
             max_sessionless_tcp: p.max_sessionless_tcp.max(1),
             hello_deadlines: VecDeque::new(),
+            sessionless_tcp: 0,
             conns: HashMap::default(),
             sessions: HashMap::default(),
             pending: HashMap::default(),
@@ -608,6 +614,9 @@ impl DirectoryHandler {
         instance: &str,
     ) {
         if let Some(c) = self.conns.get_mut(&conn) {
+            if c.session.is_none() && is_tcp(&c.peer) {
+                self.sessionless_tcp -= 1;
+            }
             c.session = Some(ConnSession { id, quota_bytes });
             let now = Instant::now();
             c.info = Some(SessionInfo {
@@ -1282,8 +1291,12 @@ impl DirectoryHandler {
                     }
                     tracing::info!(session = %session, ?reason, "session ended; closing its connection");
                     if let Some(conn) = self.sessions.remove(&session) {
-                        if let Some(c) = self.conns.get_mut(&conn) {
-                            c.session = None;
+                        // `take` runs whenever the connection is there.
+                        if let Some(c) = self.conns.get_mut(&conn)
+                            && c.session.take().is_some()
+                            && is_tcp(&c.peer)
+                        {
+                            self.sessionless_tcp += 1;
                         }
                         match out.as_deref_mut() {
                             Some(out) => out.close(conn),
@@ -1404,11 +1417,12 @@ impl DirectoryHandler {
         }
     }
 
-    /// TCP connections that have not opened a session.
-    fn sessionless_tcp(&self) -> usize {
+    /// TCP connections that have not opened a session, counted (what
+    /// `sessionless_tcp` keeps; for the debug check).
+    fn count_sessionless_tcp(&self) -> usize {
         self.conns
             .values()
-            .filter(|c| c.session.is_none() && !matches!(c.peer, PeerInfo::Unix(_)))
+            .filter(|c| c.session.is_none() && is_tcp(&c.peer))
             .count()
     }
 
@@ -1587,6 +1601,11 @@ fn refusal(reply: &ErrorReply) -> Option<Refusal> {
     })
 }
 
+/// A peer that came over TCP (authenticated by the secret, not its uid).
+fn is_tcp(peer: &PeerInfo) -> bool {
+    !matches!(peer, PeerInfo::Unix(_))
+}
+
 fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
     PoolServiceError::new(
         ErrorCode::Internal,
@@ -1598,10 +1617,9 @@ fn unexpected_reply(reply: &PoolReply) -> PoolServiceError {
 impl Handler for DirectoryHandler {
     fn on_connect(&mut self, conn: ConnId, peer: &PeerInfo) -> Admit {
         // Unauthenticated TCP peers cannot take every slot: Unix clients
-        // and sessions keep the rest (a walk of at most `max_connections`
-        // entries, once per connection).
-        if !matches!(peer, PeerInfo::Unix(_)) && self.sessionless_tcp() >= self.max_sessionless_tcp
-        {
+        // and sessions keep the rest.
+        debug_assert_eq!(self.sessionless_tcp, self.count_sessionless_tcp());
+        if is_tcp(peer) && self.sessionless_tcp >= self.max_sessionless_tcp {
             let limit = self.max_sessionless_tcp;
             tracing::debug!(peer = ?peer, limit, "TCP connection refused: too many without a session");
             let reply = ErrorReply::new(
@@ -1611,8 +1629,19 @@ impl Handler for DirectoryHandler {
             );
             return Admit::Refuse(refusal(&reply));
         }
+        if self.hello_deadlines.len() >= 2 * self.conns.len().max(16) {
+            // Mostly entries of connections gone or in session: drop them
+            // (amortised: the queue at least halves, so this runs once per
+            // as many accepts as it keeps).
+            let conns = &self.conns;
+            self.hello_deadlines
+                .retain(|(_, c)| conns.get(c).is_some_and(|c| c.session.is_none()));
+        }
         self.hello_deadlines
             .push_back((Instant::now() + self.hello_timeout, conn));
+        if is_tcp(peer) {
+            self.sessionless_tcp += 1;
+        }
         self.conns.insert(
             conn,
             Conn {
@@ -1694,6 +1723,9 @@ impl Handler for DirectoryHandler {
         let Some(c) = self.conns.remove(&conn) else {
             return;
         };
+        if c.session.is_none() && is_tcp(&c.peer) {
+            self.sessionless_tcp -= 1;
+        }
         if let Some(s) = c.session {
             tracing::debug!(conn = %conn, session = %s.id, reason = ?why, "session's connection closed");
             self.sessions.remove(&s.id);

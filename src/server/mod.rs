@@ -833,7 +833,6 @@ fn snapshot_text(
     }
 }
 
-/// Removes files and directory trees, logging what cannot be removed.
 /// What `remove_pool_on_shutdown` removes: the embedded pool manager's
 /// pool files and its state directory, unless that is the host's shared
 /// one (where a device or disk pool's state goes by default), which other
@@ -850,6 +849,7 @@ fn removable_on_shutdown(pool_cfg: &PoolManagerConfig, remove: bool) -> Vec<Path
     }
 }
 
+/// Removes files and directory trees, logging what cannot be removed.
 fn remove_paths(paths: &[PathBuf]) {
     for p in paths {
         let removed = if p.is_dir() {

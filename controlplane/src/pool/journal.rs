@@ -1400,7 +1400,7 @@ mod tests {
         );
     }
 
-    /// Entry 112: the read stops one byte past the limit whatever size it
+    /// Entry 105: the read stops one byte past the limit whatever size it
     /// was told (a file growing after its `fstat`) — here an endless
     /// reader.
     #[test]

@@ -755,8 +755,11 @@ impl Driver {
         let sqe = opcode::Read::new(types::Fd(core.shared.eventfd.as_raw_fd()), buf.cast(), 8)
             .build()
             .user_data(user_data(OP_WAKE, 0, 0));
+        // Armed once queued: a failed push queued nothing, and `quiesce`
+        // must not wait for its completion.
+        self.push(&sqe)?;
         self.wake_armed = true;
-        self.push(&sqe)
+        Ok(())
     }
 
     /// Arms the connection's receive: a direct one into its decoder, or a
@@ -780,8 +783,10 @@ impl Driver {
             Receives::Provided(_) => opcode::RecvMulti::new(fd, BGID).build(),
         };
         let sqe = sqe.user_data(user_data(OP_RECV, generation, slot));
+        // Armed once queued (see `arm_wake`).
+        self.push(&sqe)?;
         self.io_mut(slot).recv_armed = true;
-        self.push(&sqe)
+        Ok(())
     }
 
     fn io_mut(&mut self, slot: u32) -> &mut ConnIo {
