@@ -35,7 +35,7 @@
 //! text is rendered on the metrics thread. A scrape waits at most
 //! [`METRICS_SNAPSHOT_TIMEOUT`] for the loop. The loop takes at most one
 //! snapshot per [`METRICS_MIN_INTERVAL`]: a scrape sooner after the last
-//! one gets that one's text ([`ScrapeCache`]), so a local user looping
+//! one gets that one's text (`ScrapeCache`), so a local user looping
 //! `curl` on the endpoint cannot keep the loop walking every pin (a
 //! snapshot counts the long-held pins) instead of serving requests.
 //!
