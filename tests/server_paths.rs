@@ -296,6 +296,51 @@ fn silent_tcp_peers_cannot_take_the_unix_clients_slots_and_are_closed_at_the_hel
     }
 }
 
+/// Peers connecting and closing in a loop, each before its hello deadline,
+/// leave no trail: the deadline queue is compacted once it outgrows twice
+/// the connections (the handler asserts the bound in debug builds, on
+/// every accept — the first version kept an entry per accept for the
+/// whole timeout), and the count of sessionless TCP connections the
+/// admission limit reads comes back down as they go (checked against a
+/// walk of the connections at every accept, in debug builds): the limit
+/// still admits new peers afterwards.
+#[test]
+fn connection_churn_before_the_hello_deadline_leaves_no_trail() {
+    use common::*;
+    use cxlkv_controlplane::transport::Endpoint;
+    use std::net::TcpStream;
+    use std::os::unix::net::UnixStream;
+
+    let mut cfg = config_on("hello-churn", backends()[0]);
+    cfg.tcp_listen = Some("127.0.0.1:0".parse().unwrap());
+    cfg.tcp_secret = Some(b"sesame".to_vec());
+    cfg.max_connections = 8;
+    cfg.hello_timeout_ms = 600_000;
+    let server = cxlkv::server::Server::start(cfg).unwrap();
+    let addr = server.tcp_addr().unwrap();
+    let seen = |s: &cxlkv::server::ServerHandle| s.transport_stats().unwrap().accepted;
+    for round in 0..100u64 {
+        drop(UnixStream::connect(server.socket_path()).unwrap());
+        drop(TcpStream::connect(addr).unwrap());
+        // Closed before the next: at most one of each is live at a time.
+        assert!(
+            wait_until(TIMEOUT, || {
+                let t = server.transport_stats().unwrap();
+                t.accepted == 2 * (round + 1) && t.disconnected == t.accepted
+            }),
+            "round {round}: {:?}",
+            server.transport_stats().unwrap()
+        );
+    }
+    assert_eq!(seen(&server), 200);
+    // The sessionless TCP count went back to 0: a full half of the slots
+    // is still there for new peers, and one of them opens a session.
+    let peers: Vec<Raw> = (0..4).map(|_| Raw::connect(&Endpoint::Tcp(addr))).collect();
+    let (welcome, _) = peers[3].hello_with_secret("inst-after-churn", Some(b"sesame"));
+    welcome.expect("the fourth sessionless TCP peer is still admitted");
+    server.shutdown().unwrap();
+}
+
 /// A retried `Delete` (its reply lost) was answered with the pins held at
 /// the retry, not those the delete found: after the pins were released,
 /// `Pinned { pins: 0 }` — the reply cache kept only the outcome.

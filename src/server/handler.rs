@@ -1639,6 +1639,10 @@ impl Handler for DirectoryHandler {
         }
         self.hello_deadlines
             .push_back((Instant::now() + self.hello_timeout, conn));
+        debug_assert!(
+            self.hello_deadlines.len() <= 2 * self.conns.len().max(16),
+            "the hello-deadline queue outgrew its bound"
+        );
         if is_tcp(peer) {
             self.sessionless_tcp += 1;
         }
