@@ -12,7 +12,6 @@ mod client_support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::Command;
 use std::time::Duration;
 
 use client_support::*;
@@ -39,21 +38,6 @@ fn engine(server: &ServerHandle) -> Client {
     let mut cfg: ClientConfig = client_config(server);
     cfg.instance_id = "engine-pins".into();
     Client::connect(cfg).unwrap()
-}
-
-fn cxlkv(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-        .args(args)
-        .env("CXLKV_LOG", "warn")
-        .output()
-        .expect("the cxlkv binary runs");
-    assert!(
-        out.status.success(),
-        "cxlkv {args:?}: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 /// `cxlkv stats --json`, parsed.

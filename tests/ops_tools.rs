@@ -103,21 +103,6 @@ fn engine(server: &ServerHandle) -> Client {
     Client::connect(cfg).unwrap()
 }
 
-fn cxlkv(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-        .args(args)
-        .env("CXLKV_LOG", "warn")
-        .output()
-        .expect("the cxlkv binary runs");
-    assert!(
-        out.status.success(),
-        "cxlkv {args:?}: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
 #[test]
 fn stats_json_reports_exactly_the_operations_done() {
     let server = start();

@@ -285,3 +285,20 @@ pub fn main_with(
         std::process::ExitCode::FAILURE
     }
 }
+
+/// Runs the `cxlkv` binary with `args` (logging at `warn`) and returns
+/// its output, after checking it succeeded.
+pub fn cxlkv(args: &[&str]) -> std::process::Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(args)
+        .env("CXLKV_LOG", "warn")
+        .output()
+        .expect("the cxlkv binary runs");
+    assert!(
+        out.status.success(),
+        "cxlkv {args:?}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
