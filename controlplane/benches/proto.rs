@@ -202,6 +202,23 @@ fn codec(c: &mut Criterion) {
             BatchSize::SmallInput,
         )
     });
+    // The checked access alone, on a frame decoded once: rkyv's
+    // validation and the protocol's checks, what the server pays per
+    // request on top of receiving it.
+    let mut decoder = FrameDecoder::new();
+    decoder.push(&wire);
+    let Ok(Some(Decoded::Frame(frame))) = decoder.decode() else {
+        panic!("the bench's frame decodes");
+    };
+    group.bench_function("access_request_exists_512keys", |b| {
+        b.iter(|| {
+            black_box(
+                proto::decode_request(black_box(frame))
+                    .expect("valid")
+                    .kind(),
+            )
+        })
+    });
     group.finish();
 }
 

@@ -5,7 +5,9 @@
 //! a valid payload of every kind (`fuzz/seeds/payload_decode/`), so the
 //! fuzzer works from real messages inward: rkyv's structural checks, then
 //! every protocol limit and field rule of `proto::validate`, then the
-//! round trip (deserialize, re-encode, validate again, compare).
+//! round trip (deserialize, re-encode, validate again, compare). A key-batch
+//! request's structure must also get the same verdict from the one-pass key
+//! list check as from rkyv's own per-key check (`proto::key_list`).
 
 #![no_main]
 
@@ -13,7 +15,7 @@ mod common;
 
 use common::{Aligned, decode_as};
 use cxlkv_controlplane::frame::{Frame, FrameHeader};
-use cxlkv_controlplane::proto::Kind;
+use cxlkv_controlplane::proto::{Kind, key_list_reference};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -25,6 +27,11 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let aligned = Aligned::new(payload);
+    // A key list must get the verdict rkyv's own per-key check gives it
+    // (`proto::key_list`'s one-pass check).
+    if let Some((rkyv, ours)) = key_list_reference::verdicts(kind, aligned.bytes()) {
+        assert_eq!(ours, rkyv, "{kind:?}: the key list check disagrees with rkyv's");
+    }
     decode_as(Frame {
         header,
         payload: aligned.bytes(),

@@ -5,8 +5,10 @@
 //! copy, and rkyv's scratch space is a reused thread-local arena. [`access`]
 //! is the only way to read a received payload: kind check, rkyv checked
 //! access (bytecheck: every relative pointer in range and aligned, every enum
-//! tag and `bool` valid, every string UTF-8), then this protocol's own limits
-//! ([`Validate`]). Nothing in this crate uses unchecked access.
+//! tag and `bool` valid, every string UTF-8; a request's key list in one
+//! pass that accepts exactly what rkyv's per-key check accepts, see
+//! [`ArchivedKeyList`](super::ArchivedKeyList)), then this protocol's own
+//! limits ([`Validate`]). Nothing in this crate uses unchecked access.
 
 use rkyv::api::low::{LowDeserializer, LowValidator};
 use rkyv::bytecheck::CheckBytes;

@@ -13,6 +13,7 @@ use super::common::{
     ArchivedLocation, InstanceSecret, KeyBitmap, Layout, Limits, Location, PoolInfo, RefusedRegion,
     RegionDesc, RegionToken, ReplyMeta, RequestMeta,
 };
+use super::key_list::{ArchivedKeyList, KeyList};
 
 /// First request on a connection: opens a session of a new instance (or of
 /// an instance whose id the directory does not know).
@@ -309,6 +310,7 @@ pub struct RegisterReply {
 pub struct Lookup {
     pub meta: RequestMeta,
     pub layout: Layout,
+    #[rkyv(with = KeyList)]
     pub keys: Vec<Vec<u8>>,
     /// Pins to take per found key, at most
     /// [`MAX_PINS_PER_KEY`](super::MAX_PINS_PER_KEY). The pins belong to
@@ -448,6 +450,7 @@ fn write_location_slot(dst: &mut [u8], l: Option<Location>) {
 pub struct Exists {
     pub meta: RequestMeta,
     pub layout: Layout,
+    #[rkyv(with = KeyList)]
     pub keys: Vec<Vec<u8>>,
 }
 
@@ -465,6 +468,7 @@ pub struct ExistsReply {
 pub struct Unpin {
     pub meta: RequestMeta,
     pub layout: Layout,
+    #[rkyv(with = KeyList)]
     pub keys: Vec<Vec<u8>>,
     /// Pins to release per key, same length as `keys`, each in
     /// `1..=MAX_PINS_PER_KEY`.
@@ -505,6 +509,7 @@ pub struct UnpinReply {
 pub struct Delete {
     pub meta: RequestMeta,
     pub layout: Layout,
+    #[rkyv(with = KeyList)]
     pub keys: Vec<Vec<u8>>,
 }
 
@@ -563,9 +568,7 @@ pub struct SessionEnded {
 // plain Rust values for free.
 
 /// Borrowed keys of a validated request, in order.
-fn keys_of(
-    keys: &rkyv::vec::ArchivedVec<rkyv::vec::ArchivedVec<u8>>,
-) -> impl ExactSizeIterator<Item = &[u8]> + Clone + '_ {
+fn keys_of(keys: &ArchivedKeyList) -> impl ExactSizeIterator<Item = &[u8]> + Clone + '_ {
     keys.iter().map(rkyv::vec::ArchivedVec::as_slice)
 }
 

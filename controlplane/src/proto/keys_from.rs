@@ -20,14 +20,10 @@ use super::common::{Layout, RequestMeta};
 use super::directory::{ArchivedDelete, ArchivedExists, ArchivedLookup, ArchivedUnpin};
 #[cfg(doc)]
 use super::directory::{Delete, Exists, Lookup, Unpin};
+use super::key_list::{PAIR_BYTES, resolve_keys};
 
 /// Pairs per `write` of [`serialize_keys`] (a 1 KiB chunk on the stack).
 const PAIRS_PER_WRITE: usize = 128;
-/// An archived `Vec<u8>`: a 32-bit relative pointer and a 32-bit length
-/// (rkyv's `pointer_width_32`, `little_endian`, `aligned` features, which
-/// the workspace pins).
-const PAIR_BYTES: usize = std::mem::size_of::<ArchivedVec<u8>>();
-const _: () = assert!(PAIR_BYTES == 8 && std::mem::align_of::<ArchivedVec<u8>>() == 4);
 
 /// An offset or length that does not fit the archive's 32 bits.
 #[derive(Debug)]
@@ -123,7 +119,7 @@ macro_rules! keys_from {
                 rkyv::munge::munge!(let $archived { meta, layout, keys, $($extra,)? } = out);
                 self.meta.resolve(resolver.0, meta);
                 self.layout.resolve(resolver.1, layout);
-                ArchivedVec::resolve_from_len(self.keys.len(), resolver.2, keys);
+                resolve_keys(self.keys.len(), resolver.2, keys);
                 $(self.$extra.resolve(resolver.3, $extra);)?
             }
         }
@@ -173,7 +169,7 @@ impl<K: AsRef<[u8]>> Archive for UnpinFrom<'_, K> {
         rkyv::munge::munge!(let ArchivedUnpin { meta, layout, keys, counts } = out);
         self.meta.resolve(resolver.0, meta);
         self.layout.resolve(resolver.1, layout);
-        ArchivedVec::resolve_from_len(self.keys.len(), resolver.2, keys);
+        resolve_keys(self.keys.len(), resolver.2, keys);
         ArchivedVec::resolve_from_len(self.counts.len(), resolver.3, counts);
     }
 }

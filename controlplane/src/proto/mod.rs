@@ -68,6 +68,7 @@ mod codec;
 mod common;
 pub mod directory;
 mod error;
+mod key_list;
 mod keys_from;
 mod kind;
 pub mod pool;
@@ -88,6 +89,10 @@ pub use codec::{
 pub use common::*;
 pub use directory::*;
 pub use error::{ArchivedErrorReply, ErrorCode, ErrorReply, ProtoError};
+#[cfg(any(test, fuzzing))]
+#[doc(hidden)]
+pub use key_list::reference as key_list_reference;
+pub use key_list::{ArchivedKeyList, KeyList};
 pub use keys_from::{DeleteFrom, ExistsFrom, LookupFrom, UnpinFrom};
 pub use kind::{Kind, Service};
 pub use pool::*;

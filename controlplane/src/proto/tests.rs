@@ -1802,3 +1802,187 @@ proptest! {
         check_keys_from_encodings(&keys, pins, true);
     }
 }
+
+// --- The key list's one-pass check accepts exactly what rkyv's does -------
+
+/// Where the pair array of the key list starts in `payload` (of an
+/// accepted key-batch request of `kind`).
+fn pairs_offset(kind: Kind, payload: &[u8]) -> usize {
+    let aligned = Aligned::new(payload);
+    let frame = aligned.frame(kind.as_u16());
+    let ptr = match decode_request(frame).expect("the unmutated request is valid") {
+        AnyRequest::Exists(m) => m.keys.as_ptr(),
+        AnyRequest::Delete(m) => m.keys.as_ptr(),
+        AnyRequest::Lookup(m) => m.keys.as_ptr(),
+        AnyRequest::Unpin(m) => m.keys.as_ptr(),
+        other => panic!("not a key-batch request: {other:?}"),
+    };
+    ptr as usize - aligned.bytes().as_ptr() as usize
+}
+
+/// A small deterministic generator (the test must not depend on a seed
+/// source).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Rewrites one pair (or two) of a key list in place: its pointer moved by
+/// a small or large amount, its length changed, two pairs swapped or one
+/// copied over another — keys made to overlap, go out of order, reach into
+/// the pair array, the root or past the payload, or wrap around.
+fn mutate_pairs(payload: &mut [u8], pairs: usize, n: usize, rng: &mut SplitMix) {
+    let pair = |i: usize| pairs + 8 * i;
+    let read = |p: &[u8], at: usize| u32::from_le_bytes(p[at..at + 4].try_into().unwrap());
+    let i = rng.below(n as u64) as usize;
+    let j = rng.below(n as u64) as usize;
+    match rng.below(7) {
+        0 => {
+            let delta = rng.below(129) as i64 - 64;
+            let v = (read(payload, pair(i)) as i32 as i64 + delta) as i32;
+            payload[pair(i)..pair(i) + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        1 => {
+            let v = rng.next() as u32;
+            payload[pair(i)..pair(i) + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        2 => {
+            let len = read(payload, pair(i) + 4);
+            let v = match rng.below(3) {
+                0 => len.wrapping_add(rng.below(65) as u32).wrapping_sub(32),
+                1 => rng.below(payload.len() as u64 + 16) as u32,
+                _ => u32::MAX - rng.below(4) as u32,
+            };
+            payload[pair(i) + 4..pair(i) + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        3 => {
+            // Swap two whole pairs, each pointer re-aimed at the other's key.
+            let (a, b) = (pair(i), pair(j));
+            let (pa, pb) = (read(payload, a) as i32, read(payload, b) as i32);
+            let (la, lb) = (read(payload, a + 4), read(payload, b + 4));
+            let shift = b as i32 - a as i32;
+            payload[a..a + 4].copy_from_slice(&(pb + shift).to_le_bytes());
+            payload[a + 4..a + 8].copy_from_slice(&lb.to_le_bytes());
+            payload[b..b + 4].copy_from_slice(&(pa - shift).to_le_bytes());
+            payload[b + 4..b + 8].copy_from_slice(&la.to_le_bytes());
+        }
+        4 => {
+            // Pair `i` aimed at pair `j`'s key (a duplicate).
+            let (a, b) = (pair(i), pair(j));
+            let target = b as i64 + read(payload, b) as i32 as i64;
+            let v = (target - a as i64) as i32;
+            payload[a..a + 4].copy_from_slice(&v.to_le_bytes());
+            let lb = read(payload, b + 4);
+            payload[a + 4..a + 8].copy_from_slice(&lb.to_le_bytes());
+        }
+        5 => {
+            // The list's own length or pointer (in the root).
+            let root = payload.len() - 8 * rng.below(6) as usize - 8;
+            let at = root + 4 * rng.below(2) as usize;
+            let v = read(payload, at) ^ (1 << rng.below(12));
+            payload[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        _ => {
+            // Any byte of the pair array.
+            let at = pairs + rng.below(8 * n as u64) as usize;
+            payload[at] ^= 1 << rng.below(8);
+        }
+    }
+}
+
+#[test]
+fn the_one_pass_key_list_check_gives_rkyvs_verdict_on_every_mutated_list() {
+    use super::key_list::reference::verdicts;
+    let mut rng = SplitMix(0x6b65_795f_6c69_7374);
+    let (mut accepted, mut refused) = (0usize, 0usize);
+    for round in 0..400 {
+        let n = 1 + rng.below(12) as usize;
+        let keys: Vec<Vec<u8>> = (0..n)
+            .map(|k| vec![k as u8; rng.below(if round % 4 == 0 { 3 } else { 40 }) as usize])
+            .collect();
+        let meta = RequestMeta {
+            seq: 3,
+            notice_ack: 0,
+            replies_received_below: 0,
+        };
+        let layout = samples::lookup().layout;
+        let frames = [
+            (
+                Kind::Exists,
+                encoded(&Exists {
+                    meta: RequestMeta { seq: 0, ..meta },
+                    layout,
+                    keys: keys.clone(),
+                }),
+            ),
+            (
+                Kind::Delete,
+                encoded(&Delete {
+                    meta,
+                    layout,
+                    keys: keys.clone(),
+                }),
+            ),
+            (
+                Kind::Lookup,
+                encoded(&Lookup {
+                    meta,
+                    layout,
+                    keys: keys.clone(),
+                    pins: 1,
+                }),
+            ),
+            (
+                Kind::Unpin,
+                encoded(&Unpin {
+                    meta,
+                    layout,
+                    keys: keys.clone(),
+                    counts: vec![1; n],
+                }),
+            ),
+        ];
+        for (kind, bytes) in frames {
+            let clean = payload_of(&bytes).to_vec();
+            let pairs = pairs_offset(kind, &clean);
+            assert_eq!(
+                verdicts(kind, &clean),
+                Some((true, true)),
+                "{kind:?} unmutated"
+            );
+            for _ in 0..25 {
+                let mut payload = clean.clone();
+                for _ in 0..1 + rng.below(3) {
+                    mutate_pairs(&mut payload, pairs, n, &mut rng);
+                }
+                let aligned = Aligned::new(&payload);
+                let (rkyv, ours) = verdicts(kind, aligned.bytes()).unwrap();
+                assert_eq!(
+                    ours, rkyv,
+                    "{kind:?}, {n} keys: rkyv's per-key check says {rkyv}, ours {ours}, on {payload:?}"
+                );
+                if rkyv {
+                    accepted += 1;
+                } else {
+                    refused += 1;
+                }
+            }
+        }
+    }
+    // Both verdicts must be common, or the comparison proves little.
+    assert!(
+        accepted > 2_000 && refused > 2_000,
+        "accepted {accepted}, refused {refused}"
+    );
+}
