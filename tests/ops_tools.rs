@@ -654,7 +654,7 @@ fn serve_with_a_metrics_address_announces_and_serves_it() {
         .env(
             "CXLKV_POOL_POOLS",
             format!(
-                "[{{path = \"{}\", size_bytes = \"64MiB\"}}]",
+                "[{{path = \"{}\", size_bytes = \"96MiB\"}}]",
                 pool.display()
             ),
         )

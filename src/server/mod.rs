@@ -471,11 +471,20 @@ impl ServerConfig {
                 self.default_region_bytes
             ));
         }
-        if self.pool_manager.is_none() && self.default_region_bytes >= self.pool_size_bytes {
-            return bad(format!(
-                "default_region_bytes = {} does not fit the embedded pool of pool_size_bytes = {} (its first block holds the pool header)",
-                self.default_region_bytes, self.pool_size_bytes
-            ));
+        // Every embedded pool that is created at a known size: the default
+        // region must fit one of them. (A pool given without a size is an
+        // existing file or device, measured only when opened.)
+        if let PoolManagerConfig::Embedded(c) = self.pool_manager_config() {
+            let sizes: Option<Vec<u64>> = c.pools.iter().map(|p| p.create_size_bytes).collect();
+            if let Some(largest) = sizes.and_then(|s| s.into_iter().max())
+                && self.default_region_bytes >= largest
+            {
+                return bad(format!(
+                    "default_region_bytes = {} does not fit the embedded pool{} (largest {largest} bytes; its first block holds the pool header)",
+                    self.default_region_bytes,
+                    if c.pools.len() > 1 { "s" } else { "" },
+                ));
+            }
         }
         Ok(())
     }
@@ -658,6 +667,13 @@ impl Server {
             // every process that held it has exited (DESIGN §4).
             directory.set_holder_probe(cxlkv_controlplane::pool::liveness::may_run);
             for p in usage {
+                if p.total_bytes < crate::client::DEFAULT_REGION_SIZE_BYTES {
+                    tracing::warn!(
+                        pool = p.pool,
+                        total_bytes = p.total_bytes,
+                        "this pool cannot hold one region of the size cxlkv's clients ask for unless told otherwise (64 MiB): give it more, or set the clients' region_size_bytes lower"
+                    );
+                }
                 directory.pool_usage(PoolId(p.pool), p.total_bytes, p.free_bytes);
             }
             // Bound before anything is served, so that a port in use fails
@@ -1300,6 +1316,52 @@ mod tests {
         cfg.default_region_bytes = cfg.pool_size_bytes;
         assert!(refused(&cfg).contains("does not fit the embedded pool"));
         cfg.default_region_bytes = 4 << 20;
+        cfg.validate().unwrap();
+    }
+
+    /// Found by a review of the docs against the code (session 26): the
+    /// directory accepted a `max_region_bytes` up to 256 TiB, while the
+    /// pool manager refuses every region over 16 TiB (`RegionTooLarge`).
+    #[test]
+    fn a_largest_region_over_the_pool_managers_limit_is_refused() {
+        let mut cfg = ServerConfig::ephemeral("region-ceiling");
+        cfg.directory.max_region_bytes = cxlkv_controlplane::pool::manager::MAX_REGION_BYTES;
+        cfg.validate().unwrap();
+        cfg.directory.max_region_bytes += 4096;
+        let m = refused(&cfg);
+        assert!(m.contains("max_region_bytes") && m.contains("2^44"), "{m}");
+    }
+
+    /// Found by a review of the docs against the code (session 26): the
+    /// pool check above ran only for a configuration without a pool
+    /// manager, while `cxlkv serve` always names its embedded one, so a
+    /// default region larger than every embedded pool started a server
+    /// whose every default request failed.
+    #[test]
+    fn a_default_region_over_every_embedded_pool_is_refused_as_serve_configures_it() {
+        let mut cfg = ServerConfig::ephemeral("region-embedded");
+        let PoolManagerConfig::Embedded(mut service) = cfg.pool_manager_config() else {
+            panic!("the ephemeral configuration embeds its pool manager");
+        };
+        service.pools[0].create_size_bytes = Some(48 << 20);
+        let mut second = service.pools[0].clone();
+        second.path = second.path.with_extension("second");
+        second.create_size_bytes = Some(32 << 20);
+        service.pools.push(second);
+        cfg.pool_manager = Some(PoolManagerConfig::Embedded(service.clone()));
+        cfg.default_region_bytes = 64 << 20;
+        let m = refused(&cfg);
+        assert!(
+            m.contains("does not fit the embedded pools (largest 50331648 bytes"),
+            "{m}"
+        );
+        cfg.default_region_bytes = 40 << 20;
+        cfg.validate().unwrap();
+        // A pool given without a size (an existing file or device) is
+        // measured only when opened: nothing to check it against here.
+        service.pools[1].create_size_bytes = None;
+        cfg.pool_manager = Some(PoolManagerConfig::Embedded(service));
+        cfg.default_region_bytes = 64 << 20;
         cfg.validate().unwrap();
     }
 

@@ -23,14 +23,14 @@ pub const MAX_SEQUENCE: u64 = 1 << 62;
 /// in `u32` and cached reply sizes sane).
 pub const MAX_BATCH_CEILING: usize = 1 << 16;
 pub const MAX_KEYS_CEILING: usize = (u32::MAX - 1) as usize;
-/// Largest `max_region_bytes`: 256 TiB. No process can map more (a region
-/// is mapped whole, and x86-64's 4-level page tables give a process 2^47
-/// bytes of address space; 5-level ones 2^56, but no CXL device is within
-/// orders of magnitude of this), and it keeps an instance's byte counts
-/// (owned + pending + one request) far from `u64::MAX`: with at most
-/// [`MAX_PENDING_REGION_REQUESTS_CEILING`] requests pending, the pending
-/// bytes stay below 2^60.
-pub const MAX_REGION_BYTES_CEILING: u64 = 1 << 48;
+/// Largest `max_region_bytes`: 16 TiB, the pool manager's own limit on one
+/// region ([`pool::manager::MAX_REGION_BYTES`](crate::pool::manager::MAX_REGION_BYTES)):
+/// a directory allowing more passed larger requests on only to have every
+/// one refused there (`RegionTooLarge`). It also keeps an instance's byte
+/// counts (owned + pending + one request) far from `u64::MAX`: with at
+/// most [`MAX_PENDING_REGION_REQUESTS_CEILING`] requests pending, the
+/// pending bytes stay below 2^60.
+pub const MAX_REGION_BYTES_CEILING: u64 = crate::pool::manager::MAX_REGION_BYTES;
 /// Largest `max_pending_region_requests_per_instance` (see
 /// [`MAX_REGION_BYTES_CEILING`]).
 pub const MAX_PENDING_REGION_REQUESTS_CEILING: usize = 1 << 12;
@@ -281,7 +281,7 @@ impl DirectoryConfig {
             (PAGE_SIZE_ALIGN_BYTES..=MAX_REGION_BYTES_CEILING).contains(&self.max_region_bytes),
             "max_region_bytes",
             self.max_region_bytes,
-            "4096..=2^48",
+            "4096..=2^44",
         )?;
         check(
             self.max_pinned_keys_per_session >= 1,

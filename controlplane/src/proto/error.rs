@@ -70,11 +70,15 @@ pub enum ErrorCode {
     /// The connection has not opened a session yet (`Hello`/`Reattach`, or
     /// `PoolHello`, must come first).
     HelloRequired = 21,
-    /// `Hello` named an instance that is live or within its grace period:
-    /// use `Reattach` with its secret.
+    /// `Hello` named an instance that is live, or within its grace period
+    /// and not one this caller may take over (a `Hello` from the same Unix
+    /// user takes over an instance none of whose processes still runs;
+    /// `docs/protocol.md`): use `Reattach` with its secret.
     InstanceInUse = 22,
-    /// `Reattach` named an instance whose grace period expired (its regions
-    /// were freed): start over with `Hello`.
+    /// A `RequestRegion` whose instance was declared gone (grace expired,
+    /// or taken over) before the pool manager answered. (A `Reattach` of an
+    /// expired instance is not refused: it starts the instance afresh,
+    /// `resumed: false`.)
     InstanceGone = 23,
     /// The retried `seq` was executed, but its cached reply was dropped (the
     /// instance's reply cache overflowed its byte limit, or the client said
