@@ -200,13 +200,18 @@ impl Drop for Guard {
     }
 }
 
-fn spawn_listening(mut cmd: Command, what: &str) -> Guard {
+fn spawn_listening(cmd: Command, what: &str) -> Guard {
+    spawn_listening_to(cmd, what, Stdio::inherit())
+}
+
+/// [`spawn_listening`] with the child's standard error going to `stderr`.
+fn spawn_listening_to(mut cmd: Command, what: &str, stderr: Stdio) -> Guard {
     let mut child = cmd
         .env_remove("CXLKV_CONFIG")
         .env("CXLKV_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .unwrap_or_else(|e| panic!("{what} starts: {e}"));
     let stdout = child.stdout.take().unwrap();
@@ -287,5 +292,73 @@ fn a_server_restarted_at_once_reattaches_to_its_pool_daemon() {
         server = spawn_listening(serve(dir), "the restarted cxlkv serve");
     }
     stop(&mut server, libc::SIGTERM);
+    stop(&mut pool, libc::SIGTERM);
+}
+
+/// Found by a review of the remote pool session (session 26): a `cxlkv pool`
+/// daemon restarted with another pool list was reconnected to as if
+/// nothing had changed — the server went on announcing the first list to
+/// its clients (and passing its descriptors), so a region the daemon
+/// placed in the new pool named a pool no client knew. The server now
+/// exits, naming the change, and a supervisor's restart serves the new
+/// list.
+#[test]
+fn a_server_exits_when_its_pool_daemon_comes_back_serving_other_pools() {
+    let tmp = tempfile::Builder::new()
+        .prefix("cxlkv-serve-pools-")
+        .tempdir_in("/dev/shm")
+        .expect("a temporary directory under /dev/shm");
+    let dir = tmp.path();
+    let pool_cmd = |pools: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+        c.arg("pool");
+        for p in pools {
+            c.arg("--pool")
+                .arg(format!("{},size=96MiB", dir.join(p).display()));
+        }
+        c.arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--socket")
+            .arg(dir.join("pool.sock"));
+        c
+    };
+    let mut pool = spawn_listening(pool_cmd(&["a"]), "cxlkv pool");
+    let log = dir.join("serve.log");
+    let mut server = spawn_listening_to(
+        serve(dir),
+        "cxlkv serve",
+        std::fs::File::create(&log).expect("a log file").into(),
+    );
+    // The same pools after a restart: reconnected, still serving.
+    stop(&mut pool, libc::SIGTERM);
+    pool = spawn_listening(pool_cmd(&["a"]), "the restarted cxlkv pool");
+    std::thread::sleep(Duration::from_secs(8));
+    let child = server.0.as_mut().expect("running");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the server exited after its daemon came back with the same pools: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    // Another list: the server exits, naming it.
+    stop(&mut pool, libc::SIGTERM);
+    pool = spawn_listening(pool_cmd(&["a", "b"]), "cxlkv pool with a second pool");
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server still runs a minute after its daemon came back serving two pools"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    server.0 = None;
+    assert!(!status.success(), "it exits with an error: {status}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("came back serving pools [0 (") && text.contains("must restart"),
+        "{text}"
+    );
     stop(&mut pool, libc::SIGTERM);
 }

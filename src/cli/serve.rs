@@ -202,8 +202,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             break sig;
         }
         if let Some(failure) = server.pool_failure() {
+            tracing::error!(%failure, "the pool manager can no longer serve this directory; exiting");
             let _ = signals::stop_within(&signals, STOP_DEADLINE, move || server.shutdown());
-            anyhow::bail!("the embedded pool manager stopped: {failure}");
+            anyhow::bail!("{failure}");
         }
         if let Some(failure) = server.transport_failure() {
             // Nothing is served any more: exit, so that a supervisor

@@ -57,14 +57,14 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::mpsc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::directory::{ConfigError, Directory, DirectoryConfig, DirectoryStats};
 use cxlkv_controlplane::pool::StoreConfig;
-use cxlkv_controlplane::pool::service::{PoolCore, PoolSpec, ServiceConfig, TcpAuth};
+use cxlkv_controlplane::pool::service::{PoolCore, PoolService, PoolSpec, ServiceConfig, TcpAuth};
 use cxlkv_controlplane::proto;
 use cxlkv_controlplane::transport::{self, Endpoint, TransportError};
 use cxlkv_dataplane::ids::PoolId;
@@ -566,6 +566,10 @@ pub struct ServerHandle {
     /// The embedded pool manager, stopped (journal synced, checkpointed)
     /// after the directory.
     pool_core: Option<PoolCore>,
+    /// The directory's pool session, to ask whether it failed
+    /// (`pool_failure`); weak, so that the handler's is the one that keeps
+    /// it, and dropping the handler ends it as before.
+    pool_service: Weak<dyn PoolService>,
     socket_path: PathBuf,
     tcp_addr: Option<SocketAddr>,
     /// The transport backend the server runs on (io_uring or the fallback).
@@ -753,6 +757,7 @@ impl Server {
                 %backend,
                 "server listening"
             );
+            let pool_service = Arc::downgrade(&pool);
             drop(pool);
             Ok(ServerHandle {
                 transport: Some(transport),
@@ -761,6 +766,7 @@ impl Server {
                 mailbox,
                 completer,
                 pool_core,
+                pool_service,
                 socket_path: config.socket_path.clone(),
                 tcp_addr,
                 backend,
@@ -1005,11 +1011,17 @@ impl ServerHandle {
         &self.pool_paths
     }
 
-    /// Why the embedded pool manager stopped on its own (a failed journal
-    /// write or sync: fail-stop), if it did. The server must then exit; a
-    /// restart recovers.
+    /// Why the pool manager can no longer serve this directory, if it
+    /// cannot: the embedded one stopped on its own (a failed journal write
+    /// or sync: fail-stop), or a `cxlkv pool` daemon came back serving
+    /// other pools than the server started with
+    /// ([`PoolService::failure`]). The server must then exit; a restart
+    /// recovers.
     pub fn pool_failure(&self) -> Option<String> {
-        self.pool_core.as_ref().and_then(PoolCore::failure)
+        if let Some(f) = self.pool_core.as_ref().and_then(PoolCore::failure) {
+            return Some(format!("the embedded pool manager stopped: {f}"));
+        }
+        self.pool_service.upgrade().and_then(|s| s.failure())
     }
 
     /// Why the transport's event loop ended on its own (a panic, an I/O

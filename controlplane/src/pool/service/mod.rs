@@ -362,6 +362,15 @@ pub trait PoolService: Send + Sync + fmt::Debug {
     /// a [`RemotePool`] reconnects to a restarted daemon.
     fn welcome(&self) -> PoolWelcome;
 
+    /// Why this session can no longer serve its directory, once it cannot:
+    /// a [`RemotePool`] whose daemon came back serving other pools than
+    /// the ones the directory started with (see its "Reconnect"). Every
+    /// request is then refused (`SessionEnded`); the directory must stop,
+    /// and its restart recovers with the pools the daemon serves now.
+    fn failure(&self) -> Option<String> {
+        None
+    }
+
     /// Submits and waits (at most `timeout`): for start-up, tools and
     /// tests; a server's request path uses [`PoolService::submit`].
     fn call(&self, request: PoolRequest, timeout: Duration) -> Result<PoolReply, PoolServiceError> {

@@ -38,6 +38,18 @@
 //! flight, in `seq` order. Descriptors from the first welcome stay valid
 //! across daemon restarts (they are open descriptions of the same pool
 //! files); those of later welcomes are dropped.
+//!
+//! **A daemon back with other pools.** The directory announced the first
+//! welcome's pools to its clients and passed them its descriptors, and
+//! keeps no way to tell them of another list. If a reconnect's welcome
+//! lists other pools — one added, removed, or a different pool (UUID, size,
+//! alignment, kind or visibility) at an index — the driver stops there, before
+//! reattaching: every request in flight and every later one is refused
+//! (`SessionEnded`), and [`PoolService::failure`] says why, so the
+//! directory server exits and its restart (a directory restart: clients
+//! reattach) starts from the pools the daemon serves now. A changed path
+//! alone (a device renumbered, the same UUID) is not a change: the pool is
+//! the same.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -53,9 +65,9 @@ use super::{PoolCallback, PoolReply, PoolRequest, PoolService, PoolServiceError,
 use crate::frame::Frame;
 use crate::proto::{
     self, AllocRegion, ErrorCode, FreeRegion, ListRegions, MAX_REATTACH_REGIONS, Message,
-    OwnerLabel, PROTOCOL_MAX, PROTOCOL_MIN, PoolHello, PoolStats, PoolStatsReply, PoolWelcome,
-    ProtoError, ReattachRegions, RegionAllocated, RegionFreed, RegionHandle, RegionList,
-    RegionsReattached, RequestMeta,
+    OwnerLabel, PROTOCOL_MAX, PROTOCOL_MIN, PoolHello, PoolInfo, PoolStats, PoolStatsReply,
+    PoolWelcome, ProtoError, ReattachRegions, RegionAllocated, RegionFreed, RegionHandle,
+    RegionList, RegionsReattached, RequestMeta,
 };
 use crate::transport::{ClientConfig, ClientError, Endpoint, PendingCall, RpcClient};
 
@@ -148,6 +160,9 @@ struct Submission {
 struct Shared {
     welcome: Mutex<PoolWelcome>,
     closing: AtomicBool,
+    /// Set once, by the driver, when the daemon came back with other pools
+    /// (module docs); the driver has stopped by then.
+    failure: Mutex<Option<String>>,
 }
 
 /// The remote [`PoolService`] (see the module essay).
@@ -250,6 +265,7 @@ impl RemotePool {
         let shared = Arc::new(Shared {
             welcome: Mutex::new(session.welcome.clone()),
             closing: AtomicBool::new(false),
+            failure: Mutex::new(None),
         });
         let (tx, rx) = mpsc::sync_channel(cfg.max_queued);
         let next_seq = Arc::new(Mutex::new(session.welcome.last_seq.saturating_add(1)));
@@ -332,6 +348,47 @@ impl PoolService for RemotePool {
     fn welcome(&self) -> PoolWelcome {
         self.shared.welcome.lock().clone()
     }
+
+    fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().clone()
+    }
+}
+
+/// How `now` differs from `before` as a list of pools (module docs: a
+/// changed path alone is no change), or `None`.
+fn pool_list_change(before: &[PoolInfo], now: &[PoolInfo]) -> Option<String> {
+    let same = |a: &PoolInfo, b: &PoolInfo| {
+        (
+            a.pool,
+            a.uuid,
+            a.size_bytes,
+            a.align_bytes,
+            a.kind,
+            a.visibility,
+        ) == (
+            b.pool,
+            b.uuid,
+            b.size_bytes,
+            b.align_bytes,
+            b.kind,
+            b.visibility,
+        )
+    };
+    if before.len() == now.len() && before.iter().zip(now).all(|(a, b)| same(a, b)) {
+        return None;
+    }
+    let describe = |pools: &[PoolInfo]| {
+        let list: Vec<String> = pools
+            .iter()
+            .map(|p| format!("{} ({}, {} bytes)", p.pool, p.path, p.size_bytes))
+            .collect();
+        format!("[{}]", list.join(", "))
+    };
+    Some(format!(
+        "pools {} instead of {}",
+        describe(now),
+        describe(before)
+    ))
 }
 
 impl Drop for RemotePool {
@@ -392,6 +449,12 @@ impl Driver {
         loop {
             if self.shared.closing.load(Ordering::Acquire) {
                 self.fail_all("the pool session was closed");
+                return;
+            }
+            let failure = self.shared.failure.lock().clone();
+            if let Some(why) = failure {
+                // Dropping the receiver on return refuses later submissions.
+                self.fail_all(&why);
                 return;
             }
             if self.flights.is_empty() {
@@ -605,6 +668,16 @@ impl Driver {
                 return false;
             }
         };
+        let before = self.shared.welcome.lock().pools.clone();
+        if let Some(change) = pool_list_change(&before, &session.welcome.pools) {
+            let why = format!(
+                "the pool manager at {} came back serving {change}: this directory must restart to serve them (its clients reattach)",
+                self.cfg.endpoint
+            );
+            tracing::error!("{why}");
+            *self.shared.failure.lock() = Some(why);
+            return false;
+        }
         if !self.reattach(&client) {
             return false;
         }
@@ -796,5 +869,42 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("directory_id: \"dir-a\""), "{text}");
+    }
+
+    #[test]
+    fn a_pool_list_changes_with_any_pool_but_not_with_a_path_alone() {
+        use crate::proto::{BackingKind, VisibilityMode};
+        let pool = |i: u32| PoolInfo {
+            pool: i,
+            uuid: [i as u8; 16],
+            size_bytes: 1 << 30,
+            align_bytes: 2 << 20,
+            path: format!("/dev/dax{i}.0"),
+            kind: BackingKind::DevDax,
+            visibility: VisibilityMode::Flush,
+        };
+        let before = [pool(0), pool(1)];
+        assert_eq!(pool_list_change(&before, &before), None);
+        let mut renumbered = before.clone();
+        renumbered[1].path = "/dev/dax7.0".into();
+        assert_eq!(pool_list_change(&before, &renumbered), None);
+        let change = pool_list_change(&before, &before[..1]).expect("one pool fewer");
+        assert!(
+            change.starts_with("pools [0 (/dev/dax0.0, 1073741824 bytes)] instead of [0 ("),
+            "{change}"
+        );
+        assert!(pool_list_change(&before, &[pool(0), pool(1), pool(2)]).is_some());
+        for edit in [
+            |p: &mut PoolInfo| p.uuid[0] ^= 1,
+            |p: &mut PoolInfo| p.size_bytes *= 2,
+            |p: &mut PoolInfo| p.align_bytes *= 2,
+            |p: &mut PoolInfo| p.kind = BackingKind::File,
+            |p: &mut PoolInfo| p.visibility = VisibilityMode::Coherent,
+            |p: &mut PoolInfo| p.pool = 5,
+        ] {
+            let mut other = before.clone();
+            edit(&mut other[1]);
+            assert!(pool_list_change(&before, &other).is_some(), "{other:?}");
+        }
     }
 }
