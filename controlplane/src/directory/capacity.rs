@@ -6,8 +6,10 @@
 //! budget per call: orphaned regions first (oldest orphan first, all keys of
 //! a region together, so that the region can be freed; a region with a
 //! pinned key is passed over until it has none, since its bytes could not
-//! be freed anyway), then — if enabled — the least recently used unpinned
-//! keys anywhere, under the same pool watermarks (`evict_lru`).
+//! be freed anyway — the first in line keeping its place, the others going
+//! to the back, at most `max_evictions_per_tick` of them a call), then — if
+//! enabled — the least recently used unpinned keys anywhere, under the same
+//! pool watermarks (`evict_lru`).
 
 use cxlkv_dataplane::ids::{PoolId, RegionId};
 
@@ -390,12 +392,16 @@ impl Directory {
         }
     }
 
-    /// Fraction of the held regions' bytes filled with registered pages.
+    /// Fraction of the pages the held regions can hold that are registered
+    /// (by bytes). Over their whole pages, not their lengths: a region's
+    /// tail past its last whole page never holds a key (the client rounds a
+    /// region up to 2 MiB, so 14 MiB pages fill a 64 MiB region to 56 MiB),
+    /// and counting it kept full regions below `lru_high_fill`.
     fn region_fill(&self) -> f64 {
-        if self.totals.region_bytes == 0 {
+        if self.totals.region_page_bytes == 0 {
             0.0
         } else {
-            self.totals.page_bytes as f64 / self.totals.region_bytes as f64
+            self.totals.page_bytes as f64 / self.totals.region_page_bytes as f64
         }
     }
 
@@ -411,7 +417,16 @@ impl Directory {
                 // Entries of regions freed since they were queued are
                 // dropped as they come up (`Directory::orphans`).
                 let mut visits = self.orphans.len() - self.orphans_stale;
-                while budget > 0 && visits > 0 && self.pool_fill() > cfg.pool_low_watermark {
+                // Regions with a pinned key passed over this tick, besides
+                // the first in line (`held`).
+                let mut passes_left = cfg.max_evictions_per_tick;
+                let mut held = None;
+                let mut first = true;
+                while budget > 0
+                    && visits > 0
+                    && passes_left > 0
+                    && self.pool_fill() > cfg.pool_low_watermark
+                {
                     let Some((rs, id)) = self.orphans.pop_front() else {
                         break;
                     };
@@ -420,15 +435,28 @@ impl Directory {
                         continue;
                     }
                     visits -= 1;
+                    let first_in_line = std::mem::take(&mut first);
                     self.regions.get_mut(rs).orphan_queued = false;
-                    // A region with a pinned key waits at the back: its
-                    // bytes cannot come back before the pin does
-                    // (`Region::pinned_keys`). Otherwise every key in it is
+                    // A region with a pinned key is passed over: its bytes
+                    // cannot come back before the pin does
+                    // (`Region::pinned_keys`). The first in line keeps its
+                    // place, so that it is next once the pin goes: it may
+                    // be the region a previous tick's budget ran out in,
+                    // whose evicted keys would otherwise be lost for
+                    // nothing while the regions behind it are evicted in
+                    // its stead. The others wait at the back, at most
+                    // `max_evictions_per_tick` of them a tick (the next
+                    // tick goes on past them). Otherwise every key in it is
                     // unpinned, and each one walked is one evicted: the work
-                    // of a tick is its budget, however many keys are pinned
-                    // elsewhere.
+                    // of a tick is its budget, however many keys and
+                    // regions are pinned elsewhere.
                     if self.regions.get(rs).pinned_keys > 0 {
-                        self.queue_orphan(rs, id, false);
+                        if first_in_line {
+                            held = Some((rs, id));
+                        } else {
+                            self.queue_orphan(rs, id, false);
+                            passes_left -= 1;
+                        }
                         continue;
                     }
                     let mut cur = self.regions.get(rs).key_head;
@@ -453,6 +481,11 @@ impl Directory {
                         // readable keys and free nothing).
                         self.queue_orphan(rs, id, true);
                     }
+                }
+                if let Some((rs, id)) = held {
+                    // First in line again, ahead of a region this tick's
+                    // budget ran out in (it was ahead of that one).
+                    self.queue_orphan(rs, id, true);
                 }
                 self.compact_orphans_if_due();
                 let no_orphans = self.orphans.len() == self.orphans_stale;

@@ -66,8 +66,11 @@ pub struct EvictionConfig {
     pub lru: bool,
     pub lru_high_fill: f64,
     pub lru_low_fill: f64,
-    /// Most keys evicted per `tick`, and most keys the LRU passes over per
-    /// tick (bounds the pause: a tick visits at most twice this many keys).
+    /// Most keys evicted per `tick`, most keys the LRU passes over per tick,
+    /// and most orphaned regions holding a pin that orphan eviction passes
+    /// over per tick (plus the first in line, which keeps its place): it
+    /// bounds the pause, a tick visits at most about twice this many keys
+    /// and regions.
     pub max_evictions_per_tick: usize,
 }
 

@@ -372,9 +372,10 @@ impl Directory {
         );
 
         // Regions.
-        let mut region_bytes = 0u64;
+        let (mut region_bytes, mut region_page_bytes) = (0u64, 0u64);
         for (rs, r) in self.regions.iter() {
             region_bytes += r.handle.len_bytes;
+            region_page_bytes += u64::from(r.pages) * r.page_size_bytes;
             let counted = per_region.get(&rs).copied().unwrap_or(0);
             ensure!(
                 r.keys == counted,
@@ -457,6 +458,10 @@ impl Directory {
         ensure!(
             region_bytes == self.totals.region_bytes,
             "region byte total drifted"
+        );
+        ensure!(
+            region_page_bytes == self.totals.region_page_bytes,
+            "region page byte total drifted"
         );
         ensure!(
             self.scratch_counts.iter().all(|&c| c == 0),

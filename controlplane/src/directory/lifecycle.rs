@@ -663,6 +663,8 @@ impl Directory {
         inst.regions.push(rs);
         inst.owned_bytes += handle.len_bytes;
         self.totals.region_bytes += handle.len_bytes;
+        let r = self.regions.get(rs);
+        self.totals.region_page_bytes += u64::from(r.pages) * r.page_size_bytes;
         rs
     }
 
@@ -686,6 +688,7 @@ impl Directory {
         debug_assert_eq!(region.keys, 0, "a region is only freed without keys");
         self.layouts.release(region.layout);
         self.totals.region_bytes -= region.handle.len_bytes;
+        self.totals.region_page_bytes -= u64::from(region.pages) * region.page_size_bytes;
         self.pools
             .entry(region.handle.pool)
             .or_default()

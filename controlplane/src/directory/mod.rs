@@ -258,6 +258,11 @@ struct Totals {
     ledger_buckets: u64,
     /// Bytes of all region records held (owned or orphaned).
     region_bytes: u64,
+    /// Bytes of the whole pages those regions can hold (each region's
+    /// pages × its page size): a region's tail past its last whole page
+    /// holds no key, so the LRU's region fill is over this, not
+    /// `region_bytes`.
+    region_page_bytes: u64,
 }
 
 /// The directory state machine. See the module documentation.

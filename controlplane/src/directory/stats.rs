@@ -133,7 +133,10 @@ pub struct OutcomeCounters {
     pub instances_gone: u64,
     pub regions_granted: u64,
     pub regions_returned: u64,
-    /// Regions of gone owners given back to the pool manager.
+    /// Regions given back to the pool manager, all causes: returned by
+    /// their owner; a gone owner's, at once or with their last key; grants
+    /// refused (short, over the quota) or whose requester had left; and
+    /// regions left unclaimed after a restart.
     pub regions_freed: u64,
     /// Regions whose free waited for their last key (owner gone with keys).
     pub regions_deferred: u64,
