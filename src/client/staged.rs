@@ -7,7 +7,9 @@
 //! pins per key in one lookup, the engine releases them in any split across
 //! later `finish_read` calls, and `finish_read` must have released them
 //! *before it returns*, so that a `delete` that follows — from this process
-//! or any other — sees them gone. Hence:
+//! or any other — sees them gone (but for an unpin that cannot be
+//! delivered, or whose connection broke: its session is ended, and the pins
+//! go when the server sees that connection close). Hence:
 //!
 //! - [`LayoutHandle::lookup_pinned`]: one `Lookup` taking `pins` pins per
 //!   found key, resolved to in-place views (peer regions mapped on the way).
@@ -29,9 +31,13 @@
 //! them while ending the session that holds them. So a lookup whose reply
 //! came on a connection that is no longer current when its pins enter the
 //! ledger ends the session once more, and the reattach takes every ledger
-//! pin again, its own included (a key deleted meanwhile is counted as an
-//! invalidated view). The window is the few microseconds between a reply
-//! and the ledger; a lookup sent after a reconnect is served by the new
+//! pin again, its own included. Between the first session's end and those
+//! new pins nothing protected the keys: one may have been deleted (and
+//! written again elsewhere). Such a key — the reattach did not find it
+//! where the lookup did, or no reattach completed — is answered
+//! [`PinnedLookup::PinsLost`], never served: its page may already be
+//! another key's. The window is the few microseconds between a reply and
+//! the ledger; a lookup sent after a reconnect is served by the new
 //! connection and never triggers this.
 //!
 //! **Unknown outcomes end the session.** A pinning lookup or an unpin whose
@@ -80,6 +86,15 @@ thread_local! {
     /// Test fail point (the reference's short reply): the next pinning
     /// lookup's reply on this thread is read as one location short.
     pub(crate) static SHORT_LOOKUP_REPLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Test fail point: this many next placements of a write lease on this
+    /// thread fail as if its region had been taken from the layout (refused
+    /// at a reattach).
+    pub(crate) static FAIL_LEASE_PLACEMENTS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// Test fail point: runs once in the next pinning lookup on this thread,
+    /// after its reply came and before its pins are counted (where another
+    /// thread's reconnect can fall).
+    pub(crate) static BEFORE_COUNTING_PINS: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// The error of a pinning lookup that failed, after making sure no pin it
@@ -124,6 +139,12 @@ pub(crate) enum PinnedLookup {
     /// Registered, but its page could not be mapped here: the pins were
     /// released again within the call.
     Unresolvable(ClientError),
+    /// Found, but a reconnect raced the lookup and its pins could not be
+    /// shown to be held again — the reattach found the key deleted or
+    /// moved, or none completed (see the module docs): nothing protects the
+    /// page, so it is not served. The pins are out of the ledger; none is
+    /// left to release.
+    PinsLost,
 }
 
 /// A pinning lookup's answer: one result per key, in order, and the
@@ -202,8 +223,12 @@ impl LayoutHandle {
             Ok(found) => found,
             Err(f) => return Err(pinning_lookup_failed(shared, f)),
         };
+        #[cfg(test)]
+        if let Some(hook) = BEFORE_COUNTING_PINS.take() {
+            hook();
+        }
         let served_by = SERVED_BY.get();
-        let raced = {
+        let (raced, counted_on) = {
             let mut ledger = shared.live_pins.lock();
             for (key, location) in keys.iter().zip(&locations) {
                 if let Some(location) = location {
@@ -212,22 +237,30 @@ impl LayoutHandle {
             }
             // Under the ledger lock: a reattach that replaces the
             // connection from now on re-pins these too.
-            shared.conn().map(|c| c.conn_no).ok() != Some(served_by)
+            let current = shared.conn().map(|c| c.conn_no).ok();
+            (current != Some(served_by), current)
         };
+        let mut lost = vec![false; n];
         if raced {
             // The session that took these pins was replaced after the reply
             // came, and its reattach may have re-pinned the ledger before
             // they were in it. End the session once more: the reattach takes
-            // every ledger pin again, these included.
+            // every ledger pin again, these included — or finds the key
+            // gone or moved, and then these views are not served.
             shared.end_session("a reconnect raced a pinning lookup");
+            lost = self.forget_raced_pins(keys, &locations, pins, counted_on);
         }
         let mut out = Vec::with_capacity(n);
         let mut rollback: Vec<(&[u8], u64)> = Vec::new();
-        for (key, location) in keys.iter().zip(locations) {
+        for ((key, location), lost) in keys.iter().zip(locations).zip(lost) {
             let Some(location) = location else {
                 out.push(PinnedLookup::Missing);
                 continue;
             };
+            if lost {
+                out.push(PinnedLookup::PinsLost);
+                continue;
+            }
             match self.place(location, &regions) {
                 Ok(page) => out.push(PinnedLookup::Found(page)),
                 Err(e) => {
@@ -242,6 +275,53 @@ impl LayoutHandle {
             found: out,
             rollback,
         })
+    }
+
+    /// After a raced lookup ended its session once more (see the module
+    /// docs): for each key, whether its pins are lost — true unless a
+    /// reattach completed after the pins were counted (connection newer
+    /// than `counted_on`, published under the ledger lock after its re-pin)
+    /// and still has the key's pinned views at the location this lookup
+    /// found (a re-pin that finds a key deleted or moved takes its count
+    /// out of the ledger and forgets where it was). The pins of a lost key
+    /// are taken out of the ledger, since no view will release them:
+    /// first from the orphans (the re-pin moved them there), then from the
+    /// held count (no re-pin ran yet: they must not be taken again). One
+    /// session's pins on a key are interchangeable, so taking the count
+    /// from either keeps the ledger's total equal to the live views'.
+    fn forget_raced_pins<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        locations: &[Option<Location>],
+        pins: u32,
+        counted_on: Option<u64>,
+    ) -> Vec<bool> {
+        let shared = self.shared();
+        let mut ledger = shared.live_pins.lock();
+        let repinned = shared
+            .conn()
+            .is_ok_and(|c| c.usable() && counted_on.is_none_or(|no| c.conn_no > no));
+        keys.iter()
+            .zip(locations)
+            .map(|(key, location)| {
+                let Some(location) = location else {
+                    return false;
+                };
+                let k = (self.state.ix, Box::<[u8]>::from(key.as_ref()));
+                if repinned && ledger.at.get(&k) == Some(location) {
+                    return false;
+                }
+                let n = u64::from(pins);
+                let orphaned = super::read::take_count(&mut ledger.orphans, &k, n);
+                ledger.take_held(&k, n - orphaned);
+                tracing::warn!(
+                    key_len_bytes = k.1.len(),
+                    "a reconnect raced a pinning lookup and its pins were not taken again; \
+                     the key is not served"
+                );
+                true
+            })
+            .collect()
     }
 
     /// The view of a found location: the layout's own region, a cached peer
@@ -453,6 +533,12 @@ impl LayoutHandle {
     /// pointer for the engine to fill in place). Marks the lease as written,
     /// so registration publishes it.
     pub(crate) fn place_lease(&self, lease: &mut PageLease) -> Result<PlacedPage, ClientError> {
+        #[cfg(test)]
+        if FAIL_LEASE_PLACEMENTS.with(|n| n.replace(n.get().saturating_sub(1)) > 0) {
+            return Err(ClientError::RegionRevoked {
+                region: cxlkv_dataplane::ids::RegionId(lease.location().region),
+            });
+        }
         // The engine writes through the pointer, which the lease cannot see:
         // taking the view is what marks it as needing publication. It fails
         // if the region was revoked (refused at a reattach).
@@ -471,17 +557,24 @@ impl LayoutHandle {
         })
     }
 
-    /// The pages of every region this client owns (any layout).
-    pub(crate) fn client_pages(&self) -> ClientPages {
-        let mut pages = ClientPages::default();
+    /// The pages of this layout's owned regions — the only ones it
+    /// allocates from, so what its tier reports as used and usable — and
+    /// the bytes of every region the client owns, whatever its layout (what
+    /// the quotas count).
+    pub(crate) fn layout_pages(&self) -> LayoutPages {
+        let mut pages = LayoutPages::default();
         for layout in self.shared().layouts.read().iter() {
+            let own = layout.ix == self.state.ix;
             for (_, r) in layout.regions.read().iter() {
+                pages.client_region_bytes += r.desc.len_bytes;
+                if !own {
+                    continue;
+                }
                 let total = u64::from(r.alloc.page_count());
                 let free = u64::from(r.alloc.free_pages()).min(total);
                 let page_size_bytes = r.page_size_bytes as u64;
                 pages.used_bytes += (total - free) * page_size_bytes;
                 pages.usable_bytes += total * page_size_bytes;
-                pages.region_bytes += r.desc.len_bytes;
             }
         }
         pages
@@ -511,17 +604,19 @@ impl LayoutHandle {
     }
 }
 
-/// The pages of a client's owned regions, in bytes.
+/// The pages of one layout's owned regions, in bytes, and the region bytes
+/// of its client.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct ClientPages {
-    /// Pages allocated × their page size.
+pub(crate) struct LayoutPages {
+    /// The layout's pages allocated × their page size.
     pub used_bytes: u64,
-    /// Pages the regions hold × their page size: what can ever be in use.
-    /// Less than `region_bytes` when a page size does not divide its
-    /// region (the tail is never allocated).
+    /// The pages the layout's regions hold × their page size: what can ever
+    /// be in use in them. Less than their bytes when a page size does not
+    /// divide its region (the tail is never allocated).
     pub usable_bytes: u64,
-    /// Bytes of the regions (what the quota and the pool count).
-    pub region_bytes: u64,
+    /// Bytes of every region the client owns, any layout (what the quota
+    /// and the pool count).
+    pub client_region_bytes: u64,
 }
 
 /// How one unpin ended.

@@ -38,13 +38,18 @@
 //! call, `keys`/`is_temporary` of different lengths, an unsupported write
 //! mode, a key or batch over the limits — or when called re-entrantly,
 //! after `close`, or after the client's close (`ClientClosed`: its session
-//! is gone, so no per-key answer would be true).
+//! is gone, so no per-key answer would be true). A `reserve_read`,
+//! `reserve_write` or `delete` whose round trip fails because the client
+//! was closed (or found unresumable) under it is refused the same way; its
+//! round trip comes before its local changes, so it has changed nothing.
 //!
 //! # Where cxlkv does better than the reference
 //!
 //! - `reserve_read` is **one** `Lookup` that pins and resolves atomically
 //!   (the reference pins, then retrieves, then rolls back); `finish_read`
-//!   is one synchronous, counted `Unpin`, done before it returns.
+//!   is one synchronous, counted `Unpin`, done before it returns — unless
+//!   it cannot be delivered, or its connection broke: the session is then
+//!   ended, and its pins go when the server sees the connection close.
 //! - Pins belong to the client's session and are recorded in its ledger:
 //!   they die with the session and are taken again on reattach; a pin whose
 //!   reply was lost cannot leak (the client ends the session instead).
@@ -53,7 +58,10 @@
 //! - Registration is exactly-once: a lost reply is answered by retrying the
 //!   same sequence number; a registration whose outcome stays unknown keeps
 //!   its page (the client resolves it later), so no page is ever freed
-//!   while registered (I7) and none is leaked.
+//!   while registered (I7) and none is leaked. A key it resolves as
+//!   registered is never announced (`write_finished` comes only from the
+//!   `finish_write` the directory confirmed it in: I5); it is a stored key
+//!   like another instance's, its page freed by its `delete`.
 //! - `get_memory_usage` makes no round trip (usage rides on every reply).
 //!
 //! # Invariants
@@ -269,6 +277,10 @@ struct Inner {
     /// after-operation invariant assertion off.
     #[cfg(test)]
     skip_invariant_assert: AtomicBool,
+    /// Test hook: runs once just before the next round trip of a locked
+    /// operation (where another thread's `Client::close` can fall).
+    #[cfg(test)]
+    before_round_trip: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 /// The tier's lock, held by this thread (see `HELD`) for the locked
@@ -349,6 +361,8 @@ impl L1Tier {
             counters: Counters::default(),
             #[cfg(test)]
             skip_invariant_assert: AtomicBool::new(false),
+            #[cfg(test)]
+            before_round_trip: Mutex::new(None),
         });
         let sweeper = Sweeper::spawn(Arc::clone(&inner), interval).map_err(TierError::Thread)?;
         Ok(L1Tier {
@@ -580,6 +594,15 @@ impl Inner {
         }
     }
 
+    /// Runs the test hook set for the next round trip (nothing outside
+    /// tests).
+    fn before_round_trip(&self) {
+        #[cfg(test)]
+        if let Some(hook) = self.before_round_trip.lock().take() {
+            hook();
+        }
+    }
+
     /// Takes the tier's lock for `op`, refusing a re-entrant call, a
     /// closed tier and a closed client.
     fn lock(&self, op: &'static str) -> Result<Locked<'_>, TierError> {
@@ -772,16 +795,18 @@ impl Inner {
         Ok(())
     }
 
-    /// `(used, total)`: `total` counts only bytes that can be in use —
-    /// the owned regions' pages (a region's tail past its last whole page
-    /// never is) and the pages of the whole regions this layout can still
-    /// take — so that `used` reaches `total` (within a page) when the next
-    /// allocation fails, and a watermark on `used / total` fires before.
+    /// `(used, total)` of this tier's layout: `total` counts only bytes
+    /// that can be in use — the pages of the layout's own regions (a
+    /// region's tail past its last whole page never is; another layout's
+    /// regions never are: a layout allocates only in its own) and the pages
+    /// of the whole regions this layout can still take — so that `used`
+    /// reaches `total` (within a page) when the next allocation fails, and a
+    /// watermark on `used / total` fires before.
     fn memory_usage(&self) -> (u64, u64) {
-        let pages = self.layout.client_pages();
+        let pages = self.layout.layout_pages();
         let total = pages
             .usable_bytes
-            .saturating_add(self.growable_bytes(pages.region_bytes));
+            .saturating_add(self.growable_bytes(pages.client_region_bytes));
         (pages.used_bytes, total)
     }
 
@@ -789,8 +814,9 @@ impl Inner {
     /// latest reply: none without auto-expansion; else as many whole
     /// regions as fit in the pool's free bytes and under the quotas
     /// (growth is by whole regions, refused when one does not fit), each
-    /// worth its whole pages.
-    fn growable_bytes(&self, owned_region_bytes: u64) -> u64 {
+    /// worth its whole pages. `client_region_bytes` are the client's
+    /// regions of every layout (the quotas count them all).
+    fn growable_bytes(&self, client_region_bytes: u64) -> u64 {
         if !self.layout.auto_expands() {
             return 0;
         }
@@ -801,7 +827,7 @@ impl Inner {
             (usage.instance_quota_bytes > 0).then_some(usage.instance_quota_bytes),
         ];
         for quota in quotas.into_iter().flatten() {
-            room = room.min(quota.saturating_sub(owned_region_bytes));
+            room = room.min(quota.saturating_sub(client_region_bytes));
         }
         let region_bytes = self.layout.region_size_bytes();
         let page_size_bytes = self.layout.page_size_bytes();

@@ -40,8 +40,13 @@ impl L1Tier {
     /// the lookup: found → `Success` with `holds` pins taken and the page
     /// they protect (an overlapping reserve adds to the staged entry, and
     /// moves it to that page if the key moved after the staged pins were
-    /// lost with a session — see `Staging::add_directory_read`), absent or
-    /// unresolvable → `KeyNotExist`. Each key is independent. Fires
+    /// lost with a session — see `Staging::add_directory_read`); absent,
+    /// unresolvable, or found by a lookup a reconnect raced and not pinned
+    /// again where it was found (deleted or moved in between: see
+    /// `client::staged`) → `KeyNotExist`. A failed lookup is `KeyNotExist`
+    /// for each of its keys — or, if the client was closed or found
+    /// unresumable under it, the call refused (`ClientClosed` /
+    /// `ClientFailed`) with nothing changed. Each key is independent. Fires
     /// `reserved_read` and publishes `ReadReserved` with the hits (always).
     pub fn reserve_read<K: AsRef<[u8]>>(
         &self,
@@ -58,31 +63,45 @@ impl L1Tier {
         let mut out = vec![KeyPage::failed(TierCode::KeyNotExist); keys.len()];
         let mut ok = vec![false; keys.len()];
         let mut to_pin = Vec::new();
+        let mut local = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             let key = key.as_ref();
             if st.has_write(key) {
                 out[i].code = TierCode::KeyNotReadable;
                 continue;
             }
-            match st.read_mut(key) {
-                Some(r) if r.is_temporary() => {
-                    r.holds += t;
-                    r.deadline = deadline;
-                    out[i] = KeyPage::success(r.page.clone());
-                    ok[i] = true;
-                }
+            match st.read(key) {
+                Some(r) if r.is_temporary() => local.push(i),
                 _ => to_pin.push(i),
             }
         }
-        if !to_pin.is_empty() {
-            let pin_keys = pick(keys, &to_pin);
-            for (i, found) in to_pin.iter().zip(inner.lookup(&pin_keys, holds)) {
-                if let Some(page) =
-                    inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
-                {
-                    out[*i] = KeyPage::success(page);
-                    ok[*i] = true;
+        // The round trip first: a client closed under it refuses the call
+        // before anything changes here.
+        let found = if to_pin.is_empty() {
+            Vec::new()
+        } else {
+            inner.before_round_trip();
+            match inner.lookup(&pick(keys, &to_pin), holds) {
+                Ok(found) => found,
+                Err(_) => {
+                    inner.check_client_open(OP)?;
+                    to_pin.iter().map(|_| PinnedLookup::Missing).collect()
                 }
+            }
+        };
+        for i in local {
+            let r = st
+                .read_mut(keys[i].as_ref())
+                .expect("invariant: the temporary was found above under the same lock");
+            r.holds += t;
+            r.deadline = deadline;
+            out[i] = KeyPage::success(r.page.clone());
+            ok[i] = true;
+        }
+        for (i, found) in to_pin.iter().zip(found) {
+            if let Some(page) = inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline) {
+                out[*i] = KeyPage::success(page);
+                ok[*i] = true;
             }
         }
         let hits = flagged(keys, &ok);
@@ -118,9 +137,14 @@ impl L1Tier {
 
     /// Releases up to `holds` holds of each key — never more than it has —
     /// and, inside this call, the directory pins behind them (one batched
-    /// `Unpin`, answered before this returns). A key reaching zero holds
-    /// leaves `R`; a private temporary's page is then reclaimed and the key
-    /// reported deleted. Not staged → `KeyNotExist`; an idle private
+    /// `Unpin`, answered before this returns; one that cannot be delivered
+    /// ends the session instead, and the pins go when the server sees its
+    /// connection close). Holds are a count per key, not per reservation:
+    /// a late finish after the sweeper reclaimed its reservation releases
+    /// holds of a newer one of the key, if any (as the reference's: its §4
+    /// note holds only while the key stays unreserved). A key reaching zero
+    /// holds leaves `R`; a private temporary's page is then reclaimed and
+    /// the key reported deleted. Not staged → `KeyNotExist`; an idle private
     /// temporary → `KeyInWrongState` (nothing freed). For each listener
     /// `read_finished(released)` then `deleted(reclaimed)`; publishes
     /// `ReadFinished` then `KeysEvicted` (always).
@@ -204,9 +228,12 @@ impl L1Tier {
     ///
     /// Per key: staged here (either map) or already registered (one
     /// `Exists` round trip; if it fails, every candidate is treated as
-    /// absent and `finish_write` deduplicates) → `KeyNotWritable`. The rest
-    /// is allocated all or nothing: if the allocator cannot fit it, each of
-    /// those keys is `OutOfMemory` and nothing is staged. Fires
+    /// absent and `finish_write` deduplicates; if the client was closed or
+    /// found unresumable under it, the call is refused with nothing
+    /// changed) → `KeyNotWritable`. The rest is allocated all or nothing:
+    /// if the allocator cannot fit it, or a page it gave cannot be placed
+    /// (its region taken from the layout at a reattach), each of those keys
+    /// is `OutOfMemory`, every page goes back and nothing is staged. Fires
     /// `reserved_write` and publishes `WriteReserved` with the reserved
     /// keys — except when nothing was allocated (no candidate, all existing,
     /// or out of memory), which returns without notifying.
@@ -249,9 +276,11 @@ impl L1Tier {
             return Ok(out);
         }
         Counters::add(&inner.counters.exists, 1);
+        inner.before_round_trip();
         let present = match inner.layout.batch_exists(&pick(keys, &candidates)) {
             Ok(p) => p,
             Err(e) => {
+                inner.check_client_open(OP)?;
                 tracing::warn!(error = %e, "reserve_write: exists failed; registration will deduplicate");
                 vec![false; candidates.len()]
             }
@@ -268,6 +297,7 @@ impl L1Tier {
         let leases = match inner.layout.batch_alloc(needed.len()) {
             Ok(l) => l,
             Err(e) => {
+                inner.check_client_open(OP)?;
                 tracing::debug!(error = %e, keys = needed.len(), "reserve_write: out of memory");
                 for &i in &needed {
                     out[i].code = TierCode::OutOfMemory;
@@ -275,22 +305,31 @@ impl L1Tier {
                 return Ok(out);
             }
         };
-        let deadline = inner.cfg.clock.now() + inner.cfg.write_ttl;
-        let mut ok = vec![false; keys.len()];
-        for (&i, mut lease) in needed.iter().zip(leases) {
-            let placed = lease
+        // Every page placed before any is staged: all or nothing.
+        let mut placed = Vec::with_capacity(leases.len());
+        for mut lease in leases {
+            let view = lease
                 .set_len(len_bytes)
                 .and_then(|()| inner.layout.place_lease(&mut lease));
-            let page = match placed {
-                Ok(p) => TierPage::from_placed(p),
+            match view {
+                Ok(p) => placed.push((lease, TierPage::from_placed(p))),
                 Err(e) => {
                     // The region was taken from the layout under us (refused
-                    // at a reattach): this page cannot be served.
-                    tracing::warn!(error = %e, "reserve_write: allocated page has no mapping");
-                    out[i].code = TierCode::OutOfMemory;
-                    continue;
+                    // at a reattach): this page cannot be served. As when
+                    // the allocator cannot fit the batch, nothing is staged
+                    // and nobody is told; the leases drop here, every page
+                    // back once (a retry allocates elsewhere).
+                    tracing::warn!(error = %e, keys = needed.len(), "reserve_write: an allocated page has no mapping; out of memory for the batch");
+                    for &i in &needed {
+                        out[i].code = TierCode::OutOfMemory;
+                    }
+                    return Ok(out);
                 }
-            };
+            }
+        }
+        let deadline = inner.cfg.clock.now() + inner.cfg.write_ttl;
+        let mut ok = vec![false; keys.len()];
+        for (&i, (lease, page)) in needed.iter().zip(placed) {
             st.insert_write(
                 keys[i].as_ref(),
                 PendingWrite {
@@ -317,7 +356,9 @@ impl L1Tier {
     /// page to its allocator, exactly once) → `Success`; refused →
     /// `KeyInWrongState` (page reclaimed); outcome unknown after every retry
     /// → `KeyInWrongState` with the page kept by the client until it learns
-    /// the outcome (never freed while possibly registered). Not
+    /// the outcome (never freed while possibly registered; a key it learns
+    /// was registered is never announced — see docs/l1-tier.md, *A
+    /// registration of unknown outcome*). Not
     /// write-staged → `KeyNotExist`. Fires `write_finished(registered)`
     /// always; publishes `WriteFinished` only when something registered.
     pub fn finish_write<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<TierCode>, TierError> {
@@ -429,7 +470,12 @@ impl L1Tier {
         }
         if !registered.is_empty() {
             let reg_keys = pick(keys, &registered);
-            for (i, found) in registered.iter().zip(inner.lookup(&reg_keys, holds)) {
+            // A failure leaves these keys registered but not held:
+            // `KeyInWrongState` (the reference's answer), whatever the cause.
+            let found = inner
+                .lookup(&reg_keys, holds)
+                .unwrap_or_else(|_| registered.iter().map(|_| PinnedLookup::Missing).collect());
+            for (i, found) in registered.iter().zip(found) {
                 if let Some(page) =
                     inner.stage_found(&mut st, keys[*i].as_ref(), found, t, deadline)
                 {
@@ -453,8 +499,11 @@ impl L1Tier {
     /// untouched) → `Success`; any other staging here → `KeyIsLocked`;
     /// otherwise one batched `Delete` for all such keys: `Deleted` →
     /// `Success`, `Pinned` → `KeyIsLocked` (retry later), `Missing` →
-    /// `KeyNotExist`, no answer → `KeyIsLocked`. Fires `deleted` and
-    /// publishes `KeysEvicted` with the removed keys only (always).
+    /// `KeyNotExist`, no answer → `KeyIsLocked` — or, if the client was
+    /// closed or found unresumable under it, the call refused with nothing
+    /// changed (the round trip comes before the local reclaims). Fires
+    /// `deleted` and publishes `KeysEvicted` with the removed keys only
+    /// (always).
     pub fn delete<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
@@ -468,30 +517,21 @@ impl L1Tier {
         let mut out = vec![TierCode::KeyIsLocked; keys.len()];
         let mut removed = vec![false; keys.len()];
         let mut remote = Vec::new();
-        let mut reclaimed = Vec::new();
+        let mut local = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             let key = key.as_ref();
             match st.read(key) {
-                Some(r) if r.is_idle_temporary() => {
-                    let r = st
-                        .take_read(key)
-                        .expect("invariant: the entry was found above under the same lock");
-                    reclaimed.extend(r.private);
-                    out[i] = TierCode::Success;
-                    removed[i] = true;
-                }
+                Some(r) if r.is_idle_temporary() => local.push(i),
                 Some(_) => {}
                 None if st.has_write(key) => {}
                 None => remote.push(i),
             }
         }
-        Counters::add(
-            &inner.counters.temporaries_reclaimed,
-            reclaimed.len() as u64,
-        );
-        drop(reclaimed);
+        // The round trip first: a client closed under it refuses the call
+        // before the idle temporaries are reclaimed.
         if !remote.is_empty() {
             Counters::add(&inner.counters.deletes, 1);
+            inner.before_round_trip();
             match inner.layout.batch_delete(&pick(keys, &remote)) {
                 Ok(outcomes) => {
                     for (&i, outcome) in remote.iter().zip(outcomes) {
@@ -507,10 +547,25 @@ impl L1Tier {
                     }
                 }
                 Err(e) => {
+                    inner.check_client_open(OP)?;
                     tracing::warn!(error = %e, keys = remote.len(), "delete failed; keys reported locked (retryable)");
                 }
             }
         }
+        let mut reclaimed = Vec::with_capacity(local.len());
+        for i in local {
+            let r = st
+                .take_read(keys[i].as_ref())
+                .expect("invariant: the entry was found above under the same lock");
+            reclaimed.extend(r.private);
+            out[i] = TierCode::Success;
+            removed[i] = true;
+        }
+        Counters::add(
+            &inner.counters.temporaries_reclaimed,
+            reclaimed.len() as u64,
+        );
+        drop(reclaimed);
         let deleted = flagged(keys, &removed);
         inner.fire(&mut st, Callback::Deleted, &deleted);
         inner.publish(&mut st, TierEvent::KeysEvicted, &deleted);
@@ -562,22 +617,24 @@ impl L1Tier {
 }
 
 impl Inner {
-    /// One pinning lookup of `keys` (`holds` pins each); a failure of the
-    /// round trip is a miss for every key (the client has already made sure
-    /// no pin of unknown state survives it). The release of the pins it
-    /// rolled back (keys found but not placeable) is counted as any other.
-    fn lookup(&self, keys: &[&[u8]], holds: Holds) -> Vec<PinnedLookup> {
+    /// One pinning lookup of `keys` (`holds` pins each). A failure of the
+    /// round trip is logged and returned — the client has already made sure
+    /// no pin of unknown state survives it; the callers answer it as a miss
+    /// for every key (`reserve_read` refuses the call instead when the
+    /// client is closed or unresumable). The release of the pins it rolled
+    /// back (keys found but not placeable) is counted as any other.
+    fn lookup(&self, keys: &[&[u8]], holds: Holds) -> Result<Vec<PinnedLookup>, ClientError> {
         Counters::add(&self.counters.lookups, 1);
         match self.layout.lookup_pinned(keys, holds.get()) {
             Ok(PinnedLookups { found, rollback }) => {
                 if let Some(released) = rollback {
                     self.count_release(released);
                 }
-                found
+                Ok(found)
             }
             Err(e) => {
-                tracing::warn!(error = %e, keys = keys.len(), "pinning lookup failed; keys reported missing");
-                keys.iter().map(|_| PinnedLookup::Missing).collect()
+                tracing::warn!(error = %e, keys = keys.len(), "pinning lookup failed; no key served");
+                Err(e)
             }
         }
     }
@@ -599,6 +656,11 @@ impl Inner {
                 Some(st.add_directory_read(key, TierPage::from_placed(placed), t, deadline))
             }
             PinnedLookup::Missing => None,
+            PinnedLookup::PinsLost => {
+                // The client took them out of its ledger; none is held.
+                Counters::add(&self.counters.pins_lost, t);
+                None
+            }
             PinnedLookup::Unresolvable(e) => {
                 tracing::warn!(error = %e, ?key, "a found key's page cannot be mapped; reported missing");
                 None

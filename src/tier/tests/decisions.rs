@@ -341,6 +341,75 @@ fn once_the_client_cannot_be_resumed_every_tier_call_is_refused_as_failed() {
     );
 }
 
+/// Found by a review: a client closed while a tier call was under way —
+/// after the call's own check, before its round trip — made the call read
+/// the client's `Closed` as a per-key answer (`delete` `KeyIsLocked`,
+/// `reserve_read` `KeyNotExist`, `reserve_write` `OutOfMemory`), having
+/// already changed its staging (an idle temporary reclaimed, a hold taken).
+/// The call is now refused as after the close, with nothing changed: the
+/// round trip comes before the local changes. The same for a client whose
+/// instance is found unresumable then.
+#[test]
+fn a_client_closed_during_a_call_refuses_the_call_with_nothing_changed() {
+    type Call = fn(&L1Tier, &[u8], &[u8]) -> Result<(), TierError>;
+    let calls: [(&str, Call); 3] = [
+        ("delete", |t, temp, other| {
+            t.delete(&[temp, other], false)
+                .map(|r| panic!("delete answered {r:?}"))
+        }),
+        ("reserve_read", |t, temp, other| {
+            t.reserve_read(&[temp, other], ONE)
+                .map(|r| panic!("reserve_read answered {:?}", codes(&r)))
+        }),
+        ("reserve_write", |t, _, other| {
+            t.reserve_write(&[other], &[false], CHUNK, WriteMode::New)
+                .map(|r| panic!("reserve_write answered {:?}", codes(&r)))
+        }),
+    ];
+    for (i, (op, call)) in calls.into_iter().enumerate() {
+        for fatal in [false, true] {
+            let h = harness(&format!("closed-during-{i}-{fatal}"));
+            let (temp, other) = (key(1), key(2));
+            if op != "reserve_write" {
+                h.seed(&other);
+            }
+            // An idle private temporary: `delete` reclaims it locally,
+            // `reserve_read` takes a hold on it locally.
+            h.reserve(&[&temp], true);
+            assert_eq!(
+                h.tier.finish_write(&[&temp]).unwrap(),
+                vec![TierCode::Success]
+            );
+            h.listen();
+            h.bus.clear();
+            let idle = h.stage(&temp);
+            let client = h.client.clone();
+            let shared = Arc::clone(h.tier.inner.layout.shared());
+            *h.tier.inner.before_round_trip.lock() = Some(Box::new(move || {
+                if fatal {
+                    shared.set_fatal(String::from("ownership not proven (test)"));
+                } else {
+                    client.close().unwrap();
+                }
+            }));
+            let err = call(&h.tier, &temp, &other).unwrap_err();
+            let want = if fatal {
+                matches!(err, TierError::ClientFailed { op: o, .. } if o == op)
+            } else {
+                matches!(err, TierError::ClientClosed { op: o } if o == op)
+            };
+            assert!(want, "{op} (fatal: {fatal}): {err:?}");
+            let st = h.tier.inner.state.lock();
+            assert_eq!(st.stage_of(&temp), idle, "{op}: the temporary unchanged");
+            assert_eq!(st.stage_of(&other), KeyStage::Untracked, "{op}");
+            drop(st);
+            assert!(h.rec.all().is_empty(), "{op}: nothing was notified");
+            assert!(h.bus.all().is_empty(), "{op}: nothing was published");
+            h.tier.close().expect("the tier's close still works");
+        }
+    }
+}
+
 #[test]
 fn the_unlocked_queries_answer_none_as_the_spec_says() {
     let h = harness("none");

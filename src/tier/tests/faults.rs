@@ -4,10 +4,13 @@
 //! outcome the reference demands and, where cxlkv does better, that one.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cxlkv_controlplane::proto::Kind;
-use cxlkv_controlplane::transport::fault::{FaultPlan, ReplyFault, ReplyInfo};
+use cxlkv_controlplane::transport::fault::{
+    FaultPlan, ReplyFault, ReplyInfo, RequestFault, RequestInfo,
+};
 use parking_lot::Mutex;
 
 use super::*;
@@ -195,11 +198,22 @@ fn scenario_21_a_lost_store_reply_never_recycles_the_page() {
     // …and, better than the reference's deliberate leak, the client learns
     // the outcome later (same sequence number) and nothing is lost.
     sw.disarm();
+    h.listen();
     eventually("the registration is resolved", || {
         h.client.unresolved_registrations() == 0
     });
     assert!(h.in_directory(&k2));
     assert_eq!(h.free_pages(), free, "the page belongs to its key");
+    // The key resolved as registered is a stored key like any other (no
+    // `write_finished` for it, then or later: I5): `reserve_write` finds it
+    // stored, and a read reports it `reserved_read` — where an eviction
+    // policy learns of it — and `delete` frees its page.
+    let again = h.reserve(&[&k2], false);
+    assert_eq!(codes(&again), vec![TierCode::KeyNotWritable]);
+    assert!(h.reserve_read(&[&k2], ONE)[0].is_success());
+    assert_eq!(h.finish_read(&[&k2], ONE), vec![TierCode::Success]);
+    assert_eq!(h.rec.kinds("reserved_read"), vec![vec![k2.clone()]]);
+    assert!(h.rec.kinds("write_finished").is_empty());
     assert_eq!(h.delete(&[&k2]), vec![TierCode::Success]);
     assert_eq!(
         h.free_pages(),
@@ -390,4 +404,188 @@ fn pins_whose_unpin_finds_no_room_in_flight_die_with_the_session() {
     );
     assert_eq!(h.tier.stats().pins_lost, 1);
     h.healthy();
+}
+
+/// Found by a review of the L1 tier: a reconnect falling between a pinning
+/// lookup's reply and the counting of its pins ends the session that took
+/// them, and the reattach that follows (the lookup ends the session once
+/// more) takes the ledger's pins again. A key deleted and written again
+/// elsewhere in between is found moved: the reattach takes no pin for this
+/// lookup — yet the lookup answered the key found at its old location, and
+/// the tier staged a held read (`pinned == holds`) of a page nobody
+/// protected, maybe another key's by then. Such a key is now a miss; a key
+/// the reattach found where the lookup did is served, protected.
+#[test]
+fn a_read_raced_by_a_reconnect_never_serves_a_page_its_pins_no_longer_protect() {
+    use crate::client::DeleteOutcome;
+    use crate::client::staged::BEFORE_COUNTING_PINS;
+    let h = harness("lookup-race-moved");
+    let (moved, kept) = (key(1), key(2));
+    h.seed(&moved);
+    h.seed(&kept);
+    let old = h.peer_location(&moved);
+    let (layout, peer, k) = (h.layout.clone(), h.peer.clone(), moved.clone());
+    BEFORE_COUNTING_PINS.set(Some(Box::new(move || {
+        // Another thread's reconnect: the session that took the pins ends,
+        // and the reattach re-pins a ledger that does not hold them yet.
+        layout
+            .shared()
+            .end_session("test: another thread reconnects");
+        // Nothing protects the key now (the old session's pins go when the
+        // server sees its connection close): the peer deletes it and
+        // writes it again, on another page.
+        eventually("the peer's delete answers Deleted", || {
+            peer.delete(&k).unwrap() == DeleteOutcome::Deleted
+        });
+        peer.put(b"filler", &bytes_for(b"filler", CHUNK)).unwrap();
+        peer.put(&k, &bytes_for(b"new bytes", CHUNK)).unwrap();
+    })));
+    let r = h.reserve_read(&[&moved, &kept], Holds::total(2));
+    let now = h.peer_location(&moved);
+    assert_ne!(now, old, "the key moved");
+    assert!(
+        r[0].page.is_none(),
+        "{:?}: served the page the key left ({:?}; the key is at {now:?}), which no pin protects",
+        r[0].code,
+        r[0].page.as_ref().map(TierPage::location),
+    );
+    assert_eq!(r[0].code, TierCode::KeyNotExist);
+    assert_eq!(h.stage(&moved), KeyStage::Untracked);
+    assert_eq!(h.tier.stats().pins_lost, 2);
+    // The key the reattach found in place is served, and protected.
+    assert_eq!(r[1].code, TierCode::Success);
+    assert_eq!(read_bytes(&page(&r[1])), bytes_for(&kept, CHUNK));
+    assert_eq!(
+        h.peer.delete(&kept).unwrap(),
+        DeleteOutcome::Pinned { pins: 2 }
+    );
+    // Nothing of the lost pins is left in the ledger: the key's next read
+    // is served its new page, and its release unpins it.
+    let again = h.reserve_read(&[&moved], ONE);
+    assert_eq!(page(&again[0]).location(), now);
+    assert_eq!(read_bytes(&page(&again[0])), bytes_for(b"new bytes", CHUNK));
+    assert_eq!(
+        h.finish_read(&[&moved, &kept], Holds::total(2)),
+        vec![TierCode::Success; 2]
+    );
+    peer_deletes(&h, &moved);
+    peer_deletes(&h, &kept);
+    eventually("no pin is left", || h.pins() == 0);
+    h.healthy();
+}
+
+/// Resets the connection of every request while set (reattaches included):
+/// the client is cut off from the directory.
+#[derive(Clone, Default)]
+struct Partition(Arc<AtomicBool>);
+
+impl FaultPlan for Partition {
+    fn on_request(&mut self, _req: &RequestInfo) -> RequestFault {
+        // Relaxed: a switch the test flips; the loop reads it per request.
+        if self.0.load(Ordering::Relaxed) {
+            RequestFault::Reset
+        } else {
+            RequestFault::Deliver
+        }
+    }
+}
+
+/// The per-key refusal of scenarios 22 and 30 (`RegisterOutcome::Rejected`
+/// for one entry of an answered batch), which their whole-batch refusal
+/// (the directory's key limit) never reaches: a write staged in a region
+/// the instance no longer owns. The client is cut off past its instance's
+/// grace period; the directory forgets the instance, and keeps its region
+/// (a registered key is in it) with no owner. The reattach creates the
+/// instance afresh and the region is refused (revoked). The staged page's
+/// registration is then refused `NotOwner` for that entry: the spec's
+/// `KeyInWrongState`, its page reclaimed by the client (once), and
+/// `write_finished([])` once; a retained promote's the same, with no hold
+/// taken and nothing promoted.
+#[test]
+fn a_write_staged_in_a_region_revoked_at_a_reattach_is_refused_per_key() {
+    let cut = Partition::default();
+    let server = Server::start_with_faults(server_config("revoked-write"), Box::new(cut.clone()))
+        .expect("server starts");
+    let client = Client::connect(client_config(&server)).expect("client connects");
+    let layout = client.layout(PAGE, FINGERPRINT).expect("layout");
+    let tier = L1Tier::new(layout.clone(), TierConfig::default()).expect("tier");
+    let rec = Arc::new(Recorder::default());
+    tier.register_listener(Arc::clone(&rec) as Arc<dyn Listener>)
+        .unwrap();
+    let (kept, staged, promoted) = (key(1), key(2), key(3));
+    let reserve = |k: &[u8]| {
+        let r = tier
+            .reserve_write(&[k], &[false], CHUNK, WriteMode::New)
+            .unwrap();
+        assert_eq!(r[0].code, TierCode::Success);
+        fill(&page(&r[0]), k);
+    };
+    reserve(&kept);
+    assert_eq!(
+        tier.finish_write(&[&kept]).unwrap(),
+        vec![TierCode::Success]
+    );
+    reserve(&staged);
+    reserve(&promoted);
+    let rejected_before = server.directory_stats().unwrap().outcomes.rejected;
+
+    // Cut off for 1.5 s, three times the instance's grace: the request
+    // below finds its connection reset, and every reattach too until the
+    // instance is gone, its region (holding `kept`) orphaned.
+    cut.0.store(true, Ordering::Relaxed);
+    let heal = {
+        let cut = cut.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            cut.0.store(false, Ordering::Relaxed);
+        })
+    };
+    assert!(layout.exists(&kept).unwrap(), "answered after the reattach");
+    heal.join().unwrap();
+    let stats = client.stats();
+    assert_eq!(
+        stats.regions_refused, 1,
+        "the region was revoked: {stats:?}"
+    );
+
+    rec.clear();
+    assert_eq!(
+        tier.finish_write(&[&staged]).unwrap(),
+        vec![TierCode::KeyInWrongState]
+    );
+    assert_eq!(
+        server.directory_stats().unwrap().outcomes.rejected,
+        rejected_before + 1,
+        "refused per key, in an answered batch"
+    );
+    assert_eq!(
+        client.stats().rejections,
+        1,
+        "the client settled it Rejected"
+    );
+    assert_eq!(rec.kinds("write_finished"), vec![Vec::<Vec<u8>>::new()]);
+    assert_eq!(tier.inspect(&staged).unwrap(), KeyStage::Untracked);
+    assert!(!layout.exists(&staged).unwrap(), "never registered");
+    // The retained promote takes the same path (scenario 30).
+    rec.clear();
+    let r = tier
+        .finish_write_and_reserve_read(&[&promoted], Holds::ONE)
+        .unwrap();
+    assert_eq!(
+        (r[0].code, r[0].page.is_none()),
+        (TierCode::KeyInWrongState, true)
+    );
+    assert_eq!(
+        server.directory_stats().unwrap().outcomes.rejected,
+        rejected_before + 2
+    );
+    assert_eq!(client.stats().rejections, 2);
+    assert_eq!(
+        rec.kinds("finish_write_and_reserve_read"),
+        vec![Vec::<Vec<u8>>::new()]
+    );
+    assert!(rec.kinds("write_finished").is_empty());
+    assert_eq!(tier.inspect(&promoted).unwrap(), KeyStage::Untracked);
+    tier.check_invariants().unwrap();
+    assert!(tier.memcheck(), "no page was freed twice");
 }

@@ -297,6 +297,43 @@ fn scenario_17_out_of_memory_is_whole_batch_and_silent() {
     h.healthy();
 }
 
+/// Found by a review: a page of the batch that could not be placed (its
+/// region taken from the layout at a reattach, between the allocation and
+/// the placement) made that key `OutOfMemory` while the others were
+/// reserved — against scenario 17's all or nothing — and a batch whose
+/// every page failed fired an empty `reserved_write`. Now the whole batch
+/// is `OutOfMemory`: every page back, nothing staged, nobody told.
+#[test]
+fn reserve_write_stays_all_or_nothing_when_a_page_cannot_be_placed() {
+    use crate::client::staged::FAIL_LEASE_PLACEMENTS;
+    let h = harness("place-fail");
+    h.listen();
+    let free = h.free_pages();
+    let keys = [k(1), k(2), k(3)];
+    for batch in [&keys[..], &keys[..1]] {
+        FAIL_LEASE_PLACEMENTS.set(1);
+        let r = h
+            .tier
+            .reserve_write(batch, &vec![false; batch.len()], CHUNK, WriteMode::New)
+            .unwrap();
+        FAIL_LEASE_PLACEMENTS.set(0);
+        assert_eq!(
+            codes(&r),
+            vec![TierCode::OutOfMemory; batch.len()],
+            "all or nothing"
+        );
+        for key in batch {
+            assert_eq!(h.stage(key), KeyStage::Untracked);
+        }
+        assert_eq!(h.free_pages(), free, "every page back");
+        assert!(h.rec.kinds("reserved_write").is_empty(), "nobody told");
+        assert!(h.bus.of(TierEvent::WriteReserved).is_empty());
+    }
+    // The next try is served.
+    assert!(h.reserve(&[&keys[0]], false)[0].is_success());
+    h.healthy();
+}
+
 #[test]
 fn scenario_18_a_non_new_mode_is_an_argument_error() {
     let h = harness("s18");
@@ -924,6 +961,54 @@ fn usage_total_counts_only_what_can_be_in_use_so_a_full_layout_reads_full() {
             total - used
         );
     }
+}
+
+/// Found by a review: `used` and `total` summed the regions of every
+/// layout of the tier's client, while a layout allocates only in its own
+/// regions. Two tiers on one client, without auto-expansion: A full read as
+/// about half full (its own pages over both layouts' pages), so a watermark
+/// on `used / total` never fired while every store failed — and B, nearly
+/// empty, read A's pages as its own use.
+#[test]
+fn usage_counts_only_the_tiers_own_layout_when_its_client_has_several() {
+    let server = Server::start(server_config("usage-two-layouts")).expect("server starts");
+    let mut c = client_config(&server);
+    c.layout = LayoutOptions {
+        initial_reservation_bytes: 4 << 20,
+        region_size_bytes: 4 << 20,
+        auto_expand: false,
+    };
+    let client = Client::connect(c).expect("client connects");
+    let tier = |fingerprint| {
+        let layout = client.layout(PAGE, fingerprint).expect("layout");
+        L1Tier::new(layout, TierConfig::default()).expect("tier")
+    };
+    let (a, b) = (tier(0xA), tier(0xB));
+    let region = 4 << 20;
+    assert_eq!(a.layout().region_bytes(), region);
+    assert_eq!(b.layout().region_bytes(), region);
+    let reserve = |t: &L1Tier, keys: &[Vec<u8>]| {
+        let r = t
+            .reserve_write(keys, &vec![false; keys.len()], CHUNK, WriteMode::New)
+            .expect("reserve_write");
+        codes(&r)
+    };
+    // B holds one page; A takes every page of its region, then is out of
+    // memory.
+    assert_eq!(reserve(&b, &[k(1)]), vec![TierCode::Success]);
+    let pages = region / PAGE;
+    let keys: Vec<Vec<u8>> = (100..100 + pages).map(k).collect();
+    assert_eq!(reserve(&a, &keys), vec![TierCode::Success; keys.len()]);
+    assert_eq!(reserve(&a, &[k(99)]), vec![TierCode::OutOfMemory]);
+    let (used, total) = a.get_memory_usage();
+    assert!(
+        total - used < PAGE,
+        "A is full, yet ({used}, {total}) says {} bytes are left",
+        total - used
+    );
+    assert_eq!((used, total), (region, region));
+    assert_eq!(b.get_memory_usage(), (PAGE, region), "B: its one page");
+    assert_eq!(a.report_status().unwrap().memory_usage_ratio, 1.0);
 }
 
 #[test]
