@@ -32,7 +32,7 @@
 #define CXLKV_ABI_VERSION_MAJOR 0
 
 // Bumped when functions, fields or statuses are added.
-#define CXLKV_ABI_VERSION_MINOR 3
+#define CXLKV_ABI_VERSION_MINOR 4
 
 // Map every region of other instances at connect, so that first reads of
 // them do not map.
@@ -44,6 +44,11 @@
 
 // Most entries of `cxlkv_config.pool_paths`.
 #define CXLKV_MAX_POOL_PATHS 64
+
+// `cxlkv_tier_config.flags`: every page a call of the tier returns comes
+// with a hold on its mapping, given back with `cxlkv_tier_release_page`
+// (see that function).
+#define CXLKV_TIER_HOLD_MAPPINGS (1 << 0)
 
 // Most read holds one call takes or releases per key; larger counts are
 // clamped to it, and 0 to 1.
@@ -653,8 +658,9 @@ typedef void (*cxlkv_tier_event_fn)(void *user_data,
 typedef struct cxlkv_tier_config {
     // `sizeof(cxlkv_tier_config)` as the caller's header declares it.
     uint32_t size;
-    // Always 0 (anything else is refused, `INVALID_ARGUMENT`).
-    uint32_t reserved;
+    // `CXLKV_TIER_HOLD_MAPPINGS` or 0 (unknown bits are refused,
+    // `INVALID_ARGUMENT`).
+    uint32_t flags;
     // How long a write reservation may stay unfinished before the sweeper
     // reclaims it (1 ms ..= one year).
     uint64_t write_ttl_ms;
@@ -1250,13 +1256,27 @@ cxlkv_status cxlkv_tier_open(const struct cxlkv_layout *layout,
 // Closes the tier and frees its handle (NULL: nothing to do): stops and
 // joins the sweeper, then drains the staging without notifying — every
 // read pin released, every private temporary and write page reclaimed.
-// Page addresses the tier returned are invalid afterwards. The client
-// and layout stay open. The handle is freed even when the status reports
-// a failure.
+// Page addresses the tier returned are invalid afterwards (a page still
+// held, `CXLKV_TIER_HOLD_MAPPINGS`, stays mapped until released, its
+// bytes no longer protected). The client and layout stay open. The
+// handle is freed even when the status reports a failure.
 //
 // Thread safety: any thread, except from a listener of this tier
 // (`CXLKV_STATUS_TIER_REENTRANT`, and the handle stays valid).
 cxlkv_status cxlkv_tier_close(struct cxlkv_tier *tier);
+
+// Gives back one mapping hold on the tier page at `data` — the
+// `cxlkv_tier_page.data` of a page returned by a tier opened with
+// `CXLKV_TIER_HOLD_MAPPINGS` (NULL: nothing to do). Each page a call of
+// such a tier returns (each result whose `data` is not NULL) is held
+// once (the same page returned twice is held twice) and stays mapped — dereferenceable, though its bytes are
+// protected only while its reservation lasts — until released, also
+// after the tier's or the client's close: its region is not unmapped
+// (nor `before_unmap` called for it) while a hold on one of its pages
+// lasts. An address with no hold left is `CXLKV_STATUS_BAD_HANDLE`.
+//
+// Thread safety: any thread, also from a listener.
+cxlkv_status cxlkv_tier_release_page(const uint8_t *data);
 
 // Appends a listener (copied; no de-duplication, no notification). Its
 // callbacks run synchronously on the calling thread of each operation,

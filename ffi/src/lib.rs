@@ -90,7 +90,7 @@ pub use tier::CXLKV_TIER_MAX_HOLDS;
 /// major (see the `size` fields).
 pub const CXLKV_ABI_VERSION_MAJOR: u32 = 0;
 /// Bumped when functions, fields or statuses are added.
-pub const CXLKV_ABI_VERSION_MINOR: u32 = 3;
+pub const CXLKV_ABI_VERSION_MINOR: u32 = 4;
 
 /// The ABI version of the loaded library: `major << 16 | minor`. A program
 /// built against a header whose `CXLKV_ABI_VERSION_MAJOR` differs must not

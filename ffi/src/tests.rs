@@ -1110,11 +1110,11 @@ mod tier {
         close(client, layout);
     }
 
-    /// A versioned struct's `reserved` field may get a meaning in a later
-    /// minor version (its size unchanged): a library that cannot honour it
-    /// refuses it rather than ignoring it.
+    /// A versioned struct's `reserved` field or flag bit may get a meaning
+    /// in a later minor version (its size unchanged): a library that
+    /// cannot honour it refuses it rather than ignoring it.
     #[test]
-    fn reserved_fields_of_tier_structs_must_be_zero() {
+    fn unknown_flags_and_reserved_fields_of_tier_structs_are_refused() {
         let fx = Fixture::new("ffi-tier-reserved");
         let (client, layout) = fx.connect();
         let mut config = std::mem::MaybeUninit::<cxlkv_tier_config>::zeroed();
@@ -1124,13 +1124,18 @@ mod tier {
         });
         // SAFETY: initialised by the call above.
         let mut config = unsafe { config.assume_init() };
-        config.reserved = 1;
+        config.flags = 1 << 31;
         let mut tier = std::ptr::null_mut();
         // SAFETY: a live config, a live out slot.
         let s = unsafe { cxlkv_tier_open(layout, &config, &mut tier) };
         assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
         assert!(tier.is_null());
-        config.reserved = 0;
+        assert!(
+            last_error().contains("unknown bits 0x80000000"),
+            "{}",
+            last_error()
+        );
+        config.flags = 0;
         // SAFETY: as above.
         ok(unsafe { cxlkv_tier_open(layout, &config, &mut tier) });
         let listener = cxlkv_tier_listener {
@@ -1149,6 +1154,218 @@ mod tier {
         let s = unsafe { cxlkv_tier_register_listener(tier, &listener) };
         assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
         ok(cxlkv_tier_close(tier));
+        close(client, layout);
+    }
+
+    /// Regions `before_unmap` reported, for the hold test.
+    static UNMAPPED_REGIONS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+    unsafe extern "C" fn note_unmap(_: *mut c_void, info: *const cxlkv_map_info) {
+        // SAFETY: the library passes a live info struct.
+        let region = unsafe { &*info }.region_id;
+        UNMAPPED_REGIONS.lock().unwrap().push(region);
+    }
+
+    fn unmapped(region: u64) -> bool {
+        UNMAPPED_REGIONS.lock().unwrap().contains(&region)
+    }
+
+    /// Found by a review: once the sweeper reclaimed a read reservation,
+    /// nothing kept the peer region behind its page mapped, and evicting
+    /// the region from the mapping cache unmapped it under the address the
+    /// tier had handed out (a Python memoryview of it then faulted). With
+    /// `CXLKV_TIER_HOLD_MAPPINGS` the page stays mapped until its hold is
+    /// released, however its reservation ended.
+    #[test]
+    fn a_held_tier_page_stays_mapped_after_its_reservation_is_swept() {
+        let fx = Fixture::new("ffi-tier-hold");
+        // Two other instances publish a key each, in their own regions.
+        let (p_client, p_layout) = fx.connect();
+        let (q_client, q_layout) = fx.connect();
+        let mut result = MaybeUninit::<cxlkv_register_result>::uninit();
+        for (layout, key, fill) in [(p_layout, b"k1", b'A'), (q_layout, b"k2", b'B')] {
+            let chunk = [fill; 1000];
+            // SAFETY: a live key, chunk and out slot.
+            ok(unsafe {
+                cxlkv_put(
+                    layout,
+                    key.as_ptr(),
+                    2,
+                    chunk.as_ptr(),
+                    1000,
+                    result.as_mut_ptr(),
+                )
+            });
+        }
+        // The reader maps at most one peer region at a time.
+        let mut config = fx.config();
+        config.max_peer_mappings = 1;
+        config.map_callbacks = cxlkv_map_callbacks {
+            on_map: None,
+            before_unmap: Some(note_unmap),
+            user_data: std::ptr::null_mut(),
+        };
+        let mut client = std::ptr::null_mut();
+        // SAFETY: live config, live out slot.
+        ok(unsafe { cxlkv_connect(&config, &mut client) });
+        let mut layout = std::ptr::null_mut();
+        // SAFETY: NULL options, live out slot.
+        ok(unsafe { cxlkv_layout_open(client, PAGE, FINGERPRINT, std::ptr::null(), &mut layout) });
+        let mut tier_config = MaybeUninit::<cxlkv_tier_config>::uninit();
+        // SAFETY: room for one config.
+        ok(unsafe {
+            cxlkv_tier_config_init(
+                tier_config.as_mut_ptr(),
+                size_of::<cxlkv_tier_config>() as u32,
+            )
+        });
+        // SAFETY: initialised above.
+        let mut tier_config = unsafe { tier_config.assume_init() };
+        tier_config.flags = CXLKV_TIER_HOLD_MAPPINGS;
+        tier_config.read_ttl_ms = 1;
+        let mut tier = std::ptr::null_mut();
+        // SAFETY: a live config, a live out slot.
+        ok(unsafe { cxlkv_tier_open(layout, &tier_config, &mut tier) });
+
+        let keys = [bytes(b"k1")];
+        let mut pages = [NO_PAGE_FOR_TESTS; 1];
+        // SAFETY: one key, one page slot.
+        ok(unsafe { cxlkv_tier_reserve_read(tier, keys.as_ptr(), 1, 1, pages.as_mut_ptr()) });
+        assert_eq!(pages[0].code, cxlkv_tier_code::CXLKV_TIER_SUCCESS);
+        let (data, region) = (pages[0].data, pages[0].location.region_id);
+        // The reservation expires and is reclaimed: its pin and its
+        // staging's reference to the mapping go.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let (mut swept_writes, mut swept_reads) = (0, 0);
+        // SAFETY: live out slots.
+        ok(unsafe { cxlkv_tier_sweep_now(tier, &mut swept_writes, &mut swept_reads) });
+        assert_eq!((swept_writes, swept_reads), (0, 1));
+        // Reading the other instance's key maps its region, which evicts
+        // the first one from the one-entry cache.
+        let mut view = MaybeUninit::<cxlkv_view>::uninit();
+        // SAFETY: a live key and out slot.
+        ok(unsafe { cxlkv_get(layout, b"k2".as_ptr(), 2, view.as_mut_ptr()) });
+        // SAFETY: the view the call wrote.
+        ok(unsafe { cxlkv_release(view.as_mut_ptr()) });
+        let mut stats = cxlkv_client_stats {
+            size: size_of::<cxlkv_client_stats>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: live, sized out struct.
+        ok(unsafe { cxlkv_query_stats(client, &mut stats) });
+        assert_eq!(stats.peer_regions_evicted, 1);
+        // The maintenance thread retires an evicted region within a tick
+        // (100 ms) and unmaps it once nothing holds it: not while the hold
+        // lasts.
+        std::thread::sleep(std::time::Duration::from_millis(600));
+        assert!(
+            !unmapped(region),
+            "the held page's region was unmapped under its address"
+        );
+        // SAFETY: the page is held, so mapped; its bytes are stale at worst.
+        let first = unsafe { std::slice::from_raw_parts(data, 1000) };
+        assert!(first.iter().all(|b| *b == b'A'), "nobody reused the page");
+
+        ok(cxlkv_tier_release_page(data));
+        let s = cxlkv_tier_release_page(data);
+        assert_eq!(s, CXLKV_STATUS_BAD_HANDLE, "released twice");
+        assert!(
+            last_error().contains("not a held tier page"),
+            "{}",
+            last_error()
+        );
+        ok(cxlkv_tier_release_page(std::ptr::null()));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !unmapped(region) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the region stayed mapped after its last hold was released"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+
+        ok(cxlkv_tier_close(tier));
+        close(client, layout);
+        close(p_client, p_layout);
+        close(q_client, q_layout);
+    }
+
+    /// Every page a holding tier returns is held once, whichever call
+    /// returned it; a tier without the flag takes no hold.
+    #[test]
+    fn a_holding_tier_holds_each_page_it_returns_once_per_return() {
+        let fx = Fixture::new("ffi-tier-hold-count");
+        let (client, layout) = fx.connect();
+        let mut tier_config = MaybeUninit::<cxlkv_tier_config>::uninit();
+        // SAFETY: room for one config.
+        ok(unsafe {
+            cxlkv_tier_config_init(
+                tier_config.as_mut_ptr(),
+                size_of::<cxlkv_tier_config>() as u32,
+            )
+        });
+        // SAFETY: initialised above.
+        let mut tier_config = unsafe { tier_config.assume_init() };
+        let mut plain = std::ptr::null_mut();
+        // SAFETY: a live config, a live out slot.
+        ok(unsafe { cxlkv_tier_open(layout, &tier_config, &mut plain) });
+        tier_config.flags = CXLKV_TIER_HOLD_MAPPINGS;
+        let mut tier = std::ptr::null_mut();
+        // SAFETY: as above.
+        ok(unsafe { cxlkv_tier_open(layout, &tier_config, &mut tier) });
+
+        let keys = [bytes(b"h0"), bytes(b"h1")];
+        let temporary = [0u8, 1];
+        let mut pages = [NO_PAGE_FOR_TESTS; 2];
+        // SAFETY: two keys, two flags, two page slots.
+        ok(unsafe {
+            cxlkv_tier_reserve_write(
+                tier,
+                keys.as_ptr(),
+                temporary.as_ptr(),
+                2,
+                100,
+                0,
+                pages.as_mut_ptr(),
+            )
+        });
+        let written: Vec<*mut u8> = pages.iter().map(|p| p.data).collect();
+        let mut codes = [cxlkv_tier_code::CXLKV_TIER_NOT_DONE; 2];
+        // SAFETY: one key, one code slot.
+        ok(unsafe { cxlkv_tier_finish_write(tier, keys.as_ptr(), 1, codes.as_mut_ptr()) });
+        // The promote of the temporary returns its page again: held twice.
+        // SAFETY: one key, one page slot.
+        ok(unsafe {
+            cxlkv_tier_finish_write_and_reserve_read(
+                tier,
+                keys[1..].as_ptr(),
+                1,
+                1,
+                pages.as_mut_ptr(),
+            )
+        });
+        assert_eq!(pages[0].data, written[1]);
+        // A read of h0 and an unsafe read of it return the page written
+        // (registered in place): held twice more.
+        // SAFETY: one key, one page slot.
+        ok(unsafe { cxlkv_tier_reserve_read(tier, keys.as_ptr(), 1, 1, pages.as_mut_ptr()) });
+        assert_eq!(pages[0].data, written[0]);
+        // SAFETY: as above.
+        ok(unsafe { cxlkv_tier_unsafe_read(tier, keys.as_ptr(), 1, pages.as_mut_ptr()) });
+        assert_eq!(pages[0].data, written[0]);
+        // The other tier takes no hold on what it returns.
+        // SAFETY: as above.
+        ok(unsafe { cxlkv_tier_reserve_read(plain, keys.as_ptr(), 1, 1, pages.as_mut_ptr()) });
+        assert_eq!(pages[0].data, written[0]);
+        ok(cxlkv_tier_close(plain));
+        // Closing the tier leaves the holds: they are the caller's.
+        ok(cxlkv_tier_close(tier));
+        for (data, holds) in [(written[0], 3), (written[1], 2)] {
+            for _ in 0..holds {
+                ok(cxlkv_tier_release_page(data));
+            }
+            assert_eq!(cxlkv_tier_release_page(data), CXLKV_STATUS_BAD_HANDLE);
+        }
         close(client, layout);
     }
 

@@ -15,9 +15,23 @@
 //!
 //! **Page addresses** stay valid while the tier holds the reservation that
 //! returned them: until the matching finish, `delete`, `clear`,
-//! `cxlkv_tier_close`, or the TTL sweeper reclaiming an expired one. A
-//! write page may be written until its `finish_*`; a read page is
-//! read-only.
+//! `cxlkv_tier_close`, or the TTL sweeper reclaiming an expired one — and
+//! never past `cxlkv_close` of the client (its read pins end with the
+//! session, and after the server's grace period its regions, write pages
+//! included, may go to another instance). A write page may be written
+//! until its `finish_*`; a read page is read-only.
+//!
+//! **Mapping holds.** Once a reservation ends, its tier no longer keeps
+//! the page's region mapped: a peer region may then be evicted from the
+//! client's mapping cache, an own region returned, and an address kept
+//! past the end faults rather than reading stale bytes. A caller that
+//! cannot stop every use of an address at the reservation's end — one
+//! that cannot stop the TTL sweeper (a language binding whose buffers
+//! outlive the call) — opens the tier with `CXLKV_TIER_HOLD_MAPPINGS`:
+//! every page a call returns then comes with a hold on its mapping, which
+//! the caller gives back with `cxlkv_tier_release_page` (once per page
+//! returned). While held, the address stays mapped — dereferenceable, its
+//! bytes protected only while the reservation lasts.
 //!
 //! **Listeners and events** are C function pointers with a `void
 //! *user_data`, called synchronously on the calling thread, in registration
@@ -26,15 +40,18 @@
 //! `CXLKV_STATUS_TIER_REENTRANT`), must return quickly, and must not
 //! unwind. The key arrays they receive are valid only during the call.
 
+use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void};
 use std::mem::size_of;
+use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
 
 use cxlkv::tier::{
     EventSink, Holds, KeyPage, KeyStage, L1Tier, Listener, TierCode, TierConfig, TierError,
-    TierEvent, WriteMode,
+    TierEvent, TierPage, WriteMode,
 };
+use parking_lot::Mutex;
 
 use crate::args::{self, Out, OutSlice, Versioned, cxlkv_bytes};
 use crate::boundary::call;
@@ -48,10 +65,51 @@ pub struct cxlkv_tier {
     _opaque: [u8; 0],
 }
 
-static TIERS: Registry<L1Tier> = Registry::new(Tag::Tier);
+/// A tier as its handle holds it.
+struct OpenTier {
+    tier: L1Tier,
+    /// `CXLKV_TIER_HOLD_MAPPINGS`: every page returned comes with a hold.
+    hold_mappings: bool,
+}
 
-fn tier(handle: *const cxlkv_tier) -> Result<Arc<L1Tier>, FfiError> {
+impl Deref for OpenTier {
+    type Target = L1Tier;
+
+    fn deref(&self) -> &L1Tier {
+        &self.tier
+    }
+}
+
+static TIERS: Registry<OpenTier> = Registry::new(Tag::Tier);
+
+fn tier(handle: *const cxlkv_tier) -> Result<Arc<OpenTier>, FfiError> {
     TIERS.get(handle.addr(), "tier")
+}
+
+/// `cxlkv_tier_config.flags`: every page a call of the tier returns comes
+/// with a hold on its mapping, given back with `cxlkv_tier_release_page`
+/// (see that function).
+pub const CXLKV_TIER_HOLD_MAPPINGS: u32 = 1 << 0;
+
+const KNOWN_TIER_FLAGS: u32 = CXLKV_TIER_HOLD_MAPPINGS;
+
+/// The mapping holds of tier pages, by page address: a clone of the page
+/// (which keeps its region mapped) and how many holds are outstanding.
+/// An address names one page of one mapping for as long as it is held —
+/// a held mapping is never unmapped, so no other can take its addresses —
+/// so the map never holds more entries than the pages mapped in the
+/// process, however many holds are taken.
+static PAGE_HOLDS: Mutex<BTreeMap<usize, (TierPage, u64)>> = Mutex::new(BTreeMap::new());
+
+/// Takes one mapping hold per page of `results`.
+fn hold_pages(results: &[KeyPage]) {
+    let mut holds = PAGE_HOLDS.lock();
+    for page in results.iter().filter_map(|r| r.page.as_ref()) {
+        holds
+            .entry(page.as_ptr().addr())
+            .and_modify(|(_, n)| *n += 1)
+            .or_insert_with(|| (page.clone(), 1));
+    }
 }
 
 /// Most read holds one call takes or releases per key; larger counts are
@@ -207,8 +265,9 @@ pub type cxlkv_tier_event_fn = Option<
 pub struct cxlkv_tier_config {
     /// `sizeof(cxlkv_tier_config)` as the caller's header declares it.
     pub size: u32,
-    /// Always 0 (anything else is refused, `INVALID_ARGUMENT`).
-    pub reserved: u32,
+    /// `CXLKV_TIER_HOLD_MAPPINGS` or 0 (unknown bits are refused,
+    /// `INVALID_ARGUMENT`).
+    pub flags: u32,
     /// How long a write reservation may stay unfinished before the sweeper
     /// reclaims it (1 ms ..= one year).
     pub write_ttl_ms: u64,
@@ -231,7 +290,7 @@ fn tier_config_defaults() -> cxlkv_tier_config {
     let d = TierConfig::default();
     cxlkv_tier_config {
         size: size_of::<cxlkv_tier_config>() as u32,
-        reserved: 0,
+        flags: 0,
         write_ttl_ms: d.write_ttl.as_millis() as u64,
         read_ttl_ms: d.read_ttl.as_millis() as u64,
         on_event: None,
@@ -328,10 +387,13 @@ pub unsafe extern "C" fn cxlkv_tier_open(
             // SAFETY: passed on to the caller.
             unsafe { args::read_versioned(config, tier_config_defaults(), "config") }?
         };
-        if c.reserved != 0 {
-            // A later version may give it a meaning this library cannot
+        if c.flags & !KNOWN_TIER_FLAGS != 0 {
+            // A later version may give them a meaning this library cannot
             // honour: refused, never ignored.
-            return Err(FfiError::invalid("config->reserved must be 0"));
+            return Err(FfiError::invalid(format!(
+                "`config->flags` has unknown bits {:#x}",
+                c.flags & !KNOWN_TIER_FLAGS
+            )));
         }
         let l = self::layout(layout)?;
         let mut cfg = TierConfig {
@@ -345,7 +407,10 @@ pub unsafe extern "C" fn cxlkv_tier_open(
                 user_data: c.event_user_data,
             }));
         }
-        let t = L1Tier::new(cxlkv::client::LayoutHandle::clone(&l), cfg)?;
+        let t = OpenTier {
+            tier: L1Tier::new(cxlkv::client::LayoutHandle::clone(&l), cfg)?,
+            hold_mappings: c.flags & CXLKV_TIER_HOLD_MAPPINGS != 0,
+        };
         out.write(to_ptr(TIERS.insert(t)?));
         Ok(())
     })
@@ -354,9 +419,10 @@ pub unsafe extern "C" fn cxlkv_tier_open(
 /// Closes the tier and frees its handle (NULL: nothing to do): stops and
 /// joins the sweeper, then drains the staging without notifying — every
 /// read pin released, every private temporary and write page reclaimed.
-/// Page addresses the tier returned are invalid afterwards. The client
-/// and layout stay open. The handle is freed even when the status reports
-/// a failure.
+/// Page addresses the tier returned are invalid afterwards (a page still
+/// held, `CXLKV_TIER_HOLD_MAPPINGS`, stays mapped until released, its
+/// bytes no longer protected). The client and layout stay open. The
+/// handle is freed even when the status reports a failure.
 ///
 /// Thread safety: any thread, except from a listener of this tier
 /// (`CXLKV_STATUS_TIER_REENTRANT`, and the handle stays valid).
@@ -374,6 +440,48 @@ pub extern "C" fn cxlkv_tier_close(tier: *mut cxlkv_tier) -> cxlkv_status {
         }
         TIERS.remove(tier.addr(), "tier")?;
         closed.map_err(FfiError::from)
+    })
+}
+
+/// Gives back one mapping hold on the tier page at `data` — the
+/// `cxlkv_tier_page.data` of a page returned by a tier opened with
+/// `CXLKV_TIER_HOLD_MAPPINGS` (NULL: nothing to do). Each page a call of
+/// such a tier returns (each result whose `data` is not NULL) is held
+/// once (the same page returned twice is held twice) and stays mapped — dereferenceable, though its bytes are
+/// protected only while its reservation lasts — until released, also
+/// after the tier's or the client's close: its region is not unmapped
+/// (nor `before_unmap` called for it) while a hold on one of its pages
+/// lasts. An address with no hold left is `CXLKV_STATUS_BAD_HANDLE`.
+///
+/// Thread safety: any thread, also from a listener.
+#[unsafe(no_mangle)]
+pub extern "C" fn cxlkv_tier_release_page(data: *const u8) -> cxlkv_status {
+    call("cxlkv_tier_release_page", || {
+        if data.is_null() {
+            return Ok(());
+        }
+        let last = {
+            let mut holds = PAGE_HOLDS.lock();
+            let Some((_, n)) = holds.get_mut(&data.addr()) else {
+                return Err(FfiError::new(
+                    cxlkv_status::CXLKV_STATUS_BAD_HANDLE,
+                    format!(
+                        "`data` ({data:p}) is not a held tier page: released already, or \
+                         not returned by a tier opened with CXLKV_TIER_HOLD_MAPPINGS"
+                    ),
+                ));
+            };
+            *n -= 1;
+            if *n == 0 {
+                holds.remove(&data.addr())
+            } else {
+                None
+            }
+        };
+        // Outside the lock: dropping the last reference to a retired
+        // mapping unmaps it (and calls `before_unmap`) on this thread.
+        drop(last);
+        Ok(())
     })
 }
 
@@ -487,7 +595,8 @@ pub unsafe extern "C" fn cxlkv_tier_register_listener(
         // SAFETY: passed on to the caller.
         let l = unsafe { args::read_versioned(listener, empty, "listener") }?;
         if l.reserved != 0 {
-            // As `cxlkv_tier_config.reserved`.
+            // A later version may give it a meaning this library cannot
+            // honour: refused, never ignored.
             return Err(FfiError::invalid("listener->reserved must be 0"));
         }
         Ok(self::tier(tier)?.register_listener(Arc::new(CListener(l)))?)
@@ -503,14 +612,18 @@ unsafe fn tier_keys<'a>(
     tier: *const cxlkv_tier,
     keys: *const cxlkv_bytes,
     n: usize,
-) -> Result<(Arc<L1Tier>, Vec<&'a [u8]>), FfiError> {
+) -> Result<(Arc<OpenTier>, Vec<&'a [u8]>), FfiError> {
     // SAFETY: passed on to the caller.
     let keys = unsafe { args::keys(keys, n) }?;
     Ok((self::tier(tier)?, keys))
 }
 
-/// Writes read-type results.
-fn write_pages(out: &mut OutSlice<cxlkv_tier_page>, results: &[KeyPage]) {
+/// Writes read-type results, with a mapping hold per page if `t` hands
+/// them out.
+fn write_pages(t: &OpenTier, out: &mut OutSlice<cxlkv_tier_page>, results: &[KeyPage]) {
+    if t.hold_mappings {
+        hold_pages(results);
+    }
     for (i, r) in results.iter().enumerate() {
         out.write(i, tier_page(r));
     }
@@ -548,7 +661,7 @@ pub unsafe extern "C" fn cxlkv_tier_reserve_read(
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
         let r = t.reserve_read(&keys, Holds::total(i64::from(holds)))?;
-        write_pages(&mut out, &r);
+        write_pages(&t, &mut out, &r);
         Ok(())
     })
 }
@@ -575,7 +688,7 @@ pub unsafe extern "C" fn cxlkv_tier_unsafe_read(
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
         let r = t.unsafe_read(&keys)?;
-        write_pages(&mut out, &r);
+        write_pages(&t, &mut out, &r);
         Ok(())
     })
 }
@@ -653,7 +766,7 @@ pub unsafe extern "C" fn cxlkv_tier_reserve_write(
         let flags: Vec<bool> = flags.iter().map(|f| *f != 0).collect();
         let len = usize::try_from(len_bytes).unwrap_or(usize::MAX);
         let r = t.reserve_write(&keys, &flags, len, mode)?;
-        write_pages(&mut out, &r);
+        write_pages(&t, &mut out, &r);
         Ok(())
     })
 }
@@ -710,7 +823,7 @@ pub unsafe extern "C" fn cxlkv_tier_finish_write_and_reserve_read(
         // SAFETY: passed on to the caller.
         let (t, keys) = unsafe { tier_keys(tier, keys, n) }?;
         let r = t.finish_write_and_reserve_read(&keys, Holds::total(i64::from(holds)))?;
-        write_pages(&mut out, &r);
+        write_pages(&t, &mut out, &r);
         Ok(())
     })
 }

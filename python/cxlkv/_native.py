@@ -38,8 +38,9 @@ from pathlib import Path
 #: The ABI major this package speaks (``CXLKV_ABI_VERSION_MAJOR``).
 ABI_MAJOR = 0
 #: The oldest ABI minor with everything this package declares
-#: (``CXLKV_ABI_VERSION_MINOR``; 3: ``CXLKV_TIER_NOT_DONE`` for failed calls).
-ABI_MINOR = 3
+#: (``CXLKV_ABI_VERSION_MINOR``; 4: ``CXLKV_TIER_HOLD_MAPPINGS`` and
+#: ``cxlkv_tier_release_page``).
+ABI_MINOR = 4
 
 _HERE = Path(__file__).resolve().parent
 
@@ -334,7 +335,7 @@ LISTENER_CALLBACKS = (
 class TierConfig(Structure):
     _fields_ = [
         ("size", c_uint32),
-        ("reserved", c_uint32),
+        ("flags", c_uint32),
         ("write_ttl_ms", c_uint64),
         ("read_ttl_ms", c_uint64),
         ("on_event", TIER_EVENT_FN),
@@ -418,6 +419,7 @@ DELETE_PINNED = 2
 DELETE_MISSING = 3
 
 TIER_MAX_HOLDS = 128
+TIER_HOLD_MAPPINGS = 1 << 0
 #: Most entries one batch call of the library carries (``proto::MAX_BATCH``;
 #: every ``cxlkv_batch_*`` and ``cxlkv_tier_*`` call given more returns
 #: ``CXLKV_STATUS_BATCH_TOO_LARGE``). Not in the header: ``test_abi.py``
@@ -489,6 +491,7 @@ _fn("cxlkv_batch_delete", status_t, c_void_p, P(Bytes), c_size_t, P(DeleteResult
 _fn("cxlkv_tier_config_init", status_t, P(TierConfig), c_uint32)
 _fn("cxlkv_tier_open", status_t, c_void_p, P(TierConfig), P(c_void_p))
 _fn("cxlkv_tier_close", status_t, c_void_p)
+_fn("cxlkv_tier_release_page", status_t, c_void_p)
 _fn("cxlkv_tier_register_listener", status_t, c_void_p, P(TierListener))
 _fn("cxlkv_tier_reserve_read", status_t, c_void_p, P(Bytes), c_size_t, c_uint32, P(TierPage))
 _fn("cxlkv_tier_unsafe_read", status_t, c_void_p, P(Bytes), c_size_t, P(TierPage))

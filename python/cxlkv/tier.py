@@ -27,15 +27,25 @@ returned it. The tier guards that the way views are guarded
 array tracked weakly; an operation that may end a key's reservation
 (``finish_*``, ``delete``, ``clear``, ``close``, ``sweep_now``) raises
 ``BufferError`` and changes nothing while a memoryview of that key's page
-is alive, and afterwards marks the pages whose reservation ended as
-released — their :meth:`TierPage.memoryview` raises
-:class:`~cxlkv.errors.ViewReleasedError`. Every memoryview also holds the
+is alive; while it runs, :meth:`TierPage.memoryview` of those pages raises
+``BufferError`` (on another thread, or from one of the call's listeners —
+the check and the refusal are one step, so no memoryview slips in between);
+afterwards it marks the pages whose reservation ended as released — their
+:meth:`TierPage.memoryview` raises :class:`~cxlkv.errors.ViewReleasedError`
+— and the others are exportable again. Every memoryview also holds the
 tier (and through it the layout and client), so a tier object dropped while
 a memoryview of one of its pages lives is closed only when that memoryview
-goes. What Python cannot guard is the tier's own TTL sweeper thread, which
+goes.
+
+What Python cannot guard is the tier's own TTL sweeper thread, which
 reclaims an *expired* reservation whatever Python holds (as the reference's
-TTL locks do): keep the TTLs above the longest time a page is used. TTLs
-are given in seconds and rounded up to whole milliseconds.
+TTL locks do): keep the TTLs above the longest time a page is used. A
+memoryview kept past the sweep never faults — every page, and every
+memoryview of it, holds the mapping of its region (the tier is opened with
+``CXLKV_TIER_HOLD_MAPPINGS``), so the region stays mapped until the last of
+them goes — but its bytes are no longer protected: reading may see another
+chunk's, and writing into a write page corrupts whatever the pool put there
+since. TTLs are given in seconds and rounded up to whole milliseconds.
 
 A tier and its pages refuse ``copy.copy``, ``copy.deepcopy`` and pickling
 (``TypeError``): a copied page is not one the tier tracks, so it would not
@@ -64,6 +74,7 @@ listeners are printed and ignored.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import itertools
@@ -126,18 +137,34 @@ class TierPage(_NotCopyable):
         "writable",
         "_len",
         "_address",
+        "_hold",
+        "_ending",
         "_exports",
         "_tier",
         "__weakref__",
     )
 
-    def __init__(self, key: bytes, raw: N.TierPage, writable: bool, tier: "L1Tier"):
+    def __init__(
+        self,
+        key: bytes,
+        raw: N.TierPage,
+        writable: bool,
+        tier: "L1Tier",
+        hold: "_MappingHold",
+    ):
         self.key = key
         self.location = Location._from(raw.location)
         self.page_size_bytes = raw.page_size_bytes
         self.writable = writable
         self._len = raw.len_bytes
         self._address = raw.data
+        # Keeps the page mapped: held by this object until its reservation
+        # ends (as far as Python sees), and by every memoryview of it.
+        self._hold = hold
+        # How many calls that may end this page's reservation are in
+        # progress (see L1Tier._ending): no memoryview is exported while
+        # one is.
+        self._ending = 0
         self._exports = _Exports()
         # Weak: a page object alone does not keep its tier open; a
         # memoryview of it does (see memoryview()).
@@ -155,14 +182,32 @@ class TierPage(_NotCopyable):
         address = self._address
         if address is None or tier is None:
             raise ViewReleasedError(f"the reservation of {self.key!r} ended")
+        if self._ending:
+            raise BufferError(
+                f"a call that may end the reservation of {self.key!r} is in progress (on "
+                "another thread, or this is one of its listeners): no memoryview of its page "
+                "until it returns"
+            )
         return address, tier
 
     def memoryview(self) -> memoryview:
         """The chunk's bytes in the pool (zero copy). The memoryview holds
-        this page and its tier: the tier is not closed by garbage
-        collection while a memoryview of one of its pages lives."""
-        address, tier = self._live()
-        return self._exports.export(address, self._len, (self, tier), readonly=not self.writable)
+        this page, its mapping and its tier: the tier is not closed by
+        garbage collection while a memoryview of one of its pages lives.
+        Raises ``BufferError`` while a call that may end the page's
+        reservation is in progress."""
+        tier = self._tier()
+        if tier is None:
+            raise ViewReleasedError(f"the reservation of {self.key!r} ended")
+        # Under the tier's export lock: a call that may end the reservation
+        # checks for memoryviews and marks the page ending under it too, so
+        # an export either comes first (and the call is refused) or is
+        # refused.
+        with tier._export_lock:
+            address, tier = self._live()
+            return self._exports.export(
+                address, self._len, (self, tier, self._hold), readonly=not self.writable
+            )
 
     def address(self) -> int:
         return self._live()[0]
@@ -170,15 +215,33 @@ class TierPage(_NotCopyable):
     def __bytes__(self) -> bytes:
         return self.memoryview().tobytes()
 
-    def _exported(self) -> bool:
-        return self._address is not None and self._exports.alive()
-
     def _release(self) -> None:
         self._address = None
+        # The mapping stays held as long as a memoryview of the page does.
+        self._hold = None
 
     def __repr__(self) -> str:
         state = "released" if self.released else f"{self._len} bytes"
         return f"TierPage({self.key!r}, {state})"
+
+
+class _MappingHold:
+    """One hold on the mapping of a page a tier returned (the tier is
+    opened with ``CXLKV_TIER_HOLD_MAPPINGS``): while it lives, the page's
+    address stays mapped, however its reservation ended — the tier's TTL
+    sweeper included — so a memoryview kept too long reads stale bytes
+    rather than faulting. Given back when collected."""
+
+    __slots__ = ("_address",)
+
+    def __init__(self, address: int):
+        self._address = address
+
+    def __del__(self, _release=N.lib.cxlkv_tier_release_page):
+        address, self._address = self._address, None
+        if address is not None:
+            # Fails only for an address holding no hold: not one of ours.
+            _release(address)
 
 
 def _tracked(ref: weakref.ref) -> bool:
@@ -227,8 +290,14 @@ class L1Tier(_NotCopyable):
         on_event: Optional[Callable[[str, list], None]] = None,
     ):
         self._handle = None
+        # Taken by every export of a page's memoryview and by a call that
+        # may end reservations to check for memoryviews and mark its pages
+        # ending (see _ending); reentrant for the garbage collector's sake.
+        self._export_lock = threading.RLock()
         cfg = N.TierConfig()
         check(N.lib.cxlkv_tier_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
+        # Every page returned holds its mapping (see _MappingHold).
+        cfg.flags = N.TIER_HOLD_MAPPINGS
         cfg.write_ttl_ms = _ttl_ms("write_ttl_s", write_ttl_s)
         cfg.read_ttl_ms = _ttl_ms("read_ttl_s", read_ttl_s)
         # ctypes callback objects must outlive every call into them.
@@ -321,11 +390,40 @@ class L1Tier(_NotCopyable):
                         out.append(p)
         return out
 
-    def _guard(self, keys: Optional[Sequence[bytes]]) -> None:
-        """Refuses (``BufferError``) while a memoryview of a page of
-        ``keys`` (``None``: any key) is alive."""
-        for p in self._live_pages(keys):
-            if p._exported():
+    @contextlib.contextmanager
+    def _ending(self, keys: Optional[Sequence[bytes]]):
+        """Around a call that may end the reservations of ``keys``
+        (``None``: every key): refuses (``BufferError``, nothing done)
+        while a memoryview of one of their pages is alive; else marks
+        those pages ending until the call is over — their
+        :meth:`TierPage.memoryview` raises ``BufferError`` meanwhile, so
+        none is exported while the C call runs (the GIL released, its
+        listeners called) nor before the call's revalidation has released
+        the pages whose reservation ended. The marks are taken off however
+        the call ends: on an error the pages are exportable again."""
+        pages = self._live_pages(keys)
+        # First with a garbage collection (a memoryview kept only by a
+        # cycle is dead), outside the lock: the collector may run any
+        # finalizer.
+        self._refuse_exported(pages, collect=True)
+        with self._export_lock:
+            # Again under the lock, for memoryviews exported meanwhile.
+            self._refuse_exported(pages, collect=False)
+            for p in pages:
+                p._ending += 1
+        try:
+            yield
+        finally:
+            with self._export_lock:
+                for p in pages:
+                    p._ending -= 1
+
+    @staticmethod
+    def _refuse_exported(pages: list[TierPage], collect: bool) -> None:
+        for p in pages:
+            if p._address is not None and (
+                p._exports.alive() if collect else p._exports._any()
+            ):
                 raise BufferError(
                     f"a memoryview of the page of {p.key!r} is still alive; drop it before "
                     "an operation that may end its reservation"
@@ -390,12 +488,16 @@ class L1Tier(_NotCopyable):
         elif op == "reserve_write":
             flags, len_bytes, mode = extra
             check(N.lib.cxlkv_tier_reserve_write(h, karr, flags, len(keys), len_bytes, mode, out))
+        # First, before anything that may raise: the library took a
+        # mapping hold per page returned, and each is given back only by
+        # its _MappingHold.
+        holds = [_MappingHold(out[i].data) if out[i].data else None for i in range(len(keys))]
         results = []
         writable = op == "reserve_write"
         for i, k in enumerate(keys):
             code = TierCode(out[i].code)
             if code == TierCode.SUCCESS and out[i].data:
-                page = TierPage(k, out[i], writable, self)
+                page = TierPage(k, out[i], writable, self, holds[i])
                 if op != "unsafe":
                     self._track(page)
                 results.append((code, page))
@@ -454,9 +556,9 @@ class L1Tier(_NotCopyable):
         """Releases holds (and the pins behind them, before returning)."""
         keys = _keys(keys, "finish_read")
         total = _holds("finish_read", extra_count, holds)
-        self._guard(keys)
-        codes = self._call_codes(N.lib.cxlkv_tier_finish_read, keys, total)
-        self._revalidate(keys, writes_ended=False)
+        with self._ending(keys):
+            codes = self._call_codes(N.lib.cxlkv_tier_finish_read, keys, total)
+            self._revalidate(keys, writes_ended=False)
         return codes
 
     def reserve_write(
@@ -497,9 +599,9 @@ class L1Tier(_NotCopyable):
         """Completes writes: temporaries privately, retained keys registered
         (one round trip)."""
         keys = _keys(keys, "finish_write")
-        self._guard(keys)
-        codes = self._call_codes(N.lib.cxlkv_tier_finish_write, keys)
-        self._revalidate(keys, writes_ended=True)
+        with self._ending(keys):
+            codes = self._call_codes(N.lib.cxlkv_tier_finish_write, keys)
+            self._revalidate(keys, writes_ended=True)
         return codes
 
     def finish_write_and_reserve_read(
@@ -509,12 +611,12 @@ class L1Tier(_NotCopyable):
         reading (never reported as written)."""
         keys = _keys(keys, "finish_write_and_reserve_read")
         total = _holds("finish_write_and_reserve_read", extra_count, holds)
-        self._guard(keys)
-        results = self._call_pages("promote", keys, total)
-        fresh = {id(p) for _, p in results if p is not None}
-        for p in self._live_pages(keys):
-            if p.writable and id(p) not in fresh:
-                p._release()
+        with self._ending(keys):
+            results = self._call_pages("promote", keys, total)
+            fresh = {id(p) for _, p in results if p is not None}
+            for p in self._live_pages(keys):
+                if p.writable and id(p) not in fresh:
+                    p._release()
         self._prune(keys)
         return results
 
@@ -522,9 +624,9 @@ class L1Tier(_NotCopyable):
         """Deletes keys (``force`` is accepted and ignored, as in the
         reference)."""
         keys = _keys(keys, "delete")
-        self._guard(keys)
-        codes = self._call_codes(N.lib.cxlkv_tier_delete, keys, bool(force))
-        self._revalidate(keys, writes_ended=False)
+        with self._ending(keys):
+            codes = self._call_codes(N.lib.cxlkv_tier_delete, keys, bool(force))
+            self._revalidate(keys, writes_ended=False)
         return codes
 
     def touch_keys(self, keys: Iterable[BytesLike]) -> None:
@@ -537,16 +639,16 @@ class L1Tier(_NotCopyable):
     def clear(self, force: bool = False) -> None:
         """Drops local staging (never shared data); ``force`` drops all of
         it."""
-        self._guard(None)
-        check(N.lib.cxlkv_tier_clear(self._h(), bool(force)))
-        if force:
-            # Nothing is staged any more: every page's reservation ended,
-            # no need to ask which.
-            for p in self._live_pages():
-                p._release()
-            self._prune(None)
-        else:
-            self._revalidate(None, writes_ended=False)
+        with self._ending(None):
+            check(N.lib.cxlkv_tier_clear(self._h(), bool(force)))
+            if force:
+                # Nothing is staged any more: every page's reservation
+                # ended, no need to ask which.
+                for p in self._live_pages():
+                    p._release()
+                self._prune(None)
+            else:
+                self._revalidate(None, writes_ended=False)
 
     def is_key_evictable(self, key: BytesLike) -> bool:
         out = ctypes.c_bool()
@@ -601,19 +703,19 @@ class L1Tier(_NotCopyable):
         client's close."""
         if self._handle is None:
             return
-        self._guard(None)
-        with self._pages_lock:
-            handle, self._handle = self._handle, None
-        if handle is None:
-            return  # another thread closed it
-        status = N.lib.cxlkv_tier_close(handle)
-        err = error_for(status) if status != 0 else None  # this thread's message, now
-        if status == Status.TIER_REENTRANT:
-            # Refused (from a listener): the C tier and its handle stay.
-            self._handle = handle
-            raise err
-        # Any other status: the handle is freed all the same.
-        self._revalidate(None, writes_ended=True)
+        with self._ending(None):
+            with self._pages_lock:
+                handle, self._handle = self._handle, None
+            if handle is None:
+                return  # another thread closed it
+            status = N.lib.cxlkv_tier_close(handle)
+            err = error_for(status) if status != 0 else None  # this thread's message, now
+            if status == Status.TIER_REENTRANT:
+                # Refused (from a listener): the C tier and its handle stay.
+                self._handle = handle
+                raise err
+            # Any other status: the handle is freed all the same.
+            self._revalidate(None, writes_ended=True)
         self._client._unhold()
         if err is not None:
             raise err
@@ -645,21 +747,23 @@ class L1Tier(_NotCopyable):
 
     def sweep_now(self) -> tuple[int, int]:
         """Runs one TTL sweep now: ``(writes, reads)`` reclaimed."""
-        self._guard(None)
         writes, reads = ctypes.c_uint64(), ctypes.c_uint64()
-        check(N.lib.cxlkv_tier_sweep_now(self._h(), ctypes.byref(writes), ctypes.byref(reads)))
-        live = self._live_pages()
-        write_keys = [p.key for p in live if p.writable]
-        if write_keys:
-            try:
-                h = self._h_held()
-                stages = {k: self._inspect(h, k)["stage"] for k in set(write_keys)}
-            except Error:
-                stages = {}  # cannot be asked: every write page taken as ended
-            for p in live:
-                if p.writable and stages.get(p.key) != "write_staged":
-                    p._release()
-        self._revalidate(None, writes_ended=False)
+        with self._ending(None):
+            check(
+                N.lib.cxlkv_tier_sweep_now(self._h(), ctypes.byref(writes), ctypes.byref(reads))
+            )
+            live = self._live_pages()
+            write_keys = [p.key for p in live if p.writable]
+            if write_keys:
+                try:
+                    h = self._h_held()
+                    stages = {k: self._inspect(h, k)["stage"] for k in set(write_keys)}
+                except Error:
+                    stages = {}  # cannot be asked: every write page taken as ended
+                for p in live:
+                    if p.writable and stages.get(p.key) != "write_staged":
+                        p._release()
+            self._revalidate(None, writes_ended=False)
         return writes.value, reads.value
 
     def check_invariants(self) -> None:
@@ -677,8 +781,16 @@ class L1Tier(_NotCopyable):
         if handle is None:
             return
         try:
+            # A page's weak reference still reaches this object while this
+            # runs: its pages are marked ending first, so that none is
+            # exported from another thread meanwhile (never unmarked: they
+            # are released below).
+            with self._export_lock:
+                pages = self._live_pages()
+                for p in pages:
+                    p._ending += 1
             N.lib.cxlkv_tier_close(handle)
-            for p in self._live_pages():
+            for p in pages:
                 p._release()
         finally:
             self._client._unhold()

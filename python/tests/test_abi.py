@@ -61,6 +61,7 @@ CONSTANTS = {
     "CXLKV_DELETE_MISSING": N.DELETE_MISSING,
     "CXLKV_ABI_VERSION_MAJOR": N.ABI_MAJOR,
     "CXLKV_TIER_MAX_HOLDS": N.TIER_MAX_HOLDS,
+    "CXLKV_TIER_HOLD_MAPPINGS": N.TIER_HOLD_MAPPINGS,
     **{f"CXLKV_STATUS_{s.name}": s.value for s in Status},
     **{f"CXLKV_TIER_{c.name}": c.value for c in TierCode},
     **{f"CXLKV_TIER_WRITE_{mode.upper()}": n for mode, n in N.TIER_WRITE_MODES.items()},

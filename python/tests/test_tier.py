@@ -684,3 +684,218 @@ def test_a_tier_batch_over_the_librarys_limit_is_refused_before_anything_is_allo
         tier.reserve_write([key(43)], itertools.repeat(False), CHUNK_BYTES)
     assert e.value.status == cxlkv.Status.TIER_LENGTH_MISMATCH
     assert tier.inspect(key(43))["stage"] == "untracked"
+
+
+
+def _try_export(page) -> object:
+    """``page.memoryview()``, or the type of what it raised."""
+    try:
+        return page.memoryview()
+    except (BufferError, cxlkv.ViewReleasedError) as e:
+        return type(e)
+
+
+# (operation, the listener callback that runs inside its C call)
+_ENDING_CALLS = [
+    ("finish_read", "read_finished"),
+    ("finish_write", "write_finished"),
+    ("promote", "finish_write_and_reserve_read"),
+    ("delete", "deleted"),
+    ("clear_force", "deleted"),
+    # No listener runs inside these two: their C function is wrapped to ask
+    # first (as another thread may while the real call runs).
+    ("sweep_now", None),
+    ("close", None),
+]
+
+
+@pytest.mark.parametrize("op,callback", _ENDING_CALLS, ids=[op for op, _ in _ENDING_CALLS])
+def test_no_memoryview_is_exported_while_a_call_may_end_its_reservation(
+    layout, monkeypatch, op, callback
+):
+    # Found by a review: a call checked that no memoryview was alive, then
+    # ran its C call (the GIL released, a round trip inside) while
+    # page.memoryview() looked only at the page's address, cleared after
+    # the call — a listener (or another thread) got a memoryview that
+    # outlived the reservation: writable into a registered shared chunk
+    # after finish_write, reading a page that may be reused after
+    # finish_read.
+    k = key(60 + [op for op, _ in _ENDING_CALLS].index(op))
+    exported: list = []
+    target: list = []  # the page to ask for, once set
+
+    def inside(*_):
+        if target:
+            exported.append(_try_export(target[0]))
+
+    if callback is None:
+        name = f"cxlkv_tier_{op}"
+        real = getattr(cxlkv._native.lib, name)
+
+        def wrapped(*args):
+            inside()
+            return real(*args)
+
+        monkeypatch.setattr(cxlkv._native.lib, name, wrapped)
+    t = L1Tier(layout, write_ttl_s=0.001 if op == "sweep_now" else 600.0)
+    try:
+        if callback is not None:
+            listener = type("Exporter", (), {callback: lambda self, keys: inside()})()
+            t.register_listener(listener)
+        if op in ("finish_write", "promote", "sweep_now"):
+            [(code, page)] = t.reserve_write([k], [op == "promote"], CHUNK_BYTES)
+        else:
+            write(t, k)
+            [(code, page)] = t.reserve_read([k])
+        assert code == TierCode.SUCCESS
+        target.append(page)
+        if op == "finish_read":
+            assert t.finish_read([k]) == [TierCode.SUCCESS]
+        elif op == "finish_write":
+            assert t.finish_write([k]) == [TierCode.SUCCESS]
+        elif op == "promote":
+            [(code, _)] = t.finish_write_and_reserve_read([k])
+            assert code == TierCode.SUCCESS
+        elif op == "delete":
+            # Refused (the key is held here), but `deleted` fires inside.
+            assert t.delete([k]) == [TierCode.KEY_IS_LOCKED]
+        elif op == "clear_force":
+            t.clear(force=True)
+        elif op == "sweep_now":
+            time.sleep(0.01)
+            assert t.sweep_now() == (1, 0)
+        else:
+            t.close()
+        leaked = [e for e in exported if isinstance(e, memoryview)]
+        for mv in leaked:
+            mv.release()
+        assert exported == [BufferError], f"{op}: inside the call, memoryview() gave {exported}"
+        if op == "delete":
+            # The call did not end the reservation: the page is usable again.
+            assert not page.released and bytes(page) == bytes([fill(k)]) * CHUNK_BYTES
+            assert t.finish_read([k]) == [TierCode.SUCCESS]
+        assert page.released
+    finally:
+        monkeypatch.undo()
+        t.close()
+
+
+def test_a_memoryview_asked_for_on_another_thread_during_a_finish_is_refused(layout):
+    # The same defect as above, from another thread: the listener parks
+    # the finish_write call inside its C call until the other thread has
+    # asked for the page's memoryview.
+    k = key(70)
+    asked = threading.Event()
+    inside = threading.Event()
+    result: list = []
+
+    class Parker:
+        def write_finished(self, keys):
+            inside.set()
+            assert asked.wait(10), "the other thread never asked"
+
+    with L1Tier(layout) as t:
+        t.register_listener(Parker())
+        [(code, page)] = t.reserve_write([k], [False], CHUNK_BYTES)
+        assert code == TierCode.SUCCESS
+
+        def other():
+            assert inside.wait(10), "the finish never reached its listener"
+            result.append(_try_export(page))
+            asked.set()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        try:
+            assert t.finish_write([k]) == [TierCode.SUCCESS]
+        finally:
+            asked.set()
+            thread.join(10)
+        leaked = [r for r in result if isinstance(r, memoryview)]
+        for mv in leaked:
+            mv.release()
+        assert result == [BufferError], f"another thread got {result} during finish_write"
+        assert page.released
+
+
+def test_a_failed_ending_call_leaves_its_pages_exportable(client, layout):
+    # The pages marked for a call are unmarked when it raises (here after
+    # the marking: the client is closed, so the C call is refused), not
+    # left refusing every memoryview.
+    k = key(71)
+    t = L1Tier(layout)
+    write(t, k)
+    [(code, page)] = t.reserve_read([k])
+    assert code == TierCode.SUCCESS
+    client.close()  # deferred: the tier holds the session
+    with pytest.raises(cxlkv.ClosedError):
+        t.finish_read([k])
+    assert not page.released
+    mv = page.memoryview()
+    assert bytes(mv[:1]) == bytes([fill(k)])
+    del mv
+    t.close()
+    assert page.released
+
+
+KEPT_PAST_THE_SWEEP = textwrap.dedent(
+    """
+    import sys, threading, time, cxlkv
+    socket, fingerprint = sys.argv[1], int(sys.argv[2])
+    unmapped = []
+    def on_unmap(region_id, offset_bytes, base, len_bytes):
+        unmapped.append(region_id)
+    def wait_for(what, cond, timeout_s=10):
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+    # Two other instances publish a key each, in their own regions.
+    producers = [cxlkv.Client.connect(socket, region_size_bytes=4 << 20) for _ in range(2)]
+    for client, k, fill in zip(producers, (b"k1", b"k2"), (b"A", b"B")):
+        assert client.layout({page}, fingerprint).put(k, fill * 1000).inserted
+    # The reader keeps at most one peer region mapped.
+    reader = cxlkv.Client.connect(
+        socket, region_size_bytes=4 << 20, max_peer_mappings=1, on_unmap=on_unmap
+    )
+    layout = reader.layout({page}, fingerprint)
+    tier = cxlkv.L1Tier(layout, write_ttl_s=0.2, read_ttl_s=0.2)
+    [(code, page)] = tier.reserve_read([b"k1"])
+    assert code == cxlkv.TierCode.SUCCESS, code
+    region = page.location.region_id
+    mv = page.memoryview()
+    # The tier's own sweeper (every second here) reclaims the expired read:
+    # nothing Python does can stop it.
+    wait_for("the sweeper reclaimed the read", lambda: tier.stats()["swept"] == 1)
+    # Reading the other key maps its region and evicts the first one.
+    with layout.get(b"k2"):
+        pass
+    assert reader.stats()["peer_regions_evicted"] == 1
+    time.sleep(0.6)  # the maintenance thread's ticks (100 ms) would unmap it
+    print("kept", bytes(mv[:4]).decode(), flush=True)  # faulted here (SIGSEGV)
+    assert region not in unmapped, "the region was unmapped under a live memoryview"
+    del mv, page
+    wait_for("the region unmapped once its last memoryview went", lambda: region in unmapped)
+    print("unmapped", flush=True)
+    tier.close()
+    reader.close()
+    """
+)
+
+
+def test_a_memoryview_kept_past_the_ttl_sweep_stays_mapped(server, fingerprint):
+    # Found by a review: the memoryview held the page and the tier, not the
+    # mapping behind it — the staging entry held that, and the sweeper
+    # dropped it. Evicting the peer region from the mapping cache then
+    # unmapped it, and reading the memoryview killed the process (SIGSEGV)
+    # instead of reading stale bytes. Pages now hold their mapping
+    # (CXLKV_TIER_HOLD_MAPPINGS) until their last memoryview goes.
+    done = subprocess.run(
+        [sys.executable, "-c", KEPT_PAST_THE_SWEEP.format(page=PAGE), server.socket,
+         str(fingerprint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split("\n")[:2] == ["kept AAAA", "unmapped"]

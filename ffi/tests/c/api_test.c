@@ -736,6 +736,26 @@ static void test_tier(cxlkv_layout *layout) {
     OK(cxlkv_tier_finish_write(short_lived, keys + 3, 1, codes));
     CHECK(codes[0] == CXLKV_TIER_KEY_NOT_EXIST); /* reclaimed */
     OK(cxlkv_tier_close(short_lived));
+
+    /* Mapping holds: a page returned by a holding tier stays mapped until
+     * released, also after the sweeper reclaimed its reservation and the
+     * tier was closed; each page returned is released once. */
+    fast.flags = 0x80000000u;
+    EXPECT(cxlkv_tier_open(layout, &fast, &short_lived), CXLKV_STATUS_INVALID_ARGUMENT);
+    fast.flags = CXLKV_TIER_HOLD_MAPPINGS;
+    OK(cxlkv_tier_open(layout, &fast, &short_lived));
+    OK(cxlkv_tier_reserve_write(short_lived, keys + 3, &not_temporary, 1, 10,
+                                CXLKV_TIER_WRITE_NEW, pages));
+    CHECK(pages[0].code == CXLKV_TIER_SUCCESS);
+    memset(pages[0].data, 0x5A, 10);
+    nanosleep(&pause, NULL);
+    OK(cxlkv_tier_sweep_now(short_lived, &swept_writes, &swept_reads));
+    CHECK(swept_writes == 1);
+    OK(cxlkv_tier_close(short_lived));
+    CHECK(pages[0].data[0] == 0x5A); /* still mapped: held */
+    OK(cxlkv_tier_release_page(pages[0].data));
+    EXPECT(cxlkv_tier_release_page(pages[0].data), CXLKV_STATUS_BAD_HANDLE);
+    OK(cxlkv_tier_release_page(NULL));
     OK(cxlkv_tier_close(tier));
 }
 
