@@ -204,11 +204,14 @@ fn spawn_listening(cmd: Command, what: &str) -> Guard {
     spawn_listening_to(cmd, what, Stdio::inherit())
 }
 
-/// [`spawn_listening`] with the child's standard error going to `stderr`.
+/// [`spawn_listening`] with the child's standard error going to `stderr`
+/// (and its log level `warn` unless the command sets `CXLKV_LOG`).
 fn spawn_listening_to(mut cmd: Command, what: &str, stderr: Stdio) -> Guard {
+    if !cmd.get_envs().any(|(k, _)| k == "CXLKV_LOG") {
+        cmd.env("CXLKV_LOG", "warn");
+    }
     let mut child = cmd
         .env_remove("CXLKV_CONFIG")
-        .env("CXLKV_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr)
@@ -324,15 +327,29 @@ fn a_server_exits_when_its_pool_daemon_comes_back_serving_other_pools() {
     };
     let mut pool = spawn_listening(pool_cmd(&["a"]), "cxlkv pool");
     let log = dir.join("serve.log");
+    let mut serve_cmd = serve(dir);
+    serve_cmd.env("CXLKV_LOG", "info");
     let mut server = spawn_listening_to(
-        serve(dir),
+        serve_cmd,
         "cxlkv serve",
         std::fs::File::create(&log).expect("a log file").into(),
     );
-    // The same pools after a restart: reconnected, still serving.
+    // The same pools after a restart: reconnected (the lists compared
+    // equal, or the reconnect would not be logged), still serving.
     stop(&mut pool, libc::SIGTERM);
     pool = spawn_listening(pool_cmd(&["a"]), "the restarted cxlkv pool");
-    std::thread::sleep(Duration::from_secs(8));
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("reconnected to the pool manager")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the server did not reconnect to its restarted daemon: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let child = server.0.as_mut().expect("running");
     assert!(
         child.try_wait().unwrap().is_none(),

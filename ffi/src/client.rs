@@ -101,7 +101,8 @@ impl MapObserver for CMapObserver {
 /// maps or unmaps, from the first one on; they must stay callable, and
 /// their `user_data` valid, until `cxlkv_close` returned and every handle
 /// made from the client (layouts, tiers, map observers, views, leases) was
-/// freed: the regions are unmapped when the last of them goes.
+/// freed and every tier page hold (`CXLKV_TIER_HOLD_MAPPINGS`) released:
+/// the regions are unmapped when the last of them goes.
 ///
 /// # Safety
 ///
@@ -565,8 +566,8 @@ pub unsafe extern "C" fn cxlkv_query_directory(
 /// under way when it returned may still report itself (and later its
 /// unmapping): they must stay callable, and `user_data` valid, until
 /// `cxlkv_close` returned and every handle made from the client (layouts,
-/// tiers, map observers, views, leases) was freed — the regions are
-/// unmapped when the last of them goes.
+/// tiers, map observers, views, leases) was freed and every tier page hold
+/// released — the regions are unmapped when the last of them goes.
 ///
 /// At most 64 observers per client (then `CXLKV_STATUS_MAP`).
 ///

@@ -210,6 +210,9 @@ class TierPage(_NotCopyable):
             )
 
     def address(self) -> int:
+        """The page's address. Raises ``ViewReleasedError`` once the
+        reservation has ended, and ``BufferError`` while a call that may end
+        it runs (as ``memoryview()`` does)."""
         return self._live()[0]
 
     def __bytes__(self) -> bytes:
@@ -230,12 +233,16 @@ class _MappingHold:
     opened with ``CXLKV_TIER_HOLD_MAPPINGS``): while it lives, the page's
     address stays mapped, however its reservation ended — the tier's TTL
     sweeper included — so a memoryview kept too long reads stale bytes
-    rather than faulting. Given back when collected."""
+    rather than faulting. Given back when collected. It keeps the client's
+    map callbacks alive too: giving back the last hold on a mapping the
+    client has retired unmaps it, and calls its ``on_unmap`` — which must
+    not have been collected with the client by then."""
 
-    __slots__ = ("_address",)
+    __slots__ = ("_address", "_keep")
 
-    def __init__(self, address: int):
+    def __init__(self, address: int, keep: list):
         self._address = address
+        self._keep = keep
 
     def __del__(self, _release=N.lib.cxlkv_tier_release_page):
         address, self._address = self._address, None
@@ -491,7 +498,10 @@ class L1Tier(_NotCopyable):
         # First, before anything that may raise: the library took a
         # mapping hold per page returned, and each is given back only by
         # its _MappingHold.
-        holds = [_MappingHold(out[i].data) if out[i].data else None for i in range(len(keys))]
+        keep = self._client._callbacks
+        holds = [
+            _MappingHold(out[i].data, keep) if out[i].data else None for i in range(len(keys))
+        ]
         results = []
         writable = op == "reserve_write"
         for i, k in enumerate(keys):

@@ -202,7 +202,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             break sig;
         }
         if let Some(failure) = server.pool_failure() {
-            tracing::error!(%failure, "the pool manager can no longer serve this directory; exiting");
+            // Logged where it was found; the exit's error says it again.
             let _ = signals::stop_within(&signals, STOP_DEADLINE, move || server.shutdown());
             anyhow::bail!("{failure}");
         }

@@ -41,7 +41,9 @@
 //! is gone, so no per-key answer would be true). A `reserve_read`,
 //! `reserve_write` or `delete` whose round trip fails because the client
 //! was closed (or found unresumable) under it is refused the same way; its
-//! round trip comes before its local changes, so it has changed nothing.
+//! round trip comes before its local changes, so it has changed nothing
+//! locally — though a `delete` whose reply was lost may have deleted keys
+//! at the directory: its outcome there is unknown.
 //!
 //! # Where cxlkv does better than the reference
 //!

@@ -453,8 +453,22 @@ impl Driver {
             }
             let failure = self.shared.failure.lock().clone();
             if let Some(why) = failure {
-                // Dropping the receiver on return refuses later submissions.
+                // The queue is emptied and closed under the lock `submit`
+                // holds across its send, so that no submission lands in a
+                // receiver about to be dropped (its callback would never
+                // run); later ones find it closed (`SessionEnded`). The
+                // callbacks run after, outside the lock: one may submit.
+                let queued: Vec<Submission> = {
+                    let _submit = self.next_seq.lock();
+                    let queued = std::iter::from_fn(|| self.rx.try_recv().ok()).collect();
+                    let (_, closed) = mpsc::sync_channel(1);
+                    drop(std::mem::replace(&mut self.rx, closed));
+                    queued
+                };
                 self.fail_all(&why);
+                for sub in queued {
+                    (sub.done)(Err(PoolServiceError::new(ErrorCode::SessionEnded, &why, 0)));
+                }
                 return;
             }
             if self.flights.is_empty() {
