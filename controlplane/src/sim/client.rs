@@ -174,6 +174,9 @@ pub struct ClientCounters {
     pub notices_applied: u64,
     pub stale_notices: u64,
     pub reregistered: u64,
+    /// Requests answered `ReplyEvicted`: they ran, their reply was lost
+    /// and its body since dropped from the directory's cache.
+    pub replies_evicted: u64,
 }
 
 #[derive(Debug)]
@@ -587,8 +590,11 @@ impl Client {
     fn worker_op(&mut self, ctx: &mut Ctx, params: &Params) -> Option<Op> {
         let layout = ctx.rng.index(params.layouts);
         let rng = &mut ctx.rng;
+        // No batch beyond the directory's limit (small where the notice
+        // queue limit is: `Params::with_edges`).
+        let batch = params.directory.max_batch as u64;
         let random_keys = |rng: &mut super::rng::SimRng, max: u64| -> Vec<Vec<u8>> {
-            (0..rng.range(1, max))
+            (0..rng.range(1, max.min(batch)))
                 .map(|_| key_name(rng.below(u64::from(params.keys_per_layout)) as u8))
                 .collect()
         };
@@ -604,7 +610,7 @@ impl Client {
                 }
                 let held = self.held_keys(layout);
                 let mut entries = Vec::new();
-                let n = rng.range(1, 3);
+                let n = rng.range(1, 3.min(batch));
                 let candidates: Vec<RegionId> = self
                     .regions
                     .iter()
@@ -681,7 +687,7 @@ impl Client {
                     return None;
                 }
                 let mut entries = Vec::new();
-                for _ in 0..rng.range(1, 3) {
+                for _ in 0..rng.range(1, 3.min(batch)) {
                     let ((_, key), count) = held[rng.index(held.len())].clone();
                     if entries.iter().any(|(k, _)| *k == key) {
                         continue;
@@ -924,6 +930,13 @@ impl Client {
                 let op = self.complete(lid, ctx.now);
                 self.undo(op);
             }
+            E::ReplyEvicted { .. } => {
+                // It ran (the world checks that it did); what it answered
+                // is lost.
+                self.counters.replies_evicted += 1;
+                let op = self.complete(lid, ctx.now);
+                self.ran_unanswered(op);
+            }
             other => {
                 let op = self.complete(lid, ctx.now);
                 self.violation(format!("unexpected error {other:?} for {op:?}"));
@@ -952,6 +965,38 @@ impl Client {
                 if let Some(r) = self.regions.get_mut(&region) {
                     r.returning = false;
                 }
+            }
+            Op::Delete { layout, keys } if self.role == Role::Janitor => {
+                self.janitor_todo
+                    .extend(keys.into_iter().map(|k| (layout, k)));
+            }
+            _ => {}
+        }
+    }
+
+    /// A request ran but its answer is lost (`ReplyEvicted`): take the
+    /// side that is safe whatever it answered. A registered page is held
+    /// as registered (if its key went in, reusing the page would overwrite
+    /// it; if not, the page stays unused until the region goes); a
+    /// returned region is gone; pins a lookup may have taken stay with the
+    /// session, unknown (they go when it ends); a janitor deletes its keys
+    /// again.
+    fn ran_unanswered(&mut self, op: Op) {
+        match op {
+            Op::Register { entries, .. } => {
+                for (_, loc) in entries {
+                    if let Some(page) = self.page_mut(&loc) {
+                        page.state = match std::mem::replace(&mut page.state, PageState::Free) {
+                            PageState::Allocated(k) | PageState::Registered(k) => {
+                                PageState::Registered(k)
+                            }
+                            PageState::FreedInFlight(_) | PageState::Free => PageState::Free,
+                        };
+                    }
+                }
+            }
+            Op::ReturnRegion { region } => {
+                self.regions.remove(&region);
             }
             Op::Delete { layout, keys } if self.role == Role::Janitor => {
                 self.janitor_todo

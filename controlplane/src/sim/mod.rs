@@ -48,20 +48,48 @@
 //! ## Checked after every event
 //!
 //! Both machines' own `check_invariants`; the pool's free + allocated =
-//! capacity; and an oracle kept independently of the directory: it holds
+//! capacity, and the committed regions lie inside the pool without
+//! overlapping; and an oracle kept independently of the directory: it holds
 //! exactly the acknowledged, undeleted keys of its incarnation at their
-//! locations (a key may vanish only if its owner's instance is gone and
-//! orphan eviction is on); a key's pins are the sum of what live sessions
-//! took; every region the directory holds is committed at the pool manager
-//! with the same extent and owner, and counts the keys in it; no page a live
-//! owner believes free holds a key, and a client writes only into a region
-//! the pool manager holds for it and the directory grants it, on a page no
-//! key occupies; every freed-page notice a client applies answers exactly
-//! one deletion of its page, with no number skipped; every reply to a
-//! retried request equals the first, and a late copy's answer to a pool
-//! allocation names the region the request was resolved with; a
-//! pool-manager restart recovers exactly the records that reached the disk
-//! whole.
+//! locations (a key may vanish only if it is unpinned and its owner's
+//! instance is gone with orphan eviction on, or LRU eviction is on — an
+//! eviction from a live owner's region then owes that owner a freed-page
+//! notice, as a delete does); a key's pins are the sum of what live
+//! sessions took; every region the directory holds is committed at the
+//! pool manager with the same extent and owner, and counts the keys in it,
+//! and every key's region is one of them; no page a live owner believes
+//! free holds a key, and a client writes only into a region the pool
+//! manager holds for it and the directory grants it, on a page no key
+//! occupies; every freed-page notice a client applies answers exactly one
+//! deletion or eviction of its page, with no number skipped; every reply
+//! to a retried request equals the first, and one answered `ReplyEvicted`
+//! ran before; a late copy's answer to a pool allocation names the region
+//! the request was resolved with; a pool-manager restart recovers exactly
+//! the records that reached the disk whole.
+//!
+//! Reads are compared with the oracle when the directory answers them:
+//! every `lookup` (pinned or not; a retried pinned one got the first
+//! answer, compared when it ran) finds each key exactly where the oracle
+//! holds it, or nowhere, and describes each region it names once, with the
+//! extent the pool manager committed; every `exists` is true exactly for
+//! the keys the oracle holds.
+//!
+//! Sessions and instances end by the oracle's own clock, not by what the
+//! directory reports: it keeps when each session was last heard from (its
+//! handshake or its last request), so a session the directory expires
+//! before its lease ran out, or keeps past it, fails the seed; and a life
+//! without sessions ends when a directory tick finds `instance_grace`
+//! passed since its last session ended (or when a restarted directory is
+//! given none of its regions). After every handshake and tick the
+//! directory must hold an instance for exactly the lives the oracle holds.
+//!
+//! A fifth of the seeds turn LRU eviction on, three tenths lower the notice
+//! queue limit to 2–8 (so owners' queues fill: deletes refused `busy`, the
+//! LRU passing keys over), a quarter shrink the reply cache to a few
+//! hundred bytes (so retries meet `ReplyEvicted`); `Report::rare` counts
+//! how often these and the other rare paths ran, and the long form
+//! (`examples/sim.rs`) fails a campaign of 1,000 seeds or more in which one
+//! never ran.
 //!
 //! ## Running it
 //!
@@ -72,6 +100,9 @@
 //!     --seeds 1000000 --threads 2 [--long] [--first <seed>]
 //! cargo run --release -p cxlkv-controlplane --features sim --example sim -- \
 //!     --seed <seed> --trace                                            # replay one
+//! CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true \
+//!     cargo run --release --target-dir target/sim-debug-assert -p cxlkv-controlplane \
+//!     --features sim --example sim -- --seeds 300 --threads 2          # debug_assert!s on
 //! ```
 //!
 //! [`Directory`]: crate::directory::Directory
@@ -90,7 +121,7 @@ pub use net::NetCounters;
 pub use params::Scale;
 pub use pool_node::PoolCounters;
 pub use rng::SimRng;
-pub use world::{Failure, Report};
+pub use world::{Failure, RarePaths, Report};
 
 /// Runs one seed. `trace` prints every event to standard output.
 pub fn run_seed(seed: u64, scale: Scale, trace: bool) -> Result<Report, Failure> {

@@ -204,6 +204,7 @@ impl Params {
             pool_link_break_every_ns: 0,
         }
         .with_pool_link(seed, hostile)
+        .with_edges(seed)
     }
 
     /// The pool link's kind and breaks, drawn from a stream of their own:
@@ -215,6 +216,37 @@ impl Params {
         self.pool_over_tcp = rng.chance(0.5);
         if hostile && rng.chance(0.5) {
             self.pool_link_break_every_ns = rng.range(200, 2_000) * MS;
+        }
+        self
+    }
+
+    /// The rare paths' settings, drawn from a stream of their own (as
+    /// `with_pool_link`, so that the other settings of a seed are as they
+    /// were before these): LRU eviction in a fifth of the seeds, with fill
+    /// thresholds the simulation's small regions reach; in three tenths a
+    /// notice queue limit of 2, 4 or 8 instead of 64 (the batch limit
+    /// lowered to match, as the configuration requires), so that an owner's
+    /// queue fills and deletes are refused `busy` and the LRU passes keys
+    /// over; and in a quarter a reply cache of a few hundred bytes per
+    /// instance, so that a retry whose first reply was lost finds its body
+    /// dropped (`ReplyEvicted`).
+    fn with_edges(mut self, seed: u64) -> Self {
+        let mut rng = SimRng::new(seed ^ 0x6564_6765_735f_7631);
+        let d = &mut self.directory;
+        if rng.chance(0.2) {
+            let e = &mut d.eviction;
+            e.lru = true;
+            e.lru_high_fill = [0.2, 0.35, 0.5][rng.index(3)];
+            e.lru_low_fill = e.lru_high_fill / 2.0;
+            e.pool_high_watermark = [0.1, 0.2, 0.4][rng.index(3)];
+            e.pool_low_watermark = e.pool_high_watermark / 2.0;
+        }
+        if rng.chance(0.3) {
+            d.notice_queue_limit = [2, 4, 8][rng.index(3)];
+            d.max_batch = d.max_batch.min(d.notice_queue_limit);
+        }
+        if rng.chance(0.25) {
+            d.reply_cache_bytes_per_instance = [128, 256, 512][rng.index(3)];
         }
         self
     }

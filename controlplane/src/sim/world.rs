@@ -9,8 +9,9 @@ use cxlkv_dataplane::ids::RegionId;
 use crate::directory::{
     Caller, Completion, DeferredId, DeleteOutcome, Directory, DirectoryError, Effect, Hello,
     InstanceId, Layout, Location, LookupReply, Peer, PoolRequestId, Reattach, ReattachKind,
-    RecoveredRegion, RegionGrant, RegionHandle, RegionReply, RegionToken, RegisterEntry,
-    RegisterOutcome, Reply, SessionEndReason, SessionId, Time, UnpinEntry, UnpinOutcome,
+    RecoveredRegion, RegionGrant, RegionHandle, RegionReply, RegionStatus, RegionToken,
+    RegisterEntry, RegisterOutcome, Reply, SessionEndReason, SessionId, Time, UnpinEntry,
+    UnpinOutcome,
 };
 use crate::pool::{Handle, PoolError, Token};
 
@@ -20,8 +21,8 @@ use super::msg::{
 };
 use super::net::{Ctx, Event, NetCounters};
 use super::params::{
-    INSTANCE_GRACE_NS, LAYOUTS, LinkFaults, MS, POOL_GRACE_MS, Params, SEC, SESSION_LEASE_NS,
-    Scale, TICK_NS,
+    BLOCK_BYTES, INSTANCE_GRACE_NS, LAYOUTS, LinkFaults, MS, POOL_GRACE_MS, Params, SEC,
+    SESSION_LEASE_NS, Scale, TICK_NS,
 };
 use super::pool_node::{PoolCounters, PoolNode, directory_process, owner_label, pool_caller};
 use super::rng::SimRng;
@@ -76,8 +77,60 @@ pub struct Report {
     pub keys_deleted: u64,
     pub notices_checked: u64,
     pub retries_compared: u64,
+    /// Keys of lookup and exists replies compared with the oracle.
+    pub reads_checked: u64,
+    pub rare: RarePaths,
     /// A digest of the run's trajectory: equal for equal seeds.
     pub trajectory: u64,
+}
+
+/// How often the rare paths ran: the proof that the checks above them
+/// were exercised (the long form fails a campaign where one that should
+/// run never did; `examples/sim.rs`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RarePaths {
+    /// Keys evicted as orphans, by the LRU, and passed over by the LRU for
+    /// a full notice queue (the directory's counters, over its restarts).
+    pub evicted_orphan: u64,
+    pub evicted_lru: u64,
+    pub lru_skipped: u64,
+    /// Region requests refused for the instance's quota.
+    pub quota_refusals: u64,
+    /// Deletes refused `busy` for an owner's full notice queue.
+    pub notice_backlog_refusals: u64,
+    /// The longest notice queue of one instance seen (in the periodic full
+    /// statistics snapshot).
+    pub notice_backlog_peak: u64,
+    /// `Recovered` reattaches, and regions they presented that the
+    /// directory answered `NotOwned`.
+    pub recovered_reattaches: u64,
+    pub reattach_regions_refused: u64,
+    /// Retries answered `ReplyEvicted` (each checked to have run before).
+    pub replies_evicted: u64,
+    /// Keys the LRU evicted from a live owner's region, whose freed-page
+    /// notice the oracle then expects (and checks arrives).
+    pub lru_keys_owed_notices: u64,
+    /// Sessions ended by their lease, and instances gone when their grace
+    /// ran out, each as the oracle's own clock expected.
+    pub sessions_expired: u64,
+    pub instances_expired: u64,
+}
+
+impl RarePaths {
+    pub fn add(&mut self, o: &Self) {
+        self.evicted_orphan += o.evicted_orphan;
+        self.evicted_lru += o.evicted_lru;
+        self.lru_skipped += o.lru_skipped;
+        self.quota_refusals += o.quota_refusals;
+        self.notice_backlog_refusals += o.notice_backlog_refusals;
+        self.notice_backlog_peak = self.notice_backlog_peak.max(o.notice_backlog_peak);
+        self.recovered_reattaches += o.recovered_reattaches;
+        self.reattach_regions_refused += o.reattach_regions_refused;
+        self.replies_evicted += o.replies_evicted;
+        self.lru_keys_owed_notices += o.lru_keys_owed_notices;
+        self.sessions_expired += o.sessions_expired;
+        self.instances_expired += o.instances_expired;
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,11 +226,20 @@ struct DirNode {
 /// `Recovered` reattach after being declared gone) that created it, to the
 /// moment the directory forgets the instance. Directory restarts do not end
 /// a life: the client recovers it.
+///
+/// When a life ends is the oracle's own reckoning, not read from the
+/// directory: its last session ended (connection closed, admin, or a lease
+/// the oracle saw run out, `Oracle::last_seen`) and `INSTANCE_GRACE_NS`
+/// passed by a directory tick; or a restarted directory was not given a
+/// region of it. `World::check_lives` then compares the directory's
+/// instances with the lives the oracle holds.
 #[derive(Debug, Clone, Copy)]
 struct Life {
     id: u64,
     process: u32,
     ended: bool,
+    /// Since when it has had no session (`None` while it has one).
+    absent_since: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -204,6 +266,10 @@ struct Oracle {
     keys: BTreeMap<(usize, Vec<u8>), OracleKey>,
     pins: BTreeMap<(SessionId, usize, Vec<u8>), u32>,
     sessions: BTreeMap<SessionId, (usize, u64)>,
+    /// When the directory last heard from each live session: the time of
+    /// its handshake or of its last request (every request renews the
+    /// lease first, whatever it answers).
+    last_seen: BTreeMap<SessionId, u64>,
     lives: Vec<Option<Life>>,
     next_life: u64,
     /// First reply of every executed mutating request, by (client, life,
@@ -219,8 +285,26 @@ struct Oracle {
 type ExpectedNotices = BTreeMap<(RegionId, u32, u32), Vec<(u64, u32)>>;
 
 impl Oracle {
-    fn end_session(&mut self, session: SessionId) {
-        self.sessions.remove(&session);
+    /// A session opened at `now` for life `life` of client `client`.
+    fn open_session(&mut self, session: SessionId, client: usize, life: u64, now: u64) {
+        self.sessions.insert(session, (client, life));
+        self.last_seen.insert(session, now);
+        if let Some(l) = self.lives[client].as_mut() {
+            l.absent_since = None;
+        }
+    }
+
+    /// A session ended at `now`: its pins go; if it was its life's last,
+    /// the life's grace starts.
+    fn end_session(&mut self, session: SessionId, now: u64) {
+        self.last_seen.remove(&session);
+        if let Some((client, life)) = self.sessions.remove(&session)
+            && !self.sessions.values().any(|&s| s == (client, life))
+            && let Some(l) = self.lives[client].as_mut()
+            && l.id == life
+        {
+            l.absent_since = Some(now);
+        }
         let keys: Vec<_> = self
             .pins
             .range((session, 0, Vec::new())..)
@@ -238,6 +322,7 @@ impl Oracle {
             id: self.next_life,
             process,
             ended: false,
+            absent_since: None,
         });
         self.next_life
     }
@@ -468,6 +553,7 @@ impl World {
                 return Err(self.failure(what));
             }
         }
+        self.harvest_eviction_counters();
         self.report.simulated_ns = self.ctx.now;
         self.report.net = self.ctx.net;
         self.report.pool = self.pool.counters;
@@ -480,8 +566,21 @@ impl World {
             a.notices_applied += b.notices_applied;
             a.stale_notices += b.stale_notices;
             a.reregistered += b.reregistered;
+            a.replies_evicted += b.replies_evicted;
         }
         Ok(self.report)
+    }
+
+    /// Adds the eviction counters of the directory incarnation about to
+    /// end (or of the last one) to the report.
+    fn harvest_eviction_counters(&mut self) {
+        if let Some(dir) = self.dirn.dir.as_mut() {
+            let e = dir.stats(Time::from_nanos(self.ctx.now)).evictions;
+            let r = &mut self.report.rare;
+            r.evicted_orphan += e.orphan_keys;
+            r.evicted_lru += e.lru_keys;
+            r.lru_skipped += e.lru_skipped;
+        }
     }
 
     fn failure(&self, what: String) -> Failure {
@@ -705,10 +804,13 @@ impl World {
         let Some(dc) = self.dirn.conns.remove(&conn) else {
             return;
         };
-        self.dirn.deferred.retain(|_, d| d.conn != conn);
+        // Its deferred region requests stay listed: the directory still
+        // completes them (and caches a grant, which a retry on the next
+        // connection gets, or `ReplyEvicted`), so the oracle must record
+        // the grant; the reply itself goes nowhere.
         if let (Some(session), Some(dir)) = (dc.session, self.dirn.dir.as_mut()) {
             dir.session_closed(session, Time::from_nanos(self.ctx.now));
-            self.oracle.end_session(session);
+            self.oracle.end_session(session, self.ctx.now);
         }
     }
 
@@ -734,6 +836,7 @@ impl World {
         self.report.directory_restarts += 1;
         let old = self.dirn.incarnation;
         self.trace(|| format!("directory incarnation {old} dies"));
+        self.harvest_eviction_counters();
         let conns = std::mem::take(&mut self.dirn.conns);
         for (conn, dc) in conns {
             let d = self.ctx.notify_delay();
@@ -762,7 +865,7 @@ impl World {
         };
         let sessions: Vec<SessionId> = self.oracle.sessions.keys().copied().collect();
         for s in sessions {
-            self.oracle.end_session(s);
+            self.oracle.end_session(s, self.ctx.now);
         }
         let down = self.ctx.rng.range(10 * MS, 1_500 * MS);
         self.ctx.after(down, Event::DirectoryStart);
@@ -846,6 +949,7 @@ impl World {
                     dir.tick(Time::from_nanos(now_ns));
                 }
                 self.directory_effects()?;
+                self.expire_by_oracle()?;
                 self.check_lives()?;
                 self.pool_retries();
             }
@@ -961,7 +1065,19 @@ impl World {
                     });
                 }
                 Effect::SessionEnded { session, reason } => {
-                    self.oracle.end_session(session);
+                    if reason == SessionEndReason::LeaseExpired {
+                        // Only when the oracle's clock says the lease ran
+                        // out (the tick then checks that none outlives it).
+                        let seen = self.oracle.last_seen.get(&session).copied();
+                        if seen.is_none_or(|t| self.ctx.now - t < SESSION_LEASE_NS) {
+                            return Err(format!(
+                                "session {session} expired by lease; the oracle last heard from it at {seen:?} (now {})",
+                                self.ctx.now
+                            ));
+                        }
+                        self.report.rare.sessions_expired += 1;
+                    }
+                    self.oracle.end_session(session, self.ctx.now);
                     if reason == SessionEndReason::LeaseExpired {
                         let conn = self
                             .dirn
@@ -971,7 +1087,6 @@ impl World {
                             .map(|(id, c)| (*id, c.client));
                         if let Some((conn, client)) = conn {
                             self.dirn.conns.remove(&conn);
-                            self.dirn.deferred.retain(|_, d| d.conn != conn);
                             let d = self.ctx.notify_delay();
                             self.ctx.after(d, Event::ConnReset { client, conn });
                         }
@@ -1116,6 +1231,27 @@ impl World {
             self.dirn.state = DirState::Up;
             self.dirn.attached_to = link_open.then_some(pool_inc);
             self.usage(&reply);
+            // Each owner of a region the pool manager listed becomes an
+            // instance awaiting its reattach (a life of its own unless its
+            // live one carries on); every other life is over.
+            let owners: BTreeSet<usize> = handles
+                .iter()
+                .map(|h| h.owner.instance.0 as usize - 1)
+                .collect();
+            let now = self.ctx.now;
+            for c in 0..self.oracle.lives.len() {
+                let live = self.oracle.lives[c].is_some_and(|l| !l.ended);
+                if owners.contains(&c) {
+                    if !live {
+                        self.oracle.new_life(c, u32::MAX);
+                    }
+                    if let Some(l) = self.oracle.lives[c].as_mut() {
+                        l.absent_since = Some(now);
+                    }
+                } else if let Some(l) = self.oracle.lives[c].as_mut() {
+                    l.ended = true;
+                }
+            }
             return self.check_lives();
         }
         if self.dirn.attach.is_some_and(|(a, _)| a == id) {
@@ -1224,7 +1360,12 @@ impl World {
                     self.report.retries_compared += 1;
                     ClientReply::Region(reply)
                 }
-                Err(e) => ClientReply::Error(e),
+                Err(e) => {
+                    if matches!(e, DirectoryError::QuotaExceeded { .. }) {
+                        self.report.rare.quota_refusals += 1;
+                    }
+                    ClientReply::Error(e)
+                }
             };
             if self.dirn.conns.contains_key(&to.conn) {
                 self.ctx.send_client_link(
@@ -1277,6 +1418,10 @@ impl World {
             })));
         };
         let life = self.oracle.sessions.get(&session).map_or(0, |s| s.1);
+        if !handshake && let Some(t) = self.oracle.last_seen.get_mut(&session) {
+            // Every request renews the lease before anything else.
+            *t = self.ctx.now;
+        }
         let caller = |ack: u64| Caller {
             session,
             notice_ack: ack,
@@ -1295,7 +1440,7 @@ impl World {
                         self.dirn.conns.get_mut(&conn).expect("listed").session = Some(w.session);
                         let process = self.clients[c].process;
                         let life = self.oracle.new_life(c, process);
-                        self.oracle.sessions.insert(w.session, (c, life));
+                        self.oracle.open_session(w.session, c, life, self.ctx.now);
                         ClientReply::Welcome(w)
                     }
                     Err(e) => ClientReply::Error(e),
@@ -1333,7 +1478,7 @@ impl World {
                             }
                             (ReattachKind::Recovered, _) => self.oracle.new_life(c, process),
                         };
-                        self.oracle.sessions.insert(r.session, (c, life));
+                        self.oracle.open_session(r.session, c, life, self.ctx.now);
                         ClientReply::Reattached(r)
                     }
                     Err(e) => ClientReply::Error(e),
@@ -1406,10 +1551,11 @@ impl World {
                 );
                 match r {
                     Ok(r) => {
+                        let mut fresh = true;
                         if pins > 0 {
                             let seq = seq.expect("pinning lookups carry a seq").seq;
                             self.report.retries_compared += 1;
-                            let fresh = self.oracle.record(
+                            fresh = self.oracle.record(
                                 (c, life, incarnation, seq),
                                 RecordedBody::Lookup(r.body.clone()),
                             )?;
@@ -1425,14 +1571,23 @@ impl World {
                                 }
                             }
                         }
+                        if fresh {
+                            // (A retry's answer is the first one's, checked
+                            // when it ran.)
+                            self.check_lookup(lix, &keys, &r.body)?;
+                        }
                         ClientReply::Lookup(r)
                     }
                     Err(e) => ClientReply::Error(e),
                 }
             }
             ClientRequest::Exists { ack, layout, keys } => {
+                let lix = layout_index(&layout);
                 match dir.exists(&caller(ack), layout, keys.iter().map(|k| k.as_slice()), now) {
-                    Ok(r) => ClientReply::Exists(r),
+                    Ok(r) => {
+                        self.check_exists(lix, &keys, &r.body)?;
+                        ClientReply::Exists(r)
+                    }
                     Err(e) => ClientReply::Error(e),
                 }
             }
@@ -1587,10 +1742,129 @@ impl World {
                 }
             }
         };
+        match &reply {
+            ClientReply::Error(DirectoryError::ReplyEvicted { seq }) => {
+                // Exactly once at the window's edge: a number whose body
+                // was dropped must have run (and so been recorded).
+                if !self
+                    .oracle
+                    .replies
+                    .contains_key(&(c, life, incarnation, *seq))
+                {
+                    return Err(format!(
+                        "client {name}'s seq {seq} answered ReplyEvicted, yet it never ran (life {life})"
+                    ));
+                }
+                self.report.rare.replies_evicted += 1;
+            }
+            ClientReply::Error(DirectoryError::QuotaExceeded { .. }) => {
+                self.report.rare.quota_refusals += 1;
+            }
+            ClientReply::Error(DirectoryError::NoticeBacklog { .. }) => {
+                self.report.rare.notice_backlog_refusals += 1;
+            }
+            ClientReply::Reattached(r) => {
+                if r.kind == ReattachKind::Recovered {
+                    self.report.rare.recovered_reattaches += 1;
+                }
+                self.report.rare.reattach_regions_refused += r
+                    .regions
+                    .iter()
+                    .filter(|v| **v == RegionStatus::NotOwned)
+                    .count() as u64;
+            }
+            _ => {}
+        }
         if handshake {
             self.check_lives()?;
         }
         Ok(Some(reply))
+    }
+
+    // --- reads ------------------------------------------------------------------
+
+    /// Where the oracle holds `key` in this directory incarnation. The
+    /// oracle is exact here: it changes with every call the directory
+    /// answers, and a key the directory dropped on its own (eviction) has
+    /// been reconciled by the check after the event that dropped it, so
+    /// nothing is in flux while one request runs. (Requests in flight on
+    /// the network are not yet executed; the reply is compared at the
+    /// moment the directory produces it, not when the client receives it.)
+    fn oracle_location(&self, lix: usize, key: &[u8]) -> Option<Location> {
+        self.oracle
+            .keys
+            .get(&(lix, key.to_vec()))
+            .filter(|k| k.incarnation == self.dirn.incarnation)
+            .map(|k| k.location)
+    }
+
+    /// A lookup's answer: each key found exactly where the oracle holds it,
+    /// or not found if the oracle holds none; each region a location names
+    /// is described once, with the extent the pool manager committed.
+    fn check_lookup(
+        &mut self,
+        lix: usize,
+        keys: &[Vec<u8>],
+        r: &LookupReply,
+    ) -> Result<(), String> {
+        if r.locations.len() != keys.len() {
+            return Err(format!(
+                "lookup answered {} locations for {} keys",
+                r.locations.len(),
+                keys.len()
+            ));
+        }
+        for (k, got) in keys.iter().zip(&r.locations) {
+            self.report.reads_checked += 1;
+            let want = self.oracle_location(lix, k);
+            if *got != want {
+                return Err(format!(
+                    "lookup of {k:?} answered {got:?}; the oracle holds {want:?}"
+                ));
+            }
+            if let Some(loc) = got {
+                let described = r.regions.iter().filter(|d| d.region == loc.region).count();
+                if described != 1 {
+                    return Err(format!(
+                        "lookup names region {} and describes it {described} times",
+                        loc.region
+                    ));
+                }
+            }
+        }
+        for d in &r.regions {
+            let named = r.locations.iter().flatten().any(|l| l.region == d.region);
+            let pool = self.pool.durable.region(d.region);
+            let same = pool
+                .is_some_and(|p| p.offset_bytes == d.offset_bytes && p.len_bytes == d.len_bytes);
+            if !named || !same || d.page_size_bytes != LAYOUTS[lix].page_size_bytes {
+                return Err(format!(
+                    "lookup describes region {d:?} (named by a location: {named}); the pool manager holds {pool:?}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// An exists answer: true exactly for the keys the oracle holds.
+    fn check_exists(&mut self, lix: usize, keys: &[Vec<u8>], found: &[bool]) -> Result<(), String> {
+        if found.len() != keys.len() {
+            return Err(format!(
+                "exists answered {} flags for {} keys",
+                found.len(),
+                keys.len()
+            ));
+        }
+        for (k, &f) in keys.iter().zip(found) {
+            self.report.reads_checked += 1;
+            let want = self.oracle_location(lix, k).is_some();
+            if f != want {
+                return Err(format!(
+                    "exists of {k:?} answered {f}; the oracle holds it: {want}"
+                ));
+            }
+        }
+        Ok(())
     }
 
     // --- the pool manager's process -----------------------------------------
@@ -1625,24 +1899,60 @@ impl World {
 
     // --- the oracle -----------------------------------------------------------
 
-    /// Ends the lives of clients whose instance the directory no longer has.
+    /// After a directory tick: no session outlives its lease by the
+    /// oracle's clock, and a life without sessions for `INSTANCE_GRACE_NS`
+    /// is over (the directory must have forgotten its instance:
+    /// `check_lives`).
+    fn expire_by_oracle(&mut self) -> Result<(), String> {
+        let now = self.ctx.now;
+        if let Some((s, t)) = self
+            .oracle
+            .last_seen
+            .iter()
+            .find(|&(_, &t)| now - t >= SESSION_LEASE_NS)
+        {
+            return Err(format!(
+                "session {s}, last heard from at {t}, outlived its lease (now {now})"
+            ));
+        }
+        for life in self.oracle.lives.iter_mut().flatten() {
+            if !life.ended
+                && life
+                    .absent_since
+                    .is_some_and(|t| now - t >= INSTANCE_GRACE_NS)
+            {
+                life.ended = true;
+                self.report.rare.instances_expired += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// The directory holds an instance for exactly the clients whose life
+    /// the oracle holds live (`Life`).
     fn check_lives(&mut self) -> Result<(), String> {
         let Some(dir) = self.dirn.dir.as_mut() else {
             return Ok(());
         };
-        let present: BTreeSet<String> = dir
+        let mut present: BTreeSet<String> = dir
             .stats(Time::from_nanos(self.ctx.now))
             .per_instance
             .iter()
             .map(|i| i.instance.as_str().to_owned())
             .collect();
         for (c, client) in self.clients.iter().enumerate() {
-            if let Some(life) = self.oracle.lives[c].as_mut()
-                && !life.ended
-                && !present.contains(&client.name)
-            {
-                life.ended = true;
+            let life = self.oracle.lives[c];
+            let live = life.is_some_and(|l| !l.ended);
+            if present.remove(&client.name) != live {
+                return Err(format!(
+                    "client {}: the directory {} its instance; the oracle holds its life {life:?}",
+                    client.name,
+                    if live { "has forgotten" } else { "still holds" },
+                ));
             }
+        }
+        if let Some(name) = present.first() {
+            return Err(format!("the directory holds instance {name} of no client"));
         }
         Ok(())
     }
@@ -1766,6 +2076,27 @@ impl World {
                 .durable
                 .verify()
                 .map_err(|e| format!("durable ledger: {e}"))?;
+            // Committed regions never overlap and lie inside the pool,
+            // past its header block (`PoolNode::new`: the pool is the
+            // header block plus `capacity_bytes`).
+            let pool_end = self.pool.capacity_bytes + BLOCK_BYTES;
+            let mut extents: Vec<(u64, u64, RegionId)> = self
+                .pool
+                .durable
+                .regions()
+                .map(|r| (r.offset_bytes, r.len_bytes, r.id))
+                .collect();
+            extents.sort_unstable();
+            let mut end = BLOCK_BYTES;
+            for (offset, len, id) in extents {
+                let last = offset.checked_add(len).filter(|&e| e <= pool_end);
+                if offset < end || last.is_none() {
+                    return Err(format!(
+                        "durable region {id} at {offset}+{len} overlaps the header or the previous region (ending at {end}) or leaves the pool (ending at {pool_end})"
+                    ));
+                }
+                end = last.unwrap_or(end);
+            }
             self.verified_stamps[1] = self.pool.durable.stamp();
         }
         if self.dirn.state != DirState::Up {
@@ -1775,6 +2106,7 @@ impl World {
         dir.check_invariants().map_err(|e| e.to_string())?;
         let incarnation = self.dirn.incarnation;
         let eviction = self.params.directory.eviction.orphans;
+        let lru = self.params.directory.eviction.lru;
 
         // Keys: the directory holds exactly the acknowledged, undeleted keys
         // of this incarnation, at their locations, with the pins the live
@@ -1814,20 +2146,38 @@ impl World {
                     }
                 }
                 None => {
+                    // Evicted: an orphan (its owner's instance gone), or by
+                    // the LRU (any owner); never a pinned key.
                     let ended =
                         self.oracle.lives[k.owner].is_some_and(|l| l.id != k.life || l.ended);
-                    if !(ended && eviction) {
+                    let pins = pins_of.get(&(*lix, key.as_slice())).copied().unwrap_or(0);
+                    if !((ended && eviction) || lru) || pins > 0 {
                         return Err(format!(
-                            "key {key:?} of client {} (life {}) acknowledged at {:?} is gone (owner life ended: {ended}, orphan eviction: {eviction})",
+                            "key {key:?} of client {} (life {}) acknowledged at {:?} is gone (owner life ended: {ended}, orphan eviction: {eviction}, LRU: {lru}, pins: {pins})",
                             self.clients[k.owner].name, k.life, k.location
                         ));
                     }
-                    gone.push((*lix, key.clone()));
+                    gone.push(((*lix, key.clone()), k.location));
                 }
             }
         }
-        for k in gone {
+        for (k, loc) in gone {
             self.oracle.keys.remove(&k);
+            // An eviction from a region whose owner is present hands the
+            // page back to it: the notice is owed (as for a delete), and
+            // `final_notice_check` sees that it arrives.
+            let Some(owner) = dir.region_owner(loc.region) else {
+                continue;
+            };
+            let Some(oc) = self.clients.iter().position(|c| c.name == owner.as_str()) else {
+                continue;
+            };
+            let owner_life = self.oracle.lives[oc].map_or(0, |l| l.id);
+            self.oracle.notices[oc]
+                .entry((loc.region, loc.page.0, loc.generation.0))
+                .or_default()
+                .push((owner_life, incarnation));
+            self.report.rare.lru_keys_owed_notices += 1;
         }
         if self.report.checks.is_multiple_of(STATS_EVERY) {
             // The full snapshot (it counts a call, so it takes `&mut`):
@@ -1835,6 +2185,14 @@ impl World {
             let dir = self.dirn.dir.as_mut().expect("up");
             let full = dir.stats(Time::from_nanos(self.ctx.now));
             let totals = dir.totals();
+            let peak = full
+                .per_instance
+                .iter()
+                .map(|i| i.notices_pending as u64)
+                .max()
+                .unwrap_or(0);
+            let rare = &mut self.report.rare;
+            rare.notice_backlog_peak = rare.notice_backlog_peak.max(peak);
             if (full.keys, full.pins, full.regions) != (totals.keys, totals.pins, totals.regions) {
                 return Err(format!(
                     "statistics report {} keys, {} pins, {} regions; totals {totals:?}",
@@ -1863,11 +2221,17 @@ impl World {
         let mut ids: BTreeSet<RegionId> = self.dirn.handles.keys().copied().collect();
         ids.extend(self.pool.durable.regions().map(|r| r.id));
         let mut held = 0u64;
+        // Regions holding an acknowledged key that the walk below found
+        // at both the directory and the pool manager.
+        let mut key_regions_found = BTreeSet::new();
         for id in ids {
             let Some(info) = dir.inspect_region(id) else {
                 continue;
             };
             held += 1;
+            if per_region.contains_key(&id) {
+                key_regions_found.insert(id);
+            }
             let Some(r) = self.pool.durable.region(id) else {
                 return Err(format!(
                     "the directory holds region {id}, which the pool manager has not committed (or freed)"
@@ -1889,6 +2253,12 @@ impl World {
                     info.keys
                 ));
             }
+        }
+        if key_regions_found.len() != per_region.len() {
+            let lost = per_region.keys().find(|id| !key_regions_found.contains(id));
+            return Err(format!(
+                "a key is registered in region {lost:?}, which the directory or the pool manager does not hold"
+            ));
         }
         if held != stats.regions {
             return Err(format!(
