@@ -77,6 +77,9 @@ fn newer(g: u32, newest: u32) -> bool {
     (g.wrapping_sub(newest) as i32) > 0
 }
 const NKEYS: u8 = 6;
+/// `max_batch` of the small-limits configuration: below the 4 entries a
+/// generated batch may have.
+const SMALL_MAX_BATCH: usize = 3;
 const POOL: PoolId = PoolId(0);
 const PEER: Peer = Peer::Unix {
     pid: 1,
@@ -131,6 +134,10 @@ enum Op {
     Advance(u8),
     Restart,
     Pressure(bool),
+    /// The pool manager reports a 1 MiB pool this many percent full: around
+    /// the watermarks (80 %, 90 %), where grants and frees since the report
+    /// move the fill across them.
+    PoolFill(u8),
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -160,6 +167,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => (0u8..250).prop_map(Op::Advance),
         1 => Just(Op::Restart),
         1 => any::<bool>().prop_map(Op::Pressure),
+        1 => prop::sample::select(vec![50u8, 78, 82, 86, 89, 91, 95]).prop_map(Op::PoolFill),
     ]
 }
 
@@ -759,6 +767,50 @@ struct World {
     lru: bool,
     /// The next reattach's answer is lost (`Op::Reconnect`).
     lose_reattach_answer: bool,
+    /// The directory's view of the pool's fill, mirrored.
+    fill: FillModel,
+    /// Orphan eviction under way (the directory's `orphan_evicting`):
+    /// started by a tick above the high watermark, ended by one that leaves
+    /// the pool at or below the low watermark or no orphaned key. Exact
+    /// without the LRU; with it, true only when the directory's flag is
+    /// certainly set (the LRU's part of a tick may free regions after the
+    /// flag is decided).
+    orphan_evicting: bool,
+}
+
+/// The pool's fill as the directory estimates it: the last report, plus the
+/// bytes granted and freed since.
+#[derive(Debug, Default, Clone, Copy)]
+struct FillModel {
+    total: u64,
+    free: u64,
+    allocated_since: u64,
+    freed_since: u64,
+}
+
+impl FillModel {
+    /// The fill with `extra_freed` more bytes freed (the directory's
+    /// `pool_fill`, same arithmetic).
+    fn with_freed(&self, extra_freed: u64) -> f64 {
+        if self.total == 0 {
+            return 0.0;
+        }
+        let free = self
+            .free
+            .saturating_add(self.freed_since + extra_freed)
+            .saturating_sub(self.allocated_since)
+            .min(self.total);
+        (self.total - free) as f64 / self.total as f64
+    }
+
+    fn report(&mut self, total: u64, free: u64) {
+        *self = FillModel {
+            total,
+            free: free.min(total),
+            allocated_since: 0,
+            freed_since: 0,
+        };
+    }
 }
 
 fn name_of(owner: &InstanceId) -> &'static str {
@@ -770,8 +822,15 @@ fn name_of(owner: &InstanceId) -> &'static str {
 }
 
 impl World {
-    fn new(lru: bool) -> Self {
+    /// `small`: [`SMALL_MAX_BATCH`], so that the generated batches (1 to 4
+    /// entries) reach the limit and cross it.
+    fn new(lru: bool, small: bool) -> Self {
         let config = DirectoryConfig {
+            max_batch: if small {
+                SMALL_MAX_BATCH
+            } else {
+                DirectoryConfig::default().max_batch
+            },
             eviction: EvictionConfig {
                 lru,
                 max_evictions_per_tick: 2,
@@ -791,6 +850,8 @@ impl World {
             restarts: 0,
             lru,
             lose_reattach_answer: false,
+            fill: FillModel::default(),
+            orphan_evicting: false,
         }
     }
 
@@ -840,6 +901,7 @@ impl World {
                     );
                     self.model.regions.remove(&handle.region);
                     self.model.newest.retain(|(r, _), _| *r != handle.region);
+                    self.fill.freed_since += handle.len_bytes;
                 }
                 Effect::SessionEnded { session, .. } => {
                     for c in &mut self.clients {
@@ -1126,59 +1188,60 @@ impl World {
     }
 
     /// After a `Recovered` reattach: register again every key this client
-    /// believes it registered.
+    /// believes it registered, in batches of at most `max_batch`.
     fn reregister(&mut self, ci: usize) {
+        let max = self.config.max_batch;
         for layout in 0..LAYOUTS.len() as u8 {
-            let entries: Vec<(Vec<u8>, Location)> = self.clients[ci]
+            let all: Vec<(Vec<u8>, Location)> = self.clients[ci]
                 .index
                 .iter()
                 .filter(|((l, _), _)| *l == layout)
                 .map(|((_, k), loc)| (k.clone(), *loc))
                 .collect();
-            if entries.is_empty() {
-                continue;
-            }
-            let c = &mut self.clients[ci];
-            let seq = c.take_seq();
-            let me = c.name;
-            let r = self
-                .dir
-                .register(
-                    &c.caller(),
-                    c.sequence(seq),
-                    LAYOUTS[layout as usize],
-                    entries.iter().map(|(key, location)| RegisterEntry {
-                        key,
-                        location: *location,
-                    }),
-                    self.now,
-                )
-                .expect("re-register");
-            let session = c.session.unwrap();
-            self.model.touch(session, self.now);
-            let expected = self.model.register(me, layout, &entries);
-            assert_eq!(r.body, expected, "re-registration");
-            let c = &mut self.clients[ci];
-            c.apply_notices(&r.notices, &mut self.model);
-            for ((k, loc), o) in entries.iter().zip(&r.body) {
-                if !matches!(o, RegisterOutcome::Inserted) {
-                    c.index.remove(&(layout, k.clone()));
-                    if let Some(page) = c.page(loc) {
-                        *page = Page::Free(loc.generation.0);
+            for entries in all.chunks(max) {
+                let entries = entries.to_vec();
+                let c = &mut self.clients[ci];
+                let seq = c.take_seq();
+                let me = c.name;
+                let r = self
+                    .dir
+                    .register(
+                        &c.caller(),
+                        c.sequence(seq),
+                        LAYOUTS[layout as usize],
+                        entries.iter().map(|(key, location)| RegisterEntry {
+                            key,
+                            location: *location,
+                        }),
+                        self.now,
+                    )
+                    .expect("re-register");
+                let session = c.session.unwrap();
+                self.model.touch(session, self.now);
+                let expected = self.model.register(me, layout, &entries);
+                assert_eq!(r.body, expected, "re-registration");
+                let c = &mut self.clients[ci];
+                c.apply_notices(&r.notices, &mut self.model);
+                for ((k, loc), o) in entries.iter().zip(&r.body) {
+                    if !matches!(o, RegisterOutcome::Inserted) {
+                        c.index.remove(&(layout, k.clone()));
+                        if let Some(page) = c.page(loc) {
+                            *page = Page::Free(loc.generation.0);
+                        }
                     }
                 }
+                c.last = Some(Last {
+                    req: Req::Register {
+                        layout,
+                        entries: entries.into_iter().map(|(k, l)| (k, l, false)).collect(),
+                    },
+                    seq,
+                    session,
+                    body: Body::Register(r.body),
+                    unanswered: false,
+                    void: false,
+                });
             }
-            c.last = Some(Last {
-                req: Req::Register {
-                    layout,
-                    entries: entries.into_iter().map(|(k, l)| (k, l, false)).collect(),
-                },
-                seq,
-                session,
-                body: Body::Register(r.body),
-                unanswered: false,
-                void: false,
-            });
         }
     }
 
@@ -1224,6 +1287,31 @@ impl World {
             }
             other => panic!("region retry: {other:?}"),
         }
+    }
+
+    /// A batch of `n` entries over `max_batch` is refused as a whole,
+    /// `BatchTooLarge`, before its sequence number is looked at: the call
+    /// keeps the session alive and changes nothing else (the client does
+    /// not spend the number). Asserts that `got` is that refusal and
+    /// returns true, or returns false for a batch within the limit.
+    fn refused_batch<T: std::fmt::Debug>(
+        &mut self,
+        ci: usize,
+        n: usize,
+        got: impl FnOnce(&mut Directory, &Client, Time) -> Result<T, DirectoryError>,
+    ) -> bool {
+        let max = self.config.max_batch;
+        if n <= max {
+            return false;
+        }
+        let c = &self.clients[ci];
+        let r = got(&mut self.dir, c, self.now);
+        assert!(
+            matches!(r, Err(DirectoryError::BatchTooLarge { len, max: m }) if len == n && m == max),
+            "a batch of {n} over max_batch {max}: {r:?}"
+        );
+        self.model.touch(c.session.unwrap(), self.now);
+        true
     }
 
     /// Makes the client ready for an operation: attached, and its last
@@ -1465,6 +1553,9 @@ impl World {
                         }
                     }
                 }
+                if let Ok(h) = &result {
+                    self.fill.allocated_since += h.len_bytes;
+                }
                 let done = self.dir.region_allocated(req, result);
                 self.service();
                 self.deliver(done);
@@ -1475,6 +1566,26 @@ impl World {
                     return;
                 }
                 let layout = layout_ix(l);
+                let too_many: Vec<Vec<u8>> = entries.iter().map(|(k, _)| key(*k)).collect();
+                if self.refused_batch(ci, too_many.len(), |dir, c, now| {
+                    dir.register(
+                        &c.caller(),
+                        c.sequence(c.next_seq),
+                        LAYOUTS[layout as usize],
+                        too_many.iter().map(|key| RegisterEntry {
+                            key,
+                            location: Location {
+                                region: RegionId(1),
+                                page: PageIndex(0),
+                                generation: Generation(1),
+                                len_bytes: 1,
+                            },
+                        }),
+                        now,
+                    )
+                }) {
+                    return;
+                }
                 let me = self.clients[ci].name;
                 let mut batch: Vec<(Vec<u8>, Location, bool)> = Vec::new();
                 for (k, kind) in entries {
@@ -1615,6 +1726,18 @@ impl World {
                 let layout = layout_ix(l);
                 let keys: Vec<Vec<u8>> = keys.into_iter().map(key).collect();
                 let pins = u32::from(pins);
+                if self.refused_batch(ci, keys.len(), |dir, c, now| {
+                    dir.lookup(
+                        &c.caller(),
+                        (pins > 0).then(|| c.sequence(c.next_seq)),
+                        LAYOUTS[layout as usize],
+                        keys.iter().map(|k| &k[..]),
+                        pins,
+                        now,
+                    )
+                }) {
+                    return;
+                }
                 let c = &mut self.clients[ci];
                 let session = c.session.unwrap();
                 let seq = (pins > 0).then(|| c.take_seq());
@@ -1651,6 +1774,16 @@ impl World {
                 }
                 let layout = layout_ix(l);
                 let keys: Vec<Vec<u8>> = keys.into_iter().map(key).collect();
+                if self.refused_batch(ci, keys.len(), |dir, c, now| {
+                    dir.exists(
+                        &c.caller(),
+                        LAYOUTS[layout as usize],
+                        keys.iter().map(|k| &k[..]),
+                        now,
+                    )
+                }) {
+                    return;
+                }
                 let c = &mut self.clients[ci];
                 let r = self
                     .dir
@@ -1726,6 +1859,17 @@ impl World {
                 }
                 let layout = layout_ix(l);
                 let keys: Vec<Vec<u8>> = keys.into_iter().map(key).collect();
+                if self.refused_batch(ci, keys.len(), |dir, c, now| {
+                    dir.delete(
+                        &c.caller(),
+                        c.sequence(c.next_seq),
+                        LAYOUTS[layout as usize],
+                        keys.iter().map(|k| &k[..]),
+                        now,
+                    )
+                }) {
+                    return;
+                }
                 let c = &mut self.clients[ci];
                 let seq = c.take_seq();
                 let r = self
@@ -1823,11 +1967,15 @@ impl World {
             Op::Advance(units) => self.advance(Duration::from_millis(u64::from(units) * 100)),
             Op::Restart => self.restart(),
             Op::Pressure(on) => {
-                if on {
-                    self.dir.pool_usage(POOL, 1 << 20, 0);
-                } else {
-                    self.dir.pool_usage(POOL, 1 << 40, 1 << 40);
-                }
+                let (total, free) = if on { (1 << 20, 0) } else { (1 << 40, 1 << 40) };
+                self.dir.pool_usage(POOL, total, free);
+                self.fill.report(total, free);
+            }
+            Op::PoolFill(percent) => {
+                let total: u64 = 1 << 20;
+                let free = total / 100 * u64::from(100 - percent);
+                self.dir.pool_usage(POOL, total, free);
+                self.fill.report(total, free);
             }
         }
     }
@@ -1860,6 +2008,30 @@ impl World {
         for n in gone {
             self.model.instance_gone(n);
         }
+        // What the tick's eviction starts from: instances gone in it free
+        // their regions without keys (and their unclaimed ones) first.
+        let freed_by_gone: u64 = self
+            .model
+            .expect_free
+            .iter()
+            .map(|id| self.pool.live[id].0.len_bytes)
+            .sum();
+        let cfg = self.config.eviction.clone();
+        let fill_start = self.fill.with_freed(freed_by_gone);
+        let evicting = self.orphan_evicting || fill_start > cfg.pool_high_watermark;
+        // Orphaned regions with keys (each in the directory's orphan queue),
+        // and whether a key of theirs is pinned.
+        let orphans: BTreeMap<RegionId, bool> = self
+            .model
+            .keys
+            .iter()
+            .filter(|(_, loc)| self.model.regions[&loc.region].owner.is_none())
+            .fold(BTreeMap::new(), |mut m, ((l, k), loc)| {
+                *m.entry(loc.region).or_insert(false) |= self.model.pins_on(*l, k) > 0;
+                m
+            });
+        let pinned_orphans = orphans.values().filter(|&&p| p).count();
+        let unpinned_orphans = orphans.len() - pinned_orphans;
         self.dir.tick(now);
         // Eviction: every key the directory dropped must have been evictable.
         let dropped: Vec<(u8, Vec<u8>)> = self
@@ -1869,14 +2041,62 @@ impl World {
             .filter(|(l, k)| self.dir.inspect_key(&LAYOUTS[*l as usize], k).is_none())
             .cloned()
             .collect();
+        let budget = cfg.max_evictions_per_tick;
+        assert!(
+            dropped.len() <= budget,
+            "a tick evicted {} keys, over max_evictions_per_tick {budget}",
+            dropped.len()
+        );
+        assert!(
+            dropped.is_empty() || fill_start > cfg.pool_low_watermark,
+            "{} keys evicted with the pool {fill_start} full, at or below the low watermark {}",
+            dropped.len(),
+            cfg.pool_low_watermark
+        );
+        let mut orphan_evicted = 0;
         for (l, k) in dropped {
             let loc = self.model.keys[&(l, k.clone())];
             assert_eq!(self.model.pins_on(l, &k), 0, "a pinned key was evicted");
             let orphan = self.model.regions[&loc.region].owner.is_none();
             assert!(orphan || self.lru, "a live owner's key evicted without LRU");
+            orphan_evicted += usize::from(orphan);
             self.model.remove_key(l, &k);
         }
+        if !self.lru {
+            assert!(
+                orphan_evicted == 0 || evicting,
+                "{orphan_evicted} orphaned keys evicted with no eviction under way \
+                 (pool {fill_start} full, high watermark {})",
+                cfg.pool_high_watermark
+            );
+        }
+        // Obliged: eviction under way, the pool above the low watermark, an
+        // orphaned region with no pinned key, and few enough pinned ones
+        // that the tick reaches it — the first in line, if pinned, is held
+        // without counting, and each other pinned one passed over counts
+        // against `max_evictions_per_tick` (`Directory::evict`).
+        if evicting
+            && fill_start > cfg.pool_low_watermark
+            && unpinned_orphans > 0
+            && pinned_orphans <= budget
+        {
+            assert!(
+                orphan_evicted > 0,
+                "no orphaned key evicted under pressure (pool {fill_start} full, low watermark {}): \
+                 {unpinned_orphans} orphaned regions with no pinned key, {pinned_orphans} with one",
+                cfg.pool_low_watermark
+            );
+        }
         self.service();
+        // The flag as the tick left it: off at or below the low watermark
+        // or with no orphaned key left (see `orphan_evicting`).
+        let no_orphans = !self
+            .model
+            .keys
+            .values()
+            .any(|loc| self.model.regions[&loc.region].owner.is_none());
+        self.orphan_evicting =
+            evicting && !(self.fill.with_freed(0) <= cfg.pool_low_watermark || no_orphans);
         for c in &mut self.clients {
             if c.session
                 .is_some_and(|s| !self.model.sessions.contains_key(&s))
@@ -1905,6 +2125,9 @@ impl World {
             })
             .collect();
         self.restarts = self.restarts.wrapping_add(1);
+        // A recovered directory has no pool report yet, and evicts nothing.
+        self.fill = FillModel::default();
+        self.orphan_evicting = false;
         self.dir = Directory::recover(
             self.config.clone(),
             [self.restarts; 32],
@@ -2058,7 +2281,12 @@ impl World {
 }
 
 fn run(ops: &[Op], lru: bool) {
-    let mut w = World::new(lru);
+    run_with(ops, lru, false);
+}
+
+/// `small`: the small-limits configuration ([`World::new`]).
+fn run_with(ops: &[Op], lru: bool, small: bool) {
+    let mut w = World::new(lru, small);
     for ci in 0..NAMES.len() {
         w.hello(ci);
     }
@@ -2070,9 +2298,18 @@ fn run(ops: &[Op], lru: bool) {
     w.reconcile();
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a longer soak, or a
+/// quick run), 128 otherwise.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 128,
+        cases: cases(),
         max_shrink_iters: 4096,
         ..ProptestConfig::default()
     })]
@@ -2081,6 +2318,57 @@ proptest! {
     fn the_directory_agrees_with_the_model(ops in prop::collection::vec(op_strategy(), 1..150), lru in any::<bool>()) {
         run(&ops, lru);
     }
+
+    /// The same with `max_batch` small enough that batches cross it.
+    #[test]
+    fn the_directory_with_small_limits_agrees_with_the_model(ops in prop::collection::vec(op_strategy(), 1..150), lru in any::<bool>()) {
+        run_with(&ops, lru, true);
+    }
+}
+
+/// An eviction round started above the high watermark goes on in later
+/// ticks while the pool stays above the low one, although it is below the
+/// high one by then: with a budget of 2 keys a tick, the 4 orphaned keys of
+/// one region take two ticks, the second at 86 % (high 90 %, low 80 %).
+#[test]
+fn an_eviction_round_goes_on_below_the_high_watermark_until_the_low_one() {
+    use Op::*;
+    let ops = [
+        RequestRegion(0, 0),
+        PoolRespond(false),
+        Register(0, 0, vec![(0, 0), (1, 0), (2, 0), (3, 0)], false),
+        CloseSession(0),
+        Advance(150),
+        Advance(150),
+        PoolFill(95),
+        Advance(1),
+        PoolFill(86),
+        Advance(1),
+    ];
+    let mut w = World::new(false, false);
+    for ci in 0..NAMES.len() {
+        w.hello(ci);
+    }
+    for (i, op) in ops.iter().enumerate() {
+        w.step(op);
+        w.check();
+        if i == 5 {
+            assert_eq!(
+                w.model.keys.len(),
+                4,
+                "four orphaned keys before the pressure"
+            );
+        }
+        if i == 7 {
+            assert_eq!(w.model.keys.len(), 2, "a tick evicts its budget, 2 keys");
+        }
+    }
+    assert!(
+        w.model.keys.is_empty(),
+        "the round went on at 86 %: {:?}",
+        w.model.keys
+    );
+    w.reconcile();
 }
 
 #[test]
