@@ -46,7 +46,7 @@ use cxlkv_controlplane::directory::{
     Effect, EvictionConfig, FreedPageNotice, Hello, InstanceId, InstanceSecret, Layout, Location,
     LookupReply, Peer, PoolRequestId, PresentedRegion, Reattach, ReattachKind, RecoveredRegion,
     RegionDescriptor, RegionHandle, RegionReply, RegionStatus, RegionToken, RegisterEntry,
-    RegisterOutcome, RejectReason, Sequence, SessionId, Time, UnpinEntry, UnpinOutcome,
+    RegisterOutcome, RejectReason, Reply, Sequence, SessionId, Time, UnpinEntry, UnpinOutcome,
 };
 use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
 use proptest::prelude::*;
@@ -80,6 +80,14 @@ const NKEYS: u8 = 6;
 /// `max_batch` of the small-limits configuration: below the 4 entries a
 /// generated batch may have.
 const SMALL_MAX_BATCH: usize = 3;
+/// The quota of every instance in the small-limits configuration: three
+/// regions of the small layout (24 KiB each), or one of each (48 + 24 KiB).
+const SMALL_QUOTA_BYTES: u64 = 72 << 10;
+
+/// The bytes of a region of `layout` (what a client asks for).
+fn region_bytes(layout: u8) -> u64 {
+    u64::from(PAGES) * LAYOUTS[layout as usize].page_size_bytes
+}
 const POOL: PoolId = PoolId(0);
 const PEER: Peer = Peer::Unix {
     pid: 1,
@@ -823,7 +831,8 @@ fn name_of(owner: &InstanceId) -> &'static str {
 
 impl World {
     /// `small`: [`SMALL_MAX_BATCH`], so that the generated batches (1 to 4
-    /// entries) reach the limit and cross it.
+    /// entries) reach the limit and cross it, and [`SMALL_QUOTA_BYTES`],
+    /// which two or three region requests reach.
     fn new(lru: bool, small: bool) -> Self {
         let config = DirectoryConfig {
             max_batch: if small {
@@ -831,6 +840,7 @@ impl World {
             } else {
                 DirectoryConfig::default().max_batch
             },
+            max_instance_quota_bytes: small.then_some(SMALL_QUOTA_BYTES),
             eviction: EvictionConfig {
                 lru,
                 max_evictions_per_tick: 2,
@@ -1289,6 +1299,59 @@ impl World {
         }
     }
 
+    /// The bytes `name` owns and has asked for (the directory's
+    /// `owned_bytes + pending_bytes`, which its quota bounds).
+    fn quota_used(&self, name: &'static str) -> u64 {
+        let owned: u64 = self
+            .model
+            .regions
+            .values()
+            .filter(|r| r.owner == Some(name))
+            .map(|r| r.handle.len_bytes)
+            .sum();
+        let pending: u64 = self
+            .model
+            .pending
+            .values()
+            .filter(|(o, _)| *o == Some(name))
+            .map(|(_, l)| region_bytes(*l))
+            .sum();
+        owned + pending
+    }
+
+    /// A region request of `layout` that would take client `ci` over its
+    /// quota is refused (`QuotaExceeded`, before its sequence number is
+    /// spent): asserts that `got` is that refusal and returns true, or
+    /// returns false for a request within the quota.
+    fn refused_over_quota(
+        &mut self,
+        ci: usize,
+        layout: u8,
+        got: impl FnOnce(&mut Directory, &Client, Time) -> Result<Reply<RegionReply>, DirectoryError>,
+    ) -> bool {
+        let Some(quota) = self.config.max_instance_quota_bytes else {
+            return false;
+        };
+        let name = self.clients[ci].name;
+        let used = self.quota_used(name);
+        let len = region_bytes(layout);
+        if used + len <= quota {
+            return false;
+        }
+        let c = &self.clients[ci];
+        let r = got(&mut self.dir, c, self.now);
+        assert!(
+            matches!(
+                r,
+                Err(DirectoryError::QuotaExceeded { quota_bytes, owned_bytes, requested_bytes })
+                    if quota_bytes == quota && owned_bytes == used && requested_bytes == len
+            ),
+            "{name}: a request of {len} bytes with {used} owned or asked for, quota {quota}: {r:?}"
+        );
+        self.model.touch(c.session.unwrap(), self.now);
+        true
+    }
+
     /// A batch of `n` entries over `max_batch` is refused as a whole,
     /// `BatchTooLarge`, before its sequence number is looked at: the call
     /// keeps the session alive and changes nothing else (the client does
@@ -1479,6 +1542,17 @@ impl World {
                     return;
                 }
                 let layout = layout_ix(l);
+                if self.refused_over_quota(ci, layout, |dir, c, now| {
+                    dir.request_region(
+                        &c.caller(),
+                        c.sequence(c.next_seq),
+                        LAYOUTS[layout as usize],
+                        region_bytes(layout),
+                        now,
+                    )
+                }) {
+                    return;
+                }
                 let c = &mut self.clients[ci];
                 let seq = c.take_seq();
                 let name = c.name;
@@ -2369,6 +2443,38 @@ fn an_eviction_round_goes_on_below_the_high_watermark_until_the_low_one() {
         w.model.keys
     );
     w.reconcile();
+}
+
+/// Reliability defect 150: a region request the pool manager has not
+/// answered is retried by every new session of its client (each reattach
+/// re-sends it), and each retry waits on the pending request. The waiters
+/// of sessions ended since kept their places, so after 8 sessions the
+/// client's own retry was refused `TooManyPendingRegionRequests`. (Found
+/// by the property at 5,000 cases; this is its shrunk case.)
+#[test]
+fn a_region_request_retried_by_one_session_after_another_is_still_answered() {
+    use Op::*;
+    let ops = [
+        Hello(0),
+        Hello(0),
+        RequestRegion(2, 0),
+        CloseSession(2),
+        RequestRegion(2, 0),
+        Advance(71),
+        Advance(9),
+        Advance(20),
+        Delete(2, 0, vec![0], false),
+        EndSession(2),
+        Register(2, 0, vec![(0, 0)], false),
+        Advance(100),
+        Register(2, 0, vec![(0, 0)], false),
+        Reconnect(2, false),
+        Reconnect(2, false),
+        Advance(100),
+        Delete(2, 0, vec![0], false),
+        EndSession(2),
+    ];
+    run(&ops, false);
 }
 
 #[test]
