@@ -84,6 +84,11 @@ const SMALL_MAX_BATCH: usize = 3;
 /// regions of the small layout (24 KiB each), or one of each (48 + 24 KiB).
 const SMALL_QUOTA_BYTES: u64 = 72 << 10;
 
+/// `notice_queue_limit` of the small-limits configuration (at least
+/// `max_batch`, as the directory requires): a delete of a
+/// few keys of one owner that has not caught up crosses it.
+const SMALL_NOTICE_QUEUE_LIMIT: usize = SMALL_MAX_BATCH;
+
 /// The bytes of a region of `layout` (what a client asks for).
 fn region_bytes(layout: u8) -> u64 {
     u64::from(PAGES) * LAYOUTS[layout as usize].page_size_bytes
@@ -841,6 +846,11 @@ impl World {
                 DirectoryConfig::default().max_batch
             },
             max_instance_quota_bytes: small.then_some(SMALL_QUOTA_BYTES),
+            notice_queue_limit: if small {
+                SMALL_NOTICE_QUEUE_LIMIT
+            } else {
+                DirectoryConfig::default().notice_queue_limit
+            },
             eviction: EvictionConfig {
                 lru,
                 max_evictions_per_tick: 2,
@@ -1350,6 +1360,61 @@ impl World {
         );
         self.model.touch(c.session.unwrap(), self.now);
         true
+    }
+
+    /// The owner whose freed-page notice queue a delete of `keys` by
+    /// client `ci` would take over `notice_queue_limit`, and its pending
+    /// count, if any: each key the model holds unpinned in a region of a
+    /// present owner adds a notice for that owner (a key named twice
+    /// counts twice), and the first owner whose pending notices plus those
+    /// reach past the limit, in the batch's order, is named. The pending
+    /// count: for the deleter's own queue, the notices the model owes it
+    /// (the call acknowledges everything the client applied); for another
+    /// owner's, the directory's own figure, which must cover at least what
+    /// the model owes that owner (applied notices wait for the owner's
+    /// next acknowledgement).
+    fn notice_backlog(
+        &mut self,
+        ci: usize,
+        layout: u8,
+        keys: &[Vec<u8>],
+    ) -> Option<(&'static str, usize)> {
+        let limit = self.config.notice_queue_limit;
+        let me = self.clients[ci].name;
+        let stats = self.dir.stats(self.now);
+        let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
+        for k in keys {
+            let Some(loc) = self.model.keys.get(&(layout, k.clone())) else {
+                continue;
+            };
+            if self.model.pins_on(layout, k) > 0 {
+                continue;
+            }
+            let Some(owner) = self.model.regions[&loc.region].owner else {
+                continue;
+            };
+            let owed = self.model.owed.get(owner).map_or(0, BTreeSet::len);
+            let pending = if owner == me {
+                owed
+            } else {
+                let reported = stats
+                    .per_instance
+                    .iter()
+                    .find(|i| i.instance.as_str() == owner)
+                    .map_or(0, |i| i.notices_pending);
+                assert!(
+                    reported >= owed,
+                    "{owner}: the directory holds {reported} notices, the model owes {owed}"
+                );
+                reported
+            };
+            let count = counts.entry(owner).or_default();
+            *count += 1;
+            if pending + *count > limit {
+                return Some((owner, pending));
+            }
+        }
+        None
     }
 
     /// A batch of `n` entries over `max_batch` is refused as a whole,
@@ -1944,6 +2009,29 @@ impl World {
                 }) {
                     return;
                 }
+                // A delete whose notices would overflow an owner's queue is
+                // refused whole, before its sequence number is spent.
+                if let Some((owner, pending)) = self.notice_backlog(ci, layout, &keys) {
+                    let c = &self.clients[ci];
+                    let r = self.dir.delete(
+                        &c.caller(),
+                        c.sequence(c.next_seq),
+                        LAYOUTS[layout as usize],
+                        keys.iter().map(|k| &k[..]),
+                        self.now,
+                    );
+                    let limit = self.config.notice_queue_limit;
+                    assert!(
+                        matches!(
+                            &r,
+                            Err(DirectoryError::NoticeBacklog { instance, pending: p, max })
+                                if instance.as_str() == owner && *p == pending && *max == limit
+                        ),
+                        "a delete of {keys:?} with {owner}'s queue at {pending} of {limit}: {r:?}"
+                    );
+                    self.model.touch(c.session.unwrap(), self.now);
+                    return;
+                }
                 let c = &mut self.clients[ci];
                 let seq = c.take_seq();
                 let r = self
@@ -2475,6 +2563,55 @@ fn a_region_request_retried_by_one_session_after_another_is_still_answered() {
         EndSession(2),
     ];
     run(&ops, false);
+}
+
+/// The small limits' edges, scripted: a batch of 4 (over `max_batch` 3),
+/// a region request over the quota, and a delete that would take an
+/// owner's notice queue past its limit (3) — `beta` deletes three of
+/// `alpha`'s keys (three notices `alpha` has not acknowledged), then a
+/// fourth.
+#[test]
+fn the_small_limits_edges_are_refused_as_the_model_predicts() {
+    use Op::*;
+    let ops = [
+        RequestRegion(0, 0),
+        PoolRespond(false),
+        Register(0, 0, vec![(0, 0), (1, 0), (2, 0), (3, 0)], false),
+        Register(0, 0, vec![(0, 0), (1, 0)], false),
+        Register(0, 0, vec![(2, 0), (3, 0)], false),
+        RequestRegion(0, 1),
+        RequestRegion(0, 1),
+        Lookup(1, 0, vec![0, 1, 2, 3], 0, false),
+        Delete(1, 0, vec![0, 1, 2], false),
+        Delete(1, 0, vec![3], false),
+        // `alpha` gets the notices with a reply, then acknowledges them
+        // with its next request.
+        Exists(0, 0, vec![3]),
+        Exists(0, 0, vec![3]),
+        Delete(1, 0, vec![3], false),
+    ];
+    let mut w = World::new(false, true);
+    for ci in 0..NAMES.len() {
+        w.hello(ci);
+    }
+    for (i, op) in ops.iter().enumerate() {
+        w.step(op);
+        w.check();
+        let keys = w.model.keys.len();
+        match i {
+            2 => assert_eq!(keys, 0, "the batch of 4 was refused"),
+            4 => assert_eq!(keys, 4),
+            9 => assert_eq!(keys, 1, "the fourth delete was refused"),
+            6 => assert_eq!(
+                w.model.pending.len(),
+                1,
+                "the second request was over the quota"
+            ),
+            12 => assert_eq!(keys, 0, "alpha acknowledged, the delete went through"),
+            _ => {}
+        }
+    }
+    w.reconcile();
 }
 
 #[test]
