@@ -15,7 +15,18 @@
 //!   freed while a key points into it, and every region the model expects to
 //!   be freed (owner gone and no keys, returned, unclaimed) was freed;
 //! - every reply equals the model's prediction, and a retried request (after
-//!   a dropped reply, on the same or a new session) gets the original reply.
+//!   a dropped reply, on the same or a new session) gets the original reply;
+//! - each tick evicts at most `max_evictions_per_tick` keys, none pinned,
+//!   none at or below the low watermark, no live owner's without the LRU,
+//!   and — required, not only allowed — at least one orphaned key while an
+//!   orphan-eviction round is under way above the low watermark and an
+//!   orphaned region with no pinned key is within the tick's reach (the
+//!   model mirrors the directory's estimate of the pool fill and its round).
+//!
+//! A second property runs with small limits (`max_batch`, quota, notice
+//! queue: `World::new`), where the model predicts each refusal
+//! (`BatchTooLarge`, `QuotaExceeded`, `NoticeBacklog`). Cases: 128 per
+//! property, or `PROPTEST_CASES`.
 //!
 //! Each simulated client keeps its own page allocator (free, allocated,
 //! registered, with generations) and applies freed-page notices from the
