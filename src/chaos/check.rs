@@ -11,10 +11,12 @@
 //!
 //! - a delete of it was sent (a delete intent, or an outcome);
 //! - its writer died and the directory restarted after that death (keys
-//!   whose owner does not reattach are lost with a restart);
-//! - its writer died and the directory evicted orphaned keys (watermark
-//!   eviction; the run keeps the pool far below the watermark, so this is
-//!   reported when it happens).
+//!   whose owner does not reattach are lost with a restart).
+//!
+//! Orphan eviction excuses nothing: the run keeps the pool far below the
+//! eviction watermark (`POOL_SIZE_BYTES`), so an orphan eviction is itself
+//! a failure of the run (`orphan_evictions`), and a dead writer's key it
+//! removed is counted lost like any other.
 //!
 //! Anything else missing is lost: `lost_keys` when its writer is alive,
 //! `lost_orphan_keys` when the writer is dead (registered keys stay
@@ -26,8 +28,8 @@
 //!
 //! The other invariants: the pins and sessions of dead incarnations are
 //! gone ([`Checker::check_dead_pins`]); the regions the pool manager holds
-//! for the directory match the directory's own count and bytes
-//! ([`Checker::check_regions`]); the directory holds no more keys than the
+//! for the directory match the directory's own count and bytes, pool by
+//! pool, and its region rows ([`Checker::check_regions`]); the directory holds no more keys than the
 //! ledgers can account for.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -35,13 +37,15 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cxlkv_controlplane::proto::{self, PoolStats, PoolStatsReply, RequestMeta, StatsReply};
+use cxlkv_controlplane::proto::{
+    self, DirectoryTotals, PoolStats, PoolStatsReply, PoolUsage, RegionRow, RequestMeta, StatsReply,
+};
 use cxlkv_controlplane::transport::{self, Endpoint, RpcClient};
 
 use super::instance::{self, client_config, layout_options};
 use super::ledger::{self, LedgerTail, Record};
 use super::payload::{self, KeyName};
-use super::{DIRECTORY_ID, FINGERPRINT, PAGE_SIZE_BYTES};
+use super::{DIRECTORY_ID, FINGERPRINT, PAGE_SIZE_BYTES, Role};
 use crate::client::{Client, DeleteOutcome, LayoutHandle};
 
 /// How long a missing key is looked up again before it is judged.
@@ -52,19 +56,47 @@ pub const REGION_SETTLE_MS: u64 = 10_000;
 /// Keys per lookup or delete batch.
 const BATCH_KEYS: usize = 256;
 /// Most violation messages kept for the report.
-const MAX_VIOLATIONS: usize = 50;
+pub const MAX_VIOLATIONS: usize = 50;
 /// How long one call of the checker may take (connects included).
 const CALL_TIMEOUT_MS: u64 = 60_000;
 const POLL: Duration = Duration::from_millis(200);
 
 /// Error kinds that follow from the chaos itself (a server or pool manager
-/// being restarted under a call), not from a defect: counted apart.
+/// being restarted under a call), not from a defect: counted apart, and
+/// bounded ([`expected_errors_over_bound`]).
 pub const EXPECTED_ERROR_KINDS: &[&str] = &[
     "unanswered",
     "indeterminate",
     "reconnect_failed",
     "tier:finish_write:KEY_IN_WRONG_STATE",
 ];
+
+/// Most failed calls of one expected kind per instance slot and per
+/// restart of the server or the pool manager. An instance has one call in
+/// flight at a time, so a restart fails at most one of its calls under it;
+/// the calls it starts while the daemon is down each wait out the client's
+/// reconnect retries (seconds) before they fail, so only a few fit in one
+/// restart. Without a restart none of these kinds may happen at all.
+pub const EXPECTED_ERRORS_PER_RESTART_AND_INSTANCE: u64 = 4;
+
+/// The expected error kinds whose count is over its bound —
+/// [`EXPECTED_ERRORS_PER_RESTART_AND_INSTANCE`] × `instances` ×
+/// `restarts` (server and pool-manager restarts of the run) — as
+/// `(kind, count, bound)`.
+pub fn expected_errors_over_bound(
+    kinds: &BTreeMap<String, u64>,
+    instances: u32,
+    restarts: u64,
+) -> Vec<(String, u64, u64)> {
+    let bound = EXPECTED_ERRORS_PER_RESTART_AND_INSTANCE
+        .saturating_mul(u64::from(instances))
+        .saturating_mul(restarts);
+    kinds
+        .iter()
+        .filter(|&(_, &n)| n > bound)
+        .map(|(k, &n)| (k.clone(), n, bound))
+        .collect()
+}
 
 #[derive(Debug, Clone, Default)]
 struct KeyState {
@@ -83,11 +115,13 @@ pub struct Tally {
     pub deleted_keys: u64,
     pub keys_verified: u64,
     pub reads_verified: u64,
+    /// Held views not checked: their key's pin was lost and the key is no
+    /// longer where they read.
+    pub held_reads_skipped: u64,
     pub lost_keys: u64,
     pub lost_orphan_keys: u64,
     pub corrupt_keys: u64,
     pub keys_gone_by_restart: u64,
-    pub keys_gone_by_eviction: u64,
     pub torn_reads: u64,
     pub leaked_pins: u64,
     /// Dead incarnations still shown with a session (each counted once).
@@ -143,6 +177,18 @@ pub struct History {
 }
 
 impl History {
+    /// Why the acknowledged key `name`, missing at `at_ms`, may be missing
+    /// — judged by its own writer alone: that incarnation died, and the
+    /// directory restarted after that death and by `at_ms` (a dead
+    /// owner's keys are lost with the restart). `None`: it may not be.
+    /// Nothing else excuses a key: another writer's death or restart, or
+    /// an orphan eviction (which fails the run by itself).
+    fn excuse(&self, name: &KeyName, at_ms: u64) -> Option<Excuse> {
+        (self.is_dead(name.slot, name.incarnation)
+            && self.died_before_a_restart(name.slot, name.incarnation, at_ms))
+        .then_some(Excuse::WriterDiedBeforeARestart)
+    }
+
     fn died_before_a_restart(&self, slot: u32, incarnation: u32, by_ms: u64) -> bool {
         self.deaths
             .get(&(slot, incarnation))
@@ -152,6 +198,17 @@ impl History {
     fn is_dead(&self, slot: u32, incarnation: u32) -> bool {
         self.deaths.contains_key(&(slot, incarnation))
     }
+}
+
+/// The directory's name of the incarnation that wrote `name`.
+fn writer_of(name: &KeyName) -> String {
+    instance::instance_id(Role::of_slot(name.slot), name.slot, name.incarnation)
+}
+
+/// A documented rule that lets an acknowledged key be missing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Excuse {
+    WriterDiedBeforeARestart,
 }
 
 pub struct Checker {
@@ -179,7 +236,8 @@ impl std::fmt::Debug for Checker {
 }
 
 enum Verdict {
-    Intact,
+    /// Intact, in this region.
+    Intact(u64),
     Corrupt(String),
     Missing,
 }
@@ -245,8 +303,18 @@ impl Checker {
             self.evictions_seen = (stats.directory_epoch, 0);
         }
         if evictions > self.evictions_seen.1 {
-            self.tally.orphan_evictions += evictions - self.evictions_seen.1;
+            let new = evictions - self.evictions_seen.1;
+            self.tally.orphan_evictions += new;
             self.evictions_seen.1 = evictions;
+            // The pool is sized so that the workload stays far below the
+            // eviction watermark: an eviction means the sizing (or the
+            // directory's fill accounting) is wrong, and it would hide lost
+            // keys of dead writers.
+            self.tally.violation(format!(
+                "the directory evicted {new} orphaned keys ({} in the run); the {} MiB pool is sized so that none is",
+                self.tally.orphan_evictions,
+                super::POOL_SIZE_BYTES >> 20
+            ));
         }
         Ok(stats)
     }
@@ -345,6 +413,7 @@ impl Checker {
                 *map.entry(kind).or_default() += 1;
             }
             Record::Verified(n) => self.tally.reads_verified += n,
+            Record::HeldSkipped(n) => self.tally.held_reads_skipped += n,
         }
     }
 
@@ -360,14 +429,13 @@ impl Checker {
             return;
         };
         let dead = history.is_dead(name.slot, name.incarnation);
-        if dead && history.died_before_a_restart(name.slot, name.incarnation, at_ms) {
+        if history.excuse(&name, at_ms) == Some(Excuse::WriterDiedBeforeARestart) {
             self.tally.keys_gone_by_restart += 1;
-        } else if dead && self.tally.orphan_evictions > 0 {
-            self.tally.keys_gone_by_eviction += 1;
         } else if dead {
             self.tally.lost_orphan_keys += 1;
             self.tally.violation(format!(
-                "{key}: its writer is dead, no restart or eviction since; {how}"
+                "{key}: its writer is dead, no restart since ({} orphan evictions in the run); {how}",
+                self.tally.orphan_evictions
             ));
         } else {
             self.tally.lost_keys += 1;
@@ -394,7 +462,7 @@ impl Checker {
                         {
                             Verdict::Corrupt("differs from the ledger's length or checksum".into())
                         } else {
-                            Verdict::Intact
+                            Verdict::Intact(g.location().region)
                         }
                     }
                 };
@@ -423,9 +491,13 @@ impl Checker {
             .map(|(k, _)| k.clone())
             .collect();
         let mut missing = Vec::new();
+        let mut found = Vec::new();
         for (key, verdict) in candidates.iter().zip(self.lookup(&candidates)?) {
             match verdict {
-                Verdict::Intact => self.tally.keys_verified += 1,
+                Verdict::Intact(region) => {
+                    self.tally.keys_verified += 1;
+                    found.push((key.clone(), region));
+                }
                 Verdict::Corrupt(why) => {
                     if self.judged.insert(key.clone()) {
                         self.tally.corrupt_keys += 1;
@@ -435,6 +507,7 @@ impl Checker {
                 Verdict::Missing => missing.push(key.clone()),
             }
         }
+        self.check_key_owners(&found)?;
         let deadline = Instant::now() + Duration::from_millis(SETTLE_MS);
         loop {
             // A delete may have been sent since the lookup.
@@ -447,11 +520,7 @@ impl Checker {
             // Keys missing by a rule need no second look.
             let now = ledger::now_ms();
             let (excused, rest): (Vec<String>, Vec<String>) = missing.into_iter().partition(|k| {
-                KeyName::parse(k.as_bytes()).is_some_and(|n| {
-                    history.is_dead(n.slot, n.incarnation)
-                        && (history.died_before_a_restart(n.slot, n.incarnation, now)
-                            || self.tally.orphan_evictions > 0)
-                })
+                KeyName::parse(k.as_bytes()).is_some_and(|n| history.excuse(&n, now).is_some())
             });
             for k in excused {
                 self.judge_missing(&k, now, history, "missing at a check");
@@ -476,6 +545,46 @@ impl Checker {
                 history,
                 &format!("missing at a check for {SETTLE_MS} ms"),
             );
+        }
+        Ok(())
+    }
+
+    /// Each key found intact lies in a region of its own writer: the
+    /// directory's row for the region it was found in names the key's
+    /// writer incarnation as the region's owner. Region ids are never
+    /// reused and a region's owner never changes, so a row listed after
+    /// the lookup describes the region the key was found in; a region no
+    /// longer listed (freed since) is not judged, nor are cut-short rows.
+    fn check_key_owners(&mut self, found: &[(String, u64)]) -> anyhow::Result<()> {
+        if found.is_empty() {
+            return Ok(());
+        }
+        let stats = self.directory_stats()?;
+        if stats.truncated {
+            return Ok(());
+        }
+        let owners: HashMap<u64, &str> = stats
+            .regions
+            .iter()
+            .map(|r| (r.region, r.owner_instance.as_str()))
+            .collect();
+        let mut wrong = Vec::new();
+        for (key, region) in found {
+            let Some(name) = KeyName::parse(key.as_bytes()) else {
+                continue;
+            };
+            let writer = writer_of(&name);
+            if let Some(&owner) = owners.get(region)
+                && owner != writer
+            {
+                wrong.push(format!(
+                    "{key}: found in region {region}, which the directory lists as {owner}'s, not its writer {writer}'s"
+                ));
+            }
+        }
+        for msg in wrong {
+            self.tally.region_mismatches += 1;
+            self.tally.violation(msg);
         }
         Ok(())
     }
@@ -534,7 +643,9 @@ impl Checker {
     }
 
     /// The pool manager holds exactly the directory's regions (count and
-    /// bytes), and its own free space adds up; waits up to
+    /// bytes, per pool; the directory's region rows are distinct and add up
+    /// to its totals: [`regions_differ`]), and its own free space adds up;
+    /// waits up to
     /// [`REGION_SETTLE_MS`] for requests in flight.
     pub fn check_regions(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_millis(REGION_SETTLE_MS);
@@ -630,9 +741,30 @@ impl Checker {
 /// A description of how the pool manager's view of the directory's
 /// regions differs from the directory's, if it does.
 fn region_mismatch(dir: &StatsReply, pool: &PoolStatsReply) -> Option<String> {
+    regions_differ(&dir.totals, &dir.regions, dir.truncated, &pool.pools)
+}
+
+/// [`region_mismatch`] over its parts: the directory's totals and region
+/// rows (`truncated`: the rows may be cut short), the pool manager's pools.
+///
+/// The pool manager tells only how many regions and bytes each directory
+/// holds per pool (a region listing needs a connection bound to the
+/// directory, which the server holds), so the regions are compared per
+/// pool by count and bytes — the directory's rows against the pool
+/// manager's count for [`DIRECTORY_ID`] in each pool — and the rows
+/// themselves must be distinct regions adding up to the directory's
+/// totals.
+fn regions_differ(
+    totals: &DirectoryTotals,
+    rows: &[RegionRow],
+    truncated: bool,
+    pools: &[PoolUsage],
+) -> Option<String> {
     let mut pool_regions = 0;
     let mut pool_bytes = 0;
-    for p in &pool.pools {
+    // Per pool: (regions, bytes) the pool manager holds for the directory.
+    let mut pool_side: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for p in pools {
         let owners_bytes: u64 = p.owners.iter().map(|o| o.bytes).sum();
         if p.total_bytes - p.free_bytes != owners_bytes {
             return Some(format!(
@@ -644,19 +776,50 @@ fn region_mismatch(dir: &StatsReply, pool: &PoolStatsReply) -> Option<String> {
         for o in p.owners.iter().filter(|o| o.directory_id == DIRECTORY_ID) {
             pool_regions += o.regions;
             pool_bytes += o.bytes;
+            let e = pool_side.entry(p.pool).or_default();
+            e.0 += o.regions;
+            e.1 += o.bytes;
         }
     }
-    let t = &dir.totals;
+    let t = totals;
     if t.pending_region_requests > 0 {
         return Some(format!(
             "{} region requests pending",
             t.pending_region_requests
         ));
     }
-    (pool_regions != t.regions || pool_bytes != t.owned_bytes).then(|| {
-        format!(
+    if pool_regions != t.regions || pool_bytes != t.owned_bytes {
+        return Some(format!(
             "the pool manager holds {pool_regions} regions ({pool_bytes} bytes) for the directory, which holds {} ({} bytes)",
             t.regions, t.owned_bytes
+        ));
+    }
+    if truncated {
+        return None;
+    }
+    let mut ids = HashSet::new();
+    let mut dir_side: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for r in rows {
+        if !ids.insert(r.region) {
+            return Some(format!("the directory lists region {} twice", r.region));
+        }
+        let e = dir_side.entry(r.pool).or_default();
+        e.0 += 1;
+        e.1 += r.len_bytes;
+    }
+    let (rows_regions, rows_bytes) = dir_side
+        .values()
+        .fold((0, 0), |(n, b), &(rn, rb)| (n + rn, b + rb));
+    if rows_regions != t.regions || rows_bytes != t.owned_bytes {
+        return Some(format!(
+            "the directory lists {rows_regions} regions ({rows_bytes} bytes) but counts {} ({} bytes)",
+            t.regions, t.owned_bytes
+        ));
+    }
+    pool_side.retain(|_, v| *v != (0, 0));
+    (dir_side != pool_side).then(|| {
+        format!(
+            "per pool, (regions, bytes) the directory lists {dir_side:?} differ from the pool manager's {pool_side:?}"
         )
     })
 }
@@ -695,5 +858,121 @@ mod tests {
         // Pins without a session (its session ended, its pins did not).
         tally.dead_holders(vec![("r1.1".into(), 3, 0)], &mut reported);
         assert_eq!((tally.dead_sessions, tally.leaked_pins), (1, 3));
+    }
+
+    fn name(slot: u32, incarnation: u32) -> KeyName {
+        KeyName {
+            slot,
+            incarnation,
+            n: 7,
+            len_bytes: 1024,
+        }
+    }
+
+    #[test]
+    fn a_missing_key_is_excused_only_by_its_own_writers_death_before_a_restart() {
+        let history = History {
+            // Slot 0's first incarnation died at 100, slot 1's at 300.
+            deaths: HashMap::from([((0, 1), 100), ((1, 1), 300)]),
+            server_restarts: vec![200],
+        };
+        let restart = Some(Excuse::WriterDiedBeforeARestart);
+        // Died at 100, restart at 200: excused from 200 on, not before.
+        assert_eq!(history.excuse(&name(0, 1), 250), restart);
+        assert_eq!(history.excuse(&name(0, 1), 150), None);
+        // Died at 300, after the only restart: no excuse, although another
+        // writer's keys are excused and the directory did restart.
+        assert_eq!(history.excuse(&name(1, 1), 1000), None);
+        // Alive (slot 0's second incarnation, slot 2): never excused.
+        assert_eq!(history.excuse(&name(0, 2), 1000), None);
+        assert_eq!(history.excuse(&name(2, 1), 1000), None);
+        // No restart at all: no dead writer's key is excused.
+        let no_restart = History {
+            server_restarts: vec![],
+            ..history
+        };
+        assert_eq!(no_restart.excuse(&name(0, 1), 1000), None);
+    }
+
+    #[test]
+    fn expected_errors_are_bounded_per_kind_by_restarts_and_instances() {
+        let kinds = BTreeMap::from([
+            ("unanswered".to_string(), 33),
+            ("reconnect_failed".to_string(), 32),
+        ]);
+        // 4 per restart and instance: 2 restarts × 4 instances allow 32.
+        assert_eq!(
+            expected_errors_over_bound(&kinds, 4, 2),
+            vec![("unanswered".to_string(), 33, 32)]
+        );
+        assert!(expected_errors_over_bound(&kinds, 4, 3).is_empty());
+        // Without a restart, none is expected.
+        let one = BTreeMap::from([("indeterminate".to_string(), 1)]);
+        assert_eq!(
+            expected_errors_over_bound(&one, 4, 0),
+            vec![("indeterminate".to_string(), 1, 0)]
+        );
+        assert!(expected_errors_over_bound(&BTreeMap::new(), 4, 0).is_empty());
+    }
+
+    fn row(region: u64, pool: u32, len_bytes: u64) -> RegionRow {
+        RegionRow {
+            region,
+            pool,
+            layout: proto::Layout {
+                page_size_bytes: PAGE_SIZE_BYTES,
+                fingerprint: FINGERPRINT,
+            },
+            len_bytes,
+            owner_instance: "w0.1".into(),
+            owner_present: true,
+            keys: 1,
+            used_bytes: PAGE_SIZE_BYTES,
+            deferred: false,
+        }
+    }
+
+    fn usage(pool: u32, regions: u64, bytes: u64) -> PoolUsage {
+        PoolUsage {
+            pool,
+            total_bytes: 1 << 30,
+            free_bytes: (1 << 30) - bytes,
+            largest_free_bytes: (1 << 30) - bytes,
+            regions,
+            owners: vec![proto::OwnerUsage {
+                directory_id: DIRECTORY_ID.into(),
+                regions,
+                bytes,
+            }],
+        }
+    }
+
+    #[test]
+    fn regions_are_compared_per_pool_and_row_by_row_not_only_in_total() {
+        let mb = 2 << 20;
+        let totals = DirectoryTotals {
+            regions: 2,
+            owned_bytes: 2 * mb,
+            ..DirectoryTotals::default()
+        };
+        let pools = [usage(0, 1, mb), usage(1, 1, mb)];
+        let rows = [row(1, 0, mb), row(2, 1, mb)];
+        assert_eq!(regions_differ(&totals, &rows, false, &pools), None);
+        // Same totals, but both regions listed in pool 0.
+        let moved = [row(1, 0, mb), row(2, 0, mb)];
+        let why = regions_differ(&totals, &moved, false, &pools).expect("differs per pool");
+        assert!(why.contains("per pool"), "{why}");
+        // A region listed twice, totals unchanged.
+        let twice = [row(1, 0, mb), row(1, 1, mb)];
+        let why = regions_differ(&totals, &twice, false, &pools).expect("a duplicate row");
+        assert!(why.contains("twice"), "{why}");
+        // Rows that do not add up to the totals.
+        let short = [row(1, 0, mb)];
+        let why = regions_differ(&totals, &short, false, &pools).expect("rows short");
+        assert!(why.contains("lists 1 regions"), "{why}");
+        // Cut-short rows are not judged; the totals still are.
+        assert_eq!(regions_differ(&totals, &short, true, &pools), None);
+        let fewer = [usage(0, 1, mb)];
+        assert!(regions_differ(&totals, &rows, true, &fewer).is_some());
     }
 }

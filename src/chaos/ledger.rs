@@ -16,6 +16,7 @@
 //! | `T` | key, detail | a read returned bytes that are not the key's payload |
 //! | `E` | kind | a call failed (kind: a short classification) |
 //! | `V` | count | reads whose bytes were checked intact |
+//! | `S` | count | held reads not checked: the key's pin was lost and it is no longer where the view reads |
 //!
 //! Every append is one `write` of whole lines followed by `fdatasync`, so a
 //! record is durable before the instance acts on what it says. A process
@@ -54,6 +55,8 @@ pub enum Record {
     },
     Error(String),
     Verified(u64),
+    /// Held views that could not be checked (`instance`'s `read_step`).
+    HeldSkipped(u64),
 }
 
 /// A record with when and by which incarnation it was written.
@@ -86,6 +89,7 @@ impl Record {
             Record::Torn { key, detail } => write!(out, "T\t{key}\t{}", clean(detail)),
             Record::Error(kind) => write!(out, "E\t{}", clean(kind)),
             Record::Verified(n) => write!(out, "V\t{n}"),
+            Record::HeldSkipped(n) => write!(out, "S\t{n}"),
         };
         out.push('\n');
     }
@@ -112,6 +116,7 @@ impl Record {
             },
             "E" => Record::Error(text()?),
             "V" => Record::Verified(text()?.parse().ok()?),
+            "S" => Record::HeldSkipped(text()?.parse().ok()?),
             _ => return None,
         };
         Some(Entry {
@@ -259,6 +264,7 @@ mod tests {
             },
             Record::Error("reconnect_failed".into()),
             Record::Verified(17),
+            Record::HeldSkipped(2),
         ];
         let mut ledger = Ledger::open(&path, 4).unwrap();
         ledger.append(&records).unwrap();

@@ -259,6 +259,11 @@ pub struct ChaosReport {
     pub deleted_keys: u64,
     pub keys_verified: u64,
     pub reads_verified: u64,
+    /// Views readers held past a lost pin that could not be checked: the
+    /// key was gone or had moved when the view was due (each view is
+    /// judged on its own; one whose key is still where it reads is
+    /// checked and counted in `reads_verified`).
+    pub held_reads_skipped: u64,
     /// Acknowledged by a live instance and not readable intact.
     pub lost_keys: u64,
     /// Acknowledged by an instance since killed, missing with no rule to
@@ -267,8 +272,9 @@ pub struct ChaosReport {
     pub corrupt_keys: u64,
     /// Keys of dead writers removed by a directory restart (documented).
     pub keys_gone_by_restart: u64,
-    /// Keys of dead writers removed by orphan eviction (documented).
-    pub keys_gone_by_eviction: u64,
+    /// Keys the directory evicted from orphaned regions. The pool is sized
+    /// so that none is (`POOL_SIZE_BYTES`): any fails the run, and excuses
+    /// no missing key.
     pub orphan_evictions: u64,
     pub leaked_pins: u64,
     /// Dead incarnations the directory still showed with a session.
@@ -293,6 +299,10 @@ pub struct ChaosReport {
     /// Failed calls of the kinds a restart under a call causes.
     pub expected_errors: u64,
     pub expected_error_kinds: std::collections::BTreeMap<String, u64>,
+    /// Expected error kinds whose count went over its bound
+    /// (`check::EXPECTED_ERRORS_PER_RESTART_AND_INSTANCE` × instances ×
+    /// server and pool-manager restarts; none without a restart).
+    pub expected_errors_over_bound: u64,
     pub ledger_malformed_lines: u64,
     pub baseline_free_bytes: u64,
     pub final_free_bytes: u64,
@@ -325,7 +335,9 @@ impl ChaosReport {
             && self.unaccounted_keys == 0
             && self.resurrected_keys == 0
             && self.torn_reads == 0
+            && self.orphan_evictions == 0
             && self.errors == 0
+            && self.expected_errors_over_bound == 0
             && self.instance_crashes == 0
             && self.daemon_crashes == 0
             && self.daemon_stop_failures == 0
@@ -814,11 +826,11 @@ impl Driver<'_> {
         r.deleted_keys = t.deleted_keys;
         r.keys_verified = t.keys_verified;
         r.reads_verified = t.reads_verified;
+        r.held_reads_skipped = t.held_reads_skipped;
         r.lost_keys = t.lost_keys;
         r.lost_orphan_keys = t.lost_orphan_keys;
         r.corrupt_keys = t.corrupt_keys;
         r.keys_gone_by_restart = t.keys_gone_by_restart;
-        r.keys_gone_by_eviction = t.keys_gone_by_eviction;
         r.orphan_evictions = t.orphan_evictions;
         r.leaked_pins += t.leaked_pins;
         r.dead_sessions = t.dead_sessions;
@@ -830,9 +842,28 @@ impl Driver<'_> {
         r.errors = t.errors.values().sum();
         r.error_kinds = t.errors;
         r.expected_errors = t.expected_errors.values().sum();
+        let mut violations = t.violations;
+        for (kind, n, bound) in check::expected_errors_over_bound(
+            &t.expected_errors,
+            self.cfg.instances,
+            r.server_restarts + r.pool_restarts,
+        ) {
+            r.expected_errors_over_bound += 1;
+            let msg = format!(
+                "{n} failed calls of the expected kind {kind}, over its bound {bound} ({} per restart and instance; {} server and {} pool-manager restarts, {} instances)",
+                check::EXPECTED_ERRORS_PER_RESTART_AND_INSTANCE,
+                r.server_restarts,
+                r.pool_restarts,
+                self.cfg.instances
+            );
+            tracing::error!("chaos invariant violated: {msg}");
+            if violations.len() < check::MAX_VIOLATIONS {
+                violations.push(msg);
+            }
+        }
         r.expected_error_kinds = t.expected_errors;
         r.ledger_malformed_lines = t.ledger_malformed_lines;
-        r.violations = t.violations;
+        r.violations = violations;
     }
 }
 
@@ -867,11 +898,15 @@ mod tests {
     #[test]
     fn each_counter_of_a_check_that_records_a_violation_fails_the_run() {
         type Set = fn(&mut ChaosReport);
-        let counters: [(&str, Set); 4] = [
+        let counters: [(&str, Set); 6] = [
             ("daemon_stop_failures", |r| r.daemon_stop_failures = 1),
             ("dead_sessions", |r| r.dead_sessions = 1),
             ("pin_total_mismatches", |r| r.pin_total_mismatches = 1),
             ("regions_left", |r| r.regions_left = 1),
+            ("orphan_evictions", |r| r.orphan_evictions = 1),
+            ("expected_errors_over_bound", |r| {
+                r.expected_errors_over_bound = 1
+            }),
         ];
         for (name, set) in counters {
             let mut report = ChaosReport::default();

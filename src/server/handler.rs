@@ -1727,6 +1727,12 @@ impl Handler for DirectoryHandler {
         let Some(c) = self.conns.remove(&conn) else {
             return;
         };
+        // Region replies deferred for this connection can no longer be
+        // sent; the directory may drop their waiters without completing
+        // them (a retry from a later session frees their places:
+        // reliability defect 150), so they go now rather than on a
+        // completion that may never come.
+        self.pending.retain(|_, p| p.conn != conn);
         if c.session.is_none() && is_tcp(&c.peer) {
             self.sessionless_tcp -= 1;
         }

@@ -90,6 +90,13 @@ impl Directory {
                         .pending
                         .get_mut(&request)
                         .expect("invariant: a cached pending reply names a pending request");
+                    // Waiters of sessions ended since they joined would get
+                    // a completion no one can receive: they give their
+                    // places up, or a client whose every reattach retries
+                    // the request is refused after `MAX_REGION_WAITERS`
+                    // sessions (reliability defect 150).
+                    let sessions = &self.sessions;
+                    pending.waiters.retain(|(_, s)| sessions.contains_key(s));
                     if pending.waiters.len() >= MAX_REGION_WAITERS {
                         return Err(DirectoryError::TooManyPendingRegionRequests {
                             max: MAX_REGION_WAITERS,
