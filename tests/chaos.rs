@@ -64,6 +64,7 @@ fn short_chaos_run_loses_leaks_and_tears_nothing() {
         "resurrected_keys",
         "torn_reads",
         "orphan_evictions",
+        "keys_gone_by_eviction",
         "errors",
         "expected_errors_over_bound",
         "instance_crashes",

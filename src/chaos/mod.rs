@@ -273,9 +273,13 @@ pub struct ChaosReport {
     /// Keys of dead writers removed by a directory restart (documented).
     pub keys_gone_by_restart: u64,
     /// Keys the directory evicted from orphaned regions. The pool is sized
-    /// so that none is (`POOL_SIZE_BYTES`): any fails the run, and excuses
-    /// no missing key.
+    /// so that none is with the default restarts (`POOL_SIZE_BYTES`;
+    /// `tests/chaos.rs` asserts 0); a run without server restarts may
+    /// reach the watermark. Reported, not a failure by itself.
     pub orphan_evictions: u64,
+    /// Keys of dead writers missing after an orphan eviction that was seen
+    /// after the writer's death (documented; excused).
+    pub keys_gone_by_eviction: u64,
     pub leaked_pins: u64,
     /// Dead incarnations the directory still showed with a session.
     pub dead_sessions: u64,
@@ -335,7 +339,6 @@ impl ChaosReport {
             && self.unaccounted_keys == 0
             && self.resurrected_keys == 0
             && self.torn_reads == 0
-            && self.orphan_evictions == 0
             && self.errors == 0
             && self.expected_errors_over_bound == 0
             && self.instance_crashes == 0
@@ -832,6 +835,7 @@ impl Driver<'_> {
         r.corrupt_keys = t.corrupt_keys;
         r.keys_gone_by_restart = t.keys_gone_by_restart;
         r.orphan_evictions = t.orphan_evictions;
+        r.keys_gone_by_eviction = t.keys_gone_by_eviction;
         r.leaked_pins += t.leaked_pins;
         r.dead_sessions = t.dead_sessions;
         r.pin_total_mismatches = t.pin_total_mismatches;
@@ -898,12 +902,11 @@ mod tests {
     #[test]
     fn each_counter_of_a_check_that_records_a_violation_fails_the_run() {
         type Set = fn(&mut ChaosReport);
-        let counters: [(&str, Set); 6] = [
+        let counters: [(&str, Set); 5] = [
             ("daemon_stop_failures", |r| r.daemon_stop_failures = 1),
             ("dead_sessions", |r| r.dead_sessions = 1),
             ("pin_total_mismatches", |r| r.pin_total_mismatches = 1),
             ("regions_left", |r| r.regions_left = 1),
-            ("orphan_evictions", |r| r.orphan_evictions = 1),
             ("expected_errors_over_bound", |r| {
                 r.expected_errors_over_bound = 1
             }),
