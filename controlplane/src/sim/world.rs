@@ -285,6 +285,27 @@ struct Oracle {
 type ExpectedNotices = BTreeMap<(RegionId, u32, u32), Vec<(u64, u32)>>;
 
 impl Oracle {
+    /// A freed-page notice for `loc` is owed to the client named `owner`
+    /// (its current life, from directory incarnation `incarnation`).
+    /// `false` if no client has that name.
+    fn owe_notice(
+        &mut self,
+        clients: &[Client],
+        owner: &str,
+        loc: Location,
+        incarnation: u32,
+    ) -> bool {
+        let Some(oc) = clients.iter().position(|c| c.name == owner) else {
+            return false;
+        };
+        let owner_life = self.lives[oc].map_or(0, |l| l.id);
+        self.notices[oc]
+            .entry((loc.region, loc.page.0, loc.generation.0))
+            .or_default()
+            .push((owner_life, incarnation));
+        true
+    }
+
     /// A session opened at `now` for life `life` of client `client`.
     fn open_session(&mut self, session: SessionId, client: usize, life: u64, now: u64) {
         self.sessions.insert(session, (client, life));
@@ -1675,16 +1696,12 @@ impl World {
                                 let Some((loc, Some(owner))) = b else {
                                     continue;
                                 };
-                                let Some(oc) =
-                                    self.clients.iter().position(|c| c.name == owner.as_str())
-                                else {
-                                    continue;
-                                };
-                                let owner_life = self.oracle.lives[oc].map_or(0, |l| l.id);
-                                self.oracle.notices[oc]
-                                    .entry((loc.region, loc.page.0, loc.generation.0))
-                                    .or_default()
-                                    .push((owner_life, incarnation));
+                                self.oracle.owe_notice(
+                                    &self.clients,
+                                    owner.as_str(),
+                                    *loc,
+                                    incarnation,
+                                );
                             }
                         }
                         ClientReply::Delete(r)
@@ -2169,15 +2186,12 @@ impl World {
             let Some(owner) = dir.region_owner(loc.region) else {
                 continue;
             };
-            let Some(oc) = self.clients.iter().position(|c| c.name == owner.as_str()) else {
-                continue;
-            };
-            let owner_life = self.oracle.lives[oc].map_or(0, |l| l.id);
-            self.oracle.notices[oc]
-                .entry((loc.region, loc.page.0, loc.generation.0))
-                .or_default()
-                .push((owner_life, incarnation));
-            self.report.rare.lru_keys_owed_notices += 1;
+            if self
+                .oracle
+                .owe_notice(&self.clients, owner.as_str(), loc, incarnation)
+            {
+                self.report.rare.lru_keys_owed_notices += 1;
+            }
         }
         if self.report.checks.is_multiple_of(STATS_EVERY) {
             // The full snapshot (it counts a call, so it takes `&mut`):
