@@ -2544,7 +2544,7 @@ fn an_eviction_round_goes_on_below_the_high_watermark_until_the_low_one() {
     w.reconcile();
 }
 
-/// Reliability defect 150: a region request the pool manager has not
+/// Reliability defect 140: a region request the pool manager has not
 /// answered is retried by every new session of its client (each reattach
 /// re-sends it), and each retry waits on the pending request. The waiters
 /// of sessions ended since kept their places, so after 8 sessions the

@@ -1730,7 +1730,7 @@ impl Handler for DirectoryHandler {
         // Region replies deferred for this connection can no longer be
         // sent; the directory may drop their waiters without completing
         // them (a retry from a later session frees their places:
-        // reliability defect 150), so they go now rather than on a
+        // reliability defect 140), so they go now rather than on a
         // completion that may never come.
         self.pending.retain(|_, p| p.conn != conn);
         if c.session.is_none() && is_tcp(&c.peer) {

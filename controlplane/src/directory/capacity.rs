@@ -94,7 +94,7 @@ impl Directory {
                     // a completion no one can receive: they give their
                     // places up, or a client whose every reattach retries
                     // the request is refused after `MAX_REGION_WAITERS`
-                    // sessions (reliability defect 150).
+                    // sessions (reliability defect 140).
                     let sessions = &self.sessions;
                     pending.waiters.retain(|(_, s)| sessions.contains_key(s));
                     if pending.waiters.len() >= MAX_REGION_WAITERS {
