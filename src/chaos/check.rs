@@ -680,7 +680,7 @@ impl Checker {
 
     /// The pool manager holds exactly the directory's regions (count and
     /// bytes, per pool; the directory's region rows are distinct and add up
-    /// to its totals: [`regions_differ`]), and its own free space adds up;
+    /// to its totals: `regions_differ`), and its own free space adds up;
     /// waits up to
     /// [`REGION_SETTLE_MS`] for requests in flight.
     pub fn check_regions(&mut self) -> anyhow::Result<()> {
