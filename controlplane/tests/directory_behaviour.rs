@@ -174,27 +174,30 @@ impl World {
     }
 
     fn region(&mut self, c: &mut Client, layout: Layout) -> RegionId {
+        let handle = self.grant(c, layout, REGION_BYTES);
+        c.regions.push(PresentedRegion { handle, layout });
+        handle.region
+    }
+
+    /// Requests a region of `len_bytes` for `c` and serves the pool
+    /// manager until it is granted.
+    fn grant(&mut self, c: &mut Client, layout: Layout, len_bytes: u64) -> RegionHandle {
         let seq = c.seq();
         let reply = self
             .dir
-            .request_region(&c.caller(), seq, layout, REGION_BYTES, self.now)
+            .request_region(&c.caller(), seq, layout, len_bytes, self.now)
             .unwrap();
         let RegionReply::Deferred(d) = reply.body else {
             panic!("a fresh request is deferred")
         };
         let (done, _) = self.pool.service(&mut self.dir);
-        let grant = done
-            .into_iter()
+        done.into_iter()
             .find(|c| c.deferred == d)
             .expect("completed")
             .result
             .unwrap()
-            .body;
-        c.regions.push(PresentedRegion {
-            handle: grant.handle,
-            layout,
-        });
-        grant.handle.region
+            .body
+            .handle
     }
 
     fn register(
@@ -2232,24 +2235,9 @@ fn lru_eviction_stops_once_the_pools_are_down_to_the_low_watermark() {
 impl World {
     /// A region of `len_bytes` for `layout`, granted to `c`.
     fn region_sized(&mut self, c: &mut Client, layout: Layout, len_bytes: u64) -> RegionId {
-        let seq = c.seq();
-        let reply = self
-            .dir
-            .request_region(&c.caller(), seq, layout, len_bytes, self.now)
-            .unwrap();
-        let RegionReply::Deferred(d) = reply.body else {
-            panic!("a fresh request is deferred")
-        };
-        let (done, _) = self.pool.service(&mut self.dir);
-        let grant = done
-            .into_iter()
-            .find(|c| c.deferred == d)
-            .expect("completed")
-            .result
-            .unwrap()
-            .body;
-        assert_eq!(grant.handle.len_bytes, len_bytes);
-        grant.handle.region
+        let handle = self.grant(c, layout, len_bytes);
+        assert_eq!(handle.len_bytes, len_bytes);
+        handle.region
     }
 }
 

@@ -842,6 +842,31 @@ mod tier {
     use super::*;
     use crate::tier::*;
 
+    /// `cxlkv_tier_reserve_write` of `keys` (one temporary flag and one page
+    /// slot each), `len_bytes` 100, in `mode`.
+    fn reserve_write(
+        tier: *const cxlkv_tier,
+        keys: &[cxlkv_bytes],
+        temporary: &[u8],
+        mode: u32,
+        pages: &mut [cxlkv_tier_page],
+    ) -> cxlkv_status {
+        assert!(temporary.len() == keys.len() && pages.len() == keys.len());
+        // SAFETY: a flag and a page slot for each key (checked above); the
+        // tier handle is checked by the call.
+        unsafe {
+            cxlkv_tier_reserve_write(
+                tier,
+                keys.as_ptr(),
+                temporary.as_ptr(),
+                keys.len(),
+                100,
+                mode,
+                pages.as_mut_ptr(),
+            )
+        }
+    }
+
     /// What the listener heard, and what its re-entrant calls answered.
     #[derive(Default)]
     struct Heard {
@@ -919,18 +944,7 @@ mod tier {
         let keys = [bytes(b"t0"), bytes(b"t1")];
         let temporary = [0u8, 0];
         let mut pages = [NO_PAGE_FOR_TESTS; 2];
-        // SAFETY: two keys, two flags, two page slots.
-        ok(unsafe {
-            cxlkv_tier_reserve_write(
-                tier,
-                keys.as_ptr(),
-                temporary.as_ptr(),
-                2,
-                100,
-                0,
-                pages.as_mut_ptr(),
-            )
-        });
+        ok(reserve_write(tier, &keys, &temporary, 0, &mut pages));
         for (i, p) in pages.iter().enumerate() {
             assert_eq!(p.code, cxlkv_tier_code::CXLKV_TIER_SUCCESS);
             assert_eq!(p.len_bytes, 100);
@@ -961,18 +975,7 @@ mod tier {
         // SAFETY: as above.
         let s = unsafe { cxlkv_tier_finish_read(tier, twice.as_ptr(), 2, 1, codes.as_mut_ptr()) };
         assert_eq!(s, CXLKV_STATUS_TIER_DUPLICATE_KEY);
-        // SAFETY: as above.
-        let s = unsafe {
-            cxlkv_tier_reserve_write(
-                tier,
-                keys.as_ptr(),
-                temporary.as_ptr(),
-                2,
-                100,
-                1,
-                pages.as_mut_ptr(),
-            )
-        };
+        let s = reserve_write(tier, &keys, &temporary, 1, &mut pages);
         assert_eq!(s, CXLKV_STATUS_TIER_UNSUPPORTED_MODE);
 
         ok(cxlkv_tier_close(tier));
@@ -1016,18 +1019,7 @@ mod tier {
         let keys = [bytes(b"c0")];
         let temporary = [0u8];
         let mut pages = [NO_PAGE_FOR_TESTS];
-        // SAFETY: one key, one flag, one page slot.
-        let s = unsafe {
-            cxlkv_tier_reserve_write(
-                tier,
-                keys.as_ptr(),
-                temporary.as_ptr(),
-                1,
-                100,
-                0,
-                pages.as_mut_ptr(),
-            )
-        };
+        let s = reserve_write(tier, &keys, &temporary, 0, &mut pages);
         assert_eq!(s, CXLKV_STATUS_CLOSED, "{}", last_error());
         assert_eq!(pages[0].code, cxlkv_tier_code::CXLKV_TIER_NOT_DONE);
         let mut codes = [cxlkv_tier_code::CXLKV_TIER_SUCCESS];
@@ -1069,18 +1061,7 @@ mod tier {
             len_bytes: 100,
             ..NO_PAGE_FOR_TESTS
         }; 2];
-        // SAFETY: two keys, two flags, two page slots.
-        let s = unsafe {
-            cxlkv_tier_reserve_write(
-                tier,
-                keys.as_ptr(),
-                temporary.as_ptr(),
-                2,
-                100,
-                7,
-                pages.as_mut_ptr(),
-            )
-        };
+        let s = reserve_write(tier, &keys, &temporary, 7, &mut pages);
         assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT, "an unknown mode");
         for p in &pages {
             assert_eq!(p.code, cxlkv_tier_code::CXLKV_TIER_NOT_DONE);
@@ -1317,18 +1298,7 @@ mod tier {
         let keys = [bytes(b"h0"), bytes(b"h1")];
         let temporary = [0u8, 1];
         let mut pages = [NO_PAGE_FOR_TESTS; 2];
-        // SAFETY: two keys, two flags, two page slots.
-        ok(unsafe {
-            cxlkv_tier_reserve_write(
-                tier,
-                keys.as_ptr(),
-                temporary.as_ptr(),
-                2,
-                100,
-                0,
-                pages.as_mut_ptr(),
-            )
-        });
+        ok(reserve_write(tier, &keys, &temporary, 0, &mut pages));
         let written: Vec<*mut u8> = pages.iter().map(|p| p.data).collect();
         let mut codes = [cxlkv_tier_code::CXLKV_TIER_NOT_DONE; 2];
         // SAFETY: one key, one code slot.
