@@ -186,16 +186,21 @@ impl History {
     /// — judged by its own writer alone: that incarnation died, and then
     /// either the directory restarted (by `at_ms`: a dead owner's keys are
     /// lost with the restart) or the checker saw an orphan eviction
-    /// (`orphan_evictions_at`, the times of the statistics that showed the
-    /// counter rise; such a time comes after the eviction it shows, so
+    /// (`last_orphan_eviction_at`, the time of the latest statistics that
+    /// showed the counter rise; it comes after the eviction it shows, so
     /// the rule is never stricter than the directory's). `None`: it may
     /// not be. Another writer's death, or an eviction before this
     /// writer's death, excuses nothing.
-    fn excuse(&self, name: &KeyName, at_ms: u64, orphan_evictions_at: &[u64]) -> Option<Excuse> {
+    fn excuse(
+        &self,
+        name: &KeyName,
+        at_ms: u64,
+        last_orphan_eviction_at: Option<u64>,
+    ) -> Option<Excuse> {
         let died = *self.deaths.get(&(name.slot, name.incarnation))?;
         if self.died_before_a_restart(name.slot, name.incarnation, at_ms) {
             Some(Excuse::WriterDiedBeforeARestart)
-        } else if orphan_evictions_at.iter().any(|e| died < *e) {
+        } else if last_orphan_eviction_at.is_some_and(|e| died < e) {
             Some(Excuse::WriterDiedBeforeAnOrphanEviction)
         } else {
             None
@@ -237,8 +242,9 @@ pub struct Checker {
     pins_reported: HashSet<String>,
     /// Highest `evictions_orphan` seen from the current server incarnation.
     evictions_seen: (u64, u64),
-    /// When statistics showed that counter rise (ms since the epoch).
-    orphan_evictions_at: Vec<u64>,
+    /// When statistics last showed that counter rise (ms since the
+    /// epoch).
+    last_orphan_eviction_at: Option<u64>,
     pub tally: Tally,
 }
 
@@ -272,7 +278,7 @@ impl Checker {
             recently_deleted: Vec::new(),
             pins_reported: HashSet::new(),
             evictions_seen: (0, 0),
-            orphan_evictions_at: Vec::new(),
+            last_orphan_eviction_at: None,
             tally: Tally::default(),
         }
     }
@@ -328,7 +334,7 @@ impl Checker {
             // that does reach it (`--server-restart-every 0`, a long
             // soak) is told so, and the dead writers' keys it took are
             // excused only if they died before this was seen.
-            self.orphan_evictions_at.push(ledger::now_ms());
+            self.last_orphan_eviction_at = Some(ledger::now_ms());
             tracing::warn!(
                 evicted = new,
                 in_run = self.tally.orphan_evictions,
@@ -451,7 +457,7 @@ impl Checker {
         let dead = history.is_dead(name.slot, name.incarnation);
         if dead
             && history
-                .excuse(&name, at_ms, &self.orphan_evictions_at)
+                .excuse(&name, at_ms, self.last_orphan_eviction_at)
                 .is_none()
         {
             // An eviction since the last statistics would excuse it: look
@@ -461,7 +467,7 @@ impl Checker {
                 tracing::warn!(error = %e, "checker: no statistics before judging {key}");
             }
         }
-        match history.excuse(&name, at_ms, &self.orphan_evictions_at) {
+        match history.excuse(&name, at_ms, self.last_orphan_eviction_at) {
             Some(Excuse::WriterDiedBeforeARestart) => self.tally.keys_gone_by_restart += 1,
             Some(Excuse::WriterDiedBeforeAnOrphanEviction) => self.tally.keys_gone_by_eviction += 1,
             None if dead => {
@@ -553,10 +559,10 @@ impl Checker {
             });
             // Keys missing by a rule need no second look.
             let now = ledger::now_ms();
-            let evictions_at = &self.orphan_evictions_at;
+            let evicted_at = self.last_orphan_eviction_at;
             let (excused, rest): (Vec<String>, Vec<String>) = missing.into_iter().partition(|k| {
                 KeyName::parse(k.as_bytes())
-                    .is_some_and(|n| history.excuse(&n, now, evictions_at).is_some())
+                    .is_some_and(|n| history.excuse(&n, now, evicted_at).is_some())
             });
             for k in excused {
                 self.judge_missing(&k, now, history, "missing at a check");
@@ -914,29 +920,29 @@ mod tests {
         };
         let restart = Some(Excuse::WriterDiedBeforeARestart);
         // Died at 100, restart at 200: excused from 200 on, not before.
-        assert_eq!(history.excuse(&name(0, 1), 250, &[]), restart);
-        assert_eq!(history.excuse(&name(0, 1), 150, &[]), None);
+        assert_eq!(history.excuse(&name(0, 1), 250, None), restart);
+        assert_eq!(history.excuse(&name(0, 1), 150, None), None);
         // Died at 300, after the only restart: no excuse, although another
         // writer's keys are excused and the directory did restart.
-        assert_eq!(history.excuse(&name(1, 1), 1000, &[]), None);
+        assert_eq!(history.excuse(&name(1, 1), 1000, None), None);
         // Alive (slot 0's second incarnation, slot 2): never excused.
-        assert_eq!(history.excuse(&name(0, 2), 1000, &[]), None);
-        assert_eq!(history.excuse(&name(2, 1), 1000, &[]), None);
+        assert_eq!(history.excuse(&name(0, 2), 1000, None), None);
+        assert_eq!(history.excuse(&name(2, 1), 1000, None), None);
         // No restart at all: no dead writer's key is excused.
         let no_restart = History {
             server_restarts: vec![],
             ..history
         };
-        assert_eq!(no_restart.excuse(&name(0, 1), 1000, &[]), None);
+        assert_eq!(no_restart.excuse(&name(0, 1), 1000, None), None);
         // An orphan eviction seen after a writer's death excuses its keys;
         // one seen before (at 250: slot 1's writer died at 300) excuses
         // none of its keys, and no eviction excuses a live writer's.
         let eviction = Some(Excuse::WriterDiedBeforeAnOrphanEviction);
-        assert_eq!(no_restart.excuse(&name(0, 1), 1000, &[250]), eviction);
-        assert_eq!(no_restart.excuse(&name(1, 1), 1000, &[250]), None);
-        assert_eq!(no_restart.excuse(&name(1, 1), 1000, &[250, 400]), eviction);
-        assert_eq!(no_restart.excuse(&name(0, 2), 1000, &[250, 400]), None);
-        assert_eq!(no_restart.excuse(&name(2, 1), 1000, &[250, 400]), None);
+        assert_eq!(no_restart.excuse(&name(0, 1), 1000, Some(250)), eviction);
+        assert_eq!(no_restart.excuse(&name(1, 1), 1000, Some(250)), None);
+        assert_eq!(no_restart.excuse(&name(1, 1), 1000, Some(400)), eviction);
+        assert_eq!(no_restart.excuse(&name(0, 2), 1000, Some(400)), None);
+        assert_eq!(no_restart.excuse(&name(2, 1), 1000, Some(400)), None);
     }
 
     #[test]
