@@ -129,7 +129,42 @@ pub(crate) enum ReplyTo {
     Wire {
         request_id: u64,
     },
-    Callback(super::PoolCallback),
+    Callback(Callback),
+}
+
+/// A [`PoolCallback`](super::PoolCallback) that is called exactly once:
+/// with the answer ([`Callback::call`]) or, dropped unanswered, with the
+/// "stopped" error.
+///
+/// Why the drop answers: a front end checks `stopped` and then sends, and a
+/// core that stops sets `stopped`, drains its queue once more
+/// (`refuse_queued`) and drops it. A request sent between that last drain
+/// and the drop is dropped with the queue, and a plain boxed closure would
+/// go with it uncalled: its caller (the directory's server, waiting on a
+/// region) would never hear. The same holds for anything a panicking core
+/// drops. A wire request needs nothing of the kind: its connection is
+/// closed when the transport stops.
+pub(crate) struct Callback(Option<super::PoolCallback>);
+
+impl Callback {
+    pub(crate) fn new(f: super::PoolCallback) -> Self {
+        Self(Some(f))
+    }
+
+    /// Calls the callback with `answer`.
+    pub(crate) fn call(mut self, answer: Result<PoolReply, PoolServiceError>) {
+        if let Some(f) = self.0.take() {
+            f(answer);
+        }
+    }
+}
+
+impl Drop for Callback {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f(Err(stopped_error()));
+        }
+    }
 }
 
 impl std::fmt::Debug for ReplyTo {
@@ -299,7 +334,7 @@ enum Route {
         conn: ConnId,
         request_id: u64,
     },
-    Callback(super::PoolCallback),
+    Callback(Callback),
 }
 
 struct Outgoing {
@@ -605,7 +640,7 @@ impl Core {
                 continue;
             };
             match reply {
-                ReplyTo::Callback(cb) => cb(Err(stopped_error())),
+                ReplyTo::Callback(cb) => cb.call(Err(stopped_error())),
                 ReplyTo::Wire { .. } => {
                     if let Some(Session {
                         transport:
@@ -680,7 +715,7 @@ impl Core {
                 } => {
                     let _ = completer.close(conn);
                 }
-                Route::Callback(cb) => cb(Err(err(
+                Route::Callback(cb) => cb.call(Err(err(
                     ErrorCode::Internal,
                     "the pool manager's journal failed: outcome unknown; retry with the same seq after it restarts",
                 ))),
@@ -799,7 +834,7 @@ impl Core {
 
     fn send(&mut self, out: Outgoing) {
         match out.route {
-            Route::Callback(cb) => cb(out.answer),
+            Route::Callback(cb) => cb.call(out.answer),
             Route::Wire {
                 completer,
                 conn,
@@ -836,7 +871,7 @@ impl Core {
                         // The session closed before its request ran: the
                         // peer is gone, only a callback can still hear.
                         match reply {
-                            ReplyTo::Callback(cb) => cb(Err(err(
+                            ReplyTo::Callback(cb) => cb.call(Err(err(
                                 ErrorCode::SessionEnded,
                                 "the pool session was closed",
                             ))),
@@ -1485,7 +1520,8 @@ mod tests {
                 let commits = shared.counters.commits.load(Ordering::Relaxed);
                 log.lock().push((label, commits, r));
             });
-            link.request(session, op, ReplyTo::Callback(done)).unwrap();
+            link.request(session, op, ReplyTo::Callback(Callback::new(done)))
+                .unwrap();
         }
         link.tx.send(Command::Stop).unwrap();
         core.run(rx).unwrap();
@@ -1568,6 +1604,47 @@ mod tests {
         assert_eq!(commits, [1, 1, 2, 2, 3]);
     }
 
+    /// The instant `refuse_queued` cannot cover: a front end that checked
+    /// `stopped` just before the core set it sends after the core's last
+    /// drain, and the request goes down with the queue. Its callback is
+    /// still answered, once, with the stopped error.
+    #[test]
+    fn a_request_dropped_with_a_stopped_cores_queue_is_answered_stopped_once() {
+        let (tx, rx) = mpsc::channel();
+        let answers = Arc::new(Mutex::new(Vec::new()));
+        let done: super::super::PoolCallback = {
+            let answers = Arc::clone(&answers);
+            Box::new(move |r| answers.lock().push(r))
+        };
+        tx.send(Command::Request {
+            session: 1,
+            op: Op::Stats,
+            reply: ReplyTo::Callback(Callback::new(done)),
+        })
+        .unwrap();
+        drop(rx);
+        let answers = answers.lock();
+        assert_eq!(answers.len(), 1, "answered exactly once");
+        let e = answers[0].as_ref().expect_err("answered with an error");
+        assert_eq!(e.error_code(), Some(ErrorCode::Internal));
+        assert!(e.to_string().contains("stopped"), "{e}");
+    }
+
+    /// An answered callback is not answered again when it is dropped.
+    #[test]
+    fn a_called_callback_is_not_called_again_on_drop() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let cb = {
+            let calls = Arc::clone(&calls);
+            Callback::new(Box::new(move |r| {
+                assert!(r.is_ok(), "the answer given, not the drop's");
+                calls.fetch_add(1, Ordering::Relaxed);
+            }))
+        };
+        cb.call(Ok(PoolReply::Freed { region: 7 }));
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+    }
+
     #[test]
     fn requests_queued_behind_a_stop_get_an_error_exactly_once() {
         let dir = tempfile::Builder::new()
@@ -1588,7 +1665,7 @@ mod tests {
         for seq in 1..=3 {
             let answers = Arc::clone(&answers);
             let done: super::super::PoolCallback = Box::new(move |r| answers.lock().push(r));
-            link.request(session, alloc(seq), ReplyTo::Callback(done))
+            link.request(session, alloc(seq), ReplyTo::Callback(Callback::new(done)))
                 .unwrap();
         }
         let report = core.run(rx).unwrap();
@@ -1605,7 +1682,7 @@ mod tests {
             assert!(r.is_err(), "a stopped core refuses at once");
         });
         assert!(
-            link.request(session, Op::Stats, ReplyTo::Callback(done))
+            link.request(session, Op::Stats, ReplyTo::Callback(Callback::new(done)))
                 .is_err()
         );
     }

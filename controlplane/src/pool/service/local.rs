@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::core::{CoreLink, Op, ReplyTo, SessionTransport};
+use super::core::{Callback, CoreLink, Op, ReplyTo, SessionTransport};
 use super::{PoolCallback, PoolReply, PoolRequest, PoolService, PoolServiceError, PoolSession};
 use crate::pool::Caller;
 use crate::proto::{ErrorCode, PROTOCOL_MAX, PROTOCOL_MIN, PoolWelcome};
@@ -61,7 +61,7 @@ impl LocalPool {
         let done: PoolCallback = Box::new(move |r| {
             let _ = tx.send(r);
         });
-        let answer = match link.request(session, hello, ReplyTo::Callback(done)) {
+        let answer = match link.request(session, hello, ReplyTo::Callback(Callback::new(done))) {
             Ok(()) => rx.recv_timeout(timeout).unwrap_or_else(|_| {
                 Err(PoolServiceError::new(
                     ErrorCode::Timeout,
@@ -105,7 +105,7 @@ impl PoolService for LocalPool {
         match self.link.request(
             self.session,
             Op::from_request(request, seq),
-            ReplyTo::Callback(done),
+            ReplyTo::Callback(Callback::new(done)),
         ) {
             Ok(()) => {
                 if mutating {
@@ -114,7 +114,7 @@ impl PoolService for LocalPool {
             }
             Err((ReplyTo::Callback(done), e)) => {
                 drop(next);
-                done(Err(e));
+                done.call(Err(e));
             }
             Err((ReplyTo::Wire { .. }, _)) => unreachable!("a callback was sent"),
         }
