@@ -385,3 +385,117 @@ fn a_retried_delete_reports_the_pins_the_delete_found() {
     assert_eq!(st.keys, 1, "the retry deleted nothing");
     server.shutdown().unwrap();
 }
+
+/// The value of the unlabelled gauge `name` in the server's `/metrics`.
+fn metrics_gauge(addr: std::net::SocketAddr, name: &str) -> u64 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a complete answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        body.contains(&format!("# TYPE {name} gauge\n")),
+        "no gauge {name} in\n{body}"
+    );
+    let prefix = format!("{name} ");
+    body.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no sample of {name} in\n{body}"))
+        .parse()
+        .expect("an integer gauge")
+}
+
+/// The server half of reliability defect 140. A client re-sends its
+/// unanswered region request after every reconnect; while the pool manager
+/// does not answer, each copy waits on the one pool request, and the
+/// directory drops the waiters of the sessions that ended since (so that
+/// the tenth reconnect's retry is still taken, not refused
+/// `TooManyPendingRegionRequests`). A dropped waiter is never completed:
+/// the server, which kept each deferred reply until its completion, kept
+/// those of the closed connections for ever. Now a closed connection's
+/// deferred replies go with it: `cxlkv_deferred_region_replies` counts
+/// only the live connection's while the pool manager is stalled, and
+/// falls to 0 once it answers — and that connection gets the region.
+#[test]
+fn a_closed_connections_deferred_region_replies_go_with_it_though_a_retry_dropped_its_waiter() {
+    use common::*;
+    use cxlkv::server::{PoolManagerConfig, Server};
+    use cxlkv_controlplane::pool::service::RemoteConfig;
+    use cxlkv_controlplane::proto::{self, RequestMeta};
+    use cxlkv_controlplane::transport::Endpoint;
+    use std::time::Duration;
+
+    /// More reconnects than the directory's waiters per request (8).
+    const RECONNECTS: usize = 10;
+    let dir = pool_support::shm_dir("deferred-replies");
+    let mut daemon = pool_support::Daemon::start(&pool_support::DaemonSpec::new(dir.path()));
+    let mut cfg = ServerConfig::ephemeral("deferred-replies");
+    cfg.directory_id = "deferred-replies".into();
+    cfg.pool_manager = Some(PoolManagerConfig::Remote(RemoteConfig::new(
+        Endpoint::Unix(daemon.spec.socket()),
+        "deferred-replies",
+    )));
+    cfg.directory.instance_grace = Duration::from_secs(60);
+    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let server = Server::start(cfg).unwrap();
+    let metrics = server.metrics_addr().unwrap();
+    let deferred = || metrics_gauge(metrics, "cxlkv_deferred_region_replies");
+    let sessions = || server.directory_stats().unwrap().sessions;
+
+    // The same request every time: sequence number 1.
+    let ask = proto::RequestRegion {
+        meta: RequestMeta {
+            seq: 1,
+            notice_ack: 0,
+            replies_received_below: 0,
+        },
+        layout: LAYOUT,
+        len_bytes: 0,
+    };
+    let first = Raw::connect_unix(server.socket_path());
+    let secret = first.hello("retrier").0.unwrap().instance_secret;
+    let pid = daemon.pid() as libc::pid_t;
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let mut conn = first;
+    for round in 0..RECONNECTS {
+        // No answer: the pool manager is stopped.
+        let answer = conn.try_call::<_, proto::RegionGranted>(&ask, Duration::from_millis(200));
+        assert!(answer.is_none(), "round {round}: {answer:?}");
+        drop(conn);
+        assert!(
+            wait_until(TIMEOUT, || sessions() == 0),
+            "round {round}: the closed connection's session ended"
+        );
+        conn = Raw::connect_unix(server.socket_path());
+        let _: proto::Reattached = conn
+            .call(&reattach_msg("retrier", secret, Vec::new(), 2))
+            .unwrap();
+    }
+    let last = std::thread::spawn(move || {
+        let granted: proto::RegionGranted = conn.call(&ask).unwrap();
+        (conn, granted)
+    });
+    assert!(
+        wait_until(TIMEOUT, || deferred() == 1),
+        "only the open connection's reply is held: {} held",
+        deferred()
+    );
+    assert_eq!(server.directory_stats().unwrap().pending_region_requests, 1);
+
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let (_conn, granted) = last.join().unwrap();
+    assert_eq!(granted.layout, LAYOUT);
+    assert!(
+        wait_until(TIMEOUT, || deferred() == 0),
+        "no reply held once the pool manager answered: {} held",
+        deferred()
+    );
+    server.shutdown().unwrap();
+    daemon.kill();
+}

@@ -24,9 +24,12 @@
 //!   model mirrors the directory's estimate of the pool fill and its round).
 //!
 //! A second property runs with small limits (`max_batch`, quota, notice
-//! queue: `World::new`), where the model predicts each refusal
-//! (`BatchTooLarge`, `QuotaExceeded`, `NoticeBacklog`). Cases: 128 per
-//! property, or `PROPTEST_CASES`.
+//! queue, reply cache: `World::new`), where the model predicts each refusal
+//! (`BatchTooLarge`, `QuotaExceeded`, `NoticeBacklog`) and which retries
+//! find their reply evicted (`ReplyEvicted`): it mirrors each instance's
+//! reply cache (`CacheModel`), whose reply count and bytes must equal the
+//! directory's statistics after every step, in both properties. Cases: 128
+//! per property, or `PROPTEST_CASES`.
 //!
 //! Each simulated client keeps its own page allocator (free, allocated,
 //! registered, with generations) and applies freed-page notices from the
@@ -100,6 +103,124 @@ const SMALL_QUOTA_BYTES: u64 = 72 << 10;
 /// few keys of one owner that has not caught up crosses it.
 const SMALL_NOTICE_QUEUE_LIMIT: usize = SMALL_MAX_BATCH;
 
+/// `reply_cache_bytes_per_instance` of the small-limits configuration, in
+/// [`reply_base_bytes`]: three and a half replies without outcome lists, so
+/// that three region or return replies fit and a fourth reply, or fewer
+/// with outcome lists, evicts the oldest.
+fn small_reply_cache_bytes() -> usize {
+    reply_base_bytes() * 7 / 2
+}
+
+/// Older answered requests a simulated client keeps unacknowledged (it
+/// does not claim their replies received), so that the network may deliver
+/// them again (`Op::RetryOld`).
+const KEPT_REQUESTS: usize = 3;
+
+/// What the directory counts for a cached reply without an outcome list
+/// (the size of its cache record; a list adds its length times its
+/// element's size): the weight of a fresh region request's reply, read
+/// once from a scratch directory's statistics.
+fn reply_base_bytes() -> usize {
+    static BASE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BASE.get_or_init(|| {
+        let now = Time::from_nanos(1);
+        let mut d = Directory::new(DirectoryConfig::default(), [7; 32]).unwrap();
+        let w = d
+            .hello(
+                Hello {
+                    instance: "scratch",
+                    quota_bytes: None,
+                },
+                PEER,
+                now,
+            )
+            .unwrap();
+        let caller = Caller {
+            session: w.session,
+            notice_ack: 0,
+        };
+        let seq = Sequence {
+            seq: 1,
+            replies_received_below: 0,
+        };
+        d.request_region(&caller, seq, LAYOUTS[0], region_bytes(0), now)
+            .unwrap();
+        let base = d.stats(now).per_instance[0].cached_reply_bytes;
+        assert!(base > 0, "a cached reply weighs something");
+        base
+    })
+}
+
+/// The bytes the directory counts for caching `body` (its `approx_bytes`).
+fn reply_bytes(body: &Body) -> usize {
+    use std::mem::size_of;
+    reply_base_bytes()
+        + match body {
+            Body::Register(v) => v.len() * size_of::<RegisterOutcome>(),
+            Body::Lookup(r) => {
+                r.locations.len() * size_of::<Option<Location>>()
+                    + r.regions.len() * size_of::<RegionDescriptor>()
+            }
+            Body::Unpin(v) => v.len() * size_of::<UnpinOutcome>(),
+            Body::Delete(v) => v.len() * size_of::<DeleteOutcome>(),
+            Body::Return => 0,
+        }
+}
+
+/// One instance's reply cache, mirrored: which sequence numbers still have
+/// their reply cached, with its bytes and whether it is a region request
+/// still waiting for the pool manager (never evicted for bytes, nor dropped
+/// as received). The directory's rules (`sequence.rs`): a reply recorded
+/// above the highest number so far moves the window, whose numbers below
+/// it go; then, while the bytes exceed the limit, the oldest reply goes
+/// that is neither the one just recorded nor a pending region request; a
+/// sequenced call first drops, oldest first, the replies below its
+/// `replies_received_below`, stopping at the first pending region request.
+#[derive(Debug, Clone, Default)]
+struct CacheModel {
+    replies: BTreeMap<u64, (usize, bool)>,
+    high: u64,
+}
+
+impl CacheModel {
+    fn received_below(&mut self, below: u64) {
+        while let Some((&seq, &(_, pending))) = self.replies.first_key_value() {
+            if seq >= below || pending {
+                break;
+            }
+            self.replies.remove(&seq);
+        }
+    }
+
+    fn record(&mut self, seq: u64, bytes: usize, pending: bool, width: u64, limit: usize) {
+        if seq > self.high {
+            self.high = seq;
+            let oldest = (seq + 1).saturating_sub(width);
+            self.replies.retain(|&s, _| s >= oldest);
+        }
+        self.replies.insert(seq, (bytes, pending));
+        while self.bytes() > limit {
+            let Some(old) = self
+                .replies
+                .iter()
+                .find(|(s, (_, p))| **s != seq && !*p)
+                .map(|(s, _)| *s)
+            else {
+                break;
+            };
+            self.replies.remove(&old);
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.replies.values().map(|(b, _)| b).sum()
+    }
+
+    fn cached(&self, seq: u64) -> bool {
+        self.replies.contains_key(&seq)
+    }
+}
+
 /// The bytes of a region of `layout` (what a client asks for).
 fn region_bytes(layout: u8) -> u64 {
     u64::from(PAGES) * LAYOUTS[layout as usize].page_size_bytes
@@ -153,6 +274,9 @@ enum Op {
     ReturnRegion(u8, u8, bool),
     /// The network delivers the client's last mutating request again.
     Retry(u8),
+    /// The network delivers an older request of the client again (one of
+    /// the [`KEPT_REQUESTS`] before the last).
+    RetryOld(u8, u8),
     Heartbeat(u8, bool),
     /// Time passes (in 100 ms units), then `tick`.
     Advance(u8),
@@ -186,6 +310,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             .prop_map(|(c, l, k, d)| Op::Delete(c, l, k, d)),
         2 => (c.clone(), any::<u8>(), prop::bool::weighted(0.2)).prop_map(|(c, r, d)| Op::ReturnRegion(c, r, d)),
         3 => c.clone().prop_map(Op::Retry),
+        3 => (c.clone(), any::<u8>()).prop_map(|(c, k)| Op::RetryOld(c, k)),
         3 => (c, prop::bool::weighted(0.3)).prop_map(|(c, d)| Op::Heartbeat(c, d)),
         6 => (0u8..30).prop_map(Op::Advance),
         1 => (0u8..250).prop_map(Op::Advance),
@@ -529,6 +654,9 @@ struct Client {
     index: BTreeMap<(u8, Vec<u8>), Location>,
     pins: BTreeMap<(u8, Vec<u8>), u32>,
     last: Option<Last>,
+    /// Up to [`KEPT_REQUESTS`] answered requests before `last`, newest
+    /// last; their replies are not claimed received.
+    older: VecDeque<Last>,
     pending: Vec<PendingRegion>,
 }
 
@@ -545,7 +673,25 @@ impl Client {
             index: BTreeMap::new(),
             pins: BTreeMap::new(),
             last: None,
+            older: VecDeque::new(),
             pending: Vec::new(),
+        }
+    }
+
+    /// `last` becomes the request before it (kept among `older`).
+    fn set_last(&mut self, last: Last) {
+        if let Some(prev) = self.last.replace(last) {
+            self.older.push_back(prev);
+            if self.older.len() > KEPT_REQUESTS {
+                self.older.pop_front();
+            }
+        }
+    }
+
+    /// A recovery voided every number this client used before it.
+    fn void_all(&mut self) {
+        for l in self.last.iter_mut().chain(self.older.iter_mut()) {
+            l.void = true;
         }
     }
 
@@ -558,10 +704,11 @@ impl Client {
 
     /// The lowest number whose reply this client has not received: replies
     /// below it can be dropped from the directory's cache. The last request
-    /// is never claimed, so the network can still duplicate it.
+    /// and the [`KEPT_REQUESTS`] before it are never claimed, so the network
+    /// can still duplicate them.
     fn received_below(&self) -> u64 {
         let mut below = self.next_seq;
-        if let Some(l) = &self.last {
+        for l in self.last.iter().chain(&self.older) {
             below = below.min(l.seq);
         }
         for p in &self.pending {
@@ -800,6 +947,10 @@ struct World {
     /// certainly set (the LRU's part of a tick may free regions after the
     /// flag is decided).
     orphan_evicting: bool,
+    /// Each instance's reply cache, mirrored (reset when the directory
+    /// gives the instance a new window: a new instance, a claimed
+    /// recovery, a restart).
+    caches: BTreeMap<&'static str, CacheModel>,
 }
 
 /// The pool's fill as the directory estimates it: the last report, plus the
@@ -862,6 +1013,11 @@ impl World {
             } else {
                 DirectoryConfig::default().notice_queue_limit
             },
+            reply_cache_bytes_per_instance: if small {
+                small_reply_cache_bytes()
+            } else {
+                DirectoryConfig::default().reply_cache_bytes_per_instance
+            },
             eviction: EvictionConfig {
                 lru,
                 max_evictions_per_tick: 2,
@@ -883,7 +1039,35 @@ impl World {
             lose_reattach_answer: false,
             fill: FillModel::default(),
             orphan_evicting: false,
+            caches: BTreeMap::new(),
         }
+    }
+
+    /// Client `ci` made a sequenced call that reached the reply cache (any
+    /// but one refused for its batch size): the replies below its
+    /// `replies_received_below` go.
+    fn cache_saw(&mut self, ci: usize) {
+        let c = &self.clients[ci];
+        let below = c.received_below();
+        self.caches.entry(c.name).or_default().received_below(below);
+    }
+
+    /// Client `ci`'s request `seq` ran and its reply was cached.
+    fn cache_record(&mut self, ci: usize, seq: u64, bytes: usize, pending_region: bool) {
+        let name = self.clients[ci].name;
+        let width = self.config.reply_window;
+        let limit = self.config.reply_cache_bytes_per_instance;
+        self.caches
+            .entry(name)
+            .or_default()
+            .record(seq, bytes, pending_region, width, limit);
+    }
+
+    /// Whether the directory still has the reply to client `ci`'s `seq`.
+    fn cache_has(&self, ci: usize, seq: u64) -> bool {
+        self.caches
+            .get(self.clients[ci].name)
+            .is_some_and(|c| c.cached(seq))
     }
 
     fn lease(&self) -> Duration {
@@ -1022,6 +1206,8 @@ impl World {
             return;
         }
         let w = r.expect("hello");
+        // A new instance: a new, empty reply window.
+        self.caches.insert(name, CacheModel::default());
         if self.model.instances.contains_key(name) {
             self.model.instance_gone(name);
         }
@@ -1127,6 +1313,10 @@ impl World {
         let back = r.expect("reattach");
         assert_eq!(back.kind, kind);
         assert_eq!(back.regions, verdicts);
+        if minst.as_ref().is_none_or(|i| i.awaiting) {
+            // A new instance, or a recovered one claimed: a new window.
+            self.caches.insert(name, CacheModel::default());
+        }
 
         // Update the model.
         match (&minst, kind) {
@@ -1204,9 +1394,7 @@ impl World {
             ReattachKind::Recovered => {
                 assert_eq!(back.oldest_accepted_seq, c.next_seq);
                 c.pending.clear();
-                if let Some(l) = &mut c.last {
-                    l.void = true;
-                }
+                c.void_all();
                 // Learn the fate of an unanswered request (void) before the
                 // re-registration replaces it as the last request.
                 if c.last.as_ref().is_some_and(|l| l.unanswered) {
@@ -1251,6 +1439,9 @@ impl World {
                 self.model.touch(session, self.now);
                 let expected = self.model.register(me, layout, &entries);
                 assert_eq!(r.body, expected, "re-registration");
+                self.cache_saw(ci);
+                let bytes = reply_bytes(&Body::Register(r.body.clone()));
+                self.cache_record(ci, seq, bytes, false);
                 let c = &mut self.clients[ci];
                 c.apply_notices(&r.notices, &mut self.model);
                 for ((k, loc), o) in entries.iter().zip(&r.body) {
@@ -1261,7 +1452,7 @@ impl World {
                         }
                     }
                 }
-                c.last = Some(Last {
+                c.set_last(Last {
                     req: Req::Register {
                         layout,
                         entries: entries.into_iter().map(|(k, l)| (k, l, false)).collect(),
@@ -1290,7 +1481,17 @@ impl World {
             )
             .expect("region retry");
         self.model.touch(c.session.unwrap(), self.now);
+        self.cache_saw(ci);
         let prior = self.model.requests.get(&(name, seq)).cloned();
+        if matches!(
+            prior,
+            Some(MRegionRequest::Granted(..) | MRegionRequest::Pending(_))
+        ) {
+            assert!(
+                self.cache_has(ci, seq),
+                "{name}: the reply to region request {seq} left the cache before its retry"
+            );
+        }
         self.service();
         let c = &mut self.clients[ci];
         c.apply_notices(&r.notices, &mut self.model);
@@ -1311,6 +1512,7 @@ impl World {
             (Some(MRegionRequest::Failed) | None, RegionReply::Deferred(d)) => {
                 // The failed attempt did not consume the number: it ran again.
                 c.pending[ix].deferred.push(d);
+                self.cache_record(ci, seq, reply_base_bytes(), true);
                 let (req, _, _) = *self.pool.queue.back().expect("a new allocation");
                 self.model
                     .requests
@@ -1361,6 +1563,8 @@ impl World {
         }
         let c = &self.clients[ci];
         let r = got(&mut self.dir, c, self.now);
+        self.cache_saw(ci);
+        let c = &self.clients[ci];
         assert!(
             matches!(
                 r,
@@ -1470,6 +1674,29 @@ impl World {
         let Some(last) = self.clients[ci].last.clone() else {
             return;
         };
+        self.resend(ci, &last);
+        if let Some(l) = &mut self.clients[ci].last {
+            l.unanswered = false;
+        }
+    }
+
+    /// The network delivers one of the client's older (answered) requests
+    /// again: the `k`-th of those it keeps, if any.
+    fn retry_old(&mut self, ci: usize, k: u8) {
+        let older = &self.clients[ci].older;
+        if older.is_empty() {
+            return;
+        }
+        let old = older[k as usize % older.len()].clone();
+        self.resend(ci, &old);
+    }
+
+    /// Sends `last` again and checks the answer: `SequenceTooOld` for a
+    /// number a recovery voided; `ReplyEvicted` when the model's mirror of
+    /// the reply cache no longer holds its reply (the bytes limit, or
+    /// acknowledged) — never a second execution; a pinning lookup's reply
+    /// to another session is refused; else the original reply.
+    fn resend(&mut self, ci: usize, last: &Last) {
         let c = &self.clients[ci];
         let caller = c.caller();
         let seq = c.sequence(last.seq);
@@ -1526,7 +1753,11 @@ impl World {
                 .map(|r| (Body::Return, r.notices)),
         };
         self.model.touch(caller.session, self.now);
+        self.cache_saw(ci);
+        let cached = self.cache_has(ci, last.seq);
+        let name = self.clients[ci].name;
         let c = &mut self.clients[ci];
+        let same_session = last.session == caller.session;
         if last.void {
             assert!(
                 matches!(got, Err(DirectoryError::SequenceTooOld { .. })),
@@ -1534,6 +1765,19 @@ impl World {
             );
             if last.unanswered {
                 c.forget(&last.req);
+            }
+        } else if !cached {
+            assert_eq!(
+                got.as_ref().err(),
+                Some(&DirectoryError::ReplyEvicted { seq: last.seq }),
+                "{name}: a retry of {} whose reply the cache dropped (cached: {:?})",
+                last.seq,
+                self.caches.get(name)
+            );
+            if last.unanswered && (same_session || !matches!(last.req, Req::Lookup { .. })) {
+                // The client finds out otherwise what its request did (a
+                // lookup of its keys): the model's record of the reply.
+                c.learn(&last.req, &last.body, same_session);
             }
         } else if matches!(last.req, Req::Lookup { .. }) && last.session != caller.session {
             assert_eq!(
@@ -1548,11 +1792,8 @@ impl World {
             assert_eq!(body, last.body, "a retry got a different reply");
             c.apply_notices(&notices, &mut self.model);
             if last.unanswered {
-                c.learn(&last.req, &body, last.session == caller.session);
+                c.learn(&last.req, &body, same_session);
             }
-        }
-        if let Some(l) = &mut c.last {
-            l.unanswered = false;
         }
     }
 
@@ -1573,7 +1814,7 @@ impl World {
             c.apply_notices(notices, &mut self.model);
             c.learn(&req, &body, true);
         }
-        c.last = Some(Last {
+        c.set_last(Last {
             req,
             seq,
             session,
@@ -1643,6 +1884,9 @@ impl World {
                     )
                     .expect("request region");
                 self.model.touch(c.session.unwrap(), self.now);
+                self.cache_saw(ci);
+                self.cache_record(ci, seq, reply_base_bytes(), true);
+                let c = &mut self.clients[ci];
                 let RegionReply::Deferred(d) = r.body else {
                     panic!("a fresh request is deferred")
                 };
@@ -1692,6 +1936,15 @@ impl World {
                             self.model
                                 .requests
                                 .insert(k, MRegionRequest::Granted(*h, layout));
+                            // The cached reply is the grant now: no longer
+                            // kept from eviction.
+                            if let Some(r) = self
+                                .caches
+                                .get_mut(k.0)
+                                .and_then(|c| c.replies.get_mut(&k.1))
+                            {
+                                r.1 = false;
+                            }
                         }
                     }
                     (Ok(h), None) => {
@@ -1700,6 +1953,10 @@ impl World {
                     (Err(_), _) => {
                         if let Some(k) = seq {
                             self.model.requests.insert(k, MRegionRequest::Failed);
+                            // Its number may be used again: no reply kept.
+                            if let Some(c) = self.caches.get_mut(k.0) {
+                                c.replies.remove(&k.1);
+                            }
                         }
                     }
                 }
@@ -1852,6 +2109,9 @@ impl World {
                     )
                     .expect("register");
                 self.model.touch(c.session.unwrap(), self.now);
+                self.cache_saw(ci);
+                let bytes = reply_bytes(&Body::Register(r.body.clone()));
+                self.cache_record(ci, seq, bytes, false);
                 let plain: Vec<(Vec<u8>, Location)> =
                     batch.iter().map(|(k, l, _)| (k.clone(), *l)).collect();
                 let expected = self.model.register(me, layout, &plain);
@@ -1903,6 +2163,11 @@ impl World {
                     )
                     .expect("lookup");
                 self.model.touch(session, self.now);
+                if let Some(seq) = seq {
+                    self.cache_saw(ci);
+                    let bytes = reply_bytes(&Body::Lookup(r.body.clone()));
+                    self.cache_record(ci, seq, bytes, false);
+                }
                 let expected = self.model.lookup(session, layout, &keys, pins);
                 assert_eq!(r.body, expected, "lookup");
                 match seq {
@@ -1991,6 +2256,9 @@ impl World {
                     )
                     .expect("unpin");
                 self.model.touch(session, self.now);
+                self.cache_saw(ci);
+                let bytes = reply_bytes(&Body::Unpin(r.body.clone()));
+                self.cache_record(ci, seq, bytes, false);
                 let expected = self.model.unpin(session, layout, &entries);
                 assert_eq!(r.body, expected, "unpin");
                 self.finish(
@@ -2041,6 +2309,7 @@ impl World {
                         "a delete of {keys:?} with {owner}'s queue at {pending} of {limit}: {r:?}"
                     );
                     self.model.touch(c.session.unwrap(), self.now);
+                    self.cache_saw(ci);
                     return;
                 }
                 let c = &mut self.clients[ci];
@@ -2056,6 +2325,9 @@ impl World {
                     )
                     .expect("delete");
                 self.model.touch(c.session.unwrap(), self.now);
+                self.cache_saw(ci);
+                let bytes = reply_bytes(&Body::Delete(r.body.clone()));
+                self.cache_record(ci, seq, bytes, false);
                 let expected = self.model.delete(layout, &keys);
                 assert_eq!(r.body, expected, "delete");
                 self.service();
@@ -2092,6 +2364,7 @@ impl World {
                     .dir
                     .return_region(&c.caller(), c.sequence(seq), region, self.now);
                 self.model.touch(c.session.unwrap(), self.now);
+                self.cache_saw(ci);
                 let keys = self.model.keys_in(region);
                 if keys > 0 {
                     assert_eq!(
@@ -2104,6 +2377,7 @@ impl World {
                     return;
                 }
                 let r = r.expect("return region");
+                self.cache_record(ci, seq, reply_base_bytes(), false);
                 self.model.regions.get_mut(&region).unwrap().owner = None;
                 self.model.expect_free.insert(region);
                 self.service();
@@ -2120,6 +2394,12 @@ impl World {
                 let ci = c as usize;
                 if self.clients[ci].last.is_some() && self.prepare(ci) {
                     self.retry(ci);
+                }
+            }
+            Op::RetryOld(c, k) => {
+                let ci = c as usize;
+                if !self.clients[ci].older.is_empty() && self.prepare(ci) {
+                    self.retry_old(ci, k);
                 }
             }
             Op::Heartbeat(c, dropped) => {
@@ -2320,13 +2600,12 @@ impl World {
             instances,
             ..Model::default()
         };
+        self.caches.clear();
         for c in &mut self.clients {
             c.session = None;
             c.pins.clear();
             c.pending.clear();
-            if let Some(l) = &mut c.last {
-                l.void = true;
-            }
+            c.void_all();
         }
     }
 
@@ -2381,6 +2660,15 @@ impl World {
         }
         assert_eq!(stats.sessions as usize, self.model.sessions.len());
         assert_eq!(stats.instances as usize, self.model.instances.len());
+        for i in &stats.per_instance {
+            let mirror = self.caches.get(i.instance.as_str());
+            assert_eq!(
+                (i.cached_replies, i.cached_reply_bytes),
+                mirror.map_or((0, 0), |m| (m.replies.len(), m.bytes())),
+                "{}: replies cached and their bytes (the model's: {mirror:?})",
+                i.instance
+            );
+        }
     }
 
     /// Every client drains its notices; then its registered pages are
@@ -2619,6 +2907,58 @@ fn the_small_limits_edges_are_refused_as_the_model_predicts() {
                 "the second request was over the quota"
             ),
             12 => assert_eq!(keys, 0, "alpha acknowledged, the delete went through"),
+            _ => {}
+        }
+    }
+    w.reconcile();
+}
+
+/// The small reply cache's edge, scripted (`alpha`; a limit of three and
+/// a half replies without outcome lists, and a delete of one key adds one
+/// outcome to its reply): a region request waiting for the pool manager
+/// and two deletes fit, and a retry of the first delete gets its reply; a
+/// third delete evicts the first one's reply (the oldest that may go: the
+/// waiting region request's never does), and its retry gets
+/// `ReplyEvicted`; once granted, the region request's reply is the oldest,
+/// and the next delete evicts it.
+#[test]
+fn a_retry_gets_its_reply_until_the_small_reply_cache_evicts_it() {
+    use Op::*;
+    let ops = [
+        RequestRegion(0, 0),
+        Delete(0, 0, vec![0], false),
+        Delete(0, 0, vec![1], false),
+        RetryOld(0, 0),
+        Delete(0, 0, vec![2], false),
+        RetryOld(0, 0),
+        PoolRespond(false),
+        Delete(0, 0, vec![3], false),
+    ];
+    let mut w = World::new(false, true);
+    for ci in 0..NAMES.len() {
+        w.hello(ci);
+    }
+    for (i, op) in ops.iter().enumerate() {
+        w.step(op);
+        w.check();
+        let o = w.dir.stats(w.now).outcomes;
+        match i {
+            2 => assert!(
+                (1..=3).all(|seq| w.cache_has(0, seq)),
+                "three fit: {:?}",
+                w.caches
+            ),
+            3 => assert_eq!((o.retries_answered, o.replies_evicted), (1, 0)),
+            4 => {
+                assert!(!w.cache_has(0, 2), "the first delete's reply was evicted");
+                assert!(w.cache_has(0, 1), "the waiting region request's stays");
+            }
+            5 => assert_eq!(o.replies_evicted, 1, "the first delete's retry"),
+            7 => assert!(
+                !w.cache_has(0, 1) && w.cache_has(0, 3),
+                "the granted request's went first: {:?}",
+                w.caches
+            ),
             _ => {}
         }
     }

@@ -342,6 +342,7 @@ impl DirectoryHandler {
                 .iter()
                 .map(|p| (p.pool, p.path.clone()))
                 .collect(),
+            deferred_region_replies: self.pending.len() as u64,
         }
     }
 

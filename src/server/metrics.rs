@@ -9,7 +9,8 @@
 //! and a sum — a few additions per request, no allocation.
 //!
 //! [`render`] turns a [`MetricsSnapshot`] (the same `StatsReply` that
-//! `cxlkv stats` prints, the latency histograms and the pools' paths) into
+//! `cxlkv stats` prints, the latency histograms, the pools' paths and the
+//! count of region replies the server holds for the pool manager) into
 //! the Prometheus text format, version 0.0.4: every family opens with its
 //! `# HELP` and `# TYPE` lines and its samples follow contiguously; names
 //! carry the `cxlkv_` prefix, counters end in `_total`, sizes in `_bytes`,
@@ -155,6 +156,10 @@ pub struct MetricsSnapshot {
     pub latencies: OpLatencies,
     /// `(pool index, path on the server's host)`.
     pub pool_paths: Vec<(u32, String)>,
+    /// `RequestRegion` replies the server holds for open connections until
+    /// the pool manager answers (a request and each retry that joined it
+    /// count one; those of closed connections are dropped).
+    pub deferred_region_replies: u64,
 }
 
 /// Writes families to the exposition text. A family's samples must follow
@@ -278,6 +283,11 @@ pub fn render(snap: &MetricsSnapshot) -> String {
             "cxlkv_pending_region_requests",
             "Region requests waiting for the pool manager.",
             t.pending_region_requests,
+        ),
+        (
+            "cxlkv_deferred_region_replies",
+            "Region request replies the server holds for open connections until the pool manager answers.",
+            snap.deferred_region_replies,
         ),
         ("cxlkv_pins", "Pins held by all sessions.", t.pins),
         (
