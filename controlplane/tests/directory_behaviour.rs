@@ -1348,6 +1348,60 @@ fn a_pending_region_request_outlives_the_reply_cache_limit_so_its_grant_reaches_
     w.dir.check_invariants().unwrap();
 }
 
+/// Reliability entry 142: the grant's reply is lost and the client keeps
+/// working before its retry gets through. It holds the request's number
+/// back as its oldest unanswered one (`replies_received_below` stays at
+/// it), so the replies of its later requests pile up behind the grant —
+/// and the cache's byte limit used to evict the grant first, the oldest,
+/// leaving the retry `ReplyEvicted` and the region the instance's with no
+/// client knowing it.
+#[test]
+fn a_granted_region_reply_outlives_the_reply_cache_limit_until_the_client_has_it() {
+    let mut w = newest_reply_only();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    let asked = a.seq();
+    let first = w
+        .dir
+        .request_region(&a.caller(), asked, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert!(matches!(first.body, RegionReply::Deferred(_)));
+    // Granted at once; the completion is dropped here, as a broken
+    // connection would.
+    let (done, _) = w.pool.service(&mut w.dir);
+    let granted = done[0].result.clone().unwrap().body;
+    // Then registrations, each saying it lacks the reply to `asked`.
+    for page in 0..8u32 {
+        let key = page.to_le_bytes();
+        let seq = Sequence {
+            replies_received_below: asked.seq,
+            ..a.seq()
+        };
+        let r = w.register_seq(&a, seq, L, &[(&key, loc(ra, page, 1))]);
+        assert_eq!(r.unwrap().body, vec![RegisterOutcome::Inserted]);
+    }
+    let retry = w
+        .dir
+        .request_region(&a.caller(), asked, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert_eq!(retry.body, RegionReply::Granted(granted));
+    assert_eq!(w.pool.live.len(), 2, "no third region allocated");
+    // Once the client says it has the reply, the grant may go.
+    let next = Sequence {
+        replies_received_below: asked.seq + 1,
+        ..a.seq()
+    };
+    let r = w.register_seq(&a, next, L, &[(&b"last"[..], loc(ra, 9, 1))]);
+    assert_eq!(r.unwrap().body, vec![RegisterOutcome::Inserted]);
+    assert_eq!(
+        w.dir
+            .request_region(&a.caller(), asked, L, REGION_BYTES, w.now)
+            .unwrap_err(),
+        DirectoryError::ReplyEvicted { seq: asked.seq }
+    );
+    w.dir.check_invariants().unwrap();
+}
+
 #[test]
 fn a_failed_region_request_does_not_consume_its_sequence_number() {
     let mut w = World::new();

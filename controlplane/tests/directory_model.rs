@@ -168,42 +168,55 @@ fn reply_bytes(body: &Body) -> usize {
 }
 
 /// One instance's reply cache, mirrored: which sequence numbers still have
-/// their reply cached, with its bytes and whether it is a region request
-/// still waiting for the pool manager (never evicted for bytes, nor dropped
-/// as received). The directory's rules (`sequence.rs`): a reply recorded
-/// above the highest number so far moves the window, whose numbers below
-/// it go; then, while the bytes exceed the limit, the oldest reply goes
-/// that is neither the one just recorded nor a pending region request; a
+/// their reply cached, with its bytes and what keeps it ([`Kept`]). The
+/// directory's rules (`sequence.rs`): a reply recorded above the highest
+/// number so far moves the window, whose numbers below it go; then, while
+/// the bytes exceed the limit, the oldest reply goes that is neither the
+/// one just recorded nor a region request's (pending or granted); a
 /// sequenced call first drops, oldest first, the replies below its
 /// `replies_received_below`, stopping at the first pending region request.
 #[derive(Debug, Clone, Default)]
 struct CacheModel {
-    replies: BTreeMap<u64, (usize, bool)>,
+    replies: BTreeMap<u64, (usize, Kept)>,
     high: u64,
+}
+
+/// What keeps a cached reply from going.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    /// Nothing: evicted for bytes, dropped once received.
+    No,
+    /// A granted region request's: never evicted for bytes (its retry
+    /// after a lost completion must still learn the region), dropped once
+    /// received.
+    Granted,
+    /// A region request waiting for the pool manager: neither evicted nor
+    /// dropped as received (it was never sent).
+    Pending,
 }
 
 impl CacheModel {
     fn received_below(&mut self, below: u64) {
-        while let Some((&seq, &(_, pending))) = self.replies.first_key_value() {
-            if seq >= below || pending {
+        while let Some((&seq, &(_, kept))) = self.replies.first_key_value() {
+            if seq >= below || kept == Kept::Pending {
                 break;
             }
             self.replies.remove(&seq);
         }
     }
 
-    fn record(&mut self, seq: u64, bytes: usize, pending: bool, width: u64, limit: usize) {
+    fn record(&mut self, seq: u64, bytes: usize, kept: Kept, width: u64, limit: usize) {
         if seq > self.high {
             self.high = seq;
             let oldest = (seq + 1).saturating_sub(width);
             self.replies.retain(|&s, _| s >= oldest);
         }
-        self.replies.insert(seq, (bytes, pending));
+        self.replies.insert(seq, (bytes, kept));
         while self.bytes() > limit {
             let Some(old) = self
                 .replies
                 .iter()
-                .find(|(s, (_, p))| **s != seq && !*p)
+                .find(|(s, (_, k))| **s != seq && *k == Kept::No)
                 .map(|(s, _)| *s)
             else {
                 break;
@@ -1057,10 +1070,15 @@ impl World {
         let name = self.clients[ci].name;
         let width = self.config.reply_window;
         let limit = self.config.reply_cache_bytes_per_instance;
+        let kept = if pending_region {
+            Kept::Pending
+        } else {
+            Kept::No
+        };
         self.caches
             .entry(name)
             .or_default()
-            .record(seq, bytes, pending_region, width, limit);
+            .record(seq, bytes, kept, width, limit);
     }
 
     /// Whether the directory still has the reply to client `ci`'s `seq`.
@@ -1936,14 +1954,14 @@ impl World {
                             self.model
                                 .requests
                                 .insert(k, MRegionRequest::Granted(*h, layout));
-                            // The cached reply is the grant now: no longer
-                            // kept from eviction.
+                            // The cached reply is the grant now: still kept
+                            // from eviction, dropped once received.
                             if let Some(r) = self
                                 .caches
                                 .get_mut(k.0)
                                 .and_then(|c| c.replies.get_mut(&k.1))
                             {
-                                r.1 = false;
+                                r.1 = Kept::Granted;
                             }
                         }
                     }
@@ -2919,8 +2937,9 @@ fn the_small_limits_edges_are_refused_as_the_model_predicts() {
 /// and two deletes fit, and a retry of the first delete gets its reply; a
 /// third delete evicts the first one's reply (the oldest that may go: the
 /// waiting region request's never does), and its retry gets
-/// `ReplyEvicted`; once granted, the region request's reply is the oldest,
-/// and the next delete evicts it.
+/// `ReplyEvicted`; once granted and received, the region request's reply
+/// goes with the next delete's `replies_received_below` (a granted reply
+/// is never evicted for bytes: reliability entry 142).
 #[test]
 fn a_retry_gets_its_reply_until_the_small_reply_cache_evicts_it() {
     use Op::*;
@@ -2956,7 +2975,7 @@ fn a_retry_gets_its_reply_until_the_small_reply_cache_evicts_it() {
             5 => assert_eq!(o.replies_evicted, 1, "the first delete's retry"),
             7 => assert!(
                 !w.cache_has(0, 1) && w.cache_has(0, 3),
-                "the granted request's went first: {:?}",
+                "the received grant's went: {:?}",
                 w.caches
             ),
             _ => {}

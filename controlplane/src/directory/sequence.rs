@@ -281,15 +281,24 @@ impl ReplyWindow {
             self.cache_bytes -= old.approx_bytes();
         }
         // Over the limit: the oldest bodies go first, except the one just
-        // recorded and region requests still pending. A pending body is the
-        // only record of a deferred grant: were it dropped, a retry after a
-        // lost completion would get `ReplyEvicted` and the granted region
-        // would stay assigned with no client knowing its id until the
-        // instance is gone. Pending bodies are few (at most
-        // `max_pending_region_requests_per_instance`) and small.
+        // recorded and region requests pending or granted but not yet
+        // acknowledged (`replies_received_below` drops a grant the client
+        // has). Such a body is the only record of a grant: were it dropped,
+        // a retry after a lost completion would get `ReplyEvicted` and the
+        // granted region would stay assigned with no client knowing its id
+        // until the instance is gone (reliability entry 142). A client
+        // holds the request's number back as its oldest unanswered one
+        // meanwhile, so its other replies pile up behind it; the grant must
+        // not be the first of them to go. These bodies are few (a pending
+        // or granted region per request, within the instance's region and
+        // pending-request limits) and small.
         while self.cache_bytes > byte_limit {
             let Some(old) = self.cache.remove_oldest_where(|s, r| {
-                s != seq && !matches!(r.body, CachedBody::RegionPending(_))
+                s != seq
+                    && !matches!(
+                        r.body,
+                        CachedBody::RegionPending(_) | CachedBody::RegionGranted(_)
+                    )
             }) else {
                 break;
             };
@@ -356,6 +365,24 @@ mod tests {
             fingerprint: n as u64,
             session: SessionId(1),
             body: CachedBody::Delete(vec![DeleteOutcome::Deleted; n]),
+        }
+    }
+
+    fn grant() -> super::super::types::RegionGrant {
+        use super::super::types::{Layout, RegionGrant, RegionHandle, RegionToken};
+        use cxlkv_dataplane::ids::{PoolId, RegionId};
+        RegionGrant {
+            handle: RegionHandle {
+                region: RegionId(3),
+                pool: PoolId(0),
+                offset_bytes: 0,
+                len_bytes: 2 << 20,
+                token: RegionToken([0; 32]),
+            },
+            layout: Layout {
+                page_size_bytes: 4096,
+                fingerprint: 1,
+            },
         }
     }
 
@@ -509,10 +536,19 @@ mod tests {
         assert!(matches!(w.check(4), Ok(SeqCheck::Executed(_))));
         assert!(matches!(w.check(3), Ok(SeqCheck::Evicted)));
         assert!(matches!(w.check(1), Ok(SeqCheck::Executed(_))));
-        // Granted, the body is an ordinary reply again, and goes oldest first.
-        w.replace_body(1, CachedBody::RegionReturned);
+        // Granted, the body stays until the client says it has it.
+        w.replace_body(1, CachedBody::RegionGranted(grant()));
         w.record(5, reply(10), limit);
+        assert!(matches!(w.check(1), Ok(SeqCheck::Executed(_))));
+        assert!(matches!(w.check(4), Ok(SeqCheck::Evicted)));
+        w.replies_received_below(2);
         assert!(matches!(w.check(1), Ok(SeqCheck::Evicted)));
+        // Any other body is an ordinary reply, and goes oldest first.
+        w.record(6, reply(10), limit);
+        w.replace_body(6, CachedBody::RegionReturned);
+        w.record(7, reply(10), limit);
+        w.record(8, reply(10), limit);
+        assert!(matches!(w.check(6), Ok(SeqCheck::Evicted)));
     }
 
     #[test]
