@@ -30,7 +30,10 @@
 //! returned later like any idle region). A request refused on a retry
 //! never ran; one whose number the directory no longer remembers
 //! (`SequenceTooOld`, `ReplyEvicted`) cannot be resolved and is dropped
-//! with a warning. A directory restart voids the number, and the request
+//! with a warning. (Since reliability entry 142 the directory keeps a
+//! granted region's reply whatever its cache's byte limit until the client
+//! says it has it, and the client holds the number back in its window
+//! meanwhile, so this takes a directory older than that fix.) A directory restart voids the number, and the request
 //! is sent again as a new one (a grant the old directory made is the
 //! reattach's business: `session.rs`).
 
