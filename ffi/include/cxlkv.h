@@ -69,7 +69,9 @@ enum cxlkv_status
     // a versioned struct has a size this library cannot read, or a string
     // is not UTF-8.
     CXLKV_STATUS_INVALID_ARGUMENT = 1,
-    // A handle is NULL, already freed, of another type, or garbage.
+    // A handle is NULL, already freed, of another type, garbage, or
+    // inherited across `fork` (handles are valid only in the process that
+    // made them).
     CXLKV_STATUS_BAD_HANDLE = 2,
     // A bug inside the library was caught at the boundary (a Rust panic);
     // the message says where. The handles involved stay usable.
@@ -414,7 +416,12 @@ typedef struct cxlkv_config {
     // (`"localhost:7411"`), resolved by `cxlkv_connect` to its first
     // address (`CXLKV_STATUS_INVALID_ARGUMENT` if it does not resolve).
     const char *tcp_addr;
-    // The TCP listener's pre-shared secret (NULL: none).
+    // The TCP listener's pre-shared secret (NULL: none; at most 256 bytes):
+    // the contents of the server's `tcp_secret_file` without its one
+    // trailing newline, which the server ignores (read from the same
+    // file, drop it too, or the server answers
+    // `CXLKV_STATUS_SERVER_AUTHENTICATION_FAILED`). Not sent on a Unix
+    // socket.
     const uint8_t *client_secret;
     size_t client_secret_len;
     // The instance's name (NULL or empty: the directory generates one).
@@ -427,11 +434,14 @@ typedef struct cxlkv_config {
     size_t pool_paths_len;
     // A `cxlkv_visibility`.
     uint32_t visibility;
-    // How long a released view's unpin may wait to be batched (≤ 1000).
+    // How long a released view's unpin may wait to be batched (≤ 1000;
+    // default 200).
     uint32_t unpin_delay_us;
-    // Attempts of one request after the first.
+    // Attempts of one request after the first, on a timeout, a transient
+    // refusal or a broken connection (default 3).
     uint32_t max_retries;
-    // Most peer regions kept mapped.
+    // Most peer regions kept mapped; beyond it the least recently used one
+    // without a live view is unmapped (default 4096).
     uint32_t max_peer_mappings;
     // Layout defaults: bytes of regions taken when a layout is opened.
     uint64_t initial_reservation_bytes;
@@ -440,10 +450,25 @@ typedef struct cxlkv_config {
     uint64_t region_size_bytes;
     // Client-side cap on region bytes (0: none).
     uint64_t quota_bytes;
+    // A region beyond a layout's initial reservation whose pages have all
+    // been free this long goes back to the pool (default 30000).
     uint64_t idle_region_return_ms;
+    // Deadline of one attempt of one request (≥ 1; default 5000). A
+    // request is attempted at most `1 + max_retries` times; a server that
+    // never answers fails the call with `CXLKV_STATUS_UNANSWERED` (or
+    // `DISCONNECTED`, once the connection is given up as broken), after
+    // the reconnects between attempts too (`reconnect_timeout_ms`).
     uint64_t request_timeout_ms;
+    // How long a call that finds the connection broken retries it (with
+    // backoff) before failing with `CXLKV_STATUS_DISCONNECTED` (default
+    // 30000). It may first wait as long for a reconnect another thread —
+    // the client's own heartbeat included — has under way: while the
+    // server is gone or stopped, a call can block about twice this, plus
+    // its attempts' own deadlines (with the defaults, over a minute).
     uint64_t reconnect_timeout_ms;
+    // The reconnect backoff's first pause (default 10).
     uint64_t reconnect_backoff_min_ms;
+    // The reconnect backoff's longest pause (default 1000).
     uint64_t reconnect_backoff_max_ms;
     // Told of every region mapped and unmapped from connect on.
     struct cxlkv_map_callbacks map_callbacks;

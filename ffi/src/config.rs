@@ -117,7 +117,12 @@ pub struct cxlkv_config {
     /// (`"localhost:7411"`), resolved by `cxlkv_connect` to its first
     /// address (`CXLKV_STATUS_INVALID_ARGUMENT` if it does not resolve).
     pub tcp_addr: *const c_char,
-    /// The TCP listener's pre-shared secret (NULL: none).
+    /// The TCP listener's pre-shared secret (NULL: none; at most 256 bytes):
+    /// the contents of the server's `tcp_secret_file` without its one
+    /// trailing newline, which the server ignores (read from the same
+    /// file, drop it too, or the server answers
+    /// `CXLKV_STATUS_SERVER_AUTHENTICATION_FAILED`). Not sent on a Unix
+    /// socket.
     pub client_secret: *const u8,
     pub client_secret_len: usize,
     /// The instance's name (NULL or empty: the directory generates one).
@@ -130,11 +135,14 @@ pub struct cxlkv_config {
     pub pool_paths_len: usize,
     /// A `cxlkv_visibility`.
     pub visibility: u32,
-    /// How long a released view's unpin may wait to be batched (≤ 1000).
+    /// How long a released view's unpin may wait to be batched (≤ 1000;
+    /// default 200).
     pub unpin_delay_us: u32,
-    /// Attempts of one request after the first.
+    /// Attempts of one request after the first, on a timeout, a transient
+    /// refusal or a broken connection (default 3).
     pub max_retries: u32,
-    /// Most peer regions kept mapped.
+    /// Most peer regions kept mapped; beyond it the least recently used one
+    /// without a live view is unmapped (default 4096).
     pub max_peer_mappings: u32,
     /// Layout defaults: bytes of regions taken when a layout is opened.
     pub initial_reservation_bytes: u64,
@@ -143,10 +151,25 @@ pub struct cxlkv_config {
     pub region_size_bytes: u64,
     /// Client-side cap on region bytes (0: none).
     pub quota_bytes: u64,
+    /// A region beyond a layout's initial reservation whose pages have all
+    /// been free this long goes back to the pool (default 30000).
     pub idle_region_return_ms: u64,
+    /// Deadline of one attempt of one request (≥ 1; default 5000). A
+    /// request is attempted at most `1 + max_retries` times; a server that
+    /// never answers fails the call with `CXLKV_STATUS_UNANSWERED` (or
+    /// `DISCONNECTED`, once the connection is given up as broken), after
+    /// the reconnects between attempts too (`reconnect_timeout_ms`).
     pub request_timeout_ms: u64,
+    /// How long a call that finds the connection broken retries it (with
+    /// backoff) before failing with `CXLKV_STATUS_DISCONNECTED` (default
+    /// 30000). It may first wait as long for a reconnect another thread —
+    /// the client's own heartbeat included — has under way: while the
+    /// server is gone or stopped, a call can block about twice this, plus
+    /// its attempts' own deadlines (with the defaults, over a minute).
     pub reconnect_timeout_ms: u64,
+    /// The reconnect backoff's first pause (default 10).
     pub reconnect_backoff_min_ms: u64,
+    /// The reconnect backoff's longest pause (default 1000).
     pub reconnect_backoff_max_ms: u64,
     /// Told of every region mapped and unmapped from connect on.
     pub map_callbacks: cxlkv_map_callbacks,
@@ -481,6 +504,21 @@ mod tests {
         assert_eq!(cfg.layout, d.layout);
         assert_eq!(cfg.quota_bytes, None);
         assert_eq!(cfg.server, d.server);
+    }
+
+    #[test]
+    fn the_defaults_the_header_states_are_cxlkv_config_init_s() {
+        // The field comments of `cxlkv_config` say these numbers; a changed
+        // default must change them too.
+        let c = init();
+        assert_eq!(c.unpin_delay_us, 200);
+        assert_eq!(c.max_retries, 3);
+        assert_eq!(c.max_peer_mappings, 4096);
+        assert_eq!(c.idle_region_return_ms, 30_000);
+        assert_eq!(c.request_timeout_ms, 5_000);
+        assert_eq!(c.reconnect_timeout_ms, 30_000);
+        assert_eq!(c.reconnect_backoff_min_ms, 10);
+        assert_eq!(c.reconnect_backoff_max_ms, 1_000);
     }
 
     #[test]

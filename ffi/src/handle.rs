@@ -23,9 +23,23 @@
 //! at ten million a second it would wrap in seven minutes, and a stale copy
 //! of a released handle would then name the new one. A retired slot costs
 //! 16 bytes once per 2^32 frees.
+//!
+//! **Handles do not cross `fork`.** A child process inherits a copy of the
+//! registries, and with them the parent's clients — the same connection,
+//! the same session, copies of the page allocators. A call through such a
+//! handle would speak on the parent's connection, and freeing it would end
+//! the parent's session (releasing the pins of the views the parent still
+//! reads) from a process that has none of the client's threads. So every
+//! slot records the process *incarnation* it was filled in — a counter a
+//! `pthread_atfork` child handler bumps — and a handle filled before the
+//! fork is refused in the child (`CXLKV_STATUS_BAD_HANDLE`, saying so), by
+//! the functions that free handles too: the child's copy of the object is
+//! never dropped, so nothing is sent and the parent is untouched. Handles
+//! the child makes itself (it connects its own client) work as anywhere.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Once};
 
 use parking_lot::RwLock;
 
@@ -40,6 +54,36 @@ pub(crate) const MAX_HANDLES: usize = (1 << SLOT_BITS) - 1;
 const SLOT_BITS: u32 = 24;
 const GENERATION_SHIFT: u32 = SLOT_BITS;
 const TAG_SHIFT: u32 = 56;
+
+/// The process incarnation: 0 in the process that loaded the library,
+/// bumped in the child by every `fork` once a handle was ever made (see the
+/// module docs).
+static INCARNATION: AtomicU32 = AtomicU32::new(0);
+static ATFORK: Once = Once::new();
+
+/// The `pthread_atfork` child handler: runs in the child, on its only
+/// thread, before `fork` returns there (an atomic add is async-signal-safe).
+extern "C" fn forked_child() {
+    // Relaxed: the child's only thread loads it afterwards (program
+    // order), and every thread it starts later is started after it.
+    INCARNATION.fetch_add(1, Ordering::Relaxed);
+}
+
+/// This process's incarnation, registering the fork handler first (before
+/// the first handle exists, so that no fork can copy a handle unseen).
+fn incarnation() -> u32 {
+    ATFORK.call_once(|| {
+        // SAFETY: `forked_child` is an `extern "C" fn()` of this library
+        // (glibc drops the registration if the library is unloaded) and
+        // only does an atomic add, which is safe in a forked child.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        // Only ENOMEM is possible; without the handler inherited handles
+        // would go unnoticed, which is what happened before it existed.
+        debug_assert_eq!(rc, 0, "pthread_atfork failed");
+    });
+    // Relaxed: see `forked_child`.
+    INCARNATION.load(Ordering::Relaxed)
+}
 
 /// One type tag per handle type (the token's top byte; never 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +121,8 @@ impl Tag {
 
 struct Slot<T> {
     generation: u32,
+    /// The process incarnation the value was inserted in.
+    incarnation: u32,
     value: Option<Arc<T>>,
 }
 
@@ -152,6 +198,7 @@ impl<T> Registry<T> {
     /// Registers every value or none (then the values are dropped); their
     /// tokens in order.
     pub fn insert_all(&self, values: Vec<T>) -> Result<Vec<usize>, FfiError> {
+        let incarnation = incarnation();
         let mut slots = self.slots.write();
         // Room for all of them, counting the slot field's range too (retired
         // slots use it up): then no insert below can fail.
@@ -166,6 +213,7 @@ impl<T> Registry<T> {
                 None => {
                     slots.entries.push(Slot {
                         generation: 1,
+                        incarnation,
                         value: None,
                     });
                     (slots.entries.len() - 1) as u32
@@ -174,6 +222,7 @@ impl<T> Registry<T> {
             let slot = &mut slots.entries[ix as usize];
             debug_assert!(slot.value.is_none());
             slot.value = Some(Arc::new(value));
+            slot.incarnation = incarnation;
             tokens.push(token(self.tag, ix, slot.generation));
             slots.live += 1;
         }
@@ -205,6 +254,20 @@ impl<T> Registry<T> {
                     None => bad("is not a cxlkv handle".into()),
                 }
             }
+            Some((_, ix, generation))
+                if slots.entries.get(ix as usize).is_some_and(|s| {
+                    s.generation == generation
+                        && s.value.is_some()
+                        && s.incarnation != INCARNATION.load(Ordering::Relaxed)
+                }) =>
+            {
+                bad(format!(
+                    "is a {} handle made before this process was forked: a handle is valid \
+                     only in the process that made it (connect a client in this process); \
+                     nothing was sent, the parent's session is untouched",
+                    self.tag.name()
+                ))
+            }
             Some((_, ix, _)) if (ix as usize) < slots.entries.len() => bad(format!(
                 "is a {} handle that was already freed",
                 self.tag.name()
@@ -220,6 +283,8 @@ impl<T> Registry<T> {
             && tag == self.tag as u8
             && let Some(slot) = slots.entries.get(ix as usize)
             && slot.generation == generation
+            // Relaxed: see `forked_child`.
+            && slot.incarnation == INCARNATION.load(Ordering::Relaxed)
             && let Some(value) = &slot.value
         {
             return Ok(Arc::clone(value));
@@ -235,6 +300,8 @@ impl<T> Registry<T> {
             && tag == self.tag as u8
             && let Some(slot) = slots.entries.get_mut(ix as usize)
             && slot.generation == generation
+            // An inherited handle stays (its object is never dropped here).
+            && slot.incarnation == INCARNATION.load(Ordering::Relaxed)
             && let Some(value) = slot.value.take()
         {
             // At the last generation the slot is retired (module docs): its
@@ -329,6 +396,45 @@ mod tests {
             r.remove(t, "t").unwrap();
         }
         assert_eq!(r.live(), 0);
+    }
+
+    #[test]
+    fn a_handle_made_before_a_fork_is_refused_in_the_child_and_kept_in_the_parent() {
+        let r: Registry<u32> = Registry::new(Tag::Client);
+        let a = r.insert(7).unwrap();
+        // SAFETY: the child touches only `r` (its own lock, which no other
+        // thread holds) and the allocator (glibc's is fork-safe), panics
+        // nowhere, and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let refused = |e: Result<Arc<u32>, FfiError>| {
+                e.is_err_and(|e| {
+                    e.status == cxlkv_status::CXLKV_STATUS_BAD_HANDLE
+                        && e.message.contains("before this process was forked")
+                })
+            };
+            let ok = refused(r.get(a, "a"))
+                && refused(r.remove(a, "a"))
+                && r.insert(8)
+                    .is_ok_and(|b| r.get(b, "b").is_ok_and(|v| *v == 8));
+            // SAFETY: ends the child without running the harness's exit.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: `pid` is this test's child; `status` is a valid out pointer.
+        let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(waited, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child accepted an inherited handle, or refused its own (status {status:#x})"
+        );
+        assert_eq!(
+            *r.get(a, "a").unwrap(),
+            7,
+            "the parent's handle is untouched"
+        );
+        assert_eq!(*r.remove(a, "a").unwrap(), 7);
     }
 
     #[test]

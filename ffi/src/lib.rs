@@ -22,7 +22,8 @@
 //!   `CXLKV_STATUS_PANIC` plus a message, never an unwind into C.
 //! - **Handles** are opaque tokens checked against a registry on every
 //!   call ([`handle`]): NULL, freed, foreign-typed and garbage handles give
-//!   `CXLKV_STATUS_BAD_HANDLE`, not undefined behaviour. Functions that
+//!   `CXLKV_STATUS_BAD_HANDLE`, not undefined behaviour, and so do handles
+//!   a forked child inherited (they name the parent's session). Functions that
 //!   free a handle accept NULL as a no-op, like `free`.
 //! - **Arguments**: NULL pointers, misalignment, and lengths over the
 //!   protocol's limits are refused before any memory is touched

@@ -40,7 +40,9 @@ pub enum cxlkv_status {
     /// a versioned struct has a size this library cannot read, or a string
     /// is not UTF-8.
     CXLKV_STATUS_INVALID_ARGUMENT = 1,
-    /// A handle is NULL, already freed, of another type, or garbage.
+    /// A handle is NULL, already freed, of another type, garbage, or
+    /// inherited across `fork` (handles are valid only in the process that
+    /// made them).
     CXLKV_STATUS_BAD_HANDLE = 2,
     /// A bug inside the library was caught at the boundary (a Rust panic);
     /// the message says where. The handles involved stay usable.

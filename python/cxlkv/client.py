@@ -55,6 +55,7 @@ import gc
 import inspect
 import itertools
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -137,6 +138,15 @@ def _bounded(items: Iterable, call: str) -> list:
     if len(out) > MAX_BATCH:
         raise _batch_too_large(call, f"more than {MAX_BATCH}")
     return out
+
+
+def _inherited(client: "Client") -> bool:
+    """Whether ``client`` was connected by another process: this one was
+    forked from it. The library refuses such a client's handles (and
+    everything made from it: :class:`HandleError`), so that nothing here
+    can use or end the parent's session; closing, releasing or aborting
+    them here only marks this process's copies done."""
+    return client._pid != os.getpid()
 
 
 class _NotCopyable:
@@ -308,7 +318,8 @@ class _Pin(_NotCopyable):
             raw, self._raw = self._raw, None
         if raw is None:
             return
-        status = N.lib.cxlkv_release(ctypes.byref(raw))
+        # A forked child's copy: the pin is the parent's.
+        status = 0 if _inherited(client) else N.lib.cxlkv_release(ctypes.byref(raw))
         err = error_for(status) if status != 0 else None  # this thread's message, now
         self._client = None
         client._unhold()
@@ -501,7 +512,9 @@ class Lease(_NotCopyable):
     def abort(self) -> None:
         """Gives the page back (a no-op once registered or aborted)."""
         if self._handle is not None:
-            status = N.lib.cxlkv_lease_abort(self._take())
+            handle = self._take()
+            # A forked child's copy: the page is the parent's.
+            status = 0 if _inherited(self._layout._client) else N.lib.cxlkv_lease_abort(handle)
             err = error_for(status) if status != 0 else None  # this thread's message, now
             self._unhold()
             if err is not None:
@@ -598,7 +611,8 @@ class Layout(_NotCopyable):
     def close(self) -> None:
         """Frees the handle (the layout's keys and regions stay)."""
         handle, self._handle = self._handle, None
-        if handle is not None:
+        # A forked child's copy: the layout handle is the parent's.
+        if handle is not None and not _inherited(self._client):
             check(N.lib.cxlkv_layout_close(handle))
 
     def __del__(self):
@@ -779,7 +793,10 @@ class Client(_NotCopyable):
     """A session with the cxlkv server. Use :meth:`connect`; close with
     :meth:`close` or a ``with`` block. Views and leases stay valid after
     close — views readable and pinned — until released (the session ends
-    with the last of them, see :meth:`close`)."""
+    with the last of them, see :meth:`close`). A client belongs to the
+    process that connected it: in a child made by ``os.fork()`` it and
+    everything made from it raise :class:`HandleError`, and their
+    finalizers leave the parent's session alone — connect anew there."""
 
     def __init__(self, handle: int, callbacks: list, layout_defaults: tuple[int, int, int]):
         self._handle = handle  # the C client, until cxlkv_close
@@ -794,11 +811,12 @@ class Client(_NotCopyable):
         self._closed = False  # close() was called
         self._holds = 0  # unreleased views, unconsumed leases, open tiers
         self._lock = threading.RLock()
+        self._pid = os.getpid()  # the process whose session this is
 
     @classmethod
     def connect(
         cls,
-        socket_path: Optional[str] = None,
+        socket_path: Optional[Union[str, bytes, os.PathLike]] = None,
         *,
         tcp_addr: Optional[str] = None,
         client_secret: Optional[bytes] = None,
@@ -814,9 +832,12 @@ class Client(_NotCopyable):
         on_unmap: Optional[MapCallback] = None,
         **more: int,
     ) -> "Client":
-        """Connects to a server on ``socket_path`` (or ``tcp_addr``,
-        ``"host:port"``: an IP address or a host name, resolved now to its
-        first address). ``on_map(region_id, offset_bytes, base_address,
+        """Connects to a server on ``socket_path`` (a ``str``, ``bytes`` or
+        ``os.PathLike`` path) or ``tcp_addr`` (``"host:port"``: an IP
+        address or a host name, resolved now to its first address).
+        ``tcp_addr``, ``instance_id`` and ``client_name`` are ``str``;
+        another type raises ``TypeError``, a NUL character inside any of
+        them :class:`ArgumentError`. ``on_map(region_id, offset_bytes, base_address,
         len_bytes)`` and ``on_unmap(...)`` are told of every region mapped
         and unmapped (from any thread; exceptions in them are printed and
         ignored). A callback that takes a ``read_only`` keyword (or
@@ -836,15 +857,15 @@ class Client(_NotCopyable):
         check(N.lib.cxlkv_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
         keep: list = []
         if socket_path is not None:
-            cfg.socket_path = str(socket_path).encode()
+            cfg.socket_path = _c_string(socket_path, "socket_path", path=True)
         if tcp_addr is not None:
-            cfg.tcp_addr = tcp_addr.encode()
+            cfg.tcp_addr = _c_string(tcp_addr, "tcp_addr")
         if client_secret is not None:
             cfg.client_secret, cfg.client_secret_len = _as_buffer(client_secret, keep)
         if instance_id is not None:
-            cfg.instance_id = instance_id.encode()
+            cfg.instance_id = _c_string(instance_id, "instance_id")
         if client_name is not None:
-            cfg.client_name = client_name.encode()
+            cfg.client_name = _c_string(client_name, "client_name")
         for name, value in (
             ("region_size_bytes", region_size_bytes),
             ("initial_reservation_bytes", initial_reservation_bytes),
@@ -932,10 +953,13 @@ class Client(_NotCopyable):
         releases its pins and the instance's pages may go to others: a view
         or lease used after that could read or write reused memory, which
         is why the end waits for them.) Idempotent; an error of a deferred
-        end is not reported."""
+        end is not reported. In a process forked from the one that
+        connected, it only marks this copy closed."""
         with self._lock:
             self._closed = True
-            if self._holds > 0:
+            # A forked child's copy: the session is the parent's (the
+            # library would refuse the handle); nothing to end here.
+            if self._holds > 0 or _inherited(self):
                 return
             handle, self._handle = self._handle, None
         if handle is not None:
@@ -1057,6 +1081,27 @@ class Client(_NotCopyable):
         n = ctypes.c_size_t()
         check(N.lib.cxlkv_map_all_regions(self._h(), ctypes.byref(n)))
         return n.value
+
+
+def _c_string(value: object, name: str, path: bool = False) -> bytes:
+    """A ``connect()`` string argument as the NUL-terminated C string the
+    library reads. ``socket_path`` is a path — ``str``, ``bytes`` or
+    ``os.PathLike``, as ``open()`` takes (``str()`` of ``bytes`` would be
+    the path ``"b'/tmp/...'"``); the others are ``str``. Anything else
+    raises ``TypeError``, and a NUL inside raises :class:`ArgumentError`
+    (C would read the string only up to it: another path or name)."""
+    if path and isinstance(value, (str, bytes, os.PathLike)):
+        encoded = os.fsencode(value)
+    elif isinstance(value, str):
+        encoded = value.encode()
+    else:
+        kinds = "a str, bytes or os.PathLike path" if path else "a str"
+        raise TypeError(f"connect(): {name} must be {kinds}, not {type(value).__name__}")
+    if b"\0" in encoded:
+        raise ArgumentError(
+            Status.INVALID_ARGUMENT, f"connect(): {name} {value!r} contains a NUL character"
+        )
+    return encoded
 
 
 def _takes_keyword(f: Callable, name: str) -> bool:

@@ -4,7 +4,8 @@ status number, its stable name and the library's message.
 The classes group statuses by what a caller does about them:
 
 - :class:`ArgumentError` (also a ``ValueError``): fix the call;
-- :class:`HandleError`: a handle was freed (or never valid);
+- :class:`HandleError`: a handle was freed (or never valid, or belongs to
+  the process this one was forked from);
 - :class:`ClosedError`: the client was closed;
 - :class:`CapacityError`: out of pages, quota, layouts or handles;
 - :class:`ConnectionLostError` (also a ``ConnectionError``): the server is
@@ -113,7 +114,9 @@ class ArgumentError(Error, ValueError):
 
 
 class HandleError(Error):
-    """A handle was already freed, or is not a handle of the right type."""
+    """A handle was already freed, is not a handle of the right type, or
+    was inherited across ``os.fork()`` (a client and what it made belong
+    to the process that connected it)."""
 
 
 class ClosedError(Error):

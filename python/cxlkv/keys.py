@@ -19,7 +19,8 @@ class ObjectKey(NamedTuple):
 
     model_name: str
     kv_rank: int
-    chunk_hash: bytes
+    #: bytes, bytearray or memoryview (as :func:`object_key` takes).
+    chunk_hash: Union[bytes, bytearray, memoryview]
     object_group_id: int = 0
     cache_salt: str = ""
 

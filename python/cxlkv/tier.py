@@ -92,6 +92,7 @@ from .client import (
     _bytes_array,
     _c_uint,
     _Exports,
+    _inherited,
     _key,
     _keys,
     _NotCopyable,
@@ -712,6 +713,10 @@ class L1Tier(_NotCopyable):
         open) from a listener of this tier. Idempotent; allowed after the
         client's close."""
         if self._handle is None:
+            return
+        if _inherited(self._client):
+            # A forked child's copy: the tier is the parent's.
+            self._handle = None
             return
         with self._ending(None):
             with self._pages_lock:

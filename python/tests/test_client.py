@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
+import pathlib
 import threading
 
 import pytest
@@ -277,6 +279,34 @@ def test_connect_refuses_length_and_pointer_fields(server):
         cxlkv.Client.connect(server.socket, max_retries=-1)
     with cxlkv.Client.connect(server.socket, max_retries=3, unpin_delay_us=0) as c:
         assert c.instance_id
+
+
+def test_connect_takes_a_path_of_any_kind_and_refuses_other_types_and_nul(server):
+    for path in (server.socket, os.fsencode(server.socket), pathlib.Path(server.socket)):
+        with cxlkv.Client.connect(path) as c:  # bytes were once the path "b'/...'"
+            assert c.instance_id
+    for name, bad in (
+        ("socket_path", 5),
+        ("tcp_addr", b"127.0.0.1:7411"),
+        ("instance_id", 5),
+        ("client_name", b"engine"),
+    ):
+        with pytest.raises(TypeError, match=name):
+            cxlkv.Client.connect(**{"socket_path": server.socket, name: bad})
+    # C reads a string up to its first NUL: these would be another path or
+    # name, silently.
+    for kwargs in (
+        {"socket_path": server.socket + "\0.other"},
+        {"socket_path": server.socket, "instance_id": "engine\0-1"},
+    ):
+        with pytest.raises(cxlkv.ArgumentError, match="NUL"):
+            cxlkv.Client.connect(**kwargs)
+
+
+def test_the_installed_package_is_marked_typed():
+    """``py.typed`` ships with the package, so type checkers use its
+    annotations (without it mypy skips the package as untyped)."""
+    assert (pathlib.Path(cxlkv.__file__).parent / "py.typed").is_file()
 
 
 def test_busy_statuses_are_busy_errors():

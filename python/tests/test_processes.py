@@ -94,6 +94,78 @@ def test_a_killed_process_does_not_leave_its_pins_behind(server, client, fingerp
     layout.close()
 
 
+FORKER = textwrap.dedent(
+    """
+    import os, sys, time, cxlkv
+    client = cxlkv.Client.connect(sys.argv[1])
+    layout = client.layout({page}, int(sys.argv[2]))
+    layout.put(b"fork-held", b"the parent's chunk")
+    view = layout.get(b"fork-held")
+    session = client.session()["session_id"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            layout.exists(b"fork-held")
+            print("child: an inherited handle was accepted", flush=True)
+        except cxlkv.HandleError as e:
+            print("child: refused" if "forked" in e.message else f"child: {{e}}", flush=True)
+        own = cxlkv.Client.connect(sys.argv[1])
+        with own.layout({page}, int(sys.argv[2])).get(b"fork-held") as v:
+            print("child: its own client reads", bytes(v).decode(), flush=True)
+        own.close()
+        # Ending the inherited objects (a `with` block's exit does) only
+        # ends this process's copies, quietly.
+        view.release()
+        layout.close()
+        client.close()
+        print("child: released and closed its copies", flush=True)
+        sys.exit(0)  # a normal exit: the inherited client's finalizers run
+    _, status = os.waitpid(pid, 0)
+    print("parent: the child exited with", status, flush=True)
+    print("parent: same session", client.session()["session_id"] == session, flush=True)
+    with cxlkv.Client.connect(sys.argv[1]) as peer:
+        peer_layout = peer.layout({page}, int(sys.argv[2]))
+        print("parent: a peer's delete is", peer_layout.delete(b"fork-held").outcome, flush=True)
+        print("parent: the view reads", bytes(view).decode(), flush=True)
+        view.release()
+        client.flush_unpins()
+        deadline = time.monotonic() + 20
+        while (outcome := peer_layout.delete(b"fork-held").outcome) == "pinned":
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        print("parent: after the release, a peer's delete is", outcome, flush=True)
+    client.close()
+    """
+)
+
+
+def test_a_forked_child_neither_uses_nor_ends_the_parents_session(server, fingerprint):
+    """A child forked from a process with a client (multiprocessing's
+    default start method on Linux) inherits the Python objects: using one
+    is refused, ending one ends only the child's copy, and the child's
+    exit, which runs their finalizers, must not close the parent's session
+    — that would drop the pins of the parent's views (reliability entry
+    143)."""
+    forker = subprocess.run(
+        [sys.executable, "-c", FORKER.format(page=PAGE), server.socket, str(fingerprint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert forker.stdout.splitlines() == [
+        "child: refused",
+        "child: its own client reads the parent's chunk",
+        "child: released and closed its copies",
+        "parent: the child exited with 0",
+        "parent: same session True",
+        "parent: a peer's delete is pinned",
+        "parent: the view reads the parent's chunk",
+        "parent: after the release, a peer's delete is deleted",
+    ], forker.stderr
+    assert forker.returncode == 0, forker.stderr
+
+
 C_PRODUCER = os.environ.get("CXLKV_TEST_C_PRODUCER")
 
 

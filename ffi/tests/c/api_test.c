@@ -17,7 +17,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #define PAGE_SIZE_BYTES (64u * 1024u)
 #define FINGERPRINT 0x7465737400ull
@@ -518,6 +520,74 @@ static void test_closed_client(void) {
     OK(cxlkv_layout_close(layout));
 }
 
+/* A forked child inherits the parent's handles but may not use them: every
+ * call refuses them (BAD_HANDLE, saying why), the freeing ones included, so
+ * the child's exit cannot end the parent's session and drop the pins of
+ * the views the parent still reads. A client the child connects works. */
+static void test_handles_do_not_cross_fork(void) {
+    cxlkv_config c = config_for_tests();
+    cxlkv_client *client = NULL, *other = NULL;
+    cxlkv_layout *layout = NULL, *other_layout = NULL;
+    OK(cxlkv_connect(&c, &client));
+    OK(cxlkv_layout_open(client, PAGE_SIZE_BYTES, FINGERPRINT, NULL, &layout));
+    OK(cxlkv_connect(&c, &other));
+    OK(cxlkv_layout_open(other, PAGE_SIZE_BYTES, FINGERPRINT, NULL, &other_layout));
+    cxlkv_bytes k = key_of("fork/pinned-by-the-parent");
+    cxlkv_register_result r;
+    OK(cxlkv_put(layout, k.data, k.len, (const uint8_t *)"parent", 6, &r));
+    cxlkv_view view;
+    OK(cxlkv_get(layout, k.data, k.len, &view));
+    CHECK(view.guard != NULL);
+    cxlkv_session_info before = {.size = sizeof before}, after = {.size = sizeof after};
+    OK(cxlkv_query_session(client, &before));
+
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int bad = 0;
+        bool present = false;
+        bad += cxlkv_exists(layout, k.data, k.len, &present) != CXLKV_STATUS_BAD_HANDLE;
+        bad += strstr(cxlkv_last_error(), "forked") == NULL;
+        bad += cxlkv_release(&view) != CXLKV_STATUS_BAD_HANDLE;
+        bad += cxlkv_layout_close(layout) != CXLKV_STATUS_BAD_HANDLE;
+        bad += cxlkv_close(client) != CXLKV_STATUS_BAD_HANDLE;
+        cxlkv_client *mine = NULL;
+        cxlkv_layout *mine_layout = NULL;
+        bad += cxlkv_connect(&c, &mine) != CXLKV_STATUS_OK;
+        bad += cxlkv_layout_open(mine, PAGE_SIZE_BYTES, FINGERPRINT, NULL, &mine_layout) !=
+               CXLKV_STATUS_OK;
+        bad += cxlkv_exists(mine_layout, k.data, k.len, &present) != CXLKV_STATUS_OK || !present;
+        bad += cxlkv_layout_close(mine_layout) != CXLKV_STATUS_OK;
+        bad += cxlkv_close(mine) != CXLKV_STATUS_OK;
+        if (bad != 0) {
+            fprintf(stderr, "api_test (forked child): %d check(s) failed; last error: %s\n", bad,
+                    cxlkv_last_error());
+        }
+        _exit(bad == 0 ? 0 : 1);
+    }
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+
+    /* The parent's session and its pin are what they were. */
+    OK(cxlkv_query_session(client, &after));
+    CHECK(after.session_id == before.session_id);
+    cxlkv_delete_result d;
+    OK(cxlkv_delete(other_layout, k.data, k.len, &d));
+    CHECK(d.outcome == CXLKV_DELETE_PINNED);
+    CHECK(view.len_bytes == 6 && memcmp(view.data, "parent", 6) == 0);
+    OK(cxlkv_release(&view));
+    OK(cxlkv_flush_unpins(client));
+    OK(cxlkv_delete(other_layout, k.data, k.len, &d));
+    CHECK(d.outcome == CXLKV_DELETE_DELETED);
+    OK(cxlkv_layout_close(other_layout));
+    OK(cxlkv_close(other));
+    OK(cxlkv_layout_close(layout));
+    OK(cxlkv_close(client));
+}
+
 /* --- the L1 tier ---------------------------------------------------------- */
 
 /* What the listener and the event sink heard. */
@@ -828,6 +898,7 @@ int main(int argc, char **argv) {
 
     test_stats_and_observers();
     test_closed_client();
+    test_handles_do_not_cross_fork();
 
     if (failures != 0) {
         fprintf(stderr, "api_test: %d check(s) failed\n", failures);
