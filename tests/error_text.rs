@@ -41,4 +41,8 @@ fn an_out_of_space_refusal_states_its_code_and_limit_once() {
     assert_eq!(text.matches("(12)").count(), 1, "{text}");
     assert!(!text.contains("code 12"), "the code is stated once: {text}");
     assert!(text.contains("no free extent of 536870912 bytes"), "{text}");
+    // The server left the pool to the manager: said in words, not as a
+    // Rust `Option`.
+    assert!(text.contains("(any pool; largest free extent"), "{text}");
+    assert!(!text.contains("None") && !text.contains("Some("), "{text}");
 }

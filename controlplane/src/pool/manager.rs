@@ -237,6 +237,15 @@ pub struct ReapReport {
     pub more_due: bool,
 }
 
+/// The pool an error names: "pool3", or "any pool" when the request left
+/// the choice to the manager.
+fn which_pool(pool: &Option<PoolId>) -> String {
+    match pool {
+        Some(p) => p.to_string(),
+        None => "any pool".to_owned(),
+    }
+}
+
 /// A request the manager refused. Nothing changed. `code()` is the stable
 /// number carried on the wire.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -263,7 +272,8 @@ pub enum PoolError {
     #[error("a region of {len_bytes} bytes was requested, the limit is {max_bytes}")]
     RegionTooLarge { len_bytes: u64, max_bytes: u64 },
     #[error(
-        "{len_bytes} bytes is not a multiple of the alignment {alignment_bytes} (pool {pool:?})"
+        "{len_bytes} bytes is not a multiple of the alignment {alignment_bytes} ({})",
+        which_pool(.pool)
     )]
     LengthNotAligned {
         len_bytes: u64,
@@ -277,7 +287,8 @@ pub enum PoolError {
     #[error("no pool is online")]
     NoOnlinePool,
     #[error(
-        "no free extent of {len_bytes} bytes (pool {pool:?}; largest free extent {largest_free_bytes} bytes)"
+        "no free extent of {len_bytes} bytes ({}; largest free extent {largest_free_bytes} bytes)",
+        which_pool(.pool)
     )]
     NoSpace {
         len_bytes: u64,
