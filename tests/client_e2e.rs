@@ -459,3 +459,50 @@ fn a_remote_client_over_tcp_with_flush_visibility_shares_with_a_local_one() {
     rl.register(b"plain", lease).unwrap();
     assert_eq!(&ll.get(b"plain").unwrap().unwrap()[..], b"flush");
 }
+
+/// The server is gone and several threads call at once: one of them (or
+/// the maintenance thread) reconnects and the others wait for it. Each
+/// call gives up after about `reconnect_timeout_ms` with `ReconnectFailed`
+/// naming why the reconnect failed. A caller used to wait the whole
+/// timeout for the other thread's attempts and then run a full timeout of
+/// its own (about twice the setting, its message claiming one), or to fail
+/// with only "another thread is still reconnecting".
+#[test]
+fn calls_that_meet_another_threads_reconnect_give_up_after_one_reconnect_timeout() {
+    const RECONNECT_MS: u64 = 1500;
+    let server = start_server("reconnect-deadline");
+    let mut cfg = client_config(&server);
+    cfg.reconnect_timeout_ms = RECONNECT_MS;
+    cfg.max_retries = 0;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(key(0), &chunk(0, 100)).unwrap();
+    server.shutdown().unwrap();
+    let outcomes: Vec<(Duration, Result<bool, ClientError>)> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..3)
+            .map(|_| {
+                s.spawn(|| {
+                    let t = std::time::Instant::now();
+                    let r = layout.exists(key(0));
+                    (t.elapsed(), r)
+                })
+            })
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    for (took, r) in &outcomes {
+        let err = r.as_ref().expect_err("the server is gone");
+        let text = err.with_causes().to_string();
+        assert!(matches!(err, ClientError::ReconnectFailed { .. }), "{text}");
+        // One timeout plus one attempt against a removed socket (refused at
+        // once) and scheduling slack; twice the timeout is the old bound.
+        assert!(
+            *took < Duration::from_millis(RECONNECT_MS * 3 / 2),
+            "a call took {took:?} with reconnect_timeout_ms {RECONNECT_MS}: {text}"
+        );
+        assert!(
+            text.contains("cannot connect to the server"),
+            "the reconnect's own failure is named: {text}"
+        );
+    }
+}

@@ -461,10 +461,11 @@ typedef struct cxlkv_config {
     uint64_t request_timeout_ms;
     // How long a call that finds the connection broken retries it (with
     // backoff) before failing with `CXLKV_STATUS_DISCONNECTED` (default
-    // 30000). It may first wait as long for a reconnect another thread —
-    // the client's own heartbeat included — has under way: while the
-    // server is gone or stopped, a call can block about twice this, plus
-    // its attempts' own deadlines (with the defaults, over a minute).
+    // 30000), counting any wait for a reconnect another thread — the
+    // client's own heartbeat included — has under way (a call that waited
+    // it out makes one attempt of its own, then fails). While the server
+    // is gone, a call blocks about this long; a stopped server (accepting
+    // connections, answering nothing) adds its attempts' own deadlines.
     uint64_t reconnect_timeout_ms;
     // The reconnect backoff's first pause (default 10).
     uint64_t reconnect_backoff_min_ms;

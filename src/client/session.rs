@@ -159,6 +159,7 @@ pub(crate) fn connect(
         observers,
         conn: parking_lot::Mutex::new(Some(Arc::new(conn))),
         reconnect_lock: Default::default(),
+        reconnect_failure: Default::default(),
         notice_applied: Default::default(),
         notice_lock: Default::default(),
         layouts: Default::default(),
@@ -202,10 +203,24 @@ impl Shared {
     /// broke (see the module docs). Returns once a newer connection is up.
     pub fn reconnect(&self, failed_conn_no: u64) -> Result<(), ClientError> {
         let timeout = Duration::from_millis(self.cfg.reconnect_timeout_ms);
+        // One deadline for the whole call, its wait for another thread's
+        // reconnect included: a caller that waited out someone else's
+        // failing attempts makes one attempt of its own and no more, so a
+        // call gives up after about `reconnect_timeout_ms` (plus at most
+        // one attempt), not after that wait and then a full timeout of
+        // its own attempts.
+        let start = Instant::now();
         let Some(_serial) = self.reconnect_lock.try_lock_for(timeout) else {
+            let last = match self.reconnect_failure.lock().clone() {
+                Some(why) => format!("{why} (another thread of this client is still reconnecting)"),
+                None => "another thread of this client is still reconnecting \
+                         (setting up a session: registering keys again after a \
+                         directory restart can take longer; see reconnect_timeout_ms)"
+                    .to_owned(),
+            };
             return Err(ClientError::ReconnectFailed {
-                elapsed_ms: timeout.as_millis() as u64,
-                last: "another thread is still reconnecting".into(),
+                elapsed_ms: start.elapsed().as_millis() as u64,
+                last,
             });
         };
         if let Some(c) = self.conn.lock().as_ref()
@@ -213,27 +228,31 @@ impl Shared {
         {
             return Ok(());
         }
-        let start = Instant::now();
         let mut backoff = Duration::from_millis(self.cfg.reconnect_backoff_min_ms);
         let max_backoff = Duration::from_millis(self.cfg.reconnect_backoff_max_ms);
         loop {
             self.check_open()?;
             match self.reattach_once() {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    *self.reconnect_failure.lock() = None;
+                    return Ok(());
+                }
                 Err(Attempt::Fatal(e)) => {
                     tracing::error!(error = %e.with_causes(), "the instance cannot be resumed");
                     self.set_fatal(e.with_causes().to_string());
                     return Err(e);
                 }
                 Err(Attempt::Retry(e)) => {
+                    let last = e.with_causes().to_string();
+                    *self.reconnect_failure.lock() = Some(last.clone());
                     let elapsed = start.elapsed();
                     if elapsed >= timeout {
                         return Err(ClientError::ReconnectFailed {
                             elapsed_ms: elapsed.as_millis() as u64,
-                            last: e.with_causes().to_string(),
+                            last,
                         });
                     }
-                    tracing::debug!(error = %e.with_causes(), "reattach failed; backing off");
+                    tracing::debug!(error = %last, "reattach failed; backing off");
                     std::thread::sleep(backoff.min(timeout - elapsed));
                     backoff = (backoff * 2).min(max_backoff);
                 }

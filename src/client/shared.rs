@@ -73,6 +73,10 @@ pub(crate) struct Shared {
     /// Serialises reconnects (held across the reattach round trips: failure
     /// path only).
     pub reconnect_lock: Mutex<()>,
+    /// Why the latest reattach attempt failed (cleared when one succeeds):
+    /// what a caller that gave up waiting for another thread's reconnect
+    /// reports.
+    pub reconnect_failure: Mutex<Option<String>>,
     pub identity: Identity,
     pub seqs: SeqWindow,
     /// Highest freed-page notice applied (sent as `notice_ack`).

@@ -121,7 +121,10 @@ const VECTORED_SEND_MIN_BYTES: usize = 16 << 10;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    #[error("no reply to request {request_id} within {timeout_ms} ms")]
+    /// `request_id` is the transport's own number for the request (a
+    /// table slot and generation, meaningless to a user reading the
+    /// message, so kept out of it).
+    #[error("no reply within {timeout_ms} ms")]
     Timeout { request_id: u64, timeout_ms: u64 },
     #[error("{limit} requests already in flight on this connection")]
     TooManyInFlight { limit: usize },
