@@ -2765,16 +2765,30 @@ fn run(ops: &[Op], lru: bool) {
 
 /// `small`: the small-limits configuration ([`World::new`]).
 fn run_with(ops: &[Op], lru: bool, small: bool) {
+    run_scripted(ops, lru, small, |_, _| {}).reconcile();
+}
+
+/// Runs `ops` in a fresh world whose clients have all said hello,
+/// checking it after every step; `after(w, i)` sees the world after step
+/// `i` (a scripted test's own assertions). Returns the world for the
+/// caller's last checks and `reconcile`.
+fn run_scripted(
+    ops: &[Op],
+    lru: bool,
+    small: bool,
+    mut after: impl FnMut(&mut World, usize),
+) -> World {
     let mut w = World::new(lru, small);
     for ci in 0..NAMES.len() {
         w.hello(ci);
     }
     w.check();
-    for op in ops {
+    for (i, op) in ops.iter().enumerate() {
         w.step(op);
         w.check();
+        after(&mut w, i);
     }
-    w.reconcile();
+    w
 }
 
 /// Cases per property: `PROPTEST_CASES` when set (a longer soak, or a
@@ -2824,13 +2838,7 @@ fn an_eviction_round_goes_on_below_the_high_watermark_until_the_low_one() {
         PoolFill(86),
         Advance(1),
     ];
-    let mut w = World::new(false, false);
-    for ci in 0..NAMES.len() {
-        w.hello(ci);
-    }
-    for (i, op) in ops.iter().enumerate() {
-        w.step(op);
-        w.check();
+    let mut w = run_scripted(&ops, false, false, |w, i| {
         if i == 5 {
             assert_eq!(
                 w.model.keys.len(),
@@ -2841,7 +2849,7 @@ fn an_eviction_round_goes_on_below_the_high_watermark_until_the_low_one() {
         if i == 7 {
             assert_eq!(w.model.keys.len(), 2, "a tick evicts its budget, 2 keys");
         }
-    }
+    });
     assert!(
         w.model.keys.is_empty(),
         "the round went on at 86 %: {:?}",
@@ -2907,13 +2915,7 @@ fn the_small_limits_edges_are_refused_as_the_model_predicts() {
         Exists(0, 0, vec![3]),
         Delete(1, 0, vec![3], false),
     ];
-    let mut w = World::new(false, true);
-    for ci in 0..NAMES.len() {
-        w.hello(ci);
-    }
-    for (i, op) in ops.iter().enumerate() {
-        w.step(op);
-        w.check();
+    run_scripted(&ops, false, true, |w, i| {
         let keys = w.model.keys.len();
         match i {
             2 => assert_eq!(keys, 0, "the batch of 4 was refused"),
@@ -2927,8 +2929,8 @@ fn the_small_limits_edges_are_refused_as_the_model_predicts() {
             12 => assert_eq!(keys, 0, "alpha acknowledged, the delete went through"),
             _ => {}
         }
-    }
-    w.reconcile();
+    })
+    .reconcile();
 }
 
 /// The small reply cache's edge, scripted (`alpha`; a limit of three and
@@ -2953,13 +2955,7 @@ fn a_retry_gets_its_reply_until_the_small_reply_cache_evicts_it() {
         PoolRespond(false),
         Delete(0, 0, vec![3], false),
     ];
-    let mut w = World::new(false, true);
-    for ci in 0..NAMES.len() {
-        w.hello(ci);
-    }
-    for (i, op) in ops.iter().enumerate() {
-        w.step(op);
-        w.check();
+    run_scripted(&ops, false, true, |w, i| {
         let o = w.dir.stats(w.now).outcomes;
         match i {
             2 => assert!(
@@ -2980,8 +2976,8 @@ fn a_retry_gets_its_reply_until_the_small_reply_cache_evicts_it() {
             ),
             _ => {}
         }
-    }
-    w.reconcile();
+    })
+    .reconcile();
 }
 
 #[test]
