@@ -469,7 +469,10 @@ fn a_remote_client_over_tcp_with_flush_visibility_shares_with_a_local_one() {
 /// with only "another thread is still reconnecting".
 #[test]
 fn calls_that_meet_another_threads_reconnect_give_up_after_one_reconnect_timeout() {
-    const RECONNECT_MS: u64 = 1500;
+    // Long beside scheduling delays on a loaded 2-vCPU host (a call was
+    // seen at 2.3 s with 1.5 s under a CI run and two builds), short
+    // beside the old behaviour's twice the setting.
+    const RECONNECT_MS: u64 = 4000;
     let server = start_server("reconnect-deadline");
     let mut cfg = client_config(&server);
     cfg.reconnect_timeout_ms = RECONNECT_MS;
@@ -495,7 +498,7 @@ fn calls_that_meet_another_threads_reconnect_give_up_after_one_reconnect_timeout
         let text = err.with_causes().to_string();
         assert!(matches!(err, ClientError::ReconnectFailed { .. }), "{text}");
         // One timeout plus one attempt against a removed socket (refused at
-        // once) and scheduling slack; twice the timeout is the old bound.
+        // once) and scheduling slack; twice the timeout was the old wait.
         assert!(
             *took < Duration::from_millis(RECONNECT_MS * 3 / 2),
             "a call took {took:?} with reconnect_timeout_ms {RECONNECT_MS}: {text}"
