@@ -56,26 +56,74 @@ const SECRET_AND_INSECURE: &str =
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    #[error("cannot read configuration file {}: {source}", path.display())]
+    // The underlying errors are in the message, not `source()`: a caller
+    // printing the chain (`{:#}`) would say them twice.
+    #[error("cannot read configuration file {}: {error}", path.display())]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    #[error("configuration file {}: {source}", path.display())]
+    #[error("configuration file {}: {error}", path.display())]
     Parse {
         path: PathBuf,
-        source: Box<toml::de::Error>,
+        error: Box<toml::de::Error>,
     },
     #[error("configuration {origin}: section [{section}] is not a table")]
     NotATable { origin: String, section: String },
-    #[error("invalid configuration (file, environment and flags merged): {0}")]
-    Invalid(Box<toml::de::Error>),
+    /// A key unknown or of the wrong type; `origin` says where the value
+    /// came from (`file PATH`, `environment variable CXLKV_…`, `a flag`) when
+    /// the error names a key that was set.
+    #[error("invalid configuration{}: {error}", at_origin(origin))]
+    Invalid {
+        origin: Option<String>,
+        error: Box<toml::de::Error>,
+    },
     #[error("configuration [{section}] {key}: {reason}")]
     Value {
         section: &'static str,
         key: &'static str,
         reason: String,
     },
+}
+
+fn at_origin(origin: &Option<String>) -> String {
+    match origin {
+        Some(o) => format!(" (from {o})"),
+        None => String::new(),
+    }
+}
+
+/// Where the key a deserialisation error names was set: the last of
+/// `origins` (section, key, origin; in the order they were applied) that
+/// sets it. The error names the key in its message (`unknown field
+/// `name``) or its path (`in `section.key``).
+fn origin_of(origins: &[(String, String, String)], error: &toml::de::Error) -> Option<String> {
+    let text = error.to_string();
+    let path = text
+        .rsplit_once("in `")
+        .and_then(|(_, rest)| rest.split_once('`'))
+        .map(|(path, _)| path)
+        .unwrap_or("");
+    let unknown = error
+        .message()
+        .strip_prefix("unknown field `")
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(name, _)| name);
+    let (section, key) = match unknown {
+        // An unknown section: the file's top level.
+        Some(name) if path.is_empty() => (name, ""),
+        Some(name) => (path, name),
+        None => {
+            let (section, rest) = path.split_once('.')?;
+            let key = rest.split(['.', '[']).next().unwrap_or(rest);
+            (section, key)
+        }
+    };
+    origins
+        .iter()
+        .rev()
+        .find(|(s, k, _)| s == section && (k == key || k.is_empty() || key.is_empty()))
+        .map(|(_, _, origin)| origin.clone())
 }
 
 /// One key set by a flag (or by any caller that wants to set a key last).
@@ -605,6 +653,14 @@ impl Config {
             }
             Some(ep) => {
                 let endpoint = parse_endpoint(ep).map_err(|r| invalid("pool_daemon", r))?;
+                if self.pool != PoolConfig::default() {
+                    // A file shared with the daemon holds them: not an
+                    // error, but nothing here uses them.
+                    tracing::warn!(
+                        pool_daemon = %ep,
+                        "[pool] keys are set but unused: the pool daemon's pools are served"
+                    );
+                }
                 let mut remote = RemoteConfig::new(endpoint, s.directory_id.clone());
                 remote.secret = match &s.pool_daemon_secret_file {
                     Some(path) => {
@@ -831,17 +887,32 @@ pub fn load(
 ) -> Result<Config, ConfigError> {
     let mut table = match file {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
                 path: path.to_path_buf(),
-                source,
+                error,
             })?;
-            toml::from_str::<toml::Table>(&text).map_err(|source| ConfigError::Parse {
+            toml::from_str::<toml::Table>(&text).map_err(|error| ConfigError::Parse {
                 path: path.to_path_buf(),
-                source: Box::new(source),
+                error: Box::new(error),
             })?
         }
         None => toml::Table::new(),
     };
+    // (section, key, where it was set), in the order applied: an invalid
+    // key's error says where to look for it.
+    let mut origins: Vec<(String, String, String)> = Vec::new();
+    if let Some(path) = file {
+        let origin = format!("file {}", path.display());
+        for (section, value) in &table {
+            match value {
+                toml::Value::Table(keys) => origins.extend(
+                    keys.keys()
+                        .map(|k| (section.clone(), k.clone(), origin.clone())),
+                ),
+                _ => origins.push((section.clone(), String::new(), origin.clone())),
+            }
+        }
+    }
     let mut vars: Vec<(String, String)> = env.into_iter().collect();
     // Deterministic order (the process environment has none).
     vars.sort();
@@ -860,16 +931,21 @@ pub fn load(
                 let origin = format!("environment variable {name}");
                 let key = key.to_ascii_lowercase();
                 let value = env_value(section, &key, &raw);
-                section_mut(&mut table, section, &origin)?.insert(key, value);
+                section_mut(&mut table, section, &origin)?.insert(key.clone(), value);
+                origins.push(((*section).to_owned(), key, origin));
             }
         }
     }
     for o in flags {
         section_mut(&mut table, o.section, "flag")?.insert(o.key.to_owned(), o.value.clone());
+        origins.push((o.section.to_owned(), o.key.to_owned(), "a flag".to_owned()));
     }
     table
         .try_into::<Config>()
-        .map_err(|e| ConfigError::Invalid(Box::new(e)))
+        .map_err(|error| ConfigError::Invalid {
+            origin: origin_of(&origins, &error),
+            error: Box::new(error),
+        })
 }
 
 /// Loads from the process: `--config` (else `$CXLKV_CONFIG`), the process
@@ -1180,6 +1256,62 @@ mod tests {
         assert!(e.to_string().contains("state_dri"), "{e}");
         let f = file("[pol]\n");
         assert!(load(Some(f.path()), Vec::new(), &[]).is_err());
+    }
+
+    #[test]
+    fn an_invalid_key_says_where_it_was_set() {
+        let f = file("[server]\ntick_ms = \"fast\"\n[directory]\nlease_ms = 5000\n");
+        let at_file = format!("(from file {})", f.path().display());
+        let e = load(Some(f.path()), env(&[]), &[]).unwrap_err().to_string();
+        assert!(e.contains(&at_file) && e.contains("tick_ms"), "{e}");
+        // The environment's value replaces the file's: the error is the
+        // variable's, and a good variable mends a bad file.
+        let vars = env(&[("CXLKV_SERVER_TICK_MS", "soon")]);
+        let e = load(Some(f.path()), vars, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("(from environment variable CXLKV_SERVER_TICK_MS)"),
+            "{e}"
+        );
+        let vars = env(&[("CXLKV_SERVER_TICK_MS", "50")]);
+        assert_eq!(load(Some(f.path()), vars, &[]).unwrap().server.tick_ms, 50);
+        // An unknown key from each source.
+        let vars = env(&[("CXLKV_DIRECTORY_LEASEMS", "1")]);
+        let e = load(None, vars, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("(from environment variable CXLKV_DIRECTORY_LEASEMS)")
+                && e.contains("leasems"),
+            "{e}"
+        );
+        let flags = [Override::new("directory", "lease", 1i64)];
+        let e = load(Some(f.path()), env(&[]), &flags)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("(from a flag)") && e.contains("lease"), "{e}");
+        let f = file("[servr]\ntick_ms = 5\n");
+        let e = load(Some(f.path()), env(&[]), &[]).unwrap_err().to_string();
+        let at_file = format!("(from file {})", f.path().display());
+        assert!(e.contains(&at_file) && e.contains("servr"), "{e}");
+        let f = file("tick_ms = 5\n");
+        let e = load(Some(f.path()), env(&[]), &[]).unwrap_err().to_string();
+        let at_file = format!("(from file {})", f.path().display());
+        assert!(e.contains(&at_file) && e.contains("tick_ms"), "{e}");
+    }
+
+    #[test]
+    fn a_configuration_file_that_cannot_be_read_or_parsed_says_why_once() {
+        // `cxlkv` prints an error with its causes (`{:#}`): each once.
+        let e = load(Some(Path::new("/nonexistent/cxlkv.toml")), env(&[]), &[]).unwrap_err();
+        let text = format!("{:#}", anyhow::Error::from(e));
+        assert_eq!(
+            text.matches("No such file or directory").count(),
+            1,
+            "{text}"
+        );
+        assert!(text.contains("/nonexistent/cxlkv.toml"), "{text}");
+        let f = file("[server\n");
+        let e = load(Some(f.path()), env(&[]), &[]).unwrap_err();
+        let text = format!("{:#}", anyhow::Error::from(e));
+        assert_eq!(text.matches("unclosed table").count(), 1, "{text}");
     }
 
     #[test]
@@ -1631,6 +1763,232 @@ mod tests {
             assert!(
                 e.contains(&format!("{shown} is not a byte count")) && !e.contains("variant"),
                 "{text}: {e}"
+            );
+        }
+    }
+
+    /// Every TOML example of docs/operations.md loads: its keys exist, in
+    /// their sections, with values of their types (an operator copies them).
+    #[test]
+    fn the_operations_guides_toml_examples_load() {
+        let doc = include_str!("../docs/operations.md");
+        let mut examples = 0;
+        for block in doc.split("```toml\n").skip(1) {
+            let text = block.split("```").next().unwrap();
+            let f = file(text);
+            let c = load(Some(f.path()), env(&[]), &[])
+                .unwrap_or_else(|e| panic!("{e}\nin the example:\n{text}"));
+            assert_ne!(c, Config::default(), "the example sets something:\n{text}");
+            examples += 1;
+        }
+        assert!(examples >= 2, "{examples} TOML examples");
+    }
+
+    fn leak(key: &str) -> &'static str {
+        Box::leak(key.to_owned().into_boxed_str())
+    }
+
+    /// One row of a configuration table of docs/operations.md.
+    struct DocRow {
+        section: &'static str,
+        key: String,
+        flag: Option<String>,
+        env: Option<String>,
+        default: String,
+    }
+
+    /// The rows of the `[pool]`, `[server]`, `[directory]` and `[transport]`
+    /// tables under "Configuration" (a row's first cell names its key; the
+    /// columns are found by their headers).
+    fn documented_keys() -> Vec<DocRow> {
+        let doc = include_str!("../docs/operations.md");
+        let mut rows = Vec::new();
+        for section in SECTIONS {
+            let heading = format!("### `[{section}]`");
+            let at = doc.find(&heading).unwrap_or_else(|| panic!("no {heading}"));
+            let mut lines = doc[at..].lines().skip_while(|l| !l.starts_with("| key |"));
+            let header: Vec<&str> = lines.next().unwrap().split('|').map(str::trim).collect();
+            let col = |name: &str| header.iter().position(|h| *h == name);
+            let (flag, env, default) = (col("flag"), col("env"), col("default").unwrap());
+            let ticked = |cell: &str| cell.split('`').nth(1).map(str::to_owned);
+            for line in lines.skip(1).take_while(|l| l.starts_with('|')) {
+                let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+                rows.push(DocRow {
+                    section,
+                    key: ticked(cells[1]).expect("a key"),
+                    flag: flag
+                        .and_then(|c| ticked(cells[c]))
+                        .map(|f| f.split(' ').next().unwrap().to_owned()),
+                    env: env.and_then(|c| ticked(cells[c])),
+                    default: cells[default].to_owned(),
+                });
+            }
+        }
+        rows
+    }
+
+    /// The documented default as a value to set, or `None` for a default
+    /// that is not a value (`see below`, `off`, `—`, `2 × max frame`).
+    fn documented_default(text: &str) -> Option<toml::Value> {
+        let text = text.split(" (").next().unwrap().replace('`', "");
+        if text == "off" {
+            return None;
+        }
+        if let Ok(mut t) = toml::from_str::<toml::Table>(&format!("v = {text}")) {
+            return t.remove("v");
+        }
+        let (n, unit) = text.split_once(' ').unwrap_or((&text, ""));
+        if n.parse::<u64>().is_ok() && ["KiB", "MiB", "GiB", "TiB"].contains(&unit) {
+            return Some(toml::Value::String(format!("{n}{unit}")));
+        }
+        let word = |c: char| c.is_ascii_lowercase() || c == '-';
+        (!text.is_empty() && text.chars().all(word)).then_some(toml::Value::String(text))
+    }
+
+    /// A configuration that starts as the defaults do: equal, or resolving
+    /// to the same server and pool-manager configurations (`socket_mode =
+    /// "0660"` is the default mode, spelt out).
+    fn same_as_defaults(c: &Config) -> bool {
+        let d = Config::default();
+        c == &d
+            || (format!("{:?}", c.server_config()) == format!("{:?}", d.server_config())
+                && format!("{:?}", c.pool.resolve()) == format!("{:?}", d.pool.resolve()))
+    }
+
+    /// The flags of `cxlkv serve` and `cxlkv pool` (besides `--config` and
+    /// `--print-config`), each with the one key it sets.
+    fn flags_and_keys() -> Vec<(&'static str, String, Override)> {
+        use clap::{Args, FromArgMatches};
+        fn each<A: Args + FromArgMatches>(
+            command: &'static str,
+            overrides: impl Fn(&A) -> Vec<Override>,
+        ) -> Vec<(&'static str, String, Override)> {
+            let cmd = A::augment_args(clap::Command::new(command));
+            let mut out = Vec::new();
+            for arg in cmd.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if ["config", "print-config"].contains(&long) {
+                    continue;
+                }
+                let flag = format!("--{long}");
+                let mut argv = vec![command.to_owned(), flag.clone()];
+                if arg.get_action().takes_values() {
+                    argv.push(if long == "sync" { "group" } else { "1" }.to_owned());
+                }
+                let matches = cmd.clone().try_get_matches_from(&argv).unwrap();
+                let mut set = overrides(&A::from_arg_matches(&matches).unwrap());
+                assert_eq!(set.len(), 1, "{command} {flag} sets one key");
+                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+                let named = format!("`[{}] {}", set[0].section, set[0].key);
+                assert!(
+                    help.contains(&named),
+                    "{command} {flag}'s help names {named}`: {help}"
+                );
+                out.push((command, flag, set.remove(0)));
+            }
+            out
+        }
+        let mut all = each("serve", |a: &crate::cli::serve::ServeArgs| {
+            a.overrides().unwrap()
+        });
+        all.extend(each("pool", |a: &crate::cli::pool::PoolArgs| {
+            a.overrides().unwrap()
+        }));
+        all
+    }
+
+    /// Every row of the configuration reference in docs/operations.md is a
+    /// key of its section, with the environment variable, the flag and the
+    /// default it documents, and the precedence holds for it: the
+    /// environment's value beats the file's, the flag's beats the
+    /// environment's. Every key and every flag is documented, and each
+    /// flag's help names its key.
+    #[test]
+    fn the_configuration_reference_matches_every_key_flag_variable_and_default() {
+        let rows = documented_keys();
+        let bogus = || toml::Value::Table(toml::Table::new());
+        let mut defaults_checked = 0;
+        for row in &rows {
+            let (section, key) = (row.section, row.key.as_str());
+            if key.starts_with("pools[]") {
+                continue; // the fields of a pool entry, in `pools`
+            }
+            let name = format!("[{section}] {key}");
+            let variable = format!("CXLKV_{}_{}", section, key).to_ascii_uppercase();
+            if let Some(env) = &row.env {
+                assert_eq!(env, &variable, "{name}: its variable");
+            }
+            // The key exists: a value of the wrong type is refused, but not
+            // as an unknown key.
+            let e = load(
+                None,
+                env(&[]),
+                &[Override::new(section, leak(key), bogus())],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(!e.contains("unknown field"), "{name}: {e}");
+            if let Some(value) = documented_default(&row.default) {
+                defaults_checked += 1;
+                let flag = [Override::new(section, leak(key), value.clone())];
+                let c = load(None, env(&[]), &flag).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(same_as_defaults(&c), "{name}: the default is not {value}");
+                // The variable, over a file that sets the key wrong.
+                let raw = match &value {
+                    toml::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                let f = file(&format!("[{section}]\n{key} = {{}}\n"));
+                let c = load(Some(f.path()), env(&[(&variable, &raw)]), &[])
+                    .unwrap_or_else(|e| panic!("{name}: {variable}={raw} over the file: {e}"));
+                assert!(same_as_defaults(&c), "{name}: {variable}={raw}");
+            }
+        }
+        assert!(
+            defaults_checked >= 40,
+            "{defaults_checked} defaults checked"
+        );
+        // Every key of every section has a row.
+        for section in SECTIONS {
+            let flag = [Override::new(section, "no_such_key", 1i64)];
+            let e = load(None, env(&[]), &flag).unwrap_err().to_string();
+            let listed = e.split("expected one of").nth(1).expect("the keys listed");
+            let listed = listed.lines().next().unwrap_or_default();
+            for key in listed.split('`').skip(1).step_by(2) {
+                assert!(
+                    rows.iter().any(|r| r.section == *section && r.key == key),
+                    "[{section}] {key} is not in docs/operations.md"
+                );
+            }
+        }
+        // Every flag is its key's documented flag (`serve`'s `[pool]` flags
+        // are `cxlkv pool`'s), and beats the environment.
+        for (command, flag, set) in flags_and_keys() {
+            let (section, key) = (set.section, set.key);
+            let row = rows
+                .iter()
+                .find(|r| r.section == section && r.key == key)
+                .unwrap_or_else(|| panic!("{command} {flag}: [{section}] {key} undocumented"));
+            assert_eq!(
+                row.flag.as_deref(),
+                Some(flag.as_str()),
+                "{command} {flag} sets [{section}] {key}"
+            );
+            // A variable of another value (a string key's "{}", any other
+            // key's wrong type) loses to the flag.
+            let variable = format!("CXLKV_{section}_{key}").to_ascii_uppercase();
+            let alone = load(None, env(&[]), std::slice::from_ref(&set)).unwrap();
+            let vars = env(&[(&variable, "{}")]);
+            let both = load(None, vars.clone(), std::slice::from_ref(&set));
+            assert_eq!(
+                both.ok().as_ref(),
+                Some(&alone),
+                "{command} {flag} over {variable}"
+            );
+            assert_ne!(
+                load(None, vars, &[]).ok().as_ref(),
+                Some(&alone),
+                "{variable}"
             );
         }
     }

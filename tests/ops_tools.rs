@@ -2,11 +2,13 @@
 //! series of operations: `cxlkv stats --json` (the real binary) reports
 //! exactly those operations field by field, and the `/metrics` endpoint
 //! serves a valid Prometheus exposition whose counters, gauges and
-//! histograms match them (and every metric the Grafana dashboard queries);
+//! histograms match them (every metric the Grafana dashboard queries is
+//! served, every one served is charted or deliberately not, and the
+//! metrics table of docs/operations.md lists exactly those served);
 //! its HTTP edge answers bad requests with the right status; `cxlkv stats
 //! --tcp` reaches a server by host name. Last, `cxlkv serve --metrics-addr`
 //! as a process announces its endpoint, which answers, next to `cxlkv
-//! stats`.
+//! stats`; `cxlkv top` refuses to draw into a pipe.
 
 mod client_support;
 
@@ -549,6 +551,7 @@ fn metrics_are_valid_exposition_and_count_the_operations_done() {
     .unwrap();
     let dashboard: Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
     let mut queried = 0;
+    let mut charted = HashSet::new();
     for panel in dashboard["panels"].as_array().unwrap() {
         for target in panel["targets"].as_array().into_iter().flatten() {
             let expr = target["expr"].as_str().unwrap();
@@ -566,11 +569,75 @@ fn metrics_are_valid_exposition_and_count_the_operations_done() {
                     m.types.contains_key(family),
                     "the dashboard queries {name}, which is not served"
                 );
+                charted.insert(family.to_owned());
                 queried += 1;
             }
         }
     }
     assert!(queried > 20, "{queried} metric references in the dashboard");
+    // ... and every family served is charted, or left out of the dashboard
+    // on purpose: a new metric gets a panel or a place on this list.
+    const NOT_CHARTED: &[&str] = &[
+        "cxlkv_directory_info",
+        "cxlkv_uptime_seconds",
+        "cxlkv_used_bytes",
+        "cxlkv_value_bytes",
+        "cxlkv_key_bytes",
+        "cxlkv_owned_bytes",
+        "cxlkv_layouts",
+        "cxlkv_pin_ledger_bytes",
+        "cxlkv_long_pin_threshold_seconds",
+        "cxlkv_evictions_lru_skipped_total",
+        "cxlkv_instances_gone_total",
+        "cxlkv_notices_issued_total",
+        "cxlkv_pins_taken_total",
+        "cxlkv_register_stale_generation_total",
+        "cxlkv_unpins_total",
+        "cxlkv_pool_regions",
+        "cxlkv_pool_orphaned_regions",
+        "cxlkv_pool_keys",
+    ];
+    let mut uncharted: Vec<&String> = m
+        .types
+        .keys()
+        .filter(|f| !charted.contains(*f) && !NOT_CHARTED.contains(&f.as_str()))
+        .collect();
+    uncharted.sort();
+    assert!(
+        uncharted.is_empty(),
+        "served but neither in docs/grafana-dashboard.json nor in NOT_CHARTED: {uncharted:?}"
+    );
+
+    // The metrics table of docs/operations.md lists exactly the families
+    // served, each with its type.
+    let operations =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+            .unwrap();
+    let table = operations
+        .split("| metric | type | labels | meaning |")
+        .nth(1)
+        .expect("docs/operations.md has the metrics table");
+    let mut documented = HashMap::new();
+    for row in table.lines().skip(2).take_while(|l| l.starts_with('|')) {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        let (names, kind) = (cells[1], cells[2]);
+        for name in names.split('`').filter(|n| n.starts_with("cxlkv_")) {
+            documented.insert(name.to_owned(), kind.to_owned());
+        }
+    }
+    for (family, kind) in &m.types {
+        assert_eq!(
+            documented.get(family),
+            Some(kind),
+            "{family} ({kind}) in docs/operations.md's metrics table"
+        );
+    }
+    for family in documented.keys() {
+        assert!(
+            m.types.contains_key(family),
+            "docs/operations.md documents {family}, which is not served"
+        );
+    }
 
     // A scrape is a statistics snapshot: the directory counts it as one
     // `stats` call, and nothing else changes — once the last snapshot is
@@ -728,5 +795,32 @@ fn serve_with_a_metrics_address_announces_and_serves_it() {
     assert!(
         TcpStream::connect(addr).is_err(),
         "the metrics endpoint stops with the server"
+    );
+}
+
+/// `cxlkv top` is a terminal view: with standard output a pipe it refuses,
+/// pointing at `cxlkv stats`, before it connects (it used to open a
+/// session, then fail with "cannot set up the terminal: No such device or
+/// address", or draw escape codes into the pipe when a terminal was at
+/// hand).
+#[test]
+fn top_refuses_to_draw_into_a_pipe_and_names_stats() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["top", "--socket", "/nonexistent/cxlkv.sock"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("cxlkv top runs");
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty(), "nothing drawn");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("needs a terminal") && err.contains("cxlkv stats"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("cannot connect"),
+        "checked before connecting: {err}"
     );
 }

@@ -12,6 +12,13 @@
 //! synced per record by default and in groups when configured
 //! (`CXLKV_POOL_SYNC=group`); both must leave the region granted before
 //! the signal for the next start.
+//!
+//! Then what the operator meets around it: `--print-config` failing for a
+//! configuration that could not start, `--pool`/`--state-dir` refused
+//! beside a pool daemon, the systemd readiness notification (`READY=1` once
+//! listening, `STOPPING=1`) of `serve` and `pool`, and the defaults each
+//! shipped unit resolves (as a user that is not root, with the unit's
+//! environment) landing in that unit's own directories.
 
 mod common;
 
@@ -286,6 +293,49 @@ fn print_config_fails_for_a_configuration_that_could_not_start() {
     );
 }
 
+/// `--pool` and `--state-dir` configure the embedded pool manager: with a
+/// pool daemon (`[server] pool_daemon`, from a flag or anywhere else) they
+/// would be silently unused, so `serve` refuses them, naming them. `[pool]`
+/// keys from a file or the environment (one shared with the daemon) are
+/// only logged as unused.
+#[test]
+fn serve_refuses_pool_flags_a_pool_daemon_would_leave_unused() {
+    let daemon = "unix:/nonexistent/cxlkv-pool.sock";
+    let (ok, text, err) = print_config(
+        &[],
+        &[
+            "--pool-daemon",
+            daemon,
+            "--pool",
+            "/dev/shm/cxlkv-unused.pool",
+            "--state-dir",
+            "/tmp/cxlkv-unused.state",
+        ],
+    );
+    assert!(!ok, "accepted:\n{text}");
+    assert!(
+        err.contains("--pool and --state-dir configure the embedded pool manager")
+            && err.contains(daemon),
+        "{err}"
+    );
+    let (ok, text, err) = print_config(
+        &[("CXLKV_SERVER_POOL_DAEMON", daemon)],
+        &["--pool", "/dev/shm/cxlkv-unused.pool"],
+    );
+    assert!(!ok, "accepted:\n{text}");
+    assert!(err.contains("--pool configures"), "{err}");
+    let (ok, text, err) = print_config(
+        &[
+            ("CXLKV_SERVER_POOL_DAEMON", daemon),
+            ("CXLKV_POOL_GRACE_MS", "5000"),
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(text.contains("Remote("), "{text}");
+    assert!(err.contains("[pool] keys are set but unused"), "{err}");
+}
+
 /// `cxlkv pool --print-config` makes every check the daemon makes before it
 /// opens anything, as `serve --print-config` does, and prints `[transport]`
 /// too: both commands fail, naming the key, for a transport backend or a
@@ -456,4 +506,176 @@ fn serve_logs_pins_held_past_the_threshold() {
     assert!(line.contains("pins=1"), "{line}");
     stop(server, "auto", libc::SIGTERM);
     remove(&[&socket, &pool, &state]);
+}
+
+/// Receives one datagram from `socket` within 10 s.
+fn notified(socket: &std::os::unix::net::UnixDatagram) -> String {
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let n = socket.recv(&mut buf).expect("a notification within 10 s");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// Under systemd (`Type=notify`, `$NOTIFY_SOCKET`) `cxlkv pool` and `cxlkv
+/// serve` say `READY=1` once their socket accepts connections, and
+/// `STOPPING=1` when a signal stops them. The shipped units used to be
+/// `Type=exec`, ready as soon as executed: `cxlkv.service`, ordered after
+/// `cxlkv-pool.service`, started before the daemon listened and failed
+/// (reliability entry 151).
+#[test]
+fn serve_and_pool_tell_systemd_they_are_ready_once_they_listen() {
+    let unique = format!("notify-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify");
+    let listener = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
+    let notify_env = notify.to_str().unwrap();
+
+    // The pool daemon.
+    let pool_socket = dir.path().join("pool.sock");
+    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}-daemon.pool"));
+    let pool_state = dir.path().join("pool-state");
+    remove(&[&pool]);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    cmd.arg("pool")
+        .arg("--pool")
+        .arg(format!("{},size=64MiB", pool.display()))
+        .arg("--state-dir")
+        .arg(&pool_state)
+        .arg("--socket")
+        .arg(&pool_socket)
+        .env("NOTIFY_SOCKET", notify_env)
+        .env("CXLKV_LOG", "warn")
+        .env_remove("CXLKV_CONFIG")
+        .stdout(Stdio::null());
+    let daemon = Guard(Some(cmd.spawn().expect("cxlkv pool starts")));
+    assert_eq!(notified(&listener), "READY=1", "pool");
+    std::os::unix::net::UnixStream::connect(&pool_socket)
+        .expect("the pool daemon listens when it says it is ready");
+
+    // The server.
+    let socket = dir.path().join("cxlkv.sock");
+    let server_pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
+    let server_state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
+    remove(&[&server_pool, &server_state]);
+    // Not waiting for the `listening` line: the notification alone says
+    // when to connect.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--pool")
+        .arg(format!("{},size=64MiB", server_pool.display()))
+        .env("CXLKV_SERVER_DEFAULT_REGION_BYTES", "16MiB")
+        .env("NOTIFY_SOCKET", notify_env)
+        .env("CXLKV_LOG", "error")
+        .env_remove("CXLKV_CONFIG")
+        .stdout(Stdio::null());
+    let server = Guard(Some(cmd.spawn().expect("cxlkv serve starts")));
+    assert_eq!(notified(&listener), "READY=1", "serve");
+    std::os::unix::net::UnixStream::connect(&socket).expect("serve listens when ready");
+    stop(server, "auto", libc::SIGTERM);
+    assert_eq!(notified(&listener), "STOPPING=1", "serve");
+    stop(daemon, "pool", libc::SIGTERM);
+    assert_eq!(notified(&listener), "STOPPING=1", "pool");
+    remove(&[&pool, &server_pool, &server_state]);
+}
+
+/// The directives `key=` of a shipped unit file, every value of each.
+fn unit_directives(unit: &str, key: &str) -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/systemd")
+        .join(unit);
+    let text = std::fs::read_to_string(&path).expect("the unit file");
+    let prefix = format!("{key}=");
+    text.lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .flat_map(|v| v.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+        .collect()
+}
+
+/// What `command --print-config --pool /dev/dax9.9` resolves to when run
+/// as the shipped `unit` runs it: as a user that is not root (nobody here,
+/// `cxlkv` there), with the unit's `Environment=` and nothing else
+/// (`HOME` pointing nowhere); `None` when this test is not root and cannot
+/// become another user.
+fn resolved_under_unit(command: &str, unit: &str) -> Option<String> {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run the binary as another user");
+        return None;
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    cmd.args([command, "--print-config", "--pool", "/dev/dax9.9"])
+        .env_clear()
+        .env("HOME", "/nonexistent")
+        .env("CXLKV_LOG", "error")
+        .uid(65534)
+        .gid(65534);
+    for assignment in unit_directives(unit, "Environment") {
+        let (k, v) = assignment.split_once('=').expect("KEY=VALUE");
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("cxlkv runs as nobody");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{unit}: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(text.split_whitespace().collect())
+}
+
+/// Under the shipped units (user `cxlkv`, a private `/tmp`, everything but
+/// the unit's state and runtime directories read-only), the default socket
+/// and state directory land in those directories: `cxlkv.service` listens
+/// on `/run/cxlkv/cxlkv.sock`, where its clients look, with no `socket` in
+/// its configuration. It used to resolve the socket of a user that is not
+/// root, `/tmp/cxlkv-<uid>/cxlkv.sock`, inside the service's private
+/// `/tmp`, which no client reaches (reliability entry 152).
+#[test]
+fn the_shipped_units_defaults_land_in_their_own_directories() {
+    for (command, unit, socket_line) in [
+        ("serve", "cxlkv.service", "socket_path:"),
+        ("pool", "cxlkv-pool.service", "socket:"),
+    ] {
+        let Some(flat) = resolved_under_unit(command, unit) else {
+            return;
+        };
+        let runtime = format!("/run/{}", unit_directives(unit, "RuntimeDirectory")[0]);
+        let state = format!("/var/lib/{}", unit_directives(unit, "StateDirectory")[0]);
+        let writable = unit_directives(unit, "ReadWritePaths");
+        assert!(
+            writable.contains(&runtime) && writable.contains(&state),
+            "{unit}"
+        );
+        let quoted = |line: &str| -> String {
+            let at = flat
+                .find(line)
+                .unwrap_or_else(|| panic!("{line} in {flat}"));
+            flat[at + line.len()..]
+                .split('"')
+                .nth(1)
+                .expect("a quoted path")
+                .to_owned()
+        };
+        let socket = quoted(socket_line);
+        assert!(
+            socket.starts_with(&format!("{runtime}/")),
+            "{unit}: the socket {socket} is not in {runtime}"
+        );
+        let state_dir = quoted("state_dir:");
+        assert!(
+            state_dir.starts_with(&format!("{state}/")),
+            "{unit}: the state directory {state_dir} is not in {state}"
+        );
+        if unit == "cxlkv.service" {
+            // Where clients look when they are root, and what the
+            // documentation's examples name.
+            assert_eq!(socket, "/run/cxlkv/cxlkv.sock");
+            assert_eq!(state_dir, "/var/lib/cxlkv/pool");
+        }
+    }
 }

@@ -11,6 +11,7 @@ use crate::bench::Reporter;
 
 pub mod chaos;
 pub mod demo;
+mod notify;
 pub mod pool;
 pub mod serve;
 mod signals;
@@ -141,10 +142,29 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_text(&err));
             ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line, as `{:#}` prints them, but each
+/// said once: many error types put their cause in their own message *and*
+/// return it as `source()` (`pool P: cannot open pool P` over `cannot open
+/// pool P`), which `{:#}` would repeat.
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let said = cause.to_string();
+        if text.contains(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
 }
 
 /// Logs to stderr, filtered by `CXLKV_LOG` (default: `default_level`).
@@ -254,6 +274,31 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    /// An error whose message already holds its cause's text is printed
+    /// with each cause once (a refused pool used to read `cannot open pool
+    /// P: cannot open pool P: No such file or directory`).
+    #[test]
+    fn an_error_is_printed_with_each_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("cannot open pool /dev/dax9.9")]
+        struct Open(#[source] std::io::Error);
+        #[derive(Debug, thiserror::Error)]
+        #[error("pool /dev/dax9.9: {0}")]
+        struct Pool(#[source] Open);
+        let enoent = std::io::Error::from_raw_os_error(libc::ENOENT);
+        let err = anyhow::Error::from(Pool(Open(enoent))).context("cannot start the pool manager");
+        assert_eq!(
+            error_text(&err),
+            format!(
+                "cannot start the pool manager: pool /dev/dax9.9: cannot open pool /dev/dax9.9: {}",
+                std::io::Error::from_raw_os_error(libc::ENOENT)
+            )
+        );
+        // Causes that are not repeated are all kept, in order.
+        let err = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(error_text(&err), "outer: middle: inner");
     }
 
     /// `--tcp HOST:PORT` of `stats` and `top` takes a host name, as

@@ -6,8 +6,9 @@
 //! `CXLKV_POOL_*`, then the file, then defaults). The daemon recovers its state directory, opens and
 //! fences its pools, listens on its Unix socket (and TCP if configured),
 //! prints one line `listening <endpoint>…` on standard output once it
-//! serves, and logs with `tracing` on standard error (`CXLKV_LOG`, default
-//! `info` for this command). SIGTERM or SIGINT (or SIGHUP) stop it
+//! serves (and tells systemd `READY=1` when `$NOTIFY_SOCKET` is set), and
+//! logs with `tracing` on standard error (`CXLKV_LOG`, default `info` for
+//! this command). SIGTERM or SIGINT (or SIGHUP) stop it
 //! gracefully: no new requests, the journal committed and checkpointed,
 //! the locks released; a
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
@@ -25,6 +26,7 @@ use clap::Args;
 use cxlkv_controlplane::pool::service::PoolCore;
 use cxlkv_controlplane::transport::{Endpoint, LoopWatch};
 
+use super::notify;
 use super::signals::{
     STOP_DEADLINE, block_stop_signals, cut_short, signal_name, stop_within, wait_signal,
 };
@@ -44,37 +46,47 @@ pub struct PoolArgs {
     /// (repeat for several; replaces `[pool] pools`).
     #[arg(long = "pool", value_name = "SPEC")]
     pub pools: Vec<String>,
-    /// State directory (journal, checkpoint, secret, lock).
+    /// State directory: journal, checkpoint, secret, lock (`[pool]
+    /// state_dir`; default next to a first pool under `/dev/shm`, else
+    /// `/var/lib/cxlkv/pool` as root).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
-    /// Unix socket to listen on.
+    /// Unix socket to listen on (`[pool] socket`; default
+    /// `/run/cxlkv/pool.sock` as root).
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Also listen on TCP (`host:port`).
+    /// Also listen on TCP, `host:port` (`[pool] tcp`).
     #[arg(long)]
     pub tcp: Option<String>,
-    /// File with the secret TCP directories must present.
+    /// File with the secret TCP directories must present, mode 0600 or
+    /// stricter (`[pool] tcp_secret_file`).
     #[arg(long)]
     pub tcp_secret_file: Option<PathBuf>,
-    /// Accept TCP directories without a secret (trusted networks only).
+    /// Accept TCP directories without a secret, on trusted networks only
+    /// (`[pool] tcp_insecure`).
     #[arg(long)]
     pub tcp_insecure: bool,
-    /// `per-record` or `group`.
+    /// Journal sync: `per-record` or `group` (`[pool] sync`).
     #[arg(long, value_parser = ["per-record", "group"])]
     pub sync: Option<String>,
-    /// Largest commit group under `--sync group`.
+    /// Largest commit group under `--sync group` (`[pool]
+    /// group_max_records`).
     #[arg(long)]
     pub group_max_records: Option<u64>,
-    /// Committed journal records between checkpoints.
+    /// Committed journal records between checkpoints (`[pool]
+    /// checkpoint_every_records`).
     #[arg(long)]
     pub checkpoint_every_records: Option<u64>,
-    /// How long a gone directory's regions wait for a reattach.
+    /// How long a gone directory's regions wait for a reattach (`[pool]
+    /// grace_ms`).
     #[arg(long)]
     pub grace_ms: Option<u64>,
-    /// Pool-header lease length (renewed every third of it).
+    /// Pool-header lease length, renewed every third of it (`[pool]
+    /// lease_ms`).
     #[arg(long)]
     pub lease_ms: Option<u64>,
-    /// Do not pass pool descriptors to local directories.
+    /// Do not pass pool descriptors to local directories (`[pool] pass_fds
+    /// = false`).
     #[arg(long)]
     pub no_pass_fds: bool,
     /// Print the resolved configuration (`[pool]` and `[transport]`) and
@@ -210,6 +222,9 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         .context("cannot listen")?;
     let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
     println!("listening {}", shown.join(" "));
+    // Under systemd (`Type=notify`): started means listening, so that
+    // `cxlkv serve` ordered after this unit finds the socket.
+    notify::notify("READY=1");
     tracing::info!(
         state_dir = %resolved.service.state_dir.display(),
         pools = core.pools().len(),
@@ -239,6 +254,7 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         Some(sig) => tracing::info!(signal = %signal_name(sig), "stopping"),
         None => tracing::info!("stopping: the pool manager's core stopped by itself"),
     }
+    notify::notify("STOPPING=1");
     let report = stop_within(&signals, STOP_DEADLINE, move || core.shutdown())
         .map_err(cut_short)?
         .context("graceful shutdown failed")?;

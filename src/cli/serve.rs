@@ -6,7 +6,9 @@
 //! Configuration comes from [`crate::config`] (`[server]`, `[directory]`,
 //! `[pool]`; flags, then `CXLKV_<SECTION>_<KEY>`, then the file, then
 //! defaults). Once it serves it prints one line `listening <endpoint>…` on
-//! standard output; logs go to standard error (`CXLKV_LOG`, default `info`).
+//! standard output, and tells systemd `READY=1` when `$NOTIFY_SOCKET` is
+//! set (the unit is `Type=notify`); logs go to standard error (`CXLKV_LOG`,
+//! default `info`).
 //! SIGTERM or SIGINT (or SIGHUP) stop it gracefully: every connection
 //! closed (sessions end, pins released), region frees in flight waited for, the embedded pool
 //! manager's journal committed and checkpointed, the socket file removed; a
@@ -21,6 +23,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 
+use super::notify;
 use super::signals::{self, STOP_DEADLINE};
 use crate::config::{self, Override};
 use crate::server::Server;
@@ -41,8 +44,8 @@ pub struct ServeArgs {
     /// Also listen on TCP, `host:port` (`[server] tcp`).
     #[arg(long)]
     pub tcp: Option<String>,
-    /// File with the secret TCP clients must present (`[server]
-    /// tcp_secret_file`).
+    /// File with the secret TCP clients must present, mode 0600 or
+    /// stricter (`[server] tcp_secret_file`).
     #[arg(long)]
     pub tcp_secret_file: Option<PathBuf>,
     /// Accept TCP clients without a secret (`[server] tcp_insecure`).
@@ -54,15 +57,17 @@ pub struct ServeArgs {
     /// The directory's stable identity (`[server] directory_id`).
     #[arg(long)]
     pub directory_id: Option<String>,
-    /// Use a `cxlkv pool` daemon, `unix:PATH` or `tcp:HOST:PORT` (`[server]
-    /// pool_daemon`).
+    /// Use a `cxlkv pool` daemon, `unix:PATH` or `tcp:HOST:PORT`, instead
+    /// of the embedded pool manager (`[server] pool_daemon`).
     #[arg(long)]
     pub pool_daemon: Option<String>,
-    /// A pool, `PATH[,size=SIZE][,align=ALIGN][,visibility=coherent|flush]`
-    /// (repeat for several; `[pool] pools`).
+    /// A pool of the embedded pool manager,
+    /// `PATH[,size=SIZE][,align=ALIGN][,visibility=coherent|flush]` (repeat
+    /// for several; `[pool] pools`; refused with a pool daemon).
     #[arg(long = "pool", value_name = "SPEC")]
     pub pools: Vec<String>,
-    /// The embedded pool manager's state directory (`[pool] state_dir`).
+    /// The embedded pool manager's state directory (`[pool] state_dir`;
+    /// refused with a pool daemon).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
     /// Session lease (`[directory] lease_ms`).
@@ -71,8 +76,8 @@ pub struct ServeArgs {
     /// Instance grace period (`[directory] grace_ms`).
     #[arg(long)]
     pub grace_ms: Option<u64>,
-    /// Largest per-instance quota, bytes or e.g. `8GiB`; 0 none
-    /// (`[directory] quota_bytes`).
+    /// The quota of every instance, in bytes of regions, or e.g. `8GiB`; 0
+    /// none (`[directory] quota_bytes`).
     #[arg(long)]
     pub quota: Option<String>,
     /// Enable full LRU eviction (`[directory] lru`).
@@ -89,7 +94,8 @@ pub struct ServeArgs {
     /// metrics_addr`).
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
-    /// Print the resolved configuration and exit.
+    /// Print the resolved configuration (secrets `<redacted>`) and exit;
+    /// exits 1, naming the key, if the server would refuse it.
     #[arg(long)]
     pub print_config: bool,
 }
@@ -173,6 +179,27 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // the signals wait for `sigtimedwait` here.
     let signals = signals::block_stop_signals()?;
     let cfg = config::load_from_process(args.config.as_deref(), &args.overrides()?)?;
+    if let Some(daemon) = &cfg.server.pool_daemon {
+        // `[pool]` configures the embedded pool manager, which a daemon
+        // replaces: a pool named on this command line would be silently
+        // unused (the daemon serves its own pools).
+        let flags: Vec<&str> = [
+            ("--pool", !args.pools.is_empty()),
+            ("--state-dir", args.state_dir.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect();
+        let one = flags.len() == 1;
+        anyhow::ensure!(
+            flags.is_empty(),
+            "{} {} the embedded pool manager, unused with [server] pool_daemon = {daemon:?}: \
+             the daemon serves its own pools (`cxlkv pool --pool`); drop {} or the daemon",
+            flags.join(" and "),
+            if one { "configures" } else { "configure" },
+            if one { "it" } else { "them" },
+        );
+    }
     let server_cfg = cfg.server_config()?;
     if args.print_config {
         println!("{server_cfg:#?}");
@@ -192,6 +219,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         endpoints.push(format!("metrics:http://{addr}/metrics"));
     }
     println!("listening {}", endpoints.join(" "));
+    // Under systemd (`Type=notify`): started means listening.
+    notify::notify("READY=1");
     tracing::info!(
         endpoints = %endpoints.join(" "),
         pools = ?server.pool_paths(),
@@ -215,6 +244,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         }
     };
     tracing::info!(signal = %signals::signal_name(stopped_by), "stopping");
+    notify::notify("STOPPING=1");
     let report = signals::stop_within(&signals, STOP_DEADLINE, move || server.shutdown())
         .map_err(signals::cut_short)?
         .context("graceful shutdown failed")?;

@@ -514,6 +514,14 @@ pub fn run(args: &TopArgs) -> anyhow::Result<()> {
         "--history {} is not in 2..={MAX_HISTORY}",
         args.history
     );
+    // A full-screen view drawn into a pipe or a file would be escape codes
+    // without end: refuse before connecting (a session the server would
+    // count for nothing).
+    anyhow::ensure!(
+        io::IsTerminal::is_terminal(&io::stdout()),
+        "cxlkv top draws a live full-screen view and needs a terminal on standard output; \
+         for a pipe, a file or a script use `cxlkv stats` (`--json` for one JSON line)"
+    );
     // Connect before the screen changes, so that a failure reads normally.
     let client = args.connect.connect("top")?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -566,7 +574,8 @@ fn ui_loop(rx: &mpsc::Receiver<Result<Report, String>>, capacity: usize) -> anyh
             previous_hook(info);
         }));
     }
-    let _guard = TerminalGuard::enter().context("cannot set up the terminal")?;
+    let _guard = TerminalGuard::enter()
+        .context("cannot set up the terminal (cxlkv top needs a controlling terminal)")?;
     let backend = ratatui::backend::CrosstermBackend::new(io::stdout());
     // Not `Terminal::clear`: it asks the terminal for the cursor position,
     // which not every terminal (or pty) answers; `enter` cleared the screen.
