@@ -607,7 +607,17 @@ fn resolved_under_unit(command: &str, unit: &str) -> Option<String> {
         eprintln!("skipped: needs root to run the binary as another user");
         return None;
     }
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    // A copy of the binary in a directory anyone may enter: the build's own
+    // may sit under one only its owner can (a checkout in `mktemp -d`).
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let exe = dir.path().join("cxlkv");
+    std::fs::copy(env!("CARGO_BIN_EXE_cxlkv"), &exe).expect("the binary copied");
+    for (path, mode) in [(dir.path(), 0o755), (exe.as_path(), 0o755)] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .expect("made readable by nobody");
+    }
+    let mut cmd = Command::new(&exe);
     cmd.args([command, "--print-config", "--pool", "/dev/dax9.9"])
         .env_clear()
         .env("HOME", "/nonexistent")
