@@ -353,6 +353,14 @@ fn a_server_exits_when_its_pool_daemon_comes_back_serving_other_pools() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // The loss was logged where it was noticed, before the reconnect (it
+    // used to be logged only by a reconnect that found the connection
+    // still set, which the wait that met the closed connection had
+    // already dropped: a daemon gone was first heard of as "reconnected").
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let lost = text.find("connection to the pool manager lost");
+    let back = text.find("reconnected to the pool manager");
+    assert!(lost.is_some() && lost < back, "{text}");
     let child = server.0.as_mut().expect("running");
     assert!(
         child.try_wait().unwrap().is_none(),

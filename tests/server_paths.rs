@@ -499,3 +499,49 @@ fn a_closed_connections_deferred_region_replies_go_with_it_though_a_retry_droppe
     server.shutdown().unwrap();
     daemon.kill();
 }
+
+/// An embedded pool that cannot be opened stops the start with a message
+/// that says why: the operating system's own reason, not only "cannot open
+/// pool P" (the server kept its pool service's error as text, and dropped
+/// the causes below the first).
+#[test]
+fn a_pool_that_cannot_be_opened_is_refused_with_the_reason() {
+    use cxlkv::server::Server;
+    let mut cfg = ServerConfig::ephemeral("unopenable-pool");
+    cfg.pool_path = "/nonexistent-cxlkv-dir/p.pool".into();
+    let err = match Server::start(cfg) {
+        Ok(_) => panic!("a pool in a missing directory was opened"),
+        Err(e) => e,
+    };
+    let mut text = err.to_string();
+    let mut cause = std::error::Error::source(&err);
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    assert!(text.contains("/nonexistent-cxlkv-dir/p.pool"), "{text}");
+    assert!(
+        text.contains(&std::io::Error::from_raw_os_error(libc::ENOENT).to_string()),
+        "the reason is given: {text}"
+    );
+}
+
+/// A directory setting out of range names where the operator sets it —
+/// the file's key and the environment's variable — whichever they used
+/// (the message used to say "in a configuration file" for a value the
+/// environment had set).
+#[test]
+fn a_directory_setting_out_of_range_names_its_key_and_its_variable() {
+    use cxlkv::server::Server;
+    let mut cfg = ServerConfig::ephemeral("watermark-range");
+    cfg.directory.eviction.pool_high_watermark = 1.5;
+    let err = match Server::start(cfg) {
+        Ok(_) => panic!("a high watermark of 1.5 was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("[directory] high_watermark in a configuration file")
+            && err.contains("CXLKV_DIRECTORY_HIGH_WATERMARK in the environment"),
+        "{err}"
+    );
+}

@@ -480,7 +480,7 @@ impl ServerConfig {
                 && self.default_region_bytes >= largest
             {
                 return bad(format!(
-                    "default_region_bytes = {} does not fit the embedded pool{} (largest {largest} bytes; its first block holds the pool header)",
+                    "default_region_bytes = {} does not fit the embedded pool{}: the largest is {largest} bytes and its first block holds the pool header, so a region must be smaller than that",
                     self.default_region_bytes,
                     if c.pools.len() > 1 { "s" } else { "" },
                 ));
@@ -518,7 +518,12 @@ fn config_file_key(field: &str) -> Option<&'static str> {
 fn directory_error_hint(e: &ConfigError) -> String {
     match e {
         ConfigError::OutOfRange { field, .. } => match config_file_key(field) {
-            Some(key) => format!(" (in a configuration file: [directory] {key})"),
+            // Where the operator set it: the file's key or its variable
+            // (the flags set no `[directory]` key).
+            Some(key) => format!(
+                " ([directory] {key} in a configuration file, CXLKV_DIRECTORY_{} in the environment)",
+                key.to_ascii_uppercase()
+            ),
             None => String::new(),
         },
         _ => String::new(),
@@ -1364,7 +1369,7 @@ mod tests {
         cfg.default_region_bytes = 64 << 20;
         let m = refused(&cfg);
         assert!(
-            m.contains("does not fit the embedded pools (largest 50331648 bytes"),
+            m.contains("does not fit the embedded pools: the largest is 50331648 bytes"),
             "{m}"
         );
         cfg.default_region_bytes = 40 << 20;

@@ -50,13 +50,32 @@ pub(crate) struct OpenedPool {
     pub core: Option<PoolCore>,
 }
 
+/// `e` and each of its causes that its text does not already state,
+/// `: `-joined: the message a `ServerError::PoolService` keeps (it holds
+/// text, so a cause left out here is lost — "cannot open pool P" without
+/// the "No such file or directory" that says why).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 /// Starts (embedded) or connects to (remote) the pool manager and opens this
 /// directory's session.
 pub(crate) fn open(cfg: &PoolManagerConfig, directory_id: &str) -> Result<OpenedPool, ServerError> {
     match cfg {
         PoolManagerConfig::Embedded(service_cfg) => {
-            let core = PoolCore::start(service_cfg.clone())
-                .map_err(|e| ServerError::PoolService(format!("cannot start: {e}")))?;
+            let core = PoolCore::start(service_cfg.clone()).map_err(|e| {
+                ServerError::PoolService(format!("cannot start: {}", with_causes(&e)))
+            })?;
             let (local, session): (LocalPool, PoolSession) = core
                 .attach_local(directory_id, POOL_CALL_TIMEOUT)
                 .map_err(|e| ServerError::PoolService(e.to_string()))?;

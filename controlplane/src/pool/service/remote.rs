@@ -504,7 +504,7 @@ impl Driver {
                 continue;
             }
             if !self.send_unsent() {
-                self.client = None;
+                self.lose_connection("a request could not be sent");
                 continue;
             }
             self.wait_front();
@@ -657,13 +657,23 @@ impl Driver {
         }
     }
 
+    /// Drops the connection, saying so once, where the loss is noticed (a
+    /// send that failed, a closed connection met by a wait or found by
+    /// `reconnect`): the warning used to be given only in `reconnect`,
+    /// which found the connection already dropped by the other two — a
+    /// pool manager killed under the server was logged only as
+    /// "reconnected", seconds later.
+    fn lose_connection(&mut self, why: &str) {
+        if self.client.take().is_some() {
+            tracing::warn!(endpoint = %self.cfg.endpoint, why, "connection to the pool manager lost; reconnecting");
+        }
+    }
+
     /// One reconnection attempt (after the backoff): hello, reattach, and
     /// every flight marked for resending. False when it failed.
     fn reconnect(&mut self) -> bool {
         let backoff = Duration::from_millis(self.cfg.reconnect_backoff_ms);
-        if self.client.take().is_some() {
-            tracing::warn!(endpoint = %self.cfg.endpoint, "connection to the pool manager lost; reconnecting");
-        }
+        self.lose_connection("the connection closed");
         for f in &mut self.flights {
             f.call = None;
         }
@@ -825,7 +835,7 @@ impl Driver {
                         Some(Instant::now() + Duration::from_millis(self.cfg.reconnect_backoff_ms));
                 }
             }
-            Outcome::Broken => self.client = None,
+            Outcome::Broken => self.lose_connection("the connection closed"),
         }
     }
 
