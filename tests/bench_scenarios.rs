@@ -9,7 +9,9 @@
 //! consumed comparison as `ratio`), `alloc` and `pool` (threads from the
 //! environment); every documented target (`scripts/bench-targets.tsv`)
 //! that matches a case finds its metric in it; the servers a bench started
-//! end when it is killed; `cxlkv bench --help` lists the scenarios. Runs the
+//! end when it is killed; `cxlkv bench --help` lists the scenarios; an
+//! empty `--pool` file is refused saying how to size it, and the scenario
+//! after `pool` on the same pool does not wait out a 10 s lease. Runs the
 //! debug binary's `--quick` form with one
 //! repetition: the figures are meaningless there, their presence and
 //! arithmetic are not.
@@ -690,4 +692,57 @@ fn bench_help_lists_every_scenario_and_where_its_records_are_described() {
     }
     assert!(help.contains("docs/benchmarks.md"), "{help}");
     assert!(help.contains("WRITES into it"), "--pool's warning: {help}");
+}
+
+/// `--pool` naming an empty file (made with `touch`) is refused before
+/// anything runs, saying how to give it a size, by every scenario that
+/// measures on a pool (it used to say "0 usable bytes; at least 2097152 are
+/// needed", and nothing of how to fix it).
+#[test]
+fn an_empty_pool_file_is_refused_with_how_to_size_it() {
+    let dir = tempfile::tempdir_in("/dev/shm").expect("a directory in /dev/shm");
+    let pool = dir.path().join("pool");
+    std::fs::write(&pool, b"").expect("an empty file");
+    for scenario in ["copy", "store"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .args([
+                "bench", scenario, "--quick", "--reps", "1", "--json", "--pool",
+            ])
+            .arg(&pool)
+            .output()
+            .expect("run cxlkv bench");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{scenario}: {stderr}");
+        assert!(
+            out.stdout.is_empty(),
+            "{scenario}: records on an empty pool"
+        );
+        assert!(
+            stderr.contains("is an empty file") && stderr.contains("truncate -s"),
+            "{scenario}: {stderr}"
+        );
+    }
+}
+
+/// On `--pool`, the next scenario waits out the lease the one before left
+/// in the pool's header. `pool`'s daemon (killed after each case) used the
+/// default lease, 10 s, where the bench's servers use 1 s: the scenario
+/// after it on the same pool (`tier` in hwbench's order) spent 10 s
+/// waiting.
+#[test]
+fn the_scenario_after_pool_on_the_same_pool_does_not_wait_out_a_long_lease() {
+    let dir = tempfile::tempdir_in("/dev/shm").expect("a directory in /dev/shm");
+    let pool = dir.path().join("pool");
+    std::fs::File::create(&pool)
+        .and_then(|f| f.set_len(512 << 20))
+        .expect("a 512 MiB pool file");
+    let pool = pool.to_str().expect("UTF-8 path");
+    bench_with("pool", &["--pool", pool], &[]);
+    let started = std::time::Instant::now();
+    bench_with("tier", &["--pool", pool], &[]);
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(6),
+        "bench tier after bench pool took {took:?}"
+    );
 }

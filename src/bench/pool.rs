@@ -56,7 +56,7 @@ use cxlkv_controlplane::proto::{
 use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient};
 use parking_lot::Mutex;
 
-use super::pool_target::BenchPool;
+use super::pool_target::{BENCH_LEASE_MS, BenchPool};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 
@@ -99,7 +99,17 @@ impl Drop for Daemon {
     }
 }
 
-fn start_daemon(case: &Case, pool: &Path, state: &Path, socket: &Path) -> anyhow::Result<Daemon> {
+/// Starts the daemon on `pool`. On the operator's `--pool` (`short_lease`)
+/// its lease is the bench's short one, as the bench's servers' are: the
+/// daemon is killed after each case, and the next scenario on the pool
+/// waits out the lease it leaves (10 s by default).
+fn start_daemon(
+    case: &Case,
+    pool: &Path,
+    state: &Path,
+    socket: &Path,
+    short_lease: bool,
+) -> anyhow::Result<Daemon> {
     let exe = std::env::current_exe().context("locate the cxlkv binary")?;
     let parent = libc::pid_t::try_from(std::process::id()).context("this pid fits in pid_t")?;
     let mut command = Command::new(exe);
@@ -122,6 +132,12 @@ fn start_daemon(case: &Case, pool: &Path, state: &Path, socket: &Path) -> anyhow
         .arg(case.sync)
         .arg("--group-max-records")
         .arg("256")
+        .args(
+            short_lease
+                .then(|| ["--lease-ms".to_owned(), BENCH_LEASE_MS.to_string()])
+                .into_iter()
+                .flatten(),
+        )
         .env("CXLKV_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -391,7 +407,13 @@ fn run_case(
     let states = places.states.path();
     let pool = &places.pool;
     let state_base = &places.state_base;
-    let daemon = start_daemon(case, pool, &states.join("daemon"), &socket)?;
+    let daemon = start_daemon(
+        case,
+        pool,
+        &states.join("daemon"),
+        &socket,
+        places.target.path().is_some(),
+    )?;
     let mut baseline = Baseline::open(
         &states.join(format!("baseline-{}-{}", case.sync, case.clients)),
         case,
