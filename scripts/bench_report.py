@@ -14,7 +14,8 @@ Output:
   results.jsonl         every record that satisfies the contract, in run order
   run.json              run-info, per-scenario status, target evaluations
   summary.md            scenario status table, results table with targets,
-                        missed targets, plot links
+                        missed targets, targets not checked (no case of a
+                        scenario that ran matched them), plot links
   plots/NAME.svg        per scenario: ours vs baseline per case, ratio per case
   plots/ratios.svg      every case's ratio on one log scale
 
@@ -185,12 +186,19 @@ def read_targets(path):
 
 
 def evaluate_targets(record, targets):
-    """[(target, value or None, met or None)] for the targets of `record`."""
+    """[(target, value or None, met or None)] for the targets of `record`.
+
+    A case the scenario skipped (`skipped: true`, e.g. an io_uring case
+    where io_uring is unavailable) carries zeros, not a measurement: its
+    targets are not evaluated (value and met None)."""
     result = []
     for target in targets:
         if target["scenario"] != record["scenario"]:
             continue
         if not target["case"].fullmatch(record["case"]):
+            continue
+        if record.get("skipped") is True:
+            result.append((target, None, None))
             continue
         value = record.get(target["metric"])
         if not is_number(value):
@@ -201,6 +209,27 @@ def evaluate_targets(record, targets):
         else:
             met = value <= target["threshold"]
         result.append((target, value, met))
+    return result
+
+
+def unchecked_targets(scenarios, evaluations, targets):
+    """[(target, why)]: the targets of every scenario that ran which no
+    record of it was checked against — no case matched (a `--pool` run's
+    `dest=devdax` copy cases, `alloc --threads 8` without `threads=2`), or
+    the scenario reported nothing."""
+    ran = {s["scenario"]: s for s in scenarios}
+    matched = {id(t) for _, evals in evaluations for t, _, _ in evals}
+    result = []
+    for target in targets:
+        s = ran.get(target["scenario"])
+        if s is None or id(target) in matched:
+            continue
+        if not s["records"]:
+            why = f"the scenario reported no records ({s['status']})"
+        else:
+            cases = ", ".join(dict.fromkeys(r["case"] for r in s["records"]))
+            why = f"no case matches `{target['case_pattern']}` (cases run: {cases})"
+        result.append((target, why))
     return result
 
 
@@ -250,7 +279,7 @@ def cpu_line(results_dir):
 # --- summary.md --------------------------------------------------------------
 
 
-def write_summary(results_dir, info, scenarios, evaluations, plots):
+def write_summary(results_dir, info, scenarios, evaluations, unchecked, plots):
     ok = sum(1 for s in scenarios if s["status"] == "ok")
     failed = len(scenarios) - ok
     missed = [
@@ -290,7 +319,8 @@ def write_summary(results_dir, info, scenarios, evaluations, plots):
     lines += [
         "",
         f"**{ok} of {len(scenarios)} scenario(s) ok, {failed} failed; "
-        f"{len(missed)} documented target(s) missed.** "
+        f"{len(missed)} documented target(s) missed, "
+        f"{len(unchecked)} not checked.** "
         "Machine details: `machine/`; raw records: `results.jsonl`, "
         "`scenarios/`.",
         "",
@@ -319,7 +349,9 @@ def write_summary(results_dir, info, scenarios, evaluations, plots):
             cells = []
             for target, value, met in evals:
                 text = target_text(target)
-                if met is None:
+                if record.get("skipped") is True:
+                    cells.append(f"{text}: not checked (case skipped)")
+                elif met is None:
                     cells.append(f"{text}: n/a")
                 elif met:
                     cells.append(f"{text}: ok")
@@ -343,6 +375,21 @@ def write_summary(results_dir, info, scenarios, evaluations, plots):
             lines.append(
                 f"- `{record['scenario']}` `{record['case']}`: "
                 f"{target_text(target)}, measured {fmt(value)}{source}"
+            )
+    if unchecked:
+        lines += [
+            "",
+            "## Targets not checked",
+            "",
+            "Documented targets of the scenarios that ran which no record was "
+            "checked against:",
+            "",
+        ]
+        for target, why in unchecked:
+            source = f" ({target['source']})" if target["source"] else ""
+            lines.append(
+                f"- `{target['scenario']}` `{target['case_pattern']}`: "
+                f"{target_text(target)}{source}: {why}"
             )
     if plots:
         lines += ["", "## Plots", ""]
@@ -555,6 +602,7 @@ def main():
         (plots_dir / "ratios.svg").write_text(overview_svg(all_records, all_evals, title))
         plots.insert(0, ("all ratios", "plots/ratios.svg"))
 
+    unchecked = unchecked_targets(scenarios, evaluations, targets)
     run_json = {
         "run": info,
         "scenarios": [
@@ -584,9 +632,21 @@ def main():
             for record, evals in evaluations
             for target, value, met in evals
         ],
+        "unchecked_targets": [
+            {
+                "scenario": target["scenario"],
+                "case_pattern": target["case_pattern"],
+                "metric": target["metric"],
+                "op": target["op"],
+                "threshold": target["threshold"],
+                "why": why,
+                "source": target["source"],
+            }
+            for target, why in unchecked
+        ],
     }
     (results_dir / "run.json").write_text(json.dumps(run_json, indent=2) + "\n")
-    write_summary(results_dir, info, scenarios, evaluations, plots)
+    write_summary(results_dir, info, scenarios, evaluations, unchecked, plots)
 
     failed = [s["scenario"] for s in scenarios if s["status"] != "ok"]
     if failed:

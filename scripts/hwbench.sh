@@ -15,9 +15,18 @@
 #   runs.tsv              scenario, exit status, seconds, timed out
 #   results.jsonl         every valid record of every scenario
 #   run.json              run-info + per-scenario status, for machines
-#   summary.md            status per scenario, a results table, missed targets
+#   summary.md            status per scenario, a results table, missed targets,
+#                         targets no case was checked against
 #   plots/*.svg           ours vs baseline and ratio per case, per scenario,
 #                         and every ratio of the run in plots/ratios.svg
+#   cleanup.txt           (when needed) processes a scenario left running and
+#                         files it left behind, stopped and removed by hwbench
+#
+# Each scenario runs in a process group of its own: its time limit, Ctrl-C
+# and a check after it ends reach every process it started (a forked or
+# spawned server), and the cxlkv-* files named after its pid that appeared
+# in /dev/shm or $TMPDIR while it ran are removed when it could not remove
+# them itself (it was stopped by a signal).
 #
 # The report (results.jsonl, run.json, summary.md, plots) is made by
 # scripts/bench_report.py (Python 3 standard library only); targets come from
@@ -105,7 +114,8 @@ Options:
                        (default: bench-results/<UTC timestamp>-<host>)
   --binary PATH        use this cxlkv binary instead of building
                        target/release/cxlkv (env CXLKV_BIN)
-  --timeout SECS       wall-clock limit per scenario
+  --timeout SECS       wall-clock limit per scenario, after which it is
+                       stopped with every process it started
                        (default 3600, or 600 with --quick)
   -h, --help           this help
 
@@ -387,14 +397,71 @@ COMMON_FLAGS=(--json)
 [[ -n "$REPS" ]] && COMMON_FLAGS+=(--reps "$REPS")
 (( QUICK )) && COMMON_FLAGS+=(--quick)
 
+# Each scenario runs in a process group of its own (job control, `set -m`
+# around its start), so that its time limit, an interrupt and the clean-up
+# after it reach every process it started — a server it forked or spawned
+# included — and nothing else. timeout(1) without --foreground signals that
+# whole group when the limit passes; Ctrl-C reaches only this script (the
+# terminal's foreground group), which passes it on to the scenario's group.
 RUNNER=()
 if command -v timeout >/dev/null; then
-    # --foreground: the scenario stays in our process group, so Ctrl-C
-    # reaches it directly.
-    RUNNER=(timeout --foreground "--kill-after=$KILL_AFTER_SECS" "$TIMEOUT_SECS")
+    RUNNER=(timeout "--kill-after=$KILL_AFTER_SECS" "$TIMEOUT_SECS")
 else
     echo "hwbench: WARNING: coreutils 'timeout' not found; scenarios run without a time limit" >&2
 fi
+# Grace between SIGTERM and SIGKILL for processes a scenario left behind.
+readonly LEFTOVER_GRACE_SECS=5
+PID_DIR="$(mktemp -d "${TMPDIR:-/tmp}/hwbench-pids.XXXXXX")" \
+    || die_setup "cannot create a temporary directory"
+trap 'rm -rf "$PID_DIR"' EXIT
+
+# Entries of /dev/shm and $TMPDIR that a cxlkv process names after its pid
+# (`cxlkv-<tag>-<pid>-…` pools, state directories and sockets).
+cxlkv_entries() {
+    local dir
+    for dir in /dev/shm "${TMPDIR:-/tmp}"; do
+        [[ -d "$dir" ]] || continue
+        find "$dir" -mindepth 1 -maxdepth 1 -name 'cxlkv-*' -print 2>/dev/null || true
+    done | sort
+}
+
+# After scenario $1 (process group $2, the bench's pid in $3, entries that
+# existed before it in $4): stop every process left in its group, and remove
+# the new cxlkv-* entries named after the bench's or a stopped process's pid
+# (a bench stopped by a signal runs no destructors). Says what it did on
+# stderr and in cleanup.txt.
+clean_up_after() {
+    local name="$1" group="$2" bench_pid="$3" before="$4"
+    local pids=("$bench_pid") left=() entry pid waited=0 removed=()
+    if kill -0 -- "-$group" 2>/dev/null; then
+        if command -v pgrep >/dev/null; then
+            read -r -a left <<<"$(pgrep -g "$group" -d ' ' || true)"
+        fi
+        pids+=("${left[@]}")
+        kill -TERM -- "-$group" 2>/dev/null || true
+        while kill -0 -- "-$group" 2>/dev/null && (( waited < LEFTOVER_GRACE_SECS * 10 )); do
+            sleep 0.1
+            waited=$((waited + 1))
+        done
+        kill -KILL -- "-$group" 2>/dev/null || true
+        echo "hwbench: $name left process(es) running after it ended (pids: ${left[*]:-unknown}); stopped them" \
+            | tee -a "$OUT/cleanup.txt" >&2
+    fi
+    while read -r entry; do
+        [[ -n "$entry" ]] || continue
+        grep -qxF -- "$entry" <<<"$before" && continue
+        for pid in "${pids[@]}"; do
+            [[ -n "$pid" ]] || continue
+            if [[ "$(basename -- "$entry")" =~ ^cxlkv-.*-${pid}([-.]|$) ]]; then
+                rm -rf -- "$entry" && removed+=("$entry")
+                break
+            fi
+        done
+    done <<<"$(cxlkv_entries)"
+    if (( ${#removed[@]} > 0 )); then
+        echo "hwbench: $name left files behind; removed: ${removed[*]}" | tee -a "$OUT/cleanup.txt" >&2
+    fi
+}
 
 write_run_info
 printf 'scenario\texit\tseconds\ttimed_out\n' >"$OUT/runs.tsv"
@@ -408,10 +475,37 @@ for name in "${SCENARIOS[@]}"; do
     cmd=("${PIN[@]}" "$BINARY" bench "$name" "${COMMON_FLAGS[@]}" "${EXTRA_FLAGS[@]}")
     printf 'hwbench: [%d/%d] %s ... ' "$index" "${#SCENARIOS[@]}" "$name" >&2
     start_ns="$(date +%s%N)"
-    set +e
-    "${RUNNER[@]}" "${cmd[@]}" >"$OUT/scenarios/$name.jsonl" 2>"$OUT/scenarios/$name.stderr" </dev/null
-    status=$?
-    set -e
+    entries_before="$(cxlkv_entries)"
+    pid_file="$PID_DIR/$name.pid"
+    : >"$pid_file"
+    set -m
+    "${RUNNER[@]}" bash -c 'echo $$ >"$0"; exec "$@"' "$pid_file" "${cmd[@]}" \
+        >"$OUT/scenarios/$name.jsonl" 2>"$OUT/scenarios/$name.stderr" </dev/null &
+    group=$!
+    set +m
+    forwarded=0
+    while :; do
+        set +e
+        wait "$group"
+        status=$?
+        set -e
+        # `wait` returns early when a trapped signal arrives: pass an
+        # interrupt on to the scenario's group (once) and wait on.
+        kill -0 "$group" 2>/dev/null || break
+        if (( INTERRUPTED && ! forwarded )); then
+            kill -INT -- "-$group" 2>/dev/null || true
+            forwarded=1
+        fi
+    done
+    # A signal that arrived as the scenario ended: its own status, if bash
+    # still holds it.
+    if (( status > 128 )); then
+        set +e
+        wait "$group" 2>/dev/null
+        reaped=$?
+        set -e
+        (( reaped == 127 )) || status=$reaped
+    fi
     # A scenario that ends with SIGINT's status was interrupted with us.
     # Bash runs our trap only if its child *died* of the signal; a child
     # that caught it and exited 130 (a shell between two commands, or
@@ -438,6 +532,7 @@ for name in "${SCENARIOS[@]}"; do
     else
         echo "done (${records} line(s), ${seconds}s)" >&2
     fi
+    clean_up_after "$name" "$group" "$(cat "$pid_file")" "$entries_before"
 done
 
 FINISHED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"

@@ -15,6 +15,7 @@
 #   stacks.folded     collapsed stacks (inferno-collapse-perf)
 #   flamegraph.svg    the flame graph (inferno-flamegraph)
 #   output.txt        the profiled command's stdout
+#   stat-output.txt   the command's stdout and stderr during the perf stat run
 #   perf-record.log   perf record's messages and the command's stderr
 #   summary.txt       what ran, counters available or not, the top symbols
 #

@@ -7,7 +7,12 @@
 //! io_uring is unavailable), `copy` and `store` (the pool they measured on,
 //! the flushed baseline, chunk sizes from the environment), `share` (the
 //! consumed comparison as `ratio`), `alloc` and `pool` (threads from the
-//! environment). Runs the debug binary's `--quick` form with one
+//! environment); every documented target (`scripts/bench-targets.tsv`)
+//! that matches a case finds its metric in it; the servers a bench started
+//! end when it is killed; `cxlkv bench --help` lists the scenarios; an
+//! empty `--pool` file is refused saying how to size it, and the scenario
+//! after `pool` on the same pool does not wait out a 10 s lease. Runs the
+//! debug binary's `--quick` form with one
 //! repetition: the figures are meaningless there, their presence and
 //! arithmetic are not.
 
@@ -71,7 +76,58 @@ fn run_bench(scenario: &str, cmd: &mut Command) -> Vec<Value> {
             );
         }
     }
+    assert_documented_targets_apply(scenario, &stdout);
     records
+}
+
+/// Every documented target (`scripts/bench-targets.tsv`) whose case pattern
+/// matches a record names a metric that record carries as a number, as
+/// `scripts/bench_report.py` evaluates it: a pattern wider than the cases
+/// its metric belongs to fills `summary.md` with "n/a" for cases the target
+/// is not about. Skipped where python3 is missing.
+fn assert_documented_targets_apply(scenario: &str, jsonl: &str) {
+    const CHECK: &str = r#"
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import bench_report
+targets = bench_report.read_targets(Path(sys.argv[2]))
+for line in sys.stdin:
+    record = json.loads(line)
+    if record.get("skipped") is True:
+        continue
+    for target, value, met in bench_report.evaluate_targets(record, targets):
+        if value is None:
+            print(f"{record['case']}: {target['metric']} (case pattern {target['case_pattern']})")
+"#;
+    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts");
+    let child = Command::new("python3")
+        .arg("-c")
+        .arg(CHECK)
+        .arg(&scripts)
+        .arg(scripts.join("bench-targets.tsv"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        eprintln!("python3 not found: documented targets not checked");
+        return;
+    };
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("python3's stdin");
+        stdin
+            .write_all(jsonl.as_bytes())
+            .expect("write the records");
+    }
+    let out = child.wait_with_output().expect("run python3");
+    assert!(out.status.success(), "the target check failed to run");
+    let unmet = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        unmet.trim().is_empty(),
+        "{scenario}: documented targets match cases that lack their metric:\n{unmet}"
+    );
 }
 
 fn num(r: &Value, field: &str) -> f64 {
@@ -484,6 +540,26 @@ fn the_chunk_sizes_flag_sets_the_sizes_and_a_flag_a_scenario_does_not_take_is_no
         "{stderr}"
     );
 
+    // `alloc` keeps its state in process memory and has no journal: `--pool`
+    // and `--state-dir` are noted as ignored (a pool path it never opens is
+    // not an error), not silently dropped.
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["bench", "alloc", "--quick", "--reps", "1", "--json"])
+        .args(["--pool", "/nonexistent/cxlkv-pool", "--state-dir", "/tmp"])
+        .env_remove("CXLKV_BENCH_THREADS")
+        .output()
+        .expect("run cxlkv bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--pool (or CXLKV_BENCH_POOL) is ignored by `alloc`"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("--state-dir is ignored by `alloc` (taken by: pool)"),
+        "{stderr}"
+    );
+
     // A malformed list is refused even where it would be ignored, before
     // anything runs.
     let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
@@ -497,4 +573,176 @@ fn the_chunk_sizes_flag_sets_the_sizes_and_a_flag_a_scenario_does_not_take_is_no
     );
     assert!(out.stdout.is_empty());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--chunk-sizes"));
+}
+
+/// The live children of process `parent` (not zombies).
+fn children_of(parent: i32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // "pid (comm) state ppid ...": comm may hold spaces.
+                    let (_, rest) = stat.rsplit_once(") ")?;
+                    let mut fields = rest.split_whitespace();
+                    let state = fields.next()?;
+                    let ppid: i32 = fields.next()?.parse().ok()?;
+                    Some(state != "Z" && ppid == parent)
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| Some(stat.rsplit_once(") ")?.1.split_whitespace().next()? != "Z"))
+        .unwrap_or(false)
+}
+
+/// A bench stopped by a signal — Ctrl-C, or `timeout` at hwbench's time
+/// limit — runs no destructors: the servers it started (`rtt`'s forked
+/// server, which outlives `SIGINT` and `SIGTERM`; `load`'s `cxlkv serve`)
+/// must end with it, not run on holding its output, a pool and CPU.
+#[test]
+fn the_servers_a_bench_started_end_when_the_bench_is_killed() {
+    let mut leftovers = Vec::new();
+    for scenario in ["rtt", "load"] {
+        let mut bench = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .args(["bench", scenario, "--reps", "50", "--json"])
+            .env_remove("CXLKV_BENCH_POOL")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start cxlkv bench");
+        let pid = i32::try_from(bench.id()).expect("pid fits in pid_t");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let servers = loop {
+            let children = children_of(pid);
+            if !children.is_empty() {
+                break children;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{scenario}: no server started"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        // Let the server get going (its signal handling installed).
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        // SAFETY: kill() takes no pointers; `pid` is our unreaped child.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let _ = bench.wait();
+        for server in servers {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while alive(server) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            if alive(server) {
+                // SAFETY: kill() takes no pointers; the pid is the server the
+                // bench we started left running.
+                unsafe { libc::kill(server, libc::SIGKILL) };
+                leftovers.push(format!("{scenario}: process {server}"));
+            }
+        }
+        // The files the killed bench could not remove (hwbench removes
+        // them after a scenario it stopped): named after its pid.
+        let tmp = std::env::temp_dir();
+        for dir in [Path::new("/dev/shm"), tmp.as_path()] {
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with("cxlkv-")
+                    && (name.contains(&format!("-{pid}-")) || name.contains(&format!("-{pid}.")))
+                {
+                    let path = entry.path();
+                    let _ = std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(&path));
+                }
+            }
+        }
+    }
+    assert!(leftovers.is_empty(), "still running: {leftovers:?}");
+}
+
+/// `cxlkv bench SCENARIO --help` — what a user types to learn what a
+/// scenario measures — lists every scenario of `--list` with its
+/// description, and says where cases and fields are documented.
+#[test]
+fn bench_help_lists_every_scenario_and_where_its_records_are_described() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .args(args)
+            .output()
+            .expect("run cxlkv");
+        assert!(out.status.success(), "cxlkv {args:?} failed");
+        String::from_utf8(out.stdout).expect("UTF-8")
+    };
+    let list = run(&["bench", "--list"]);
+    let help = run(&["bench", "copy", "--help"]);
+    for line in list.lines() {
+        assert!(
+            help.contains(line.trim_end()),
+            "{line:?} missing from:\n{help}"
+        );
+    }
+    assert!(help.contains("docs/benchmarks.md"), "{help}");
+    assert!(help.contains("WRITES into it"), "--pool's warning: {help}");
+}
+
+/// `--pool` naming an empty file (made with `touch`) is refused before
+/// anything runs, saying how to give it a size, by every scenario that
+/// measures on a pool (it used to say "0 usable bytes; at least 2097152 are
+/// needed", and nothing of how to fix it).
+#[test]
+fn an_empty_pool_file_is_refused_with_how_to_size_it() {
+    let dir = tempfile::tempdir_in("/dev/shm").expect("a directory in /dev/shm");
+    let pool = dir.path().join("pool");
+    std::fs::write(&pool, b"").expect("an empty file");
+    for scenario in ["copy", "store"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .args([
+                "bench", scenario, "--quick", "--reps", "1", "--json", "--pool",
+            ])
+            .arg(&pool)
+            .output()
+            .expect("run cxlkv bench");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{scenario}: {stderr}");
+        assert!(
+            out.stdout.is_empty(),
+            "{scenario}: records on an empty pool"
+        );
+        assert!(
+            stderr.contains("is an empty file") && stderr.contains("truncate -s"),
+            "{scenario}: {stderr}"
+        );
+    }
+}
+
+/// On `--pool`, the next scenario waits out the lease the one before left
+/// in the pool's header. `pool`'s daemon (killed after each case) used the
+/// default lease, 10 s, where the bench's servers use 1 s: the scenario
+/// after it on the same pool (`tier` in hwbench's order) spent 10 s
+/// waiting.
+#[test]
+fn the_scenario_after_pool_on_the_same_pool_does_not_wait_out_a_long_lease() {
+    let dir = tempfile::tempdir_in("/dev/shm").expect("a directory in /dev/shm");
+    let pool = dir.path().join("pool");
+    std::fs::File::create(&pool)
+        .and_then(|f| f.set_len(512 << 20))
+        .expect("a 512 MiB pool file");
+    let pool = pool.to_str().expect("UTF-8 path");
+    bench_with("pool", &["--pool", pool], &[]);
+    let started = std::time::Instant::now();
+    bench_with("tier", &["--pool", pool], &[]);
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(6),
+        "bench tier after bench pool took {took:?}"
+    );
 }

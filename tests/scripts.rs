@@ -9,7 +9,10 @@
 //!   recorded and the run goes on, the exit status says so, documented
 //!   targets are flagged, optional flags reach only a binary that declares
 //!   them, a hung scenario is stopped by its time limit, and an interrupted
-//!   run still writes its report.
+//!   run still writes its report; what a scenario leaves running or on disk
+//!   is stopped and removed.
+//! - `bench_report.py` on a hand-made results directory: targets no case
+//!   was checked against are listed, a skipped case is not a miss.
 //! - `setup-hugepages.sh`: `status` on this machine; `reserve`/`release`
 //!   against a fake sysfs tree (idempotence, giving back exactly what was
 //!   added); refusal without root.
@@ -230,7 +233,7 @@ if [[ "$1" == --version ]]; then echo "cxlkv 0.0.0-fake"; exit 0; fi
 [[ "$1" == bench ]] || exit 64
 shift
 case "$1" in
-    --list) printf 'copy      records, one below its target\nbroken    exits 3\ngarbled   one good line, then a progress line\nsilent    prints nothing\nslow      hangs\ncaught    exits 130, as a scenario that caught SIGINT\n'; exit 0 ;;
+    --list) printf 'copy      records, one below its target\nbroken    exits 3\ngarbled   one good line, then a progress line\nsilent    prints nothing\nslow      hangs\ncaught    exits 130, as a scenario that caught SIGINT\nleaky     starts a server and files, then hangs\norphan    starts a server and files, reports, exits 0\n'; exit 0 ;;
     --help) printf 'Options:\n      --threads <THREADS>  threads\n      --json  JSON Lines\n'; exit 0 ;;
 esac
 echo "$1 argv=[$*] threads=${CXLKV_BENCH_THREADS:-unset} chunks=${CXLKV_BENCH_CHUNK_SIZES:-unset}" >>"$FAKE_LOG"
@@ -244,6 +247,18 @@ case "$1" in
     silent) ;;
     slow) exec sleep 60 ;;
     caught) exit 130 ;;
+    leaky|orphan)
+        # A "server" of its own (as `load` spawns `cxlkv serve`, `rtt` forks
+        # one) and files named after its pid, as a server's pool, state
+        # directory and socket are.
+        sleep 300 &
+        echo "$!" >"$FAKE_DIR/$1.server.pid"
+        : >"/dev/shm/cxlkv-fake-$1-$$-1.pool"
+        mkdir -p "/dev/shm/cxlkv-fake-$1-$$-1.pool.state"
+        : >"${TMPDIR:-/tmp}/cxlkv-fake-$1-$$-1.sock"
+        echo "$$" >"$FAKE_DIR/$1.pid"
+        if [[ "$1" == leaky ]]; then exec sleep 60; fi
+        echo '{"scenario":"orphan","case":"x","ours":1,"baseline":1,"unit":"us","ratio":1}' ;;
 esac
 "#;
 
@@ -271,6 +286,7 @@ impl Fake {
             .arg(out)
             .args(args)
             .env("FAKE_LOG", &self.log)
+            .env("FAKE_DIR", self.tmp.path())
             .env_remove("CXLKV_BENCH_POOL");
         cmd
     }
@@ -397,26 +413,123 @@ fn hwbench_stops_a_hung_scenario_at_its_time_limit_and_goes_on() {
     assert!(summary.contains("| copy | ok | 3 |"), "{summary}");
 }
 
-/// Whether a process named `comm` runs in process group `pgid`.
-fn group_runs(pgid: i32, comm: &str) -> bool {
+/// Whether process `pid` exists and is not a zombie.
+fn alive(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let (_, rest) = stat.rsplit_once(") ")?;
+            rest.split_whitespace().next().map(|state| state != "Z")
+        })
+        .unwrap_or(false)
+}
+
+fn pid_in(path: &Path) -> i32 {
+    read(path).trim().parse().expect("a pid")
+}
+
+/// A scenario stopped at its time limit, or one that ends and leaves a
+/// server behind, must not leave that process running (it would hold the
+/// scenario's output open and take CPU from every later scenario) nor the
+/// pool files, state directories and sockets named after the bench's pid;
+/// files it did not create stay.
+#[test]
+fn hwbench_stops_what_a_scenario_left_running_and_removes_its_files() {
+    if !have("timeout") {
+        eprintln!("skipped: coreutils timeout not installed");
+        return;
+    }
+    let fake = Fake::new();
+    let out = fake.tmp.path().join("run");
+    // Someone else's file of the same shape: not this run's to remove.
+    let foreign = PathBuf::from(format!("/dev/shm/cxlkv-fake-other-{}-1.pool", u32::MAX));
+    fs::write(&foreign, b"").expect("a file in /dev/shm");
+    let output = run(&mut fake.hwbench(
+        &out,
+        &["--scenarios", "leaky,orphan,copy", "--timeout", "2"],
+    ));
+    let foreign_kept = foreign.exists();
+    let _ = fs::remove_file(&foreign);
+    let mut leftovers = Vec::new();
+    for name in ["leaky", "orphan"] {
+        let server = pid_in(&fake.tmp.path().join(format!("{name}.server.pid")));
+        let bench = pid_in(&fake.tmp.path().join(format!("{name}.pid")));
+        // Reparented to init, a killed server is reaped in a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while alive(server) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if alive(server) {
+            // SAFETY: kill() takes no pointers; the pid is the fake
+            // server this test's run started, still running.
+            unsafe { libc::kill(server, libc::SIGKILL) };
+            leftovers.push(format!("{name}: process {server}"));
+        }
+        let tmpdir = std::env::var("TMPDIR").unwrap_or_else(|_| "/tmp".into());
+        for file in [
+            format!("/dev/shm/cxlkv-fake-{name}-{bench}-1.pool"),
+            format!("/dev/shm/cxlkv-fake-{name}-{bench}-1.pool.state"),
+            format!("{tmpdir}/cxlkv-fake-{name}-{bench}-1.sock"),
+        ] {
+            let path = Path::new(&file);
+            if path.exists() {
+                let _ = fs::remove_dir_all(path).or_else(|_| fs::remove_file(path));
+                leftovers.push(file);
+            }
+        }
+    }
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    assert!(foreign_kept, "a file of another process was removed");
+    assert_eq!(output.status.code(), Some(1));
+    let summary = read(&out.join("summary.md"));
+    assert!(summary.contains("| leaky | **TIMEOUT** |"), "{summary}");
+    assert!(summary.contains("| orphan | ok | 1 |"), "{summary}");
+    assert!(summary.contains("| copy | ok | 3 |"), "{summary}");
+    let cleanup = read(&out.join("cleanup.txt"));
+    assert!(
+        cleanup.contains("orphan left process(es) running") && cleanup.contains("leaky left files"),
+        "{cleanup}"
+    );
+}
+
+/// `(comm, ppid)` of process `pid`.
+fn comm_and_parent(pid: i32) -> Option<(String, i32)> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": comm may hold spaces, so split after its
+    // closing parenthesis.
+    let (head, rest) = stat.rsplit_once(") ")?;
+    let name = head.split_once(" (")?.1.to_owned();
+    let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
+    Some((name, ppid))
+}
+
+/// Whether a process named `comm` runs among the descendants of `ancestor`
+/// (hwbench runs each scenario in a process group of its own, under
+/// timeout(1)).
+fn descendant_runs(ancestor: i32, comm: &str) -> bool {
     let Ok(dir) = fs::read_dir("/proc") else {
         return false;
     };
     dir.flatten().any(|e| {
-        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
             return false;
         };
-        // "pid (comm) state ppid pgrp ...": comm may hold spaces, so split
-        // after its closing parenthesis.
-        let Some((head, rest)) = stat.rsplit_once(") ") else {
+        let Some((name, mut parent)) = comm_and_parent(pid) else {
             return false;
         };
-        let name = head.split_once(" (").map(|(_, n)| n);
-        let group = rest
-            .split_whitespace()
-            .nth(2)
-            .and_then(|g| g.parse::<i32>().ok());
-        name == Some(comm) && group == Some(pgid)
+        if name != comm {
+            return false;
+        }
+        for _ in 0..8 {
+            if parent == ancestor {
+                return true;
+            }
+            match comm_and_parent(parent) {
+                Some((_, p)) if p > 1 => parent = p,
+                _ => return false,
+            }
+        }
+        false
     })
 }
 
@@ -456,7 +569,7 @@ fn hwbench_interrupted_writes_the_report_for_what_ran_and_exits_130() {
     // host can hold it there for longer than any fixed pause.
     let deadline = Instant::now() + Duration::from_secs(30);
     while !(fs::read_to_string(&fake.log).is_ok_and(|l| l.contains("slow argv"))
-        && group_runs(pgid, "sleep"))
+        && descendant_runs(pgid, "sleep"))
     {
         assert!(Instant::now() < deadline, "the slow scenario never started");
         std::thread::sleep(Duration::from_millis(50));
@@ -487,6 +600,92 @@ fn hwbench_interrupted_writes_the_report_for_what_ran_and_exits_130() {
     assert!(summary.contains("| copy | ok | 3 |"), "{summary}");
     assert!(summary.contains("| slow | **FAILED** |"), "{summary}");
     assert!(read(&out.join("run-info.txt")).contains("interrupted: yes"));
+}
+
+/// `summary.md` (and `run.json`) name every documented target of a scenario
+/// that ran but that no record was checked against — a `--pool` run's copy
+/// cases are `dest=devdax`, `--threads 8` replaces `alloc threads=2` — and a
+/// case the scenario skipped is not a miss.
+#[test]
+fn bench_report_lists_the_targets_it_could_not_check_and_does_not_miss_a_skipped_case() {
+    let tmp = tempfile::tempdir().expect("temporary directory");
+    let dir = tmp.path();
+    fs::create_dir(dir.join("scenarios")).expect("mkdir");
+    fs::write(dir.join("run-info.txt"), "host: test\n").expect("write");
+    fs::write(
+        dir.join("runs.tsv"),
+        "scenario\texit\tseconds\ttimed_out\nalloc\t0\t1.0\t0\ncopy\t0\t1.0\t0\nrtt\t0\t1.0\t0\n",
+    )
+    .expect("write");
+    let record = |scenario: &str, case: &str, ratio: f64, extra: &str| {
+        format!(
+            "{{\"scenario\":\"{scenario}\",\"case\":\"{case}\",\"ours\":1,\"baseline\":1,\
+             \"unit\":\"x\",\"ratio\":{ratio}{extra}}}\n"
+        )
+    };
+    let alloc = record(
+        "alloc",
+        "threads=1",
+        1.0,
+        ",\"ns_per_pair\":5,\"asymmetric_ns_per_pair\":5",
+    ) + &record("alloc", "threads=8", 2.0, "");
+    fs::write(dir.join("scenarios/alloc.jsonl"), alloc).expect("write");
+    fs::write(
+        dir.join("scenarios/copy.jsonl"),
+        record("copy", "size=1MiB,dest=devdax", 1.0, ""),
+    )
+    .expect("write");
+    fs::write(
+        dir.join("scenarios/rtt.jsonl"),
+        record(
+            "rtt",
+            "transport=unix,backend=default",
+            0.0,
+            ",\"skipped\":true,\"skip_reason\":\"no io_uring\"",
+        ),
+    )
+    .expect("write");
+    let output = run(Command::new("python3")
+        .arg(script("bench_report.py"))
+        .arg(dir)
+        .arg("--targets")
+        .arg(script("bench-targets.tsv"))
+        .env("PYTHONDONTWRITEBYTECODE", "1"));
+    assert_eq!(output.status.code(), Some(0));
+    let summary = read(&dir.join("summary.md"));
+    let unchecked = summary
+        .split("## Targets not checked")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no 'Targets not checked' section:\n{summary}"));
+    assert!(
+        unchecked.contains("`alloc` `threads=2`: ratio ≥ 1.5"),
+        "{summary}"
+    );
+    assert!(
+        unchecked.contains("`copy` `size=\\d+MiB,dest=shm`: ratio ≥ 0.95"),
+        "{summary}"
+    );
+    assert!(unchecked.contains("size=1MiB,dest=devdax"), "{summary}");
+    assert!(
+        !summary.contains("MISS"),
+        "a skipped case is not a miss:\n{summary}"
+    );
+    assert!(
+        summary.contains("ratio ≥ 0.67: not checked (case skipped)"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("0 documented target(s) missed, 2 not checked"),
+        "{summary}"
+    );
+    let run_json: Value = serde_json::from_str(&read(&dir.join("run.json"))).expect("run.json");
+    let listed: Vec<&str> = run_json["unchecked_targets"]
+        .as_array()
+        .expect("unchecked_targets")
+        .iter()
+        .map(|t| t["scenario"].as_str().expect("scenario"))
+        .collect();
+    assert_eq!(listed, ["copy", "alloc"]);
 }
 
 #[test]

@@ -36,9 +36,9 @@
 //! `p99_us` (one pair's latency), and the baseline's.
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -56,7 +56,7 @@ use cxlkv_controlplane::proto::{
 use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient};
 use parking_lot::Mutex;
 
-use super::pool_target::BenchPool;
+use super::pool_target::{BENCH_LEASE_MS, BenchPool};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 
@@ -99,9 +99,28 @@ impl Drop for Daemon {
     }
 }
 
-fn start_daemon(case: &Case, pool: &Path, state: &Path, socket: &Path) -> anyhow::Result<Daemon> {
+/// Starts the daemon on `pool`. On the operator's `--pool` (`short_lease`)
+/// its lease is the bench's short one, as the bench's servers' are: the
+/// daemon is killed after each case, and the next scenario on the pool
+/// waits out the lease it leaves (10 s by default).
+fn start_daemon(
+    case: &Case,
+    pool: &Path,
+    state: &Path,
+    socket: &Path,
+    short_lease: bool,
+) -> anyhow::Result<Daemon> {
     let exe = std::env::current_exe().context("locate the cxlkv binary")?;
-    let mut child = Command::new(exe)
+    let parent = libc::pid_t::try_from(std::process::id()).context("this pid fits in pid_t")?;
+    let mut command = Command::new(exe);
+    // The child stops with the bench, however the bench ends (see
+    // `die_with_parent`).
+    // SAFETY: the hook only makes two system calls and allocates nothing,
+    // as code between fork and exec must.
+    unsafe {
+        command.pre_exec(move || super::die_with_parent(libc::SIGTERM, parent));
+    }
+    let mut child = command
         .arg("pool")
         .arg("--pool")
         .arg(format!("{},size={POOL_BYTES}", pool.display()))
@@ -113,6 +132,12 @@ fn start_daemon(case: &Case, pool: &Path, state: &Path, socket: &Path) -> anyhow
         .arg(case.sync)
         .arg("--group-max-records")
         .arg("256")
+        .args(
+            short_lease
+                .then(|| ["--lease-ms".to_owned(), BENCH_LEASE_MS.to_string()])
+                .into_iter()
+                .flatten(),
+        )
         .env("CXLKV_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -223,42 +248,22 @@ fn client_pairs(c: &RpcClient, seqs: &Mutex<u64>, pairs: usize) -> anyhow::Resul
 }
 
 /// One repetition through the daemon, one thread per connection of
-/// `clients`: (pairs/s, latencies µs). The clock runs from the barrier that
-/// releases the threads until the last has finished.
+/// `clients`: (pairs/s, latencies µs). The clock runs from the first
+/// thread's start, all released together, until the last has finished, as
+/// the threads read it ([`super::timed_together`]).
 fn ours_rep(
     clients: &[RpcClient],
     seqs: &Mutex<u64>,
     pairs: usize,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
     let per_client = pairs / clients.len();
-    let start = Barrier::new(clients.len() + 1);
-    let (results, secs) = std::thread::scope(|s| {
-        let handles: Vec<_> = clients
-            .iter()
-            .map(|c| {
-                let start = &start;
-                s.spawn(move || {
-                    start.wait();
-                    client_pairs(c, seqs, per_client)
-                })
-            })
-            .collect();
-        start.wait();
-        let t = Instant::now();
-        let results: Vec<anyhow::Result<Vec<f64>>> = handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
-            })
-            .collect();
-        (results, t.elapsed().as_secs_f64())
-    });
-    let mut lat = Vec::with_capacity(pairs);
-    for r in results {
-        lat.extend(r?);
-    }
-    Ok((lat.len() as f64 / secs, lat))
+    let (wall, results) = super::timed_together(
+        clients.len(),
+        |_| Ok(()),
+        |i, ()| client_pairs(&clients[i], seqs, per_client),
+    )?;
+    let lat: Vec<f64> = results.into_iter().flatten().collect();
+    Ok((lat.len() as f64 / wall.as_secs_f64(), lat))
 }
 
 /// The state machine and journal driven in process (the baseline).
@@ -402,7 +407,13 @@ fn run_case(
     let states = places.states.path();
     let pool = &places.pool;
     let state_base = &places.state_base;
-    let daemon = start_daemon(case, pool, &states.join("daemon"), &socket)?;
+    let daemon = start_daemon(
+        case,
+        pool,
+        &states.join("daemon"),
+        &socket,
+        places.target.path().is_some(),
+    )?;
     let mut baseline = Baseline::open(
         &states.join(format!("baseline-{}-{}", case.sync, case.clients)),
         case,

@@ -72,6 +72,19 @@ impl BenchPool {
         match &args.pool {
             None => Ok(Self::embedded_default()),
             Some(path) => {
+                // A file made with `touch` (or truncated to nothing) cannot
+                // be opened as a pool to learn its kind: say how to size it.
+                if let Ok(meta) = std::fs::metadata(path)
+                    && meta.is_file()
+                    && meta.len() == 0
+                {
+                    anyhow::bail!(
+                        "--pool {0} is an empty file: give it a size first, e.g. \
+                         `truncate -s 8G {0}` (on hugetlbfs, with that many 2 MiB huge pages \
+                         reserved: scripts/setup-hugepages.sh reserve N)",
+                        path.display()
+                    );
+                }
                 let backing = backing::open(path, &OpenOptions::new())
                     .with_context(|| format!("opening --pool {}", path.display()))?;
                 Ok(Self {
@@ -192,7 +205,7 @@ impl BenchPool {
 }
 
 /// The lease of the pool managers the bench starts on `--pool`.
-const BENCH_LEASE_MS: u64 = 1_000;
+pub(super) const BENCH_LEASE_MS: u64 = 1_000;
 
 /// Longest lease [`wait_out_lease`] waits to expire (a bench server's,
 /// 10 s by default, left by the scenario before).

@@ -113,8 +113,14 @@ impl Drop for Child {
     }
 }
 
-/// Runs `body` in a forked child that never returns into the bench.
+/// Runs `body` in a forked child that never returns into the bench, and
+/// dies with it (`SIGKILL` when the forking thread — the bench's main
+/// thread — ends): a bench stopped by a signal runs no destructors, and a
+/// forked server, which outlives `SIGINT` and `SIGTERM`, would otherwise
+/// run on.
 pub(super) fn fork_child(body: impl FnOnce()) -> anyhow::Result<Child> {
+    // SAFETY: getpid() takes no arguments.
+    let parent = unsafe { libc::getpid() };
     // SAFETY: the bench is single-threaded here (client threads are joined
     // before every fork), so the child's only thread is a copy of this one
     // and no lock can be held by a thread that does not exist in it.
@@ -122,6 +128,10 @@ pub(super) fn fork_child(body: impl FnOnce()) -> anyhow::Result<Child> {
     match pid {
         -1 => Err(io::Error::last_os_error()).context("fork"),
         0 => {
+            if super::die_with_parent(libc::SIGKILL, parent).is_err() {
+                // SAFETY: as below; the bench is gone or prctl failed.
+                unsafe { libc::_exit(1) }
+            }
             body();
             // SAFETY: leave without running the parent's destructors or atexit.
             unsafe { libc::_exit(0) }

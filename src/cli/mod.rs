@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::bench::Reporter;
 
@@ -66,8 +66,13 @@ pub struct BenchArgs {
     /// List the scenarios and exit.
     #[arg(long)]
     pub list: bool,
-    /// Pool to measure on: a `/dev/daxX.Y` device or a file path. Default: a
-    /// temporary file under `/dev/shm` (the embedded default backing).
+    /// Pool to measure on: a `/dev/daxX.Y` device, or an existing file on
+    /// hugetlbfs, tmpfs or a DAX file system (a short file is grown). The
+    /// bench WRITES into it (`copy` overwrites its first bytes; its header
+    /// block is zeroed before each server starts): never a pool that holds
+    /// data. Taken by every scenario but `alloc` and `directory-memory`.
+    /// Default: a temporary file under `/dev/shm` per server (the embedded
+    /// default backing).
     #[arg(long, env = "CXLKV_BENCH_POOL")]
     pub pool: Option<PathBuf>,
     /// Repetitions per case; the median is reported.
@@ -77,7 +82,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub quick: bool,
     /// `bench pool`: directory in which the journals are kept (default
-    /// `/dev/shm`); one on a real disk includes the cost of `fdatasync`.
+    /// `/dev/shm`); one on a real disk includes the cost of `fdatasync`. The
+    /// other scenarios ignore it (with a note).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
     /// Threads, for the scenarios that take them: `alloc` (cases
@@ -100,7 +106,10 @@ pub struct BenchArgs {
 
 /// Entry point of the `cxlkv` binary.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // `cxlkv bench --help` (and `cxlkv bench SCENARIO --help`) ends with
+    // the scenarios and what each measures.
+    let command = Cli::command().mut_subcommand("bench", |c| c.after_help(bench_after_help()));
+    let cli = Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Bench(args) => {
             init_tracing("warn");
@@ -244,6 +253,21 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         crate::bench::load::run,
     ),
 ];
+
+/// The end of `cxlkv bench --help`: every scenario with what it measures,
+/// and where its cases, fields and targets are described.
+fn bench_after_help() -> String {
+    let mut text = String::from("Scenarios (also `cxlkv bench --list`):\n");
+    for (name, about, _) in SCENARIOS {
+        text.push_str(&format!("  {name:<18} {about}\n"));
+    }
+    text.push_str(
+        "\nEach measures cxlkv (`ours`) and a baseline in the same run; `ratio > 1` means cxlkv \
+         is better. Cases, record fields and documented targets: docs/benchmarks.md. The \
+         whole suite, with a report: scripts/hwbench.sh.",
+    );
+    text
+}
 
 fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     if args.list {
