@@ -523,7 +523,7 @@ fn notified(socket: &std::os::unix::net::UnixDatagram) -> String {
 /// `STOPPING=1` when a signal stops them. The shipped units used to be
 /// `Type=exec`, ready as soon as executed: `cxlkv.service`, ordered after
 /// `cxlkv-pool.service`, started before the daemon listened and failed
-/// (reliability entry 151).
+/// (reliability entry 149).
 #[test]
 fn serve_and_pool_tell_systemd_they_are_ready_once_they_listen() {
     let unique = format!("notify-{}", std::process::id());
@@ -644,7 +644,7 @@ fn resolved_under_unit(command: &str, unit: &str) -> Option<String> {
 /// on `/run/cxlkv/cxlkv.sock`, where its clients look, with no `socket` in
 /// its configuration. It used to resolve the socket of a user that is not
 /// root, `/tmp/cxlkv-<uid>/cxlkv.sock`, inside the service's private
-/// `/tmp`, which no client reaches (reliability entry 152).
+/// `/tmp`, which no client reaches (reliability entry 150).
 #[test]
 fn the_shipped_units_defaults_land_in_their_own_directories() {
     for (command, unit, socket_line) in [
