@@ -390,7 +390,23 @@ write_run_info() {
 # --- run ---------------------------------------------------------------------
 
 INTERRUPTED=0
-trap 'INTERRUPTED=1' INT TERM
+# The running scenario's process group, while there is one, and whether an
+# interrupt was passed on to it.
+SCENARIO_GROUP=""
+FORWARDED=0
+# Ctrl-C (or SIGTERM) reaches only this script: pass it on to the running
+# scenario's group from the trap itself, so that it is passed on wherever
+# it lands — in `wait`, or between two commands (on a loaded host the
+# script can be anywhere when the signal comes; a check only after `wait`
+# returned missed one that came before `wait` began, and then waited for
+# the scenario to end by itself).
+forward_interrupt() {
+    if [[ -n "$SCENARIO_GROUP" ]] && (( ! FORWARDED )); then
+        kill -INT -- "-$SCENARIO_GROUP" 2>/dev/null || true
+        FORWARDED=1
+    fi
+}
+trap 'INTERRUPTED=1; forward_interrupt' INT TERM
 
 COMMON_FLAGS=(--json)
 [[ -n "$POOL" ]] && COMMON_FLAGS+=(--pool "$POOL")
@@ -483,20 +499,22 @@ for name in "${SCENARIOS[@]}"; do
         >"$OUT/scenarios/$name.jsonl" 2>"$OUT/scenarios/$name.stderr" </dev/null &
     group=$!
     set +m
-    forwarded=0
+    FORWARDED=0
+    SCENARIO_GROUP="$group"
+    # An interrupt that came before the group was known.
+    if (( INTERRUPTED )); then
+        forward_interrupt
+    fi
     while :; do
         set +e
         wait "$group"
         status=$?
         set -e
-        # `wait` returns early when a trapped signal arrives: pass an
-        # interrupt on to the scenario's group (once) and wait on.
+        # `wait` returns early when a trapped signal arrives (the trap has
+        # passed it on): wait on until the scenario ends.
         kill -0 "$group" 2>/dev/null || break
-        if (( INTERRUPTED && ! forwarded )); then
-            kill -INT -- "-$group" 2>/dev/null || true
-            forwarded=1
-        fi
     done
+    SCENARIO_GROUP=""
     # A signal that arrived as the scenario ended: its own status, if bash
     # still holds it.
     if (( status > 128 )); then
