@@ -555,7 +555,21 @@ fn hwbench_interrupted_writes_the_report_for_what_ran_and_exits_130() {
     let out = fake.tmp.path().join("run");
     let mut cmd = fake.hwbench(&out, &["--scenarios", "copy,slow,broken"]);
     // Its own process group, so the interrupt reaches the script and its
-    // scenario as Ctrl-C at a terminal would, and nothing else.
+    // scenario as Ctrl-C at a terminal would, and nothing else. And SIGINT
+    // handled by default, as at a terminal: a test run started in the
+    // background (`cmd &` from a script, `nohup`) inherits it ignored, and
+    // a shell cannot trap a signal ignored on entry (POSIX), so the script
+    // would never hear the interrupt it passes on to its scenario.
+    // SAFETY: signal(2) is async-signal-safe and allocates nothing, as code
+    // between fork and exec must.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::signal(libc::SIGINT, libc::SIG_DFL) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
