@@ -40,9 +40,8 @@
 //! `/dev/shm` file (`pool`, `dest`).
 
 use std::io::{BufRead, BufReader};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -138,15 +137,7 @@ impl ServeChild {
             }
             None => (PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool")), true),
         };
-        let parent = libc::pid_t::try_from(std::process::id()).context("this pid fits in pid_t")?;
-        let mut command = Command::new(exe);
-        // The child stops with the bench, however the bench ends (see
-        // `die_with_parent`).
-        // SAFETY: the hook only makes two system calls and allocates
-        // nothing, as code between fork and exec must.
-        unsafe {
-            command.pre_exec(move || super::die_with_parent(libc::SIGTERM, parent));
-        }
+        let mut command = super::command_ending_with_bench(exe)?;
         let mut child = command
             .arg("serve")
             .arg("--socket")

@@ -378,6 +378,22 @@ pub(crate) fn die_with_parent(signal: libc::c_int, parent: libc::pid_t) -> std::
     Ok(())
 }
 
+/// A command for a process the bench spawns, which the kernel sends
+/// SIGTERM when the bench ends, however it ends ([`die_with_parent`]).
+pub(crate) fn command_ending_with_bench(
+    program: impl AsRef<std::ffi::OsStr>,
+) -> anyhow::Result<std::process::Command> {
+    use std::os::unix::process::CommandExt;
+    let parent = libc::pid_t::try_from(std::process::id()).context("this pid fits in pid_t")?;
+    let mut command = std::process::Command::new(program);
+    // SAFETY: the hook only makes two system calls and allocates nothing,
+    // as code between fork and exec must.
+    unsafe {
+        command.pre_exec(move || die_with_parent(libc::SIGTERM, parent));
+    }
+    Ok(command)
+}
+
 /// Runs `body(i, setup(i)?)` for `i` in `0..threads`, each on a thread of
 /// its own, all released together from a barrier once every `setup` (a
 /// warm-up, untimed) is done. Returns the wall time from the first `body`'s

@@ -36,9 +36,8 @@
 //! `p99_us` (one pair's latency), and the baseline's.
 
 use std::io::{BufRead, BufReader};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -111,15 +110,7 @@ fn start_daemon(
     short_lease: bool,
 ) -> anyhow::Result<Daemon> {
     let exe = std::env::current_exe().context("locate the cxlkv binary")?;
-    let parent = libc::pid_t::try_from(std::process::id()).context("this pid fits in pid_t")?;
-    let mut command = Command::new(exe);
-    // The child stops with the bench, however the bench ends (see
-    // `die_with_parent`).
-    // SAFETY: the hook only makes two system calls and allocates nothing,
-    // as code between fork and exec must.
-    unsafe {
-        command.pre_exec(move || super::die_with_parent(libc::SIGTERM, parent));
-    }
+    let mut command = super::command_ending_with_bench(exe)?;
     let mut child = command
         .arg("pool")
         .arg("--pool")
