@@ -158,22 +158,11 @@ pub fn main() -> ExitCode {
 }
 
 /// An error and its causes on one line, as `{:#}` prints them, but each
-/// said once: many error types put their cause in their own message *and*
-/// return it as `source()` (`pool P: cannot open pool P` over `cannot open
-/// pool P`), which `{:#}` would repeat.
+/// said once ([`ErrorChain`]): many error types put their cause in their
+/// own message *and* return it as `source()` (`pool P: cannot open pool P`
+/// over `cannot open pool P`), which `{:#}` would repeat.
 fn error_text(err: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in err.chain() {
-        let said = cause.to_string();
-        if text.contains(&said) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&said);
-    }
-    text
+    crate::client::ErrorChain(err.as_ref()).to_string()
 }
 
 /// Logs to stderr, filtered by `CXLKV_LOG` (default: `default_level`).

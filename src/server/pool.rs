@@ -21,6 +21,7 @@ use cxlkv_controlplane::pool::service::{
 use cxlkv_controlplane::proto::{self, ErrorCode, RegionHandle};
 
 use super::{ServerError, wire};
+use crate::client::ErrorChain;
 
 /// How long start-up waits for each answer of the pool manager.
 const POOL_CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,31 +51,15 @@ pub(crate) struct OpenedPool {
     pub core: Option<PoolCore>,
 }
 
-/// `e` and each of its causes that its text does not already state,
-/// `: `-joined: the message a `ServerError::PoolService` keeps (it holds
-/// text, so a cause left out here is lost — "cannot open pool P" without
-/// the "No such file or directory" that says why).
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let said = c.to_string();
-        if !text.contains(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        cause = c.source();
-    }
-    text
-}
-
 /// Starts (embedded) or connects to (remote) the pool manager and opens this
 /// directory's session.
 pub(crate) fn open(cfg: &PoolManagerConfig, directory_id: &str) -> Result<OpenedPool, ServerError> {
     match cfg {
         PoolManagerConfig::Embedded(service_cfg) => {
             let core = PoolCore::start(service_cfg.clone()).map_err(|e| {
-                ServerError::PoolService(format!("cannot start: {}", with_causes(&e)))
+                // The whole chain: this error keeps text only, and "cannot
+                // open pool P" without its cause does not say why.
+                ServerError::PoolService(format!("cannot start: {}", ErrorChain(&e)))
             })?;
             let (local, session): (LocalPool, PoolSession) = core
                 .attach_local(directory_id, POOL_CALL_TIMEOUT)
