@@ -31,15 +31,15 @@
 //! the parent's session (releasing the pins of the views the parent still
 //! reads) from a process that has none of the client's threads. So every
 //! slot records the process *incarnation* it was filled in — a counter a
-//! `pthread_atfork` child handler bumps — and a handle filled before the
+//! `pthread_atfork` child handler bumps, shared with the Rust client's own
+//! guard (`cxlkv::client::process_incarnation`) — and a handle filled before the
 //! fork is refused in the child (`CXLKV_STATUS_BAD_HANDLE`, saying so), by
 //! the functions that free handles too: the child's copy of the object is
 //! never dropped, so nothing is sent and the parent is untouched. Handles
 //! the child makes itself (it connects its own client) work as anywhere.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 
@@ -55,34 +55,12 @@ const SLOT_BITS: u32 = 24;
 const GENERATION_SHIFT: u32 = SLOT_BITS;
 const TAG_SHIFT: u32 = 56;
 
-/// The process incarnation: 0 in the process that loaded the library,
-/// bumped in the child by every `fork` once a handle was ever made (see the
-/// module docs).
-static INCARNATION: AtomicU32 = AtomicU32::new(0);
-static ATFORK: Once = Once::new();
-
-/// The `pthread_atfork` child handler: runs in the child, on its only
-/// thread, before `fork` returns there (an atomic add is async-signal-safe).
-extern "C" fn forked_child() {
-    // Relaxed: the child's only thread loads it afterwards (program
-    // order), and every thread it starts later is started after it.
-    INCARNATION.fetch_add(1, Ordering::Relaxed);
-}
-
-/// This process's incarnation, registering the fork handler first (before
-/// the first handle exists, so that no fork can copy a handle unseen).
+/// This process's incarnation (`cxlkv::client::process_incarnation`: the
+/// counter the client's own fork guard uses), registering the fork handler
+/// first — before the first handle exists, so that no fork can copy a
+/// handle unseen.
 fn incarnation() -> u32 {
-    ATFORK.call_once(|| {
-        // SAFETY: `forked_child` is an `extern "C" fn()` of this library
-        // (glibc drops the registration if the library is unloaded) and
-        // only does an atomic add, which is safe in a forked child.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
-        // Only ENOMEM is possible; without the handler inherited handles
-        // would go unnoticed, which is what happened before it existed.
-        debug_assert_eq!(rc, 0, "pthread_atfork failed");
-    });
-    // Relaxed: see `forked_child`.
-    INCARNATION.load(Ordering::Relaxed)
+    cxlkv::client::process_incarnation()
 }
 
 /// One type tag per handle type (the token's top byte; never 0).
@@ -258,7 +236,7 @@ impl<T> Registry<T> {
                 if slots.entries.get(ix as usize).is_some_and(|s| {
                     s.generation == generation
                         && s.value.is_some()
-                        && s.incarnation != INCARNATION.load(Ordering::Relaxed)
+                        && s.incarnation != incarnation()
                 }) =>
             {
                 bad(format!(
@@ -283,8 +261,7 @@ impl<T> Registry<T> {
             && tag == self.tag as u8
             && let Some(slot) = slots.entries.get(ix as usize)
             && slot.generation == generation
-            // Relaxed: see `forked_child`.
-            && slot.incarnation == INCARNATION.load(Ordering::Relaxed)
+            && slot.incarnation == incarnation()
             && let Some(value) = &slot.value
         {
             return Ok(Arc::clone(value));
@@ -301,7 +278,7 @@ impl<T> Registry<T> {
             && let Some(slot) = slots.entries.get_mut(ix as usize)
             && slot.generation == generation
             // An inherited handle stays (its object is never dropped here).
-            && slot.incarnation == INCARNATION.load(Ordering::Relaxed)
+            && slot.incarnation == incarnation()
             && let Some(value) = slot.value.take()
         {
             // At the last generation the slot is retired (module docs): its

@@ -392,6 +392,7 @@ pub(crate) fn client_status(e: &ClientError) -> cxlkv_status {
         ClientError::ReconnectFailed { .. } => S::CXLKV_STATUS_DISCONNECTED,
         ClientError::TooManyInFlight { .. } => S::CXLKV_STATUS_BUSY,
         ClientError::Closed => S::CXLKV_STATUS_CLOSED,
+        ClientError::Forked { .. } => S::CXLKV_STATUS_BAD_HANDLE,
         _ => S::CXLKV_STATUS_OTHER,
     }
 }

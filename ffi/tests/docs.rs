@@ -1,5 +1,5 @@
-//! The examples in `docs/c-api.md` and `docs/python.md` are the files the
-//! tests build and run: every code block preceded by a
+//! The examples in `docs/c-api.md`, `docs/python.md` and `docs/rust.md` are
+//! the files the tests build and run: every code block preceded by a
 //! `<!-- file: PATH -->` marker must equal that file byte for byte, and
 //! each page must show the examples listed here.
 
@@ -87,4 +87,9 @@ fn the_python_page_shows_the_example_files_verbatim() {
             "python/examples/tier.py",
         ],
     );
+}
+
+#[test]
+fn the_rust_page_shows_the_example_file_verbatim() {
+    check_page("docs/rust.md", &["examples/quickstart.rs"]);
 }

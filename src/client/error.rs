@@ -131,6 +131,10 @@ pub enum ClientError {
     TooManyInFlight { window: u64 },
     #[error("the client is closed")]
     Closed,
+    #[error(
+        "this client was connected by process {pid}, which this process was forked from: a client works only in the process that connected it (connect one in this process); nothing was sent, the parent's session is untouched"
+    )]
+    Forked { pid: u32 },
 }
 
 /// Most causes [`ErrorChain`] follows (a chain is a few levels deep; the

@@ -45,6 +45,10 @@
 //!   of a live instance — or on an explicit [`Client::close`], which ends
 //!   it at once whatever is still alive. Nothing the client keeps for
 //!   itself (parked registrations, the maintenance thread) holds it alive.
+//! - A client works only in the process that connected it: in a child
+//!   made by `fork` every call fails with [`ClientError::Forked`] before it
+//!   sends anything, and dropping the child's copies (views included)
+//!   leaves the parent's session and pins alone (`fork`).
 //!
 //! Module map: `config` (settings), `error`, `pools` (opening the pools),
 //! `regions` (owned and peer mappings), `layout` (layouts, allocation,
@@ -52,10 +56,12 @@
 //! (get, exists, delete), `read` (guards, unpin batching), `index` (owned
 //! keys, for re-registration), `seq` (sequence window), `rpc` (one request:
 //! retries, unpins first, notices), `session` (hello, reconnect, reattach),
-//! `maintenance` (the background thread), `stats`.
+//! `maintenance` (the background thread), `fork` (clients do not cross
+//! `fork`), `stats`.
 
 mod config;
 mod error;
+mod fork;
 mod index;
 mod layout;
 mod lease;
@@ -88,6 +94,7 @@ pub use cxlkv_controlplane::proto::{
     DeleteOutcome, Location, RegisterOutcome, RejectReason, Usage,
 };
 pub use error::{ClientError, ErrorChain};
+pub use fork::process_incarnation;
 pub use layout::LayoutHandle;
 pub use lease::PageLease;
 pub use read::ReadGuard;
@@ -351,6 +358,9 @@ impl Client {
     /// to the pool once its grace period ends. (Dropping every handle
     /// instead ends the session only when the last view and lease are gone.)
     pub fn close(self) -> Result<(), ClientError> {
+        // In a forked child: nothing to end (the session is the parent's);
+        // dropping `self` leaves the copy alone.
+        self.inner.shared.check_process()?;
         let flushed = self.inner.shared.flush_unpins_and_wait();
         self.inner.shutdown();
         flushed
@@ -399,6 +409,17 @@ impl ClientInner {
 
 impl Drop for ClientInner {
     fn drop(&mut self) {
+        if self.shared.owner.forked() {
+            // A forked child's copy (`fork.rs`): its maintenance thread does
+            // not exist here (joining it would wait for ever), and dropping
+            // the connection would shut the parent's socket down. Leave both
+            // be: the child's memory and descriptors go when it exits.
+            if let Some(thread) = self.maintenance.get_mut().take() {
+                std::mem::forget(thread);
+            }
+            std::mem::forget(Arc::clone(&self.shared));
+            return;
+        }
         self.shutdown();
     }
 }

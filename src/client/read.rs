@@ -129,6 +129,11 @@ impl fmt::Debug for ReadGuard {
 
 impl Drop for ReadGuard {
     fn drop(&mut self) {
+        if self.client.shared().owner.forked() {
+            // The pin is the parent's (`fork.rs`): releasing it here would
+            // release it under the parent's view.
+            return;
+        }
         let key = std::mem::take(&mut self.key);
         self.client.shared().release_pin(self.layout_ix, key);
     }

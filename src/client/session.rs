@@ -114,6 +114,8 @@ pub(crate) fn connect(
     observers: cxlkv_dataplane::map::MapObservers,
 ) -> Result<Arc<Shared>, ClientError> {
     cfg.validate()?;
+    // Before the connection exists: a fork from here on is seen.
+    let owner = super::fork::Owner::current();
     let timeout = Duration::from_millis(cfg.request_timeout_ms);
     let rpc = RpcClient::connect(&cfg.server.endpoint(), cfg.transport.clone())
         .map_err(ClientError::Connect)?;
@@ -149,6 +151,7 @@ pub(crate) fn connect(
         dead: AtomicBool::new(false),
     };
     let shared = Arc::new(Shared {
+        owner,
         seqs: super::seq::SeqWindow::new(u64::from(welcome.limits.reply_cache_len)),
         identity: Identity {
             instance_id: welcome.instance_id.clone(),

@@ -23,6 +23,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::config::ClientConfig;
 use super::error::ClientError;
+use super::fork::Owner;
 use super::index::KeyIndex;
 use super::layout::{LayoutState, UnresolvedRegion};
 use super::pools::Pool;
@@ -65,6 +66,9 @@ pub(crate) struct Identity {
 /// Shared state of one client (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Shared {
+    /// The process that connected (see `fork.rs`): in a forked child every
+    /// call is refused before it locks or sends anything.
+    pub owner: Owner,
     pub cfg: ClientConfig,
     pub pools: Vec<Pool>,
     pub observers: MapObservers,
@@ -186,6 +190,7 @@ impl Shared {
     /// a thread setting up a reattached session, that session's connection
     /// (see [`SettingUp`]).
     pub fn conn(&self) -> Result<Arc<Conn>, ClientError> {
+        self.check_process()?;
         if let Some(c) = SettingUp::conn_for(self) {
             return Ok(c);
         }
@@ -207,7 +212,18 @@ impl Shared {
             .map_or_else(|| Limits::protocol(1, 1), |c| c.limits)
     }
 
+    /// Refuses a call in a process forked from the one that connected.
+    pub fn check_process(&self) -> Result<(), ClientError> {
+        if self.owner.forked() {
+            return Err(ClientError::Forked {
+                pid: self.owner.pid,
+            });
+        }
+        Ok(())
+    }
+
     pub fn check_open(&self) -> Result<(), ClientError> {
+        self.check_process()?;
         // Relaxed: a request racing close fails later on the closed socket.
         if self.closing.load(Ordering::Relaxed) {
             return Err(ClientError::Closed);

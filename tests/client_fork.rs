@@ -1,0 +1,133 @@
+//! A client does not cross `fork` (`src/client/fork.rs`): a child forked
+//! from a process holding a client, a layout and a pinned view gets
+//! `ClientError::Forked` from every call, sends nothing, and drops its
+//! copies promptly — without touching the parent's session: the parent's
+//! view stays pinned (a peer's delete answers `Pinned`) and its client
+//! keeps working.
+
+mod client_support;
+
+use std::time::{Duration, Instant};
+
+use client_support::*;
+use cxlkv::client::{Client, ClientError, DeleteOutcome};
+
+/// Bound on the child's run: its calls fail at once and its drops do
+/// nothing, so a child still running after this hung.
+const CHILD_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The child's verdict, as its exit status (0: as documented; 99: it
+/// panicked).
+fn child_body(
+    client: Client,
+    layout: cxlkv::client::LayoutHandle,
+    view: cxlkv::client::ReadGuard,
+) -> i32 {
+    let forked =
+        |r: Result<(), ClientError>| matches!(r, Err(ClientError::Forked { pid }) if pid > 0);
+    if view.bytes() != chunk(1, 4096).as_slice() {
+        return 10; // the view's bytes are still readable in the child's copy
+    }
+    if !forked(layout.get(key(1)).map(drop)) {
+        return 11;
+    }
+    if !forked(layout.put(key(2), &chunk(2, 4096)).map(drop)) {
+        return 12;
+    }
+    if !forked(layout.exists(key(1)).map(drop)) {
+        return 13;
+    }
+    if !forked(client.flush_unpins()) {
+        return 14;
+    }
+    if !forked(client.directory_stats(0).map(drop)) {
+        return 15;
+    }
+    drop(view); // must release nothing: the pin is the parent's
+    drop(layout);
+    if !forked(client.clone().close()) {
+        return 16;
+    }
+    drop(client); // the last handle: must not wait for the parent's maintenance thread
+    0
+}
+
+#[test]
+fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
+    let server = start_server("fork");
+    let client = Client::connect(client_config(&server)).expect("connect");
+    let layout = small_region_layout(&client);
+    layout.put(key(1), &chunk(1, 4096)).expect("put");
+    let view = layout.get(key(1)).expect("get").expect("present");
+
+    // SAFETY: the child runs only `child_body` — calls that fail before
+    // taking a lock or sending, and drops that leave the copies alone —
+    // then `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // The child's copies of the parent's handles, the last ones there:
+        // dropping them is what a child that simply returns does.
+        // A panic must not unwind into the copy of the test harness.
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            child_body(client, layout, view)
+        }))
+        .unwrap_or(99);
+        // SAFETY: ends the child at once, running no code of the test
+        // harness's.
+        unsafe { libc::_exit(code) };
+    }
+
+    let started = Instant::now();
+    let status = loop {
+        let mut status = 0;
+        // SAFETY: waits for our own child without blocking.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        assert!(r >= 0, "waitpid: {}", std::io::Error::last_os_error());
+        if r == pid {
+            break status;
+        }
+        if started.elapsed() > CHILD_TIMEOUT {
+            // SAFETY: our own child, not yet reaped.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+            panic!("the forked child hung (its calls or drops waited on the parent's client)");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child's check {} failed (status {status:#x}; see child_body)",
+        libc::WEXITSTATUS(status)
+    );
+
+    // The parent's session: its view is still pinned, its client works.
+    let peer = Client::connect(client_config(&server)).expect("peer connects");
+    let peer_layout = small_region_layout(&peer);
+    assert_eq!(
+        peer_layout.delete(key(1)).expect("delete"),
+        DeleteOutcome::Pinned { pins: 1 },
+        "the parent's view lost its pin to the child"
+    );
+    assert_eq!(view.bytes(), chunk(1, 4096).as_slice());
+    assert!(
+        layout
+            .exists(key(1))
+            .expect("the parent's client still works")
+    );
+    assert!(
+        !layout.exists(key(2)).expect("exists"),
+        "the child's put went through"
+    );
+    drop(view);
+    client.flush_unpins().expect("flush");
+    assert_eq!(
+        peer_layout.delete(key(1)).expect("delete"),
+        DeleteOutcome::Deleted
+    );
+    client.close().expect("close");
+    peer.close().expect("close");
+    server.shutdown().expect("shutdown");
+}
