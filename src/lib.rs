@@ -9,14 +9,23 @@
 //! This crate is the facade: the client library, the engine-facing L1 tier,
 //! the server assembly and the `cxlkv` command line. The layers below it are
 //! [`cxlkv_dataplane`] (devices, mapping, page allocation, visibility, copies).
-//! The architecture is described in `docs/architecture.md`.
+//! The architecture is described in `docs/architecture.md`; using the
+//! client from Rust, with a runnable walk-through, in `docs/rust.md`
+//! (`examples/quickstart.rs`).
 
+// The `cxlkv` command line's own parts: public for the binary and its
+// integration tests, not an API (hidden from the documentation).
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod chaos;
+#[doc(hidden)]
 pub mod cli;
+#[doc(hidden)]
+pub mod demo;
+
 pub mod client;
 pub mod config;
-pub mod demo;
 pub mod server;
 pub mod tier;
 
