@@ -22,6 +22,7 @@ fn child_body(
     client: Client,
     layout: cxlkv::client::LayoutHandle,
     view: cxlkv::client::ReadGuard,
+    mut lease: cxlkv::client::PageLease,
 ) -> i32 {
     let forked =
         |r: Result<(), ClientError>| matches!(r, Err(ClientError::Forked { pid }) if pid > 0);
@@ -43,6 +44,14 @@ fn child_body(
     if !forked(client.directory_stats(0).map(drop)) {
         return 15;
     }
+    // The parent's lease may write its page too: the child's copy must not.
+    if !forked(lease.bytes_mut().map(drop)) || !forked(lease.write(b"child").map(drop)) {
+        return 17;
+    }
+    if !forked(layout.alloc().map(drop)) {
+        return 18;
+    }
+    drop(lease);
     drop(view); // must release nothing: the pin is the parent's
     drop(layout);
     if !forked(client.clone().close()) {
@@ -59,6 +68,8 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
     let layout = small_region_layout(&client);
     layout.put(key(1), &chunk(1, 4096)).expect("put");
     let view = layout.get(key(1)).expect("get").expect("present");
+    let mut lease = layout.alloc().expect("alloc");
+    lease.write(&chunk(3, 4096)).expect("write");
 
     // SAFETY: the child runs only `child_body` — calls that fail before
     // taking a lock or sending, and drops that leave the copies alone —
@@ -70,7 +81,7 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
         // dropping them is what a child that simply returns does.
         // A panic must not unwind into the copy of the test harness.
         let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            child_body(client, layout, view)
+            child_body(client, layout, view, lease)
         }))
         .unwrap_or(99);
         // SAFETY: ends the child at once, running no code of the test

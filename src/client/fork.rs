@@ -13,7 +13,8 @@
 //! So a client records the process *incarnation* it was connected in — a
 //! counter that a `pthread_atfork` child handler bumps — and in any other
 //! incarnation it refuses every call ([`ClientError::Forked`]) before it
-//! takes a lock or sends a byte, a view dropped there releases nothing,
+//! takes a lock or sends a byte (writing an inherited lease too: the
+//! parent's copy names the same page), a view dropped there releases nothing,
 //! and its last handle dropped there leaves the copy alone (its memory and
 //! descriptors go with the child). The parent's session is untouched; a
 //! child connects a client of its own. The C ABI's handles follow the same

@@ -140,8 +140,13 @@ impl PageLease {
 
     /// The whole page, writable. Marks the lease as needing publication.
     /// Fails if the region was taken back from this instance (it was refused
-    /// at a reattach, e.g. after the instance expired while disconnected).
+    /// at a reattach, e.g. after the instance expired while disconnected),
+    /// and in a process forked from the one that allocated the page (the
+    /// parent's copy of the lease may write it too: `fork.rs`).
     pub fn bytes_mut(&mut self) -> Result<PageViewMut<'_>, ClientError> {
+        if let Some(client) = &self.client {
+            client.shared().check_process()?;
+        }
         // Acquire: pairs with the Release that revokes the region.
         if self
             .region
