@@ -14,10 +14,18 @@ Output:
   results.jsonl         every record that satisfies the contract, in run order
   run.json              run-info, per-scenario status, target evaluations
   summary.md            scenario status table, results table with targets,
-                        missed targets, targets not checked (no case of a
-                        scenario that ran matched them), plot links
+                        missed targets, unstable targets, targets not checked
+                        (no case of a scenario that ran matched them), plot
+                        links
   plots/NAME.svg        per scenario: ours vs baseline per case, ratio per case
   plots/ratios.svg      every case's ratio on one log scale
+
+A `ratio` target is judged on the less favourable of `ratio` (a ratio of
+medians, which can pair two reps) and `ratio_paired_median` (the median of the
+reps' own ratios) when the record has both, and is "unstable" rather than met
+when the reps' own ratios (`ratio_min`, `ratio_max`) are more than
+UNSTABLE_SPREAD apart and the worst rep misses it: one stalled rep must not
+make a target look met (docs/benchmarks.md, "Targets").
 
 A scenario is "ok" when it exited 0 and printed at least one line, every line
 a valid contract record of that scenario. Anything else is a failure, and the
@@ -35,6 +43,15 @@ import sys
 from pathlib import Path
 
 CONTRACT_NUMBERS = ("ours", "baseline", "ratio")
+
+# A ratio target met by the medians but not by the worst rep, on a record
+# whose reps' own ratios are more than this factor apart (ratio_max ÷
+# ratio_min), is "unstable", not met: the reps disagree too much for the
+# medians to settle it (a rep whose baseline stalled). Quiet hosts stay well
+# inside it (reps within 1.1–1.5× of each other); a stalled phase is 2–10×.
+UNSTABLE_SPREAD = 2.0
+# The value of `met` for such a target.
+UNSTABLE = "unstable"
 CONTRACT_STRINGS = ("scenario", "case", "unit")
 
 # Plot geometry (pixels).
@@ -185,8 +202,32 @@ def read_targets(path):
     return targets
 
 
+def meets(value, target):
+    if target["op"] == ">=":
+        return value >= target["threshold"]
+    return value <= target["threshold"]
+
+
+def judged_ratio(record, target):
+    """(value, met) of a `ratio` target: the less favourable of `ratio` and
+    `ratio_paired_median`, and UNSTABLE instead of True when the reps'
+    ratios are more than UNSTABLE_SPREAD apart and the worst one misses."""
+    values = [record["ratio"]]
+    if is_number(record.get("ratio_paired_median")):
+        values.append(record["ratio_paired_median"])
+    value = min(values) if target["op"] == ">=" else max(values)
+    met = meets(value, target)
+    low, high = record.get("ratio_min"), record.get("ratio_max")
+    if met and is_number(low) and is_number(high) and low > 0:
+        worst = low if target["op"] == ">=" else high
+        if high / low > UNSTABLE_SPREAD and not meets(worst, target):
+            met = UNSTABLE
+    return value, met
+
+
 def evaluate_targets(record, targets):
-    """[(target, value or None, met or None)] for the targets of `record`.
+    """[(target, value or None, met)] for the targets of `record`; met is
+    True, False, UNSTABLE (a `ratio` target: judged_ratio) or None.
 
     A case the scenario skipped (`skipped: true`, e.g. an io_uring case
     where io_uring is unavailable) carries zeros, not a measurement: its
@@ -204,10 +245,10 @@ def evaluate_targets(record, targets):
         if not is_number(value):
             result.append((target, None, None))
             continue
-        if target["op"] == ">=":
-            met = value >= target["threshold"]
+        if target["metric"] == "ratio":
+            value, met = judged_ratio(record, target)
         else:
-            met = value <= target["threshold"]
+            met = meets(value, target)
         result.append((target, value, met))
     return result
 
@@ -254,6 +295,19 @@ def target_text(target):
     return f"{target['metric']} {op} {shown}"
 
 
+def judged_from(record, target, value):
+    """Names the field a `ratio` target was judged on when it is not the
+    `ratio` column (judged_ratio)."""
+    if target["metric"] == "ratio" and value != record["ratio"]:
+        return ": ratio_paired_median"
+    return ""
+
+
+def spread_text(record):
+    low, high = record["ratio_min"], record["ratio_max"]
+    return f"reps' ratios {fmt(low)}–{fmt(high)}, {high / low:.3g}× apart"
+
+
 def md_cell(text):
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -288,6 +342,12 @@ def write_summary(results_dir, info, scenarios, evaluations, unchecked, plots):
         for (t, v, met) in evals
         if met is False
     ]
+    unstable = [
+        (rec, t, v)
+        for rec, evals in evaluations
+        for (t, v, met) in evals
+        if met == UNSTABLE
+    ]
     lines = [
         f"# cxlkv hardware benchmark: {info.get('host', 'unknown host')}, "
         f"{info.get('started', '')}",
@@ -320,7 +380,8 @@ def write_summary(results_dir, info, scenarios, evaluations, unchecked, plots):
         "",
         f"**{ok} of {len(scenarios)} scenario(s) ok, {failed} failed; "
         f"{len(missed)} documented target(s) missed, "
-        f"{len(unchecked)} not checked.** "
+        + (f"{len(unstable)} unstable, " if unstable else "")
+        + f"{len(unchecked)} not checked.** "
         "Machine details: `machine/`; raw records: `results.jsonl`, "
         "`scenarios/`.",
         "",
@@ -353,10 +414,12 @@ def write_summary(results_dir, info, scenarios, evaluations, unchecked, plots):
                     cells.append(f"{text}: not checked (case skipped)")
                 elif met is None:
                     cells.append(f"{text}: n/a")
+                elif met == UNSTABLE:
+                    cells.append(f"**UNSTABLE** {text} ({spread_text(record)})")
                 elif met:
                     cells.append(f"{text}: ok")
                 else:
-                    cells.append(f"**MISS** {text} (is {fmt(value)})")
+                    cells.append(f"**MISS** {text} (is {fmt(value)}{judged_from(record, target, value)})")
             lines.append(
                 f"| {md_cell(record['scenario'])} | {md_cell(record['case'])} | "
                 f"{fmt(record['ours'])} | {fmt(record['baseline'])} | "
@@ -374,7 +437,25 @@ def write_summary(results_dir, info, scenarios, evaluations, unchecked, plots):
             source = f" ({target['source']})" if target["source"] else ""
             lines.append(
                 f"- `{record['scenario']}` `{record['case']}`: "
-                f"{target_text(target)}, measured {fmt(value)}{source}"
+                f"{target_text(target)}, measured {fmt(value)}"
+                f"{judged_from(record, target, value)}{source}"
+            )
+    if unstable:
+        lines += [
+            "",
+            "## Unstable targets",
+            "",
+            "Met by the medians but not by every rep, whose own ratios are "
+            f"more than {UNSTABLE_SPREAD:g}× apart: neither met nor missed; "
+            "run the scenario again on a quieter host.",
+            "",
+        ]
+        for record, target, value in unstable:
+            source = f" ({target['source']})" if target["source"] else ""
+            lines.append(
+                f"- `{record['scenario']}` `{record['case']}`: "
+                f"{target_text(target)}, judged {fmt(value)}, "
+                f"{spread_text(record)}{source}"
             )
     if unchecked:
         lines += [
@@ -626,7 +707,8 @@ def main():
                 "op": target["op"],
                 "threshold": target["threshold"],
                 "value": value,
-                "met": met,
+                "met": None if met == UNSTABLE else met,
+                "unstable": met == UNSTABLE,
                 "source": target["source"],
             }
             for record, evals in evaluations

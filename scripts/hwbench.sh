@@ -16,7 +16,8 @@
 #   results.jsonl         every valid record of every scenario
 #   run.json              run-info + per-scenario status, for machines
 #   summary.md            status per scenario, a results table, missed targets,
-#                         targets no case was checked against
+#                         unstable targets (reps too far apart to call them
+#                         met), targets no case was checked against
 #   plots/*.svg           ours vs baseline and ratio per case, per scenario,
 #                         and every ratio of the run in plots/ratios.svg
 #   cleanup.txt           (when needed) processes a scenario left running and

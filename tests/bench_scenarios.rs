@@ -10,8 +10,10 @@
 //! environment); every documented target (`scripts/bench-targets.tsv`)
 //! that matches a case finds its metric in it; the servers a bench started
 //! end when it is killed; `cxlkv bench --help` lists the scenarios; an
-//! empty `--pool` file is refused saying how to size it, and the scenario
-//! after `pool` on the same pool does not wait out a 10 s lease. Runs the
+//! empty `--pool` file is refused saying how to size it, the scenario
+//! after `pool` on the same pool does not wait out a 10 s lease, and a
+//! bench removes what a bench killed outright left in `/dev/shm` and
+//! `$TMPDIR`. Runs the
 //! debug binary's `--quick` form with one
 //! repetition: the figures are meaningless there, their presence and
 //! arithmetic are not.
@@ -667,6 +669,101 @@ fn the_servers_a_bench_started_end_when_the_bench_is_killed() {
         }
     }
     assert!(leftovers.is_empty(), "still running: {leftovers:?}");
+}
+
+/// A bench killed outright (`SIGKILL`, nothing of it runs) leaves its
+/// server's pool and state directory in `/dev/shm` and its sockets in
+/// `$TMPDIR`, named after its pid: the next bench removes them, saying so
+/// on standard error, and leaves a live process's entries and names not of
+/// the bench alone (reliability entry 161). The killed bench's sockets go
+/// to a private `$TMPDIR`, which only this test's benches sweep: its
+/// `/dev/shm` entries may also be swept by a bench of a test running
+/// beside this one.
+#[test]
+fn a_bench_removes_what_a_killed_bench_left() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["bench", "rtt", "--reps", "50", "--json"])
+        .env_remove("CXLKV_BENCH_POOL")
+        .env("TMPDIR", tmp.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start cxlkv bench");
+    let pid = bench.id();
+    let named = |dir: &Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with("cxlkv-")
+                    && (name.contains(&format!("-{pid}-")) || name.contains(&format!("-{pid}.")))
+            })
+            .map(|e| e.path())
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while named(tmp.path()).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the bench made no socket"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    bench.kill().expect("SIGKILL the bench");
+    bench.wait().expect("reap the bench");
+    // Its forked server ends with it (SIGKILL); wait for its files to stop
+    // changing.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let left = named(tmp.path());
+    assert!(!left.is_empty(), "the killed bench left no socket");
+    let shm_left = named(Path::new("/dev/shm"));
+
+    // Planted: a dead bench's state directory with a file in it; this live
+    // test process's entry under a bench name; a dead pid under a name that
+    // is not the bench's.
+    let dead = pid;
+    let planted_dead = tmp.path().join(format!("cxlkv-bench-state-{dead}-AbC"));
+    std::fs::create_dir(&planted_dead).unwrap();
+    std::fs::write(planted_dead.join("journal"), b"x").unwrap();
+    let live = tmp
+        .path()
+        .join(format!("cxlkv-bench-{}-0-0.sock", std::process::id()));
+    let foreign = tmp.path().join(format!("cxlkv-t-{dead}-0.sock"));
+    for p in [&live, &foreign] {
+        std::fs::write(p, b"x").unwrap();
+    }
+
+    let out = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["bench", "alloc", "--quick", "--reps", "1", "--json"])
+        .env("TMPDIR", tmp.path())
+        .env_remove("CXLKV_BENCH_THREADS")
+        .output()
+        .expect("run cxlkv bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    for path in left.iter().chain([&planted_dead]) {
+        assert!(!path.exists(), "{} left:\n{stderr}", path.display());
+        assert!(
+            stderr.contains(&format!(
+                "note: removed {}, left by bench process {dead}, which is gone",
+                path.display()
+            )),
+            "{} not named:\n{stderr}",
+            path.display()
+        );
+    }
+    for path in &shm_left {
+        assert!(!path.exists(), "{} left", path.display());
+    }
+    assert!(live.exists(), "a live process's entry was removed");
+    assert!(
+        foreign.exists(),
+        "an entry not named as the bench's was removed"
+    );
 }
 
 /// `cxlkv bench SCENARIO --help` — what a user types to learn what a

@@ -51,17 +51,10 @@ fn owner_regions(stats: &PoolStatsReply, directory: &str) -> u64 {
         .map_or(0, |o| o.regions)
 }
 
-#[test]
-fn a_directory_process_that_exits_loses_its_regions_after_the_grace_period() {
-    let dir = shm_dir("reaper");
-    let mut spec = DaemonSpec::new(dir.path());
-    spec.grace_ms = 300;
-    let _daemon = Daemon::start(&spec);
-    // This test process is a live directory too: its regions must stay.
-    let me = Wire::unix(&spec.socket());
-    me.hello("dir-parent");
-    let mine = me.alloc("dir-parent", 1).unwrap();
-
+/// Starts [`directory_child`] against the daemon at `socket` and returns
+/// once it attached as `dir-child` and allocated; it exits when its
+/// standard input closes.
+fn directory_child_process(socket: &std::path::Path) -> std::process::Child {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -70,7 +63,7 @@ fn a_directory_process_that_exits_loses_its_regions_after_the_grace_period() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(SOCKET_ENV, spec.socket())
+        .env(SOCKET_ENV, socket)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -91,6 +84,21 @@ fn a_directory_process_that_exits_loses_its_regions_after_the_grace_period() {
         let _ = child.wait();
         panic!("the directory child did not allocate");
     }
+    child
+}
+
+#[test]
+fn a_directory_process_that_exits_loses_its_regions_after_the_grace_period() {
+    let dir = shm_dir("reaper");
+    let mut spec = DaemonSpec::new(dir.path());
+    spec.grace_ms = 300;
+    let _daemon = Daemon::start(&spec);
+    // This test process is a live directory too: its regions must stay.
+    let me = Wire::unix(&spec.socket());
+    me.hello("dir-parent");
+    let mine = me.alloc("dir-parent", 1).unwrap();
+
+    let mut child = directory_child_process(&spec.socket());
     // The child is alive (blocked on its stdin): its regions are held.
     assert_eq!(owner_regions(&me.stats(), "dir-child"), CHILD_REGIONS);
     drop(child.stdin.take());
@@ -99,6 +107,88 @@ fn a_directory_process_that_exits_loses_its_regions_after_the_grace_period() {
         owner_regions(&me.stats(), "dir-child") == 0
     });
     assert_eq!(me.list(), vec![mine], "the live directory keeps its region");
+}
+
+/// The value of field `key` in a log line of the `fmt` subscriber
+/// (`key=value`, the value without spaces here).
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let prefix = format!("{key}=");
+    line.split_whitespace()
+        .find_map(|t| t.strip_prefix(prefix.as_str()))
+}
+
+/// Every line the pool manager logs about a directory names it the same
+/// way, `directory_id=dir0x…` and `directory=<the name it attached with>`,
+/// so that an operator can follow one directory from its attach through
+/// its end to its regions' reclaim: a local process that exits (it
+/// allocated, so the names file knows it) and a TCP connection that
+/// closes without allocating (only its session knows the name). The
+/// lines of a directory's end and reclaim used to carry only the id, as
+/// `directory=dir0x…`, and the attach only the name (reliability entry
+/// 160).
+#[test]
+fn the_pool_managers_log_lines_name_a_directory_alike() {
+    let dir = shm_dir("dirlog");
+    let mut spec = DaemonSpec::new(dir.path());
+    spec.grace_ms = 300;
+    spec.tcp = true;
+    let log = dir.path().join("daemon.log");
+    spec.log = Some(log.clone());
+    let daemon = Daemon::start(&spec);
+
+    let mut child = directory_child_process(&spec.socket());
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    let remote = Wire::connect(&daemon.tcp_endpoint());
+    remote.hello("dir-tcp");
+    drop(remote);
+
+    const ATTACHED: &str = "directory attached";
+    const GONE: &str = "local directory process is gone";
+    const CLOSED: &str = "directory connection closed";
+    const RECLAIMED: &str = "reclaimed a region of a gone directory";
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    eventually("the directories' ends and reclaims in the log", || {
+        let t = text();
+        t.contains(GONE)
+            && t.contains(CLOSED)
+            && t.lines().filter(|l| l.contains(RECLAIMED)).count() == CHILD_REGIONS as usize
+    });
+    let logged = text();
+    let mut seen: Vec<(String, String, &str)> = Vec::new();
+    for line in logged.lines() {
+        let Some(message) = [ATTACHED, GONE, CLOSED, RECLAIMED]
+            .into_iter()
+            .find(|m| line.contains(m))
+        else {
+            continue;
+        };
+        let id = field(line, "directory_id").unwrap_or_else(|| panic!("no directory_id: {line}"));
+        let name = field(line, "directory").unwrap_or_else(|| panic!("no directory: {line}"));
+        assert!(id.starts_with("dir0x"), "{line}");
+        seen.push((name.to_owned(), id.to_owned(), message));
+    }
+    for (name, messages) in [
+        ("dir-child", &[ATTACHED, GONE, RECLAIMED][..]),
+        ("dir-tcp", &[ATTACHED, CLOSED][..]),
+    ] {
+        let lines: Vec<_> = seen.iter().filter(|(n, _, _)| n == name).collect();
+        for m in messages {
+            assert!(
+                lines.iter().any(|(_, _, message)| message == m),
+                "no {m:?} line naming {name}:\n{logged}"
+            );
+        }
+        let id = &lines[0].1;
+        assert!(
+            lines.iter().all(|(_, i, _)| i == id),
+            "{name} shown with two ids:\n{logged}"
+        );
+        assert!(
+            seen.iter().all(|(n, i, _)| i != id || n == name),
+            "{id} shown with another name than {name}:\n{logged}"
+        );
+    }
 }
 
 fn output_of(mut c: Command) -> (bool, String) {

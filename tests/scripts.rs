@@ -11,13 +11,16 @@
 //!   them, a hung scenario is stopped by its time limit, and an interrupted
 //!   run still writes its report; what a scenario leaves running or on disk
 //!   is stopped and removed.
-//! - `bench_report.py` on a hand-made results directory: targets no case
-//!   was checked against are listed, a skipped case is not a miss.
+//! - `bench_report.py` on hand-made results directories: targets no case
+//!   was checked against are listed, a skipped case is not a miss, a ratio
+//!   target is judged on the paired median too and is unstable, not met,
+//!   when the reps disagree.
 //! - `setup-hugepages.sh`: `status` on this machine; `reserve`/`release`
 //!   against a fake sysfs tree (idempotence, giving back exactly what was
 //!   added); refusal without root.
 //! - `profile.sh` once on a short workload where perf works here (skipped
-//!   with a message where it does not; CI never installs perf for it).
+//!   with a message where it does not; CI never installs perf for it); the
+//!   files it writes are those its header and docs/operations.md list.
 //! - `systemd-analyze verify` and `security` on the units, and
 //!   `systemd-sysusers` on the user definition, where systemd's tools exist.
 //!
@@ -702,6 +705,127 @@ fn bench_report_lists_the_targets_it_could_not_check_and_does_not_miss_a_skipped
     assert_eq!(listed, ["copy", "alloc"]);
 }
 
+/// A `ratio` target is judged on the less favourable of `ratio` (a ratio
+/// of medians) and `ratio_paired_median`, and a record whose reps' own
+/// ratios are more than 2× apart is `**UNSTABLE**`, not met, when its worst
+/// rep misses: a raw baseline that stalled in one of two reps made both
+/// medians 25 and the target "ok" (reliability entry 162). A steady record
+/// and a spread one whose every rep meets its target stay `ok`.
+#[test]
+fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
+    let tmp = tempfile::tempdir().expect("temporary directory");
+    let dir = tmp.path();
+    fs::create_dir(dir.join("scenarios")).expect("mkdir");
+    fs::write(dir.join("run-info.txt"), "host: test\n").expect("write");
+    fs::write(
+        dir.join("runs.tsv"),
+        "scenario\texit\tseconds\ttimed_out\nrtt\t0\t1.0\t0\nlookup\t0\t1.0\t0\n\
+         exists\t0\t1.0\t0\n",
+    )
+    .expect("write");
+    // ratio, ratio_paired_median, ratio_min, ratio_max.
+    let record = |scenario: &str, case: &str, r: [f64; 4], extra: &str| {
+        format!(
+            "{{\"scenario\":\"{scenario}\",\"case\":\"{case}\",\"ours\":1,\"baseline\":1,\
+             \"unit\":\"us\",\"ratio\":{},\"ratio_paired_median\":{},\"ratio_min\":{},\
+             \"ratio_max\":{}{extra}}}\n",
+            r[0], r[1], r[2], r[3]
+        )
+    };
+    // Two reps: raw p50 10 and 1000 (stalled), ours 20 in both.
+    fs::write(
+        dir.join("scenarios/rtt.jsonl"),
+        record(
+            "rtt",
+            "transport=unix,backend=default",
+            [25.25, 25.25, 0.5, 50.0],
+            "",
+        ),
+    )
+    .expect("write");
+    fs::write(
+        dir.join("scenarios/lookup.jsonl"),
+        // The medians pair two reps: the reps' own ratios say 0.6.
+        record(
+            "lookup",
+            "batch=1",
+            [0.7, 0.6, 0.58, 0.71],
+            ",\"p50_us\":5",
+        )
+        // Reps 5× apart, but even the worst meets ≥ 0.33.
+        + &record(
+            "lookup",
+            "batch=512",
+            [1.0, 1.0, 0.4, 2.0],
+            ",\"keys_per_s\":3000000",
+        ),
+    )
+    .expect("write");
+    fs::write(
+        dir.join("scenarios/exists.jsonl"),
+        record(
+            "exists",
+            "batch=512",
+            [0.6, 0.6, 0.55, 0.65],
+            ",\"keys_per_s\":6000000",
+        ),
+    )
+    .expect("write");
+    let output = run(Command::new("python3")
+        .arg(script("bench_report.py"))
+        .arg(dir)
+        .arg("--targets")
+        .arg(script("bench-targets.tsv"))
+        .env("PYTHONDONTWRITEBYTECODE", "1"));
+    assert_eq!(output.status.code(), Some(0));
+    let summary = read(&dir.join("summary.md"));
+    let row = |scenario: &str, case: &str| -> &str {
+        summary
+            .lines()
+            .find(|l| l.starts_with(&format!("| {scenario} | {case} |")))
+            .unwrap_or_else(|| panic!("no row {scenario} {case}:\n{summary}"))
+    };
+    let rtt = row("rtt", "transport=unix,backend=default");
+    assert!(
+        rtt.contains("**UNSTABLE** ratio ≥ 0.67 (reps' ratios 0.5000–50.00, 100× apart)"),
+        "{summary}"
+    );
+    assert!(!rtt.contains("ratio ≥ 0.67: ok"), "{summary}");
+    assert!(
+        row("lookup", "batch=1").contains("**MISS** ratio ≥ 0.67 (is 0.6000: ratio_paired_median)"),
+        "{summary}"
+    );
+    assert!(
+        row("lookup", "batch=512").contains("ratio ≥ 0.33: ok"),
+        "{summary}"
+    );
+    assert!(
+        row("exists", "batch=512").contains("ratio ≥ 0.5: ok"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("1 documented target(s) missed, 1 unstable, 0 not checked"),
+        "{summary}"
+    );
+    let unstable = summary
+        .split("## Unstable targets")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no 'Unstable targets' section:\n{summary}"));
+    assert!(
+        unstable.contains("`rtt` `transport=unix,backend=default`: ratio ≥ 0.67, judged 25.25"),
+        "{summary}"
+    );
+    let run_json: Value = serde_json::from_str(&read(&dir.join("run.json"))).expect("run.json");
+    let rtt = run_json["targets"]
+        .as_array()
+        .expect("targets")
+        .iter()
+        .find(|t| t["scenario"] == "rtt")
+        .expect("the rtt target");
+    assert_eq!(rtt["met"], Value::Null);
+    assert_eq!(rtt["unstable"], Value::Bool(true));
+}
+
 #[test]
 fn hwbench_rejects_unknown_scenario_names_with_the_known_list() {
     let fake = Fake::new();
@@ -1012,6 +1136,60 @@ fn profile_writes_report_stat_and_flame_graph_for_a_subcommand() {
         .args(["--", "no-such-subcommand"]));
     assert_eq!(failing.status.code(), Some(1));
     assert!(tmp.path().join("failing/summary.txt").exists());
+}
+
+/// The files `profile.sh` writes (`"$OUT/NAME"` in its body), the list in
+/// its header, and the list in docs/operations.md's "Profiling" section are
+/// the same set (the documentation used to omit `stat-output.txt` and
+/// `command.txt`: reliability entry 163). Needs no perf.
+#[test]
+fn profile_output_files_match_the_script_header_and_the_operations_doc() {
+    use std::collections::BTreeSet;
+    let script_text = read(&script("profile.sh"));
+    let written: BTreeSet<String> = script_text
+        .split("\"$OUT/")
+        .skip(1)
+        .filter_map(|rest| rest.split_once('"').map(|(name, _)| name.to_owned()))
+        .collect();
+    let header: BTreeSet<String> = script_text
+        .lines()
+        .skip_while(|l| !l.starts_with("# Writes into the output directory:"))
+        .skip(1)
+        .take_while(|l| *l != "#")
+        // A name at the list's indent; deeper lines continue a description.
+        .filter_map(|l| l.strip_prefix("#   "))
+        .filter(|l| !l.starts_with(' '))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect();
+    let doc = read(&repo().join("docs/operations.md"));
+    let section = doc
+        .split("\n## Profiling\n")
+        .nth(1)
+        .expect("docs/operations.md has a Profiling section");
+    let listing = section
+        .split("Output (default ")
+        .nth(1)
+        .and_then(|s| s.split("\n\n").next())
+        .expect("the Profiling section lists its output files");
+    // The backticked names of files (with an extension), not the default
+    // directory or the commands quoted beside them.
+    let documented: BTreeSet<String> = listing
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| !s.contains(['/', ' ', '<']) && s.contains('.'))
+        .map(str::to_owned)
+        .collect();
+    assert!(written.len() >= 10, "written: {written:?}");
+    assert_eq!(
+        header, written,
+        "profile.sh's header against what it writes"
+    );
+    assert_eq!(
+        documented, written,
+        "docs/operations.md's Profiling list against what profile.sh writes"
+    );
 }
 
 #[test]

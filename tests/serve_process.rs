@@ -13,10 +13,12 @@
 //! (`CXLKV_POOL_SYNC=group`); both must leave the region granted before
 //! the signal for the next start.
 //!
-//! Then what the operator meets around it: `--print-config` failing for a
-//! configuration that could not start, `--pool`/`--state-dir` refused
-//! beside a pool daemon, the systemd readiness notification (`READY=1` once
-//! listening, `STOPPING=1`) of `serve` and `pool`, and the defaults each
+//! Then what the operator meets around it: SIGINT and SIGHUP left ignored
+//! when `serve` or `pool` started with them ignored (`nohup`),
+//! `--print-config` failing for a configuration that could not start,
+//! `--pool`/`--state-dir` refused beside a pool daemon, the systemd
+//! readiness notification (`READY=1` once listening, `STOPPING=1`) of
+//! `serve` and `pool`, and the defaults each
 //! shipped unit resolves (as a user that is not root, with the unit's
 //! environment) landing in that unit's own directories.
 
@@ -60,11 +62,46 @@ fn remove(paths: &[&Path]) {
 /// the test's paths by the environment; returns once it printed where it
 /// listens.
 fn start(io: &str, sync: &str, socket: &Path, pool: &Path) -> Guard {
-    start_with(io, sync, socket, pool, "warn", Stdio::inherit(), &[])
+    start_with(io, sync, socket, pool, "warn", Stdio::inherit(), &[], &[])
 }
 
-/// [`start`] with the log filter `log`, standard error going to `stderr`
-/// and `env` set besides.
+/// Has `cmd` start with the stop signals (SIGINT, SIGHUP, SIGTERM) in
+/// `ignored` ignored, as `nohup` (SIGHUP) or a shell script's `cmd &`
+/// (SIGINT) start it, and the others handled by default, as at a terminal:
+/// a test run started in the background would otherwise pass its own
+/// ignored SIGINT on, and the binary would rightly leave it ignored.
+fn stop_signals_ignored(cmd: &mut Command, ignored: &[libc::c_int]) {
+    use std::os::unix::process::CommandExt;
+    let dispositions: Vec<(libc::c_int, libc::sighandler_t)> =
+        [libc::SIGINT, libc::SIGHUP, libc::SIGTERM]
+            .into_iter()
+            .map(|sig| {
+                let action = if ignored.contains(&sig) {
+                    libc::SIG_IGN
+                } else {
+                    libc::SIG_DFL
+                };
+                (sig, action)
+            })
+            .collect();
+    // SAFETY: signal(2) is async-signal-safe and the closure allocates
+    // nothing (it reads the vector built before the fork), as code between
+    // fork and exec must.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &(sig, action) in &dispositions {
+                if libc::signal(sig, action) == libc::SIG_ERR {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// [`start`] with the log filter `log`, standard error going to `stderr`,
+/// `env` set besides and the stop signals `ignored` ignored on entry.
+#[allow(clippy::too_many_arguments)]
 fn start_with(
     io: &str,
     sync: &str,
@@ -73,8 +110,11 @@ fn start_with(
     log: &str,
     stderr: Stdio,
     env: &[(&str, &str)],
+    ignored: &[libc::c_int],
 ) -> Guard {
-    let child = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    stop_signals_ignored(&mut cmd, ignored);
+    let child = cmd
         .arg("serve")
         .envs(env.iter().copied())
         .env("CXLKV_SERVER_SOCKET", socket)
@@ -195,6 +235,95 @@ fn serve_stops_cleanly_on_sigint_too() {
 #[test]
 fn serve_stops_cleanly_on_sighup_too() {
     serve_once("auto", "per-record", libc::SIGHUP);
+}
+
+/// Sends `signal` to the process of `guard` and checks, after a pause in
+/// which a stop would have begun, that it still runs and `serves` (a check
+/// that it answers).
+fn survives(guard: &mut Guard, what: &str, signal: libc::c_int, serves: impl Fn()) {
+    let pid = guard.0.as_ref().unwrap().id() as libc::pid_t;
+    // SAFETY: `pid` is our child, not yet reaped (the guard owns it).
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    // The main thread takes a pending stop signal at once; a stop would
+    // also close the socket within this pause.
+    std::thread::sleep(Duration::from_secs(2));
+    let status = guard.0.as_mut().unwrap().try_wait().unwrap();
+    assert!(
+        status.is_none(),
+        "{what}: signal {signal}, ignored on entry, stopped it ({status:?})"
+    );
+    serves();
+}
+
+/// `nohup cxlkv serve &` (SIGHUP ignored) and a shell script's `cxlkv serve
+/// &` (SIGINT ignored) keep serving when the terminal hangs up or a Ctrl-C
+/// reaches them: a stop signal ignored on entry stays ignored. SIGTERM, a
+/// service manager's stop, still stops the server gracefully, even when it
+/// too was ignored on entry. It used to block and wait for both
+/// whatever their disposition, and stopped (reliability entry 159).
+#[test]
+fn serve_started_with_sighup_and_sigint_ignored_keeps_serving_them() {
+    let unique = format!("serve-nohup-{}", std::process::id());
+    let socket = std::env::temp_dir().join(format!("cxlkv-{unique}.sock"));
+    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
+    let state = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool.state"));
+    remove(&[&socket, &pool, &state]);
+    let mut server = start_with(
+        "auto",
+        "per-record",
+        &socket,
+        &pool,
+        "warn",
+        Stdio::inherit(),
+        &[],
+        &[libc::SIGHUP, libc::SIGINT, libc::SIGTERM],
+    );
+    for signal in [libc::SIGHUP, libc::SIGINT] {
+        survives(&mut server, "serve", signal, || {
+            let c = Raw::connect_unix(&socket);
+            let (welcome, _) = c.hello("after-signal");
+            welcome.expect("a new session after the signal");
+        });
+    }
+    stop(server, "auto", libc::SIGTERM);
+    assert!(!socket.exists(), "the socket file is removed");
+    remove(&[&socket, &pool, &state]);
+}
+
+/// `nohup cxlkv pool &`, the same: SIGHUP ignored on entry does not stop the
+/// pool daemon, SIGTERM does (reliability entry 159).
+#[test]
+fn pool_started_with_sighup_ignored_keeps_serving() {
+    let unique = format!("pool-nohup-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("pool.sock");
+    let pool = PathBuf::from(format!("/dev/shm/cxlkv-{unique}.pool"));
+    remove(&[&pool]);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+    stop_signals_ignored(&mut cmd, &[libc::SIGHUP]);
+    cmd.arg("pool")
+        .arg("--pool")
+        .arg(format!("{},size=64MiB", pool.display()))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--socket")
+        .arg(&socket)
+        .env("CXLKV_LOG", "warn")
+        .env_remove("CXLKV_CONFIG")
+        .stdout(Stdio::piped());
+    let mut daemon = Guard(Some(cmd.spawn().expect("cxlkv pool starts")));
+    let stdout = daemon.0.as_mut().unwrap().stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("the listening line");
+    assert!(line.starts_with("listening unix:"), "{line}");
+    survives(&mut daemon, "pool", libc::SIGHUP, || {
+        std::os::unix::net::UnixStream::connect(&socket)
+            .expect("the pool daemon still listens after SIGHUP");
+    });
+    stop(daemon, "pool", libc::SIGTERM);
+    remove(&[&pool]);
 }
 
 #[test]
@@ -413,6 +542,7 @@ fn logged_server(tag: &str, filter: &str, env: &[(&str, &str)]) -> LoggedServer 
         filter,
         Stdio::from(log.reopen().expect("log file")),
         env,
+        &[],
     );
     LoggedServer {
         server,

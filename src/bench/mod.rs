@@ -22,6 +22,11 @@
 //! ignored with a note on standard error ([`check_flags`]), the variables
 //! are not read at all (hwbench sets them for every scenario of a run).
 //! Scenarios read them through [`threads`] and [`chunk_sizes`] only.
+//!
+//! **Files.** Everything a bench creates in `/dev/shm` and `$TMPDIR` is
+//! named after its pid and removed when it ends; what a bench killed
+//! outright (`SIGKILL`) could not remove, the next bench removes before it
+//! runs, with a note on standard error (`stale`).
 
 pub mod alloc;
 pub mod copy;
@@ -34,6 +39,7 @@ pub mod rtt;
 mod rtt_get;
 pub mod server;
 pub mod share;
+pub(crate) mod stale;
 pub mod store;
 pub mod tier;
 

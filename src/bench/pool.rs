@@ -366,7 +366,9 @@ impl Baseline {
 
 fn temp_dir(base: &Path, tag: &str) -> anyhow::Result<tempfile::TempDir> {
     tempfile::Builder::new()
-        .prefix(&format!("cxlkv-bench-pool-{tag}-"))
+        // Named after this process, as every entry of the bench's: what a
+        // killed bench left is removed by the next one (`stale`).
+        .prefix(&format!("cxlkv-bench-pool-{}-{tag}-", std::process::id()))
         .tempdir_in(base)
         .with_context(|| format!("create a temporary directory in {}", base.display()))
 }

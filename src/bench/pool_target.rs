@@ -135,7 +135,9 @@ impl BenchPool {
         };
         self.prepare(cfg.pool_size_bytes)?;
         let state_dir = tempfile::Builder::new()
-            .prefix("cxlkv-bench-state-")
+            // Named after this process, as every entry of the bench's: what
+            // a killed bench left is removed by the next one (`stale`).
+            .prefix(&format!("cxlkv-bench-state-{}-", std::process::id()))
             .tempdir_in(backing::DEFAULT_POOL_DIR)
             .context("creating a temporary pool-manager state directory")?;
         cfg.pool_path = path.clone();

@@ -13,8 +13,9 @@
 //! children get none of the operator's `CXLKV_*` variables; `CXLKV_IO`
 //! (`uring` / `fallback`) chooses the transport backend of the whole run
 //! and is passed to each of them. SIGINT (Ctrl-C) or SIGTERM end the soak
-//! early: the final checks and the cleanup still run and the report says
-//! `"interrupted": true`.
+//! early (SIGINT and SIGHUP unless ignored when it started, as in
+//! `cxlkv serve`): the final checks and the cleanup still run and the report
+//! says `"interrupted": true`.
 
 use std::cell::Cell;
 use std::path::PathBuf;

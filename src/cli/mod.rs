@@ -276,6 +276,9 @@ fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut reporter = Reporter::new(args.json);
     crate::bench::check_flags(name, args, &reporter)?;
+    // What benches killed outright left in /dev/shm and $TMPDIR (their pools
+    // take RAM until removed).
+    crate::bench::stale::sweep(&reporter);
     run(args, &mut reporter)
 }
 

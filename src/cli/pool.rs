@@ -8,9 +8,10 @@
 //! prints one line `listening <endpoint>…` on standard output once it
 //! serves (and tells systemd `READY=1` when `$NOTIFY_SOCKET` is set), and
 //! logs with `tracing` on standard error (`CXLKV_LOG`, default `info` for
-//! this command). SIGTERM or SIGINT (or SIGHUP) stop it
-//! gracefully: no new requests, the journal committed and checkpointed,
-//! the locks released; a
+//! this command). SIGTERM or SIGINT (or SIGHUP) stop it gracefully, SIGINT
+//! and SIGHUP only if not ignored when it started (`nohup cxlkv pool &`
+//! survives its terminal hanging up; the `signals` module says why): no new
+//! requests, the journal committed and checkpointed, the locks released; a
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start (another
 //! manager holds the state directory or a pool, a corrupt state, a foreign

@@ -9,9 +9,12 @@
 //! standard output, and tells systemd `READY=1` when `$NOTIFY_SOCKET` is
 //! set (the unit is `Type=notify`); logs go to standard error (`CXLKV_LOG`,
 //! default `info`).
-//! SIGTERM or SIGINT (or SIGHUP) stop it gracefully: every connection
-//! closed (sessions end, pins released), region frees in flight waited for, the embedded pool
-//! manager's journal committed and checkpointed, the socket file removed; a
+//! SIGTERM or SIGINT (or SIGHUP) stop it gracefully, SIGINT and SIGHUP
+//! only if not ignored when it started (`nohup cxlkv serve &` survives its
+//! terminal hanging up; the `signals` module says why): every connection
+//! closed (sessions end, pins released), region frees in flight waited for,
+//! the embedded pool manager's journal committed and checkpointed, the
+//! socket file removed; a
 //! second signal, or 30 s (`signals::STOP_DEADLINE`), cuts that stop short.
 //! It exits non-zero, naming the reason, when it cannot start, when its stop
 //! was cut short, or when its embedded pool manager or its transport's

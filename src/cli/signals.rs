@@ -1,18 +1,26 @@
 //! Stop signals of the long-running commands (`cxlkv serve`, `cxlkv pool`,
 //! `cxlkv chaos`), and a graceful stop that cannot hang the process.
 //!
-//! The main thread blocks SIGTERM and SIGINT before it starts any other
-//! thread, so every thread inherits the mask and the signals wait for the
-//! main thread's `sigtimedwait`. The first one starts a graceful stop
-//! ([`stop_within`]): connections closed, the journal committed. That stop
-//! runs on a thread of its own while the main thread keeps watching, and it
-//! is cut short by a **second** stop signal or by its deadline
-//! ([`STOP_DEADLINE`]); the command then exits non-zero at once, without
-//! finishing it. Nothing is lost that a crash would not lose: the pool
-//! manager's journal is written ahead of every answer it gives, and the next
-//! start recovers exactly as after a `kill -9` (DESIGN §8). An operator's
-//! second Ctrl-C, or a service manager's stop timeout, thus never meets a
-//! process stuck in its shutdown.
+//! The main thread blocks SIGTERM, SIGINT and SIGHUP before it starts any
+//! other thread, so every thread inherits the mask and the signals wait for
+//! the main thread's `sigtimedwait`. SIGINT and SIGHUP are left alone when
+//! the process started with them ignored, as a Unix program conventionally
+//! does: `nohup cxlkv serve &` ignores SIGHUP (the terminal hanging up), a
+//! shell script's `cxlkv serve &` ignores SIGINT, and a supervisor may ignore
+//! either; blocking such a signal would queue it for `sigtimedwait` (Linux
+//! keeps a blocked signal pending even when its action is to ignore it)
+//! and stop the process after all. SIGTERM, a service manager's stop,
+//! always stops it, even if ignored on entry (blocked, it is kept pending
+//! for `sigtimedwait` all the same). The first stop signal starts a
+//! graceful stop ([`stop_within`]): connections closed, the journal
+//! committed. That stop runs on a thread of its own while the main thread
+//! keeps watching, and it is cut short by a **second** stop signal or by its
+//! deadline ([`STOP_DEADLINE`]); the command then exits non-zero at once,
+//! without finishing it. Nothing is lost that a crash would not lose: the
+//! pool manager's journal is written ahead of every answer it gives, and the
+//! next start recovers exactly as after a `kill -9` (DESIGN §8). An
+//! operator's second Ctrl-C, or a service manager's stop timeout, thus never
+//! meets a process stuck in its shutdown.
 
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -28,22 +36,57 @@ pub(crate) const STOP_DEADLINE: Duration = Duration::from_secs(30);
 /// How often a stop in progress is checked for a second signal.
 const STOP_POLL: Duration = Duration::from_millis(20);
 
-/// Blocks SIGTERM, SIGINT and SIGHUP in the calling thread (and so in every thread
-/// it starts afterwards), to be taken with `sigtimedwait`.
+/// The signals that stop a long-running command: SIGTERM always; SIGINT and
+/// SIGHUP unless the process started with them ignored (see the module
+/// essay).
+const STOP_SIGNALS: [(libc::c_int, bool); 3] = [
+    (libc::SIGTERM, true),
+    (libc::SIGINT, false),
+    // A closed terminal: stop as gracefully as when asked to.
+    (libc::SIGHUP, false),
+];
+
+/// Whether `sig`'s disposition is "ignore". Called before this process
+/// changes any disposition, it tells whether the signal was ignored on
+/// entry: `exec` keeps an ignored signal ignored and resets a handled one.
+fn ignored(sig: libc::c_int) -> bool {
+    // SAFETY: sigaction is plain data; zeroed is a valid value the call
+    // overwrites.
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: a null new action only reads the disposition into `old`, a
+    // valid sigaction.
+    let rc = unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) };
+    rc == 0 && old.sa_sigaction == libc::SIG_IGN
+}
+
+/// Blocks the stop signals ([`STOP_SIGNALS`]) in the calling thread (and so
+/// in every thread it starts afterwards), to be taken with `sigtimedwait`.
+/// A signal that may stay ignored and was ignored on entry is neither
+/// blocked nor waited for, so that it stays ignored; the log says so.
 pub(crate) fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
     // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid sigset_t; the calls only write to it and to
-    // this thread's signal mask.
-    let rc = unsafe {
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        // A closed terminal: stop as gracefully as when asked to.
-        libc::sigaddset(&mut set, libc::SIGHUP);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
-    };
+    // SAFETY: `set` is a valid sigset_t; the call only writes to it.
+    unsafe { libc::sigemptyset(&mut set) };
+    let mut left_ignored = Vec::new();
+    for (sig, always) in STOP_SIGNALS {
+        if !always && ignored(sig) {
+            left_ignored.push(signal_name(sig));
+            continue;
+        }
+        // SAFETY: `set` is a valid, initialised sigset_t and `sig` a valid
+        // signal number.
+        unsafe { libc::sigaddset(&mut set, sig) };
+    }
+    // SAFETY: `set` is valid; the call only changes this thread's mask.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     anyhow::ensure!(rc == 0, "pthread_sigmask failed with {rc}");
+    if !left_ignored.is_empty() {
+        tracing::info!(
+            signals = %left_ignored.join(" "),
+            "ignored when started (nohup, a background job): left ignored, they do not stop it"
+        );
+    }
     Ok(set)
 }
 

@@ -49,6 +49,9 @@ pub struct DaemonSpec {
     /// `CXLKV_IO` for the daemon (`None`: its default).
     pub io: Option<&'static str>,
     pub tcp: bool,
+    /// Where its standard error goes, logging at `info` (`None`: inherited,
+    /// at `warn`).
+    pub log: Option<PathBuf>,
 }
 
 impl DaemonSpec {
@@ -59,6 +62,7 @@ impl DaemonSpec {
             grace_ms: 60_000,
             io: None,
             tcp: false,
+            log: None,
         }
     }
 
@@ -91,7 +95,10 @@ impl DaemonSpec {
             .arg(self.sync)
             .arg("--grace-ms")
             .arg(self.grace_ms.to_string())
-            .env("CXLKV_LOG", "warn");
+            .env(
+                "CXLKV_LOG",
+                if self.log.is_some() { "info" } else { "warn" },
+            );
         if self.tcp {
             c.arg("--tcp").arg("127.0.0.1:0").arg("--tcp-insecure");
         }
@@ -113,11 +120,15 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(spec: &DaemonSpec) -> Self {
+        let stderr = match &spec.log {
+            Some(path) => Stdio::from(std::fs::File::create(path).expect("the daemon's log file")),
+            None => Stdio::inherit(),
+        };
         let mut child = spec
             .command(&spec.state_dir(), &spec.pool(), &spec.socket())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn cxlkv pool");
         let stdout = child.stdout.take().expect("piped stdout");

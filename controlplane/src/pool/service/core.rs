@@ -742,7 +742,8 @@ impl Core {
             }
             let report = self.manager.tick(now, self.store.journal());
             for r in &report.reclaimed {
-                tracing::info!(region = %r.id, pool = %r.pool, owner = %r.owner, len_bytes = r.len_bytes, "reclaimed a region of a gone directory");
+                let d = r.owner.directory;
+                tracing::info!(region = %r.id, pool = %r.pool, directory_id = %d, directory = %self.directory_name(d, None), instance = %r.owner.instance, len_bytes = r.len_bytes, "reclaimed a region of a gone directory");
             }
             Counters::bump(
                 &self.shared.counters.reclaimed,
@@ -775,16 +776,39 @@ impl Core {
     fn probe_local_callers(&mut self, now: MonotonicMs) {
         let callers: Vec<_> = self.manager.local_callers().collect();
         for p in callers {
-            self.probe_one(p, now);
+            self.probe_one(p, now, None);
         }
     }
 
-    fn probe_one(&mut self, p: crate::pool::ProcessIdentity, now: MonotonicMs) {
+    /// The name the logs give directory `d` beside its id (`directory` beside
+    /// `directory_id`), the same in every line about it: the name it
+    /// attached with — from the names file, else from `bound`, the one a
+    /// session just closed spoke for, else from an open session's — or, if
+    /// the core knows none, the names file's escape form of the id.
+    fn directory_name(&self, d: DirectoryId, bound: Option<&(DirectoryId, Arc<str>)>) -> String {
+        if let Some(name) = self.names.name(NameKind::Directory, d.0) {
+            return name.to_string();
+        }
+        bound
+            .into_iter()
+            .chain(self.sessions.values().filter_map(|s| s.directory.as_ref()))
+            .find(|(id, _)| *id == d)
+            .map_or_else(|| names::escape(d.0), |(_, name)| name.to_string())
+    }
+
+    /// Probes local caller `p`; `bound` is the directory its last session,
+    /// just closed, spoke for (for the log's name).
+    fn probe_one(
+        &mut self,
+        p: crate::pool::ProcessIdentity,
+        now: MonotonicMs,
+        bound: Option<&(DirectoryId, Arc<str>)>,
+    ) {
         match liveness::probe(&p) {
             Ok(Liveness::Alive) => {}
             Ok(state) => {
                 if let Some(d) = self.manager.caller_gone(&Caller::Local(p), now) {
-                    tracing::info!(directory = %d, process = %p, ?state, grace_ms = self.cfg.grace_ms, "local directory process is gone; its regions wait for a reattach");
+                    tracing::info!(directory_id = %d, directory = %self.directory_name(d, bound), process = %p, ?state, grace_ms = self.cfg.grace_ms, "local directory process is gone; its regions wait for a reattach");
                 }
             }
             Err(e) => {
@@ -932,14 +956,14 @@ impl Core {
         match s.caller {
             Caller::Remote { .. } => {
                 if let Some(d) = self.manager.caller_gone(&s.caller, now) {
-                    tracing::info!(directory = %d, session, grace_ms = self.cfg.grace_ms, "directory connection closed; its regions wait for a reattach");
+                    tracing::info!(directory_id = %d, directory = %self.directory_name(d, s.directory.as_ref()), session, grace_ms = self.cfg.grace_ms, "directory connection closed; its regions wait for a reattach");
                 }
             }
             // A local caller is its process: gone only when the process is.
             // It usually closes its sockets before it becomes a zombie, so
             // this probe often still sees it alive; the periodic probe
             // catches it next.
-            Caller::Local(p) => self.probe_one(p, now),
+            Caller::Local(p) => self.probe_one(p, now, s.directory.as_ref()),
         }
     }
 
@@ -1350,7 +1374,7 @@ impl Core {
             regions_held,
             last_seq,
         };
-        tracing::info!(directory = %directory_name, %caller, regions_held, last_seq, "directory attached");
+        tracing::info!(directory_id = %dir, directory = %directory_name, %caller, regions_held, last_seq, "directory attached");
         Ok(PoolReply::Welcome { welcome, fds })
     }
 
