@@ -132,9 +132,10 @@
 //! corrupt header closes only that connection.
 //!
 //! **Fault injection** (feature `fault-injection`, module `fault`): a
-//! [`fault::FaultPlan`] consulted on the server's request and reply path —
+//! `fault::FaultPlan` consulted on the server's request and reply path —
 //! drop, delay, duplicate or reorder a reply, reset a connection — with the
-//! scripted [`fault::FaultScript`].
+//! scripted `fault::FaultScript` (plain names: the module exists only with
+//! the feature, and `cargo doc` without it would find no target).
 
 pub mod client;
 pub mod config;
