@@ -72,6 +72,7 @@ from .errors import (
     check,
     error_for,
 )
+from .keys import ObjectKey
 
 BytesLike = Union[bytes, bytearray, memoryview, str]
 
@@ -544,7 +545,12 @@ def _key(k: BytesLike) -> bytes:
         return k.encode()
     if isinstance(k, (bytes, bytearray, memoryview)):
         return bytes(k)
-    raise TypeError(f"a key is bytes, bytearray, memoryview or str, not {type(k).__name__}")
+    # An ObjectKey (a named tuple) is encoded by its caller: keys come back
+    # from listeners as bytes, which would not compare equal to it.
+    hint = "; give its .encode()" if callable(getattr(k, "encode", None)) else ""
+    raise TypeError(
+        f"a key is bytes, bytearray, memoryview or str, not {type(k).__name__}{hint}"
+    )
 
 
 def _keys(keys: Iterable[BytesLike], call: str) -> list[bytes]:
@@ -555,7 +561,20 @@ def _keys(keys: Iterable[BytesLike], call: str) -> list[bytes]:
             f"{call}(keys): expected an iterable of keys, not a single {type(keys).__name__} "
             "(give one key as [key])"
         )
-    return [_key(k) for k in _bounded(keys, call)]
+    if isinstance(keys, ObjectKey):
+        # A named tuple: its fields would be taken as keys.
+        raise TypeError(
+            f"{call}(keys): expected an iterable of keys, not a single ObjectKey "
+            "(give one key as [key.encode()])"
+        )
+    out = []
+    for i, k in enumerate(_bounded(keys, call)):
+        try:
+            out.append(_key(k))
+        except TypeError as e:
+            # Which call and which key: the bare message names neither.
+            raise TypeError(f"{call}(keys): key {i}: {e}") from None
+    return out
 
 
 def _pairs(items: Iterable[tuple], call: str, second: str) -> list[tuple]:

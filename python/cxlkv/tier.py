@@ -69,7 +69,10 @@ Listeners are Python objects with any of the methods ``reserved_read``,
 with a list of ``bytes`` keys — synchronously, on the calling thread, under
 the tier's lock (except ``accessed``): a listener must not call back into
 the same tier (that raises :class:`~cxlkv.errors.TierError`). Exceptions in
-listeners are printed and ignored.
+listeners are printed and ignored. An object with none of those methods
+(or with one not callable) is refused with ``TypeError``: registered, it
+would never be called. ``on_event`` is called the same way, under the
+tier's lock: a slow one delays every locked call of the tier.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ import ctypes
 import enum
 import itertools
 import math
+import numbers
 import threading
 import weakref
 from typing import Callable, Iterable, Optional, Sequence
@@ -258,13 +262,24 @@ def _tracked(ref: weakref.ref) -> bool:
     return page is not None and not page.released
 
 
+#: The longest TTL the library takes (``MAX_TTL``: one year), in seconds.
+_MAX_TTL_S = 365 * 24 * 3600
+
+
 def _ttl_ms(name: str, seconds: float) -> int:
     """A TTL in whole milliseconds, rounded up (a positive TTL never
-    becomes 0)."""
+    becomes 0). A number only: ``float("600")`` would take a str, and
+    ``float(None)`` would raise a ``TypeError`` that names no argument."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(
+            f"L1Tier(): {name} must be a number of seconds, not {type(seconds).__name__}"
+        )
     ms = float(seconds) * 1000
-    if not (math.isfinite(ms) and 0 < ms < 2**63):
+    if not (math.isfinite(ms) and 0 < ms <= _MAX_TTL_S * 1000):
         raise ArgumentError(
-            Status.INVALID_ARGUMENT, f"{name}={seconds!r}: a TTL is a positive number of seconds"
+            Status.INVALID_ARGUMENT,
+            f"L1Tier(): {name}={seconds!r}: a TTL is a positive number of seconds, at most "
+            f"{_MAX_TTL_S} (one year)",
         )
     return max(1, math.ceil(round(ms, 6)))
 
@@ -298,6 +313,16 @@ class L1Tier(_NotCopyable):
         on_event: Optional[Callable[[str, list], None]] = None,
     ):
         self._handle = None
+        if not isinstance(layout, Layout):
+            raise TypeError(
+                f"L1Tier(layout): expected a cxlkv.Layout (client.layout(page_size_bytes, "
+                f"fingerprint)), not {type(layout).__name__}"
+            )
+        if on_event is not None and not callable(on_event):
+            # Else every event would raise in the callback, printed and ignored.
+            raise TypeError(
+                f"L1Tier(on_event): expected a callable (name, keys), not {type(on_event).__name__}"
+            )
         # Taken by every export of a page's memoryview and by a call that
         # may end reservations to check for memoryviews and mark its pages
         # ending (see _ending); reentrant for the garbage collector's sake.
@@ -526,13 +551,15 @@ class L1Tier(_NotCopyable):
     # --- the 17 operations ------------------------------------------------------
 
     def register_listener(self, listener: object) -> None:
-        """Appends a listener (see the module docs)."""
+        """Appends a listener (see the module docs). Raises ``TypeError``,
+        registering nothing, for an object with none of the seven methods
+        (a listener that would never be called: misspelled, or written
+        with the reference's ``on_l1_keys_*`` names) or with one of them
+        not callable."""
+        methods = _listener_methods(listener)
         raw = N.TierListener()
         raw.size = ctypes.sizeof(raw)
-        for name in N.LISTENER_CALLBACKS:
-            method = getattr(listener, name, None)
-            if method is None:
-                continue
+        for name, method in methods.items():
 
             def trampoline(_user, keys, n, method=method):
                 method(_keys_from_c(keys, n))
@@ -809,6 +836,52 @@ class L1Tier(_NotCopyable):
                 p._release()
         finally:
             self._client._unhold()
+
+
+#: The reference's listener method names (its §2.3), by this package's.
+_REFERENCE_CALLBACKS = {
+    "reserved_read": "on_l1_keys_reserved_read",
+    "read_finished": "on_l1_keys_read_finished",
+    "reserved_write": "on_l1_keys_reserved_write",
+    "write_finished": "on_l1_keys_write_finished",
+    "finish_write_and_reserve_read": "on_l1_keys_finish_write_and_reserve_read",
+    "deleted": "on_l1_keys_deleted_by_manager",
+    "accessed": "on_l1_keys_accessed",
+}
+
+
+def _listener_methods(listener: object) -> dict:
+    """The listener's callbacks by name, checked: at least one, each
+    callable. A listener none of whose methods has a callback's name would
+    be registered and never called — the eviction policy never told of a
+    deletion, the store controller never of a write — so it is refused."""
+    methods = {}
+    for name in N.LISTENER_CALLBACKS:
+        method = getattr(listener, name, None)
+        if method is None:
+            continue
+        if not callable(method):
+            raise TypeError(
+                f"register_listener(): the listener's {name} is a {type(method).__name__}, "
+                "not a method"
+            )
+        methods[name] = method
+    if not methods:
+        reference = [
+            f"{theirs} -> {ours}"
+            for ours, theirs in _REFERENCE_CALLBACKS.items()
+            if callable(getattr(listener, theirs, None))
+        ]
+        hint = (
+            f" (it has the reference's names: rename {', '.join(reference)})"
+            if reference
+            else ""
+        )
+        raise TypeError(
+            f"register_listener(): a {type(listener).__name__} has none of the listener "
+            f"methods {', '.join(N.LISTENER_CALLBACKS)}, so it would never be called{hint}"
+        )
+    return methods
 
 
 def _keys_from_c(keys, n: int) -> list[bytes]:

@@ -495,13 +495,23 @@ def test_a_whole_page_reservation_needs_no_open_layout_handle(client, fingerprin
         assert t.finish_write([key(43)]) == [TierCode.SUCCESS]
 
 
-def test_sub_millisecond_ttls_round_up_and_non_positive_ones_are_refused(layout):
+def test_sub_millisecond_ttls_round_up_and_bad_constructor_arguments_are_refused(layout):
     with L1Tier(layout, write_ttl_s=0.0004, read_ttl_s=0.3) as t:
         status = t.report_status()
         assert status["write_ttl_seconds"] == 0.001 and status["read_ttl_seconds"] == 0.3
-    for bad in (0, -1, float("nan")):
-        with pytest.raises(cxlkv.ArgumentError):
+    for bad in (0, -1, float("nan"), float("inf"), 365 * 86400 + 1, 2**62):
+        with pytest.raises(cxlkv.ArgumentError, match=r"write_ttl_s=.*at most 31536000"):
             L1Tier(layout, write_ttl_s=bad)
+    with L1Tier(layout, read_ttl_s=365 * 86400) as t:
+        assert t.report_status()["read_ttl_seconds"] == 365 * 86400
+    with pytest.raises(TypeError, match=r"L1Tier\(layout\): expected a cxlkv.Layout .* not Client"):
+        L1Tier(layout._client)
+    with pytest.raises(TypeError, match=r"L1Tier\(on_event\): expected a callable"):
+        L1Tier(layout, on_event="L1_WRITE_FINISHED")
+    # Not a number: float() would take "600" and name no argument for None.
+    for bad in ("600", None, True):
+        with pytest.raises(TypeError, match=r"read_ttl_s must be a number of seconds"):
+            L1Tier(layout, read_ttl_s=bad)
 
 
 HOLDER = textwrap.dedent(
@@ -605,8 +615,8 @@ def test_a_tier_and_its_pages_refuse_to_be_copied_or_pickled(tier, how):
 
 @pytest.mark.parametrize(
     "single",
-    ["ka", b"ka", bytearray(b"ka"), memoryview(b"ka")],
-    ids=["str", "bytes", "bytearray", "memoryview"],
+    ["ka", b"ka", bytearray(b"ka"), memoryview(b"ka"), cxlkv.ObjectKey("k", 0, b"a")],
+    ids=["str", "bytes", "bytearray", "memoryview", "ObjectKey"],
 )
 def test_a_single_key_given_for_keys_is_refused_before_anything_is_done(tier, single):
     # "ka" is an iterable of the keys "k" and "a" (and b"ka" of two ints):
@@ -628,7 +638,8 @@ def test_a_single_key_given_for_keys_is_refused_before_anything_is_done(tier, si
         "touch_keys": lambda: tier.touch_keys(single),
     }
     for name, call in calls.items():
-        with pytest.raises(TypeError, match=rf"{name}\(keys\)"):
+        refused = rf"{name}\(keys\): expected an iterable of keys, not a single"
+        with pytest.raises(TypeError, match=refused):
             call()
     # A str for the flags would be as many true flags.
     with pytest.raises(TypeError, match="is_temporary"):
@@ -639,6 +650,52 @@ def test_a_single_key_given_for_keys_is_refused_before_anything_is_done(tier, si
     for k in (b"a", b"x", b"y"):
         assert tier.inspect(k)["stage"] == "untracked"
     assert tier.finish_read([b"k"]) == [TierCode.SUCCESS]
+
+
+def test_a_key_of_the_wrong_type_is_named_by_its_call_and_position(tier):
+    with pytest.raises(TypeError, match=r"finish_read\(keys\): key 1: .* not int"):
+        tier.finish_read([b"a", 7])
+    with pytest.raises(TypeError, match=r"delete\(keys\): key 0: .* ObjectKey; give its .encode"):
+        tier.delete([cxlkv.ObjectKey("m", 0, b"\x01")])
+
+
+class _ReferenceNamedListener:
+    """A listener written for the reference's manager (its §2.3 names)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_l1_keys_write_finished(self, keys):
+        self.calls.append(keys)
+
+    def on_l1_keys_deleted_by_manager(self, keys):
+        self.calls.append(keys)
+
+
+class _NotCallable:
+    deleted = "evict"
+
+
+def test_a_listener_that_would_never_be_called_is_refused(tier):
+    # Registered, such a listener is silently never called: an eviction
+    # policy never told of a deletion, a store controller never of a write.
+    with pytest.raises(TypeError, match=r"none of the listener methods .*never be called$"):
+        tier.register_listener(object())
+    ref = _ReferenceNamedListener()
+    with pytest.raises(
+        TypeError,
+        match=r"rename on_l1_keys_write_finished -> write_finished, "
+        r"on_l1_keys_deleted_by_manager -> deleted\)",
+    ):
+        tier.register_listener(ref)
+    with pytest.raises(TypeError, match=r"listener's deleted is a str, not a method"):
+        tier.register_listener(_NotCallable())
+    # Nothing was registered; a listener with the package's names is called.
+    rec = Recorder()
+    tier.register_listener(rec)
+    write(tier, key(70))
+    assert ref.calls == []
+    assert rec.calls == [("reserved_write", [key(70)]), ("write_finished", [key(70)])]
 
 
 def test_an_int_outside_its_c_type_is_refused_not_truncated_or_clamped(tier):

@@ -791,6 +791,46 @@ fn scenario_41_live_staging_is_untouched_and_an_overlap_refreshes_the_deadline()
     assert_eq!(h.pins(), 2);
 }
 
+/// Scenario 41's refresh on the local path (reference §4: "in V3, by every
+/// local hold on a temporary entry"): a `reserve_read` hit on a held
+/// private temporary, and on an idle completed one, takes no pin but moves
+/// the deadline, so a sweep after the old deadline leaves it staged.
+#[test]
+fn scenario_41_a_local_hold_on_a_temporary_refreshes_its_deadline_too() {
+    let h = harness("s41t");
+    let (held, idle) = (k(411), k(412));
+    h.reserve(&[&held, &idle], true);
+    h.promote(&[&held], ONE);
+    assert_eq!(
+        h.tier.finish_write(&[&idle]).unwrap(),
+        vec![TierCode::Success]
+    );
+    h.clock.advance(PAST_READ_TTL);
+    assert_eq!(
+        codes(&h.reserve_read(&[&held, &idle], ONE)),
+        vec![TierCode::Success; 2]
+    );
+    assert_eq!(h.tier.sweep_now().unwrap(), Default::default());
+    assert_eq!(
+        h.stage(&held),
+        KeyStage::ReadStaged {
+            holds: 2,
+            pinned: 0,
+            temporary: true
+        }
+    );
+    assert_eq!(
+        h.stage(&idle),
+        KeyStage::ReadStaged {
+            holds: 1,
+            pinned: 0,
+            temporary: true
+        }
+    );
+    assert_eq!(h.tier.stats().lookups, 0, "local holds make no round trip");
+    h.healthy();
+}
+
 #[test]
 fn scenario_42_sweeper_lifecycle_and_interval() {
     let h = harness("s42");
