@@ -418,6 +418,35 @@ fn the_unlocked_queries_answer_none_as_the_spec_says() {
     assert!(h.tier.memcheck());
 }
 
+/// Decision 3 on an idle completed temporary (`finish_write` of a
+/// temporary, no hold yet): `unsafe_read` answers `KeyNotReadable`, it is
+/// not evictable (it is in `R`), and `report_status` counts it as staged and
+/// temporary but not read-locked (holds 0); once held, it is read-locked.
+#[test]
+fn decision_3_an_idle_completed_temporary_is_not_readable_evictable_or_read_locked() {
+    let h = harness("d3");
+    let temp = key(31);
+    h.reserve(&[&temp], true);
+    assert_eq!(
+        h.tier.finish_write(&[&temp]).unwrap(),
+        vec![TierCode::Success]
+    );
+    assert_eq!(h.unsafe_read(&[&temp])[0].code, TierCode::KeyNotReadable);
+    assert!(!h.tier.is_key_evictable(&temp));
+    let s = h.tier.report_status().unwrap();
+    assert_eq!(
+        (s.total_object_count, s.read_locked_count, s.temporary_count),
+        (1, 0, 1)
+    );
+    assert_eq!(
+        codes(&h.reserve_read(&[&temp], ONE)),
+        vec![TierCode::Success]
+    );
+    assert_eq!(h.unsafe_read(&[&temp])[0].code, TierCode::Success);
+    assert_eq!(h.tier.report_status().unwrap().read_locked_count, 1);
+    h.healthy();
+}
+
 /// A listener whose `accessed` runs until the test releases it.
 struct SlowAccess {
     entered: Mutex<mpsc::Sender<()>>,

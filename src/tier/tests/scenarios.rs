@@ -731,6 +731,30 @@ fn scenario_38_an_expired_write_is_reclaimed_silently() {
     h.healthy();
 }
 
+/// Scenario 38's other side (reference §4: a write's deadline is
+/// `now + write_ttl`): staged writes outlive the read TTL — one finished
+/// then registers — and expire at the write TTL.
+#[test]
+fn scenario_38_a_staged_write_lives_for_the_write_ttl_not_the_read_ttl() {
+    let h = harness("s38w");
+    let (key, other) = (k(381), k(382));
+    h.reserve(&[&key, &other], false);
+    h.clock.advance(PAST_READ_TTL);
+    assert_eq!(h.tier.sweep_now().unwrap(), Default::default());
+    assert_eq!(
+        h.tier.finish_write(&[&key]).unwrap(),
+        vec![TierCode::Success]
+    );
+    h.clock.advance(PAST_WRITE_TTL - PAST_READ_TTL);
+    assert_eq!(
+        h.tier.sweep_now().unwrap().writes,
+        1,
+        "expired at write_ttl"
+    );
+    assert_eq!(h.stage(&other), KeyStage::Untracked);
+    h.healthy();
+}
+
 #[test]
 fn scenario_39_an_expired_read_is_unpinned_and_a_late_finish_is_key_not_exist() {
     let h = harness("s39");
@@ -1118,6 +1142,53 @@ fn scenario_49_event_bus_lifecycle_of_one_retained_key() {
             (TierEvent::ReadFinished, ks.clone()),
             (TierEvent::KeysEvicted, vec![]),
             (TierEvent::KeysEvicted, ks),
+        ]
+    );
+}
+
+/// Group G's parity for the calls that found nothing to report: the
+/// reference notifies and publishes `reserve_read`, `finish_read`, `delete`
+/// (§3.9: "always (possibly empty)") and `clear(force)` (§3.11: "always,
+/// even if empty") with empty lists, `finish_write` only its callback
+/// (l1-tier.md decision 3), and non-force `clear` and a `reserve_write`
+/// that allocated nothing not at all.
+#[test]
+fn group_g_empty_notifications_are_made_where_the_reference_always_makes_them() {
+    let h = harness("g0");
+    let (missing, seeded) = (k(490), k(491));
+    h.seed(&seeded);
+    h.listen();
+    h.bus.clear();
+    let none = Vec::<Vec<u8>>::new;
+    h.reserve_read(&[&missing], ONE);
+    h.finish_read(&[&missing], ONE);
+    h.tier.finish_write(&[&missing]).unwrap();
+    assert_eq!(h.delete(&[&missing]), vec![TierCode::KeyNotExist]);
+    h.tier.clear(true).unwrap();
+    h.tier.clear(false).unwrap();
+    assert_eq!(
+        codes(&h.reserve(&[&seeded], false)),
+        vec![TierCode::KeyNotWritable]
+    );
+    assert_eq!(
+        h.rec.all(),
+        vec![
+            ("reserved_read", none()),
+            ("read_finished", none()),
+            ("deleted", none()),
+            ("write_finished", none()),
+            ("deleted", none()),
+            ("deleted", none()),
+        ]
+    );
+    assert_eq!(
+        h.bus.all(),
+        vec![
+            (TierEvent::ReadReserved, none()),
+            (TierEvent::ReadFinished, none()),
+            (TierEvent::KeysEvicted, none()),
+            (TierEvent::KeysEvicted, none()),
+            (TierEvent::KeysEvicted, none()),
         ]
     );
 }
