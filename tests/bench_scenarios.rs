@@ -675,7 +675,7 @@ fn the_servers_a_bench_started_end_when_the_bench_is_killed() {
 /// server's pool and state directory in `/dev/shm` and its sockets in
 /// `$TMPDIR`, named after its pid: the next bench removes them, saying so
 /// on standard error, and leaves a live process's entries and names not of
-/// the bench alone (reliability entry 161). The killed bench's sockets go
+/// the bench alone (reliability entry 157). The killed bench's sockets go
 /// to a private `$TMPDIR`, which only this test's benches sweep: its
 /// `/dev/shm` entries may also be swept by a bench of a test running
 /// beside this one.

@@ -709,7 +709,7 @@ fn bench_report_lists_the_targets_it_could_not_check_and_does_not_miss_a_skipped
 /// of medians) and `ratio_paired_median`, and a record whose reps' own
 /// ratios are more than 2× apart is `**UNSTABLE**`, not met, when its worst
 /// rep misses: a raw baseline that stalled in one of two reps made both
-/// medians 25 and the target "ok" (reliability entry 162). A steady record
+/// medians 25 and the target "ok" (reliability entry 158). A steady record
 /// and a spread one whose every rep meets its target stay `ok`.
 #[test]
 fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
@@ -1141,7 +1141,7 @@ fn profile_writes_report_stat_and_flame_graph_for_a_subcommand() {
 /// The files `profile.sh` writes (`"$OUT/NAME"` in its body), the list in
 /// its header, and the list in docs/operations.md's "Profiling" section are
 /// the same set (the documentation used to omit `stat-output.txt` and
-/// `command.txt`: reliability entry 163). Needs no perf.
+/// `command.txt`: reliability entry 159). Needs no perf.
 #[test]
 fn profile_output_files_match_the_script_header_and_the_operations_doc() {
     use std::collections::BTreeSet;

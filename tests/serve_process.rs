@@ -260,7 +260,7 @@ fn survives(guard: &mut Guard, what: &str, signal: libc::c_int, serves: impl Fn(
 /// reaches them: a stop signal ignored on entry stays ignored. SIGTERM, a
 /// service manager's stop, still stops the server gracefully, even when it
 /// too was ignored on entry. It used to block and wait for both
-/// whatever their disposition, and stopped (reliability entry 159).
+/// whatever their disposition, and stopped (reliability entry 155).
 #[test]
 fn serve_started_with_sighup_and_sigint_ignored_keeps_serving_them() {
     let unique = format!("serve-nohup-{}", std::process::id());
@@ -291,7 +291,7 @@ fn serve_started_with_sighup_and_sigint_ignored_keeps_serving_them() {
 }
 
 /// `nohup cxlkv pool &`, the same: SIGHUP ignored on entry does not stop the
-/// pool daemon, SIGTERM does (reliability entry 159).
+/// pool daemon, SIGTERM does (reliability entry 155).
 #[test]
 fn pool_started_with_sighup_ignored_keeps_serving() {
     let unique = format!("pool-nohup-{}", std::process::id());
