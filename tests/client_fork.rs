@@ -1,9 +1,10 @@
 //! A client does not cross `fork` (`src/client/fork.rs`): a child forked
-//! from a process holding a client, a layout and a pinned view gets
-//! `ClientError::Forked` from every call, sends nothing, and drops its
-//! copies promptly — without touching the parent's session: the parent's
-//! view stays pinned (a peer's delete answers `Pinned`) and its client
-//! keeps working.
+//! from a process holding a client, a layout, a pinned view and a lease (or
+//! an L1 tier holding a read) gets `ClientError::Forked` from every call
+//! (the tier's `ClientFailed`, naming the fork), sends nothing, writes no
+//! leased page, and drops its copies promptly — without touching the
+//! parent's session: the parent's view stays pinned (a peer's delete
+//! answers `Pinned`) and its client and tier keep working.
 
 mod client_support;
 
@@ -61,6 +62,30 @@ fn child_body(
     0
 }
 
+/// The exit status of child `pid`, killing it (and failing) if it runs
+/// past [`CHILD_TIMEOUT`].
+fn wait_for_child(pid: libc::pid_t) -> libc::c_int {
+    let started = Instant::now();
+    loop {
+        let mut status = 0;
+        // SAFETY: waits for our own child without blocking.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        assert!(r >= 0, "waitpid: {}", std::io::Error::last_os_error());
+        if r == pid {
+            return status;
+        }
+        if started.elapsed() > CHILD_TIMEOUT {
+            // SAFETY: our own child, not yet reaped.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+            panic!("the forked child hung (its calls or drops waited on the parent's client)");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
     let server = start_server("fork");
@@ -89,25 +114,7 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
         unsafe { libc::_exit(code) };
     }
 
-    let started = Instant::now();
-    let status = loop {
-        let mut status = 0;
-        // SAFETY: waits for our own child without blocking.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        assert!(r >= 0, "waitpid: {}", std::io::Error::last_os_error());
-        if r == pid {
-            break status;
-        }
-        if started.elapsed() > CHILD_TIMEOUT {
-            // SAFETY: our own child, not yet reaped.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-            }
-            panic!("the forked child hung (its calls or drops waited on the parent's client)");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = wait_for_child(pid);
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "the child's check {} failed (status {status:#x}; see child_body)",
@@ -134,6 +141,80 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
     );
     drop(view);
     client.flush_unpins().expect("flush");
+    assert_eq!(
+        peer_layout.delete(key(1)).expect("delete"),
+        DeleteOutcome::Deleted
+    );
+    client.close().expect("close");
+    peer.close().expect("close");
+    server.shutdown().expect("shutdown");
+}
+
+/// The same for an L1 tier (`cxlkv::tier`): in the child its calls fail
+/// naming the fork, and dropping it neither joins the parent's sweeper
+/// thread nor releases the reads it holds; in the parent the tier works on.
+#[test]
+fn a_forked_childs_tier_is_refused_and_leaves_the_parents_reads_alone() {
+    use cxlkv::tier::{Holds, L1Tier, TierCode, TierConfig, TierError};
+
+    let server = start_server("fork-tier");
+    let client = Client::connect(client_config(&server)).expect("connect");
+    let layout = small_region_layout(&client);
+    layout.put(key(1), &chunk(1, 4096)).expect("put");
+    let tier = L1Tier::new(layout, TierConfig::default()).expect("tier");
+    let held = tier
+        .reserve_read(&[key(1)], Holds::ONE)
+        .expect("reserve_read");
+    assert_eq!(held[0].code, TierCode::Success);
+
+    // SAFETY: as in the test above: the child runs only calls that fail
+    // before locking or sending, and drops that leave the copies alone.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let named = |r: Result<(), TierError>| {
+                matches!(r, Err(TierError::ClientFailed { ref reason, .. }) if reason.contains("forked"))
+            };
+            if !named(tier.reserve_read(&[key(1)], Holds::ONE).map(drop)) {
+                return 20;
+            }
+            if !named(tier.finish_read(&[key(1)], Holds::ONE).map(drop)) {
+                return 21;
+            }
+            if !named(tier.close()) {
+                return 22;
+            }
+            drop(held);
+            drop(tier); // must not join the parent's sweeper thread
+            drop(client);
+            0
+        }))
+        .unwrap_or(99);
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(code) };
+    }
+    let status = wait_for_child(pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child's check {} failed (status {status:#x})",
+        libc::WEXITSTATUS(status)
+    );
+
+    let peer = Client::connect(client_config(&server)).expect("peer connects");
+    let peer_layout = small_region_layout(&peer);
+    assert_eq!(
+        peer_layout.delete(key(1)).expect("delete"),
+        DeleteOutcome::Pinned { pins: 1 },
+        "the parent's tier lost its read to the child"
+    );
+    assert_eq!(
+        tier.finish_read(&[key(1)], Holds::ONE)
+            .expect("finish_read"),
+        [TierCode::Success]
+    );
+    drop(held);
+    tier.close().expect("the parent's tier closes");
     assert_eq!(
         peer_layout.delete(key(1)).expect("delete"),
         DeleteOutcome::Deleted

@@ -583,9 +583,16 @@ impl LayoutHandle {
     /// Why every request of this client fails from now on, if one does:
     /// [`ClientError::Closed`] after its close, or
     /// [`ClientError::ReconnectFailed`] once its instance cannot be resumed
-    /// (a fatal refusal at reattach; the reason kept).
+    /// (a fatal refusal at reattach; the reason kept), or
+    /// [`ClientError::Forked`] in a child forked from its process.
     pub(crate) fn client_unusable(&self) -> Option<ClientError> {
         self.shared().check_open().err()
+    }
+
+    /// This is a forked child's copy of the layout (`fork.rs`): nothing of
+    /// it may be sent, released or joined here.
+    pub(crate) fn in_forked_child(&self) -> bool {
+        self.shared().owner.forked()
     }
 
     /// Bytes of each region this layout takes when it grows.

@@ -486,6 +486,11 @@ impl L1Tier {
     /// (the read pins died with the client's session).
     pub fn close(&self) -> Result<(), TierError> {
         const OP: &str = "close";
+        // A forked child's copy: the sweeper thread and the pins are the
+        // parent's (`Drop` leaves the copy alone).
+        if self.inner.layout.in_forked_child() {
+            return self.inner.check_client_open(OP);
+        }
         if self.inner.held_by_this_thread() || self.inner.accessing_on_this_thread() {
             return Err(TierError::Reentrant { op: OP });
         }
@@ -555,6 +560,16 @@ impl L1Tier {
 
 impl Drop for L1Tier {
     fn drop(&mut self) {
+        if self.inner.layout.in_forked_child() {
+            // A forked child's copy (`client/fork.rs`): the sweeper thread
+            // does not exist here (joining it would fail), and the staged
+            // reads' pins are the parent's. Leave the copy alone; the
+            // thread's own reference keeps `inner` from being dropped.
+            if let Some(sweeper) = self.sweeper.get_mut().take() {
+                std::mem::forget(sweeper);
+            }
+            return;
+        }
         if let Err(e) = self.close() {
             tracing::warn!(error = %e, "closing the L1 tier on drop failed");
         }
