@@ -62,6 +62,42 @@ fn child_body(
     0
 }
 
+/// In the forked child: runs `body` and ends the process with its verdict
+/// (99 if it panicked: a panic must not unwind into the child's copy of
+/// the test harness), running no other code.
+fn exit_child(body: impl FnOnce() -> i32) -> ! {
+    let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or(99);
+    // SAFETY: ends the child at once, running no destructor of the
+    // parent's objects and no code of the test harness's.
+    unsafe { libc::_exit(code) }
+}
+
+/// In the parent: child `pid` exited 0 (every check of its body held).
+fn expect_child_ok(pid: libc::pid_t) {
+    let status = wait_for_child(pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child's check {} failed (status {status:#x}; see its body)",
+        libc::WEXITSTATUS(status)
+    );
+}
+
+/// A peer's delete of `key(1)` answers `Pinned { pins: 1 }`: the parent's
+/// `what` kept its pin through the child's run. Returns the peer.
+fn peer_finds_key_1_pinned(
+    server: &cxlkv::server::ServerHandle,
+    what: &str,
+) -> (Client, cxlkv::client::LayoutHandle) {
+    let peer = Client::connect(client_config(server)).expect("peer connects");
+    let peer_layout = small_region_layout(&peer);
+    assert_eq!(
+        peer_layout.delete(key(1)).expect("delete"),
+        DeleteOutcome::Pinned { pins: 1 },
+        "the parent's {what} lost its pin to the child"
+    );
+    (peer, peer_layout)
+}
+
 /// The exit status of child `pid`, killing it (and failing) if it runs
 /// past [`CHILD_TIMEOUT`].
 fn wait_for_child(pid: libc::pid_t) -> libc::c_int {
@@ -104,31 +140,12 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
     if pid == 0 {
         // The child's copies of the parent's handles, the last ones there:
         // dropping them is what a child that simply returns does.
-        // A panic must not unwind into the copy of the test harness.
-        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            child_body(client, layout, view, lease)
-        }))
-        .unwrap_or(99);
-        // SAFETY: ends the child at once, running no code of the test
-        // harness's.
-        unsafe { libc::_exit(code) };
+        exit_child(|| child_body(client, layout, view, lease));
     }
-
-    let status = wait_for_child(pid);
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "the child's check {} failed (status {status:#x}; see child_body)",
-        libc::WEXITSTATUS(status)
-    );
+    expect_child_ok(pid);
 
     // The parent's session: its view is still pinned, its client works.
-    let peer = Client::connect(client_config(&server)).expect("peer connects");
-    let peer_layout = small_region_layout(&peer);
-    assert_eq!(
-        peer_layout.delete(key(1)).expect("delete"),
-        DeleteOutcome::Pinned { pins: 1 },
-        "the parent's view lost its pin to the child"
-    );
+    let (peer, peer_layout) = peer_finds_key_1_pinned(&server, "view");
     assert_eq!(view.bytes(), chunk(1, 4096).as_slice());
     assert!(
         layout
@@ -172,9 +189,10 @@ fn a_forked_childs_tier_is_refused_and_leaves_the_parents_reads_alone() {
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
-        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let named = |r: Result<(), TierError>| {
-                matches!(r, Err(TierError::ClientFailed { ref reason, .. }) if reason.contains("forked"))
+        exit_child(|| {
+            let named = |r: Result<(), TierError>| match r {
+                Err(TierError::ClientFailed { reason, .. }) => reason.contains("forked"),
+                _ => false,
             };
             if !named(tier.reserve_read(&[key(1)], Holds::ONE).map(drop)) {
                 return 20;
@@ -189,25 +207,11 @@ fn a_forked_childs_tier_is_refused_and_leaves_the_parents_reads_alone() {
             drop(tier); // must not join the parent's sweeper thread
             drop(client);
             0
-        }))
-        .unwrap_or(99);
-        // SAFETY: ends the child at once.
-        unsafe { libc::_exit(code) };
+        });
     }
-    let status = wait_for_child(pid);
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "the child's check {} failed (status {status:#x})",
-        libc::WEXITSTATUS(status)
-    );
+    expect_child_ok(pid);
 
-    let peer = Client::connect(client_config(&server)).expect("peer connects");
-    let peer_layout = small_region_layout(&peer);
-    assert_eq!(
-        peer_layout.delete(key(1)).expect("delete"),
-        DeleteOutcome::Pinned { pins: 1 },
-        "the parent's tier lost its read to the child"
-    );
+    let (peer, peer_layout) = peer_finds_key_1_pinned(&server, "tier's read");
     assert_eq!(
         tier.finish_read(&[key(1)], Holds::ONE)
             .expect("finish_read"),

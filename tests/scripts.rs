@@ -619,6 +619,19 @@ fn hwbench_interrupted_writes_the_report_for_what_ran_and_exits_130() {
     assert!(read(&out.join("run-info.txt")).contains("interrupted: yes"));
 }
 
+/// Runs `bench_report.py` on the run directory `dir` with the shipped
+/// targets (it must exit 0) and returns the `summary.md` it wrote.
+fn bench_report_summary(dir: &Path) -> String {
+    let output = run(Command::new("python3")
+        .arg(script("bench_report.py"))
+        .arg(dir)
+        .arg("--targets")
+        .arg(script("bench-targets.tsv"))
+        .env("PYTHONDONTWRITEBYTECODE", "1"));
+    assert_eq!(output.status.code(), Some(0));
+    read(&dir.join("summary.md"))
+}
+
 /// `summary.md` (and `run.json`) name every documented target of a scenario
 /// that ran but that no record was checked against — a `--pool` run's copy
 /// cases are `dest=devdax`, `--threads 8` replaces `alloc threads=2` — and a
@@ -662,14 +675,7 @@ fn bench_report_lists_the_targets_it_could_not_check_and_does_not_miss_a_skipped
         ),
     )
     .expect("write");
-    let output = run(Command::new("python3")
-        .arg(script("bench_report.py"))
-        .arg(dir)
-        .arg("--targets")
-        .arg(script("bench-targets.tsv"))
-        .env("PYTHONDONTWRITEBYTECODE", "1"));
-    assert_eq!(output.status.code(), Some(0));
-    let summary = read(&dir.join("summary.md"));
+    let summary = bench_report_summary(dir);
     let unchecked = summary
         .split("## Targets not checked")
         .nth(1)
@@ -771,14 +777,7 @@ fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
         ),
     )
     .expect("write");
-    let output = run(Command::new("python3")
-        .arg(script("bench_report.py"))
-        .arg(dir)
-        .arg("--targets")
-        .arg(script("bench-targets.tsv"))
-        .env("PYTHONDONTWRITEBYTECODE", "1"));
-    assert_eq!(output.status.code(), Some(0));
-    let summary = read(&dir.join("summary.md"));
+    let summary = bench_report_summary(dir);
     let row = |scenario: &str, case: &str| -> &str {
         summary
             .lines()
