@@ -40,7 +40,7 @@ pub(crate) fn call(name: &str, body: impl FnOnce() -> Result<(), FfiError>) -> c
             cxlkv_status::CXLKV_STATUS_OK
         }
         Ok(Err(e)) => {
-            set_last_error(&format!("{name}: {}", e.message));
+            set_last_error(&format!("{name}: {}", without_own_op(name, &e.message)));
             e.status
         }
         Err(payload) => {
@@ -50,6 +50,20 @@ pub(crate) fn call(name: &str, body: impl FnOnce() -> Result<(), FfiError>) -> c
             ));
             cxlkv_status::CXLKV_STATUS_PANIC
         }
+    }
+}
+
+/// `message` without a leading `"{op}: "` that only repeats the entry
+/// point's own name (`cxlkv_tier_reserve_read` and the tier's
+/// `reserve_read: …`), which would read twice in the last error. Any other
+/// op says something the name does not (`cxlkv_batch_get` and `lookup: …`)
+/// and is kept.
+fn without_own_op<'a>(name: &str, message: &'a str) -> &'a str {
+    let bare = name.strip_prefix("cxlkv_").unwrap_or(name);
+    let own = [bare, bare.strip_prefix("tier_").unwrap_or(bare)];
+    match message.split_once(": ") {
+        Some((op, rest)) if own.contains(&op) => rest,
+        _ => message,
     }
 }
 
@@ -96,6 +110,35 @@ mod tests {
         assert_eq!(status, cxlkv_status::CXLKV_STATUS_PANIC);
         assert!(last().contains("cxlkv_test"), "{}", last());
         assert!(last().contains("boom 7"), "{}", last());
+    }
+
+    #[test]
+    fn an_op_that_repeats_the_functions_name_is_said_once() {
+        let refused = |op: &'static str| {
+            FfiError::from(cxlkv::tier::TierError::KeyLength {
+                op,
+                index: 0,
+                len_bytes: 0,
+                max_bytes: 512,
+            })
+        };
+        call("cxlkv_tier_reserve_read", || Err(refused("reserve_read")));
+        assert_eq!(
+            last(),
+            "cxlkv_tier_reserve_read: key 0 is 0 bytes; keys are 1..=512 bytes"
+        );
+        // An op that is not the function's own name says something: kept.
+        call("cxlkv_tier_reserve_read", || Err(refused("read")));
+        assert_eq!(
+            last(),
+            "cxlkv_tier_reserve_read: read: key 0 is 0 bytes; keys are 1..=512 bytes"
+        );
+        call("cxlkv_batch_get", || Err(refused("lookup")));
+        assert!(
+            last().starts_with("cxlkv_batch_get: lookup: "),
+            "{}",
+            last()
+        );
     }
 
     #[test]
