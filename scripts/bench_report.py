@@ -218,11 +218,18 @@ def judged_ratio(record, target):
     value = min(values) if target["op"] == ">=" else max(values)
     met = meets(value, target)
     low, high = record.get("ratio_min"), record.get("ratio_max")
-    if met and is_number(low) and is_number(high) and low > 0:
+    if met and is_number(low) and is_number(high):
         worst = low if target["op"] == ">=" else high
-        if high / low > UNSTABLE_SPREAD and not meets(worst, target):
+        if spread(low, high) > UNSTABLE_SPREAD and not meets(worst, target):
             met = UNSTABLE
     return value, met
+
+
+def spread(low, high):
+    """How far apart the reps' ratios are (ratio_max ÷ ratio_min): infinite
+    when a rep's ratio is 0 (a stall that never answered), the widest of
+    all."""
+    return high / low if low > 0 else math.inf
 
 
 def evaluate_targets(record, targets):
@@ -305,7 +312,9 @@ def judged_from(record, target, value):
 
 def spread_text(record):
     low, high = record["ratio_min"], record["ratio_max"]
-    return f"reps' ratios {fmt(low)}–{fmt(high)}, {high / low:.3g}× apart"
+    if low <= 0:
+        return f"reps' ratios {fmt(low)}–{fmt(high)}, a rep at {fmt(low)}"
+    return f"reps' ratios {fmt(low)}–{fmt(high)}, {spread(low, high):.3g}× apart"
 
 
 def md_cell(text):

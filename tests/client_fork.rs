@@ -8,6 +8,7 @@
 
 mod client_support;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use client_support::*;
@@ -156,6 +157,19 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
         !layout.exists(key(2)).expect("exists"),
         "the child's put went through"
     );
+    // The parent's lease is the parent's still: it registers the bytes the
+    // parent wrote.
+    assert_eq!(
+        layout.register(key(3), lease).expect("register"),
+        cxlkv::client::RegisterOutcome::Inserted
+    );
+    let written = peer_layout.get(key(3)).expect("get").expect("registered");
+    assert_eq!(
+        written.bytes(),
+        chunk(3, 4096).as_slice(),
+        "the child wrote into the parent's leased page"
+    );
+    drop(written);
     drop(view);
     client.flush_unpins().expect("flush");
     assert_eq!(
@@ -225,5 +239,99 @@ fn a_forked_childs_tier_is_refused_and_leaves_the_parents_reads_alone() {
     );
     client.close().expect("close");
     peer.close().expect("close");
+    server.shutdown().expect("shutdown");
+}
+
+/// Blocks the first `reserved_read` notification (under the tier's lock)
+/// until released: a parent thread that holds the tier's lock at the fork.
+struct HoldsTheTierLock {
+    entered: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl cxlkv::tier::Listener for HoldsTheTierLock {
+    fn reserved_read(&self, _keys: &[&[u8]]) {
+        if let Some(entered) = self.entered.lock().unwrap().take() {
+            entered.send(()).unwrap();
+            let _ = self
+                .release
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(30));
+        }
+    }
+}
+
+/// A tier call in the child is refused before it takes a lock: a thread of
+/// the parent held the tier's lock at the fork (a listener running under
+/// it), and the child's copy of that lock is never released. The child
+/// also cannot make a tier over an inherited layout (it could only start a
+/// sweeper thread there), and its copy of the parent's tier runs no
+/// sweeper.
+#[test]
+fn a_forked_childs_tier_call_is_refused_before_any_lock_a_parent_thread_held() {
+    use std::sync::mpsc;
+
+    use cxlkv::tier::{Holds, L1Tier, TierConfig, TierError};
+
+    let server = start_server("fork-tier-lock");
+    let client = Client::connect(client_config(&server)).expect("connect");
+    let layout = small_region_layout(&client);
+    layout.put(key(1), &chunk(1, 4096)).expect("put");
+    let tier = Arc::new(L1Tier::new(layout.clone(), TierConfig::default()).expect("tier"));
+    let (entered_tx, entered) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel();
+    tier.register_listener(Arc::new(HoldsTheTierLock {
+        entered: std::sync::Mutex::new(Some(entered_tx)),
+        release: std::sync::Mutex::new(release_rx),
+    }))
+    .expect("listener");
+    let reader = {
+        let tier = Arc::clone(&tier);
+        std::thread::spawn(move || tier.reserve_read(&[key(1)], Holds::ONE).map(drop))
+    };
+    entered
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the listener runs, under the tier's lock");
+
+    // SAFETY: the child only makes calls that are refused before any lock,
+    // then `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        exit_child(|| {
+            let named = |r: Result<(), TierError>| match r {
+                Err(TierError::ClientFailed { reason, .. }) => reason.contains("forked"),
+                _ => false,
+            };
+            if !named(tier.report_status().map(drop)) {
+                return 30;
+            }
+            if !named(tier.reserve_read(&[key(2)], Holds::ONE).map(drop)) {
+                return 31;
+            }
+            if !named(tier.sweep_now().map(drop)) {
+                return 32;
+            }
+            if tier.sweeper_running() {
+                return 33;
+            }
+            if !named(L1Tier::new(layout, TierConfig::default()).map(drop)) {
+                return 34;
+            }
+            0
+        });
+    }
+    let status = wait_for_child(pid);
+    release.send(()).expect("release the listener");
+    reader.join().expect("reader").expect("the parent's read");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child's check {} failed (status {status:#x})",
+        libc::WEXITSTATUS(status)
+    );
+    assert!(tier.sweeper_running(), "the parent's sweeper runs on");
+    tier.close().expect("close");
+    client.close().expect("close");
     server.shutdown().expect("shutdown");
 }

@@ -125,7 +125,7 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 /// closes without allocating (only its session knows the name). The
 /// lines of a directory's end and reclaim used to carry only the id, as
 /// `directory=dir0x…`, and the attach only the name (reliability entry
-/// 160).
+/// 156).
 #[test]
 fn the_pool_managers_log_lines_name_a_directory_alike() {
     let dir = shm_dir("dirlog");

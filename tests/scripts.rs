@@ -726,7 +726,7 @@ fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
     fs::write(
         dir.join("runs.tsv"),
         "scenario\texit\tseconds\ttimed_out\nrtt\t0\t1.0\t0\nlookup\t0\t1.0\t0\n\
-         exists\t0\t1.0\t0\n",
+         exists\t0\t1.0\t0\ntier\t0\t1.0\t0\n",
     )
     .expect("write");
     // ratio, ratio_paired_median, ratio_min, ratio_max.
@@ -777,6 +777,13 @@ fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
         ),
     )
     .expect("write");
+    // A rep whose ratio is 0 (a stall that never answered): the widest
+    // spread of all, not one the rule may skip.
+    fs::write(
+        dir.join("scenarios/tier.jsonl"),
+        record("tier", "batch=64", [1.0, 1.0, 0.0, 2.0], ""),
+    )
+    .expect("write");
     let summary = bench_report_summary(dir);
     let row = |scenario: &str, case: &str| -> &str {
         summary
@@ -803,7 +810,12 @@ fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
         "{summary}"
     );
     assert!(
-        summary.contains("1 documented target(s) missed, 1 unstable, 0 not checked"),
+        row("tier", "batch=64")
+            .contains("**UNSTABLE** ratio ≥ 0.8 (reps' ratios 0–2.000, a rep at 0)"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("1 documented target(s) missed, 2 unstable, 0 not checked"),
         "{summary}"
     );
     let unstable = summary

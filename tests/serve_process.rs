@@ -131,6 +131,14 @@ fn start_with(
         .spawn()
         .expect("cxlkv serve starts");
     let mut guard = Guard(Some(child));
+    let line = first_line(&mut guard);
+    assert_eq!(line, format!("listening unix:{}", socket.display()), "{io}");
+    guard
+}
+
+/// The first line the process of `guard` prints on its (piped) standard
+/// output, waited for at most [`START_TIMEOUT`]; the rest is drained.
+fn first_line(guard: &mut Guard) -> String {
     let stdout = guard.0.as_mut().unwrap().stdout.take().unwrap();
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -140,12 +148,9 @@ fn start_with(
             }
         }
     });
-    let line = rx
-        .recv_timeout(START_TIMEOUT)
+    rx.recv_timeout(START_TIMEOUT)
         .expect("a line on stdout")
-        .unwrap();
-    assert_eq!(line, format!("listening unix:{}", socket.display()), "{io}");
-    guard
+        .unwrap()
 }
 
 /// Sends `signal` and waits (bounded) for a successful exit.
@@ -312,11 +317,7 @@ fn pool_started_with_sighup_ignored_keeps_serving() {
         .env_remove("CXLKV_CONFIG")
         .stdout(Stdio::piped());
     let mut daemon = Guard(Some(cmd.spawn().expect("cxlkv pool starts")));
-    let stdout = daemon.0.as_mut().unwrap().stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("the listening line");
+    let line = first_line(&mut daemon);
     assert!(line.starts_with("listening unix:"), "{line}");
     survives(&mut daemon, "pool", libc::SIGHUP, || {
         std::os::unix::net::UnixStream::connect(&socket)

@@ -82,7 +82,6 @@ import ctypes
 import enum
 import itertools
 import math
-import numbers
 import threading
 import weakref
 from typing import Callable, Iterable, Optional, Sequence
@@ -268,13 +267,19 @@ _MAX_TTL_S = 365 * 24 * 3600
 
 def _ttl_ms(name: str, seconds: float) -> int:
     """A TTL in whole milliseconds, rounded up (a positive TTL never
-    becomes 0). A number only: ``float("600")`` would take a str, and
-    ``float(None)`` would raise a ``TypeError`` that names no argument."""
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+    becomes 0). A number only — an int, a float, a ``Decimal``, a
+    ``Fraction``, anything ``float()`` converts that is not text:
+    ``float("600")`` would take a str, and ``float(None)`` would raise a
+    ``TypeError`` that names no argument."""
+    wrong = isinstance(seconds, (bool, str, bytes, bytearray, memoryview)) or seconds is None
+    try:
+        ms = float(seconds) * 1000 if not wrong else None
+    except (TypeError, ValueError):
+        ms = None
+    if ms is None:
         raise TypeError(
             f"L1Tier(): {name} must be a number of seconds, not {type(seconds).__name__}"
         )
-    ms = float(seconds) * 1000
     if not (math.isfinite(ms) and 0 < ms <= _MAX_TTL_S * 1000):
         raise ArgumentError(
             Status.INVALID_ARGUMENT,

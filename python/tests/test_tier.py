@@ -6,6 +6,8 @@ reservation ends, listeners and events, and a reader in another process."""
 from __future__ import annotations
 
 import copy
+import decimal
+import fractions
 import gc
 import inspect
 import itertools
@@ -509,9 +511,13 @@ def test_sub_millisecond_ttls_round_up_and_bad_constructor_arguments_are_refused
     with pytest.raises(TypeError, match=r"L1Tier\(on_event\): expected a callable"):
         L1Tier(layout, on_event="L1_WRITE_FINISHED")
     # Not a number: float() would take "600" and name no argument for None.
-    for bad in ("600", None, True):
+    for bad in ("600", b"600", None, True, object()):
         with pytest.raises(TypeError, match=r"read_ttl_s must be a number of seconds"):
             L1Tier(layout, read_ttl_s=bad)
+    # Any other number float() takes is one: Decimal, Fraction.
+    for good, seconds in ((decimal.Decimal("1.5"), 1.5), (fractions.Fraction(1, 2), 0.5)):
+        with L1Tier(layout, read_ttl_s=good) as t:
+            assert t.report_status()["read_ttl_seconds"] == seconds
 
 
 HOLDER = textwrap.dedent(

@@ -10,14 +10,21 @@
 //! runs its scenario, removes the entries of its own naming whose pid is no
 //! longer a live process, and says so on standard error ([`sweep`]).
 //!
-//! A live process's entries are never touched: its pid answers `kill(pid,
-//! 0)` and is not a zombie (a pid reused since by another process counts as
-//! alive, so the entry stays, which is safe). Only this user's entries are looked at (a
-//! root bench leaves other users' files alone), a symbolic link is removed
-//! as a link, never followed, and nothing outside the two directories'
-//! first level is looked at. Pids are this pid namespace's: benches in
-//! containers sharing one `/tmp` or `/dev/shm` with different pid
-//! namespaces would see each other's pids as dead; don't share them.
+//! An entry stays when the pid in its name is a live process — it answers
+//! `kill(pid, 0)` and is not a zombie (a pid reused since by another
+//! process counts as alive, so the entry stays, which is safe) — and when
+//! a process still uses it whatever its name says ([`in_use`]: a pool file
+//! or state directory a pool manager holds locked, a socket something
+//! listens on): a `cxlkv serve` the killed bench started may still be
+//! stopping, and a bench in another pid namespace sharing the directory
+//! (a container with `--ipc=host`) has pids this namespace cannot see.
+//! What neither test sees is a file nobody locks (`copy`'s pool) of a bench
+//! in another pid namespace: its name is removed, while the file itself
+//! lives on for the process that has it open or mapped. Only this user's
+//! entries are looked at (a root bench leaves other users' files alone), a
+//! symbolic link is removed as a link, never followed, and nothing outside
+//! the two directories' first level is looked at (but a directory's lock
+//! files, one level down).
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -93,6 +100,8 @@ pub(crate) struct Swept {
     pub removed: Vec<(PathBuf, u32)>,
     /// Entries of dead pids that could not be removed, and why.
     pub failed: Vec<(PathBuf, String)>,
+    /// Entries of dead pids that a process still uses ([`in_use`]): kept.
+    pub in_use: Vec<(PathBuf, u32)>,
 }
 
 /// Removes the entries of `dirs` (first level only) that are a bench's
@@ -125,6 +134,10 @@ pub(crate) fn remove_stale(
             if meta.uid() != uid {
                 continue;
             }
+            if in_use(&path, &meta) {
+                swept.in_use.push((path, pid));
+                continue;
+            }
             let result = if meta.is_dir() {
                 std::fs::remove_dir_all(&path)
             } else {
@@ -139,6 +152,69 @@ pub(crate) fn remove_stale(
         }
     }
     swept
+}
+
+/// Whether a process still uses the entry at `path`, whatever the pid in its
+/// name says: a pool file or a state directory a pool manager holds locked
+/// (`flock`, `controlplane/src/pool/fence.rs`: the lock lives exactly as
+/// long as the manager), or a socket something listens on. This covers the
+/// two ways a dead-looking pid can still have users: a `cxlkv serve` that
+/// the killed bench started and that is still stopping (it holds its
+/// pool's locks until it exits), and a bench in another pid namespace
+/// sharing the directory (whose pid this namespace cannot see). A file
+/// nobody locks — `copy`'s pool, a client's mapping — is not seen; unlinking
+/// it leaves an open or mapped file working, only its name goes.
+fn in_use(path: &Path, meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = meta.file_type();
+    if kind.is_socket() {
+        // Only a refused connection says nobody listens; anything else
+        // (accepted, or a permission error) keeps it.
+        return match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => true,
+            Err(e) => e.raw_os_error() != Some(libc::ECONNREFUSED),
+        };
+    }
+    if kind.is_file() {
+        return locked(path);
+    }
+    if kind.is_dir() {
+        // A state directory's lock file, here or one level down (`bench
+        // pool`'s temporary directory holds its daemon's state directory).
+        let Ok(entries) = std::fs::read_dir(path) else {
+            return true;
+        };
+        return locked(&path.join(LOCK_FILE))
+            || entries
+                .flatten()
+                .take(MAX_SUBDIRS)
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .any(|e| locked(&e.path().join(LOCK_FILE)));
+    }
+    false
+}
+
+/// The state directory's lock file (`fence::LOCK_FILE`).
+const LOCK_FILE: &str = cxlkv_controlplane::pool::fence::LOCK_FILE;
+/// Subdirectories of one entry looked at for a lock file.
+const MAX_SUBDIRS: usize = 64;
+
+/// Whether another open of the file at `path` holds an `flock` on it (a
+/// missing or unreadable file holds none). Links are not followed.
+fn locked(path: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(file) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    else {
+        return false;
+    };
+    use std::os::fd::AsRawFd;
+    // SAFETY: `file` is an open descriptor for the call's duration; the
+    // lock, if taken, is released when `file` is closed below.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK)
 }
 
 /// Bound on the entries looked at per directory: a `/tmp` with millions of
@@ -170,7 +246,14 @@ pub(crate) fn sweep(reporter: &super::Reporter) {
     }
     for (path, why) in &swept.failed {
         reporter.note(&format!(
-            "cannot remove {}, left by a bench process that is gone: {why}",
+            "cannot remove {}, left by a bench process that is gone: {why}; remove it by hand",
+            path.display()
+        ));
+    }
+    for (path, pid) in &swept.in_use {
+        reporter.note(&format!(
+            "kept {}: named after bench process {pid}, which is gone here, but a process still \
+             uses it (a server still stopping, or a bench in another pid namespace)",
             path.display()
         ));
     }
@@ -288,5 +371,71 @@ mod tests {
             assert_eq!(dir.path().join(name).exists(), !stale, "{name}");
         }
         assert!(target.path().exists(), "a link is not followed");
+    }
+
+    /// Entries named after a dead pid that a process still uses are kept
+    /// (a pool or state directory a pool manager locks, one level down
+    /// too; a socket something listens on); the same entries unused go.
+    #[test]
+    fn entries_a_process_still_uses_are_kept_whatever_their_pid() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let (me, dead) = (1_000_001, 1_000_002);
+        let d = |name: String| dir.path().join(name);
+        // Held as a pool manager holds them: another open file description
+        // with an exclusive flock.
+        let lock = |path: &Path| {
+            let f = std::fs::File::open(path).unwrap();
+            // SAFETY: `f` is open; the lock lives as long as `f`.
+            let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            assert_eq!(rc, 0, "flock {}", path.display());
+            f
+        };
+        let pool = d(format!("cxlkv-bench-{dead}-0-1f.pool"));
+        std::fs::write(&pool, b"x").unwrap();
+        let state = d(format!("cxlkv-bench-{dead}-0-1f.pool.state"));
+        std::fs::create_dir(&state).unwrap();
+        std::fs::write(state.join(LOCK_FILE), b"1").unwrap();
+        let nested = d(format!("cxlkv-bench-pool-{dead}-run"));
+        std::fs::create_dir_all(nested.join("state")).unwrap();
+        std::fs::write(nested.join("state").join(LOCK_FILE), b"1").unwrap();
+        let listening = d(format!("cxlkv-rtt-{dead}-ours.sock"));
+        let listener = std::os::unix::net::UnixListener::bind(&listening).unwrap();
+        let closed = d(format!("cxlkv-rtt-{dead}-raw.sock"));
+        drop(std::os::unix::net::UnixListener::bind(&closed).unwrap());
+        let held = [
+            lock(&pool),
+            lock(&state.join(LOCK_FILE)),
+            lock(&nested.join("state").join(LOCK_FILE)),
+        ];
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        let dirs = [dir.path().to_owned()];
+
+        let swept = remove_stale(&dirs, uid, me, |_| false, 100);
+        assert_eq!(
+            swept.removed,
+            vec![(closed.clone(), dead)],
+            "only the socket nobody listens on"
+        );
+        let mut kept: Vec<_> = swept.in_use.iter().map(|(p, _)| p.clone()).collect();
+        kept.sort();
+        let mut expected = vec![
+            pool.clone(),
+            state.clone(),
+            nested.clone(),
+            listening.clone(),
+        ];
+        expected.sort();
+        assert_eq!(kept, expected);
+        assert!(pool.exists() && state.join(LOCK_FILE).exists() && listening.exists());
+
+        // Once nobody holds them, they go.
+        drop(held);
+        drop(listener);
+        let swept = remove_stale(&dirs, uid, me, |_| false, 100);
+        assert!(swept.in_use.is_empty(), "{:?}", swept.in_use);
+        assert_eq!(swept.removed.len(), 4, "{:?}", swept.removed);
+        assert!(!pool.exists() && !state.exists() && !nested.exists() && !listening.exists());
     }
 }

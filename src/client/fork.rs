@@ -12,13 +12,18 @@
 //!
 //! So a client records the process *incarnation* it was connected in — a
 //! counter that a `pthread_atfork` child handler bumps — and in any other
-//! incarnation it refuses every call ([`ClientError::Forked`]) before it
-//! takes a lock or sends a byte (writing an inherited lease too: the
-//! parent's copy names the same page), a view dropped there releases nothing,
-//! and its last handle dropped there leaves the copy alone (its memory and
-//! descriptors go with the child). The parent's session is untouched; a
-//! child connects a client of its own. The C ABI's handles follow the same
-//! rule through the same counter.
+//! incarnation it refuses every request — every call that returns a
+//! `Result`, writing an inherited lease included: the parent's copy names
+//! the same page — with [`ClientError::Forked`] before it takes a lock or
+//! sends a byte (a thread of the parent may have held any of the client's
+//! locks at the fork, and would never release it here); a view dropped
+//! there releases nothing, and its last handle dropped there leaves the
+//! copy alone (its memory and descriptors go with the child). Accessors
+//! that only read the copy's own state (`session_id`, `max_batch`,
+//! `usage`, ...) still answer from it. The parent's session is untouched; a
+//! child connects a client of its own. An L1 tier over such a client
+//! refuses its calls the same way (`tier/mod.rs`), and the C ABI's handles
+//! follow the same rule through the same counter.
 //!
 //! [`ClientError::Forked`]: super::ClientError::Forked
 

@@ -94,6 +94,8 @@ pub use cxlkv_controlplane::proto::{
     DeleteOutcome, Location, RegisterOutcome, RejectReason, Usage,
 };
 pub use error::{ClientError, ErrorChain};
+// For the C ABI's handle registry, which shares the counter.
+#[doc(hidden)]
 pub use fork::process_incarnation;
 pub use layout::LayoutHandle;
 pub use lease::PageLease;

@@ -130,8 +130,11 @@ impl fmt::Debug for ReadGuard {
 impl Drop for ReadGuard {
     fn drop(&mut self) {
         if self.client.shared().owner.forked() {
-            // The pin is the parent's (`fork.rs`): releasing it here would
-            // release it under the parent's view.
+            // The pin is the parent's (`fork.rs`): nothing is released or
+            // queued here. (Nothing queued here could be sent either — the
+            // child's requests are refused — but queueing takes the pin
+            // ledger's lock, which a thread of the parent may have held at
+            // the fork.)
             return;
         }
         let key = std::mem::take(&mut self.key);

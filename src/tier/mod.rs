@@ -347,6 +347,11 @@ impl L1Tier {
     /// layout fixes the page size and the key space), with its sweeper
     /// thread started.
     pub fn new(layout: LayoutHandle, cfg: TierConfig) -> Result<L1Tier, TierError> {
+        if layout.in_forked_child() {
+            // A layout inherited across `fork` (`client/fork.rs`): a tier
+            // over it could do nothing but start a sweeper thread here.
+            return Err(forked_child_refusal("new", &layout));
+        }
         cfg.validate()?;
         let interval = cfg.sweep_interval();
         let mirror = Arc::new(KeyMirror::default());
@@ -488,9 +493,7 @@ impl L1Tier {
         const OP: &str = "close";
         // A forked child's copy: the sweeper thread and the pins are the
         // parent's (`Drop` leaves the copy alone).
-        if self.inner.layout.in_forked_child() {
-            return self.inner.check_client_open(OP);
-        }
+        self.inner.refuse_in_forked_child(OP)?;
         if self.inner.held_by_this_thread() || self.inner.accessing_on_this_thread() {
             return Err(TierError::Reentrant { op: OP });
         }
@@ -544,8 +547,12 @@ impl L1Tier {
         self.inner.cfg.sweep_interval()
     }
 
-    /// True while the sweeper thread runs (until `close`).
+    /// True while the sweeper thread runs (until `close`; never in a child
+    /// forked from the tier's process, which has no such thread).
     pub fn sweeper_running(&self) -> bool {
+        if self.inner.layout.in_forked_child() {
+            return false;
+        }
         self.sweeper
             .lock()
             .as_ref()
@@ -573,6 +580,17 @@ impl Drop for L1Tier {
         if let Err(e) = self.close() {
             tracing::warn!(error = %e, "closing the L1 tier on drop failed");
         }
+    }
+}
+
+/// The error of a tier call in a forked child (the client's own refusal,
+/// which names the fork).
+fn forked_child_refusal(op: &'static str, layout: &LayoutHandle) -> TierError {
+    TierError::ClientFailed {
+        op,
+        reason: layout
+            .client_unusable()
+            .map_or_else(|| "forked".into(), |e| e.with_causes().to_string()),
     }
 }
 
@@ -620,6 +638,17 @@ impl Inner {
         }
     }
 
+    /// Refuses `op` in a child forked from the tier's process
+    /// (`client/fork.rs`) before any lock is taken: a thread of the parent
+    /// may have held the tier's lock, or the client's, at the fork, and
+    /// would never release it here.
+    fn refuse_in_forked_child(&self, op: &'static str) -> Result<(), TierError> {
+        if self.layout.in_forked_child() {
+            return Err(forked_child_refusal(op, &self.layout));
+        }
+        Ok(())
+    }
+
     /// Takes the tier's lock for `op`, refusing a re-entrant call, a
     /// closed tier and a closed client.
     fn lock(&self, op: &'static str) -> Result<Locked<'_>, TierError> {
@@ -632,6 +661,7 @@ impl Inner {
     }
 
     fn lock_even_closed(&self, op: &'static str) -> Result<Locked<'_>, TierError> {
+        self.refuse_in_forked_child(op)?;
         if self.held_by_this_thread() {
             return Err(TierError::Reentrant { op });
         }
@@ -648,6 +678,8 @@ impl Inner {
     /// Argument checks shared by every call that takes keys: batch and key
     /// lengths within the session's limits, no key repeated.
     fn check_keys<K: AsRef<[u8]>>(&self, op: &'static str, keys: &[K]) -> Result<(), TierError> {
+        // Before the limits are read (under the client's connection lock).
+        self.refuse_in_forked_child(op)?;
         let max = self.layout.max_batch();
         if keys.len() > max {
             return Err(TierError::BatchTooLarge {
