@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use client_support::*;
-use cxlkv::client::{Client, ClientError, DeleteOutcome, LayoutOptions, RegisterOutcome};
+use cxlkv::client::{
+    Client, ClientConfig, ClientError, DeleteOutcome, LayoutOptions, RegisterOutcome,
+};
 use cxlkv_dataplane::ids::RegionId;
 use cxlkv_dataplane::map::{MapInfo, MapObserver};
 use parking_lot::Mutex;
@@ -148,10 +150,24 @@ fn without_auto_expand_a_full_layout_is_out_of_memory_and_batches_are_all_or_not
     let pages = fixed.free_pages();
     assert_eq!(pages, (4 << 20) / PAGE);
     let held = fixed.batch_alloc(pages as usize - 2).unwrap();
-    assert!(matches!(
-        fixed.batch_alloc(3),
-        Err(ClientError::OutOfMemory { requested: 3, .. })
-    ));
+    let err = fixed.batch_alloc(3).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::OutOfMemory {
+                requested: 3,
+                free_pages: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // The error names its cause and the way out (an engine's log line is
+    // all its operator sees).
+    let text = err.to_string();
+    for says in ["2 free", "auto_expand is off", "initial_reservation_bytes"] {
+        assert!(text.contains(says), "{says:?} missing: {text}");
+    }
     assert_eq!(fixed.free_pages(), 2, "the failed batch took nothing");
     drop(held);
 
@@ -508,4 +524,218 @@ fn calls_that_meet_another_threads_reconnect_give_up_after_one_reconnect_timeout
             "the reconnect's own failure is named: {text}"
         );
     }
+}
+
+/// What an engine names from `cxlkv` alone: the server's error codes
+/// (`ClientError::code`) and the map observer's trait and its argument are
+/// re-exported by `cxlkv::client` (docs/rust.md names them there).
+#[test]
+fn error_codes_and_map_observers_are_named_from_the_client_module() {
+    use cxlkv::client::{ErrorCode, MapInfo, MapObserver};
+
+    struct Writable(Mutex<Vec<bool>>);
+    impl MapObserver for Writable {
+        fn on_map(&self, info: &MapInfo) {
+            self.0.lock().push(info.writable);
+        }
+        fn before_unmap(&self, _: &MapInfo) {}
+    }
+    let server = start_server("e2e-reexports");
+    let seen = Arc::new(Writable(Mutex::new(Vec::new())));
+    let client =
+        Client::connect_with_observers(client_config(&server), vec![seen.clone()]).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"k", b"v").unwrap();
+    assert_eq!(*seen.0.lock(), [true], "an owned region is mapped writable");
+    let err = layout
+        .put(vec![b'k'; client.max_key_bytes() + 1], b"v")
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::KeyTooLong), "{err}");
+}
+
+/// A lease kept past `close` cannot write, and its error says why: the
+/// client was closed (not only "refused at reattach", which sent an
+/// operator looking for a directory restart that never happened).
+#[test]
+fn a_lease_kept_past_close_is_refused_naming_the_close() {
+    let server = start_server("e2e-lease-close");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    let mut lease = layout.alloc().unwrap();
+    client.close().unwrap();
+    let err = lease.write(b"late").unwrap_err();
+    assert!(matches!(err, ClientError::RegionRevoked { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("client was closed"), "{text}");
+    assert!(text.contains("drop them"), "{text}");
+}
+
+/// A `cxlkv serve` process on a private socket, pool and state directory;
+/// killed (and its files removed) on drop.
+struct ServeProcess {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    pool: std::path::PathBuf,
+    lease_ms: u32,
+}
+
+impl ServeProcess {
+    /// A server whose sessions last `lease_ms` after their last request.
+    fn start(tag: &str, lease_ms: u32) -> ServeProcess {
+        let dir = std::env::temp_dir().join(format!("cxlkv-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pool =
+            std::path::PathBuf::from(format!("/dev/shm/cxlkv-{tag}-{}.pool", std::process::id()));
+        let child = Self::spawn(&dir, &pool, lease_ms);
+        let mut server = ServeProcess {
+            child,
+            dir,
+            pool,
+            lease_ms,
+        };
+        server.wait_listening();
+        server
+    }
+
+    fn spawn(dir: &std::path::Path, pool: &std::path::Path, lease_ms: u32) -> std::process::Child {
+        std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .arg("serve")
+            .arg("--socket")
+            .arg(dir.join("s.sock"))
+            .arg("--pool")
+            .arg(format!("{},size=256MiB", pool.display()))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .args(["--lease-ms", &lease_ms.to_string()])
+            .env("CXLKV_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("cxlkv serve starts")
+    }
+
+    fn wait_listening(&mut self) {
+        let socket = self.socket();
+        let listening = wait_until(Duration::from_secs(30), || {
+            std::os::unix::net::UnixStream::connect(&socket).is_ok()
+                || self.child.try_wait().is_ok_and(|s| s.is_some())
+        });
+        assert!(
+            listening && self.child.try_wait().is_ok_and(|s| s.is_none()),
+            "cxlkv serve did not listen"
+        );
+    }
+
+    /// Kills the server and starts another on a new pool and state (what
+    /// its clients' instances were is gone).
+    fn replace_with_a_fresh_one(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(self.dir.join("state"));
+        let _ = std::fs::remove_file(&self.pool);
+        self.child = Self::spawn(&self.dir, &self.pool, self.lease_ms);
+        self.wait_listening();
+    }
+
+    fn socket(&self) -> std::path::PathBuf {
+        self.dir.join("s.sock")
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: `kill` on our own child's pid, which it keeps until reaped
+        // (on drop).
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.pool);
+    }
+}
+
+/// On a hung server (`SIGSTOP`) a pinning lookup gives up after its own
+/// attempts (`1 + max_retries` of `request_timeout_ms`), as every other
+/// call does — it used to reattach to the silent server before returning,
+/// adding a whole `reconnect_timeout_ms` (30 s more with defaults) — and
+/// once the server runs again the client reattaches by itself and serves.
+#[test]
+fn a_lookup_on_a_hung_server_fails_after_its_own_attempts() {
+    // A long lease: the heartbeat (a third of it, 10 s) is not what
+    // replaces the ended session within the test's wait.
+    let server = ServeProcess::start("e2e-hung", 30_000);
+    let mut cfg = ClientConfig::unix(server.socket());
+    cfg.request_timeout_ms = 300;
+    cfg.max_retries = 1;
+    cfg.reconnect_timeout_ms = 20_000;
+    cfg.layout.region_size_bytes = 4 << 20;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"k", b"v").unwrap();
+
+    server.signal(libc::SIGSTOP);
+    let start = std::time::Instant::now();
+    let err = layout.get(b"k").unwrap_err();
+    let took = start.elapsed();
+    assert!(matches!(err, ClientError::Unanswered { .. }), "{err}");
+    assert!(
+        took < Duration::from_secs(5),
+        "2 attempts of 300 ms took {took:?}: {err}"
+    );
+
+    server.signal(libc::SIGCONT);
+    // The maintenance thread replaces the ended session by itself, well
+    // before a heartbeat would (10 s: a third of the lease).
+    assert!(
+        wait_until(Duration::from_secs(5), || client.stats().reconnects >= 1),
+        "no reattach after the server ran again: {:?}",
+        client.stats()
+    );
+    assert_eq!(&layout.get(b"k").unwrap().unwrap()[..], b"v");
+}
+
+/// A client whose instance cannot be resumed (the server it reattaches to
+/// has other pools) fails every call at once saying so and what to do, and
+/// its maintenance thread stops heartbeating: it used to send one every
+/// millisecond or so — each failing at once, each logged — for as long as
+/// the client lived.
+#[test]
+fn a_client_that_cannot_resume_its_instance_says_so_and_stays_quiet() {
+    // A short lease: an idle client heartbeats every 200 ms.
+    let mut server = ServeProcess::start("e2e-lost", 600);
+    let mut cfg = ClientConfig::unix(server.socket());
+    cfg.layout.region_size_bytes = 4 << 20;
+    let client = Client::connect(cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"k", b"v").unwrap();
+
+    server.replace_with_a_fresh_one();
+    let err = layout.exists(b"k").unwrap_err();
+    assert!(err.to_string().contains("pools changed"), "{err}");
+    let err = layout.exists(b"k").unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::ReconnectFailed {
+                resumable: false,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("cannot be resumed"), "{text}");
+    assert!(text.contains("connect a new client"), "{text}");
+    assert!(!text.contains("could not be reached"), "{text}");
+
+    std::thread::sleep(Duration::from_millis(300));
+    let before = client.stats().heartbeats;
+    std::thread::sleep(Duration::from_secs(1));
+    let sent = client.stats().heartbeats - before;
+    assert!(
+        sent <= 1,
+        "{sent} heartbeats in 1 s from a client that cannot resume"
+    );
 }

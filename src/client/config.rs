@@ -80,6 +80,8 @@ impl Default for LayoutOptions {
 /// whether a client secret is set, never what it is.
 #[derive(Clone)]
 pub struct ClientConfig {
+    /// Where the directory listens (set by [`ClientConfig::unix`] /
+    /// [`ClientConfig::tcp`]).
     pub server: ServerAddr,
     /// The TCP listener's pre-shared secret (at most 256 bytes; not sent on
     /// Unix sockets, where `SO_PEERCRED` identifies the peer).
@@ -120,7 +122,10 @@ pub struct ClientConfig {
     /// How long a broken connection is retried (with exponential backoff)
     /// before requests fail.
     pub reconnect_timeout_ms: u64,
+    /// First pause between two reconnect attempts (≥ 1), doubled after each
+    /// failure up to `reconnect_backoff_max_ms`.
     pub reconnect_backoff_min_ms: u64,
+    /// Longest pause between two reconnect attempts.
     pub reconnect_backoff_max_ms: u64,
     /// How long a dropped read guard's unpin may wait to be batched with
     /// others (≤ 1000). Unpins are always sent before this client's next

@@ -51,11 +51,15 @@ pub enum ClientError {
 
     // --- memory ------------------------------------------------------------
     #[error(
-        "out of memory in layout (page size {page_size_bytes}): {requested} pages requested, auto_expand is off or the region could not be had"
+        "out of memory in layout (page size {page_size_bytes}): {requested} pages requested, {free_pages} free: {reason}"
     )]
     OutOfMemory {
         page_size_bytes: u64,
         requested: usize,
+        /// Free pages left in the layout's regions when the call gave up.
+        free_pages: u64,
+        /// Why no region was added, and what to do.
+        reason: &'static str,
     },
     #[error(
         "quota exceeded: {owned_bytes} bytes owned + {requested_bytes} requested > quota {quota_bytes}"
@@ -86,7 +90,7 @@ pub enum ClientError {
     #[error(transparent)]
     Allocator(#[from] AllocatorError),
     #[error(
-        "region {region} is no longer this instance's (refused at reattach): its leases cannot write"
+        "region {region} is no longer this instance's (its client was closed, or a reattach refused the region): its leases cannot write; drop them"
     )]
     RegionRevoked { region: RegionId },
     #[error("region {region}: the client holds the maximum number of regions")]
@@ -125,8 +129,15 @@ pub enum ClientError {
     Indeterminate { op: &'static str, reason: String },
     #[error("cannot connect to the server: {0}")]
     Connect(#[source] transport::ClientError),
-    #[error("the server could not be reached for {elapsed_ms} ms: {last}")]
-    ReconnectFailed { elapsed_ms: u64, last: String },
+    #[error("{}", reconnect_failed_text(*elapsed_ms, last, *resumable))]
+    ReconnectFailed {
+        elapsed_ms: u64,
+        last: String,
+        /// False once the instance cannot be resumed at all (a reattach
+        /// was refused for good): every later call fails at once, and only
+        /// a new client can go on.
+        resumable: bool,
+    },
     #[error("{window} sequence numbers are in flight (the server's reply window); retry later")]
     TooManyInFlight { window: u64 },
     #[error("the client is closed")]
@@ -162,6 +173,18 @@ impl std::fmt::Display for ErrorChain<'_> {
             cause = c.source();
         }
         f.write_str(&text)
+    }
+}
+
+/// `ReconnectFailed`'s text: how long the server could not be reached, or
+/// that the instance cannot be resumed and what to do then.
+fn reconnect_failed_text(elapsed_ms: u64, last: &str, resumable: bool) -> String {
+    if resumable {
+        format!("the server could not be reached for {elapsed_ms} ms: {last}")
+    } else {
+        format!(
+            "this client's instance cannot be resumed ({last}); every call fails: connect a new client"
+        )
     }
 }
 

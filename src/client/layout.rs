@@ -60,6 +60,18 @@ use super::shared::Shared;
 /// Most regions one allocation call may add to its layout.
 const MAX_EXPANSIONS_PER_CALL: usize = 64;
 
+/// Why an allocation is `OutOfMemory` in a layout created without
+/// `auto_expand`, and what to do.
+const OUT_OF_MEMORY_NO_EXPAND: &str = "the layout's regions are full and its auto_expand is off; \
+     delete chunks (or drop unregistered leases), or create the layout with auto_expand \
+     or a larger initial_reservation_bytes";
+/// Why an allocation is `OutOfMemory` after it added
+/// [`MAX_EXPANSIONS_PER_CALL`] regions (other threads took their pages, or
+/// the batch needs more regions than that), and what to do.
+const OUT_OF_MEMORY_EXPANDED: &str = "this call added as many regions as one call may \
+     (other allocations took their pages, or the batch needs more regions than that); \
+     ask for fewer pages per call, use a larger region_size_bytes, or retry";
+
 /// Most region requests kept for resending while their outcome is unknown:
 /// each holds its sequence number, and with it the window of numbers the
 /// client may use. Beyond it the number is released, and a grant that may
@@ -197,9 +209,17 @@ impl LayoutHandle {
                 return Ok(leases);
             }
             if !self.state.auto_expand || expansions >= MAX_EXPANSIONS_PER_CALL {
+                // All or none: the pages taken go back before the count.
+                drop(leases);
                 return Err(ClientError::OutOfMemory {
                     page_size_bytes: self.state.layout.page_size_bytes,
                     requested: n,
+                    free_pages: self.state.free_pages(),
+                    reason: if self.state.auto_expand {
+                        OUT_OF_MEMORY_EXPANDED
+                    } else {
+                        OUT_OF_MEMORY_NO_EXPAND
+                    },
                 });
             }
             shared.expand(&self.state, (n - leases.len()) as u64)?;

@@ -44,7 +44,9 @@ pub(crate) fn run(shared: Arc<Shared>) {
             return;
         }
         flush_deferred_unpins(&shared);
-        if heartbeat_due(&shared) {
+        // A connection ended on purpose (`end_session_in_background`) is
+        // replaced now, idle engine or not: the heartbeat reattaches.
+        if heartbeat_due(&shared) || connection_dead(&shared) {
             heartbeat(&shared);
         }
         let now = shared.now_ms();
@@ -92,7 +94,30 @@ fn lease_ms(shared: &Shared) -> u64 {
         .map_or(10_000, |c| u64::from(c.lease_ms).max(30))
 }
 
+/// Whether the session was ended on purpose (its connection marked dead)
+/// and not replaced yet. A connection the server closed is left to the
+/// next request or heartbeat, as before.
+fn connection_dead(shared: &Shared) -> bool {
+    // Relaxed: a scheduling hint; the reconnect itself is serialised.
+    shared
+        .conn
+        .lock()
+        .as_ref()
+        .is_some_and(|c| c.dead.load(Ordering::Relaxed))
+        && !instance_lost(shared)
+}
+
+/// Whether the instance cannot be resumed: every request fails at once, so
+/// there is no session to keep alive or replace (heartbeats would only spin).
+fn instance_lost(shared: &Shared) -> bool {
+    // Acquire: pairs with the Release in `set_fatal`.
+    shared.has_fatal.load(Ordering::Acquire)
+}
+
 fn heartbeat_due(shared: &Shared) -> bool {
+    if instance_lost(shared) {
+        return false;
+    }
     // Relaxed: a scheduling hint.
     let idle = shared
         .now_ms()
@@ -101,6 +126,9 @@ fn heartbeat_due(shared: &Shared) -> bool {
 }
 
 fn next_wait(shared: &Shared) -> Duration {
+    if instance_lost(shared) {
+        return TICK;
+    }
     // Relaxed: a scheduling hint.
     let idle = shared
         .now_ms()

@@ -83,7 +83,7 @@ use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 
 use cxlkv_controlplane::proto::{self, MapRegion, RegionMap, Stats, StatsReply, sections};
-use cxlkv_dataplane::map::{MapObserver, MapObservers};
+use cxlkv_dataplane::map::MapObservers;
 use parking_lot::Mutex;
 
 pub use config::{
@@ -91,8 +91,11 @@ pub use config::{
     ServerAddr,
 };
 pub use cxlkv_controlplane::proto::{
-    DeleteOutcome, Location, RegisterOutcome, RejectReason, Usage,
+    DeleteOutcome, ErrorCode, Location, PoolInfo, RegisterOutcome, RejectReason, Usage,
 };
+/// What [`Client::connect_with_observers`] takes: an engine's hooks on every
+/// mapping of pool memory (e.g. `cudaHostRegister`), from the data plane.
+pub use cxlkv_dataplane::map::{MapInfo, MapObserver};
 pub use error::{ClientError, ErrorChain};
 // For the C ABI's handle registry, which shares the counter.
 #[doc(hidden)]

@@ -224,6 +224,7 @@ impl Shared {
             return Err(ClientError::ReconnectFailed {
                 elapsed_ms: start.elapsed().as_millis() as u64,
                 last,
+                resumable: true,
             });
         };
         if let Some(c) = self.conn.lock().as_ref()
@@ -253,6 +254,7 @@ impl Shared {
                         return Err(ClientError::ReconnectFailed {
                             elapsed_ms: elapsed.as_millis() as u64,
                             last,
+                            resumable: true,
                         });
                     }
                     tracing::debug!(error = %last, "reattach failed; backing off");

@@ -236,6 +236,7 @@ impl Shared {
             return Err(ClientError::ReconnectFailed {
                 elapsed_ms: 0,
                 last: reason.clone(),
+                resumable: false,
             });
         }
         Ok(())

@@ -103,10 +103,16 @@ thread_local! {
 /// and they go with it (the reattach takes the live views' pins again).
 /// That is the case when the reply was lost, and when it came well formed
 /// but could not be read (a `BadReply` from the caller's check of it).
+///
+/// A lookup that went unanswered has already spent its attempts on a
+/// server that may be hung: its session is ended, but the reattach is left
+/// to the maintenance thread (or the next request), so that the call fails
+/// after its own attempts — not after a whole `reconnect_timeout_ms` more
+/// of reattaching to the same silent server.
 pub(crate) fn pinning_lookup_failed(shared: &Shared, fail: Fail) -> ClientError {
     match fail {
         Fail::Indeterminate(e) => {
-            shared.end_session("a pinning lookup went unanswered");
+            shared.end_session_in_background("a pinning lookup went unanswered");
             e
         }
         Fail::Definite(e @ ClientError::BadReply { op: "lookup", .. }) => {
@@ -718,6 +724,24 @@ impl Shared {
                 self.request_timeout(),
             );
         }
+    }
+
+    /// [`end_session`](Self::end_session) without waiting for the reattach:
+    /// the connection is marked dead (no request is sent on it again) and
+    /// the maintenance thread is woken to reattach, which drops the old
+    /// connection and with it the session's pins; a request made before
+    /// that reattaches itself.
+    pub(crate) fn end_session_in_background(&self, why: &'static str) {
+        let Ok(conn) = self.conn() else { return };
+        tracing::warn!(
+            reason = why,
+            "ending the session to release pins of unknown state"
+        );
+        // Relaxed: a hint read by the maintenance thread and the next
+        // request, which reconnect under the reconnect lock.
+        conn.dead.store(true, Ordering::Relaxed);
+        drop(conn);
+        self.wake_maintenance();
     }
 
     /// Ends the current session so the directory drops every pin it holds,
