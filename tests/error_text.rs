@@ -46,3 +46,32 @@ fn an_out_of_space_refusal_states_its_code_and_limit_once() {
     assert!(text.contains("(any pool; largest free extent"), "{text}");
     assert!(!text.contains("None") && !text.contains("Some("), "{text}");
 }
+
+/// A TCP client without the listener's secret, or with a wrong one, is told
+/// what to give it, not only that it was refused.
+#[test]
+fn a_tcp_client_without_the_right_secret_is_told_what_to_give() {
+    let mut cfg = cxlkv::server::ServerConfig::ephemeral("error-text-tcp");
+    cfg.tcp_listen = Some("127.0.0.1:0".parse().unwrap());
+    cfg.tcp_secret = Some(b"correct horse".to_vec());
+    let server = cxlkv::server::Server::start(cfg).unwrap();
+    for (what, secret, code) in [
+        ("no secret", None, ErrorCode::AuthenticationRequired),
+        (
+            "a wrong secret",
+            Some(b"correct horse\n".to_vec()),
+            ErrorCode::AuthenticationFailed,
+        ),
+    ] {
+        let mut cfg = cxlkv::client::ClientConfig::tcp(server.tcp_addr().unwrap());
+        cfg.client_secret = secret;
+        let err = Client::connect(cfg).expect_err(what);
+        let text = err.with_causes().to_string();
+        assert!(text.contains(code.name()), "{what}: {text}");
+        assert!(
+            text.contains("give the client the contents of the server's tcp_secret_file (without its trailing newline)"),
+            "{what}: {text}"
+        );
+    }
+    server.shutdown().unwrap();
+}

@@ -558,7 +558,7 @@ impl DirectoryHandler {
         if auth && secret_given {
             reply = ErrorReply::new(
                 ErrorCode::AuthenticationFailed,
-                "the client secret does not match this listener's",
+                "the client secret does not match this listener's: give the client the contents of the server's tcp_secret_file (without its trailing newline)",
                 0,
             );
         }

@@ -23,7 +23,9 @@ pub enum DirectoryError {
     /// before): the caller's own session is fine.
     #[error("no live session {session} to end")]
     NoSuchTarget { session: SessionId },
-    #[error("TCP peer did not present the pre-shared client secret")]
+    #[error(
+        "TCP peer did not present the pre-shared client secret: give the client the contents of the server's tcp_secret_file (without its trailing newline)"
+    )]
     TcpSecretRequired,
     #[error("invalid instance id ({len_bytes} bytes): 1..={max_bytes} printable ASCII bytes")]
     InvalidInstanceId { len_bytes: usize, max_bytes: usize },
