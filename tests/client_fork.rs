@@ -99,6 +99,23 @@ fn peer_finds_key_1_pinned(
     (peer, peer_layout)
 }
 
+/// Once the parent released its hold, the peer's delete of `key(1)`
+/// succeeds; then everything closes.
+fn key_1_is_deleted_once_released(
+    server: cxlkv::server::ServerHandle,
+    client: Client,
+    peer: Client,
+    peer_layout: &cxlkv::client::LayoutHandle,
+) {
+    assert_eq!(
+        peer_layout.delete(key(1)).expect("delete"),
+        DeleteOutcome::Deleted
+    );
+    client.close().expect("close");
+    peer.close().expect("close");
+    server.shutdown().expect("shutdown");
+}
+
 /// The exit status of child `pid`, killing it (and failing) if it runs
 /// past [`CHILD_TIMEOUT`].
 fn wait_for_child(pid: libc::pid_t) -> libc::c_int {
@@ -172,13 +189,7 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
     drop(written);
     drop(view);
     client.flush_unpins().expect("flush");
-    assert_eq!(
-        peer_layout.delete(key(1)).expect("delete"),
-        DeleteOutcome::Deleted
-    );
-    client.close().expect("close");
-    peer.close().expect("close");
-    server.shutdown().expect("shutdown");
+    key_1_is_deleted_once_released(server, client, peer, &peer_layout);
 }
 
 /// The same for an L1 tier (`cxlkv::tier`): in the child its calls fail
@@ -233,13 +244,7 @@ fn a_forked_childs_tier_is_refused_and_leaves_the_parents_reads_alone() {
     );
     drop(held);
     tier.close().expect("the parent's tier closes");
-    assert_eq!(
-        peer_layout.delete(key(1)).expect("delete"),
-        DeleteOutcome::Deleted
-    );
-    client.close().expect("close");
-    peer.close().expect("close");
-    server.shutdown().expect("shutdown");
+    key_1_is_deleted_once_released(server, client, peer, &peer_layout);
 }
 
 /// Blocks the first `reserved_read` notification (under the tier's lock)

@@ -619,6 +619,26 @@ fn hwbench_interrupted_writes_the_report_for_what_ran_and_exits_130() {
     assert!(read(&out.join("run-info.txt")).contains("interrupted: yes"));
 }
 
+/// A results directory as hwbench leaves it, in which `scenarios` each ran
+/// and exited 0; their records are for the caller to write into
+/// `scenarios/NAME.jsonl`.
+fn report_dir(scenarios: &[&str]) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().expect("temporary directory");
+    let dir = tmp.path();
+    fs::create_dir(dir.join("scenarios")).expect("mkdir");
+    fs::write(dir.join("run-info.txt"), "host: test\n").expect("write");
+    let runs: String = scenarios
+        .iter()
+        .map(|s| format!("{s}\t0\t1.0\t0\n"))
+        .collect();
+    fs::write(
+        dir.join("runs.tsv"),
+        format!("scenario\texit\tseconds\ttimed_out\n{runs}"),
+    )
+    .expect("write");
+    tmp
+}
+
 /// Runs `bench_report.py` on the run directory `dir` with the shipped
 /// targets (it must exit 0) and returns the `summary.md` it wrote.
 fn bench_report_summary(dir: &Path) -> String {
@@ -638,15 +658,8 @@ fn bench_report_summary(dir: &Path) -> String {
 /// case the scenario skipped is not a miss.
 #[test]
 fn bench_report_lists_the_targets_it_could_not_check_and_does_not_miss_a_skipped_case() {
-    let tmp = tempfile::tempdir().expect("temporary directory");
+    let tmp = report_dir(&["alloc", "copy", "rtt"]);
     let dir = tmp.path();
-    fs::create_dir(dir.join("scenarios")).expect("mkdir");
-    fs::write(dir.join("run-info.txt"), "host: test\n").expect("write");
-    fs::write(
-        dir.join("runs.tsv"),
-        "scenario\texit\tseconds\ttimed_out\nalloc\t0\t1.0\t0\ncopy\t0\t1.0\t0\nrtt\t0\t1.0\t0\n",
-    )
-    .expect("write");
     let record = |scenario: &str, case: &str, ratio: f64, extra: &str| {
         format!(
             "{{\"scenario\":\"{scenario}\",\"case\":\"{case}\",\"ours\":1,\"baseline\":1,\
@@ -719,16 +732,8 @@ fn bench_report_lists_the_targets_it_could_not_check_and_does_not_miss_a_skipped
 /// and a spread one whose every rep meets its target stay `ok`.
 #[test]
 fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
-    let tmp = tempfile::tempdir().expect("temporary directory");
+    let tmp = report_dir(&["rtt", "lookup", "exists", "tier"]);
     let dir = tmp.path();
-    fs::create_dir(dir.join("scenarios")).expect("mkdir");
-    fs::write(dir.join("run-info.txt"), "host: test\n").expect("write");
-    fs::write(
-        dir.join("runs.tsv"),
-        "scenario\texit\tseconds\ttimed_out\nrtt\t0\t1.0\t0\nlookup\t0\t1.0\t0\n\
-         exists\t0\t1.0\t0\ntier\t0\t1.0\t0\n",
-    )
-    .expect("write");
     // ratio, ratio_paired_median, ratio_min, ratio_max.
     let record = |scenario: &str, case: &str, r: [f64; 4], extra: &str| {
         format!(
