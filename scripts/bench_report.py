@@ -310,6 +310,16 @@ def judged_from(record, target, value):
     return ""
 
 
+def target_item(record, target, what):
+    """A list item of summary.md naming a record's case, the target, `what`
+    was found and where the target comes from."""
+    source = f" ({target['source']})" if target["source"] else ""
+    return (
+        f"- `{record['scenario']}` `{record['case']}`: "
+        f"{target_text(target)}, {what}{source}"
+    )
+
+
 def spread_text(record):
     low, high = record["ratio_min"], record["ratio_max"]
     if low <= 0:
@@ -443,11 +453,12 @@ def write_summary(results_dir, info, scenarios, evaluations, unchecked, plots):
     if missed:
         lines += ["", "## Missed targets", ""]
         for record, target, value in missed:
-            source = f" ({target['source']})" if target["source"] else ""
             lines.append(
-                f"- `{record['scenario']}` `{record['case']}`: "
-                f"{target_text(target)}, measured {fmt(value)}"
-                f"{judged_from(record, target, value)}{source}"
+                target_item(
+                    record,
+                    target,
+                    f"measured {fmt(value)}{judged_from(record, target, value)}",
+                )
             )
     if unstable:
         lines += [
@@ -460,11 +471,8 @@ def write_summary(results_dir, info, scenarios, evaluations, unchecked, plots):
             "",
         ]
         for record, target, value in unstable:
-            source = f" ({target['source']})" if target["source"] else ""
             lines.append(
-                f"- `{record['scenario']}` `{record['case']}`: "
-                f"{target_text(target)}, judged {fmt(value)}, "
-                f"{spread_text(record)}{source}"
+                target_item(record, target, f"judged {fmt(value)}, {spread_text(record)}")
             )
     if unchecked:
         lines += [

@@ -99,6 +99,29 @@ fn peer_finds_key_1_pinned(
     (peer, peer_layout)
 }
 
+/// A private server, a client and its layout, with `key(1)` registered.
+fn server_with_key_1(
+    tag: &str,
+) -> (
+    cxlkv::server::ServerHandle,
+    Client,
+    cxlkv::client::LayoutHandle,
+) {
+    let server = start_server(tag);
+    let client = Client::connect(client_config(&server)).expect("connect");
+    let layout = small_region_layout(&client);
+    layout.put(key(1), &chunk(1, 4096)).expect("put");
+    (server, client, layout)
+}
+
+/// A tier call refused as a forked child's: `ClientFailed`, naming the fork.
+fn names_the_fork(r: Result<(), cxlkv::tier::TierError>) -> bool {
+    match r {
+        Err(cxlkv::tier::TierError::ClientFailed { reason, .. }) => reason.contains("forked"),
+        _ => false,
+    }
+}
+
 /// Once the parent released its hold, the peer's delete of `key(1)`
 /// succeeds; then everything closes.
 fn key_1_is_deleted_once_released(
@@ -142,10 +165,7 @@ fn wait_for_child(pid: libc::pid_t) -> libc::c_int {
 
 #[test]
 fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
-    let server = start_server("fork");
-    let client = Client::connect(client_config(&server)).expect("connect");
-    let layout = small_region_layout(&client);
-    layout.put(key(1), &chunk(1, 4096)).expect("put");
+    let (server, client, layout) = server_with_key_1("fork");
     let view = layout.get(key(1)).expect("get").expect("present");
     let mut lease = layout.alloc().expect("alloc");
     lease.write(&chunk(3, 4096)).expect("write");
@@ -197,12 +217,9 @@ fn a_forked_child_is_refused_and_leaves_the_parents_session_and_pins_alone() {
 /// thread nor releases the reads it holds; in the parent the tier works on.
 #[test]
 fn a_forked_childs_tier_is_refused_and_leaves_the_parents_reads_alone() {
-    use cxlkv::tier::{Holds, L1Tier, TierCode, TierConfig, TierError};
+    use cxlkv::tier::{Holds, L1Tier, TierCode, TierConfig};
 
-    let server = start_server("fork-tier");
-    let client = Client::connect(client_config(&server)).expect("connect");
-    let layout = small_region_layout(&client);
-    layout.put(key(1), &chunk(1, 4096)).expect("put");
+    let (server, client, layout) = server_with_key_1("fork-tier");
     let tier = L1Tier::new(layout, TierConfig::default()).expect("tier");
     let held = tier
         .reserve_read(&[key(1)], Holds::ONE)
@@ -215,17 +232,13 @@ fn a_forked_childs_tier_is_refused_and_leaves_the_parents_reads_alone() {
     assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
         exit_child(|| {
-            let named = |r: Result<(), TierError>| match r {
-                Err(TierError::ClientFailed { reason, .. }) => reason.contains("forked"),
-                _ => false,
-            };
-            if !named(tier.reserve_read(&[key(1)], Holds::ONE).map(drop)) {
+            if !names_the_fork(tier.reserve_read(&[key(1)], Holds::ONE).map(drop)) {
                 return 20;
             }
-            if !named(tier.finish_read(&[key(1)], Holds::ONE).map(drop)) {
+            if !names_the_fork(tier.finish_read(&[key(1)], Holds::ONE).map(drop)) {
                 return 21;
             }
-            if !named(tier.close()) {
+            if !names_the_fork(tier.close()) {
                 return 22;
             }
             drop(held);
@@ -277,12 +290,9 @@ impl cxlkv::tier::Listener for HoldsTheTierLock {
 fn a_forked_childs_tier_call_is_refused_before_any_lock_a_parent_thread_held() {
     use std::sync::mpsc;
 
-    use cxlkv::tier::{Holds, L1Tier, TierConfig, TierError};
+    use cxlkv::tier::{Holds, L1Tier, TierConfig};
 
-    let server = start_server("fork-tier-lock");
-    let client = Client::connect(client_config(&server)).expect("connect");
-    let layout = small_region_layout(&client);
-    layout.put(key(1), &chunk(1, 4096)).expect("put");
+    let (server, client, layout) = server_with_key_1("fork-tier-lock");
     let tier = Arc::new(L1Tier::new(layout.clone(), TierConfig::default()).expect("tier"));
     let (entered_tx, entered) = mpsc::channel();
     let (release, release_rx) = mpsc::channel();
@@ -305,23 +315,19 @@ fn a_forked_childs_tier_call_is_refused_before_any_lock_a_parent_thread_held() {
     assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
         exit_child(|| {
-            let named = |r: Result<(), TierError>| match r {
-                Err(TierError::ClientFailed { reason, .. }) => reason.contains("forked"),
-                _ => false,
-            };
-            if !named(tier.report_status().map(drop)) {
+            if !names_the_fork(tier.report_status().map(drop)) {
                 return 30;
             }
-            if !named(tier.reserve_read(&[key(2)], Holds::ONE).map(drop)) {
+            if !names_the_fork(tier.reserve_read(&[key(2)], Holds::ONE).map(drop)) {
                 return 31;
             }
-            if !named(tier.sweep_now().map(drop)) {
+            if !names_the_fork(tier.sweep_now().map(drop)) {
                 return 32;
             }
             if tier.sweeper_running() {
                 return 33;
             }
-            if !named(L1Tier::new(layout, TierConfig::default()).map(drop)) {
+            if !names_the_fork(L1Tier::new(layout, TierConfig::default()).map(drop)) {
                 return 34;
             }
             0
