@@ -168,6 +168,9 @@ pub struct TransportSection {
     /// Polling without sleeping after the last event before blocking (µs).
     /// Waking a sleeping vCPU costs tens of µs: a spin bridges short gaps.
     pub spin_us: u32,
+    /// While the loop spins, read the connection the last request came on
+    /// with plain `recv`s instead of through io_uring or epoll.
+    pub spin_recv: bool,
     /// io_uring: a kernel thread polls the submission queue (costs a core
     /// while busy).
     pub sqpoll: bool,
@@ -202,6 +205,7 @@ impl Default for TransportSection {
         Self {
             backend: "auto".to_owned(),
             spin_us: t.io.spin_us,
+            spin_recv: t.io.spin_recv,
             sqpoll: t.io.sqpoll,
             sqpoll_idle_ms: t.io.sqpoll_idle_ms,
             taskrun: "defer".to_owned(),
@@ -263,6 +267,7 @@ impl TransportSection {
             }
         };
         t.io.spin_us = self.spin_us;
+        t.io.spin_recv = self.spin_recv;
         t.io.sqpoll = self.sqpoll;
         t.io.sqpoll_idle_ms = self.sqpoll_idle_ms;
         if !(1..=32_768).contains(&self.ring_entries) {

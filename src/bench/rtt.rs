@@ -657,7 +657,14 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     )?;
     if !args.quick {
         // The measurements behind the defaults (module essay of `transport`).
-        let variants: [(&'static str, (BackendChoice, BackendChoice), Tweak); 7] = [
+        let variants: [(&'static str, (BackendChoice, BackendChoice), Tweak); 8] = [
+            // The server waits for every request through its backend, as
+            // before `spin_recv` (transport essay).
+            (
+                "transport=unix,backend=default,spin_recv=off",
+                (Auto, Auto),
+                |s, _| s.spin_recv = false,
+            ),
             // SQPOLL: a kernel thread submits and runs receive work (the
             // task-run flags do not apply; the kernel refuses them with it).
             (

@@ -46,6 +46,9 @@ pub struct Seen {
     pub to_complete_on_wake: Mutex<Vec<(ConnId, u64, Vec<u8>)>>,
     pub rejections: Mutex<Vec<(ConnId, u64, Rejection)>>,
     pub disconnects: Mutex<Vec<(ConnId, DisconnectReason)>>,
+    /// Every frame delivered (connection, request id), in the order the
+    /// handler saw them.
+    pub delivered: Mutex<Vec<(ConnId, u64)>>,
     pub peers: Mutex<Vec<(ConnId, PeerInfo)>>,
     /// Kernel thread id of the event loop (recorded at each connect).
     pub loop_tid: AtomicI32,
@@ -126,6 +129,7 @@ impl Handler for TestHandler {
 
     fn on_frame(&mut self, conn: ConnId, frame: Frame<'_>, out: &mut Replies) {
         let h = frame.header;
+        self.seen.delivered.lock().push((conn, h.request_id));
         let reply = h.kind + REPLY_OFFSET;
         match h.kind {
             ECHO => out.send(conn, reply, h.request_id, frame.payload).unwrap(),

@@ -16,7 +16,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::{
-    AcceptPause, ConnState, Core, DisconnectReason, Handler, Listener, earliest, stop_requested,
+    AcceptPause, ConnState, Core, DisconnectReason, Handler, Listener, Polled, PolledRead,
+    RecvOnce, earliest, stop_requested,
 };
 use crate::transport::TransportError;
 use crate::transport::spin::Spinner;
@@ -32,6 +33,8 @@ const MAX_EVENTS: usize = 256;
 const READ_BUDGET_BYTES: usize = 256 << 10;
 /// Bytes asked of the decoder per `recv`.
 const READ_CHUNK_BYTES: usize = 64 << 10;
+/// While a connection is polled, `epoll_wait` runs every this many turns.
+const POLLED_WAIT_EVERY: u32 = 4;
 /// Connections accepted per listener readiness event.
 const ACCEPT_BATCH: usize = 64;
 
@@ -135,6 +138,9 @@ pub(crate) fn run<H: Handler>(
         writable_wanted: Vec::new(),
         accept_pause: AcceptPause::default(),
         paused_listeners: Vec::new(),
+        polled: Polled::default(),
+        turns_without_wait: 0,
+        spin_recv: core.cfg.io.spin_recv,
     };
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
     let spin = Duration::from_micros(u64::from(core.cfg.io.spin_us));
@@ -151,14 +157,43 @@ pub(crate) fn run<H: Handler>(
         if busy {
             last_activity = now;
         }
-        let asleep = now.duration_since(last_activity) >= spin && core.prepare_sleep();
-        let timeout = if asleep {
-            earliest(core.next_timer(), driver.accept_pause.deadline())
-                .map(|t| t.saturating_duration_since(now))
-        } else {
-            Some(Duration::ZERO)
+        let idle = now.duration_since(last_activity) >= spin;
+        if idle {
+            // About to sleep: epoll's readiness wakes the loop for it.
+            driver.polled.take();
+        }
+        // The polled connection first: its bytes are read without waiting
+        // for epoll to report them (a `recv` instead of an `epoll_wait` and
+        // a `recv`).
+        let polled = match driver.polled.poll(core, now) {
+            PolledRead::None | PolledRead::Empty => false,
+            PolledRead::Read | PolledRead::Over => true,
+            PolledRead::Idle => {
+                driver.polled.take();
+                false
+            }
         };
-        let n = ep_wait(&driver.ep, &mut events, timeout)?;
+        // While one is polled, epoll is asked only every
+        // `POLLED_WAIT_EVERY` turns: every turn would halve how often the
+        // polled connection is read. The others wait at most that many
+        // turns (each a `recv` and a few hundred nanoseconds) longer.
+        let skip_wait = driver.polled.slot().is_some() && {
+            driver.turns_without_wait += 1;
+            driver.turns_without_wait < POLLED_WAIT_EVERY
+        };
+        let asleep = idle && core.prepare_sleep();
+        let n = if skip_wait {
+            0
+        } else {
+            driver.turns_without_wait = 0;
+            let timeout = if asleep {
+                earliest(core.next_timer(), driver.accept_pause.deadline())
+                    .map(|t| t.saturating_duration_since(now))
+            } else {
+                Some(Duration::ZERO)
+            };
+            ep_wait(&driver.ep, &mut events, timeout)?
+        };
         if asleep {
             core.woke_up();
         }
@@ -187,7 +222,7 @@ pub(crate) fn run<H: Handler>(
             driver.update_interest(core, slot);
         }
         driver.teardown(core);
-        busy = n > 0 || had_work || flushed;
+        busy = n > 0 || had_work || flushed || polled;
         if !busy && !asleep {
             spinner.pause(now);
         }
@@ -214,6 +249,12 @@ struct Driver {
     accept_pause: AcceptPause,
     /// Listeners not watched while accepting is paused.
     paused_listeners: Vec<usize>,
+    /// The connection read with plain `recv`s while the loop spins
+    /// (`IoConfig::spin_recv`); it stays registered with epoll.
+    polled: Polled,
+    /// Turns since the last `epoll_wait` (while a connection is polled).
+    turns_without_wait: u32,
+    spin_recv: bool,
 }
 
 impl Driver {
@@ -321,24 +362,16 @@ impl Driver {
         }
         let mut read = 0;
         while read < READ_BUDGET_BYTES {
-            let Some(conn) = core.conn_mut(slot) else {
-                return;
-            };
-            if conn.state != ConnState::Open {
-                return;
-            }
-            let spare = conn.decoder.spare(READ_CHUNK_BYTES);
-            let asked = spare.len();
-            match sys::recv(conn.fd.as_fd(), spare) {
-                Ok(0) => {
-                    let gone = sys::peer_hung_up(conn.fd.as_fd());
-                    core.input_ended(slot, now, gone);
-                    return;
-                }
-                Ok(n) => {
-                    conn.decoder.filled(n);
+            match core.recv_once(slot, now, READ_CHUNK_BYTES) {
+                RecvOnce::Read { n, asked } => {
                     read += n;
-                    core.process_input(slot, now);
+                    if self.spin_recv
+                        && let Some(id) = core.conn_mut(slot).map(|c| c.id)
+                    {
+                        // A request's bytes: read this connection without
+                        // waiting for its readiness while the loop spins.
+                        self.polled.offer(id, now);
+                    }
                     if n < asked {
                         // Drained (a short read): skip the `recv` that would
                         // only say EAGAIN — it sits between the request and
@@ -347,12 +380,8 @@ impl Driver {
                         return;
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    core.close(slot, DisconnectReason::Io(e.kind()));
-                    return;
-                }
+                RecvOnce::Interrupted => {}
+                RecvOnce::Empty | RecvOnce::Over => return,
             }
         }
     }

@@ -551,7 +551,116 @@ pub struct ServerStats {
     /// found every live provided buffer in use (each grows the live set, up
     /// to `recv_buffer_count`, and re-arms). Always 0 with direct receives.
     pub recv_buffers_exhausted: AtomicU64,
+    /// Receives made with a plain `recv` on the connection the loop polls
+    /// while it spins ([`IoConfig::spin_recv`](super::IoConfig::spin_recv)).
+    pub polled_reads: AtomicU64,
 }
+
+/// What one [`Core::recv_once`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RecvOnce {
+    /// `n` bytes arrived, of the `asked` there was room for, and the frames
+    /// they complete were delivered.
+    Read { n: usize, asked: usize },
+    /// Nothing to read now.
+    Empty,
+    /// A signal interrupted the call: nothing read, try again.
+    Interrupted,
+    /// The connection takes no more input: not `Open` (any more), its
+    /// stream ended, or the receive failed and closed it.
+    Over,
+}
+
+/// How long the polled connection may send nothing before the loop goes
+/// back to waiting for it through its backend ([`Polled`]).
+pub(crate) const POLLED_IDLE: Duration = Duration::from_micros(50);
+
+/// The connection a spinning loop reads with plain non-blocking `recv`s
+/// ([`IoConfig::spin_recv`](super::IoConfig::spin_recv), the module essay
+/// of `transport`): the last one a request arrived on, while it keeps
+/// sending. At most one, so the extra `recv` a turn costs stays one
+/// system call however many connections there are. The backend reads it
+/// with [`Polled::poll`] every turn and stops when [`Polled::poll`] says
+/// it went idle, when the loop is about to sleep, or when it closes; the
+/// io_uring backend keeps no receive in the ring for it meanwhile.
+#[derive(Debug, Default)]
+pub(crate) struct Polled {
+    current: Option<(ConnId, Instant)>,
+}
+
+/// What one [`Polled::poll`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PolledRead {
+    /// No connection is polled.
+    None,
+    /// Bytes arrived and were processed.
+    Read,
+    /// Nothing yet; still polled.
+    Empty,
+    /// Nothing for [`POLLED_IDLE`]: the caller stops polling it
+    /// ([`Polled::take`]) and waits for it through its backend again.
+    Idle,
+    /// The connection takes no more input (closed, ended, or gone); it is
+    /// no longer polled.
+    Over,
+}
+
+impl Polled {
+    /// The connection a request just arrived on becomes the polled one if
+    /// none is. True if it did (or already was).
+    pub(crate) fn offer(&mut self, id: ConnId, now: Instant) -> bool {
+        match self.current {
+            None => {
+                self.current = Some((id, now));
+                true
+            }
+            Some((cur, _)) => cur == id,
+        }
+    }
+
+    /// The polled connection's slot, if one is polled.
+    pub(crate) fn slot(&self) -> Option<u32> {
+        self.current.map(|(id, _)| id.slot())
+    }
+
+    /// Stops polling; returns the connection that was polled.
+    pub(crate) fn take(&mut self) -> Option<ConnId> {
+        self.current.take().map(|(id, _)| id)
+    }
+
+    /// One non-blocking `recv` from the polled connection, if any.
+    pub(crate) fn poll<H: Handler>(&mut self, core: &mut Core<H>, now: Instant) -> PolledRead {
+        let Some((id, last_data)) = self.current else {
+            return PolledRead::None;
+        };
+        if core.conn_mut(id.slot()).map(|c| c.id) != Some(id) {
+            self.current = None;
+            return PolledRead::Over;
+        }
+        match core.recv_once(id.slot(), now, POLLED_RECV_ROOM) {
+            RecvOnce::Read { .. } => {
+                ServerStats::bump(&core.shared.stats.polled_reads);
+                self.current = Some((id, now));
+                PolledRead::Read
+            }
+            RecvOnce::Empty | RecvOnce::Interrupted => {
+                if now.saturating_duration_since(last_data) > POLLED_IDLE {
+                    PolledRead::Idle
+                } else {
+                    PolledRead::Empty
+                }
+            }
+            RecvOnce::Over => {
+                self.current = None;
+                PolledRead::Over
+            }
+        }
+    }
+}
+
+/// Room a polled `recv` asks the decoder for: as much as a receive
+/// through either backend takes at once.
+const POLLED_RECV_ROOM: usize = 64 << 10;
 
 /// A plain copy of [`ServerStats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -567,6 +676,7 @@ pub struct ServerStatsSnapshot {
     pub protocol_drops: u64,
     pub faults_applied: u64,
     pub recv_buffers_exhausted: u64,
+    pub polled_reads: u64,
 }
 
 impl ServerStats {
@@ -589,6 +699,7 @@ impl ServerStats {
             protocol_drops: l(&self.protocol_drops),
             faults_applied: l(&self.faults_applied),
             recv_buffers_exhausted: l(&self.recv_buffers_exhausted),
+            polled_reads: l(&self.polled_reads),
         }
     }
 }
@@ -876,6 +987,38 @@ impl<H: Handler> Core<H> {
             held: None,
         });
         Some(slot)
+    }
+
+    /// One non-blocking `recv` from `slot`'s socket straight into its
+    /// decoder (with room for at least `room` bytes), and the frames it
+    /// completes delivered. End of stream and errors are acted on here.
+    pub fn recv_once(&mut self, slot: u32, now: Instant, room: usize) -> RecvOnce {
+        let Some(conn) = self.conn_mut(slot) else {
+            return RecvOnce::Over;
+        };
+        if conn.state != ConnState::Open {
+            return RecvOnce::Over;
+        }
+        let spare = conn.decoder.spare(room);
+        let asked = spare.len();
+        match sys::recv(conn.fd.as_fd(), spare) {
+            Ok(0) => {
+                let gone = sys::peer_hung_up(conn.fd.as_fd());
+                self.input_ended(slot, now, gone);
+                RecvOnce::Over
+            }
+            Ok(n) => {
+                conn.decoder.filled(n);
+                self.process_input(slot, now);
+                RecvOnce::Read { n, asked }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => RecvOnce::Empty,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => RecvOnce::Interrupted,
+            Err(e) => {
+                self.close(slot, DisconnectReason::Io(e.kind()));
+                RecvOnce::Over
+            }
+        }
     }
 
     /// Decodes and delivers every complete frame buffered for `slot`.

@@ -67,8 +67,8 @@ use std::time::{Duration, Instant};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use super::{
-    AcceptPause, ConnState, Core, DisconnectReason, Handler, Listener, OutFrame, ServerStats,
-    earliest, stop_requested,
+    AcceptPause, ConnState, Core, DisconnectReason, Handler, Listener, OutFrame, Polled,
+    PolledRead, ServerStats, earliest, stop_requested,
 };
 use crate::transport::TransportError;
 use crate::transport::config::{IoConfig, RecvMode, TaskRun};
@@ -469,6 +469,10 @@ struct Driver {
     accept_pause: AcceptPause,
     /// Listeners whose accept ended and waits for the pause to end.
     paused_listeners: Vec<u32>,
+    /// The connection read with plain `recv`s while the loop spins
+    /// (`IoConfig::spin_recv`): no receive of its own in the ring meanwhile.
+    polled: Polled,
+    spin_recv: bool,
 }
 
 #[cfg(test)]
@@ -523,6 +527,8 @@ pub(crate) fn run<H: Handler>(
         listener_fds: listeners.iter().map(|l| l.fd().as_raw_fd()).collect(),
         accept_pause: AcceptPause::default(),
         paused_listeners: Vec::new(),
+        polled: Polled::default(),
+        spin_recv: io_cfg.spin_recv && io_cfg.recv == RecvMode::Direct,
     };
     // Every way out of the loop — a stop, an error (`?`), a handler's panic
     // unwinding — passes `quiesce` before the ring and the buffers its
@@ -575,6 +581,7 @@ fn serve<H: Handler>(
                 d.arm_accept(listener)?;
             }
         }
+        let polled = d.poll_polled(core, now)?;
         let had_work = core.has_work();
         core.run_completions(now);
         if core.timers_due(now) {
@@ -588,8 +595,15 @@ fn serve<H: Handler>(
         if !d.ring.submission().is_empty() {
             d.submit()?;
         }
-        busy = !d.cqes.is_empty() || had_work || sent;
+        busy = !d.cqes.is_empty() || had_work || sent || polled;
         if busy {
+            if polled {
+                // The other connections' receive work, which a loop kept
+                // busy by the polled connection alone would otherwise
+                // never enter the kernel to run: its completions are
+                // reaped next turn.
+                d.poll_kernel()?;
+            }
             continue;
         }
         if now.duration_since(last_activity) < spin {
@@ -598,6 +612,9 @@ fn serve<H: Handler>(
             }
             continue;
         }
+        // About to sleep: the polled connection's receive goes back into
+        // the ring, which is what wakes the loop.
+        d.stop_polling(core)?;
         if core.prepare_sleep() {
             let timeout = earliest(core.next_timer(), d.accept_pause.deadline())
                 .map(|t| t.saturating_duration_since(Instant::now()));
@@ -966,9 +983,52 @@ impl Driver {
                     .as_ref()
                     .is_some_and(|c| c.state == ConnState::Open);
                 if !armed && open && !self.io[slot as usize].closing {
-                    self.arm_recv(core, slot, generation)?;
+                    // A request's bytes: the loop may read this connection
+                    // itself while it spins instead (`poll_polled`).
+                    let id = core.conns[slot as usize].as_ref().map(|c| c.id);
+                    let polled = res > 0
+                        && self.spin_recv
+                        && id.is_some_and(|id| self.polled.offer(id, now));
+                    if !polled {
+                        self.arm_recv(core, slot, generation)?;
+                    }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// One plain `recv` from the polled connection (`IoConfig::spin_recv`);
+    /// one that went idle gets its ring receive back. True if it read
+    /// something or its input ended (the turn did work).
+    fn poll_polled<H: Handler>(
+        &mut self,
+        core: &mut Core<H>,
+        now: Instant,
+    ) -> Result<bool, TransportError> {
+        match self.polled.poll(core, now) {
+            PolledRead::None | PolledRead::Empty => Ok(false),
+            PolledRead::Read | PolledRead::Over => Ok(true),
+            PolledRead::Idle => {
+                self.stop_polling(core)?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// The polled connection, if any, is waited for through the ring again.
+    fn stop_polling<H: Handler>(&mut self, core: &mut Core<H>) -> Result<(), TransportError> {
+        let Some(id) = self.polled.take() else {
+            return Ok(());
+        };
+        let slot = id.slot();
+        let Some(conn) = core.conns.get(slot as usize).and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        let io = self.io_mut(slot);
+        if conn.id == id && conn.state == ConnState::Open && !io.recv_armed && !io.closing {
+            let generation = id.generation() & 0xFF_FFFF;
+            self.arm_recv(core, slot, generation)?;
         }
         Ok(())
     }

@@ -1,0 +1,268 @@
+//! The connection a spinning server loop reads with plain `recv`s
+//! (`IoConfig::spin_recv`): it is used, it can be turned off, it gives its
+//! connection back to the backend's own waiting when it goes quiet, it
+//! sees a stream end, and a connection that never stops sending does not
+//! keep the loop from the others. Every server backend (an io_uring server
+//! in both receive modes).
+
+mod transport_common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cxlkv_controlplane::frame::{FrameDecoder, encode_frame};
+use cxlkv_controlplane::transport::{BackendChoice, Endpoint, RecvMode};
+use transport_common::*;
+
+/// Whether this backend polls at all: an io_uring server with provided
+/// buffers keeps every receive in the ring (the bytes land in a buffer of
+/// the ring's, not in the connection's decoder).
+fn polls(b: Backends) -> bool {
+    !(b.server == BackendChoice::Uring && b.recv == RecvMode::Provided)
+}
+
+fn unix_path(f: &Fixture) -> &std::path::Path {
+    let Endpoint::Unix(path) = &f.unix else {
+        unreachable!("the fixture's first endpoint is its Unix socket")
+    };
+    path
+}
+
+/// Back-to-back one-key-sized requests on one connection: with
+/// `spin_recv` on (the default), the loop reads most of them itself; off,
+/// none. Every reply is right either way.
+#[test]
+fn back_to_back_requests_are_read_by_the_spinning_loop_unless_turned_off() {
+    for b in server_backends() {
+        for on in [true, false] {
+            let mut cfg = server_config(b);
+            cfg.io.spin_recv = on;
+            let f = start(b, cfg);
+            let c = f.client(&f.unix);
+            for i in 0..200u32 {
+                let payload = i.to_le_bytes();
+                let r = c.call(ECHO, &payload, LONG).unwrap();
+                assert_eq!(r.payload(), payload, "{b:?} spin_recv={on}");
+            }
+            let polled = f.server.stats().polled_reads;
+            if on && polls(b) {
+                assert!(
+                    polled > 0,
+                    "{b:?}: no request was read by the spinning loop"
+                );
+            } else {
+                assert_eq!(polled, 0, "{b:?} spin_recv={on}");
+            }
+        }
+    }
+}
+
+/// A connection the loop polled, then quiet for longer than the loop
+/// spins (so the loop sleeps): its next request still wakes the loop and
+/// is answered — its receive went back to the backend's own waiting.
+#[test]
+fn a_polled_connection_that_goes_quiet_still_wakes_the_sleeping_loop() {
+    for b in server_backends() {
+        let mut cfg = server_config(b);
+        cfg.io.spin_us = 20;
+        let f = start(b, cfg);
+        let c = f.client(&f.unix);
+        for round in 0..20u32 {
+            for i in 0..5u32 {
+                let payload = [round.to_le_bytes(), i.to_le_bytes()].concat();
+                let r = c.call(ECHO, &payload, LONG).unwrap();
+                assert_eq!(r.payload(), payload, "{b:?}");
+            }
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        if polls(b) {
+            assert!(f.server.stats().polled_reads > 0, "{b:?}: never polled");
+        }
+    }
+}
+
+/// A peer that ends its stream right after its reply — while its
+/// connection is likely still the polled one — still gets every reply
+/// and is seen to go.
+#[test]
+fn a_polled_connection_whose_peer_ends_its_stream_is_closed() {
+    for b in server_backends() {
+        let f = start(b, server_config(b));
+        for n in 0..20u64 {
+            let before = f.seen.disconnects.lock().len();
+            let mut s = UnixStream::connect(unix_path(&f)).unwrap();
+            s.set_read_timeout(Some(LONG)).unwrap();
+            let mut frames = Vec::new();
+            encode_frame(&mut frames, ECHO, n, b"ping").unwrap();
+            let mut reply = vec![0u8; frames.len()];
+            for _ in 0..3 {
+                s.write_all(&frames).unwrap();
+                s.read_exact(&mut reply).unwrap();
+            }
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            // The server ends the stream once its replies are out.
+            let mut rest = Vec::new();
+            s.read_to_end(&mut rest).unwrap();
+            assert!(rest.is_empty(), "{b:?}: bytes after the last reply");
+            f.wait_until("the server to drop the ended connection", |seen| {
+                seen.disconnects.lock().len() > before
+            });
+        }
+    }
+}
+
+/// Requests lined up behind a request that holds the loop, each exactly
+/// two of the loop's 64 KiB receives: so a turn completes at most one
+/// request, and its one small reply goes out at once with a `send` (a
+/// batch of replies would go through the ring, and the submission would
+/// run the ring's pending receive work too). Twelve: more than an epoll
+/// loop reads of one connection before it asks epoll again
+/// (`POLLED_WAIT_EVERY` polled reads) plus what it then reads for that
+/// connection's event (a 256 KiB budget), so the other request must come
+/// before the end.
+const LINED_UP: u64 = 12;
+const LINED_UP_FRAME_BYTES: usize = 128 << 10;
+
+/// A polled connection with a run of requests waiting does not keep the
+/// loop from another connection's request until that run is over: the
+/// other request is delivered before the run's last frame. Each request of
+/// the run fills two receives and is answered with one small reply, sent
+/// at once — so an io_uring loop enters the kernel for nothing else and
+/// must run the ring's receive work between polled reads itself; an epoll
+/// loop must still ask epoll every few turns. Deterministic: a `GATE` request
+/// on the polled connection holds the loop while both are lined up in the
+/// sockets.
+#[test]
+fn a_polled_connection_with_requests_lined_up_does_not_hold_up_another() {
+    use cxlkv_controlplane::frame::HEADER_BYTES;
+    for b in server_backends() {
+        if !polls(b) {
+            continue;
+        }
+        let f = start(b, server_config(b));
+        // The other connection, connected first (so that only the gated
+        // one can become the polled connection).
+        let other = f.client(&f.unix);
+        let mut polled = UnixStream::connect(unix_path(&f)).unwrap();
+        let room = set_send_buffer(&polled, 2 * LINED_UP as usize * LINED_UP_FRAME_BYTES);
+        // With some slack for the kernel's bookkeeping of the bytes.
+        if room < (LINED_UP as usize + 2) * LINED_UP_FRAME_BYTES {
+            eprintln!(
+                "{b:?}: skipped: a socket's send buffer holds {room} bytes here \
+                 (net.core.wmem_max; SO_SNDBUFFORCE refused), too few to line up \
+                 {LINED_UP} requests of {LINED_UP_FRAME_BYTES} bytes"
+            );
+            continue;
+        }
+        polled.set_read_timeout(Some(LONG)).unwrap();
+        let mut gate = Vec::new();
+        encode_frame(&mut gate, GATE, 1, b"").unwrap();
+        polled.write_all(&gate).unwrap();
+        f.wait_until("the gate holds the loop", |s| {
+            s.gate_entered.load(Ordering::SeqCst)
+        });
+        // `SIZED` requests of two receives each, answered with 8 bytes.
+        let mut payload = vec![7u8; LINED_UP_FRAME_BYTES - HEADER_BYTES];
+        payload[..4].copy_from_slice(&8u32.to_le_bytes());
+        let mut run = Vec::new();
+        for id in 0..LINED_UP {
+            encode_frame(&mut run, SIZED, 1_000_000 + id, &payload).unwrap();
+        }
+        assert_eq!(run.len(), LINED_UP as usize * LINED_UP_FRAME_BYTES);
+        polled.set_nonblocking(true).unwrap();
+        let mut off = 0;
+        while off < run.len() {
+            match polled.write(&run[off..]) {
+                Ok(k) => off += k,
+                Err(e) => panic!(
+                    "lining up {} bytes: {e} after {off} (the socket's send buffer \
+                     is too small: net.core.wmem_max)",
+                    run.len()
+                ),
+            }
+        }
+        polled.set_nonblocking(false).unwrap();
+        let pending = other.start(ECHO, b"other", LONG).unwrap();
+        f.seen.open_gate();
+        assert_eq!(pending.wait().unwrap().payload(), b"other", "{b:?}");
+        // Every reply of the run comes back.
+        let mut d = FrameDecoder::new();
+        let mut buf = vec![0u8; 64 << 10];
+        let mut replies = 0;
+        while replies < LINED_UP + 1 {
+            let k = polled.read(&mut buf).unwrap();
+            assert!(k > 0, "{b:?}: the server ended the stream");
+            d.push(&buf[..k]);
+            while let Some(_frame) = d.decode().unwrap() {
+                replies += 1;
+            }
+        }
+        let delivered = f.seen.delivered.lock();
+        let run_conn = delivered
+            .iter()
+            .find(|(_, id)| *id >= 1_000_000)
+            .map(|(c, _)| *c)
+            .unwrap();
+        let other_at = delivered.iter().position(|(c, _)| *c != run_conn).unwrap();
+        let run_end = delivered.iter().rposition(|(c, _)| *c == run_conn).unwrap();
+        eprintln!(
+            "{b:?} other_at {other_at} run_end {run_end} polled_reads {} {:?}",
+            f.server.stats().polled_reads,
+            &delivered[..]
+        );
+        assert!(
+            other_at < run_end,
+            "{b:?}: the other request was delivered after the whole run of \
+             {LINED_UP} (at {other_at}, the run ended at {run_end})"
+        );
+    }
+}
+
+/// Asks for a send buffer of `bytes` (past `net.core.wmem_max` where
+/// allowed: `SO_SNDBUFFORCE` needs `CAP_NET_ADMIN`); returns what the
+/// socket got.
+fn set_send_buffer(s: &UnixStream, bytes: usize) -> usize {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let v = libc::c_int::try_from(bytes).unwrap();
+    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: both options read one int through the pointer.
+    let forced = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUFFORCE,
+            (&raw const v).cast(),
+            len,
+        )
+    };
+    if forced != 0 {
+        // SAFETY: as above.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&raw const v).cast(),
+                len,
+            )
+        };
+        assert_eq!(rc, 0, "SO_SNDBUF: {}", std::io::Error::last_os_error());
+    }
+    let mut got: libc::c_int = 0;
+    let mut got_len = len;
+    // SAFETY: SO_SNDBUF writes one int and its length through the pointers.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&raw mut got).cast(),
+            &mut got_len,
+        )
+    };
+    assert_eq!(rc, 0, "SO_SNDBUF: {}", std::io::Error::last_os_error());
+    usize::try_from(got).unwrap()
+}
