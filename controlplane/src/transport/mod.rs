@@ -65,15 +65,15 @@
 //! not hold the others' requests back; an epoll loop asks epoll every
 //! fourth turn while it polls. Why: a one-key round trip split into its
 //! parts (a raw client against our server, our client against a raw frame
-//! server, both against the raw exchange, in one run) put ~0.2 µs on the
-//! client and ~1.2 µs on the server above the raw exchange, and `rdtsc`
+//! server, both against the raw exchange, in one run) put ~0.1–0.5 µs on
+//! the client and ~1.0–1.3 µs on the server above the raw exchange, and `rdtsc`
 //! probes in the io_uring loop put the largest part on the receive: the
 //! `io_uring_enter` that runs it took ~3,450 cycles (1.3 µs) on average
 //! against ~2,900 for a plain `recv` of the same bytes in the same loop;
 //! an epoll loop pays an `epoll_wait` before its `recv`. Alternated
 //! against the same code with it off, one client, one-key `Exists`
 //! (`docs/benchmarks.md`, session 30), a round trip's p50 fell by ~0.5 µs
-//! with io_uring (ratio to the raw exchange 0.73–0.84 against 0.62–0.75).
+//! with io_uring (ratio to the raw exchange 0.64–0.84 against 0.57–0.75).
 //!
 //! **io_uring flags** ([`TaskRun`], `ring.rs`). Server rings default to
 //! `DEFER_TASKRUN` (with `SINGLE_ISSUER` and `TASKRUN_FLAG`): receive work

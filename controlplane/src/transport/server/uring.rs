@@ -1006,6 +1006,12 @@ impl Driver {
         core: &mut Core<H>,
         now: Instant,
     ) -> Result<bool, TransportError> {
+        debug_assert!(
+            self.polled
+                .slot()
+                .is_none_or(|slot| !self.io[slot as usize].recv_armed),
+            "a polled connection with a receive in the ring: both would write into its decoder"
+        );
         match self.polled.poll(core, now) {
             PolledRead::None | PolledRead::Empty => Ok(false),
             PolledRead::Read | PolledRead::Over => Ok(true),
