@@ -177,7 +177,7 @@ pub(crate) fn run<H: Handler>(
         // `POLLED_WAIT_EVERY` turns: every turn would halve how often the
         // polled connection is read. The others wait at most that many
         // turns (each a `recv` and a few hundred nanoseconds) longer.
-        let skip_wait = driver.polled.slot().is_some() && {
+        let skip_wait = driver.polled.id().is_some() && {
             driver.turns_without_wait += 1;
             driver.turns_without_wait < POLLED_WAIT_EVERY
         };
@@ -484,6 +484,7 @@ impl Driver {
 
     fn teardown<H: Handler>(&mut self, core: &mut Core<H>) {
         for slot in std::mem::take(&mut core.dead) {
+            self.polled.forget_slot(slot);
             if let Some(fd) = core.release(slot) {
                 // Closing the descriptor removes it from the epoll set.
                 drop(fd);

@@ -618,9 +618,18 @@ impl Polled {
         }
     }
 
-    /// The polled connection's slot, if one is polled.
-    pub(crate) fn slot(&self) -> Option<u32> {
-        self.current.map(|(id, _)| id.slot())
+    /// The polled connection, if one is polled (it may have closed since:
+    /// [`Polled::poll`] finds out).
+    pub(crate) fn id(&self) -> Option<ConnId> {
+        self.current.map(|(id, _)| id)
+    }
+
+    /// The connection in `slot` is being released: if it is the polled
+    /// one, it is no longer (the slot's next connection is not it).
+    pub(crate) fn forget_slot(&mut self, slot: u32) {
+        if self.current.is_some_and(|(id, _)| id.slot() == slot) {
+            self.current = None;
+        }
     }
 
     /// Stops polling; returns the connection that was polled.

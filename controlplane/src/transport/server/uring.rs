@@ -1006,10 +1006,17 @@ impl Driver {
         core: &mut Core<H>,
         now: Instant,
     ) -> Result<bool, TransportError> {
+        // The polled connection is the one in its slot (a released slot is
+        // forgotten: `teardown`) and has no receive in the ring.
         debug_assert!(
-            self.polled
-                .slot()
-                .is_none_or(|slot| !self.io[slot as usize].recv_armed),
+            self.polled.id().is_none_or(|id| {
+                core.conns
+                    .get(id.slot() as usize)
+                    .and_then(Option::as_ref)
+                    .map(|c| c.id)
+                    == Some(id)
+                    && !self.io[id.slot() as usize].recv_armed
+            }),
             "a polled connection with a receive in the ring: both would write into its decoder"
         );
         match self.polled.poll(core, now) {
@@ -1248,6 +1255,7 @@ impl Driver {
             }
             self.closing.swap_remove(i);
             self.io[slot as usize].closing = false;
+            self.polled.forget_slot(slot);
             drop(core.release(slot));
         }
         Ok(())
