@@ -121,7 +121,9 @@ pub struct IoConfig {
     /// as in the raw exchange, instead of an `io_uring_enter` that runs the
     /// ring's receive (measured here ~1.3 µs against ~1.1 µs) or an
     /// `epoll_wait` plus a `recv`. One connection at most: with many busy
-    /// connections it costs one `recv` a turn. On by default; the client
+    /// connections it costs one `recv` a turn. On by default; no effect
+    /// with `spin_us = 0` (the loop never spins) or with io_uring's
+    /// [`RecvMode::Provided`] (its receive stays in the ring); the client
     /// ignores it.
     pub spin_recv: bool,
     /// io_uring: a kernel thread polls the submission queue and runs the

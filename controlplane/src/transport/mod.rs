@@ -53,7 +53,8 @@
 //! TASKRUN flag and enters the kernel only when receive work waits, then
 //! reaps at once (it used to yield first).
 //!
-//! **The polled connection** ([`IoConfig::spin_recv`], on by default).
+//! **The polled connection** ([`IoConfig::spin_recv`], on by default; not
+//! with `spin_us = 0` or [`RecvMode::Provided`]).
 //! While the server loop spins it reads the connection the last request
 //! came on with plain non-blocking `recv`s, one a turn, as the raw
 //! exchange's server does, until that connection sends nothing for 50 µs,

@@ -140,7 +140,8 @@ pub(crate) fn run<H: Handler>(
         paused_listeners: Vec::new(),
         polled: Polled::default(),
         turns_without_wait: 0,
-        spin_recv: core.cfg.io.spin_recv,
+        // Only while the loop spins.
+        spin_recv: core.cfg.io.spin_recv && core.cfg.io.spin_us > 0,
     };
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
     let spin = Duration::from_micros(u64::from(core.cfg.io.spin_us));

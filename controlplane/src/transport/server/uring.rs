@@ -528,7 +528,9 @@ pub(crate) fn run<H: Handler>(
         accept_pause: AcceptPause::default(),
         paused_listeners: Vec::new(),
         polled: Polled::default(),
-        spin_recv: io_cfg.spin_recv && io_cfg.recv == RecvMode::Direct,
+        // Only while the loop spins, and only into a connection's own
+        // decoder (a provided-buffer receive stays armed in the ring).
+        spin_recv: io_cfg.spin_recv && io_cfg.spin_us > 0 && io_cfg.recv == RecvMode::Direct,
     };
     // Every way out of the loop — a stop, an error (`?`), a handler's panic
     // unwinding — passes `quiesce` before the ring and the buffers its
