@@ -65,26 +65,36 @@ fn back_to_back_requests_are_read_by_the_spinning_loop_unless_turned_off() {
     }
 }
 
+/// Requests in bursts of five, with `pause` between bursts, on a server
+/// whose loop spins `spin_us`: every one answered; returns the polled
+/// reads.
+fn bursts_with_pauses(b: Backends, spin_us: u32, pause: Duration) -> u64 {
+    let mut cfg = server_config(b);
+    cfg.io.spin_us = spin_us;
+    let f = start(b, cfg);
+    let c = f.client(&f.unix);
+    for burst in 0..20u32 {
+        for i in 0..5u32 {
+            let payload = [burst.to_le_bytes(), i.to_le_bytes()].concat();
+            let r = c
+                .call(ECHO, &payload, LONG)
+                .unwrap_or_else(|e| panic!("{b:?}: burst {burst}, request {i}: {e}"));
+            assert_eq!(r.payload(), payload, "{b:?}");
+        }
+        std::thread::sleep(pause);
+    }
+    f.server.stats().polled_reads
+}
+
 /// A connection the loop polled, then quiet for longer than the loop
 /// spins (so the loop sleeps): its next request still wakes the loop and
 /// is answered — its receive went back to the backend's own waiting.
 #[test]
 fn a_polled_connection_that_goes_quiet_still_wakes_the_sleeping_loop() {
     for b in server_backends() {
-        let mut cfg = server_config(b);
-        cfg.io.spin_us = 20;
-        let f = start(b, cfg);
-        let c = f.client(&f.unix);
-        for round in 0..20u32 {
-            for i in 0..5u32 {
-                let payload = [round.to_le_bytes(), i.to_le_bytes()].concat();
-                let r = c.call(ECHO, &payload, LONG).unwrap();
-                assert_eq!(r.payload(), payload, "{b:?}");
-            }
-            std::thread::sleep(Duration::from_millis(3));
-        }
+        let polled = bursts_with_pauses(b, 20, Duration::from_millis(3));
         if polls(b) {
-            assert!(f.server.stats().polled_reads > 0, "{b:?}: never polled");
+            assert!(polled > 0, "{b:?}: never polled");
         }
     }
 }
@@ -96,20 +106,7 @@ fn a_polled_connection_that_goes_quiet_still_wakes_the_sleeping_loop() {
 #[test]
 fn a_polled_connection_that_pauses_while_the_loop_spins_is_still_answered() {
     for b in server_backends() {
-        let mut cfg = server_config(b);
-        cfg.io.spin_us = 50_000;
-        let f = start(b, cfg);
-        let mut s = UnixStream::connect(unix_path(&f)).unwrap();
-        s.set_read_timeout(Some(LONG)).unwrap();
-        for i in 0..50u64 {
-            let mut req = Vec::new();
-            encode_frame(&mut req, ECHO, i, b"ping").unwrap();
-            s.write_all(&req).unwrap();
-            let mut reply = vec![0u8; req.len()];
-            s.read_exact(&mut reply)
-                .unwrap_or_else(|e| panic!("{b:?}: request {i} unanswered: {e}"));
-            std::thread::sleep(Duration::from_micros(300));
-        }
+        bursts_with_pauses(b, 50_000, Duration::from_micros(300));
     }
 }
 
