@@ -228,12 +228,22 @@ fn directory_memory_reports_resident_bytes_per_key_beyond_the_key_bytes() {
 fn check_rtt_records(records: &[Value]) -> &Value {
     for r in records.iter().filter(|r| r["skipped"] != true) {
         let case = r["case"].as_str().expect("case");
+        // A split case has a raw peer at one end (the other is ours).
+        let raw_end = match case {
+            "transport=unix,split=client" => Some("server_backend"),
+            "transport=unix,split=server" => Some("client_backend"),
+            _ => None,
+        };
         for field in ["server_backend", "client_backend"] {
             let backend = r[field].as_str().unwrap_or_default();
-            assert!(
-                backend == "uring" || backend == "fallback",
-                "{case}: {field} = {backend:?}"
-            );
+            if raw_end == Some(field) {
+                assert_eq!(backend, "raw", "{case}: {field}");
+            } else {
+                assert!(
+                    backend == "uring" || backend == "fallback",
+                    "{case}: {field} = {backend:?}"
+                );
+            }
         }
         let (lo, hi, paired) = (
             num(r, "ratio_min"),
@@ -266,6 +276,29 @@ fn check_rtt_records(records: &[Value]) -> &Value {
 fn rtt_records_name_their_backends_wire_sizes_and_paired_ratios() {
     let records = bench("rtt");
     check_rtt_records(&records);
+    // The split cases: each end against a raw peer, its share above the
+    // raw exchange, over the same wire sizes as the default case.
+    let default = records
+        .iter()
+        .find(|r| r["case"] == "transport=unix,backend=default")
+        .expect("the default case");
+    for case in ["transport=unix,split=client", "transport=unix,split=server"] {
+        let r = records
+            .iter()
+            .find(|r| r["case"] == case)
+            .unwrap_or_else(|| panic!("the {case} case"));
+        assert!(
+            num(r, "p50_us") > 0.0 && num(r, "raw_p50_us") > 0.0,
+            "{case}"
+        );
+        assert!(
+            close(num(r, "share_us"), num(r, "p50_us") - num(r, "raw_p50_us")),
+            "{case}"
+        );
+        for field in ["request_wire_bytes", "reply_wire_bytes"] {
+            assert_eq!(r[field], default[field], "{case}: {field}");
+        }
+    }
     let uring = records
         .iter()
         .find(|r| r["case"] == "transport=unix,backend=uring")
@@ -359,7 +392,10 @@ fn rtt_without_io_uring_skips_the_io_uring_case_and_reports_the_rest() {
     // The scenario went on past it, on the fallback backends.
     check_rtt_records(&records);
     for r in records.iter().filter(|r| r["skipped"] != true) {
-        assert_eq!(r["server_backend"], "fallback", "{}", r["case"]);
+        // (`split=client`'s server is the raw frame peer.)
+        if r["server_backend"] != "raw" {
+            assert_eq!(r["server_backend"], "fallback", "{}", r["case"]);
+        }
     }
     assert!(
         records

@@ -37,6 +37,7 @@ pub mod pool;
 pub(crate) mod pool_target;
 pub mod rtt;
 mod rtt_get;
+mod rtt_split;
 pub mod server;
 pub mod share;
 pub(crate) mod stale;

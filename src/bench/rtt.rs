@@ -642,6 +642,8 @@ pub fn run(args: &BenchArgs, r: &mut Reporter) -> anyhow::Result<()> {
     for c in &latency {
         latency_case(args, r, c, &target)?;
     }
+    // Where the default case's time goes: each end against a raw peer.
+    super::rtt_split::run(args, r, &target)?;
     super::rtt_get::run(args, r, &target)?;
     throughput_case(
         args,
