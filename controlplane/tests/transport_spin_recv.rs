@@ -307,27 +307,13 @@ fn set_send_buffer(s: &UnixStream, bytes: usize) -> usize {
     let fd = s.as_raw_fd();
     let v = libc::c_int::try_from(bytes).unwrap();
     let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: both options read one int through the pointer.
-    let forced = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUFFORCE,
-            (&raw const v).cast(),
-            len,
-        )
+    let set = |option| {
+        // SAFETY: both options read one int through the pointer, which
+        // outlives the call.
+        unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, option, (&raw const v).cast(), len) }
     };
-    if forced != 0 {
-        // SAFETY: as above.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_SNDBUF,
-                (&raw const v).cast(),
-                len,
-            )
-        };
+    if set(libc::SO_SNDBUFFORCE) != 0 {
+        let rc = set(libc::SO_SNDBUF);
         assert_eq!(rc, 0, "SO_SNDBUF: {}", std::io::Error::last_os_error());
     }
     let mut got: libc::c_int = 0;

@@ -236,7 +236,7 @@ impl RawSock {
 }
 
 /// Busy-polling: sends all of `buf`.
-fn raw_send(fd: BorrowedFd<'_>, buf: &[u8], deadline: Instant) -> io::Result<()> {
+pub(super) fn raw_send(fd: BorrowedFd<'_>, buf: &[u8], deadline: Instant) -> io::Result<()> {
     let mut off = 0;
     while off < buf.len() {
         match sys::send(fd, &buf[off..]) {
@@ -252,7 +252,7 @@ fn raw_send(fd: BorrowedFd<'_>, buf: &[u8], deadline: Instant) -> io::Result<()>
 }
 
 /// Busy-polling: receives exactly `buf.len()` bytes.
-fn raw_recv(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+pub(super) fn raw_recv(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
     let mut off = 0;
     while off < buf.len() {
         match sys::recv(fd, &mut buf[off..]) {

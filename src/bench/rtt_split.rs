@@ -19,19 +19,21 @@
 //! exchange. The two shares add up to about the default case's gap (the
 //! parts overlap a little: each end's polling meets the other's writes).
 
-use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use cxlkv_controlplane::frame::{FrameHeader, HEADER_BYTES, encode_frame, frame_len};
 use cxlkv_controlplane::proto::{self, Kind as MsgKind, RequestMeta};
-use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient, sys};
+use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient};
 
 use super::forked_server::{ForkedServer, bench_config};
 use super::pool_target::BenchPool;
-use super::rtt::{Child, Kind, fork_child, paired_ratios, raw_latencies, with_paired};
+use super::rtt::{
+    Child, Kind, fork_child, paired_ratios, raw_latencies, raw_recv, raw_send, with_paired,
+};
 use super::server::{Client as SessionClient, LAYOUT, key, payload, populate};
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
@@ -42,39 +44,6 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 const RAW_TIMEOUT: Duration = Duration::from_secs(10);
 /// Request ids of the raw client: far from the session client's.
 const RAW_FIRST_ID: u64 = 1 << 40;
-
-/// Busy-polls until all of `buf` is sent or `deadline` passes.
-fn spin_send(fd: BorrowedFd<'_>, buf: &[u8], deadline: Instant) -> io::Result<()> {
-    let mut off = 0;
-    while off < buf.len() {
-        match sys::send(fd, &buf[off..]) {
-            Ok(n) => off += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-        if Instant::now() > deadline {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-    }
-    Ok(())
-}
-
-/// Busy-polls until `buf` is full or `deadline` passes.
-fn spin_recv(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut off = 0;
-    while off < buf.len() {
-        match sys::recv(fd, &mut buf[off..]) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => off += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
-            Err(e) => return Err(e),
-        }
-        if Instant::now() > deadline {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-    }
-    Ok(())
-}
 
 /// The raw frame server (module docs) in a forked child, and its socket's
 /// path; the child serves one connection and spins, so it is started for
@@ -95,11 +64,11 @@ fn raw_frame_server(request_bytes: usize, reply: Vec<u8>) -> anyhow::Result<(Chi
         loop {
             // No deadline of its own: it dies with the bench (`fork_child`).
             let far = Instant::now() + Duration::from_secs(3600);
-            if spin_recv(s.as_fd(), &mut request, far).is_err() {
+            if raw_recv(s.as_fd(), &mut request, far).is_err() {
                 return;
             }
             reply[8..16].copy_from_slice(&request[8..16]);
-            if spin_send(s.as_fd(), &reply, far).is_err() {
+            if raw_send(s.as_fd(), &reply, far).is_err() {
                 return;
             }
         }
@@ -184,8 +153,8 @@ fn server_share(
         frame[8..16].copy_from_slice(&next_id.to_le_bytes());
         *next_id += 1;
         let t = Instant::now();
-        spin_send(sock.as_fd(), &frame, t + RAW_TIMEOUT)?;
-        spin_recv(sock.as_fd(), &mut reply, t + RAW_TIMEOUT)?;
+        raw_send(sock.as_fd(), &frame, t + RAW_TIMEOUT)?;
+        raw_recv(sock.as_fd(), &mut reply, t + RAW_TIMEOUT)?;
         let us = t.elapsed().as_secs_f64() * 1e6;
         anyhow::ensure!(
             reply[8..16] == frame[8..16]
