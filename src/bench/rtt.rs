@@ -145,12 +145,14 @@ fn temp_socket_path(tag: &str) -> std::path::PathBuf {
 }
 
 /// Our server (in a child process) and a client with a session on it.
-struct Ours {
-    _server: ForkedServer,
-    client: RpcClient,
+pub(super) struct Ours {
+    pub(super) server: ForkedServer,
+    pub(super) client: RpcClient,
     server_backend: String,
     /// `Exists` of the one registered key, encoded once.
-    request: Vec<u8>,
+    pub(super) request: Vec<u8>,
+    /// Its reply (kind, payload), as the server sent it.
+    pub(super) reply: (u16, Vec<u8>),
     request_wire_bytes: usize,
     reply_wire_bytes: usize,
 }
@@ -196,12 +198,27 @@ fn start_ours(case: &Case, target: &BenchPool) -> anyhow::Result<Ours> {
     check_present(&reply)?;
     Ok(Ours {
         server_backend: server.backend().to_owned(),
-        _server: server,
+        server,
         client: session.rpc,
         request_wire_bytes: frame_len(request.len()),
         reply_wire_bytes: frame_len(reply.payload().len()),
+        reply: (reply.header.kind, reply.payload().to_vec()),
         request,
     })
+}
+
+/// [`start_ours`] for `transport=unix,backend=default`.
+pub(super) fn start_default_unix(target: &BenchPool) -> anyhow::Result<Ours> {
+    let case = Case {
+        name: "transport=unix,backend=default",
+        kind: Kind::Unix,
+        server: BackendChoice::Auto,
+        client: BackendChoice::Auto,
+        tweak: no_tweak,
+        idle_gap: None,
+        round_trips: None,
+    };
+    start_ours(&case, target)
 }
 
 /// The reply says the one key is present.

@@ -29,12 +29,13 @@ use cxlkv_controlplane::frame::{FrameHeader, HEADER_BYTES, encode_frame, frame_l
 use cxlkv_controlplane::proto::{self, Kind as MsgKind, RequestMeta};
 use cxlkv_controlplane::transport::{ClientConfig, Endpoint, RpcClient};
 
-use super::forked_server::{ForkedServer, bench_config};
+use super::forked_server::ForkedServer;
 use super::pool_target::BenchPool;
 use super::rtt::{
-    Child, Kind, fork_child, paired_ratios, raw_latencies, raw_recv, raw_send, with_paired,
+    Child, Kind, fork_child, paired_ratios, raw_latencies, raw_recv, raw_send, start_default_unix,
+    with_paired,
 };
-use super::server::{Client as SessionClient, LAYOUT, key, payload, populate};
+use super::server::payload;
 use super::{Better, Record, Reporter, median, percentile};
 use crate::cli::BenchArgs;
 
@@ -171,38 +172,21 @@ fn server_share(
 /// Emits the two split cases (module docs).
 pub(super) fn run(args: &BenchArgs, r: &mut Reporter, target: &BenchPool) -> anyhow::Result<()> {
     let n = if args.quick { 2_000 } else { 20_000 };
-    let mut cfg = bench_config("bench-split", 256 << 20);
-    cfg.default_region_bytes = 64 << 20;
-    // Idle while the raw peers run, which on a loaded host can take long.
-    cfg.directory.session_lease = Duration::from_secs(3600);
-    let server = ForkedServer::start(cfg, target)?;
-    let ep = Endpoint::Unix(server.socket().to_owned());
-    let mut session = SessionClient::connect(&ep, ClientConfig::default())?;
-    populate(&mut session, 1)?;
-    let request = payload(
-        &mut Vec::new(),
-        &proto::Exists {
-            meta: RequestMeta::default(),
-            layout: LAYOUT,
-            keys: vec![key(0)],
-        },
-    )?;
-    let reply = session
-        .rpc
-        .call(MsgKind::Exists.as_u16(), &request, CALL_TIMEOUT)?;
+    let ours = start_default_unix(target)?;
+    let (request, server) = (&ours.request, &ours.server);
     let mut request_frame = Vec::new();
-    encode_frame(&mut request_frame, MsgKind::Exists.as_u16(), 0, &request)?;
+    encode_frame(&mut request_frame, MsgKind::Exists.as_u16(), 0, request)?;
     let mut reply_frame = Vec::new();
-    encode_frame(&mut reply_frame, reply.header.kind, 0, reply.payload())?;
+    encode_frame(&mut reply_frame, ours.reply.0, 0, &ours.reply.1)?;
     let sizes = (request_frame.len(), reply_frame.len());
-    let raw_client = raw_session(&server)?;
+    let raw_client = raw_session(server)?;
     let mut next_id = RAW_FIRST_ID;
     let (mut raw_p50, mut client_p50, mut server_p50) = (Vec::new(), Vec::new(), Vec::new());
     let (mut client_all, mut server_all) = (Vec::new(), Vec::new());
     for _ in 0..args.reps {
         let mut raw = raw_latencies(Kind::Unix, sizes, n, None)?;
         raw_p50.push(percentile(&mut raw, 50.0));
-        let mut c = client_share((sizes.0, &reply_frame), &request, n)?;
+        let mut c = client_share((sizes.0, &reply_frame), request, n)?;
         client_p50.push(percentile(&mut c, 50.0));
         client_all.extend(c);
         let mut s = server_share(&raw_client, &request_frame, sizes.1, n, &mut next_id)?;
@@ -216,7 +200,7 @@ pub(super) fn run(args: &BenchArgs, r: &mut Reporter, target: &BenchPool) -> any
             &mut client_p50,
             &mut client_all,
             "raw".to_owned(),
-            session.rpc.backend().to_string(),
+            ours.client.backend().to_string(),
             "our client against a raw frame server",
         ),
         (
