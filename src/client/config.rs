@@ -93,7 +93,9 @@ pub struct ClientConfig {
     pub client_name: String,
     /// TCP only: the local path of each pool, by the UUID in its identity
     /// header. A pool not listed is opened by the path the server announces.
-    /// Either way its header's UUID is checked before anything is mapped.
+    /// Either way its header's UUID is checked before anything is mapped. An
+    /// entry for a UUID the server does not announce is not used, and a
+    /// warning names it (with the UUIDs announced).
     pub pool_paths: Vec<([u8; 16], PathBuf)>,
     /// Force a visibility mode for every pool (e.g. `Flush` for a client on a
     /// host without coherence). `None`: the mode the server announces.

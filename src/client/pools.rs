@@ -82,6 +82,21 @@ pub(crate) fn open_by_path(
     paths: &[([u8; 16], PathBuf)],
     forced: Option<Visibility>,
 ) -> Result<Vec<Pool>, ClientError> {
+    for (uuid, path) in unannounced(infos, paths) {
+        // Likely a mistyped UUID, or a pool this server does not serve:
+        // not an error (a configuration may list several servers' pools),
+        // but the path is not used.
+        tracing::warn!(
+            uuid = %cxlkv_controlplane::pool::PoolUuid(*uuid),
+            path = %path.display(),
+            announced = %infos
+                .iter()
+                .map(|i| cxlkv_controlplane::pool::PoolUuid(i.uuid).to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            "pool_paths names a pool the server does not announce: that path is not used"
+        );
+    }
     infos
         .iter()
         .map(|info| {
@@ -98,6 +113,17 @@ pub(crate) fn open_by_path(
             })
         })
         .collect()
+}
+
+/// The `pool_paths` entries whose UUID names none of the announced pools.
+fn unannounced<'a>(
+    infos: &[PoolInfo],
+    paths: &'a [([u8; 16], PathBuf)],
+) -> impl Iterator<Item = &'a ([u8; 16], PathBuf)> {
+    let announced: Vec<[u8; 16]> = infos.iter().map(|i| i.uuid).collect();
+    paths
+        .iter()
+        .filter(move |(uuid, _)| !announced.contains(uuid))
 }
 
 fn open_checked(
@@ -242,6 +268,60 @@ mod tests {
             visibility: VisibilityMode::Coherent,
         };
         (path, info)
+    }
+
+    /// A `pool_paths` entry for a pool the server does not announce (a
+    /// mistyped UUID, say) is named — and warned about — not silently
+    /// ignored; the entries that match are not.
+    #[test]
+    fn pool_paths_for_pools_not_announced_are_named() {
+        let (path, info) = temp_pool("announced", Some([7; 16]));
+        let paths = vec![
+            ([7; 16], path.clone()),
+            ([8; 16], PathBuf::from("/dev/shm/typo")),
+        ];
+        let left: Vec<_> = unannounced(std::slice::from_ref(&info), &paths).collect();
+        assert_eq!(left, [&([8u8; 16], PathBuf::from("/dev/shm/typo"))]);
+        // Opening still works (the announced pool by its listed path), and
+        // says which entry it did not use.
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let writer = {
+            let logs = std::sync::Arc::clone(&logs);
+            move || LogWriter(std::sync::Arc::clone(&logs))
+        };
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(writer)
+            .with_ansi(false)
+            .finish();
+        let pools = tracing::subscriber::with_default(subscriber, || {
+            open_by_path(std::slice::from_ref(&info), &paths, None).unwrap()
+        });
+        assert_eq!(pools.len(), 1);
+        let text = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+        let warned: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("does not announce"))
+            .collect();
+        assert_eq!(warned.len(), 1, "{text}");
+        assert!(
+            warned[0].contains("/dev/shm/typo")
+                && warned[0].contains(&PoolUuid([8; 16]).to_string()),
+            "{text}"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// A `tracing` writer into a shared buffer.
+    struct LogWriter(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for LogWriter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]
