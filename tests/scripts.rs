@@ -639,6 +639,14 @@ fn report_dir(scenarios: &[&str]) -> tempfile::TempDir {
     tmp
 }
 
+/// What follows `## heading` in a `summary.md` (the rest of it).
+fn section<'a>(summary: &'a str, heading: &str) -> &'a str {
+    summary
+        .split(&format!("## {heading}"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no '{heading}' section:\n{summary}"))
+}
+
 /// Runs `bench_report.py` on the run directory `dir` with the shipped
 /// targets (it must exit 0) and returns the `summary.md` it wrote.
 fn bench_report_summary(dir: &Path) -> String {
@@ -689,10 +697,7 @@ fn bench_report_lists_the_targets_it_could_not_check_and_does_not_miss_a_skipped
     )
     .expect("write");
     let summary = bench_report_summary(dir);
-    let unchecked = summary
-        .split("## Targets not checked")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no 'Targets not checked' section:\n{summary}"));
+    let unchecked = section(&summary, "Targets not checked");
     assert!(
         unchecked.contains("`alloc` `threads=2`: ratio ≥ 1.5"),
         "{summary}"
@@ -823,10 +828,7 @@ fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
         summary.contains("1 documented target(s) missed, 2 unstable, 0 not checked"),
         "{summary}"
     );
-    let unstable = summary
-        .split("## Unstable targets")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no 'Unstable targets' section:\n{summary}"));
+    let unstable = section(&summary, "Unstable targets");
     assert!(
         unstable.contains("`rtt` `transport=unix,backend=default`: ratio ≥ 0.67, judged 25.25"),
         "{summary}"

@@ -732,7 +732,27 @@ impl Shared {
     /// connection and with it the session's pins; a request made before
     /// that reattaches itself.
     pub(crate) fn end_session_in_background(&self, why: &'static str) {
-        let Ok(conn) = self.conn() else { return };
+        if self.mark_session_dead(why).is_some() {
+            self.wake_maintenance();
+        }
+    }
+
+    /// Ends the current session so the directory drops every pin it holds,
+    /// and reattaches now (the reattach takes the ledger's pins again). If
+    /// the reattach fails, the next request retries it.
+    pub(crate) fn end_session(&self, why: &'static str) {
+        let Some(conn_no) = self.mark_session_dead(why) else {
+            return;
+        };
+        if let Err(e) = self.reconnect(conn_no) {
+            tracing::warn!(error = %e.with_causes(), "reattach after ending the session failed; the next request retries");
+        }
+    }
+
+    /// Marks the current connection dead (no request is sent on it again),
+    /// saying why; returns its number, or `None` if there is none.
+    fn mark_session_dead(&self, why: &'static str) -> Option<u64> {
+        let conn = self.conn().ok()?;
         tracing::warn!(
             reason = why,
             "ending the session to release pins of unknown state"
@@ -740,27 +760,7 @@ impl Shared {
         // Relaxed: a hint read by the maintenance thread and the next
         // request, which reconnect under the reconnect lock.
         conn.dead.store(true, Ordering::Relaxed);
-        drop(conn);
-        self.wake_maintenance();
-    }
-
-    /// Ends the current session so the directory drops every pin it holds,
-    /// and reattaches now (the reattach takes the ledger's pins again). If
-    /// the reattach fails, the next request retries it.
-    pub(crate) fn end_session(&self, why: &'static str) {
-        let Ok(conn) = self.conn() else { return };
-        tracing::warn!(
-            reason = why,
-            "ending the session to release pins of unknown state"
-        );
-        // Relaxed: `dead` is a hint read by the next request, which then
-        // reconnects under the reconnect lock.
-        conn.dead.store(true, Ordering::Relaxed);
-        let conn_no = conn.conn_no;
-        drop(conn);
-        if let Err(e) = self.reconnect(conn_no) {
-            tracing::warn!(error = %e.with_causes(), "reattach after ending the session failed; the next request retries");
-        }
+        Some(conn.conn_no)
     }
 }
 
