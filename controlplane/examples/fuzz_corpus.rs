@@ -5,7 +5,8 @@
 //!   kind selector byte;
 //! - `journal_scan`: journals of a real pool manager's records (empty,
 //!   allocations, allocations and frees, a torn tail, records partly covered
-//!   by a checkpoint, a whole file with its header, in format 2 and 1);
+//!   by a checkpoint, a whole file with its header, in format 2 and 1, and
+//!   with headers that acknowledge every record);
 //! - `checkpoint_decode`: checkpoint images (empty and populated) for the
 //!   raw mode, and inputs for the structured mode;
 //! - `directory_ops`: a few operation streams from a fixed pseudo-random
@@ -18,7 +19,9 @@
 use std::path::{Path, PathBuf};
 
 use cxlkv_controlplane::pool::header::{self, BlockState};
-use cxlkv_controlplane::pool::journal::{file_header, header_slot};
+use cxlkv_controlplane::pool::journal::{
+    JOURNAL_FORMAT_VERSION, JOURNAL_SLOT_BYTES, file_header, header_slot,
+};
 use cxlkv_controlplane::pool::{
     AllocTag, Caller, DirectoryId, InstanceId, ManagerConfig, MonotonicMs, PoolIdentity,
     PoolManager, PoolTarget, PoolUuid, Record, Reply, Request, Secret, checkpoint,
@@ -135,6 +138,20 @@ fn main() -> std::io::Result<()> {
     let mut file = header_slot(1, 0).to_vec();
     file.extend_from_slice(&body);
     write(&dir, "whole_file_format_1.bin", &with_header(0, &file))?;
+    // Headers that acknowledge every record, in both formats: a tear
+    // inside them must be refused (`AcknowledgedLost`), never cut.
+    let last = records.len() as u64;
+    let mut file = file_header().to_vec();
+    file[..JOURNAL_SLOT_BYTES].copy_from_slice(&header_slot(JOURNAL_FORMAT_VERSION, last));
+    file.extend_from_slice(&body);
+    write(&dir, "whole_file_acknowledged.bin", &with_header(0, &file))?;
+    let mut file = header_slot(1, last).to_vec();
+    file.extend_from_slice(&body);
+    write(
+        &dir,
+        "whole_file_format_1_acknowledged.bin",
+        &with_header(0, &file),
+    )?;
 
     let dir = root.join("checkpoint_decode");
     let (manager, records) = manager_run(20);

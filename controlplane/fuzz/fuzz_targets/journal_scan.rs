@@ -15,19 +15,24 @@
 //! - the accepted prefix replays on its own to the same ledger, with no
 //!   torn tail, and that ledger passes its invariant check;
 //! - a tear anywhere (the file cut at an input-chosen byte) keeps exactly
-//!   the whole records before the cut.
+//!   the whole records before the cut — unless the cut drops a record the
+//!   file header acknowledges: then the scan refuses (`AcknowledgedLost`,
+//!   naming where the good records end), since cutting would hand a
+//!   committed record's byte ranges out again.
 
 #![no_main]
 
-use cxlkv_controlplane::pool::journal::{JOURNAL_HEADER_BYTES, ScanReport, file_header, scan};
+use cxlkv_controlplane::pool::journal::{
+    JOURNAL_HEADER_BYTES, ScanError, ScanReport, file_header, scan,
+};
 use cxlkv_controlplane::pool::ledger::Ledger;
 use cxlkv_controlplane::pool::record::Record;
 use libfuzzer_sys::fuzz_target;
 
-fn replay(file: &[u8], checkpoint_seq: u64) -> Option<(ScanReport, Ledger)> {
+fn replay(file: &[u8], checkpoint_seq: u64) -> Result<(ScanReport, Ledger), ScanError> {
     let mut ledger = Ledger::new();
-    let report = scan(file, checkpoint_seq, |r| ledger.apply(r)).ok()?;
-    Some((report, ledger))
+    let report = scan(file, checkpoint_seq, |r| ledger.apply(r))?;
+    Ok((report, ledger))
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -41,7 +46,7 @@ fuzz_target!(|data: &[u8]| {
     file.extend_from_slice(rest);
     let checkpoint_seq = u64::from(flags >> 1) % 8;
 
-    let Some((report, ledger)) = replay(&file, checkpoint_seq) else {
+    let Ok((report, ledger)) = replay(&file, checkpoint_seq) else {
         return;
     };
     let end = report.valid_end_bytes as usize;
@@ -55,6 +60,7 @@ fuzz_target!(|data: &[u8]| {
     // Every accepted record: valid CRC, canonical, consecutive.
     let mut at = start;
     let mut boundaries = vec![at];
+    let mut seqs = Vec::new();
     let mut prev: Option<u64> = None;
     let mut applied = 0u64;
     while at < end {
@@ -73,11 +79,18 @@ fuzz_target!(|data: &[u8]| {
             applied += 1;
         }
         prev = Some(d.seq);
+        seqs.push(d.seq);
         at += d.len_bytes;
         boundaries.push(at);
     }
     assert_eq!(at, end);
     assert_eq!(applied, report.replayed);
+    let acknowledged = report.acknowledged_seq.unwrap_or(0);
+    assert_eq!(report.header_checksum_mismatch, report.acknowledged_seq.is_none());
+    assert!(
+        acknowledged <= prev.unwrap_or(0).max(checkpoint_seq),
+        "an accepted journal holds every record its header acknowledges"
+    );
 
     // The accepted prefix replays alone, to the same state.
     let (again, ledger_again) =
@@ -96,17 +109,41 @@ fuzz_target!(|data: &[u8]| {
             h.wrapping_mul(131).wrapping_add(usize::from(*b))
         });
         let cut = start + hash % span;
-        let (torn, _) = replay(&file[..cut], checkpoint_seq).expect("a torn journal recovers");
-        let kept = boundaries
-            .iter()
-            .copied()
-            .filter(|&b| b <= cut)
-            .max()
-            .unwrap_or(start);
-        assert_eq!(
-            torn.valid_end_bytes as usize, kept,
-            "a tear keeps the whole records before it"
-        );
-        assert_eq!(torn.stop.is_some(), kept != cut);
+        // Whole records before the cut (boundaries[0] is `start`).
+        let whole = boundaries.iter().filter(|&&b| b <= cut).count() - 1;
+        let kept = boundaries[whole];
+        let kept_seq = whole
+            .checked_sub(1)
+            .map_or(0, |i| seqs[i])
+            .max(checkpoint_seq);
+        match replay(&file[..cut], checkpoint_seq) {
+            Ok((torn, _)) => {
+                assert!(
+                    acknowledged <= kept_seq,
+                    "a tear that drops an acknowledged record is refused"
+                );
+                assert_eq!(
+                    torn.valid_end_bytes as usize, kept,
+                    "a tear keeps the whole records before it"
+                );
+                assert_eq!(torn.stop.is_some(), kept != cut);
+            }
+            Err(ScanError::AcknowledgedLost {
+                offset_bytes,
+                acknowledged_seq,
+                last_seq,
+            }) => {
+                assert!(
+                    acknowledged > kept_seq,
+                    "a tear that keeps every acknowledged record recovers"
+                );
+                assert_eq!(
+                    (offset_bytes as usize, acknowledged_seq, last_seq),
+                    (kept, acknowledged, kept_seq),
+                    "the refusal names where the good records end"
+                );
+            }
+            Err(e) => panic!("a torn journal recovers or refuses as AcknowledgedLost: {e:?}"),
+        }
     }
 });

@@ -378,6 +378,11 @@ pub struct ScanReport {
     /// No slot of the file header passed its checksum (magic and version
     /// intact): no acknowledged seq was used (see `check_file_header`).
     pub header_checksum_mismatch: bool,
+    /// The newest claim a whole header slot holds: records up to this seq
+    /// were acknowledged, so a scan whose good records end before it
+    /// refuses ([`ScanError::AcknowledgedLost`]). `None` with
+    /// `header_checksum_mismatch`.
+    pub acknowledged_seq: Option<u64>,
     /// The file's format (1 is written again as the current one by
     /// recovery).
     pub format_version: u32,
@@ -432,7 +437,8 @@ pub fn scan(
         valid_end_bytes: at as u64,
         next_seq: checkpoint_seq + 1,
         stop: None,
-        header_checksum_mismatch: false,
+        header_checksum_mismatch: acknowledged.is_none(),
+        acknowledged_seq: acknowledged,
         format_version: header.version,
         records_start_bytes: at as u64,
         next_header_slot: header.next_slot,
@@ -483,7 +489,6 @@ pub fn scan(
     }
     // Records the checkpoint holds count as present.
     let last_seq = prev_seq.unwrap_or(0).max(checkpoint_seq);
-    report.header_checksum_mismatch = acknowledged.is_none();
     let acknowledged = acknowledged.unwrap_or(0);
     if acknowledged > last_seq {
         return Err(ScanError::AcknowledgedLost {
@@ -1162,6 +1167,7 @@ mod tests {
         set_slot(&mut img, 1, 9, true);
         let report = scan(&img, 0, |_| Ok(())).unwrap();
         assert!(report.header_checksum_mismatch);
+        assert_eq!(report.acknowledged_seq, None);
         assert_eq!(report.replayed, 2);
         set_slot(&mut img, 1, 9, false);
         assert!(matches!(
@@ -1191,6 +1197,7 @@ mod tests {
         set_slot(&mut img, 1, 6, false);
         let report = scan(&img, 0, |_| Ok(())).unwrap();
         assert!(!report.header_checksum_mismatch);
+        assert_eq!(report.acknowledged_seq, Some(6), "the whole slot's claim");
         assert_eq!(report.next_header_slot, 0, "the torn slot is written next");
         // An acknowledged record damaged (the third): refused, not cut.
         let third = JOURNAL_HEADER_BYTES + 2 * (image(&[1]).len() - JOURNAL_HEADER_BYTES);
