@@ -69,6 +69,7 @@ BASELINE_COLOR = "#a0a0a0"
 RATIO_GOOD = "#3a9a5b"
 RATIO_BAD = "#d8733a"
 MISS_COLOR = "#c8102e"
+UNSTABLE_COLOR = "#8a6d00"
 
 
 # --- reading -----------------------------------------------------------------
@@ -564,10 +565,18 @@ def ratio_panel(parts, axis, rows, top, height):
             continue
         x = axis.x(ratio)
         missed = any(met is False and t["metric"] == "ratio" for t, _, met in evals)
-        color = MISS_COLOR if missed else (RATIO_GOOD if ratio >= 1 else RATIO_BAD)
+        # Reps that disagree (judged_ratio): neither met nor missed, as in
+        # summary.md — a bar drawn as "met" there would contradict it.
+        unstable = any(met == UNSTABLE and t["metric"] == "ratio" for t, _, met in evals)
+        if missed:
+            color, mark = MISS_COLOR, " MISS"
+        elif unstable:
+            color, mark = UNSTABLE_COLOR, " UNSTABLE"
+        else:
+            color, mark = (RATIO_GOOD if ratio >= 1 else RATIO_BAD), ""
         left, right = min(x, centre), max(x, centre)
-        parts.append(rect_el(left, y + 2, right - left, BAR_H * 2 - 4, color, f"ratio {fmt(ratio)}"))
-        label = fmt(ratio) + (" MISS" if missed else "")
+        parts.append(rect_el(left, y + 2, right - left, BAR_H * 2 - 4, color, f"ratio {fmt(ratio)}{mark}"))
+        label = fmt(ratio) + mark
         if ratio >= 1:
             parts.append(text_el(right + 4, y + BAR_H + 4, label, 11, "start", color))
         else:

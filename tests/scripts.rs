@@ -842,6 +842,25 @@ fn bench_report_does_not_call_a_target_met_on_reps_that_disagree() {
         .expect("the rtt target");
     assert_eq!(rtt["met"], Value::Null);
     assert_eq!(rtt["unstable"], Value::Bool(true));
+    // The plots say what summary.md says: the unstable bars are marked so,
+    // not drawn as met, and the missed one is a miss.
+    let plot = |name: &str| read(&dir.join("plots").join(format!("{name}.svg")));
+    for name in ["rtt", "tier"] {
+        let svg = plot(name);
+        assert!(svg.contains(" UNSTABLE</text>"), "{name}.svg:\n{svg}");
+        assert!(!svg.contains(" MISS</text>"), "{name}.svg:\n{svg}");
+    }
+    assert!(plot("lookup").contains(" MISS</text>"));
+    assert!(
+        !plot("exists").contains(" UNSTABLE</text>") && !plot("exists").contains(" MISS</text>")
+    );
+    let overview = plot("ratios");
+    assert_eq!(
+        overview.matches(" UNSTABLE</text>").count(),
+        2,
+        "{overview}"
+    );
+    assert_eq!(overview.matches(" MISS</text>").count(), 1, "{overview}");
 }
 
 #[test]
