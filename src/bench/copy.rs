@@ -444,10 +444,14 @@ impl Source {
     }
 }
 
-/// A pool file under `/dev/shm`, removed on drop.
+/// A pool file under `/dev/shm`, removed on drop. It holds a shared
+/// `flock` on the file for its life, so another bench's stale-file sweep
+/// (`stale::sweep`) sees it in use even from a pid namespace where this
+/// bench's pid names no process.
 struct TempPool {
     backing: Arc<dyn Backing>,
     path: PathBuf,
+    _lock: std::fs::File,
 }
 
 impl TempPool {
@@ -459,8 +463,38 @@ impl TempPool {
             &OpenOptions::new().create_size_bytes(size_bytes as u64),
         )
         .with_context(|| format!("creating the temporary pool {}", path.display()))?;
-        Ok(Self { backing, path })
+        let lock = lock_shared(&path)
+            .with_context(|| format!("locking the temporary pool {}", path.display()));
+        let lock = match lock {
+            Ok(lock) => lock,
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            backing,
+            path,
+            _lock: lock,
+        })
     }
+}
+
+/// Opens `path` (not following a link) and takes a shared `flock` on it,
+/// held until the returned file is closed.
+fn lock_shared(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    // SAFETY: `file` is an open descriptor for the call's duration; the lock
+    // is released when it is closed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 impl Drop for TempPool {
@@ -556,6 +590,18 @@ mod tests {
         assert_eq!(rep_bytes_for(16 * MIB, 256 * MIB, 4 << 30), 256 * MIB);
         assert_eq!(rep_bytes_for(48 * MIB, 256 * MIB, 4 << 30), 384 * MIB);
         assert_eq!(rep_bytes_for(1 << 30, 256 * MIB, 4 << 30), 4 << 30);
+    }
+
+    /// A bench in another pid namespace cannot tell by the pid whether
+    /// the pool is still used: the sweep's lock test must say so, or it
+    /// would remove the name of a pool a running `copy` uses.
+    #[test]
+    fn the_temporary_pool_is_seen_in_use_by_the_stale_file_sweep() {
+        let pool = TempPool::create(2 * MIB).expect("a temporary pool");
+        assert!(super::super::stale::locked(&pool.path));
+        let path = pool.path.clone();
+        drop(pool);
+        assert!(!path.exists(), "removed on drop");
     }
 
     #[test]

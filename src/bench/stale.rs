@@ -18,9 +18,9 @@
 //! listens on): a `cxlkv serve` the killed bench started may still be
 //! stopping, and a bench in another pid namespace sharing the directory
 //! (a container with `--ipc=host`) has pids this namespace cannot see.
-//! What neither test sees is a file nobody locks (`copy`'s pool) of a bench
-//! in another pid namespace: its name is removed, while the file itself
-//! lives on for the process that has it open or mapped. Only this user's
+//! (`copy`'s pool is locked for that reason; a file nobody locks, of a bench
+//! in another pid namespace, would lose its name, while the file itself
+//! lives on for the process that has it open or mapped.) Only this user's
 //! entries are looked at (a root bench leaves other users' files alone), a
 //! symbolic link is removed as a link, never followed, and nothing outside
 //! the two directories' first level is looked at (but a directory's lock
@@ -161,9 +161,10 @@ pub(crate) fn remove_stale(
 /// two ways a dead-looking pid can still have users: a `cxlkv serve` that
 /// the killed bench started and that is still stopping (it holds its
 /// pool's locks until it exits), and a bench in another pid namespace
-/// sharing the directory (whose pid this namespace cannot see). A file
-/// nobody locks — `copy`'s pool, a client's mapping — is not seen; unlinking
-/// it leaves an open or mapped file working, only its name goes.
+/// sharing the directory (whose pid this namespace cannot see); `copy`'s
+/// temporary pool holds a shared lock for the same reason. A file nobody
+/// locks is not seen; unlinking it leaves an open or mapped file working,
+/// only its name goes.
 fn in_use(path: &Path, meta: &std::fs::Metadata) -> bool {
     use std::os::unix::fs::FileTypeExt;
     let kind = meta.file_type();
@@ -201,7 +202,7 @@ const MAX_SUBDIRS: usize = 64;
 
 /// Whether another open of the file at `path` holds an `flock` on it (a
 /// missing or unreadable file holds none). Links are not followed.
-fn locked(path: &Path) -> bool {
+pub(crate) fn locked(path: &Path) -> bool {
     use std::os::unix::fs::OpenOptionsExt;
     let Ok(file) = std::fs::OpenOptions::new()
         .read(true)
