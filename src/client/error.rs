@@ -153,9 +153,10 @@ pub enum ClientError {
 const MAX_CAUSES: usize = 16;
 
 /// An error with its causes, `"outer: cause: cause"`, for text that leaves
-/// the process. A cause whose text the message already contains is left
+/// the process. A cause the message already states as a clause is left
 /// out (many messages embed their source: `"cannot connect to {endpoint}:
-/// {source}"`), so that nothing is said twice.
+/// {source}"`), so that nothing is said twice; one whose words only occur
+/// inside the message is kept.
 #[derive(Debug, Clone, Copy)]
 pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
 
@@ -166,7 +167,7 @@ impl std::fmt::Display for ErrorChain<'_> {
         for _ in 0..MAX_CAUSES {
             let Some(c) = cause else { break };
             let said = c.to_string();
-            if !said.is_empty() && !text.contains(&said) {
+            if !said.is_empty() && !states_whole(&text, &said) {
                 text.push_str(": ");
                 text.push_str(&said);
             }
@@ -174,6 +175,23 @@ impl std::fmt::Display for ErrorChain<'_> {
         }
         f.write_str(&text)
     }
+}
+
+/// Whether `text` states `part` as a whole clause, the way messages embed
+/// their source (`"…: {source}"`, `"… ({source})"`): an occurrence that
+/// starts the text or follows `": "` or `"("`, and ends it or is followed
+/// by `:`, `)`, `;`, `,` or `" ("`. A cause whose words merely occur inside
+/// the message (`"timed out"` in `"the request timed out after 5 ms"`) is
+/// still stated.
+fn states_whole(text: &str, part: &str) -> bool {
+    text.match_indices(part).any(|(at, _)| {
+        let before = &text[..at];
+        let after = &text[at + part.len()..];
+        (before.is_empty() || before.ends_with(": ") || before.ends_with('('))
+            && (after.is_empty()
+                || after.starts_with([':', ')', ';', ','])
+                || after.starts_with(" ("))
+    })
 }
 
 /// `ReconnectFailed`'s text: how long the server could not be reached, or
@@ -292,5 +310,51 @@ mod tests {
         let text = e.with_causes().to_string();
         assert_eq!(text, e.to_string());
         assert_eq!(text.matches("Permission denied").count(), 1, "{text}");
+    }
+
+    /// An error whose message is fixed and whose cause is another.
+    #[derive(Debug)]
+    struct Wrapped(&'static str, Option<Box<Wrapped>>);
+
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    fn chain(outer: &'static str, cause: &'static str) -> String {
+        let e = Wrapped(outer, Some(Box::new(Wrapped(cause, None))));
+        ErrorChain(&e).to_string()
+    }
+
+    /// Found by a review (session 29, fixed in 31): the chain left out any
+    /// cause whose text occurred anywhere in the message, so a short cause
+    /// was lost to an unrelated phrase.
+    #[test]
+    fn a_cause_whose_words_only_occur_inside_the_message_is_still_stated() {
+        assert_eq!(
+            chain("the request timed out after 5 ms", "timed out"),
+            "the request timed out after 5 ms: timed out"
+        );
+        assert_eq!(
+            chain("no pools announced", "no pools"),
+            "no pools announced: no pools"
+        );
+        // Embedded as a clause: said once, wherever the message puts it.
+        for outer in [
+            "cannot open x: timed out",
+            "cannot open x (timed out)",
+            "cannot open x: timed out; retry later",
+            "cannot open x: timed out (os error 110)",
+            "timed out: while opening x",
+        ] {
+            assert_eq!(chain(outer, "timed out"), outer);
+        }
     }
 }
