@@ -2710,6 +2710,95 @@ fn a_token_less_reattach_is_refused_until_the_grace_period_frees_the_recovered_r
     w.dir.check_invariants().unwrap();
 }
 
+/// Found by a review of the fuzz targets (session 31): after a restart, a
+/// pool manager's grant of a region id that an instance still holds
+/// unclaimed was accepted — the directory checked only the regions it had
+/// recorded — so that instance's reattach then recorded the id a second
+/// time (a debug assertion; in release, two records of one region). A real
+/// pool manager never grants a live id twice, but the directory refuses a
+/// grant it knows to be wrong: now such a grant is refused like one of an
+/// assigned region, nothing is freed, and the owner still claims its region.
+#[test]
+fn a_grant_of_a_region_held_unclaimed_since_a_restart_is_refused_and_its_owner_keeps_it() {
+    let mut w = World::new();
+    let mut alpha = w.hello("alpha");
+    let ra = w.region(&mut alpha, L);
+    let handle = w.pool.live[&ra];
+    let recovered = vec![RecoveredRegion {
+        handle,
+        owner: InstanceId::new("alpha").unwrap(),
+    }];
+    w.dir = Directory::recover(DirectoryConfig::default(), [8; 32], w.now, recovered).unwrap();
+
+    // beta asks for a region; the (faulty) pool manager grants alpha's id.
+    let mut beta = w.hello("beta");
+    let seq = beta.seq();
+    let reply = w
+        .dir
+        .request_region(&beta.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    assert!(matches!(reply.body, RegionReply::Deferred(_)));
+    let request = w
+        .dir
+        .drain_effects()
+        .find_map(|e| match e {
+            Effect::AllocateRegion { request, .. } => Some(request),
+            _ => None,
+        })
+        .expect("the region request goes to the pool manager");
+    let done = w.dir.region_allocated(request, Ok(handle));
+    assert_eq!(done.len(), 1);
+    assert!(
+        matches!(
+            &done[0].result,
+            Err(DirectoryError::RegionAllocationFailed { reason }) if reason.contains("already assigned")
+        ),
+        "{:?}",
+        done[0].result
+    );
+    assert_eq!(
+        w.dir.drain_effects().count(),
+        0,
+        "the id is alpha's: not freed"
+    );
+    w.dir.check_invariants().unwrap();
+
+    let back = w
+        .dir
+        .reattach(
+            Reattach {
+                instance: "alpha",
+                secret: alpha.secret,
+                regions: &alpha.regions,
+                next_seq: alpha.next_seq,
+                notice_ack: alpha.notice_ack,
+                quota_bytes: None,
+            },
+            UNIX,
+            w.now,
+        )
+        .unwrap();
+    assert_eq!(back.kind, ReattachKind::Recovered);
+    assert_eq!(back.regions, vec![RegionStatus::Confirmed]);
+    w.dir.check_invariants().unwrap();
+    // Claimed: a grant of the id is still refused (it is recorded now).
+    let seq = beta.seq();
+    w.dir
+        .request_region(&beta.caller(), seq, L, REGION_BYTES, w.now)
+        .unwrap();
+    let request = w
+        .dir
+        .drain_effects()
+        .find_map(|e| match e {
+            Effect::AllocateRegion { request, .. } => Some(request),
+            _ => None,
+        })
+        .expect("the region request goes to the pool manager");
+    let done = w.dir.region_allocated(request, Ok(handle));
+    assert!(done[0].result.is_err());
+    w.dir.check_invariants().unwrap();
+}
+
 /// A reattach that recovers an instance (it had expired, or the directory
 /// restarted) answers `Recovered`; if that answer is lost, the client's next
 /// reattach finds the instance and would be told `Resumed` — as if its keys,

@@ -199,13 +199,13 @@ impl Directory {
         let outcome = match (p.instance, result) {
             (_, Err(reason)) => Err(DirectoryError::RegionAllocationFailed { reason }),
             (None, Ok(handle)) => {
-                if self.regions.slot_of(handle.region).is_none() {
+                if !self.region_id_held(handle.region) {
                     self.free_handle(handle, p.owner.clone());
                 }
                 Err(DirectoryError::InstanceGone)
             }
             (Some(slot), Ok(handle)) => {
-                if self.regions.slot_of(handle.region).is_some() {
+                if self.region_id_held(handle.region) {
                     tracing::error!(region = %handle.region, "pool manager granted a region already assigned");
                     Err(DirectoryError::RegionAllocationFailed {
                         reason: format!("region {} is already assigned", handle.region),

@@ -455,6 +455,32 @@ impl Directory {
                 }
             }
         }
+        self.regions.consistent().map_err(InvariantViolation)?;
+        // Regions held unclaimed since a restart: each in one instance's
+        // list, the index their union, none also a region record.
+        let mut unclaimed = 0usize;
+        for inst in self.instances.iter().flatten() {
+            for h in &inst.unclaimed {
+                unclaimed += 1;
+                ensure!(
+                    self.unclaimed_regions.contains(&h.region),
+                    "region {} unclaimed by {} but not indexed",
+                    h.region,
+                    inst.id
+                );
+                ensure!(
+                    self.regions.slot_of(h.region).is_none(),
+                    "region {} unclaimed by {} and also recorded",
+                    h.region,
+                    inst.id
+                );
+            }
+        }
+        ensure!(
+            unclaimed == self.unclaimed_regions.len(),
+            "{} unclaimed regions indexed, {unclaimed} in the instances' lists",
+            self.unclaimed_regions.len()
+        );
         ensure!(
             region_bytes == self.totals.region_bytes,
             "region byte total drifted"

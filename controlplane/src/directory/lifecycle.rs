@@ -281,6 +281,10 @@ impl Directory {
         let window = self.config.reply_window;
         let inst = self.instance_mut(slot);
         let unclaimed = std::mem::take(&mut inst.unclaimed);
+        for h in &unclaimed {
+            self.unclaimed_regions.remove(&h.region);
+        }
+        let inst = self.instance_mut(slot);
         inst.secret = Some(req.secret);
         inst.principal = Some(peer.principal());
         inst.quota_bytes = quota;
@@ -632,6 +636,7 @@ impl Directory {
             }
         }
         for handle in inst.unclaimed {
+            self.unclaimed_regions.remove(&handle.region);
             self.free_handle(handle, inst.id.clone());
         }
         for p in self.pending.values_mut() {
@@ -698,6 +703,14 @@ impl Directory {
             owner: region.owner_id,
         });
         self.counters.outcomes.regions_freed += 1;
+    }
+
+    /// Whether region `id` is this directory's already: assigned to an
+    /// instance (or orphaned), or held unclaimed since a restart. A pool
+    /// manager's grant of such an id is refused, never recorded twice (nor
+    /// freed: the id is someone's).
+    pub(super) fn region_id_held(&self, id: RegionId) -> bool {
+        self.regions.slot_of(id).is_some() || self.unclaimed_regions.contains(&id)
     }
 
     /// Gives back a region that has no record (unclaimed after a restart, or

@@ -100,7 +100,10 @@
 //! a key's pin total is the sum over live sessions; a region's key count is
 //! the keys in it; a registered page has exactly one key; no region is freed
 //! while a key points into it; a region whose owner is gone has keys; the LRU
-//! holds exactly the unpinned keys; per-instance and global totals match.
+//! holds exactly the unpinned keys; per-instance and global totals match;
+//! each region id is recorded at most once (the region table's id index
+//! names exactly its live slots), and a region held unclaimed since a
+//! restart is in one instance's list and not also recorded.
 
 mod capacity;
 mod config;
@@ -288,6 +291,10 @@ pub struct Directory {
     ended: HashSet<SessionId, FixedState>,
     ended_order: VecDeque<SessionId>,
     pending: HashMap<PoolRequestId, PendingRegion, FixedState>,
+    /// The regions instances hold unclaimed after a restart (the union of
+    /// their `unclaimed` lists; never also in `regions`): a grant of one of
+    /// these ids is refused like a grant of an assigned one.
+    unclaimed_regions: HashSet<RegionId, FixedState>,
     pools: BTreeMap<PoolId, PoolUsage>,
     lru: Option<Lru>,
     /// Regions whose owner is gone, oldest orphan first (slot, id: a slot may
@@ -338,6 +345,7 @@ impl Directory {
             ended: HashSet::with_hasher(FixedState::with_seed(map_seed)),
             ended_order: VecDeque::new(),
             pending: HashMap::with_hasher(FixedState::with_seed(map_seed)),
+            unclaimed_regions: HashSet::with_hasher(FixedState::with_seed(map_seed)),
             pools: BTreeMap::new(),
             lru,
             orphans: VecDeque::new(),
@@ -385,9 +393,8 @@ impl Directory {
         regions: impl IntoIterator<Item = RecoveredRegion>,
     ) -> Result<Self, ConfigError> {
         let mut dir = Self::new(config, seed)?;
-        let mut seen = HashSet::with_hasher(FixedState::with_seed(dir.map_seed));
         for RecoveredRegion { handle, owner } in regions {
-            if !seen.insert(handle.region) {
+            if !dir.unclaimed_regions.insert(handle.region) {
                 continue;
             }
             let slot = match dir.instance_ix.get(&owner) {

@@ -260,6 +260,43 @@ impl RegionTable {
         self.by_id.len()
     }
 
+    /// The id index names exactly the live slots, each by its region's id,
+    /// and the free list exactly the empty ones (for `check_invariants`).
+    pub fn consistent(&self) -> Result<(), String> {
+        let mut live = 0usize;
+        for (slot, r) in self.iter() {
+            live += 1;
+            if self.by_id.get(&r.handle.region) != Some(&slot) {
+                return Err(format!(
+                    "region {} in slot {slot} is not indexed there",
+                    r.handle.region
+                ));
+            }
+        }
+        if live != self.by_id.len() {
+            return Err(format!(
+                "{} region ids indexed, {live} live slots",
+                self.by_id.len()
+            ));
+        }
+        let empty = self.slots.len() - live;
+        let mut free = self.free.clone();
+        free.sort_unstable();
+        free.dedup();
+        let free_ok = free.len() == empty
+            && self.free.len() == empty
+            && free
+                .iter()
+                .all(|&s| self.slots.get(s as usize).is_some_and(Option::is_none));
+        if !free_ok {
+            return Err(format!(
+                "free list of {} slots, {empty} empty",
+                self.free.len()
+            ));
+        }
+        Ok(())
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (u32, &Region)> {
         self.slots
             .iter()
