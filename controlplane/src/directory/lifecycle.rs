@@ -279,8 +279,7 @@ impl Directory {
         // Checks done: from here on, the reattach succeeds.
         let quota = self.effective_quota(req.quota_bytes);
         let window = self.config.reply_window;
-        let inst = self.instance_mut(slot);
-        let unclaimed = std::mem::take(&mut inst.unclaimed);
+        let unclaimed = std::mem::take(&mut self.instance_mut(slot).unclaimed);
         for h in &unclaimed {
             self.unclaimed_regions.remove(&h.region);
         }
