@@ -200,6 +200,51 @@ impl World {
             .handle
     }
 
+    /// `c` reattaches as its client would: every region it knows, its next
+    /// sequence number and notice acknowledgement.
+    fn reattach_presenting_all(
+        &mut self,
+        c: &Client,
+    ) -> Result<cxlkv_controlplane::directory::Reattached, DirectoryError> {
+        self.dir.reattach(
+            Reattach {
+                instance: &c.name,
+                secret: c.secret,
+                regions: &c.regions,
+                next_seq: c.next_seq,
+                notice_ack: c.notice_ack,
+                quota_bytes: None,
+            },
+            UNIX,
+            self.now,
+        )
+    }
+
+    /// Requests a region for `c` and answers it, as a pool manager would,
+    /// with `handle` (whatever the directory knows of it); returns the
+    /// completed replies.
+    fn granted_as(
+        &mut self,
+        c: &mut Client,
+        handle: RegionHandle,
+    ) -> Vec<cxlkv_controlplane::directory::Completion> {
+        let seq = c.seq();
+        let reply = self
+            .dir
+            .request_region(&c.caller(), seq, L, REGION_BYTES, self.now)
+            .unwrap();
+        assert!(matches!(reply.body, RegionReply::Deferred(_)));
+        let request = self
+            .dir
+            .drain_effects()
+            .find_map(|e| match e {
+                Effect::AllocateRegion { request, .. } => Some(request),
+                _ => None,
+            })
+            .expect("the region request goes to the pool manager");
+        self.dir.region_allocated(request, Ok(handle))
+    }
+
     fn register(
         &mut self,
         c: &mut Client,
@@ -2732,21 +2777,7 @@ fn a_grant_of_a_region_held_unclaimed_since_a_restart_is_refused_and_its_owner_k
 
     // beta asks for a region; the (faulty) pool manager grants alpha's id.
     let mut beta = w.hello("beta");
-    let seq = beta.seq();
-    let reply = w
-        .dir
-        .request_region(&beta.caller(), seq, L, REGION_BYTES, w.now)
-        .unwrap();
-    assert!(matches!(reply.body, RegionReply::Deferred(_)));
-    let request = w
-        .dir
-        .drain_effects()
-        .find_map(|e| match e {
-            Effect::AllocateRegion { request, .. } => Some(request),
-            _ => None,
-        })
-        .expect("the region request goes to the pool manager");
-    let done = w.dir.region_allocated(request, Ok(handle));
+    let done = w.granted_as(&mut beta, handle);
     assert_eq!(done.len(), 1);
     assert!(
         matches!(
@@ -2763,38 +2794,12 @@ fn a_grant_of_a_region_held_unclaimed_since_a_restart_is_refused_and_its_owner_k
     );
     w.dir.check_invariants().unwrap();
 
-    let back = w
-        .dir
-        .reattach(
-            Reattach {
-                instance: "alpha",
-                secret: alpha.secret,
-                regions: &alpha.regions,
-                next_seq: alpha.next_seq,
-                notice_ack: alpha.notice_ack,
-                quota_bytes: None,
-            },
-            UNIX,
-            w.now,
-        )
-        .unwrap();
+    let back = w.reattach_presenting_all(&alpha).unwrap();
     assert_eq!(back.kind, ReattachKind::Recovered);
     assert_eq!(back.regions, vec![RegionStatus::Confirmed]);
     w.dir.check_invariants().unwrap();
     // Claimed: a grant of the id is still refused (it is recorded now).
-    let seq = beta.seq();
-    w.dir
-        .request_region(&beta.caller(), seq, L, REGION_BYTES, w.now)
-        .unwrap();
-    let request = w
-        .dir
-        .drain_effects()
-        .find_map(|e| match e {
-            Effect::AllocateRegion { request, .. } => Some(request),
-            _ => None,
-        })
-        .expect("the region request goes to the pool manager");
-    let done = w.dir.region_allocated(request, Ok(handle));
+    let done = w.granted_as(&mut beta, handle);
     assert!(done[0].result.is_err());
     w.dir.check_invariants().unwrap();
 }
@@ -2807,22 +2812,7 @@ fn a_grant_of_a_region_held_unclaimed_since_a_restart_is_refused_and_its_owner_k
 /// every reattach answers `Recovered` again; after one, `Resumed`.
 #[test]
 fn a_recovery_is_answered_as_one_again_until_a_session_of_the_instance_makes_a_request() {
-    let reattach = |w: &mut World, c: &Client| {
-        w.dir
-            .reattach(
-                Reattach {
-                    instance: &c.name,
-                    secret: c.secret,
-                    regions: &c.regions,
-                    next_seq: c.next_seq,
-                    notice_ack: c.notice_ack,
-                    quota_bytes: None,
-                },
-                UNIX,
-                w.now,
-            )
-            .unwrap()
-    };
+    let reattach = |w: &mut World, c: &Client| w.reattach_presenting_all(c).unwrap();
     // Expired: the connection broke and the grace period passed.
     let mut w = World::new();
     let mut a = w.hello("a");
