@@ -724,6 +724,99 @@ fn a_remote_pool_reconnects_and_reattaches_after_the_service_restarts() {
     core.shutdown().unwrap();
 }
 
+/// A daemon restarted with the same state, which starts listening only
+/// after its grace period has passed: the regions of a directory that was
+/// away meanwhile are reclaimed before it can reattach them.
+fn restart_listening_after_the_grace(dir: &Dir, grace_ms: u64) -> PoolCore {
+    let mut core = PoolCore::start(config(dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    std::thread::sleep(Duration::from_millis(5 * grace_ms));
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    core
+}
+
+/// Found by a review of the region lifecycle (session 31): a directory
+/// away from its daemon for longer than the daemon's grace period (a
+/// partition, a stalled host, or a daemon restart it came back to late) has
+/// its regions reclaimed; the reattach after the reconnect was refused
+/// them, and the session forgot them with a warning — the directory kept
+/// its records and its clients' keys in them, and the daemon granted the
+/// same bytes again to the next allocation (two owners of one extent). Now
+/// the session ends: every request is refused `SessionEnded` and
+/// `failure()` names the regions, so the directory server exits and its
+/// restart drops the keys.
+#[test]
+fn regions_reclaimed_while_the_directory_was_away_end_the_session() {
+    let dir = Dir::new("reclaimed");
+    let grace_ms = 200;
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let mut rc = RemoteConfig::new(Endpoint::Unix(dir.socket()), "dir-away");
+    rc.reconnect_backoff_ms = 20;
+    let (remote, _session) = RemotePool::connect(rc).unwrap();
+    let held = allocated(remote.call(alloc("a"), TIMEOUT));
+    core.shutdown().unwrap();
+
+    let core = restart_listening_after_the_grace(&dir, grace_ms);
+    // The next request reconnects, and the reattach is refused `held`.
+    let next = remote.call(alloc("b"), TIMEOUT);
+    assert_eq!(
+        next.as_ref().err().and_then(|e| e.error_code()),
+        Some(ErrorCode::SessionEnded),
+        "{next:?}"
+    );
+    let why = remote.failure().expect("the session says why it ended");
+    assert!(
+        why.contains(&format!("{} (unknown_region)", held.region)) && why.contains("must restart"),
+        "{why}"
+    );
+    let later = remote.call(alloc("b"), TIMEOUT).unwrap_err();
+    assert_eq!(later.error_code(), Some(ErrorCode::SessionEnded));
+    drop(remote);
+    core.shutdown().unwrap();
+}
+
+/// The refusal that is not a loss: a region whose free was in flight when
+/// the daemon went away, and that the daemon reclaimed meanwhile, is gone
+/// either way — the session goes on, and the free is answered
+/// `UnknownRegion` (which the directory takes as done).
+#[test]
+fn a_region_being_freed_that_was_reclaimed_meanwhile_does_not_end_the_session() {
+    let dir = Dir::new("freeing");
+    let grace_ms = 200;
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let mut rc = RemoteConfig::new(Endpoint::Unix(dir.socket()), "dir-freeing");
+    rc.reconnect_backoff_ms = 20;
+    let (remote, _session) = RemotePool::connect(rc).unwrap();
+    let held = allocated(remote.call(alloc("a"), TIMEOUT));
+    core.shutdown().unwrap();
+
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    remote.submit(
+        PoolRequest::Free {
+            region: held.region,
+            token: held.token,
+        },
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    );
+    let core = restart_listening_after_the_grace(&dir, grace_ms);
+    let freed = rx.recv_timeout(TIMEOUT).expect("the free is answered");
+    assert_eq!(
+        freed.as_ref().err().and_then(|e| e.error_code()),
+        Some(ErrorCode::UnknownRegion),
+        "{freed:?}"
+    );
+    assert_eq!(remote.failure(), None);
+    allocated(remote.call(alloc("a"), TIMEOUT));
+    drop(remote);
+    core.shutdown().unwrap();
+}
+
 #[test]
 fn tcp_directories_must_present_the_secret_and_get_no_descriptors() {
     let dir = Dir::new("tcp");

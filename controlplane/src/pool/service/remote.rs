@@ -35,7 +35,14 @@
 //! then `ReattachRegions` with every region this session holds — those it
 //! allocated or reattached and has not freed — so a restarted daemon does
 //! not reclaim them after its grace period; then it resends the requests in
-//! flight, in `seq` order. Descriptors from the first welcome stay valid
+//! flight, in `seq` order. A region the reattach is refused that this
+//! session is not freeing — the daemon reclaimed it, because the directory
+//! was unreachable for longer than its grace period (or the daemon
+//! restarted and the grace passed before the reconnect), or lost it — ends
+//! the session as a changed pool list does (below): the daemon may grant
+//! those bytes again while the directory's keys still point into them, and
+//! only a directory restart drops those keys (clients presenting the region
+//! are told `NotOwned`). Descriptors from the first welcome stay valid
 //! across daemon restarts (they are open descriptions of the same pool
 //! files); those of later welcomes are dropped.
 //!
@@ -66,8 +73,8 @@ use crate::frame::Frame;
 use crate::proto::{
     self, AllocRegion, ErrorCode, FreeRegion, ListRegions, MAX_REATTACH_REGIONS, Message,
     OwnerLabel, PROTOCOL_MAX, PROTOCOL_MIN, PoolHello, PoolInfo, PoolStats, PoolStatsReply,
-    PoolWelcome, ProtoError, ReattachRegions, RegionAllocated, RegionFreed, RegionHandle,
-    RegionList, RegionsReattached, RequestMeta,
+    PoolWelcome, ProtoError, ReattachRegions, RefusedRegion, RegionAllocated, RegionFreed,
+    RegionHandle, RegionList, RegionsReattached, RequestMeta,
 };
 use crate::transport::{ClientConfig, ClientError, Endpoint, PendingCall, RpcClient};
 
@@ -352,6 +359,35 @@ impl PoolService for RemotePool {
     fn failure(&self) -> Option<String> {
         self.shared.failure.lock().clone()
     }
+}
+
+/// Why the directory must stop when a reattach was refused regions it
+/// holds and is not freeing: the pool manager reclaimed them (this
+/// directory was unreachable for longer than its grace period, or it
+/// restarted and the grace passed before the reconnect) or lost them, and
+/// may grant their bytes again — while this directory still lets keys
+/// point into them. A directory restart recovers: the regions are no
+/// longer listed, so clients presenting them are told `NotOwned` and drop
+/// their keys.
+fn lost_regions_text(endpoint: &Endpoint, lost: &[RefusedRegion]) -> String {
+    const SHOWN: usize = 8;
+    let named: Vec<String> = lost
+        .iter()
+        .take(SHOWN)
+        .map(|r| {
+            let code = ErrorCode::from_u16(r.code).map_or("unknown code", ErrorCode::name);
+            format!("{} ({code})", r.region)
+        })
+        .collect();
+    let more = match lost.len().saturating_sub(SHOWN) {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    format!(
+        "the pool manager at {endpoint} no longer gives this directory {} region(s) it holds: {}{more}; it reclaimed them (this directory was unreachable for longer than the pool manager's grace period) or lost them, and may grant their bytes again: this directory must restart (its clients reattach, and keys in those regions are dropped)",
+        lost.len(),
+        named.join(", ")
+    )
 }
 
 /// How `now` differs from `before` as a list of pools (module docs: a
@@ -736,13 +772,25 @@ impl Driver {
             };
             match decode::<RegionsReattached>(&reply) {
                 Ok(r) => {
+                    let mut lost = Vec::new();
                     for refused in r.refused {
-                        tracing::warn!(
-                            region = refused.region,
-                            code = refused.code,
-                            "the pool manager refused a region on reattach; forgetting it"
-                        );
                         self.held.remove(&refused.region);
+                        if self.freeing(refused.region) {
+                            // Its free ran before the connection broke; the
+                            // free, resent, is told `UnknownRegion` (done).
+                            tracing::info!(
+                                region = refused.region,
+                                "a region being freed was already gone on reattach"
+                            );
+                        } else {
+                            lost.push(refused);
+                        }
+                    }
+                    if !lost.is_empty() {
+                        let why = lost_regions_text(&self.cfg.endpoint, &lost);
+                        tracing::error!("{why}");
+                        *self.shared.failure.lock() = Some(why);
+                        return false;
                     }
                 }
                 Err(e) => {
@@ -752,6 +800,13 @@ impl Driver {
             }
         }
         true
+    }
+
+    /// Whether a free of `region` is in flight (sent, or queued to be).
+    fn freeing(&self, region: u64) -> bool {
+        self.flights
+            .iter()
+            .any(|f| matches!(f.sub.request, PoolRequest::Free { region: r, .. } if r == region))
     }
 
     /// Starts every flight not on the wire. False when the connection broke.
