@@ -2804,6 +2804,61 @@ fn a_grant_of_a_region_held_unclaimed_since_a_restart_is_refused_and_its_owner_k
     w.dir.check_invariants().unwrap();
 }
 
+/// Found by the same review as reliability entry 172 (session 31): the
+/// directory refused a grant of a region id it holds, but not one whose
+/// new id covers the bytes of a region it holds — what a pool manager that
+/// reclaimed that region behind the directory's back grants next — so two
+/// instances owned one extent. Now a grant overlapping a recorded region,
+/// or one held unclaimed since a restart, is refused and not freed; one
+/// beside them is granted.
+#[test]
+fn a_grant_overlapping_the_bytes_of_a_held_region_is_refused() {
+    let mut w = World::new();
+    let mut a = w.hello("a");
+    let ra = w.region(&mut a, L);
+    w.put(&mut a, b"k", loc(ra, 0, 1));
+    let held = w.pool.live[&ra];
+    let mut b = w.hello("b");
+    let with_id = |id: u64, offset_bytes: u64| RegionHandle {
+        region: RegionId(id),
+        token: RegionToken([id as u8; 32]),
+        offset_bytes,
+        ..held
+    };
+    let refused = |done: &[cxlkv_controlplane::directory::Completion]| {
+        matches!(
+            &done[0].result,
+            Err(DirectoryError::RegionAllocationFailed { reason }) if reason.contains("overlaps region")
+        )
+    };
+    // The same bytes, and a range starting inside them.
+    for grant in [
+        with_id(999, held.offset_bytes),
+        with_id(998, held.offset_bytes + held.len_bytes / 2),
+    ] {
+        let done = w.granted_as(&mut b, grant);
+        assert!(refused(&done), "{grant:?}: {:?}", done[0].result);
+        assert_eq!(w.dir.drain_effects().count(), 0, "not freed");
+        w.dir.check_invariants().unwrap();
+    }
+    // Right after them: granted.
+    let beside = with_id(997, held.offset_bytes + held.len_bytes);
+    w.pool.live.insert(beside.region, beside);
+    assert!(w.granted_as(&mut b, beside)[0].result.is_ok());
+    w.dir.check_invariants().unwrap();
+
+    // After a restart, the bytes of a region held unclaimed.
+    let recovered = vec![RecoveredRegion {
+        handle: held,
+        owner: InstanceId::new("a").unwrap(),
+    }];
+    w.dir = Directory::recover(DirectoryConfig::default(), [8; 32], w.now, recovered).unwrap();
+    let mut c = w.hello("c");
+    let done = w.granted_as(&mut c, with_id(996, held.offset_bytes));
+    assert!(refused(&done), "{:?}", done[0].result);
+    w.dir.check_invariants().unwrap();
+}
+
 /// A reattach that recovers an instance (it had expired, or the directory
 /// restarted) answers `Recovered`; if that answer is lost, the client's next
 /// reattach finds the instance and would be told `Resumed` — as if its keys,

@@ -199,17 +199,15 @@ impl Directory {
         let outcome = match (p.instance, result) {
             (_, Err(reason)) => Err(DirectoryError::RegionAllocationFailed { reason }),
             (None, Ok(handle)) => {
-                if !self.region_id_held(handle.region) {
+                if self.grant_conflict(&handle).is_none() {
                     self.free_handle(handle, p.owner.clone());
                 }
                 Err(DirectoryError::InstanceGone)
             }
             (Some(slot), Ok(handle)) => {
-                if self.region_id_held(handle.region) {
-                    tracing::error!(region = %handle.region, "pool manager granted a region already assigned");
-                    Err(DirectoryError::RegionAllocationFailed {
-                        reason: format!("region {} is already assigned", handle.region),
-                    })
+                if let Some(reason) = self.grant_conflict(&handle) {
+                    tracing::error!(region = %handle.region, %reason, "pool manager granted a region already assigned");
+                    Err(DirectoryError::RegionAllocationFailed { reason })
                 } else if handle.len_bytes < p.len_bytes {
                     self.free_handle(handle, p.owner.clone());
                     Err(DirectoryError::RegionAllocationFailed {

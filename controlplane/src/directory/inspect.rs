@@ -474,10 +474,19 @@ impl Directory {
                     h.region,
                     inst.id
                 );
+                ensure!(
+                    self.unclaimed_extents.holds(h) && self.regions.overlapping(h).is_none(),
+                    "region {} unclaimed by {}: its bytes are not indexed, or a recorded region's overlap them",
+                    h.region,
+                    inst.id
+                );
             }
         }
+        self.unclaimed_extents
+            .disjoint()
+            .map_err(InvariantViolation)?;
         ensure!(
-            unclaimed == self.unclaimed_regions.len(),
+            unclaimed == self.unclaimed_regions.len() && unclaimed == self.unclaimed_extents.len(),
             "{} unclaimed regions indexed, {unclaimed} in the instances' lists",
             self.unclaimed_regions.len()
         );

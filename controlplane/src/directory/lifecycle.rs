@@ -282,6 +282,7 @@ impl Directory {
         let unclaimed = std::mem::take(&mut self.instance_mut(slot).unclaimed);
         for h in &unclaimed {
             self.unclaimed_regions.remove(&h.region);
+            self.unclaimed_extents.remove(h);
         }
         let inst = self.instance_mut(slot);
         inst.secret = Some(req.secret);
@@ -636,6 +637,7 @@ impl Directory {
         }
         for handle in inst.unclaimed {
             self.unclaimed_regions.remove(&handle.region);
+            self.unclaimed_extents.remove(&handle);
             self.free_handle(handle, inst.id.clone());
         }
         for p in self.pending.values_mut() {
@@ -704,12 +706,23 @@ impl Directory {
         self.counters.outcomes.regions_freed += 1;
     }
 
-    /// Whether region `id` is this directory's already: assigned to an
-    /// instance (or orphaned), or held unclaimed since a restart. A pool
-    /// manager's grant of such an id is refused, never recorded twice (nor
-    /// freed: the id is someone's).
-    pub(super) fn region_id_held(&self, id: RegionId) -> bool {
-        self.regions.slot_of(id).is_some() || self.unclaimed_regions.contains(&id)
+    /// Why a pool manager's grant of `h` conflicts with what this directory
+    /// holds — a region assigned to an instance (or orphaned) or held
+    /// unclaimed since a restart, with `h`'s id or bytes overlapping `h`'s
+    /// — or `None`. Such a grant is refused, never recorded (two owners of
+    /// one id or of one byte), nor freed (the id or the bytes are someone's).
+    pub(super) fn grant_conflict(&self, h: &RegionHandle) -> Option<String> {
+        if self.regions.slot_of(h.region).is_some() || self.unclaimed_regions.contains(&h.region) {
+            return Some(format!("region {} is already assigned", h.region));
+        }
+        let other = self
+            .regions
+            .overlapping(h)
+            .or_else(|| self.unclaimed_extents.overlapping(h))?;
+        Some(format!(
+            "region {} overlaps region {other}, already assigned",
+            h.region
+        ))
     }
 
     /// Gives back a region that has no record (unclaimed after a restart, or

@@ -101,9 +101,10 @@
 //! the keys in it; a registered page has exactly one key; no region is freed
 //! while a key points into it; a region whose owner is gone has keys; the LRU
 //! holds exactly the unpinned keys; per-instance and global totals match;
-//! each region id is recorded at most once (the region table's id index
-//! names exactly its live slots), and a region held unclaimed since a
-//! restart is in one instance's list and not also recorded.
+//! each region id is recorded at most once (the region table's id and
+//! extent indexes name exactly its live slots), no two regions held —
+//! recorded, or unclaimed since a restart — share a byte of a pool, and a
+//! region held unclaimed is in one instance's list and not also recorded.
 
 mod capacity;
 mod config;
@@ -295,6 +296,8 @@ pub struct Directory {
     /// their `unclaimed` lists; never also in `regions`): a grant of one of
     /// these ids is refused like a grant of an assigned one.
     unclaimed_regions: HashSet<RegionId, FixedState>,
+    /// Their byte ranges: a grant overlapping one is refused too.
+    unclaimed_extents: regions::Extents,
     pools: BTreeMap<PoolId, PoolUsage>,
     lru: Option<Lru>,
     /// Regions whose owner is gone, oldest orphan first (slot, id: a slot may
@@ -346,6 +349,7 @@ impl Directory {
             ended_order: VecDeque::new(),
             pending: HashMap::with_hasher(FixedState::with_seed(map_seed)),
             unclaimed_regions: HashSet::with_hasher(FixedState::with_seed(map_seed)),
+            unclaimed_extents: regions::Extents::default(),
             pools: BTreeMap::new(),
             lru,
             orphans: VecDeque::new(),
@@ -397,6 +401,7 @@ impl Directory {
             if !dir.unclaimed_regions.insert(handle.region) {
                 continue;
             }
+            dir.unclaimed_extents.insert(&handle);
             let slot = match dir.instance_ix.get(&owner) {
                 Some(&slot) => slot,
                 None => {

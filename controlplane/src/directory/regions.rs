@@ -9,9 +9,9 @@
 //!   goes, it is returned to the pool manager and its record removed. So no
 //!   region is ever freed while a key points into it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use cxlkv_dataplane::ids::{Generation, PageIndex, RegionId};
+use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
 use foldhash::fast::FixedState;
 
 use super::error::RejectReason;
@@ -182,11 +182,62 @@ impl Region {
     }
 }
 
+/// The byte ranges of a set of regions in their pools, to find the one a
+/// new range overlaps. Ranges held never overlap each other (a grant that
+/// would is refused), so the range starting last before a new range's end
+/// is the only one that can overlap it.
+#[derive(Debug, Default)]
+pub(crate) struct Extents(BTreeMap<(PoolId, u64, RegionId), u64>);
+
+impl Extents {
+    pub fn insert(&mut self, h: &RegionHandle) {
+        self.0
+            .insert((h.pool, h.offset_bytes, h.region), h.len_bytes);
+    }
+
+    pub fn remove(&mut self, h: &RegionHandle) {
+        self.0.remove(&(h.pool, h.offset_bytes, h.region));
+    }
+
+    /// A region whose range overlaps `h`'s (another id, or `h`'s own).
+    pub fn overlapping(&self, h: &RegionHandle) -> Option<RegionId> {
+        let end = h.offset_bytes.saturating_add(h.len_bytes);
+        let (&(pool, start, id), &len) = self.0.range(..(h.pool, end, RegionId(0))).next_back()?;
+        (pool == h.pool && h.len_bytes > 0 && start.saturating_add(len) > h.offset_bytes)
+            .then_some(id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether `h`'s range is held under its id.
+    pub fn holds(&self, h: &RegionHandle) -> bool {
+        self.0.get(&(h.pool, h.offset_bytes, h.region)) == Some(&h.len_bytes)
+    }
+
+    /// No two ranges overlap (for `check_invariants`).
+    pub fn disjoint(&self) -> Result<(), String> {
+        let mut prev: Option<(PoolId, u64, RegionId)> = None;
+        for (&(pool, start, id), &len) in &self.0 {
+            if let Some((p, end, other)) = prev
+                && p == pool
+                && end > start
+            {
+                return Err(format!("regions {other} and {id} overlap in pool {pool:?}"));
+            }
+            prev = Some((pool, start.saturating_add(len), id));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct RegionTable {
     slots: Vec<Option<Region>>,
     free: Vec<u32>,
     by_id: HashMap<RegionId, u32, FixedState>,
+    extents: Extents,
 }
 
 impl RegionTable {
@@ -195,12 +246,14 @@ impl RegionTable {
             slots: Vec::new(),
             free: Vec::new(),
             by_id: HashMap::with_hasher(FixedState::with_seed(seed)),
+            extents: Extents::default(),
         }
     }
 
     pub fn insert(&mut self, region: Region) -> u32 {
         let id = region.handle.region;
         debug_assert!(!self.by_id.contains_key(&id));
+        self.extents.insert(&region.handle);
         let slot = match self.free.pop() {
             Some(slot) => {
                 self.slots[slot as usize] = Some(region);
@@ -221,12 +274,18 @@ impl RegionTable {
             .take()
             .expect("invariant: removing a live region slot");
         self.by_id.remove(&region.handle.region);
+        self.extents.remove(&region.handle);
         self.free.push(slot);
         region
     }
 
     pub fn slot_of(&self, id: RegionId) -> Option<u32> {
         self.by_id.get(&id).copied()
+    }
+
+    /// A recorded region whose byte range overlaps `h`'s.
+    pub fn overlapping(&self, h: &RegionHandle) -> Option<RegionId> {
+        self.extents.overlapping(h)
     }
 
     #[inline]
@@ -260,25 +319,28 @@ impl RegionTable {
         self.by_id.len()
     }
 
-    /// The id index names exactly the live slots, each by its region's id,
-    /// and the free list exactly the empty ones (for `check_invariants`).
+    /// The id and extent indexes name exactly the live slots, each by its
+    /// region's id and range, no two ranges overlap, and the free list names
+    /// exactly the empty slots (for `check_invariants`).
     pub fn consistent(&self) -> Result<(), String> {
         let mut live = 0usize;
         for (slot, r) in self.iter() {
             live += 1;
-            if self.by_id.get(&r.handle.region) != Some(&slot) {
+            if self.by_id.get(&r.handle.region) != Some(&slot) || !self.extents.holds(&r.handle) {
                 return Err(format!(
                     "region {} in slot {slot} is not indexed there",
                     r.handle.region
                 ));
             }
         }
-        if live != self.by_id.len() {
+        if live != self.by_id.len() || live != self.extents.len() {
             return Err(format!(
-                "{} region ids indexed, {live} live slots",
-                self.by_id.len()
+                "{} region ids and {} extents indexed, {live} live slots",
+                self.by_id.len(),
+                self.extents.len()
             ));
         }
+        self.extents.disjoint()?;
         let empty = self.slots.len() - live;
         let mut free = self.free.clone();
         free.sort_unstable();
@@ -308,6 +370,43 @@ impl RegionTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn range(id: u64, pool: u32, offset_bytes: u64, len_bytes: u64) -> RegionHandle {
+        RegionHandle {
+            region: RegionId(id),
+            pool: PoolId(pool),
+            offset_bytes,
+            len_bytes,
+            token: super::super::types::RegionToken([0; 32]),
+        }
+    }
+
+    /// Every way a range can meet the held ones: before, after, touching,
+    /// inside, around, across two, in another pool, empty.
+    #[test]
+    fn an_extent_overlaps_exactly_the_held_ranges_it_shares_a_byte_with() {
+        let mut e = Extents::default();
+        e.insert(&range(1, 0, 100, 50)); // [100, 150)
+        e.insert(&range(2, 0, 200, 50)); // [200, 250)
+        e.insert(&range(3, 1, 0, 1000)); // pool 1
+        let hit = |o, l| e.overlapping(&range(9, 0, o, l)).map(|id| id.0);
+        assert_eq!(hit(0, 100), None, "ends where 1 starts");
+        assert_eq!(hit(150, 50), None, "between 1 and 2, touching both");
+        assert_eq!(hit(250, 10), None, "after 2");
+        assert_eq!(hit(149, 1), Some(1), "1's last byte");
+        assert_eq!(hit(120, 10), Some(1), "inside 1");
+        assert_eq!(hit(50, 300), Some(2), "around both: the later one");
+        assert_eq!(hit(140, 70), Some(2), "across both");
+        assert_eq!(hit(199, 1), None, "the byte before 2");
+        assert_eq!(hit(120, 0), None, "an empty range overlaps nothing");
+        assert_eq!(e.overlapping(&range(9, 2, 100, 50)), None, "another pool");
+        assert_eq!(e.disjoint(), Ok(()));
+        e.insert(&range(4, 0, 140, 20));
+        assert!(e.disjoint().is_err(), "4 overlaps 1");
+        e.remove(&range(4, 0, 140, 20));
+        assert!(!e.holds(&range(4, 0, 140, 20)) && e.holds(&range(1, 0, 100, 50)));
+        assert_eq!(e.len(), 3);
+    }
 
     #[test]
     fn a_page_takes_only_newer_generations_and_one_key_at_a_time() {
