@@ -776,8 +776,10 @@ impl Driver {
                     for refused in r.refused {
                         self.held.remove(&refused.region);
                         if self.freeing(refused.region) {
-                            // Its free ran before the connection broke; the
-                            // free, resent, is told `UnknownRegion` (done).
+                            // Gone either way (its free ran before the
+                            // connection broke, or the daemon reclaimed it):
+                            // the free, resent, is told `UnknownRegion`,
+                            // which the directory takes as done.
                             tracing::info!(
                                 region = refused.region,
                                 "a region being freed was already gone on reattach"
@@ -802,7 +804,10 @@ impl Driver {
         true
     }
 
-    /// Whether a free of `region` is in flight (sent, or queued to be).
+    /// Whether a free of `region` is in flight (taken from the submission
+    /// queue: on the wire, or waiting to be resent). One still in the queue
+    /// is not seen: a refusal racing it ends the session, a restart that
+    /// was not needed but loses nothing.
     fn freeing(&self, region: u64) -> bool {
         self.flights
             .iter()
