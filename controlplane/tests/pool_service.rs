@@ -724,6 +724,18 @@ fn a_remote_pool_reconnects_and_reattaches_after_the_service_restarts() {
     core.shutdown().unwrap();
 }
 
+/// A daemon on `dir`'s socket and a directory's remote session to it
+/// (reconnecting every 20 ms once the connection breaks).
+fn serving_a_remote_session(dir: &Dir, grace_ms: u64, directory: &str) -> (PoolCore, RemotePool) {
+    let mut core = PoolCore::start(config(dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    let mut rc = RemoteConfig::new(Endpoint::Unix(dir.socket()), directory);
+    rc.reconnect_backoff_ms = 20;
+    let (remote, _session) = RemotePool::connect(rc).unwrap();
+    (core, remote)
+}
+
 /// A daemon restarted with the same state, which starts listening only
 /// after its grace period has passed: the regions of a directory that was
 /// away meanwhile are reclaimed before it can reattach them.
@@ -749,12 +761,7 @@ fn restart_listening_after_the_grace(dir: &Dir, grace_ms: u64) -> PoolCore {
 fn regions_reclaimed_while_the_directory_was_away_end_the_session() {
     let dir = Dir::new("reclaimed");
     let grace_ms = 200;
-    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
-    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
-        .unwrap();
-    let mut rc = RemoteConfig::new(Endpoint::Unix(dir.socket()), "dir-away");
-    rc.reconnect_backoff_ms = 20;
-    let (remote, _session) = RemotePool::connect(rc).unwrap();
+    let (core, remote) = serving_a_remote_session(&dir, grace_ms, "dir-away");
     let held = allocated(remote.call(alloc("a"), TIMEOUT));
     core.shutdown().unwrap();
 
@@ -785,12 +792,7 @@ fn regions_reclaimed_while_the_directory_was_away_end_the_session() {
 fn a_region_being_freed_that_was_reclaimed_meanwhile_does_not_end_the_session() {
     let dir = Dir::new("freeing");
     let grace_ms = 200;
-    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
-    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
-        .unwrap();
-    let mut rc = RemoteConfig::new(Endpoint::Unix(dir.socket()), "dir-freeing");
-    rc.reconnect_backoff_ms = 20;
-    let (remote, _session) = RemotePool::connect(rc).unwrap();
+    let (core, remote) = serving_a_remote_session(&dir, grace_ms, "dir-freeing");
     let held = allocated(remote.call(alloc("a"), TIMEOUT));
     core.shutdown().unwrap();
 
