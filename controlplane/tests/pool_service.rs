@@ -819,6 +819,45 @@ fn a_region_being_freed_that_was_reclaimed_meanwhile_does_not_end_the_session() 
     core.shutdown().unwrap();
 }
 
+/// Found with the review of entry 172 (session 31): a region whose free
+/// the daemon refused for good stayed in the session's list, so every
+/// reconnect's reattach presented it again (with its real token) and the
+/// daemon kept it for a directory that had dropped it — a leak until the
+/// directory restarted. Now an answered free drops it from the list: the
+/// next reattach leaves it out and the daemon reclaims it after its grace,
+/// while the regions still held are kept.
+#[test]
+fn a_region_whose_free_was_refused_for_good_is_reclaimed_after_a_reconnect() {
+    let dir = Dir::new("refused-free");
+    let grace_ms = 200;
+    let (core, remote) = serving_a_remote_session(&dir, grace_ms, "dir-refused-free");
+    let kept = allocated(remote.call(alloc("a"), TIMEOUT));
+    let dropped = allocated(remote.call(alloc("a"), TIMEOUT));
+    let refused = remote
+        .call(
+            PoolRequest::Free {
+                region: dropped.region,
+                token: proto::RegionToken([0xee; 32]),
+            },
+            TIMEOUT,
+        )
+        .unwrap_err();
+    assert!(!refused.is_transient(), "{refused:?}");
+    core.shutdown().unwrap();
+
+    let mut core = PoolCore::start(config(&dir, SyncPolicy::PerRecord, grace_ms)).unwrap();
+    core.listen(&[Endpoint::Unix(dir.socket())], ServerConfig::default())
+        .unwrap();
+    // Reconnects and reattaches what the session holds.
+    let third = allocated(remote.call(alloc("a"), TIMEOUT));
+    eventually("the dropped region to be reclaimed", || {
+        list_all(&remote) == vec![kept.clone(), third.clone()]
+    });
+    assert_eq!(remote.failure(), None);
+    drop(remote);
+    core.shutdown().unwrap();
+}
+
 #[test]
 fn tcp_directories_must_present_the_secret_and_get_no_descriptors() {
     let dir = Dir::new("tcp");

@@ -33,7 +33,8 @@
 //! **Reconnect.** When the connection breaks, the driver reconnects (a pause
 //! of `reconnect_backoff_ms` between attempts), sends `PoolHello` again and
 //! then `ReattachRegions` with every region this session holds — those it
-//! allocated or reattached and has not freed — so a restarted daemon does
+//! allocated or reattached and whose free was not answered (freed, gone or
+//! refused for good: the directory dropped it) — so a restarted daemon does
 //! not reclaim them after its grace period; then it resends the requests in
 //! flight, in `seq` order. A region the reattach is refused that this
 //! session is not freeing — the daemon reclaimed it, because the directory
@@ -909,12 +910,15 @@ impl Driver {
             PoolRequest::Free { region, .. } => {
                 let region = *region;
                 let r = decode::<RegionFreed>(reply);
-                // Freed, or already gone: either way this session no longer
-                // holds it.
-                if r.is_ok()
-                    || r.as_ref()
-                        .is_err_and(|e| e.error_code() == Some(ErrorCode::UnknownRegion))
-                {
+                // Answered — freed, already gone, or refused for good — this
+                // session no longer holds it: the directory dropped its
+                // record before freeing it, so it is never presented again.
+                // One the manager still counts as this directory's (a free
+                // refused for good) is then reclaimed after its grace once
+                // a reconnect's reattach leaves it out, instead of being
+                // kept alive by every reattach. (A transient refusal is
+                // resent: below.)
+                if !r.as_ref().is_err_and(PoolServiceError::is_transient) {
                     self.held.remove(&region);
                 }
                 r.map(|f| PoolReply::Freed { region: f.region })
