@@ -128,6 +128,7 @@ fn a_unix_connect_retried_on_a_full_backlog_succeeds_once_room_appears() {
     rx.recv_timeout(LONG)
         .expect("connect still blocked")
         .expect("connect once the backlog had room");
+    let _ = std::fs::remove_file(&path);
 }
 
 /// A frame the server rejects (another protocol version) announcing 1 MiB

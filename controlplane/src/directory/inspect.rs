@@ -463,33 +463,23 @@ impl Directory {
             for h in &inst.unclaimed {
                 unclaimed += 1;
                 ensure!(
-                    self.unclaimed_regions.contains(&h.region),
+                    self.unclaimed.holds(h),
                     "region {} unclaimed by {} but not indexed",
                     h.region,
                     inst.id
                 );
                 ensure!(
-                    self.regions.slot_of(h.region).is_none(),
-                    "region {} unclaimed by {} and also recorded",
-                    h.region,
-                    inst.id
-                );
-                ensure!(
-                    self.unclaimed_extents.holds(h) && self.regions.overlapping(h).is_none(),
-                    "region {} unclaimed by {}: its bytes are not indexed, or a recorded region's overlap them",
+                    self.regions.slot_of(h.region).is_none()
+                        && self.regions.overlapping(h).is_none(),
+                    "region {} unclaimed by {}: it, or a region sharing its bytes, is also recorded",
                     h.region,
                     inst.id
                 );
             }
         }
-        self.unclaimed_extents
-            .disjoint()
+        self.unclaimed
+            .consistent(unclaimed)
             .map_err(InvariantViolation)?;
-        ensure!(
-            unclaimed == self.unclaimed_regions.len() && unclaimed == self.unclaimed_extents.len(),
-            "{} unclaimed regions indexed, {unclaimed} in the instances' lists",
-            self.unclaimed_regions.len()
-        );
         ensure!(
             region_bytes == self.totals.region_bytes,
             "region byte total drifted"

@@ -281,8 +281,7 @@ impl Directory {
         let window = self.config.reply_window;
         let unclaimed = std::mem::take(&mut self.instance_mut(slot).unclaimed);
         for h in &unclaimed {
-            self.unclaimed_regions.remove(&h.region);
-            self.unclaimed_extents.remove(h);
+            self.unclaimed.remove(h);
         }
         let inst = self.instance_mut(slot);
         inst.secret = Some(req.secret);
@@ -636,8 +635,7 @@ impl Directory {
             }
         }
         for handle in inst.unclaimed {
-            self.unclaimed_regions.remove(&handle.region);
-            self.unclaimed_extents.remove(&handle);
+            self.unclaimed.remove(&handle);
             self.free_handle(handle, inst.id.clone());
         }
         for p in self.pending.values_mut() {
@@ -712,13 +710,13 @@ impl Directory {
     /// — or `None`. Such a grant is refused, never recorded (two owners of
     /// one id or of one byte), nor freed (the id or the bytes are someone's).
     pub(super) fn grant_conflict(&self, h: &RegionHandle) -> Option<String> {
-        if self.regions.slot_of(h.region).is_some() || self.unclaimed_regions.contains(&h.region) {
+        if self.regions.slot_of(h.region).is_some() || self.unclaimed.contains(h.region) {
             return Some(format!("region {} is already assigned", h.region));
         }
         let other = self
             .regions
             .overlapping(h)
-            .or_else(|| self.unclaimed_extents.overlapping(h))?;
+            .or_else(|| self.unclaimed.overlapping(h))?;
         Some(format!(
             "region {} overlaps region {other}, already assigned",
             h.region

@@ -292,12 +292,9 @@ pub struct Directory {
     ended: HashSet<SessionId, FixedState>,
     ended_order: VecDeque<SessionId>,
     pending: HashMap<PoolRequestId, PendingRegion, FixedState>,
-    /// The regions instances hold unclaimed after a restart (the union of
-    /// their `unclaimed` lists; never also in `regions`): a grant of one of
-    /// these ids is refused like a grant of an assigned one.
-    unclaimed_regions: HashSet<RegionId, FixedState>,
-    /// Their byte ranges: a grant overlapping one is refused too.
-    unclaimed_extents: regions::Extents,
+    /// The regions instances hold unclaimed after a restart (never also
+    /// in `regions`).
+    unclaimed: regions::Unclaimed,
     pools: BTreeMap<PoolId, PoolUsage>,
     lru: Option<Lru>,
     /// Regions whose owner is gone, oldest orphan first (slot, id: a slot may
@@ -348,8 +345,7 @@ impl Directory {
             ended: HashSet::with_hasher(FixedState::with_seed(map_seed)),
             ended_order: VecDeque::new(),
             pending: HashMap::with_hasher(FixedState::with_seed(map_seed)),
-            unclaimed_regions: HashSet::with_hasher(FixedState::with_seed(map_seed)),
-            unclaimed_extents: regions::Extents::default(),
+            unclaimed: regions::Unclaimed::new(map_seed),
             pools: BTreeMap::new(),
             lru,
             orphans: VecDeque::new(),
@@ -398,10 +394,9 @@ impl Directory {
     ) -> Result<Self, ConfigError> {
         let mut dir = Self::new(config, seed)?;
         for RecoveredRegion { handle, owner } in regions {
-            if !dir.unclaimed_regions.insert(handle.region) {
+            if !dir.unclaimed.insert(&handle) {
                 continue;
             }
-            dir.unclaimed_extents.insert(&handle);
             let slot = match dir.instance_ix.get(&owner) {
                 Some(&slot) => slot,
                 None => {

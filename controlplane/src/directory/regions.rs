@@ -9,7 +9,7 @@
 //!   goes, it is returned to the pool manager and its record removed. So no
 //!   region is ever freed while a key points into it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use cxlkv_dataplane::ids::{Generation, PageIndex, PoolId, RegionId};
 use foldhash::fast::FixedState;
@@ -229,6 +229,65 @@ impl Extents {
             prev = Some((pool, start.saturating_add(len), id));
         }
         Ok(())
+    }
+}
+
+/// The regions instances hold unclaimed after a restart (the union of
+/// their `unclaimed` lists), by id and by byte range: a grant of one of
+/// these ids, or overlapping one of these ranges, is refused.
+#[derive(Debug)]
+pub(crate) struct Unclaimed {
+    ids: HashSet<RegionId, FixedState>,
+    extents: Extents,
+}
+
+impl Unclaimed {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            ids: HashSet::with_hasher(FixedState::with_seed(seed)),
+            extents: Extents::default(),
+        }
+    }
+
+    /// Adds `h`; false (nothing added) when its id is held already.
+    pub fn insert(&mut self, h: &RegionHandle) -> bool {
+        let added = self.ids.insert(h.region);
+        if added {
+            self.extents.insert(h);
+        }
+        added
+    }
+
+    pub fn remove(&mut self, h: &RegionHandle) {
+        self.ids.remove(&h.region);
+        self.extents.remove(h);
+    }
+
+    pub fn contains(&self, id: RegionId) -> bool {
+        self.ids.contains(&id)
+    }
+
+    /// A region held whose byte range overlaps `h`'s.
+    pub fn overlapping(&self, h: &RegionHandle) -> Option<RegionId> {
+        self.extents.overlapping(h)
+    }
+
+    /// Whether `h` is held, by its id and its range.
+    pub fn holds(&self, h: &RegionHandle) -> bool {
+        self.ids.contains(&h.region) && self.extents.holds(h)
+    }
+
+    /// Exactly `count` regions are held, by id and by range, and no two
+    /// ranges overlap (for `check_invariants`).
+    pub fn consistent(&self, count: usize) -> Result<(), String> {
+        if self.ids.len() != count || self.extents.len() != count {
+            return Err(format!(
+                "{} unclaimed ids and {} ranges indexed, {count} in the instances' lists",
+                self.ids.len(),
+                self.extents.len()
+            ));
+        }
+        self.extents.disjoint()
     }
 }
 

@@ -283,9 +283,14 @@ fn expected_backend(choice: BackendChoice) -> Backend {
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
 
+/// A socket path of this test process's own. A file already there was left
+/// by a dead process that had this pid (a test killed or failed before it
+/// removed its socket): it is removed, or binding would fail `AddrInUse`.
 pub fn unique_socket_path() -> PathBuf {
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    std::env::temp_dir().join(format!("cxlkv-t-{}-{n}.sock", std::process::id()))
+    let path = std::env::temp_dir().join(format!("cxlkv-t-{}-{n}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    path
 }
 
 pub struct Fixture {
