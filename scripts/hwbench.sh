@@ -10,7 +10,7 @@
 #   run-info.txt          what was run, where, with which options
 #   machine/              lscpu, numactl -H, kernel, meminfo, THP, huge pages,
 #                         device DAX (sysfs, daxctl/ndctl/cxl list), cpufreq
-#   scenarios/NAME.jsonl  each scenario's JSON Lines (bench contract, DESIGN §7)
+#   scenarios/NAME.jsonl  each scenario's JSON Lines (bench contract, docs/benchmarks.md)
 #   scenarios/NAME.stderr its notes and errors
 #   runs.tsv              scenario, exit status, seconds, timed out
 #   results.jsonl         every valid record of every scenario

@@ -95,6 +95,14 @@ fn a_client_runs_the_key_lifecycle_over_the_unix_socket() {
         lookups.latency.count, 1,
         "the server records each call's latency"
     );
+    // A `Stats` request renews the session but counts as a stats request
+    // only: the heartbeat row holds the one heartbeat, with its latency.
+    let op = |kind: proto::Kind| {
+        let o = stats.ops.iter().find(|o| o.kind == kind.as_u16()).unwrap();
+        (o.requests, o.latency.count)
+    };
+    assert_eq!(op(proto::Kind::Heartbeat), (1, 1));
+    assert_eq!(op(proto::Kind::Stats).0, 1);
 
     let other = Raw::connect_unix(server.socket_path());
     expect_code(other.heartbeat(), ErrorCode::HelloRequired);

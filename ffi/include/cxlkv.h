@@ -34,7 +34,8 @@
 // Bumped when functions, fields or statuses are added.
 #define CXLKV_ABI_VERSION_MINOR 4
 
-// Map every region of other instances at connect, so that first reads of
+// Map the regions of other instances at connect (the first 2048 the
+// directory lists, as `cxlkv_map_all_regions`), so that first reads of
 // them do not map.
 #define CXLKV_CONFIG_EAGER_MAP (1 << 0)
 
@@ -426,7 +427,8 @@ typedef struct cxlkv_config {
     size_t client_secret_len;
     // The instance's name (NULL or empty: the directory generates one).
     const char *instance_id;
-    // Shown in stats and logs (NULL: `cxlkv-client-<pid>`).
+    // Sent in the session's opening; the server logs it with the session
+    // (not shown in stats). NULL: `cxlkv-client-<pid>`.
     const char *client_name;
     // TCP only: local paths of pools, by UUID (at most
     // `CXLKV_MAX_POOL_PATHS`).
@@ -932,8 +934,9 @@ cxlkv_status cxlkv_instance_id(const struct cxlkv_client *client,
 // Thread safety: any thread.
 cxlkv_status cxlkv_flush_unpins(const struct cxlkv_client *client);
 
-// Maps every region of other instances the directory lists, so that later
-// first reads of them do not map; `*out_mapped` is how many were mapped.
+// Maps the regions of other instances the directory lists (its first 2048:
+// one statistics reply's rows), so that later first reads of them do not
+// map; `*out_mapped` is how many were mapped.
 //
 // # Safety
 //

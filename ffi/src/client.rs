@@ -401,8 +401,9 @@ pub extern "C" fn cxlkv_flush_unpins(client: *const cxlkv_client) -> cxlkv_statu
     })
 }
 
-/// Maps every region of other instances the directory lists, so that later
-/// first reads of them do not map; `*out_mapped` is how many were mapped.
+/// Maps the regions of other instances the directory lists (its first 2048:
+/// one statistics reply's rows), so that later first reads of them do not
+/// map; `*out_mapped` is how many were mapped.
 ///
 /// # Safety
 ///

@@ -21,7 +21,8 @@ use cxlkv_dataplane::visibility::Visibility;
 use crate::args::{self, Out, Versioned};
 use crate::status::FfiError;
 
-/// Map every region of other instances at connect, so that first reads of
+/// Map the regions of other instances at connect (the first 2048 the
+/// directory lists, as `cxlkv_map_all_regions`), so that first reads of
 /// them do not map.
 pub const CXLKV_CONFIG_EAGER_MAP: u32 = 1 << 0;
 /// Layouts do not take new regions when full: allocations fail with
@@ -127,7 +128,8 @@ pub struct cxlkv_config {
     pub client_secret_len: usize,
     /// The instance's name (NULL or empty: the directory generates one).
     pub instance_id: *const c_char,
-    /// Shown in stats and logs (NULL: `cxlkv-client-<pid>`).
+    /// Sent in the session's opening; the server logs it with the session
+    /// (not shown in stats). NULL: `cxlkv-client-<pid>`.
     pub client_name: *const c_char,
     /// TCP only: local paths of pools, by UUID (at most
     /// `CXLKV_MAX_POOL_PATHS`).

@@ -5,7 +5,7 @@ The classes group statuses by what a caller does about them:
 
 - :class:`ArgumentError` (also a ``ValueError``): fix the call;
 - :class:`HandleError`: a handle was freed (or never valid, or belongs to
-  the process this one was forked from);
+  the process this one was forked from), or a lease's region was revoked;
 - :class:`ClosedError`: the client was closed;
 - :class:`CapacityError`: out of pages, quota, layouts or handles;
 - :class:`ConnectionLostError` (also a ``ConnectionError``): the server is
@@ -116,7 +116,9 @@ class ArgumentError(Error, ValueError):
 class HandleError(Error):
     """A handle was already freed, is not a handle of the right type, or
     was inherited across ``os.fork()`` (a client and what it made belong
-    to the process that connected it)."""
+    to the process that connected it) (``BAD_HANDLE``); or a lease's region
+    was revoked: its client closed, or the directory refused a reattach
+    (``REGION_REVOKED``)."""
 
 
 class ClosedError(Error):

@@ -149,7 +149,6 @@ impl ServeChild {
             .arg("--grace-ms")
             .arg("500")
             .env("CXLKV_LOG", "warn")
-            .env_remove("CXLKV_CONFIG")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -387,18 +387,44 @@ pub(crate) fn die_with_parent(signal: libc::c_int, parent: libc::pid_t) -> std::
 
 /// A command for a process the bench spawns, which the kernel sends
 /// SIGTERM when the bench ends, however it ends ([`die_with_parent`]).
+///
+/// Its environment is the bench's without the operator's configuration
+/// ([`bench_child_env_removals`]): a `cxlkv serve` or `cxlkv pool` the bench
+/// starts runs on the flags the bench gives it, as the bench's in-process
+/// servers do, whatever `CXLKV_CONFIG` or `CXLKV_<SECTION>_<KEY>` the shell
+/// exports. Only `CXLKV_IO` (the transport backend, which the in-process
+/// servers honour too) passes through.
 pub(crate) fn command_ending_with_bench(
     program: impl AsRef<std::ffi::OsStr>,
 ) -> anyhow::Result<std::process::Command> {
     use std::os::unix::process::CommandExt;
     let parent = libc::pid_t::try_from(std::process::id()).context("this pid fits in pid_t")?;
     let mut command = std::process::Command::new(program);
+    for name in bench_child_env_removals(std::env::vars_os().map(|(name, _)| name)) {
+        command.env_remove(name);
+    }
     // SAFETY: the hook only makes two system calls and allocates nothing,
     // as code between fork and exec must.
     unsafe {
         command.pre_exec(move || die_with_parent(libc::SIGTERM, parent));
     }
     Ok(command)
+}
+
+/// The variables of `names` a bench child must not inherit: every
+/// `CXLKV_*` variable (the configuration layer's prefix, `CXLKV_LOG`
+/// included: each child sets its own) but `CXLKV_IO`.
+fn bench_child_env_removals(
+    names: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    names
+        .into_iter()
+        .filter(|name| {
+            name.as_encoded_bytes()
+                .starts_with(crate::config::ENV_PREFIX.as_bytes())
+                && name.as_os_str() != cxlkv_controlplane::transport::IO_ENV
+        })
+        .collect()
 }
 
 /// Runs `body(i, setup(i)?)` for `i` in `0..threads`, each on a thread of
@@ -484,6 +510,30 @@ mod tests {
         ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }
+    }
+
+    #[test]
+    fn bench_children_drop_the_operators_configuration_but_keep_the_backend() {
+        let names = [
+            "CXLKV_CONFIG",
+            "CXLKV_DIRECTORY_LEASE_MS",
+            "CXLKV_TRANSPORT_SPIN_US",
+            "CXLKV_LOG",
+            "CXLKV_IO",
+            "PATH",
+            "XCXLKV_CONFIG",
+        ]
+        .map(std::ffi::OsString::from);
+        assert_eq!(
+            bench_child_env_removals(names),
+            [
+                "CXLKV_CONFIG",
+                "CXLKV_DIRECTORY_LEASE_MS",
+                "CXLKV_TRANSPORT_SPIN_US",
+                "CXLKV_LOG"
+            ]
+            .map(std::ffi::OsString::from)
+        );
     }
 
     #[test]

@@ -114,7 +114,7 @@ pub(super) fn run(args: &BenchArgs, r: &mut Reporter, target: &BenchPool) -> any
         .with("reps", args.reps as u64)
         .with(
             "measures",
-            "client get: the previous get's Unpin and this get's Lookup(pins=1) sent, both replies read, view + guard drop; baseline: one raw exchange of the same total bytes",
+            "client get: the previous get's Unpin and this get's Lookup(pins=1) sent, both replies read, view + guard drop; baseline: the same two requests and replies as raw frames, each request with its own send and answered as it completes",
         );
     r.emit(&target.tag(with_paired(rec, ratios)))?;
     Ok(())

@@ -31,7 +31,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run one benchmark scenario (bench contract: DESIGN §7).
+    /// Run one benchmark scenario (bench contract: docs/benchmarks.md).
     Bench(BenchArgs),
     /// The main job on one machine, nothing to set up: instance processes
     /// share KV chunks through a pool; report vs a TCP transfer.

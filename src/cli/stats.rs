@@ -428,6 +428,16 @@ pub fn human_bytes(n: u64) -> String {
 }
 
 /// `850ns`, `12.5µs`, `3.2ms`, `1.0s`.
+/// A latency percentile of `count` samples: `-` when there are none (a row
+/// of requests the server times under another name, or not at all).
+pub fn human_latency(count: u64, ns: u64) -> String {
+    if count == 0 {
+        "-".to_owned()
+    } else {
+        human_ns(ns)
+    }
+}
+
 pub fn human_ns(ns: u64) -> String {
     match ns {
         0..1_000 => format!("{ns}ns"),
@@ -607,9 +617,9 @@ pub fn render_text(r: &Report, max_rows: usize) -> String {
                 op.requests.to_string(),
                 op.items.to_string(),
                 op.errors.to_string(),
-                human_ns(op.latency.p50_ns),
-                human_ns(op.latency.p99_ns),
-                human_ns(op.latency.max_ns),
+                human_latency(op.latency.count, op.latency.p50_ns),
+                human_latency(op.latency.count, op.latency.p99_ns),
+                human_latency(op.latency.count, op.latency.max_ns),
             ]
         })
         .collect();
@@ -879,6 +889,8 @@ pub(crate) mod tests {
         assert_eq!(human_ns(850), "850ns");
         assert_eq!(human_ns(12_500), "12.5µs");
         assert_eq!(human_ns(3_200_000), "3.2ms");
+        assert_eq!(human_latency(3, 12_500), "12.5µs");
+        assert_eq!(human_latency(0, 0), "-", "no request timed: no latency");
         assert_eq!(percent(7, 1000), "0.7%");
         assert_eq!(percent(0, 0), "-", "a limit not reported");
     }

@@ -40,7 +40,7 @@ use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Gauge, Paragraph, Row, Sparkline, Table};
 
-use super::stats::{ConnectArgs, Report, human_bytes, human_ns};
+use super::stats::{ConnectArgs, Report, human_bytes, human_latency, human_ns};
 
 /// Most reports kept (one hour at one per second).
 pub const MAX_HISTORY: usize = 3600;
@@ -288,8 +288,8 @@ fn draw_ops(frame: &mut Frame, area: Rect, history: &History, r: &Report, view: 
                 per_op(|o| o.items).to_string(),
                 per_op(|o| o.errors).to_string(),
                 op.requests.to_string(),
-                human_ns(op.latency.p50_ns),
-                human_ns(op.latency.p99_ns),
+                human_latency(op.latency.count, op.latency.p50_ns),
+                human_latency(op.latency.count, op.latency.p99_ns),
             ]);
             if Some(name) == selected {
                 row.style(Style::new().add_modifier(Modifier::REVERSED))

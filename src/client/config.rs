@@ -89,7 +89,8 @@ pub struct ClientConfig {
     /// The instance's name; empty: the directory generates one. A configured
     /// name must not be in use by a live instance.
     pub instance_id: String,
-    /// Shown in stats and logs.
+    /// Sent in the session's opening; the server logs it with the session
+    /// (it is not shown in stats).
     pub client_name: String,
     /// TCP only: the local path of each pool, by the UUID in its identity
     /// header. A pool not listed is opened by the path the server announces.

@@ -672,6 +672,13 @@ impl DirectoryHandler {
             Err(e) => return self.refuse_opening(conn, request_id, &e, secret.is_some(), out),
         };
         self.open_session(conn, w.session, w.quota_bytes, &name);
+        // The client's name is only logged (escaped: any UTF-8 is allowed).
+        tracing::info!(
+            session = %w.session,
+            instance = ?name,
+            client = ?h.client_name.as_str(),
+            "session opened"
+        );
         let fds = self.fds_for(conn);
         let meta = wire::reply_meta(&[], &w.usage, w.quota_bytes);
         let mut welcome =
@@ -724,6 +731,13 @@ impl DirectoryHandler {
             Err(e) => return self.refuse_opening(conn, request_id, &e, secret.is_some(), out),
         };
         self.open_session(conn, a.session, a.quota_bytes, r.instance_id.as_str());
+        tracing::info!(
+            session = %a.session,
+            instance = ?r.instance_id.as_str(),
+            client = ?r.client_name.as_str(),
+            kind = ?a.kind,
+            "session reattached"
+        );
         let mut accepted = Vec::new();
         let mut refused = Vec::new();
         for (p, status) in presented.iter().zip(&a.regions) {
@@ -951,7 +965,7 @@ impl DirectoryHandler {
                 self.send(out, conn, request_id, &reply);
             }),
             AnyRequest::EndSession(e) => self.end_session(conn, request_id, &caller, &s, e, out),
-            AnyRequest::Stats(q) => self.dir.heartbeat(&caller, now).map(|r| {
+            AnyRequest::Stats(q) => self.dir.renew(&caller, now).map(|r| {
                 let meta = self.meta(&s, &r.notices, &r.usage);
                 let reply = self.stats_reply(
                     meta,
@@ -1007,7 +1021,7 @@ impl DirectoryHandler {
         let ended = self.dir.end_session_request(caller, seq, target, now)?;
         // The caller may have ended its own session: then the reply carries
         // no notices (there is no live session to renew).
-        let meta = match self.dir.heartbeat(caller, now) {
+        let meta = match self.dir.renew(caller, now) {
             Ok(r) => self.meta(s, &r.notices, &r.usage),
             Err(_) => ReplyMeta::default(),
         };

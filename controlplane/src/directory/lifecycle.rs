@@ -332,10 +332,18 @@ impl Directory {
     }
 
     /// Renews the session's lease; the reply carries notices and usage.
+    /// Counted as a heartbeat (`ops.heartbeat`).
     pub fn heartbeat(&mut self, caller: &Caller, now: Time) -> Result<Reply<()>, DirectoryError> {
-        let r = self.enter(caller, now).map(|slot| self.reply(slot, ()));
+        let r = self.renew(caller, now);
         self.count_call(OpKind::Heartbeat, 0, r.is_err());
         r
+    }
+
+    /// What [`heartbeat`](Self::heartbeat) does, for a request counted as
+    /// an operation of its own (`Stats`, `EndSession`) that renews its
+    /// session and carries its notices and usage too: not counted again.
+    pub fn renew(&mut self, caller: &Caller, now: Time) -> Result<Reply<()>, DirectoryError> {
+        self.enter(caller, now).map(|slot| self.reply(slot, ()))
     }
 
     /// The transport saw the session's connection close: its pins are

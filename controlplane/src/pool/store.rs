@@ -66,6 +66,13 @@ pub const MAX_GROUP_RECORDS: usize = 4096;
 pub const MAX_CHECKPOINT_EVERY_RECORDS: u64 =
     (super::journal::MAX_JOURNAL_BYTES / super::record::MAX_RECORD_BYTES as u64) / 2;
 
+// The refusals in `StoreConfig::validate` spell the bounds out (an operator
+// reads them, not the constants' names).
+const _: () = assert!(
+    MAX_CHECKPOINT_EVERY_RECORDS == 6_710_886 && MAX_GROUP_RECORDS == 4096,
+    "update the bounds in StoreConfig::validate's messages"
+);
+
 /// When the driver commits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SyncPolicy {
@@ -90,15 +97,14 @@ impl StoreConfig {
     pub fn validate(&self) -> Result<(), StoreError> {
         if !(1..=MAX_CHECKPOINT_EVERY_RECORDS).contains(&self.checkpoint_every_records) {
             return Err(StoreError::Config(
-                "checkpoint_every_records must be in 1..=MAX_CHECKPOINT_EVERY_RECORDS",
+                "checkpoint_every_records must be in 1..=6710886 (the journal between two \
+                 checkpoints stays within what recovery reads)",
             ));
         }
         if let SyncPolicy::Group { max_batch_records } = self.sync
             && !(1..=MAX_GROUP_RECORDS).contains(&max_batch_records)
         {
-            return Err(StoreError::Config(
-                "max_batch_records must be in 1..=MAX_GROUP_RECORDS",
-            ));
+            return Err(StoreError::Config("max_batch_records must be in 1..=4096"));
         }
         Ok(())
     }
