@@ -6,7 +6,8 @@
 //! - `journal_scan`: journals of a real pool manager's records (empty,
 //!   allocations, allocations and frees, a torn tail, records partly covered
 //!   by a checkpoint, a whole file with its header, in format 2 and 1, and
-//!   with headers that acknowledge every record);
+//!   with headers that acknowledge every record), and inputs for its damage
+//!   mode (one per kind of fault);
 //! - `checkpoint_decode`: checkpoint images (empty and populated) for the
 //!   raw mode, and inputs for the structured mode;
 //! - `directory_ops`: a few operation streams from a fixed pseudo-random
@@ -152,6 +153,88 @@ fn main() -> std::io::Result<()> {
         "whole_file_format_1_acknowledged.bin",
         &with_header(0, &file),
     )?;
+    // The damage mode (flag 0x80): a history of ten records, then the
+    // checkpoint, the first record kept, the two slots' claims, and the
+    // faults (see the target's `Image::damage` for their bytes).
+    let history: &[u8] = &[
+        10, // steps
+        0, 4, 14, // a pool: 64 KiB alignment, 16 blocks
+        1, 0, 0, // its epoch raised
+        2, 0, 0, 0, 1, // region 1 allocated (64 KiB, directory 1, tag 1)
+        2, 0, 1, 1, 2, // region 2 (128 KiB, directory 2, tag 2)
+        2, 0, 0, 2, 3, // region 3
+        4, 0, // region 1 freed
+        3, 0, 3, 3, 0, // region 4 (256 KiB, no tag)
+        5, 1, // region 3 reclaimed
+        2, 0, 1, 0, 4, // region 5
+        1, 0, 2, // the epoch raised again
+    ];
+    let damaged = |tail: &[u8]| {
+        let mut v = vec![0x80];
+        v.extend_from_slice(history);
+        v.extend_from_slice(tail);
+        v
+    };
+    let damage_seeds: [(&str, &[u8]); 16] = [
+        // No fault; slot 1 holds the higher claim.
+        ("damage_none", &[0, 0, 9, 10, 0]),
+        // Input bytes over the last record, which no claim covers.
+        (
+            "damage_torn_last_record",
+            &[0, 0, 9, 9, 1, 0, 3, 20, 7, 1, 2, 3, 4, 5, 6, 7, 8],
+        ),
+        // A bit flipped in an acknowledged record: refused.
+        (
+            "damage_rot_acknowledged",
+            &[0, 0, 10, 10, 1, 3, 2, 3, 30, 16],
+        ),
+        // The sector holding the last two records zeroed, after the claim.
+        ("damage_zeroed_sector", &[0, 0, 7, 8, 1, 2, 3, 0, 0]),
+        // The header page zeroed: no magic left.
+        ("damage_zeroed_header", &[0, 0, 10, 10, 1, 2, 1, 0, 0, 1]),
+        // Slot 0 (the higher claim) damaged: slot 1's lower claim is used,
+        // and record 9's damage is above it.
+        (
+            "damage_one_slot",
+            &[0, 0, 10, 6, 2, 3, 0, 14, 255, 3, 2, 8, 10, 1],
+        ),
+        // Record 4 copied after itself.
+        ("damage_duplicated", &[0, 0, 10, 10, 1, 4, 3, 3]),
+        // Record 5 lost.
+        ("damage_dropped", &[0, 0, 10, 10, 1, 5, 3]),
+        // Records 6 and 7 swapped.
+        ("damage_swapped", &[0, 0, 10, 10, 1, 6, 4]),
+        // The file cut inside the last record.
+        ("damage_cut", &[0, 0, 8, 9, 1, 7, 3, 17]),
+        // Input bytes after the last record.
+        (
+            "damage_garbage_appended",
+            &[0, 0, 10, 10, 1, 8, 15, 1, 9, 9, 9, 9, 9, 9, 9, 9],
+        ),
+        // Zeros after the last record (a file extended, not written).
+        ("damage_zeros_appended", &[0, 0, 10, 10, 1, 8, 63, 0]),
+        // Checkpoint at 4, journal from 1: a record the checkpoint holds is
+        // damaged, and every claim is at or below the checkpoint.
+        ("damage_checkpointed", &[4, 0, 4, 4, 1, 3, 2, 1, 12, 1]),
+        // The file cut at offset 2000, inside the header block.
+        ("damage_cut_header", &[0, 0, 10, 10, 1, 7, 1, 0xD0, 0x07]),
+        // Slot 0's version overwritten with 1 and a bit of slot 1's
+        // checksum flipped: no slot whole, slot 1 still says format 2.
+        (
+            "damage_both_slots",
+            &[0, 0, 10, 10, 2, 0, 0, 8, 3, 1, 0, 0, 0, 3, 4, 30, 1],
+        ),
+        // Slot 0's version overwritten with 1 and slot 1's sector zeroed:
+        // no slot whole, slot 1 no longer says format 2, and the records
+        // start at 4096 — refused, not read as an empty format-1 file.
+        (
+            "damage_both_slots_slot_1_zeroed",
+            &[0, 0, 10, 10, 2, 0, 0, 8, 3, 1, 0, 0, 0, 2, 4, 0, 0],
+        ),
+    ];
+    for (name, tail) in damage_seeds {
+        write(&dir, &format!("{name}.bin"), &damaged(tail))?;
+    }
 
     let dir = root.join("checkpoint_decode");
     let (manager, records) = manager_run(20);

@@ -294,7 +294,12 @@ fn slot_claim(slot: &[u8], version: u32) -> Option<u64> {
 /// 1 to show our magic too (a format-1 file holds records there) — slot 0
 /// claiming format 2 without it is refused, since a format-1 file whose
 /// version was damaged looks the same and reading it from offset 4096
-/// would cut its records.
+/// would cut its records. The converse double fault — a format-2 file whose
+/// slot 0 reads version 1 and whose slot 1 no longer shows format 2 — is
+/// told apart by where a whole record starts: a torn format-1 slot is read
+/// as format 1 unless no record starts at offset 32 and one does at 4096,
+/// which is refused (read from offset 32, the file would look empty and
+/// recovery would drop every record after the checkpoint).
 fn check_file_header(b: &[u8]) -> Result<FileHeader, &'static str> {
     if b.len() < V1_HEADER_BYTES {
         return Err("shorter than the file header");
@@ -316,6 +321,15 @@ fn check_file_header(b: &[u8]) -> Result<FileHeader, &'static str> {
             .get(1)
             .is_some_and(|s| ours(s) && version(s) == JOURNAL_FORMAT_VERSION);
         if v1.is_some() || (ours(first) && version(first) == 1 && !second_says_v2) {
+            let starts_record = |at: usize| b.get(at..).is_some_and(|r| Record::decode(r).is_ok());
+            if v1.is_none()
+                && !starts_record(V1_HEADER_BYTES)
+                && starts_record(JOURNAL_HEADER_BYTES)
+            {
+                return Err(
+                    "damaged: no slot passes its checksum; slot 0 reads format 1, but records start where format 2 puts them",
+                );
+            }
             return Ok(FileHeader {
                 version: 1,
                 records_start: V1_HEADER_BYTES,
@@ -1246,6 +1260,43 @@ mod tests {
             scan(&v1, 0, |_| Ok(())).unwrap_err(),
             ScanError::BadHeader(why) if why.starts_with("damaged")
         ));
+    }
+
+    /// Found by the `journal_scan` fuzz target's damage mode (session 32):
+    /// a format-2 file whose slot 0 reads version 1 (checksum failing) and
+    /// whose slot 1 is damaged too was read as an empty format-1 journal —
+    /// from offset 32, where format 2 has zeros — so recovery would have
+    /// dropped every record after the checkpoint and handed their regions'
+    /// bytes out again. Now it is refused; a format-1 file with the same
+    /// torn slot is still read from offset 32.
+    #[test]
+    fn a_format_2_file_with_both_slots_damaged_is_not_read_as_an_empty_format_1_file() {
+        for damage_slot_1 in [
+            |img: &mut Vec<u8>| {
+                let at = JOURNAL_SLOT_OFFSETS[1];
+                img[at..at + JOURNAL_SLOT_BYTES].fill(0);
+            },
+            |img: &mut Vec<u8>| img[JOURNAL_SLOT_OFFSETS[1] + 8] ^= 1,
+        ] {
+            let mut img = image(&[1, 2, 3]);
+            img[8..12].copy_from_slice(&1u32.to_le_bytes());
+            damage_slot_1(&mut img);
+            assert!(
+                matches!(
+                    scan(&img, 0, |_| Ok(())).unwrap_err(),
+                    ScanError::BadHeader(why) if why.starts_with("damaged")
+                ),
+                "read as {:?}",
+                scan(&img, 0, |_| Ok(()))
+            );
+        }
+        let mut v1 = v1_image(3, &[1, 2, 3]);
+        v1[13] ^= 1;
+        let report = scan(&v1, 0, |_| Ok(())).unwrap();
+        assert_eq!((report.format_version, report.replayed), (1, 3));
+        let mut empty_v1 = v1_image(0, &[]);
+        empty_v1[13] ^= 1;
+        assert_eq!(scan(&empty_v1, 0, |_| Ok(())).unwrap().format_version, 1);
     }
 
     /// A format-1 journal (one slot, records from offset 32).
