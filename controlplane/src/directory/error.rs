@@ -1,10 +1,12 @@
 //! Errors: whole-request failures ([`DirectoryError`]) and per-entry
 //! registration rejections ([`RejectReason`]).
 //!
-//! A request answered with a `DirectoryError` changed nothing (beyond renewing
-//! its session's lease and applying its notice acknowledgement), and its
-//! sequence number was not consumed: a retry is evaluated afresh. Each variant
-//! maps to one wire error code.
+//! A request answered with a `DirectoryError` changed nothing beyond renewing
+//! its session's lease, applying its notice acknowledgement and — when it
+//! got as far as the reply cache — its `replies_received_below` (dropping the
+//! cached replies the client says it has received); its sequence number
+//! was not consumed: a retry is evaluated afresh. Each variant maps to one
+//! wire error code.
 
 use cxlkv_dataplane::ids::{Generation, PageIndex, RegionId};
 
