@@ -545,17 +545,20 @@ typedef struct cxlkv_session_info {
     uint32_t size;
     // Always 0.
     uint32_t reserved;
-    // The current session's id; 0 while disconnected.
+    // The id of the session the client opened last. Not a connection
+    // check: while the connection is broken it keeps the last session's
+    // id, until a reconnect opens a new session (calls fail meanwhile
+    // with `CXLKV_STATUS_DISCONNECTED` or `CXLKV_STATUS_UNANSWERED`).
     uint64_t session_id;
-    // The directory's incarnation (changes when it restarts); 0 while
-    // disconnected.
+    // The directory's incarnation as of that session (changes when the
+    // directory restarts and the client reconnects).
     uint64_t directory_epoch;
     // Keys this instance registered that still exist.
     uint64_t owned_keys;
     // Registrations whose outcome is still unknown.
     uint64_t unresolved_registrations;
-    // Most keys one batch call may carry (the directory's limit; the
-    // protocol's 4096 while disconnected): a longer batch is refused with
+    // Most keys one batch call may carry (the directory's limit, as that
+    // session announced it): a longer batch is refused with
     // `CXLKV_STATUS_BATCH_TOO_LARGE`. Since size 48.
     uint32_t max_batch;
     // Longest key the directory accepts, in bytes. Since size 48.

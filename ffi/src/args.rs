@@ -94,8 +94,52 @@ pub(crate) fn batch_len(n: usize) -> Result<(), FfiError> {
     Ok(())
 }
 
+/// How the entries of a call are named in messages: a single-entry call
+/// (`cxlkv_get`, `cxlkv_put`, `cxlkv_register`) by its own parameters
+/// (`key`, `data`, `lease`), a batch by the elements of its arrays
+/// (`keys[3].data`, `values[3].data`, `leases[3]`) — so that the message
+/// says which input of a batch went wrong. Names are built only for a
+/// message, never on the way to a success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Entries {
+    One,
+    Batch,
+}
+
+impl Entries {
+    /// The name of entry `index`: `single` for a single-entry call, else
+    /// `array[index]` followed by `.field` when `field` is not empty.
+    pub fn name(self, single: &str, array: &str, index: usize, field: &str) -> String {
+        match self {
+            Entries::One => single.to_owned(),
+            Entries::Batch if field.is_empty() => format!("{array}[{index}]"),
+            Entries::Batch => format!("{array}[{index}].{field}"),
+        }
+    }
+}
+
+/// `len` bytes at `data`, named in an error as `name()` says (built only
+/// then); `len` 0 gives an empty slice whatever `data`.
+///
+/// # Safety
+///
+/// As [`slice`].
+unsafe fn named_bytes<'a>(
+    data: *const u8,
+    len: usize,
+    name: impl FnOnce() -> String,
+) -> Result<&'a [u8], FfiError> {
+    if len > 0 && data.is_null() {
+        return Err(FfiError::null(&name()));
+    }
+    // SAFETY: passed on to the caller (`data` is not NULL when `len > 0`,
+    // and bytes have no alignment to check).
+    unsafe { slice(data, len, "bytes") }
+}
+
 /// A key: at most `MAX_KEY_BYTES` (checked before the slice is formed);
-/// an empty key is left for the client to refuse with its own message.
+/// an empty key is left for the client to refuse with its own message. A
+/// NULL `data` is named `key`, or `keys[index].data` in a batch.
 ///
 /// # Safety
 ///
@@ -104,6 +148,7 @@ pub(crate) unsafe fn key<'a>(
     data: *const u8,
     len: usize,
     index: usize,
+    entries: Entries,
 ) -> Result<&'a [u8], FfiError> {
     if len > MAX_KEY_BYTES {
         return Err(ClientError::KeyLength {
@@ -114,7 +159,7 @@ pub(crate) unsafe fn key<'a>(
         .into());
     }
     // SAFETY: passed on to the caller.
-    unsafe { slice(data, len, "key") }
+    unsafe { named_bytes(data, len, || entries.name("key", "keys", index, "data")) }
 }
 
 /// A key that must not be empty (for calls that check keys themselves
@@ -133,10 +178,12 @@ pub(crate) unsafe fn nonempty_key<'a>(data: *const u8, len: usize) -> Result<&'a
         .into());
     }
     // SAFETY: passed on to the caller.
-    unsafe { key(data, len, 0) }
+    unsafe { key(data, len, 0, Entries::One) }
 }
 
-/// A chunk: at most `MAX_PAGE_BYTES` (no page is larger).
+/// A chunk: at most `MAX_PAGE_BYTES` (no page is larger). A NULL `data`
+/// is named `single` (the parameter of a single-entry call), or
+/// `values[index].data` in a batch.
 ///
 /// # Safety
 ///
@@ -145,6 +192,8 @@ pub(crate) unsafe fn chunk<'a>(
     data: *const u8,
     len: usize,
     index: usize,
+    entries: Entries,
+    single: &str,
 ) -> Result<&'a [u8], FfiError> {
     if len as u64 > MAX_PAGE_BYTES {
         return Err(ClientError::ChunkLength {
@@ -155,10 +204,11 @@ pub(crate) unsafe fn chunk<'a>(
         .into());
     }
     // SAFETY: passed on to the caller.
-    unsafe { slice(data, len, "data") }
+    unsafe { named_bytes(data, len, || entries.name(single, "values", index, "data")) }
 }
 
-/// The keys of a batch, each checked as [`key`].
+/// The keys of a call, each checked as [`key`] (and named as `entries`
+/// says).
 ///
 /// # Safety
 ///
@@ -167,6 +217,7 @@ pub(crate) unsafe fn chunk<'a>(
 pub(crate) unsafe fn keys<'a>(
     keys: *const cxlkv_bytes,
     n: usize,
+    entries: Entries,
 ) -> Result<Vec<&'a [u8]>, FfiError> {
     batch_len(n)?;
     // SAFETY: passed on to the caller.
@@ -175,7 +226,7 @@ pub(crate) unsafe fn keys<'a>(
         .iter()
         .enumerate()
         // SAFETY: passed on to the caller.
-        .map(|(i, k)| unsafe { key(k.data, k.len, i) })
+        .map(|(i, k)| unsafe { key(k.data, k.len, i, entries) })
         .collect()
 }
 
@@ -558,17 +609,23 @@ mod tests {
         // SAFETY: the length checks refuse before `p` is read.
         unsafe {
             assert_eq!(
-                key(p, 513, 0).unwrap_err().status,
+                key(p, 513, 0, Entries::Batch).unwrap_err().status,
                 cxlkv_status::CXLKV_STATUS_KEY_LENGTH
             );
             assert_eq!(
-                chunk(p, usize::MAX, 0).unwrap_err().status,
+                chunk(p, usize::MAX, 0, Entries::Batch, "data")
+                    .unwrap_err()
+                    .status,
                 cxlkv_status::CXLKV_STATUS_CHUNK_LENGTH
             );
             assert_eq!(
-                keys(std::ptr::dangling::<cxlkv_bytes>(), MAX_BATCH + 1)
-                    .unwrap_err()
-                    .status,
+                keys(
+                    std::ptr::dangling::<cxlkv_bytes>(),
+                    MAX_BATCH + 1,
+                    Entries::Batch
+                )
+                .unwrap_err()
+                .status,
                 cxlkv_status::CXLKV_STATUS_BATCH_TOO_LARGE
             );
             assert_eq!(

@@ -312,17 +312,20 @@ pub struct cxlkv_session_info {
     pub size: u32,
     /// Always 0.
     pub reserved: u32,
-    /// The current session's id; 0 while disconnected.
+    /// The id of the session the client opened last. Not a connection
+    /// check: while the connection is broken it keeps the last session's
+    /// id, until a reconnect opens a new session (calls fail meanwhile
+    /// with `CXLKV_STATUS_DISCONNECTED` or `CXLKV_STATUS_UNANSWERED`).
     pub session_id: u64,
-    /// The directory's incarnation (changes when it restarts); 0 while
-    /// disconnected.
+    /// The directory's incarnation as of that session (changes when the
+    /// directory restarts and the client reconnects).
     pub directory_epoch: u64,
     /// Keys this instance registered that still exist.
     pub owned_keys: u64,
     /// Registrations whose outcome is still unknown.
     pub unresolved_registrations: u64,
-    /// Most keys one batch call may carry (the directory's limit; the
-    /// protocol's 4096 while disconnected): a longer batch is refused with
+    /// Most keys one batch call may carry (the directory's limit, as that
+    /// session announced it): a longer batch is refused with
     /// `CXLKV_STATUS_BATCH_TOO_LARGE`. Since size 48.
     pub max_batch: u32,
     /// Longest key the directory accepts, in bytes. Since size 48.

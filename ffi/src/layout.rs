@@ -14,9 +14,10 @@ use std::mem::size_of;
 use std::sync::Arc;
 
 use cxlkv::client::{LayoutHandle, Location, PageLease, RegisterOutcome, RejectReason};
+use cxlkv_controlplane::proto::MAX_BATCH;
 use parking_lot::Mutex;
 
-use crate::args::{self, Out, OutSlice, Versioned, cxlkv_bytes};
+use crate::args::{self, Entries, Out, OutSlice, Versioned, cxlkv_bytes};
 use crate::boundary::call;
 use crate::client::{self, cxlkv_client};
 use crate::config::{self, cxlkv_layout_options};
@@ -420,7 +421,7 @@ pub unsafe extern "C" fn cxlkv_lease_write(
             ));
         }
         // SAFETY: passed on to the caller.
-        let bytes = unsafe { args::chunk(src, len, 0) }?;
+        let bytes = unsafe { args::chunk(src, len, 0, Entries::One, "src") }?;
         lease.write(bytes)?;
         Ok(())
     })
@@ -446,12 +447,12 @@ pub extern "C" fn cxlkv_lease_abort(lease: *mut cxlkv_lease) -> cxlkv_status {
 
 /// Takes every lease of `handles` out of the registry (freeing the
 /// handles); the first bad one is the error, after all were tried.
-fn take_leases(handles: &[*mut cxlkv_lease]) -> Result<Vec<PageLease>, FfiError> {
+fn take_leases(handles: &[*mut cxlkv_lease], entries: Entries) -> Result<Vec<PageLease>, FfiError> {
     let mut leases = Vec::with_capacity(handles.len());
     let mut first_error = None;
     for (i, h) in handles.iter().enumerate() {
         let taken = LEASES
-            .remove(h.addr(), &format!("leases[{i}]"))
+            .remove(h.addr(), &entries.name("lease", "leases", i, ""))
             .and_then(|entry| entry.lock().take().ok_or_else(consumed));
         match taken {
             Ok(l) => leases.push(l),
@@ -488,7 +489,17 @@ pub unsafe extern "C" fn cxlkv_register(
         len: key_len,
     };
     // SAFETY: one key, one lease, one result slot; passed on to the caller.
-    unsafe { batch_register("cxlkv_register", layout, &k, &lease, 1, out_result) }
+    unsafe {
+        batch_register(
+            "cxlkv_register",
+            Entries::One,
+            layout,
+            &k,
+            &lease,
+            1,
+            out_result,
+        )
+    }
 }
 
 /// Publishes and registers `n` written leases under `keys`, in one round
@@ -521,7 +532,17 @@ pub unsafe extern "C" fn cxlkv_batch_register(
     out_results: *mut cxlkv_register_result,
 ) -> cxlkv_status {
     // SAFETY: passed on to the caller.
-    unsafe { batch_register("cxlkv_batch_register", layout, keys, leases, n, out_results) }
+    unsafe {
+        batch_register(
+            "cxlkv_batch_register",
+            Entries::Batch,
+            layout,
+            keys,
+            leases,
+            n,
+            out_results,
+        )
+    }
 }
 
 /// # Safety
@@ -529,6 +550,7 @@ pub unsafe extern "C" fn cxlkv_batch_register(
 /// As `cxlkv_batch_register`.
 unsafe fn batch_register(
     name: &str,
+    entries: Entries,
     layout: *const cxlkv_layout,
     keys: *const cxlkv_bytes,
     leases: *const *mut cxlkv_lease,
@@ -542,14 +564,20 @@ unsafe fn batch_register(
         if n > MAX_HANDLES {
             args::batch_len(n)?;
         }
+        // The results are unset before anything can fail (header, "Outputs
+        // of a failed call"), an unreadable `leases` array included; a NULL
+        // `out_results` is reported only once the leases are consumed.
+        let out = (n <= MAX_BATCH).then(|| {
+            // SAFETY: passed on to the caller.
+            unsafe { OutSlice::unset(out_results, n, "out_results") }
+        });
         // SAFETY: passed on to the caller.
         let handles = unsafe { args::slice(leases, n, "leases") }?;
-        let taken = take_leases(handles);
+        let taken = take_leases(handles, entries);
         args::batch_len(n)?;
+        let mut out = out.expect("invariant: `n` is within the batch limit here")?;
         // SAFETY: passed on to the caller.
-        let mut out = unsafe { OutSlice::unset(out_results, n, "out_results") }?;
-        // SAFETY: passed on to the caller.
-        let keys = unsafe { args::keys(keys, n) }?;
+        let keys = unsafe { args::keys(keys, n, entries) }?;
         let l = self::layout(layout)?;
         let leases = taken?;
         if leases.is_empty() {
@@ -587,7 +615,7 @@ pub unsafe extern "C" fn cxlkv_put(
     };
     let v = cxlkv_bytes { data, len };
     // SAFETY: one entry; passed on to the caller.
-    unsafe { batch_put("cxlkv_put", layout, &k, &v, 1, out_result) }
+    unsafe { batch_put("cxlkv_put", Entries::One, layout, &k, &v, 1, out_result) }
 }
 
 /// `cxlkv_put` for `n` entries: one allocation pass, the copies, one round
@@ -608,7 +636,17 @@ pub unsafe extern "C" fn cxlkv_batch_put(
     out_results: *mut cxlkv_register_result,
 ) -> cxlkv_status {
     // SAFETY: passed on to the caller.
-    unsafe { batch_put("cxlkv_batch_put", layout, keys, values, n, out_results) }
+    unsafe {
+        batch_put(
+            "cxlkv_batch_put",
+            Entries::Batch,
+            layout,
+            keys,
+            values,
+            n,
+            out_results,
+        )
+    }
 }
 
 /// # Safety
@@ -616,6 +654,7 @@ pub unsafe extern "C" fn cxlkv_batch_put(
 /// As `cxlkv_batch_put`.
 unsafe fn batch_put(
     name: &str,
+    entries: Entries,
     layout: *const cxlkv_layout,
     keys: *const cxlkv_bytes,
     values: *const cxlkv_bytes,
@@ -627,14 +666,14 @@ unsafe fn batch_put(
         // SAFETY: passed on to the caller.
         let mut out = unsafe { OutSlice::unset(out_results, n, "out_results") }?;
         // SAFETY: passed on to the caller.
-        let keys = unsafe { args::keys(keys, n) }?;
+        let keys = unsafe { args::keys(keys, n, entries) }?;
         // SAFETY: passed on to the caller.
         let descs = unsafe { args::slice(values, n, "values") }?;
         let values = descs
             .iter()
             .enumerate()
             // SAFETY: passed on to the caller.
-            .map(|(i, v)| unsafe { args::chunk(v.data, v.len, i) })
+            .map(|(i, v)| unsafe { args::chunk(v.data, v.len, i, entries, "data") })
             .collect::<Result<Vec<_>, _>>()?;
         let l = self::layout(layout)?;
         if keys.is_empty() {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cxlkv::client::{DeleteOutcome, ReadGuard};
 
-use crate::args::{self, Out, OutSlice, cxlkv_bytes};
+use crate::args::{self, Entries, Out, OutSlice, cxlkv_bytes};
 use crate::boundary::call;
 use crate::handle::{Registry, Tag, to_ptr};
 use crate::layout::{cxlkv_layout, cxlkv_location, layout};
@@ -77,7 +77,7 @@ pub unsafe extern "C" fn cxlkv_get(
         len: key_len,
     };
     // SAFETY: one key, one view; passed on to the caller.
-    unsafe { batch_get("cxlkv_get", layout, &k, 1, out_view) }
+    unsafe { batch_get("cxlkv_get", Entries::One, layout, &k, 1, out_view) }
 }
 
 /// The chunks under `keys` in one round trip, each pinned until its view is
@@ -98,7 +98,16 @@ pub unsafe extern "C" fn cxlkv_batch_get(
     out_views: *mut cxlkv_view,
 ) -> cxlkv_status {
     // SAFETY: passed on to the caller.
-    unsafe { batch_get("cxlkv_batch_get", layout, keys, n, out_views) }
+    unsafe {
+        batch_get(
+            "cxlkv_batch_get",
+            Entries::Batch,
+            layout,
+            keys,
+            n,
+            out_views,
+        )
+    }
 }
 
 /// # Safety
@@ -106,6 +115,7 @@ pub unsafe extern "C" fn cxlkv_batch_get(
 /// As `cxlkv_batch_get`.
 unsafe fn batch_get(
     name: &str,
+    entries: Entries,
     layout: *const cxlkv_layout,
     keys: *const cxlkv_bytes,
     n: usize,
@@ -116,7 +126,7 @@ unsafe fn batch_get(
         // SAFETY: passed on to the caller.
         let mut out = unsafe { OutSlice::unset(out_views, n, "out_views") }?;
         // SAFETY: passed on to the caller.
-        let keys = unsafe { args::keys(keys, n) }?;
+        let keys = unsafe { args::keys(keys, n, entries) }?;
         let l = self::layout(layout)?;
         if keys.is_empty() {
             return Ok(());
@@ -239,7 +249,7 @@ pub unsafe extern "C" fn cxlkv_exists(
         len: key_len,
     };
     // SAFETY: one key, one slot; passed on to the caller.
-    unsafe { batch_exists("cxlkv_exists", layout, &k, 1, out_present) }
+    unsafe { batch_exists("cxlkv_exists", Entries::One, layout, &k, 1, out_present) }
 }
 
 /// Whether each key exists, in one read-only round trip.
@@ -257,7 +267,16 @@ pub unsafe extern "C" fn cxlkv_batch_exists(
     out_present: *mut bool,
 ) -> cxlkv_status {
     // SAFETY: passed on to the caller.
-    unsafe { batch_exists("cxlkv_batch_exists", layout, keys, n, out_present) }
+    unsafe {
+        batch_exists(
+            "cxlkv_batch_exists",
+            Entries::Batch,
+            layout,
+            keys,
+            n,
+            out_present,
+        )
+    }
 }
 
 /// # Safety
@@ -265,6 +284,7 @@ pub unsafe extern "C" fn cxlkv_batch_exists(
 /// As `cxlkv_batch_exists`.
 unsafe fn batch_exists(
     name: &str,
+    entries: Entries,
     layout: *const cxlkv_layout,
     keys: *const cxlkv_bytes,
     n: usize,
@@ -275,7 +295,7 @@ unsafe fn batch_exists(
         // SAFETY: passed on to the caller.
         let mut out = unsafe { OutSlice::unset(out_present, n, "out_present") }?;
         // SAFETY: passed on to the caller.
-        let keys = unsafe { args::keys(keys, n) }?;
+        let keys = unsafe { args::keys(keys, n, entries) }?;
         let l = self::layout(layout)?;
         if keys.is_empty() {
             return Ok(());
@@ -350,7 +370,7 @@ pub unsafe extern "C" fn cxlkv_delete(
         len: key_len,
     };
     // SAFETY: one key, one slot; passed on to the caller.
-    unsafe { batch_delete("cxlkv_delete", layout, &k, 1, out_result) }
+    unsafe { batch_delete("cxlkv_delete", Entries::One, layout, &k, 1, out_result) }
 }
 
 /// Deletes keys in one round trip; one result per key, never conflated.
@@ -369,7 +389,16 @@ pub unsafe extern "C" fn cxlkv_batch_delete(
     out_results: *mut cxlkv_delete_result,
 ) -> cxlkv_status {
     // SAFETY: passed on to the caller.
-    unsafe { batch_delete("cxlkv_batch_delete", layout, keys, n, out_results) }
+    unsafe {
+        batch_delete(
+            "cxlkv_batch_delete",
+            Entries::Batch,
+            layout,
+            keys,
+            n,
+            out_results,
+        )
+    }
 }
 
 /// # Safety
@@ -377,6 +406,7 @@ pub unsafe extern "C" fn cxlkv_batch_delete(
 /// As `cxlkv_batch_delete`.
 unsafe fn batch_delete(
     name: &str,
+    entries: Entries,
     layout: *const cxlkv_layout,
     keys: *const cxlkv_bytes,
     n: usize,
@@ -387,7 +417,7 @@ unsafe fn batch_delete(
         // SAFETY: passed on to the caller.
         let mut out = unsafe { OutSlice::unset(out_results, n, "out_results") }?;
         // SAFETY: passed on to the caller.
-        let keys = unsafe { args::keys(keys, n) }?;
+        let keys = unsafe { args::keys(keys, n, entries) }?;
         let l = self::layout(layout)?;
         if keys.is_empty() {
             return Ok(());

@@ -836,6 +836,235 @@ fn a_tcp_addr_may_name_its_host() {
     }
 }
 
+/// docs/c-api.md, "Outputs of a failed call": a `cxlkv_batch_register`
+/// refused because its `leases` array cannot be read (NULL, misaligned)
+/// consumes nothing, but its results are unset all the same — not left as
+/// an earlier call wrote them.
+#[test]
+fn a_batch_register_refused_for_its_leases_array_leaves_its_results_unset() {
+    let fx = Fixture::new("ffi-reg-unset");
+    let (client, layout) = fx.connect();
+    let keys = [bytes(b"r0"), bytes(b"r1")];
+    let stale = cxlkv_register_result {
+        outcome: cxlkv_register_outcome::CXLKV_REGISTER_INSERTED,
+        reject_reason: cxlkv_reject_reason::CXLKV_REJECT_NONE,
+        winner: cxlkv_location {
+            region_id: 9,
+            ..Default::default()
+        },
+    };
+    let unset = <cxlkv_register_result as crate::args::Unset>::UNSET;
+    // Room for two lease pointers one byte off their alignment.
+    let raw = [0u64; 3];
+    let misaligned = raw
+        .as_ptr()
+        .cast::<u8>()
+        .wrapping_add(1)
+        .cast::<*mut cxlkv_lease>();
+    for (leases, what) in [
+        (std::ptr::null(), "`leases` is NULL"),
+        (misaligned, "`leases`"),
+    ] {
+        let mut results = [stale; 2];
+        // SAFETY: `leases` is refused (NULL or misaligned) before it is
+        // read; two keys and two result slots.
+        let s =
+            unsafe { cxlkv_batch_register(layout, keys.as_ptr(), leases, 2, results.as_mut_ptr()) };
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT, "{}", last_error());
+        assert!(last_error().contains(what), "{}", last_error());
+        assert_eq!(results, [unset; 2], "{what}: stale results survived");
+    }
+    close(client, layout);
+}
+
+/// The last error says "with which input" went wrong: a NULL entry of a
+/// batch is named by its index (`keys[1].data`, not `key`), and a
+/// single-entry call names its own parameter (`lease`, not `leases[0]`).
+#[test]
+fn a_null_entry_is_named_as_the_caller_passed_it() {
+    let fx = Fixture::new("ffi-null-entry");
+    let (client, layout) = fx.connect();
+    let null = cxlkv_bytes {
+        data: std::ptr::null(),
+        len: 2,
+    };
+    let keys = [bytes(b"n0"), null];
+    let good_keys = [bytes(b"n0"), bytes(b"n1")];
+    let values = [bytes(b"v0"), bytes(b"v1")];
+    let null_value = [bytes(b"v0"), null];
+    let mut views = [MaybeUninit::<cxlkv_view>::uninit(); 2];
+    let mut present = [false; 2];
+    let mut deleted = [MaybeUninit::<cxlkv_delete_result>::uninit(); 2];
+    let mut results = [MaybeUninit::<cxlkv_register_result>::uninit(); 2];
+    let mut one = MaybeUninit::<cxlkv_register_result>::uninit();
+    let mut view = MaybeUninit::<cxlkv_view>::uninit();
+    let check = |function: &str, status: cxlkv_status, want: &str| {
+        let message = last_error();
+        assert_eq!(status, CXLKV_STATUS_INVALID_ARGUMENT, "{message}");
+        assert_eq!(message, format!("{function}: {want}"));
+    };
+    check(
+        "cxlkv_batch_get",
+        // SAFETY: each array holds two entries and each out slot is live
+        // (here and below); a NULL entry is refused before it is read.
+        unsafe { cxlkv_batch_get(layout, keys.as_ptr(), 2, views.as_mut_ptr().cast()) },
+        "`keys[1].data` is NULL",
+    );
+    check(
+        "cxlkv_batch_exists",
+        // SAFETY: see above.
+        unsafe { cxlkv_batch_exists(layout, keys.as_ptr(), 2, present.as_mut_ptr()) },
+        "`keys[1].data` is NULL",
+    );
+    check(
+        "cxlkv_batch_delete",
+        // SAFETY: see above.
+        unsafe { cxlkv_batch_delete(layout, keys.as_ptr(), 2, deleted.as_mut_ptr().cast()) },
+        "`keys[1].data` is NULL",
+    );
+    check(
+        "cxlkv_batch_put",
+        // SAFETY: see above.
+        unsafe {
+            cxlkv_batch_put(
+                layout,
+                keys.as_ptr(),
+                values.as_ptr(),
+                2,
+                results.as_mut_ptr().cast(),
+            )
+        },
+        "`keys[1].data` is NULL",
+    );
+    check(
+        "cxlkv_batch_put",
+        // SAFETY: see above.
+        unsafe {
+            cxlkv_batch_put(
+                layout,
+                good_keys.as_ptr(),
+                null_value.as_ptr(),
+                2,
+                results.as_mut_ptr().cast(),
+            )
+        },
+        "`values[1].data` is NULL",
+    );
+    check(
+        "cxlkv_get",
+        // SAFETY: see above.
+        unsafe { cxlkv_get(layout, std::ptr::null(), 2, view.as_mut_ptr()) },
+        "`key` is NULL",
+    );
+    check(
+        "cxlkv_put",
+        // SAFETY: see above.
+        unsafe {
+            cxlkv_put(
+                layout,
+                b"n0".as_ptr(),
+                2,
+                std::ptr::null(),
+                2,
+                one.as_mut_ptr(),
+            )
+        },
+        "`data` is NULL",
+    );
+    // A NULL lease is a bad handle, under its own name.
+    // SAFETY: see above.
+    let s = unsafe {
+        cxlkv_register(
+            layout,
+            b"n0".as_ptr(),
+            2,
+            std::ptr::null_mut(),
+            one.as_mut_ptr(),
+        )
+    };
+    assert_eq!(s, CXLKV_STATUS_BAD_HANDLE);
+    assert_eq!(last_error(), "cxlkv_register: `lease` is NULL");
+    let mut leases = [std::ptr::null_mut::<cxlkv_lease>(); 2];
+    // SAFETY: two lease slots.
+    ok(unsafe { cxlkv_batch_alloc(layout, 1, leases.as_mut_ptr()) });
+    // SAFETY: two keys, two lease handles (one NULL), two result slots.
+    let s = unsafe {
+        cxlkv_batch_register(
+            layout,
+            good_keys.as_ptr(),
+            leases.as_ptr(),
+            2,
+            results.as_mut_ptr().cast(),
+        )
+    };
+    assert_eq!(s, CXLKV_STATUS_BAD_HANDLE);
+    assert_eq!(last_error(), "cxlkv_batch_register: `leases[1]` is NULL");
+    assert_eq!(
+        crate::layout::live_leases(),
+        0,
+        "the valid lease was consumed"
+    );
+    let mut lease = std::ptr::null_mut();
+    // SAFETY: one lease slot.
+    ok(unsafe { cxlkv_alloc(layout, &mut lease) });
+    // SAFETY: a NULL source is refused before it is read.
+    let s = unsafe { cxlkv_lease_write(lease, std::ptr::null(), 4) };
+    assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
+    assert_eq!(last_error(), "cxlkv_lease_write: `src` is NULL");
+    ok(cxlkv_lease_abort(lease));
+    close(client, layout);
+}
+
+/// `cxlkv_session_info` while the server is gone: the client keeps the
+/// session it last opened (and its directory's limits) until a reconnect
+/// replaces it, so `session_id` is not 0 then — the header used to say it
+/// was, a disconnection signal no caller could ever see.
+#[test]
+fn the_session_info_keeps_the_last_session_while_the_server_is_gone() {
+    let mut fx = Fixture::with("ffi-gone", |cfg| cfg.directory.max_batch = 64);
+    let mut config = fx.config();
+    config.request_timeout_ms = 200;
+    config.max_retries = 0;
+    config.reconnect_timeout_ms = 300;
+    let mut client = std::ptr::null_mut();
+    // SAFETY: live config with valid strings, live out slot.
+    ok(unsafe { cxlkv_connect(&config, &mut client) });
+    let mut layout = std::ptr::null_mut();
+    // SAFETY: NULL options, live out slot.
+    ok(unsafe { cxlkv_layout_open(client, PAGE, FINGERPRINT, std::ptr::null(), &mut layout) });
+    let info = || {
+        let mut info = cxlkv_session_info {
+            size: size_of::<cxlkv_session_info>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: live, sized out struct.
+        ok(unsafe { cxlkv_query_session(client, &mut info) });
+        info
+    };
+    let before = info();
+    assert_ne!(before.session_id, 0);
+    let _ = fx.server.take().expect("a server").shutdown();
+    let mut present = true;
+    // SAFETY: one key, one out slot.
+    let s = unsafe { cxlkv_exists(layout, b"k".as_ptr(), 1, &mut present) };
+    assert!(
+        matches!(s, CXLKV_STATUS_DISCONNECTED | CXLKV_STATUS_UNANSWERED),
+        "{s:?}: {}",
+        last_error()
+    );
+    let after = info();
+    assert_eq!(
+        after.session_id, before.session_id,
+        "the last session, not 0"
+    );
+    assert_eq!(after.directory_epoch, before.directory_epoch);
+    assert_eq!(
+        after.max_batch, 64,
+        "the directory's limit, not the protocol's"
+    );
+    close(client, layout);
+}
+
 mod tier {
     use std::sync::Mutex;
 
@@ -1088,6 +1317,42 @@ mod tier {
             );
         }
         assert_eq!((used, total, writes, reads, healthy), (0, 0, 0, 0, false));
+        close(client, layout);
+    }
+
+    /// A NULL key of a tier call is named by its index, as the layout
+    /// calls name theirs (`keys[1].data`, not `key`).
+    #[test]
+    fn a_null_key_of_a_tier_call_is_named_by_its_index() {
+        let fx = Fixture::new("ffi-tier-null-key");
+        let (client, layout) = fx.connect();
+        let mut tier = std::ptr::null_mut();
+        // SAFETY: NULL config, live out slot.
+        ok(unsafe { cxlkv_tier_open(layout, std::ptr::null(), &mut tier) });
+        let keys = [
+            bytes(b"t0"),
+            cxlkv_bytes {
+                data: std::ptr::null(),
+                len: 2,
+            },
+        ];
+        let mut pages = [NO_PAGE_FOR_TESTS; 2];
+        // SAFETY: two keys (the NULL one refused before it is read), two
+        // page slots.
+        let s = unsafe { cxlkv_tier_reserve_read(tier, keys.as_ptr(), 2, 1, pages.as_mut_ptr()) };
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "cxlkv_tier_reserve_read: `keys[1].data` is NULL"
+        );
+        // SAFETY: as above; no output.
+        let s = unsafe { cxlkv_tier_touch_keys(tier, keys.as_ptr(), 2) };
+        assert_eq!(s, CXLKV_STATUS_INVALID_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "cxlkv_tier_touch_keys: `keys[1].data` is NULL"
+        );
+        ok(cxlkv_tier_close(tier));
         close(client, layout);
     }
 

@@ -53,7 +53,7 @@ use cxlkv::tier::{
 };
 use parking_lot::Mutex;
 
-use crate::args::{self, Out, OutSlice, Versioned, cxlkv_bytes};
+use crate::args::{self, Entries, Out, OutSlice, Versioned, cxlkv_bytes};
 use crate::boundary::call;
 use crate::handle::{Registry, Tag, to_ptr};
 use crate::layout::{cxlkv_layout, cxlkv_location, layout};
@@ -614,7 +614,7 @@ unsafe fn tier_keys<'a>(
     n: usize,
 ) -> Result<(Arc<OpenTier>, Vec<&'a [u8]>), FfiError> {
     // SAFETY: passed on to the caller.
-    let keys = unsafe { args::keys(keys, n) }?;
+    let keys = unsafe { args::keys(keys, n, Entries::Batch) }?;
     Ok((self::tier(tier)?, keys))
 }
 
