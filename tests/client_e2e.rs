@@ -739,3 +739,98 @@ fn a_client_that_cannot_resume_its_instance_says_so_and_stays_quiet() {
         "{sent} heartbeats in 1 s from a client that cannot resume"
     );
 }
+
+/// What a C engine does from a `pthread_key_create` destructor, or a Rust
+/// one from a thread-local's `Drop`: calls into the client and the tier
+/// while the thread exits, after the library's own thread-locals (a
+/// reconnect's set-up marker, the tier's re-entrancy records) were
+/// destroyed — destructors run in the reverse order of their
+/// registration, so the test's, registered first, runs last. Each call
+/// works as on a live thread; it used to panic ("cannot access a Thread
+/// Local Storage value during or after destruction"), leaving the tier's
+/// read hold taken.
+#[test]
+fn calls_from_a_thread_local_destructor_work_after_the_librarys_thread_locals_are_gone() {
+    use cxlkv::tier::{Holds, L1Tier, TierCode, TierConfig};
+    use std::cell::RefCell;
+
+    type Outcome = Result<String, String>;
+    struct AtExit(Option<Box<dyn FnOnce()>>);
+    impl Drop for AtExit {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    thread_local! {
+        static AT_EXIT: RefCell<AtExit> = const { RefCell::new(AtExit(None)) };
+    }
+
+    let server = start_server("e2e-tls-dtor");
+    let client = Client::connect(client_config(&server)).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"held", &chunk(1, 100)).unwrap();
+    let tier = Arc::new(L1Tier::new(layout.clone(), TierConfig::default()).unwrap());
+    let outcomes: Arc<Mutex<Vec<(&'static str, Outcome)>>> = Arc::default();
+    {
+        let (layout, tier, outcomes) = (layout.clone(), Arc::clone(&tier), Arc::clone(&outcomes));
+        std::thread::spawn(move || {
+            // Registered first, so destroyed last.
+            AT_EXIT.with(|_| {});
+            // The library's thread-locals, registered after it.
+            assert!(layout.exists(b"held").unwrap());
+            let read = tier.reserve_read(&[b"held"], Holds::ONE).unwrap();
+            assert_eq!(read[0].code, TierCode::Success);
+            AT_EXIT.with_borrow_mut(|a| {
+                a.0 = Some(Box::new(move || {
+                    let run = |what: &'static str, f: &dyn Fn() -> Outcome| {
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                            .unwrap_or_else(|_| Err("panicked".into()));
+                        outcomes.lock().push((what, r));
+                    };
+                    run("exists", &|| {
+                        layout
+                            .exists(b"held")
+                            .map(|p| format!("{p}"))
+                            .map_err(|e| e.to_string())
+                    });
+                    run("put", &|| {
+                        layout
+                            .put(b"at-exit", &chunk(2, 100))
+                            .map(|o| format!("{o:?}"))
+                            .map_err(|e| e.to_string())
+                    });
+                    run("get", &|| {
+                        layout
+                            .get(b"at-exit")
+                            .map(|g| format!("{}", g.map_or(0, |g| g.len())))
+                            .map_err(|e| e.to_string())
+                    });
+                    run("finish_read", &|| {
+                        tier.finish_read(&[b"held"], Holds::ONE)
+                            .map(|c| format!("{c:?}"))
+                            .map_err(|e| e.to_string())
+                    });
+                }));
+            });
+        })
+        .join()
+        .unwrap();
+    }
+    let outcomes = outcomes.lock().clone();
+    assert_eq!(
+        outcomes,
+        [
+            ("exists", Ok("true".to_owned())),
+            ("put", Ok("Inserted".to_owned())),
+            ("get", Ok("100".to_owned())),
+            ("finish_read", Ok("[Success]".to_owned())),
+        ]
+    );
+    // The hold was given back: nothing of the key is staged any more.
+    assert_eq!(
+        tier.finish_read(&[b"held"], Holds::ONE).unwrap(),
+        [TierCode::KeyNotExist]
+    );
+}

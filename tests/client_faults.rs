@@ -892,3 +892,86 @@ fn a_reattach_does_not_pin_a_key_that_moved_for_a_view_of_its_old_page() {
     assert_eq!(server.directory_stats().unwrap().pins, 0);
     assert_eq!(&bl.get(b"k").unwrap().unwrap()[..], &chunk(2, 100)[..]);
 }
+
+/// A call made from a thread-local destructor (a thread exiting) while the
+/// server is away cannot set up a new session there — its thread-locals
+/// are gone — and is refused at once, saying why, instead of taking the
+/// reconnect lock and failing its set-up until `reconnect_timeout_ms`; a
+/// live thread's call reconnects once the server is back.
+#[test]
+fn a_reconnect_from_an_exiting_thread_is_refused_at_once_and_a_live_thread_reconnects() {
+    use std::cell::RefCell;
+    use std::sync::mpsc;
+
+    struct AtExit(Option<Box<dyn FnOnce()>>);
+    impl Drop for AtExit {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    thread_local! {
+        static AT_EXIT: RefCell<AtExit> = const { RefCell::new(AtExit(None)) };
+    }
+
+    let mut cfg = server_config("faults-exiting-thread");
+    cfg.remove_pool_on_shutdown = false;
+    cfg.directory.session_lease = Duration::from_secs(30);
+    cfg.directory.instance_grace = Duration::from_secs(30);
+    let _cleanup = RemoveOnDrop(server_files(&cfg));
+    let server = Server::start(cfg.clone()).unwrap();
+    let mut client_cfg = client_config(&server);
+    client_cfg.request_timeout_ms = 300;
+    client_cfg.reconnect_timeout_ms = 20_000;
+    let client = Client::connect(client_cfg).unwrap();
+    let layout = client.layout(PAGE, FINGERPRINT).unwrap();
+    layout.put(b"owned", &chunk(4, 100)).unwrap();
+
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let outcome = Arc::new(parking_lot::Mutex::new(None));
+    let exiting = {
+        let (layout, outcome) = (layout.clone(), Arc::clone(&outcome));
+        std::thread::spawn(move || {
+            // Registered first, so destroyed after the library's.
+            AT_EXIT.with(|_| {});
+            assert!(layout.exists(b"owned").unwrap());
+            ready_tx.send(()).unwrap();
+            go_rx.recv().unwrap();
+            AT_EXIT.with_borrow_mut(|a| {
+                a.0 = Some(Box::new(move || {
+                    let start = std::time::Instant::now();
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        layout.exists(b"owned")
+                    }));
+                    *outcome.lock() = Some((r.map_err(|_| "panicked"), start.elapsed()));
+                }));
+            });
+        })
+    };
+    ready_rx.recv().unwrap();
+    server.shutdown().unwrap();
+    go_tx.send(()).unwrap();
+    exiting.join().unwrap();
+    let (result, took) = outcome.lock().take().expect("the destructor ran");
+    let err = result.expect("no panic").expect_err("no server to answer");
+    let text = err.to_string();
+    assert!(
+        matches!(err, cxlkv::client::ClientError::ReconnectFailed { .. })
+            && text.contains("this thread is exiting"),
+        "{text}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "refused at once, not after the 20 s reconnect timeout: {took:?}"
+    );
+
+    let restarted = Server::start(cfg.clone()).unwrap();
+    assert!(layout.exists(b"owned").unwrap(), "a live thread reconnects");
+    drop(layout);
+    drop(client);
+    restarted.shutdown().unwrap();
+    cfg.remove_pool_on_shutdown = true;
+    Server::start(cfg).unwrap().shutdown().unwrap();
+}

@@ -78,6 +78,19 @@ enum Attempt {
     Fatal(ClientError),
 }
 
+/// The refusal of a reconnect on a thread that is exiting (see
+/// [`SettingUp::enter`]): a call made there after the connection broke
+/// fails at once, and a live thread's next call reconnects.
+fn exiting_thread() -> ClientError {
+    ClientError::ReconnectFailed {
+        elapsed_ms: 0,
+        last: "this thread is exiting (its thread-local storage is destroyed) and cannot set up \
+               a session; a call from a live thread reconnects"
+            .to_owned(),
+        resumable: true,
+    }
+}
+
 /// The pre-shared secret goes only to TCP listeners.
 fn tcp_secret(cfg: &ClientConfig) -> Option<Vec<u8>> {
     match cfg.server {
@@ -213,6 +226,12 @@ impl Shared {
         // one attempt), not after that wait and then a full timeout of
         // its own attempts.
         let start = Instant::now();
+        // Not on a thread that is exiting (its thread-locals destroyed):
+        // it could not set the session up, and would hold the reconnect
+        // lock through its attempts while the other threads wait.
+        if !SettingUp::possible() {
+            return Err(exiting_thread());
+        }
         let Some(_serial) = self.reconnect_lock.try_lock_for(timeout) else {
             let last = match self.reconnect_failure.lock().clone() {
                 Some(why) => format!("{why} (another thread of this client is still reconnecting)"),
@@ -416,7 +435,10 @@ impl Shared {
         // session, and with it any pin taken) and the next attempt starts
         // over.
         {
-            let _setting_up = SettingUp::enter(self, Arc::clone(&conn));
+            let Some(_setting_up) = SettingUp::enter(self, Arc::clone(&conn)) else {
+                // `reconnect` refuses such a thread first.
+                return Err(Attempt::Retry(exiting_thread()));
+            };
             if self.reregister_pending.load(Ordering::Acquire) {
                 self.reregister().map_err(Attempt::Retry)?;
                 self.reregister_pending.store(false, Ordering::Release);

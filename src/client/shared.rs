@@ -497,25 +497,46 @@ pub(crate) struct SettingUp {
 }
 
 impl SettingUp {
-    pub fn enter(shared: &Shared, conn: Arc<Conn>) -> Self {
-        SETTING_UP.with_borrow_mut(|s| *s = Some((shared as *const Shared as usize, conn)));
-        Self {
+    /// `None` on a thread whose thread-locals are already destroyed (a
+    /// call from a thread-local destructor, or a C engine's
+    /// `pthread_key_create` one, as the thread exits): it cannot set up a
+    /// session, and must not try — its requests would go to the old
+    /// connection ([`SettingUp::possible`] lets a reconnect refuse first).
+    pub fn enter(shared: &Shared, conn: Arc<Conn>) -> Option<Self> {
+        SETTING_UP
+            .try_with(|s| *s.borrow_mut() = Some((shared as *const Shared as usize, conn)))
+            .ok()?;
+        Some(Self {
             _not_send: std::marker::PhantomData,
-        }
+        })
     }
 
+    /// Whether this thread can set up a session (see [`SettingUp::enter`]).
+    pub fn possible() -> bool {
+        SETTING_UP.try_with(|_| ()).is_ok()
+    }
+
+    /// The connection this thread is setting up for `shared`, if any. A
+    /// thread whose thread-locals are gone sets nothing up: `None`, so that
+    /// every other call works there as on a live thread.
     fn conn_for(shared: &Shared) -> Option<Arc<Conn>> {
-        SETTING_UP.with_borrow(|s| {
-            s.as_ref()
-                .filter(|(owner, _)| *owner == shared as *const Shared as usize)
-                .map(|(_, c)| Arc::clone(c))
-        })
+        SETTING_UP
+            .try_with(|s| {
+                s.borrow()
+                    .as_ref()
+                    .filter(|(owner, _)| *owner == shared as *const Shared as usize)
+                    .map(|(_, c)| Arc::clone(c))
+            })
+            .ok()
+            .flatten()
     }
 }
 
 impl Drop for SettingUp {
     fn drop(&mut self) {
-        SETTING_UP.with_borrow_mut(|s| *s = None);
+        // Set by `enter`, so still there: its value outlives this guard,
+        // which lives on the stack of a call.
+        let _ = SETTING_UP.try_with(|s| *s.borrow_mut() = None);
     }
 }
 

@@ -98,9 +98,8 @@ mod types;
 #[cfg(test)]
 mod tests;
 
-use std::cell::RefCell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
@@ -183,35 +182,38 @@ impl TierConfig {
     }
 }
 
-thread_local! {
-    /// Ids of the tiers whose lock this thread holds (to answer a
-    /// re-entrant call from a listener instead of deadlocking).
-    static HELD: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
-    /// Ids of the tiers whose `accessed` listeners this thread is calling
-    /// (`touch_keys`, outside the lock): `close` from one of them would
-    /// wait for its own dispatch to end.
-    static ACCESSING: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+/// This thread's identity for the tier's re-entrancy checks (`Inner::holder`,
+/// `Inner::accessing`). Not a thread-local: a C engine's
+/// `pthread_key_create` destructor, or a Rust thread-local's `Drop`, may
+/// call the tier as the thread exits, after the thread-locals registered
+/// before its own are destroyed (`std`'s refuse access then, with a panic);
+/// the thread's pthread handle stays valid until it has ended.
+fn this_thread() -> usize {
+    // SAFETY: `pthread_self` has no preconditions and cannot fail.
+    unsafe { libc::pthread_self() as usize }
 }
 
-/// This thread calls the `accessed` listeners of tier `id` while it lives
-/// (see `ACCESSING`); unwinding included.
-struct Accessing(u64);
+/// This thread calls the `accessed` listeners of a tier while it lives
+/// (see `Inner::accessing`); unwinding included.
+struct Accessing<'a> {
+    inner: &'a Inner,
+    thread: usize,
+}
 
-impl Accessing {
-    fn enter(id: u64) -> Accessing {
-        ACCESSING.with(|a| a.borrow_mut().push(id));
-        Accessing(id)
+impl<'a> Accessing<'a> {
+    fn enter(inner: &'a Inner) -> Accessing<'a> {
+        let thread = this_thread();
+        inner.accessing.lock().push(thread);
+        Accessing { inner, thread }
     }
 }
 
-impl Drop for Accessing {
+impl Drop for Accessing<'_> {
     fn drop(&mut self) {
-        ACCESSING.with(|a| {
-            let mut a = a.borrow_mut();
-            if let Some(pos) = a.iter().rposition(|&x| x == self.0) {
-                a.remove(pos);
-            }
-        });
+        let mut a = self.inner.accessing.lock();
+        if let Some(pos) = a.iter().rposition(|&t| t == self.thread) {
+            a.swap_remove(pos);
+        }
     }
 }
 
@@ -274,6 +276,17 @@ struct Inner {
     dispatch: RwLock<()>,
     /// Set by `close` (the unlocked operations read it).
     closed: AtomicBool,
+    /// The thread holding `state`'s lock (`this_thread`), 0 when none: a
+    /// listener calling a locked operation of its own tier is answered
+    /// `Reentrant` instead of deadlocking. Written only under the lock
+    /// (set after taking it, cleared before releasing it), so a thread
+    /// reads its own id here only while it holds the lock: any other
+    /// value it may read (another holder's, 0) differs from its id.
+    holder: AtomicUsize,
+    /// The threads calling this tier's `accessed` listeners (`touch_keys`,
+    /// outside the lock; a thread once per call under way): `close` from
+    /// one of them would wait for its own dispatch to end.
+    accessing: Mutex<Vec<usize>>,
     counters: Counters,
     /// Tests that inject a state the operations cannot reach turn the
     /// after-operation invariant assertion off.
@@ -285,7 +298,7 @@ struct Inner {
     before_round_trip: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
-/// The tier's lock, held by this thread (see `HELD`) for the locked
+/// The tier's lock, held by this thread (see `Inner::holder`) for the locked
 /// operation `op`. Releasing it asserts the invariants (debug builds), so
 /// they are checked after every locked operation whatever path it returns
 /// by.
@@ -310,13 +323,8 @@ impl std::ops::DerefMut for Locked<'_> {
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        let id = self.inner.id;
-        HELD.with(|h| {
-            let mut h = h.borrow_mut();
-            if let Some(pos) = h.iter().rposition(|&x| x == id) {
-                h.remove(pos);
-            }
-        });
+        // Before the guard (a field) unlocks; Relaxed: see `Inner::holder`.
+        self.inner.holder.store(0, Ordering::Relaxed);
         // Not while unwinding: a second panic would abort, and the first
         // one already says what went wrong.
         if !std::thread::panicking() {
@@ -365,6 +373,8 @@ impl L1Tier {
             listeners: RwLock::new(Arc::new(Vec::new())),
             dispatch: RwLock::new(()),
             closed: AtomicBool::new(false),
+            holder: AtomicUsize::new(0),
+            accessing: Mutex::new(Vec::new()),
             counters: Counters::default(),
             #[cfg(test)]
             skip_invariant_assert: AtomicBool::new(false),
@@ -408,7 +418,7 @@ impl L1Tier {
             let _dispatch = self.inner.dispatch.read_recursive();
             // Again under the gate: a `close` that took it first is done.
             self.inner.check_open(OP)?;
-            let _accessing = Accessing::enter(self.inner.id);
+            let _accessing = Accessing::enter(&self.inner);
             let listeners = Arc::clone(&self.inner.listeners.read());
             for l in listeners.iter() {
                 Callback::Accessed.call(l.as_ref(), &keys);
@@ -596,11 +606,12 @@ fn forked_child_refusal(op: &'static str, layout: &LayoutHandle) -> TierError {
 
 impl Inner {
     fn held_by_this_thread(&self) -> bool {
-        HELD.with(|h| h.borrow().contains(&self.id))
+        // Relaxed: see the field.
+        self.holder.load(Ordering::Relaxed) == this_thread()
     }
 
     fn accessing_on_this_thread(&self) -> bool {
-        ACCESSING.with(|a| a.borrow().contains(&self.id))
+        self.accessing.lock().contains(&this_thread())
     }
 
     /// Refuses a closed tier, and a tier whose client is closed.
@@ -667,7 +678,8 @@ impl Inner {
         }
         let mut guard = self.state.lock();
         guard.audit.reset();
-        HELD.with(|h| h.borrow_mut().push(self.id));
+        // Relaxed: see the field.
+        self.holder.store(this_thread(), Ordering::Relaxed);
         Ok(Locked {
             guard,
             inner: self,

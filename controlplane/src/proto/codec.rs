@@ -10,11 +10,13 @@
 //! [`ArchivedKeyList`](super::ArchivedKeyList)), then this protocol's own
 //! limits ([`Validate`]). Nothing in this crate uses unchecked access.
 
+use std::cell::Cell;
+
 use rkyv::api::low::{LowDeserializer, LowValidator};
 use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::{self, Strategy};
 use rkyv::ser::Serializer;
-use rkyv::ser::allocator::ArenaHandle;
+use rkyv::ser::allocator::{Arena, ArenaHandle};
 use rkyv::{Archive, Deserialize, Portable, Serialize};
 
 use super::common::{ArchivedReplyMeta, RequestMeta};
@@ -94,6 +96,33 @@ where
 {
 }
 
+thread_local! {
+    /// The serializer's scratch arena, kept between encodes on this thread.
+    static ARENA: Cell<Option<Arena>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with this thread's scratch arena, as `rkyv::util::with_arena`
+/// does (the arena taken out for the call, shrunk and put back after), but
+/// with a fresh arena instead of a panic once the thread's thread-locals
+/// are destroyed: a client call made from a thread-local destructor (a C
+/// engine's `pthread_key_create` one, as the thread exits) encodes its
+/// request like any other.
+fn with_arena<R>(f: impl FnOnce(&mut Arena) -> R) -> R {
+    let mut arena = ARENA
+        .try_with(Cell::take)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    let result = f(&mut arena);
+    let capacity = arena.shrink();
+    // A nested call may have put an arena back meanwhile: keep the larger.
+    let _ = ARENA.try_with(|slot| match slot.take() {
+        Some(other) if other.capacity() > capacity => slot.set(Some(other)),
+        _ => slot.set(Some(arena)),
+    });
+    result
+}
+
 fn encode_kind<T>(
     kind: Kind,
     request_id: u64,
@@ -111,7 +140,7 @@ where
     );
     let payload_start = frame_start + HEADER_BYTES;
     out.resize(payload_start, 0);
-    let serialized = rkyv::util::with_arena(|arena| {
+    let serialized = with_arena(|arena| {
         rkyv::api::low::to_bytes_in_with_alloc::<_, _, rancor::Error>(
             msg,
             &mut *out,
