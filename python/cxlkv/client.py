@@ -179,10 +179,28 @@ class _NotCopyable:
         self._refuse("pickled")
 
 
+@contextlib.contextmanager
+def _unless_unwinding(exc_type):
+    """Around a ``with`` block's release (of a view, a batch of views, a
+    lease, a tier): the ``BufferError`` of a memoryview still alive is
+    dropped when the block is left by an exception — most likely raised
+    before the block's ``del`` of that memoryview, which the traceback now
+    holds. The caller's exception goes on (an ``except`` for it still
+    catches it), and the object is released, aborted or closed when
+    collected, once its last memoryview goes."""
+    try:
+        yield
+    except BufferError:
+        if exc_type is None:
+            raise
+
+
 def _as_buffer(obj: BytesLike, keep: list) -> tuple[int, int]:
     """``(address, length)`` of ``obj``'s bytes, without a copy for bytes,
-    bytearray and writable buffers (read-only buffers of other types are
-    copied once); ``keep`` holds what must outlive the call."""
+    bytearray and writable C-contiguous buffers (read-only buffers of other
+    types, and Fortran-ordered ones — a transposed array —, are copied
+    once, in logical order as ``bytes()`` gives them); ``keep`` holds what
+    must outlive the call."""
     if isinstance(obj, str):
         obj = obj.encode()
     if isinstance(obj, bytes):
@@ -196,17 +214,30 @@ def _as_buffer(obj: BytesLike, keep: list) -> tuple[int, int]:
         return 0, 0
     if not mv.contiguous:
         raise ArgumentError(Status.INVALID_ARGUMENT, "buffers must be contiguous")
-    if mv.readonly:
+    if mv.readonly or not mv.c_contiguous:
+        # Only a C-contiguous view casts to bytes in place.
         return _as_buffer(mv.tobytes(), keep)
     arr = (ctypes.c_char * mv.nbytes).from_buffer(mv.cast("B"))
     keep.append(arr)
     return ctypes.addressof(arr), mv.nbytes
 
 
-def _bytes_array(items: Sequence[BytesLike], keep: list):
+def _bytes_array(items: Sequence[BytesLike], keep: list, what: Optional[str] = None):
+    """The C array of ``items``' buffers. ``what`` (``"batch_put(items):
+    item"``) names an item that is not a buffer in the error, by its
+    position: ``memoryview()``'s own message names neither."""
     arr = (N.Bytes * len(items))()
     for i, item in enumerate(items):
-        arr[i].data, arr[i].len = _as_buffer(item, keep)
+        try:
+            arr[i].data, arr[i].len = _as_buffer(item, keep)
+        except TypeError as e:
+            if what is None:
+                raise
+            raise TypeError(f"{what} {i}: the chunk is not bytes-like: {e}") from None
+        except ArgumentError as e:
+            if what is None:
+                raise
+            raise ArgumentError(e.status, f"{what} {i}: {e.message}") from None
     keep.append(arr)
     return arr
 
@@ -336,7 +367,10 @@ class _Pin(_NotCopyable):
 
 class View(_NotCopyable):
     """A chunk in place in the shared pool, pinned until released (see the
-    module docs). Use as a context manager, or call :meth:`release`."""
+    module docs). Use as a context manager, or call :meth:`release`. A
+    ``with`` block left by an exception while a memoryview of the view is
+    alive lets that exception through (not the release's ``BufferError``):
+    the view is then released when collected, after its last memoryview."""
 
     __slots__ = ("key", "location", "_len", "_address", "_pin", "_exports")
 
@@ -394,8 +428,9 @@ class View(_NotCopyable):
     def __enter__(self) -> "View":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with _unless_unwinding(exc_type):
+            self.release()
 
     def __repr__(self) -> str:
         state = "released" if self.released else f"{self._len} bytes"
@@ -404,7 +439,9 @@ class View(_NotCopyable):
 
 class ViewBatch(list):
     """The result of :meth:`Layout.batch_get`: a list of :class:`View` (or
-    ``None`` for absent keys); as a context manager, releases them all."""
+    ``None`` for absent keys); as a context manager, releases them all
+    (those with a live memoryview when left by an exception: when
+    collected, as :class:`View`)."""
 
     def release(self) -> None:
         first = None
@@ -420,8 +457,9 @@ class ViewBatch(list):
     def __enter__(self) -> "ViewBatch":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with _unless_unwinding(exc_type):
+            self.release()
 
 
 class Lease(_NotCopyable):
@@ -429,7 +467,9 @@ class Lease(_NotCopyable):
     through :meth:`memoryview` then :meth:`set_len`), then register it with
     :meth:`Layout.register`. Dropped unregistered, its page goes back.
     Until then it holds its client's session (see :meth:`Client.close`):
-    the page is the instance's only while the session lasts."""
+    the page is the instance's only while the session lasts. As a context
+    manager it aborts an unregistered lease (when left by an exception
+    while a memoryview of it is alive: when collected, as :class:`View`)."""
 
     __slots__ = (
         "_handle",
@@ -479,7 +519,10 @@ class Lease(_NotCopyable):
         """Copies ``data`` to the start of the page (non-temporal stores for
         large chunks) and sets the length."""
         keep: list = []
-        addr, n = _as_buffer(data, keep)
+        try:
+            addr, n = _as_buffer(data, keep)
+        except TypeError as e:
+            raise TypeError(f"Lease.write(data): the chunk is not bytes-like: {e}") from None
         check(N.lib.cxlkv_lease_write(self._live(), addr, n))
         self._len = n
 
@@ -533,8 +576,9 @@ class Lease(_NotCopyable):
     def __enter__(self) -> "Lease":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.abort()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with _unless_unwinding(exc_type):
+            self.abort()
 
 
 def _key(k: BytesLike) -> bytes:
@@ -577,36 +621,40 @@ def _keys(keys: Iterable[BytesLike], call: str) -> list[bytes]:
     return out
 
 
-def _pairs(items: Iterable[tuple], call: str, second: str) -> list[tuple]:
-    """The ``(key, second)`` pairs of a batch call, keys converted. A
+def _pairs(items: Iterable[tuple], call: str, second: str, param: str = "items") -> list[tuple]:
+    """The ``(key, second)`` pairs of a batch call, keys converted (an error
+    names ``call``, its parameter ``param`` and the item's position). A
     mapping is refused — iterating it gives its keys, and a two-character
     key would unpack as a key and its value (``{"ab": data}`` would store
     ``b"b"`` under ``"a"``) — and so is a str or bytes-like object as the
     whole or as one pair, for the same reason."""
     if isinstance(items, Mapping):
         raise TypeError(
-            f"{call}(items): expected an iterable of (key, {second}) pairs, not a "
+            f"{call}({param}): expected an iterable of (key, {second}) pairs, not a "
             f"{type(items).__name__} (pass its .items())"
         )
     if isinstance(items, _SINGLE):
         raise TypeError(
-            f"{call}(items): expected an iterable of (key, {second}) pairs, "
+            f"{call}({param}): expected an iterable of (key, {second}) pairs, "
             f"not a {type(items).__name__}"
         )
     out = []
     for i, item in enumerate(_bounded(items, call)):
         if isinstance(item, _SINGLE) or isinstance(item, Mapping):
             raise TypeError(
-                f"{call}(items): item {i} is a {type(item).__name__}, not a (key, {second}) pair"
+                f"{call}({param}): item {i} is a {type(item).__name__}, not a (key, {second}) pair"
             )
         try:
             k, v = item
         except (TypeError, ValueError):
             raise TypeError(
-                f"{call}(items): item {i} is not a (key, {second}) pair "
+                f"{call}({param}): item {i} is not a (key, {second}) pair "
                 f"(a {type(item).__name__})"
             ) from None
-        out.append((_key(k), v))
+        try:
+            out.append((_key(k), v))
+        except TypeError as e:
+            raise TypeError(f"{call}({param}): item {i}: {e}") from None
     return out
 
 
@@ -689,7 +737,7 @@ class Layout(_NotCopyable):
         given twice (:class:`ArgumentError`), a consumed lease
         (:class:`ViewReleasedError`), a lease with a live memoryview
         (``BufferError``)."""
-        entries = _pairs(entries, "batch_register", "lease")
+        entries = _pairs(entries, "batch_register", "lease", "entries")
         n = len(entries)
         keys = [k for k, _ in entries]
         leases = [lease for _, lease in entries]
@@ -729,7 +777,7 @@ class Layout(_NotCopyable):
         items = _pairs(items, "batch_put", "data")
         keep: list = []
         karr = _bytes_array([k for k, _ in items], keep)
-        varr = _bytes_array([v for _, v in items], keep)
+        varr = _bytes_array([v for _, v in items], keep, "batch_put(items): item")
         out = (N.RegisterResult * max(len(items), 1))()
         check(N.lib.cxlkv_batch_put(self._h(), karr, varr, len(items), out))
         return [RegisterResult._from(out[i]) for i in range(len(items))]
@@ -859,8 +907,10 @@ class Client(_NotCopyable):
         them :class:`ArgumentError`. ``on_map(region_id, offset_bytes, base_address,
         len_bytes)`` and ``on_unmap(...)`` are told of every region mapped
         and unmapped (from any thread; exceptions in them are printed and
-        ignored). A callback that takes a ``read_only`` keyword (or
-        ``**kwargs``) is also told whether the mapping is read-only: peers'
+        ignored); one that is not callable, or whose signature cannot take
+        those four arguments, raises ``TypeError`` before connecting. A
+        callback that takes a ``read_only`` keyword (or ``**kwargs``) is
+        also told whether the mapping is read-only: peers'
         regions are mapped ``PROT_READ`` (a write into them faults), so a
         device registration of them must say so (CUDA:
         ``cudaHostRegisterReadOnly``). They run under the client's mapping locks, so they must
@@ -880,7 +930,10 @@ class Client(_NotCopyable):
         if tcp_addr is not None:
             cfg.tcp_addr = _c_string(tcp_addr, "tcp_addr")
         if client_secret is not None:
-            cfg.client_secret, cfg.client_secret_len = _as_buffer(client_secret, keep)
+            try:
+                cfg.client_secret, cfg.client_secret_len = _as_buffer(client_secret, keep)
+            except TypeError as e:
+                raise TypeError(f"connect(): client_secret is not bytes-like: {e}") from None
         if instance_id is not None:
             cfg.instance_id = _c_string(instance_id, "instance_id")
         if client_name is not None:
@@ -903,8 +956,8 @@ class Client(_NotCopyable):
             setattr(cfg, name, _c_uint(value, ctype, f"connect(): {name}"))
         callbacks = []
         if on_map is not None or on_unmap is not None:
-            cfg.map_callbacks.on_map = _map_fn(on_map, callbacks)
-            cfg.map_callbacks.before_unmap = _map_fn(on_unmap, callbacks)
+            cfg.map_callbacks.on_map = _map_fn(on_map, callbacks, "on_map")
+            cfg.map_callbacks.before_unmap = _map_fn(on_unmap, callbacks, "on_unmap")
         handle = ctypes.c_void_p()
         check(N.lib.cxlkv_connect(ctypes.byref(cfg), ctypes.byref(handle)))
         layout_defaults = (
@@ -1137,11 +1190,29 @@ def _takes_keyword(f: Callable, name: str) -> bool:
     )
 
 
-def _map_fn(f: Optional[MapCallback], keep: list):
+def _map_fn(f: Optional[MapCallback], keep: list, name: str):
     if f is None:
         return N.MAP_FN()
-
+    # Refused now, before connecting: else every mapping would raise in the
+    # callback, printed and ignored (a device never told of the memory).
+    if not callable(f):
+        raise TypeError(
+            f"connect(): {name} must be a callable (region_id, offset_bytes, base_address, "
+            f"len_bytes), not {type(f).__name__}"
+        )
     wants_read_only = _takes_keyword(f, "read_only")
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):
+        signature = None  # cannot be read (a builtin): taken as it is
+    if signature is not None:
+        try:
+            signature.bind(0, 0, 0, 0, **({"read_only": False} if wants_read_only else {}))
+        except TypeError as e:
+            raise TypeError(
+                f"connect(): {name} cannot be called as {name}(region_id, offset_bytes, "
+                f"base_address, len_bytes): {e}"
+            ) from None
 
     def trampoline(_user_data, info):
         i = info.contents

@@ -108,6 +108,13 @@ class Error(Exception):
         self.message = message
         super().__init__(f"{self.status_name}: {message}")
 
+    def __reduce__(self):
+        # Rebuilt from the constructor's own arguments (the default would
+        # call it with ``args``, the one formatted string, and fail):
+        # pickling is how multiprocessing and concurrent.futures hand a
+        # worker's exception to its parent, and copy.copy uses it too.
+        return (type(self), (int(self.status), self.message), self.__dict__)
+
 
 class ArgumentError(Error, ValueError):
     """The call's arguments were refused; nothing changed."""

@@ -25,6 +25,14 @@ class ObjectKey(NamedTuple):
     cache_salt: str = ""
 
     def __str__(self) -> str:
+        # Text fields must be str: str() of bytes or None is text too, and
+        # would silently be another key than the one encoded elsewhere.
+        for name in ("model_name", "cache_salt"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+        if not isinstance(self.kv_rank, int):
+            raise TypeError(f"kv_rank must be an int, not {type(self.kv_rank).__name__}")
         if not 0 <= self.kv_rank <= 0xFFFF_FFFF:
             raise ValueError(f"kv_rank {self.kv_rank} does not fit 8 hex digits")
         if not isinstance(self.chunk_hash, (bytes, bytearray, memoryview)):
@@ -51,5 +59,8 @@ def object_key(
     object_group_id: int = 0,
     cache_salt: str = "",
 ) -> str:
-    """The §2.1 string of an object key."""
+    """The §2.1 string of an object key. A field of another type than its
+    annotation's raises ``TypeError`` (``bytes`` or ``None`` as the model
+    name or salt would format into another key), a rank outside
+    0..=0xFFFFFFFF ``ValueError``."""
     return str(ObjectKey(model_name, kv_rank, chunk_hash, object_group_id, cache_salt))

@@ -99,6 +99,7 @@ from .client import (
     _key,
     _keys,
     _NotCopyable,
+    _unless_unwinding,
 )
 from .errors import (
     ArgumentError,
@@ -274,6 +275,8 @@ def _ttl_ms(name: str, seconds: float) -> int:
     wrong = isinstance(seconds, (bool, str, bytes, bytearray, memoryview)) or seconds is None
     try:
         ms = float(seconds) * 1000 if not wrong else None
+    except OverflowError:
+        ms = math.inf  # a number, too large for a float: out of range below
     except (TypeError, ValueError):
         ms = None
     if ms is None:
@@ -303,7 +306,9 @@ def _holds(call: str, extra_count: int, holds: Optional[int]) -> int:
 
 class L1Tier(_NotCopyable):
     """The L1 tier over one :class:`~cxlkv.Layout` (see the module docs).
-    Thread-safe; a context manager (``close`` at the end). TTLs are in
+    Thread-safe; a context manager (``close`` at the end; left by an
+    exception while a memoryview of a page is alive, the tier is closed
+    when collected instead, and the exception goes on). TTLs are in
     seconds, rounded up to whole milliseconds (1 ms to one year)."""
 
     #: Pages tracked (keys) after which a tracking call prunes every key.
@@ -819,8 +824,9 @@ class L1Tier(_NotCopyable):
     def __enter__(self) -> "L1Tier":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with _unless_unwinding(exc_type):
+            self.close()
 
     def __del__(self):
         # No memoryview of a page is alive (each would hold this object).

@@ -152,6 +152,26 @@ def test_map_callbacks_report_every_region_with_its_address(server, fingerprint)
     assert [u[0] for u in unmaps] == [region]
 
 
+def test_a_map_callback_that_cannot_be_called_with_the_region_is_refused_at_connect(tmp_path):
+    # Accepted, it would raise at every mapping, printed and ignored: an
+    # engine would never register the pool's memory with its device.
+    absent = str(tmp_path / "no-server.sock")  # refused before connecting
+    for bad in (5, "on_map", lambda region: None, lambda a, b, c, d, e: None):
+        for name in ("on_map", "on_unmap"):
+            with pytest.raises(TypeError, match=name):
+                cxlkv.Client.connect(absent, **{name: bad})
+    # What may be called with the four numbers (and read_only=, if it asks)
+    # is accepted: the connection is what fails here.
+    for good in (
+        lambda *info: None,
+        lambda region, offset, base, length, read_only=False: None,
+        lambda region, offset, base, length, **more: None,
+        print,
+    ):
+        with pytest.raises(cxlkv.ConnectionLostError):
+            cxlkv.Client.connect(absent, on_map=good, on_unmap=good)
+
+
 def test_a_callback_taking_read_only_learns_that_peer_regions_are_mapped_read_only(server, fingerprint):
     writer = cxlkv.Client.connect(server.socket, region_size_bytes=4 << 20)
     wl = writer.layout(PAGE, fingerprint)
@@ -203,6 +223,57 @@ def test_bytes_like_inputs_are_accepted(layout):
     assert layout.put(memoryview(b"mv"), memoryview(b"from a read-only memoryview")).inserted
     with layout.batch_get([b"ba", "mv"]) as (a, b):
         assert bytes(a) == b"from a bytearray" and bytes(b) == b"from a read-only memoryview"
+
+
+def test_a_bad_key_or_chunk_in_a_batch_of_pairs_is_named_by_its_call_and_position(layout):
+    # As for batch_get's keys: in a batch of thousands, the bare "not
+    # NoneType" of memoryview() or of the key check names neither.
+    with pytest.raises(TypeError, match=r"batch_put\(items\): item 1: .*key.* not NoneType"):
+        layout.batch_put([(b"a", b"x"), (None, b"y")])
+    with pytest.raises(TypeError, match=r"batch_put\(items\): item 2: .*chunk.* not 'NoneType'"):
+        layout.batch_put([(b"a", b"x"), (b"b", b"y"), (b"c", None)])
+    with pytest.raises(TypeError, match=r"batch_put\(items\): item 0: .*chunk.* not 'int'"):
+        layout.put(b"a", 5)
+    lease = layout.alloc()
+    with pytest.raises(TypeError, match=r"batch_register\(entries\): item 1: .*key.* not int"):
+        layout.batch_register([(b"a", layout.alloc()), (7, lease)])
+    with pytest.raises(TypeError, match=r"Lease.write\(data\): .* not 'NoneType'"):
+        lease.write(None)
+    lease.abort()
+    assert layout.batch_exists([b"a", b"b", b"c"]) == [False] * 3
+
+
+def test_a_client_secret_that_is_not_bytes_like_is_named_in_the_error(tmp_path):
+    with pytest.raises(TypeError, match=r"connect\(\): client_secret .* not 'int'"):
+        cxlkv.Client.connect(str(tmp_path / "absent.sock"), client_secret=5)
+
+
+def test_a_fortran_ordered_buffer_is_stored_as_its_bytes_writable_or_not(layout):
+    # A transposed NumPy array or torch tensor is contiguous in Fortran
+    # order, not C order: memoryview.cast() refuses it. Its bytes are stored
+    # in logical (C) order, as bytes() of it gives them, whether or not it
+    # is writable.
+    testbuffer = pytest.importorskip("_testbuffer")
+    flags = testbuffer.ND_FORTRAN
+    for writable in (False, True):
+        buf = testbuffer.ndarray(
+            list(range(12)),
+            shape=[3, 4],
+            format="B",
+            flags=flags | (testbuffer.ND_WRITABLE if writable else 0),
+        )
+        mv = memoryview(buf)
+        assert mv.f_contiguous and not mv.c_contiguous and mv.readonly is not writable
+        expected = mv.tobytes()
+        assert layout.put(f"fortran-put-{writable}", buf).inserted
+        assert layout.batch_put([(f"fortran-batch-{writable}", buf)])[0].inserted
+        lease = layout.alloc()
+        lease.write(buf)
+        assert len(lease) == len(expected)
+        assert layout.register(f"fortran-lease-{writable}", lease).inserted
+        keys = [f"fortran-{how}-{writable}" for how in ("put", "batch", "lease")]
+        with layout.batch_get(keys) as views:
+            assert [bytes(v) for v in views] == [expected] * 3
 
 
 @pytest.mark.parametrize("bad", [5, 0, 1.5, None, [1, 2]])
@@ -315,6 +386,41 @@ def test_busy_statuses_are_busy_errors():
     server = cxlkv.errors.error_for(cxlkv.Status.SERVER_BUSY)
     assert isinstance(server, cxlkv.BusyError) and isinstance(server, cxlkv.ServerError)
     assert server.code == 16
+
+
+def _raise_key_length(_):
+    raise cxlkv.errors.error_for(cxlkv.Status.KEY_LENGTH)
+
+
+def test_every_error_survives_pickling_and_copying_with_its_class_status_and_message():
+    # multiprocessing and concurrent.futures send a worker's exception to
+    # the parent pickled: one that cannot be rebuilt breaks the pool.
+    import copy
+    import pickle
+
+    for status in [s for s in cxlkv.Status if s != cxlkv.Status.OK] + [777]:
+        cls = type(cxlkv.errors.error_for(status))
+        err = cls(status, f"the message of {status}")
+        for again in (pickle.loads(pickle.dumps(err)), copy.copy(err), copy.deepcopy(err)):
+            assert type(again) is type(err)
+            assert (again.status, again.status_name, again.message, str(again)) == (
+                err.status,
+                err.status_name,
+                err.message,
+                str(err),
+            )
+            assert type(again.status) is type(err.status)
+
+
+def test_an_error_raised_in_a_worker_process_reaches_the_parent_as_itself():
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        with pytest.raises(cxlkv.ArgumentError) as e:
+            pool.submit(_raise_key_length, None).result(timeout=60)
+    assert e.value.status == cxlkv.Status.KEY_LENGTH
 
 
 def test_a_layout_option_given_alone_keeps_the_clients_other_layout_settings(server, fingerprint):

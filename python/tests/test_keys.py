@@ -45,3 +45,23 @@ def test_out_of_range_ranks_and_non_bytes_hashes_are_refused():
 def test_an_integer_hash_is_refused_not_zero_filled():
     with pytest.raises(TypeError):
         object_key("m", 0, 5)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        (b"m", 0, b"\x01"),  # would be the model "b'm'"
+        (None, 0, b"\x01"),  # "None"
+        ("m", 0, b"\x01", 0, b"salt"),  # the salt "b'salt'"
+        ("m", 0, b"\x01", 0, None),  # no salt: "@None" would follow
+        ("m", 1.0, b"\x01"),  # a rank is an int
+        ("m", 0, b"\x01", 1.5),  # a group is an int
+    ],
+)
+def test_a_field_of_the_wrong_type_is_refused_not_formatted_into_another_key(fields):
+    # str() of bytes or None is text too: the key would silently differ
+    # from the one another process encodes from the same str fields.
+    with pytest.raises(TypeError):
+        object_key(*fields)
+    with pytest.raises(TypeError):
+        ObjectKey(*fields).encode()

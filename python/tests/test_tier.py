@@ -520,6 +520,14 @@ def test_sub_millisecond_ttls_round_up_and_bad_constructor_arguments_are_refused
             assert t.report_status()["read_ttl_seconds"] == seconds
 
 
+def test_a_ttl_too_large_for_a_float_is_out_of_range_not_an_overflow(layout):
+    # float() of such a number raises OverflowError, which named neither
+    # the argument nor the range; an infinite TTL is an ArgumentError.
+    for bad in (10**400, -(10**400), fractions.Fraction(10**400, 3)):
+        with pytest.raises(cxlkv.ArgumentError, match=r"write_ttl_s=.*at most 31536000"):
+            L1Tier(layout, write_ttl_s=bad)
+
+
 HOLDER = textwrap.dedent(
     """
     import sys, cxlkv

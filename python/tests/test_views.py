@@ -95,6 +95,55 @@ def test_a_memoryview_outliving_its_view_object_keeps_the_pin(client, layout):
     assert layout.delete(b"o").outcome == "deleted"
 
 
+class _CallersError(Exception):
+    pass
+
+
+def test_an_exception_in_a_with_block_is_not_replaced_by_the_live_memoryviews_buffererror(
+    client, layout
+):
+    # The documented idiom deletes the memoryview at the end of the block;
+    # an exception before that line leaves it alive. The caller's exception
+    # must propagate (an `except` for it must still catch it), not a
+    # BufferError from the exit: the view, lease or tier is then released,
+    # aborted or closed once the memoryview goes, as when collected.
+    layout.put(b"x1", b"one")
+    layout.put(b"x2", b"two")
+    with pytest.raises(_CallersError):
+        with layout.get(b"x1") as view:
+            data = view.memoryview()
+            raise _CallersError()
+    assert not view.released and data == b"one"
+    with pytest.raises(_CallersError):
+        with layout.batch_get([b"x1", b"x2"]) as views:
+            more = views[1].memoryview()
+            raise _CallersError()
+    assert views[0].released and not views[1].released
+    with pytest.raises(_CallersError):
+        with layout.alloc() as lease:
+            page = lease.memoryview()
+            raise _CallersError()
+    with pytest.raises(_CallersError):
+        with cxlkv.L1Tier(layout) as tier:
+            [(_, tier_page)] = tier.reserve_write([b"x3"], [False], 3)
+            written = tier_page.memoryview()
+            raise _CallersError()
+    assert layout.batch_delete([b"x1", b"x2"]) == [cxlkv.DeleteResult("pinned", 1)] * 2
+    # Without an exception, the exit still refuses.
+    with pytest.raises(BufferError):
+        with layout.get(b"x1") as again:
+            kept = again.memoryview()
+    del data, more, page, kept, written
+    view.release()
+    views.release()
+    again.release()
+    lease.abort()
+    tier.close()
+    client.flush_unpins()
+    assert layout.batch_delete([b"x1", b"x2"]) == [cxlkv.DeleteResult("deleted")] * 2
+    assert not layout.exists(b"x3")
+
+
 def test_the_memoryview_is_the_pools_memory_not_a_copy(layout):
     lease = layout.alloc()
     page = lease.memoryview()
