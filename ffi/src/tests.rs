@@ -1065,6 +1065,88 @@ fn the_session_info_keeps_the_last_session_while_the_server_is_gone() {
     close(client, layout);
 }
 
+/// docs/c-api.md, "Calls as a thread exits": a `pthread_key_create`
+/// destructor runs after the thread's other thread-locals — the library's
+/// included — are destroyed (glibc runs them last), and calls made there
+/// work as on a live thread. They used to return `CXLKV_STATUS_PANIC`.
+#[test]
+fn calls_from_a_pthread_key_destructor_work_as_on_a_live_thread() {
+    static LAYOUT: AtomicUsize = AtomicUsize::new(0);
+    static STATUSES: std::sync::Mutex<Vec<(&str, cxlkv_status)>> =
+        std::sync::Mutex::new(Vec::new());
+    extern "C" fn at_exit(_value: *mut c_void) {
+        let layout = LAYOUT.load(Ordering::Acquire) as *mut cxlkv_layout;
+        let record = |what, s| STATUSES.lock().unwrap().push((what, s));
+        let mut view = MaybeUninit::<cxlkv_view>::uninit();
+        // SAFETY: a live layout (closed only after this thread is joined),
+        // a one-byte key, a live out slot.
+        let s = unsafe { cxlkv_get(layout, b"k".as_ptr(), 1, view.as_mut_ptr()) };
+        record("get", s);
+        if s == CXLKV_STATUS_OK {
+            // SAFETY: the view `cxlkv_get` filled in.
+            record("release", unsafe { cxlkv_release(view.as_mut_ptr()) });
+        }
+        let mut result = MaybeUninit::<cxlkv_register_result>::uninit();
+        // SAFETY: as above; a one-byte chunk.
+        let s = unsafe {
+            cxlkv_put(
+                layout,
+                b"k2".as_ptr(),
+                2,
+                b"v".as_ptr(),
+                1,
+                result.as_mut_ptr(),
+            )
+        };
+        record("put", s);
+    }
+
+    let fx = Fixture::new("ffi-key-dtor");
+    let (client, layout) = fx.connect();
+    let mut result = MaybeUninit::<cxlkv_register_result>::uninit();
+    // SAFETY: live layout, one-byte key and chunk, live out slot.
+    ok(unsafe {
+        cxlkv_put(
+            layout,
+            b"k".as_ptr(),
+            1,
+            b"v".as_ptr(),
+            1,
+            result.as_mut_ptr(),
+        )
+    });
+    LAYOUT.store(layout as usize, Ordering::Release);
+    let mut key: libc::pthread_key_t = 0;
+    // SAFETY: a live out slot and a destructor that does not unwind.
+    let created = unsafe { libc::pthread_key_create(&mut key, Some(at_exit)) };
+    assert_eq!(created, 0);
+    std::thread::spawn(move || {
+        let layout = LAYOUT.load(Ordering::Acquire) as *const cxlkv_layout;
+        let mut present = false;
+        // SAFETY: live layout, one-byte key, live out slot. The library's
+        // thread-locals are made here, so the thread destroys them.
+        ok(unsafe { cxlkv_exists(layout, b"k".as_ptr(), 1, &mut present) });
+        assert!(present);
+        // SAFETY: a key just created; any non-NULL value (never read)
+        // runs the destructor.
+        let set = unsafe { libc::pthread_setspecific(key, std::ptr::dangling::<c_void>()) };
+        assert_eq!(set, 0);
+    })
+    .join()
+    .unwrap();
+    // SAFETY: the key is no longer used.
+    unsafe { libc::pthread_key_delete(key) };
+    assert_eq!(
+        *STATUSES.lock().unwrap(),
+        [
+            ("get", CXLKV_STATUS_OK),
+            ("release", CXLKV_STATUS_OK),
+            ("put", CXLKV_STATUS_OK)
+        ]
+    );
+    close(client, layout);
+}
+
 mod tier {
     use std::sync::Mutex;
 
