@@ -12,6 +12,7 @@
 
 #include <cxlkv.h>
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -36,10 +37,10 @@ static uint8_t chunk_byte(unsigned i, size_t j) { return (uint8_t)(i * 31u + j *
 
 /* Region map callback: an engine would register the range with its GPU
  * here (cudaHostRegister; with cudaHostRegisterReadOnly when
- * info->read_only, as for every peer's region); this one counts. */
+ * info->read_only, as for every peer's region); this one counts. It may
+ * run on several threads at once: the count is atomic. */
 static void on_map(void *user_data, const cxlkv_map_info *info) {
-    unsigned *mapped = user_data;
-    (*mapped)++;
+    atomic_fetch_add((atomic_uint *)user_data, 1u);
     printf("consumer: mapped region %llu (%llu bytes%s)\n", (unsigned long long)info->region_id,
            (unsigned long long)info->len_bytes, info->read_only ? ", read-only" : "");
 }
@@ -55,7 +56,7 @@ int main(int argc, char **argv) {
         return 2;
     }
 
-    unsigned mapped = 0;
+    atomic_uint mapped = 0;
     cxlkv_config config;
     if (failed(cxlkv_config_init(&config, sizeof config), "config")) {
         return 1;
@@ -137,7 +138,7 @@ int main(int argc, char **argv) {
 
     printf("consumer: %u of %u chunks intact (%llu bytes read in place, %u regions mapped), "
            "%u deleted\n",
-           good, count, bytes, mapped, gone);
+           good, count, bytes, atomic_load(&mapped), gone);
     rc = (good == count && gone == count) ? 0 : 1;
 
 out:

@@ -4,6 +4,7 @@
 //   usage: consumer SOCKET [COUNT]
 #include "cxlkv.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -20,7 +21,10 @@ std::size_t chunk_len(unsigned i) { return 4096u * (i % 4u + 1u) + i; }
 uint8_t chunk_byte(unsigned i, std::size_t j) { return static_cast<uint8_t>(i * 31u + j * 7u); }
 
 // Region map callback: where an engine would cudaHostRegister the range.
-void on_map(void *user_data, const cxlkv_map_info *) { ++*static_cast<unsigned *>(user_data); }
+// It may run on several threads at once: the count is atomic.
+void on_map(void *user_data, const cxlkv_map_info *) {
+    static_cast<std::atomic<unsigned> *>(user_data)->fetch_add(1);
+}
 } // namespace
 
 int main(int argc, char **argv) {
@@ -33,7 +37,7 @@ int main(int argc, char **argv) {
         std::fprintf(stderr, "consumer: COUNT must be 1..256\n");
         return 2;
     }
-    unsigned mapped = 0;
+    std::atomic<unsigned> mapped{0};
     try {
         cxlkv_config config = cxlkv::Client::defaults(argv[1]);
         config.map_callbacks.on_map = on_map;
@@ -83,7 +87,7 @@ int main(int argc, char **argv) {
         }
         std::printf("consumer (C++): %u of %u chunks intact (%zu bytes read in place, %u regions "
                     "mapped), %u deleted\n",
-                    good, count, bytes, mapped, gone);
+                    good, count, bytes, mapped.load(), gone);
         return good == count && gone == count ? 0 : 1;
     } catch (const cxlkv::Error &e) {
         std::fprintf(stderr, "consumer: %s\n", e.what());
