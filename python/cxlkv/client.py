@@ -846,12 +846,14 @@ MapCallback = Callable[[int, int, int, int], None]
 
 #: The ``cxlkv_config`` fields ``Client.connect(**more)`` accepts: the
 #: integer settings. Not ``size``, lengths (``client_secret_len``,
-#: ``pool_paths_len``: they describe a buffer, set with it) or pointers.
+#: ``pool_paths_len``: they describe a buffer, set with it), pointers, or
+#: ``flags`` (``eager_map`` and ``auto_expand`` set it: taken by name too,
+#: it would override them).
 _CONNECT_MORE = {
     name: ctype
     for name, ctype in N.Config._fields_
     if ctype in (ctypes.c_uint32, ctypes.c_uint64)
-    and name != "size"
+    and name not in ("size", "flags")
     and not name.endswith("_len")
 }
 
@@ -918,7 +920,8 @@ class Client(_NotCopyable):
         view, lease or tier, from the callback or a thread it waits for: a
         call that maps a region would deadlock. Other ``cxlkv_config``
         integer settings may be passed by name (``max_retries=5``,
-        ``unpin_delay_us=0``, ...); lengths, pointers and ``size`` may not
+        ``unpin_delay_us=0``, ...); lengths, pointers, ``size`` and
+        ``flags`` (set by ``eager_map`` and ``auto_expand``) may not
         (``TypeError``). An integer setting, named here or not, out of its
         field's range raises :class:`ArgumentError` (ctypes would keep only
         its low bits)."""
@@ -951,6 +954,8 @@ class Client(_NotCopyable):
         )
         for name, value in more.items():
             ctype = _CONNECT_MORE.get(name)
+            if name == "flags":
+                raise TypeError("connect(): pass eager_map= and auto_expand=, not flags=")
             if ctype is None:
                 raise TypeError(f"connect() got an unexpected keyword argument {name!r}")
             setattr(cfg, name, _c_uint(value, ctype, f"connect(): {name}"))

@@ -352,6 +352,14 @@ def test_connect_refuses_length_and_pointer_fields(server):
         assert c.instance_id
 
 
+def test_connect_refuses_flags_which_its_own_keywords_set(server):
+    # ``flags`` is what ``eager_map`` and ``auto_expand`` set: taken by
+    # name it silently overrode them (``auto_expand=False, flags=0`` turned
+    # auto-expansion back on).
+    with pytest.raises(TypeError, match="eager_map"):
+        cxlkv.Client.connect(server.socket, auto_expand=False, flags=0)
+
+
 def test_connect_takes_a_path_of_any_kind_and_refuses_other_types_and_nul(server):
     for path in (server.socket, os.fsencode(server.socket), pathlib.Path(server.socket)):
         with cxlkv.Client.connect(path) as c:  # bytes were once the path "b'/...'"
