@@ -17,7 +17,8 @@
 //! library knows is zero — a field it cannot honour is refused, never
 //! ignored. Writing one ([`write_versioned`]): as many bytes as both sides
 //! know are written, and `size` is set to that count so the caller can
-//! tell which fields were filled.
+//! tell which fields were filled. Either way, a size no header declared
+//! (below the first version's, or between two) is refused.
 
 use std::ffi::{CStr, c_char};
 use std::mem::size_of;
@@ -439,7 +440,8 @@ pub(crate) unsafe fn read_versioned<T: Versioned>(
 }
 
 /// Writes a versioned output struct: as many bytes as both sides know;
-/// `size` is set to that count.
+/// `size` is set to that count. A size no header declared is refused as
+/// [`read_versioned`] refuses it, with nothing written.
 ///
 /// # Safety
 ///
@@ -453,11 +455,14 @@ pub(crate) unsafe fn write_versioned<T: Versioned>(
     check_ptr(ptr, arg)?;
     // SAFETY: aligned and non-NULL; every Versioned starts with a u32.
     let size = unsafe { ptr.cast::<u32>().read() } as usize;
-    let smallest = T::SIZES[0];
-    if size < smallest || size > MAX_VERSIONED_BYTES {
+    let ours = size_of::<T>();
+    debug_assert_eq!(T::SIZES.last(), Some(&ours));
+    // As on input: a size no header declared (between two versions', or
+    // below the first) is refused, not filled up to a part of a field.
+    if size > MAX_VERSIONED_BYTES || (size <= ours && !T::SIZES.contains(&size)) {
         return Err(size_error(arg, size, T::SIZES));
     }
-    let n = size.min(size_of::<T>());
+    let n = size.min(ours);
     // SAFETY: `n` bytes are writable at `ptr` (contract) and readable from
     // `value`; the struct has no padding (trait contract).
     unsafe {
@@ -601,6 +606,30 @@ mod tests {
         // SAFETY: as above.
         unsafe { write_versioned(&mut out, &D, "out") }.unwrap();
         assert_eq!(out, D);
+    }
+
+    /// An output struct's `size` is refused as on input when no header
+    /// declared it (between two versions' sizes): nothing is written, not
+    /// a part of a field.
+    #[test]
+    fn writing_refuses_a_size_no_header_declared() {
+        let mut out = V {
+            size: 12,
+            a: 0,
+            b: 0,
+        };
+        // SAFETY: `out` is a live V of 16 bytes, more than the 12 claimed.
+        let err = unsafe { write_versioned(&mut out, &D, "out") }.unwrap_err();
+        assert_eq!(err.status, cxlkv_status::CXLKV_STATUS_INVALID_ARGUMENT);
+        assert_eq!(
+            out,
+            V {
+                size: 12,
+                a: 0,
+                b: 0
+            },
+            "nothing written"
+        );
     }
 
     #[test]
