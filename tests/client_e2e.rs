@@ -752,20 +752,8 @@ fn a_client_that_cannot_resume_its_instance_says_so_and_stays_quiet() {
 #[test]
 fn calls_from_a_thread_local_destructor_work_after_the_librarys_thread_locals_are_gone() {
     use cxlkv::tier::{Holds, L1Tier, TierCode, TierConfig};
-    use std::cell::RefCell;
 
     type Outcome = Result<String, String>;
-    struct AtExit(Option<Box<dyn FnOnce()>>);
-    impl Drop for AtExit {
-        fn drop(&mut self) {
-            if let Some(f) = self.0.take() {
-                f();
-            }
-        }
-    }
-    thread_local! {
-        static AT_EXIT: RefCell<AtExit> = const { RefCell::new(AtExit(None)) };
-    }
 
     let server = start_server("e2e-tls-dtor");
     let client = Client::connect(client_config(&server)).unwrap();
@@ -776,43 +764,40 @@ fn calls_from_a_thread_local_destructor_work_after_the_librarys_thread_locals_ar
     {
         let (layout, tier, outcomes) = (layout.clone(), Arc::clone(&tier), Arc::clone(&outcomes));
         std::thread::spawn(move || {
-            // Registered first, so destroyed last.
-            AT_EXIT.with(|_| {});
+            at_exit::register_first();
             // The library's thread-locals, registered after it.
             assert!(layout.exists(b"held").unwrap());
             let read = tier.reserve_read(&[b"held"], Holds::ONE).unwrap();
             assert_eq!(read[0].code, TierCode::Success);
-            AT_EXIT.with_borrow_mut(|a| {
-                a.0 = Some(Box::new(move || {
-                    let run = |what: &'static str, f: &dyn Fn() -> Outcome| {
-                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-                            .unwrap_or_else(|_| Err("panicked".into()));
-                        outcomes.lock().push((what, r));
-                    };
-                    run("exists", &|| {
-                        layout
-                            .exists(b"held")
-                            .map(|p| format!("{p}"))
-                            .map_err(|e| e.to_string())
-                    });
-                    run("put", &|| {
-                        layout
-                            .put(b"at-exit", &chunk(2, 100))
-                            .map(|o| format!("{o:?}"))
-                            .map_err(|e| e.to_string())
-                    });
-                    run("get", &|| {
-                        layout
-                            .get(b"at-exit")
-                            .map(|g| format!("{}", g.map_or(0, |g| g.len())))
-                            .map_err(|e| e.to_string())
-                    });
-                    run("finish_read", &|| {
-                        tier.finish_read(&[b"held"], Holds::ONE)
-                            .map(|c| format!("{c:?}"))
-                            .map_err(|e| e.to_string())
-                    });
-                }));
+            at_exit::set(move || {
+                let run = |what: &'static str, f: &dyn Fn() -> Outcome| {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                        .unwrap_or_else(|_| Err("panicked".into()));
+                    outcomes.lock().push((what, r));
+                };
+                run("exists", &|| {
+                    layout
+                        .exists(b"held")
+                        .map(|p| format!("{p}"))
+                        .map_err(|e| e.to_string())
+                });
+                run("put", &|| {
+                    layout
+                        .put(b"at-exit", &chunk(2, 100))
+                        .map(|o| format!("{o:?}"))
+                        .map_err(|e| e.to_string())
+                });
+                run("get", &|| {
+                    layout
+                        .get(b"at-exit")
+                        .map(|g| format!("{}", g.map_or(0, |g| g.len())))
+                        .map_err(|e| e.to_string())
+                });
+                run("finish_read", &|| {
+                    tier.finish_read(&[b"held"], Holds::ONE)
+                        .map(|c| format!("{c:?}"))
+                        .map_err(|e| e.to_string())
+                });
             });
         })
         .join()

@@ -900,20 +900,7 @@ fn a_reattach_does_not_pin_a_key_that_moved_for_a_view_of_its_old_page() {
 /// live thread's call reconnects once the server is back.
 #[test]
 fn a_reconnect_from_an_exiting_thread_is_refused_at_once_and_a_live_thread_reconnects() {
-    use std::cell::RefCell;
     use std::sync::mpsc;
-
-    struct AtExit(Option<Box<dyn FnOnce()>>);
-    impl Drop for AtExit {
-        fn drop(&mut self) {
-            if let Some(f) = self.0.take() {
-                f();
-            }
-        }
-    }
-    thread_local! {
-        static AT_EXIT: RefCell<AtExit> = const { RefCell::new(AtExit(None)) };
-    }
 
     let mut cfg = server_config("faults-exiting-thread");
     cfg.remove_pool_on_shutdown = false;
@@ -934,19 +921,16 @@ fn a_reconnect_from_an_exiting_thread_is_refused_at_once_and_a_live_thread_recon
     let exiting = {
         let (layout, outcome) = (layout.clone(), Arc::clone(&outcome));
         std::thread::spawn(move || {
-            // Registered first, so destroyed after the library's.
-            AT_EXIT.with(|_| {});
+            at_exit::register_first();
             assert!(layout.exists(b"owned").unwrap());
             ready_tx.send(()).unwrap();
             go_rx.recv().unwrap();
-            AT_EXIT.with_borrow_mut(|a| {
-                a.0 = Some(Box::new(move || {
-                    let start = std::time::Instant::now();
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        layout.exists(b"owned")
-                    }));
-                    *outcome.lock() = Some((r.map_err(|_| "panicked"), start.elapsed()));
+            at_exit::set(move || {
+                let start = std::time::Instant::now();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    layout.exists(b"owned")
                 }));
+                *outcome.lock() = Some((r.map_err(|_| "panicked"), start.elapsed()));
             });
         })
     };

@@ -95,6 +95,40 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Runs a closure as the calling thread exits, from a thread-local
+/// destructor — as a C engine's `pthread_key_create` destructor would call
+/// the library. Destructors run in the reverse order of registration, so
+/// with [`at_exit::register_first`] called before the library makes its
+/// own thread-locals on the thread, the closure runs after they are gone.
+pub mod at_exit {
+    use std::cell::RefCell;
+
+    struct AtExit(Option<Box<dyn FnOnce()>>);
+
+    impl Drop for AtExit {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+
+    thread_local! {
+        static AT_EXIT: RefCell<AtExit> = const { RefCell::new(AtExit(None)) };
+    }
+
+    /// Registers this thread's slot now (its destructor then runs after
+    /// those of every thread-local made later on the thread).
+    pub fn register_first() {
+        AT_EXIT.with(|_| {});
+    }
+
+    /// What runs when the slot is destroyed, as the thread exits.
+    pub fn set(f: impl FnOnce() + 'static) {
+        AT_EXIT.with_borrow_mut(|a| a.0 = Some(Box::new(f)));
+    }
+}
+
 /// Removes files and directories when dropped (also when a test panics).
 pub struct RemoveOnDrop(pub Vec<std::path::PathBuf>);
 
