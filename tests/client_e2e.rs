@@ -2,7 +2,8 @@
 //! read paths, page reclamation (abort, duplicate, notices), the client's
 //! view of its own releases, memory limits (auto-expand, quota), layouts,
 //! idle region return, eager mapping and map observers, heartbeats, input
-//! limits.
+//! limits, calls as a thread exits, leases handed to another client, layouts
+//! whose creation failed.
 
 mod client_support;
 
@@ -818,4 +819,94 @@ fn calls_from_a_thread_local_destructor_work_after_the_librarys_thread_locals_ar
         tier.finish_read(&[b"held"], Holds::ONE).unwrap(),
         [TierCode::KeyNotExist]
     );
+}
+
+/// Found by a review of the client: `batch_register` told a foreign lease
+/// only by its layout's index, so a lease of another client whose layout
+/// had the same index passed. Through a client of another server (another
+/// pool) it was registered as `Inserted` at the location of a page the
+/// registering client's own allocator still held free: its reader read
+/// its own (unwritten) page, its next allocation handed that registered
+/// page out to be overwritten, and the lease's own page was never freed.
+/// It is refused now (`ForeignLease`), before anything is sent, and the
+/// lease's page goes back to the allocator it came from.
+#[test]
+fn a_lease_of_another_client_is_refused_as_foreign_and_its_page_goes_home() {
+    let s1 = start_server("misuse-foreign-1");
+    let s2 = start_server("misuse-foreign-2");
+    let a = Client::connect(client_config(&s1)).unwrap();
+    let b = Client::connect(client_config(&s2)).unwrap();
+    let same_server = Client::connect(client_config(&s1)).unwrap();
+    let la = small_region_layout(&a);
+    let lb = small_region_layout(&b);
+    let ls = small_region_layout(&same_server);
+    let (free_a, free_b, free_s) = (la.free_pages(), lb.free_pages(), ls.free_pages());
+    for (other, client, name) in [
+        (&lb, &b, "another server's client"),
+        (&ls, &same_server, "this server's other client"),
+    ] {
+        let mut lease = la.alloc().unwrap();
+        lease.write(b"written through a").unwrap();
+        let requests = client.stats().requests;
+        let err = other
+            .batch_register(vec![(b"k".to_vec(), lease)])
+            .expect_err(name);
+        assert!(
+            matches!(err, ClientError::ForeignLease { index: 0 }),
+            "{name}: {err:?}"
+        );
+        assert_eq!(client.stats().requests, requests, "{name}: nothing sent");
+        assert!(!other.exists(b"k").unwrap(), "{name}: nothing registered");
+    }
+    assert_eq!(la.free_pages(), free_a, "the leases' pages went back to a");
+    assert_eq!((lb.free_pages(), ls.free_pages()), (free_b, free_s));
+    assert_eq!((b.owned_keys(), same_server.owned_keys()), (0, 0));
+    assert_eq!(
+        la.refused_frees() + lb.refused_frees() + ls.refused_frees(),
+        0
+    );
+}
+
+/// Found by a review of the client: a layout whose creation failed (its
+/// initial reservation refused) stayed in the client half made — with
+/// the failed call's options and whatever regions it got — and the next
+/// call for the same page size and fingerprint returned it as the layout
+/// "the client already has", ignoring its own options. A first call
+/// asking for regions larger than the pool could hold thus left a layout
+/// that could never allocate: every later creation answered `Ok` with no
+/// region, and every allocation asked for one of the same size again. The
+/// next call now finishes the creation with its own options.
+#[test]
+fn a_layout_whose_creation_failed_is_created_by_the_next_call_with_its_options() {
+    let mut cfg = server_config("misuse-layout-retry");
+    cfg.pool_size_bytes = 32 << 20;
+    let server = cxlkv::server::Server::start(cfg).unwrap();
+    let client = Client::connect(client_config(&server)).unwrap();
+    let too_large = cxlkv::client::LayoutOptions {
+        initial_reservation_bytes: 64 << 20,
+        region_size_bytes: 64 << 20,
+        auto_expand: true,
+    };
+    let err = client
+        .layout_with(PAGE, FINGERPRINT, too_large)
+        .expect_err("no 64 MiB region in a 32 MiB pool");
+    assert_eq!(
+        err.code(),
+        Some(cxlkv::client::ErrorCode::OutOfSpace),
+        "{err:?}"
+    );
+    let layout = small_region_layout(&client);
+    assert_eq!(layout.region_bytes(), SMALL_REGION_BYTES, "its reservation");
+    layout.put(b"k", b"bytes").unwrap();
+    // More regions are of this call's size too.
+    let many: Vec<_> = (0..100).map(|i| (key(i), vec![7u8; 10])).collect();
+    for items in many.chunks(50) {
+        layout.batch_put(items).unwrap();
+    }
+    assert_eq!(layout.region_bytes(), 2 * SMALL_REGION_BYTES);
+    // A layout created whole keeps its options, as documented.
+    let again = client
+        .layout_with(PAGE, FINGERPRINT, too_large)
+        .expect("the client has the layout");
+    assert_eq!(again.region_bytes(), 2 * SMALL_REGION_BYTES);
 }

@@ -44,6 +44,9 @@ pub enum ClientError {
         len_bytes: usize,
         page_size_bytes: u64,
     },
+    /// The lease was allocated by another layout: of this client, or of
+    /// another client (one layout of each may have the same page size and
+    /// fingerprint, and even the same index). Nothing was sent.
     #[error("lease {index} belongs to another layout than the one registering it")]
     ForeignLease { index: usize },
     #[error("the client already uses the maximum of {max} layouts")]

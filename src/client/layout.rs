@@ -38,7 +38,7 @@
 //! reattach's business: `session.rs`).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cxlkv_controlplane::proto::{
     self, ErrorCode, Layout, RegionGranted, RequestRegion, ReturnRegion,
@@ -116,8 +116,15 @@ pub(crate) struct LayoutState {
     pub ix: u32,
     pub layout: Layout,
     pub page_size_bytes: usize,
-    pub region_size_bytes: u64,
-    pub auto_expand: bool,
+    /// Bytes of each region the layout takes (the creating call's option).
+    region_size_bytes: AtomicU64,
+    /// Whether a full layout takes one more region (the creating call's).
+    auto_expand: AtomicBool,
+    /// Held by the call creating the layout across its initial reservation;
+    /// true once one succeeded. Until then the layout is not the client's:
+    /// no handle to it exists, and the next call for it creates it (with
+    /// its own options, keeping the regions a failed call took).
+    created: Mutex<bool>,
     pub regions: RegionTable<Arc<OwnedRegion>>,
     /// Regions the maintenance thread took out of `regions` to return (see
     /// [`Away`]).
@@ -208,14 +215,15 @@ impl LayoutHandle {
             if leases.len() == n {
                 return Ok(leases);
             }
-            if !self.state.auto_expand || expansions >= MAX_EXPANSIONS_PER_CALL {
+            let auto_expand = self.state.auto_expand();
+            if !auto_expand || expansions >= MAX_EXPANSIONS_PER_CALL {
                 // All or none: the pages taken go back before the count.
                 drop(leases);
                 return Err(ClientError::OutOfMemory {
                     page_size_bytes: self.state.layout.page_size_bytes,
                     requested: n,
                     free_pages: self.state.free_pages(),
-                    reason: if self.state.auto_expand {
+                    reason: if auto_expand {
                         OUT_OF_MEMORY_EXPANDED
                     } else {
                         OUT_OF_MEMORY_NO_EXPAND
@@ -250,6 +258,19 @@ impl Away {
 }
 
 impl LayoutState {
+    /// Bytes of each region the layout takes.
+    pub fn region_size_bytes(&self) -> u64 {
+        // Relaxed: set under `created` before any handle to the layout
+        // exists; the lock (and the handle's hand-over) orders it.
+        self.region_size_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether a full layout takes one more region.
+    pub fn auto_expand(&self) -> bool {
+        // Relaxed: as `region_size_bytes`.
+        self.auto_expand.load(Ordering::Relaxed)
+    }
+
     /// Takes region `id` out of the table into [`Away`], to be returned.
     pub fn take_away(&self, id: RegionId) -> bool {
         let mut away = self.away.lock();
@@ -361,29 +382,49 @@ impl Shared {
             })?;
         let state = {
             let mut layouts = self.layouts.write();
-            if let Some(existing) = layouts.iter().find(|l| l.layout == layout) {
-                return Ok(Arc::clone(existing));
+            match layouts.iter().find(|l| l.layout == layout) {
+                Some(existing) => Arc::clone(existing),
+                None => {
+                    if layouts.len() >= MAX_LAYOUTS {
+                        return Err(ClientError::TooManyLayouts { max: MAX_LAYOUTS });
+                    }
+                    let state = Arc::new(LayoutState {
+                        ix: layouts.len() as u32,
+                        layout,
+                        page_size_bytes: page_size_bytes as usize,
+                        region_size_bytes: AtomicU64::new(region_size_bytes),
+                        auto_expand: AtomicBool::new(opts.auto_expand),
+                        created: Mutex::new(false),
+                        regions: RegionTable::new(),
+                        away: Away::default(),
+                        expand_lock: Mutex::new(()),
+                    });
+                    layouts.push(Arc::clone(&state));
+                    state
+                }
             }
-            if layouts.len() >= MAX_LAYOUTS {
-                return Err(ClientError::TooManyLayouts { max: MAX_LAYOUTS });
-            }
-            let state = Arc::new(LayoutState {
-                ix: layouts.len() as u32,
-                layout,
-                page_size_bytes: page_size_bytes as usize,
-                region_size_bytes,
-                auto_expand: opts.auto_expand,
-                regions: RegionTable::new(),
-                away: Away::default(),
-                expand_lock: Mutex::new(()),
-            });
-            layouts.push(Arc::clone(&state));
-            state
         };
+        // A layout being created by another call: wait for it. A layout
+        // whose creation failed (its initial reservation refused) is not
+        // the client's yet: this call creates it, with its own options —
+        // the failed call's regions count towards its reservation.
+        let mut created = state.created.lock();
+        if *created {
+            drop(created);
+            return Ok(state);
+        }
+        // Relaxed: see `LayoutState::region_size_bytes`.
+        state
+            .region_size_bytes
+            .store(region_size_bytes, Ordering::Relaxed);
+        state.auto_expand.store(opts.auto_expand, Ordering::Relaxed);
         let initial = opts.initial_reservation_bytes.div_ceil(region_size_bytes);
-        for _ in 0..initial {
+        let have = state.regions.len() as u64;
+        for _ in have..initial {
             self.acquire_region(&state, true)?;
         }
+        *created = true;
+        drop(created);
         Ok(state)
     }
 
@@ -405,7 +446,7 @@ impl Shared {
         layout: &Arc<LayoutState>,
         initial: bool,
     ) -> Result<(), ClientError> {
-        let len = layout.region_size_bytes;
+        let len = layout.region_size_bytes();
         if let Some(quota) = self.cfg.quota_bytes {
             // Relaxed: a gauge; racing expansions of two layouts may both
             // pass (the directory's own quota is the hard limit).
@@ -443,7 +484,7 @@ impl Shared {
         let mut req = RequestRegion {
             meta: Default::default(),
             layout: layout.layout,
-            len_bytes: layout.region_size_bytes,
+            len_bytes: layout.region_size_bytes(),
         };
         self.exchange::<_, RegionGranted, _>(
             "request_region",
@@ -609,7 +650,11 @@ impl Client {
     }
 
     /// The layout with explicit options (used when the layout is created;
-    /// a layout the client already has keeps its options).
+    /// a layout the client already has keeps its options). A call that
+    /// fails to create the layout — its initial reservation refused — does
+    /// not give the client a half-made one: the next call for the same page
+    /// size and fingerprint creates it with that call's options, counting
+    /// the regions the failed call took towards its reservation.
     pub fn layout_with(
         &self,
         page_size_bytes: u64,

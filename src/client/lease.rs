@@ -42,6 +42,7 @@ use cxlkv_dataplane::visibility::Visibility;
 use super::Client;
 use super::error::ClientError;
 use super::regions::OwnedRegion;
+use super::shared::Shared;
 
 /// One allocated, not yet registered page (see the module docs). Keeps its
 /// client alive until it is registered, dropped or parked.
@@ -242,8 +243,18 @@ impl PageLease {
     /// Gives the page back unused (same as dropping the lease).
     pub fn abort(self) {}
 
-    pub(crate) fn layout_ix(&self) -> u32 {
-        self.layout_ix
+    /// Whether the lease was allocated by the layout numbered `layout_ix`
+    /// of the client whose state is `shared`. A layout's index alone does
+    /// not name it: another client's layout may have the same one, and its
+    /// page lies in a region (of another pool, perhaps) that this client's
+    /// allocator knows nothing of — or names one of its own regions by the
+    /// same id. A parked lease (no client) belongs to no caller.
+    pub(crate) fn is_of(&self, shared: &Arc<Shared>, layout_ix: u32) -> bool {
+        self.layout_ix == layout_ix
+            && self
+                .client
+                .as_ref()
+                .is_some_and(|c| Arc::ptr_eq(c.shared(), shared))
     }
 
     /// The page is still this lease's grant: no freed-page notice (for a

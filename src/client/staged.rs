@@ -603,12 +603,12 @@ impl LayoutHandle {
 
     /// Bytes of each region this layout takes when it grows.
     pub(crate) fn region_size_bytes(&self) -> u64 {
-        self.state.region_size_bytes
+        self.state.region_size_bytes()
     }
 
     /// Whether this layout takes a new region when it is full.
     pub(crate) fn auto_expands(&self) -> bool {
-        self.state.auto_expand
+        self.state.auto_expand()
     }
 
     /// The client's configured cap on region bytes, if any.

@@ -105,7 +105,7 @@ impl LayoutHandle {
         let mut pending = Vec::with_capacity(n);
         for (index, (key, mut lease)) in entries.into_iter().enumerate() {
             let key = key.as_ref();
-            if lease.layout_ix() != self.state.ix {
+            if !lease.is_of(shared, self.state.ix) {
                 return Err(ClientError::ForeignLease { index });
             }
             if lease.len_bytes() == 0 {
