@@ -436,8 +436,10 @@ impl L1Tier {
     }
 
     /// `(used, total)` bytes, with no round trip: `used` = pages allocated
-    /// in this client's owned regions × their page size; `total` = the
-    /// pages those regions hold × their page size plus, when this layout
+    /// in the regions this client owns for the tier's layout (the only ones
+    /// the tier allocates from; a layout of another page size has regions
+    /// of its own) × their page size; `total` = the pages those regions
+    /// hold × their page size plus, when this layout
     /// auto-expands, the pages of the whole regions of this layout that
     /// still fit in the pool's free bytes and under the client's quota, as
     /// of the latest reply. Only bytes that can be in use count: when an
