@@ -1306,7 +1306,10 @@ cxlkv_status cxlkv_tier_close(struct cxlkv_tier *tier);
 // protected only while its reservation lasts — until released, also
 // after the tier's or the client's close: its region is not unmapped
 // (nor `before_unmap` called for it) while a hold on one of its pages
-// lasts. An address with no hold left is `CXLKV_STATUS_BAD_HANDLE`.
+// lasts. An address with no hold left is `CXLKV_STATUS_BAD_HANDLE`, and
+// so is a hold taken before this process was forked (holds, like
+// handles, stay in the process that took them; the child releases
+// nothing).
 //
 // Thread safety: any thread, also from a listener.
 cxlkv_status cxlkv_tier_release_page(const uint8_t *data);

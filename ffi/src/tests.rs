@@ -1498,6 +1498,75 @@ mod tier {
         UNMAPPED_REGIONS.lock().unwrap().contains(&region)
     }
 
+    /// Holds do not cross `fork`, as handles do not: a child releasing a
+    /// page its parent held is refused and releases nothing (its copy of
+    /// the mapping stays, no `before_unmap` runs there), and the parent's
+    /// hold is still its own to release.
+    #[test]
+    fn a_tier_page_held_before_a_fork_is_not_released_in_the_child() {
+        let fx = Fixture::new("ffi-tier-hold-fork");
+        let (client, layout) = fx.connect();
+        let chunk = [b'F'; 100];
+        let mut result = MaybeUninit::<cxlkv_register_result>::uninit();
+        // SAFETY: a live key, chunk and out slot.
+        ok(unsafe {
+            cxlkv_put(
+                layout,
+                b"f".as_ptr(),
+                1,
+                chunk.as_ptr(),
+                100,
+                result.as_mut_ptr(),
+            )
+        });
+        let mut tier_config = MaybeUninit::<cxlkv_tier_config>::uninit();
+        // SAFETY: room for one config.
+        ok(unsafe {
+            cxlkv_tier_config_init(
+                tier_config.as_mut_ptr(),
+                size_of::<cxlkv_tier_config>() as u32,
+            )
+        });
+        // SAFETY: initialised above.
+        let mut tier_config = unsafe { tier_config.assume_init() };
+        tier_config.flags = CXLKV_TIER_HOLD_MAPPINGS;
+        let mut tier = std::ptr::null_mut();
+        // SAFETY: a live config, a live out slot.
+        ok(unsafe { cxlkv_tier_open(layout, &tier_config, &mut tier) });
+        let keys = [bytes(b"f")];
+        let mut pages = [NO_PAGE_FOR_TESTS; 1];
+        // SAFETY: one key, one page slot.
+        ok(unsafe { cxlkv_tier_reserve_read(tier, keys.as_ptr(), 1, 1, pages.as_mut_ptr()) });
+        let data = pages[0].data;
+        assert!(!data.is_null());
+
+        // SAFETY: the child calls one function, which takes only the holds'
+        // lock (no other thread of this serialised test holds it), formats
+        // a message (glibc's allocator is fork-safe), and leaves with
+        // `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let refused = cxlkv_tier_release_page(data) == CXLKV_STATUS_BAD_HANDLE
+                && last_error().contains("before this process was forked");
+            // SAFETY: ends the child without running the harness's exit.
+            unsafe { libc::_exit(if refused { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: `pid` is this test's child; `status` a valid out pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child released a hold its parent took (status {status:#x})"
+        );
+        ok(cxlkv_tier_release_page(data));
+        let codes = &mut [cxlkv_tier_code::CXLKV_TIER_KEY_NOT_EXIST];
+        // SAFETY: one key, one code slot.
+        ok(unsafe { cxlkv_tier_finish_read(tier, keys.as_ptr(), 1, 1, codes.as_mut_ptr()) });
+        ok(cxlkv_tier_close(tier));
+        close(client, layout);
+    }
+
     /// Found by a review: once the sweeper reclaimed a read reservation,
     /// nothing kept the peer region behind its page mapped, and evicting
     /// the region from the mapping cache unmapped it under the address the

@@ -94,12 +94,20 @@ pub const CXLKV_TIER_HOLD_MAPPINGS: u32 = 1 << 0;
 const KNOWN_TIER_FLAGS: u32 = CXLKV_TIER_HOLD_MAPPINGS;
 
 /// The mapping holds of tier pages, by page address: a clone of the page
-/// (which keeps its region mapped) and how many holds are outstanding.
+/// (which keeps its region mapped), how many holds are outstanding, and
+/// the process incarnation that took them (`cxlkv::client::process_incarnation`,
+/// as handles record it: holds do not cross `fork` either).
 /// An address names one page of one mapping for as long as it is held —
 /// a held mapping is never unmapped, so no other can take its addresses —
 /// so the map never holds more entries than the pages mapped in the
 /// process, however many holds are taken.
-static PAGE_HOLDS: Mutex<BTreeMap<usize, (TierPage, u64)>> = Mutex::new(BTreeMap::new());
+static PAGE_HOLDS: Mutex<BTreeMap<usize, PageHold>> = Mutex::new(BTreeMap::new());
+
+struct PageHold {
+    page: TierPage,
+    holds: u64,
+    incarnation: u32,
+}
 
 /// Takes one mapping hold per page of `results`.
 fn hold_pages(results: &[KeyPage]) {
@@ -107,8 +115,12 @@ fn hold_pages(results: &[KeyPage]) {
     for page in results.iter().filter_map(|r| r.page.as_ref()) {
         holds
             .entry(page.as_ptr().addr())
-            .and_modify(|(_, n)| *n += 1)
-            .or_insert_with(|| (page.clone(), 1));
+            .and_modify(|h| h.holds += 1)
+            .or_insert_with(|| PageHold {
+                page: page.clone(),
+                holds: 1,
+                incarnation: cxlkv::client::process_incarnation(),
+            });
     }
 }
 
@@ -451,7 +463,10 @@ pub extern "C" fn cxlkv_tier_close(tier: *mut cxlkv_tier) -> cxlkv_status {
 /// protected only while its reservation lasts — until released, also
 /// after the tier's or the client's close: its region is not unmapped
 /// (nor `before_unmap` called for it) while a hold on one of its pages
-/// lasts. An address with no hold left is `CXLKV_STATUS_BAD_HANDLE`.
+/// lasts. An address with no hold left is `CXLKV_STATUS_BAD_HANDLE`, and
+/// so is a hold taken before this process was forked (holds, like
+/// handles, stay in the process that took them; the child releases
+/// nothing).
 ///
 /// Thread safety: any thread, also from a listener.
 #[unsafe(no_mangle)]
@@ -462,7 +477,7 @@ pub extern "C" fn cxlkv_tier_release_page(data: *const u8) -> cxlkv_status {
         }
         let last = {
             let mut holds = PAGE_HOLDS.lock();
-            let Some((_, n)) = holds.get_mut(&data.addr()) else {
+            let Some(hold) = holds.get_mut(&data.addr()) else {
                 return Err(FfiError::new(
                     cxlkv_status::CXLKV_STATUS_BAD_HANDLE,
                     format!(
@@ -471,9 +486,22 @@ pub extern "C" fn cxlkv_tier_release_page(data: *const u8) -> cxlkv_status {
                     ),
                 ));
             };
-            *n -= 1;
-            if *n == 0 {
-                holds.remove(&data.addr())
+            // As a handle made before a fork (`handle.rs`): the child's copy
+            // of the hold is never dropped, so no region is unmapped nor
+            // `before_unmap` called in a process that did not map it.
+            if hold.incarnation != cxlkv::client::process_incarnation() {
+                return Err(FfiError::new(
+                    cxlkv_status::CXLKV_STATUS_BAD_HANDLE,
+                    format!(
+                        "`data` ({data:p}) is a tier page held before this process was forked: \
+                         a hold is given back only in the process that took it (nothing was \
+                         released)"
+                    ),
+                ));
+            }
+            hold.holds -= 1;
+            if hold.holds == 0 {
+                holds.remove(&data.addr()).map(|h| h.page)
             } else {
                 None
             }

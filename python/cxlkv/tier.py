@@ -252,7 +252,9 @@ class _MappingHold:
     def __del__(self, _release=N.lib.cxlkv_tier_release_page):
         address, self._address = self._address, None
         if address is not None:
-            # Fails only for an address holding no hold: not one of ours.
+            # Fails only for an address holding no hold (not one of ours),
+            # or held before this process was forked: a child's copy of the
+            # parent's hold releases nothing.
             _release(address)
 
 
