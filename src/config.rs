@@ -1018,6 +1018,16 @@ impl PoolConfig {
                 })
                 .collect()
         };
+        for p in &pools {
+            if let Some(align) = p.align_bytes {
+                check_pool_alignment(align).map_err(|r| {
+                    invalid(
+                        "pools",
+                        format!("pool {}: align_bytes {r}", p.path.display()),
+                    )
+                })?;
+            }
+        }
         let state_dir = match &self.state_dir {
             Some(d) => d.clone(),
             None => default_state_dir(&pools[0].path),
@@ -1157,6 +1167,46 @@ pub fn check_state_dir_location(dir: &Path) -> Result<(), String> {
              set one on a persistent file system, e.g. {}",
             dir.display(),
             host_state_dir().display()
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a pool alignment the pool manager would refuse when it opens the
+/// pool (a power of two from 4 KiB to 1 GiB), so that `--print-config`
+/// says so and a start fails before it creates any file.
+pub fn check_pool_alignment(align_bytes: u64) -> Result<(), String> {
+    use cxlkv_controlplane::pool::ledger::{MAX_ALIGNMENT_BYTES, MIN_ALIGNMENT_BYTES};
+    if align_bytes.is_power_of_two()
+        && (MIN_ALIGNMENT_BYTES..=MAX_ALIGNMENT_BYTES).contains(&align_bytes)
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "= {align_bytes} is not a power of two from {MIN_ALIGNMENT_BYTES} (4 KiB) to \
+         {MAX_ALIGNMENT_BYTES} (1 GiB): e.g. 2MiB, the default"
+    ))
+}
+
+/// The longest Unix socket path `bind` and `connect` take: `sockaddr_un`'s
+/// `sun_path` less its terminating NUL.
+pub const MAX_UNIX_SOCKET_PATH_BYTES: usize = 107;
+
+/// Refuses a Unix socket path that `sockaddr_un` cannot hold (or with a
+/// NUL byte), naming its length and the limit: the listener would fail to
+/// bind only once the pool had been opened.
+pub fn check_unix_socket_path(path: &Path) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.contains(&0) {
+        return Err(format!("{} has a NUL byte", path.display()));
+    }
+    if bytes.len() > MAX_UNIX_SOCKET_PATH_BYTES {
+        return Err(format!(
+            "{} is {} bytes, longer than a Unix socket path can be \
+             ({MAX_UNIX_SOCKET_PATH_BYTES} bytes: sockaddr_un's sun_path): choose a shorter path",
+            path.display(),
+            bytes.len()
         ));
     }
     Ok(())

@@ -189,6 +189,10 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
     // Both sections the daemon reads, resolved before anything starts: a
     // `[transport]` key it would refuse fails here, printed or not.
     let resolved = cfg.pool.resolve()?;
+    // The listener binds once the pools are open (or created): a socket
+    // path it could not bind is refused before.
+    config::check_unix_socket_path(&resolved.socket)
+        .map_err(|r| anyhow::anyhow!("configuration [pool] socket: {r}"))?;
     let mut server_cfg = cfg.transport.server_config()?;
     if args.print_config {
         // Every section the daemon reads (secrets `<redacted>` by their
@@ -209,6 +213,10 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
             .context("this configuration would not start")?;
         return Ok(());
     }
+    // Before the pools are opened (or created): a daemon already answering
+    // on this socket fails the start without touching any file. (A stale
+    // socket is left for the listener to replace.)
+    refuse_socket_in_use(&resolved.socket)?;
     let mut core =
         PoolCore::start(resolved.service.clone()).context("cannot start the pool manager")?;
     let mut endpoints = vec![Endpoint::Unix(resolved.socket.clone())];
@@ -265,4 +273,65 @@ pub fn run(args: &PoolArgs) -> anyhow::Result<()> {
         "pool manager stopped"
     );
     Ok(())
+}
+
+/// How long a listener that accepts but does not answer may take to go
+/// away (a daemon being killed) before it counts as in use.
+const SOCKET_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Refuses `socket` if a process listens on it — a pool manager answering
+/// (another daemon), or a listener that accepts and stays silent — before
+/// the pool manager opens or creates anything; the listener makes the same
+/// check when it binds, but only after the pools are open.
+fn refuse_socket_in_use(socket: &std::path::Path) -> anyhow::Result<()> {
+    use cxlkv_controlplane::transport::{ExistingSocket, classify_existing_socket};
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(socket) {
+        Ok(meta) if meta.file_type().is_socket() => {}
+        // Missing, or not a socket (the listener refuses that, naming it).
+        _ => return Ok(()),
+    }
+    let state = classify_existing_socket(socket, answers_as_pool_manager, SOCKET_PATIENCE)
+        .with_context(|| format!("cannot probe socket {}", socket.display()))?;
+    match state {
+        ExistingSocket::Stale => Ok(()),
+        ExistingSocket::Answering => anyhow::bail!(
+            "socket {} is in use by another process (a pool manager answers on it); \
+             refusing to start a second one: stop it, or give this one its own [pool] socket \
+             (--socket)",
+            socket.display()
+        ),
+        ExistingSocket::SilentListener => anyhow::bail!(
+            "socket {}: a listener accepts on it but does not answer as a pool manager \
+             (a stalled one, or another program's socket); not replacing it",
+            socket.display()
+        ),
+    }
+}
+
+/// Whether a pool manager answers a `PoolStats` frame on `stream` within
+/// half a second.
+fn answers_as_pool_manager(stream: &std::os::unix::net::UnixStream) -> bool {
+    use cxlkv_controlplane::frame::{FrameHeader, HEADER_BYTES};
+    use cxlkv_controlplane::proto;
+    use std::io::{Read, Write};
+    let mut stream = stream;
+    let mut probe = || -> std::io::Result<bool> {
+        stream.set_read_timeout(Some(Duration::from_millis(500)))?;
+        stream.set_write_timeout(Some(Duration::from_millis(500)))?;
+        let mut frame = Vec::new();
+        proto::encode(
+            1,
+            &proto::PoolStats {
+                meta: proto::RequestMeta::default(),
+            },
+            &mut frame,
+        )
+        .map_err(std::io::Error::other)?;
+        stream.write_all(&frame)?;
+        let mut header = [0u8; HEADER_BYTES];
+        stream.read_exact(&mut header)?;
+        Ok(FrameHeader::decode(&header).is_ok_and(|h| h.request_id == 1))
+    };
+    probe().unwrap_or(false)
 }

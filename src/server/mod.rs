@@ -392,6 +392,9 @@ impl ServerConfig {
             ));
         }
         self.directory.validate()?;
+        // Before the pool is opened: the listener binds only after it.
+        crate::config::check_unix_socket_path(&self.socket_path)
+            .or_else(|r| bad(format!("[server] socket: {r}")))?;
         if self.socket_mode & !0o777 != 0 || self.socket_mode & 0o200 == 0 {
             return bad(format!(
                 "socket_mode {:#o} must be permission bits (at most 0o777) including the owner's write bit (0o200: connecting needs write permission)",

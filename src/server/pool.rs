@@ -74,15 +74,26 @@ pub(crate) fn open(cfg: &PoolManagerConfig, directory_id: &str) -> Result<Opened
             let mut remote = remote.clone();
             remote.directory_id = directory_id.to_owned();
             let started = std::time::Instant::now();
+            let mut told = false;
             let (pool, session) = loop {
                 match RemotePool::connect(remote.clone()) {
                     Ok(opened) => break opened,
-                    Err(e)
-                        if e.error_code() == Some(ErrorCode::InstanceInUse)
-                            && started.elapsed()
-                                < Duration::from_millis(ATTACHED_ELSEWHERE_RETRY_MS) =>
-                    {
-                        tracing::info!(error = %e, "the pool daemon still binds this directory to its previous process; retrying");
+                    Err(e) if e.error_code() == Some(ErrorCode::InstanceInUse) => {
+                        if started.elapsed() >= Duration::from_millis(ATTACHED_ELSEWHERE_RETRY_MS) {
+                            return Err(attached_elsewhere(directory_id, &e));
+                        }
+                        // Once: the retries are every 50 ms for seconds.
+                        if !told {
+                            told = true;
+                            tracing::info!(
+                                error = %e,
+                                directory_id,
+                                retry_for_ms = ATTACHED_ELSEWHERE_RETRY_MS,
+                                "the pool daemon still binds this directory id to another \
+                                 process (a previous server not yet seen gone, or a live one); \
+                                 retrying"
+                            );
+                        }
                         std::thread::sleep(Duration::from_millis(ATTACHED_ELSEWHERE_PAUSE_MS));
                     }
                     Err(e) => return Err(ServerError::PoolService(e.to_string())),
@@ -95,6 +106,19 @@ pub(crate) fn open(cfg: &PoolManagerConfig, directory_id: &str) -> Result<Opened
             })
         }
     }
+}
+
+/// The pool daemon kept `directory_id` bound to another process for the
+/// whole of [`ATTACHED_ELSEWHERE_RETRY_MS`]: that process is alive — most
+/// likely another server under the same id (a copied configuration).
+fn attached_elsewhere(directory_id: &str, e: &PoolServiceError) -> ServerError {
+    ServerError::PoolService(format!(
+        "directory id {directory_id:?} is in use at the pool daemon by another live process \
+         (still after {} s): another server runs under this id — stop it, or give this one \
+         its own [server] directory_id (--directory-id): every directory sharing a pool \
+         daemon needs a unique one ({e})",
+        ATTACHED_ELSEWHERE_RETRY_MS / 1000
+    ))
 }
 
 fn call(pool: &dyn PoolService, request: PoolRequest) -> Result<PoolReply, ServerError> {
