@@ -110,6 +110,62 @@ fn keys_of_a_gone_owner_stay_readable_and_its_region_is_freed_with_the_last() {
     }
 }
 
+/// Regions large beside their pool: seven of 16 MiB fill a 128 MiB pool
+/// to 88.9 %, below the 90 % mark, and the eighth does not fit. The
+/// refusal starts orphan eviction (down to the low mark), so the next
+/// request finds room where a gone owner's keys were — it used to be
+/// refused for as long as they stayed (reliability 196).
+#[test]
+fn a_region_refused_for_want_of_space_evicts_orphaned_keys_so_the_next_one_fits() {
+    const REGION: u64 = 16 << 20;
+    for backend in backends() {
+        let mut cfg = config_on("no-space", backend);
+        cfg.pool_size_bytes = 128 << 20;
+        cfg.directory.instance_grace = Duration::from_millis(200);
+        cfg.tick_ms = 20;
+        let server = Server::start(cfg).unwrap();
+        let mut owner = Raw::connect_unix(server.socket_path());
+        owner.hello("owner").0.unwrap();
+        let mut held = 0u8;
+        while let Ok(granted) = owner.request_region(REGION) {
+            owner
+                .register(vec![(vec![b'k', held], loc(granted.desc.region, 0))])
+                .unwrap();
+            held += 1;
+        }
+        assert!(held >= 2, "{backend:?}: {held} regions fit");
+        drop(owner);
+        assert!(
+            wait_until(WAIT, || server.directory_stats().unwrap().orphaned_regions
+                == u64::from(held)),
+            "{backend:?}: the owner's regions are orphaned"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        let stats = server.directory_stats().unwrap();
+        assert_eq!(
+            (stats.keys, stats.evictions.orphan_keys),
+            (u64::from(held), 0),
+            "{backend:?}: below the watermark, nothing is evicted on its own"
+        );
+        let mut next = Raw::connect_unix(server.socket_path());
+        next.hello("next").0.unwrap();
+        expect_code(next.request_region(REGION), ErrorCode::OutOfSpace);
+        assert!(
+            wait_until(WAIT, || server
+                .directory_stats()
+                .unwrap()
+                .outcomes
+                .regions_freed
+                >= 1),
+            "{backend:?}: the refusal evicts the oldest orphaned region"
+        );
+        next.request_region(REGION)
+            .expect("room where the orphaned keys were");
+        let report = server.shutdown().unwrap();
+        assert_eq!(report.frees_unconfirmed, 0, "{backend:?}");
+    }
+}
+
 #[test]
 fn an_admin_can_end_a_session_which_releases_its_pins() {
     let server = Server::start(config_on("admin", backends()[0])).unwrap();

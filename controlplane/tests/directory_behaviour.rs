@@ -2119,6 +2119,30 @@ fn orphaned_keys_are_evicted_above_the_watermark_but_never_from_a_region_with_a_
     w.dir.check_invariants().unwrap();
 }
 
+/// A region the pool manager refused for want of space starts orphan
+/// eviction below the high watermark, as crossing it does: a pool whose
+/// regions are large beside it (a 128 MiB pool of 16 MiB regions) cannot
+/// fit one more at 88.9 % fill, under the 90 % mark, and new instances
+/// were refused while orphaned keys held the space (found by a review
+/// playing an SRE, session 34). Eviction still stops at the low mark.
+#[test]
+fn a_region_refused_for_want_of_space_starts_orphan_eviction_below_the_watermark() {
+    let (mut w, b, regions) = orphaned_regions(3);
+    // 85 % full: above the low mark, below the high one.
+    w.dir.pool_usage(POOL, 20 * REGION_BYTES, 3 * REGION_BYTES);
+    w.advance(Duration::from_millis(100));
+    assert_eq!(w.dir.stats(w.now).keys, 3, "below the watermark: nothing");
+    w.dir.region_refused_for_space();
+    w.advance(Duration::from_millis(100));
+    // One region freed brings it to 80 %, the low mark: eviction stops.
+    assert_eq!(w.pool.freed, vec![regions[0]]);
+    w.advance(Duration::from_millis(100));
+    let keys: [&[u8]; 3] = [b"k\x00", b"k\x01", b"k\x02"];
+    assert_eq!(w.exists(&b, &keys), vec![false, true, true]);
+    assert_eq!(w.dir.stats(w.now).evictions.orphan_keys, 1);
+    w.dir.check_invariants().unwrap();
+}
+
 /// An eviction world where instance "a" wrote `keys_each` keys (`x…` and
 /// `y…`) into each of two regions, then went: both regions orphaned, the
 /// first older. Returns the world, a live client "b" and the first region.

@@ -1460,6 +1460,13 @@ impl DirectoryHandler {
         for event in self.mailbox.take() {
             match event {
                 Event::Allocated { request, result } => {
+                    // Orphaned keys may hold the room it lacked.
+                    if result
+                        .as_ref()
+                        .is_err_and(|e| e.error_code() == Some(ErrorCode::OutOfSpace))
+                    {
+                        self.dir.region_refused_for_space();
+                    }
                     let failure = result.as_ref().err().cloned();
                     let completions = self.dir.region_allocated(
                         request,

@@ -9,7 +9,9 @@
 //! be freed anyway — the first in line keeping its place, the others going
 //! to the back, at most `max_evictions_per_tick` of them a call), then — if
 //! enabled — the least recently used unpinned keys anywhere, under the same
-//! pool watermarks (`evict_lru`).
+//! pool watermarks (`evict_lru`). Orphan eviction also starts below the
+//! high watermark when the pool manager refused a region for want of space
+//! (`region_refused_for_space`, which the server calls).
 
 use cxlkv_dataplane::ids::{PoolId, RegionId};
 
@@ -407,6 +409,19 @@ impl Directory {
             0.0
         } else {
             self.totals.page_bytes as f64 / self.totals.region_page_bytes as f64
+        }
+    }
+
+    /// The pool manager refused a region for want of space: orphaned keys
+    /// are evicted from the next tick on as when the pools cross
+    /// `pool_high_watermark` (down to `pool_low_watermark`, oldest orphan
+    /// first), if orphan eviction is on. Without it, a pool whose regions
+    /// are large beside it refused every new region below the mark while
+    /// orphaned keys held the space (a 16 MiB region does not fit a
+    /// 128 MiB pool at 88.9 %).
+    pub fn region_refused_for_space(&mut self) {
+        if self.config.eviction.orphans {
+            self.orphan_evicting = true;
         }
     }
 

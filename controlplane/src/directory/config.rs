@@ -47,7 +47,10 @@ pub const MAX_PINNED_ENTRIES_CEILING: usize = u32::MAX as usize;
 #[derive(Debug, Clone, PartialEq)]
 pub struct EvictionConfig {
     /// Evict keys of orphaned regions (owner gone; no engine's LRU will ever
-    /// see them) while the pools are fuller than `pool_high_watermark`.
+    /// see them) while the pools are fuller than `pool_high_watermark`, and
+    /// after the pool manager refused a region for want of space
+    /// ([`Directory::region_refused_for_space`](super::Directory::region_refused_for_space)),
+    /// in both cases down to `pool_low_watermark`.
     pub orphans: bool,
     /// Fraction of pool bytes allocated above which eviction starts.
     pub pool_high_watermark: f64,
