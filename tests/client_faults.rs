@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use client_support::*;
 use cxlkv::client::{Client, DeleteOutcome, RegisterOutcome};
-use cxlkv::server::Server;
+use cxlkv::server::{Server, ServerConfig, ServerHandle};
 use cxlkv_controlplane::proto::Kind;
 use cxlkv_controlplane::transport::fault::{
     FaultPlan, FaultScript, ReplyFault, ReplyInfo, ReplyMatch, RequestFault, RequestInfo,
@@ -476,6 +476,25 @@ fn an_instance_whose_first_region_grant_was_lost_in_a_directory_restart_reattach
     last.shutdown().unwrap();
 }
 
+/// A server whose pool and state outlive its shutdown (the caller restarts
+/// it from `cfg` and removes the pool at the end; `RemoveOnDrop` cleans up
+/// after a failure), with sessions and instances that outlast the restart,
+/// and a client whose requests time out quickly and whose reconnects wait
+/// up to 20 s.
+fn restartable(tag: &str) -> (ServerConfig, RemoveOnDrop, ServerHandle, Client) {
+    let mut cfg = server_config(tag);
+    cfg.remove_pool_on_shutdown = false;
+    cfg.directory.session_lease = Duration::from_secs(30);
+    cfg.directory.instance_grace = Duration::from_secs(30);
+    let cleanup = RemoveOnDrop(server_files(&cfg));
+    let server = Server::start(cfg.clone()).unwrap();
+    let mut client_cfg = client_config(&server);
+    client_cfg.request_timeout_ms = 300;
+    client_cfg.reconnect_timeout_ms = 20_000;
+    let client = Client::connect(client_cfg).unwrap();
+    (cfg, cleanup, server, client)
+}
+
 /// A restarted directory answers the first `Reattach` with `resumed: false`
 /// (it recovered the instance from the pool manager). When that answer is
 /// lost, the retry finds the instance already recovered and answers
@@ -484,16 +503,7 @@ fn an_instance_whose_first_region_grant_was_lost_in_a_directory_restart_reattach
 /// that, every key it owned would be gone from the index for good.
 #[test]
 fn a_restart_whose_first_reattach_reply_was_lost_is_still_seen_and_keys_registered_again() {
-    let mut cfg = server_config("faults-lost-reattach");
-    cfg.remove_pool_on_shutdown = false;
-    cfg.directory.session_lease = Duration::from_secs(30);
-    cfg.directory.instance_grace = Duration::from_secs(30);
-    let _cleanup = RemoveOnDrop(server_files(&cfg));
-    let server = Server::start(cfg.clone()).unwrap();
-    let mut client_cfg = client_config(&server);
-    client_cfg.request_timeout_ms = 300;
-    client_cfg.reconnect_timeout_ms = 20_000;
-    let client = Client::connect(client_cfg).unwrap();
+    let (mut cfg, _cleanup, server, client) = restartable("faults-lost-reattach");
     let layout = client.layout(PAGE, FINGERPRINT).unwrap();
     let value = chunk(3, 2000);
     layout.put(b"owned", &value).unwrap();
@@ -902,16 +912,7 @@ fn a_reattach_does_not_pin_a_key_that_moved_for_a_view_of_its_old_page() {
 fn a_reconnect_from_an_exiting_thread_is_refused_at_once_and_a_live_thread_reconnects() {
     use std::sync::mpsc;
 
-    let mut cfg = server_config("faults-exiting-thread");
-    cfg.remove_pool_on_shutdown = false;
-    cfg.directory.session_lease = Duration::from_secs(30);
-    cfg.directory.instance_grace = Duration::from_secs(30);
-    let _cleanup = RemoveOnDrop(server_files(&cfg));
-    let server = Server::start(cfg.clone()).unwrap();
-    let mut client_cfg = client_config(&server);
-    client_cfg.request_timeout_ms = 300;
-    client_cfg.reconnect_timeout_ms = 20_000;
-    let client = Client::connect(client_cfg).unwrap();
+    let (mut cfg, _cleanup, server, client) = restartable("faults-exiting-thread");
     let layout = client.layout(PAGE, FINGERPRINT).unwrap();
     layout.put(b"owned", &chunk(4, 100)).unwrap();
 

@@ -40,20 +40,21 @@ fn cxlkv() -> Command {
     cmd
 }
 
-/// Waits (bounded) for `child` to exit; its status and standard error.
+/// Waits (bounded) for `child` to exit; its status and standard error,
+/// read meanwhile (a child logging more than a pipe holds would otherwise
+/// block on it until the deadline).
 fn finish(mut child: Child, within: Duration) -> (std::process::ExitStatus, String) {
+    let mut stderr = child.stderr.take().expect("stderr is piped");
+    let reader = std::thread::spawn(move || {
+        use std::io::Read;
+        let mut err = String::new();
+        let _ = stderr.read_to_string(&mut err);
+        err
+    });
     let deadline = Instant::now() + within;
-    loop {
+    let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            use std::io::Read;
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .unwrap();
-            return (status, err);
+            break status;
         }
         if Instant::now() > deadline {
             let _ = child.kill();
@@ -61,7 +62,8 @@ fn finish(mut child: Child, within: Duration) -> (std::process::ExitStatus, Stri
             panic!("no exit within {within:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+    (status, reader.join().expect("the stderr reader"))
 }
 
 /// A `cxlkv serve` on the pool daemon at `daemon` under `directory_id`,
