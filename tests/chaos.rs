@@ -8,9 +8,12 @@
 //! recorded. The seed is fixed (`CXLKV_CHAOS_SEED` overrides it) so that a
 //! failure reproduces with the same command.
 
+mod child_guard;
+
+use child_guard::Guard;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -188,18 +191,6 @@ fn instance_counts_and_kill_intervals_out_of_range_are_refused_at_once_by_their_
     let help = String::from_utf8_lossy(&help.stdout);
     for range in ["1..=16", "100..=3600000"] {
         assert!(help.contains(range), "the help states {range}: {help}");
-    }
-}
-
-/// Kills the process on drop if the test did not stop it.
-struct Guard(Option<Child>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 

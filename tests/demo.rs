@@ -7,25 +7,16 @@
 //! - SIGINT in the middle of a run stops everything it started: no instance
 //!   process, pool file, pool-manager state or socket survives.
 
+mod child_guard;
+
+use child_guard::Guard;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Bound on one demo run in a debug build on a loaded machine.
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
-
-/// Kills the demo if the test fails before it ended.
-struct Guard(Option<Child>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 fn demo(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cxlkv"));

@@ -9,25 +9,15 @@
 //!   than `sun_path` holds: `--print-config` passed both, and a real start
 //!   refused them only after it had opened (or created) the pool.
 
+mod child_guard;
 mod pool_support;
 
+use child_guard::Guard;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-/// Kills and reaps the process if the test fails before it ended.
-struct Guard(Option<Child>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// `cxlkv` with none of the operator's `CXLKV_*` variables.
 fn cxlkv() -> Command {

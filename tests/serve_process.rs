@@ -22,11 +22,13 @@
 //! shipped unit resolves (as a user that is not root, with the unit's
 //! environment) landing in that unit's own directories.
 
+mod child_guard;
 mod common;
 
+use child_guard::Guard;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -35,18 +37,6 @@ use cxlkv_controlplane::proto::{self, RegisterOutcome};
 
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Kills the process if the test fails before it stopped it.
-struct Guard(Option<Child>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 fn remove(paths: &[&Path]) {
     for p in paths {
